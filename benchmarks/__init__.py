@@ -1,0 +1,1 @@
+"""Side-by-side measurements; each module prints a table and writes JSON/PNG under its --out."""

@@ -1,0 +1,275 @@
+"""The one Flower ServerApp and ClientApp that every hydrafl runtime runs.
+
+ClientApp (site side): `train` trains the model it is given on the site's data and replies with the delta
+(start - end) of the coordinates it trained; `evaluate` replies with loss/accuracy on the site's test split;
+`query.init` returns the seeded initial model and `query.curvature` a cheap estimate of the loss curvature
+(top Hessian eigenvalue and its per-sample variance) for the DiLoCo stability check.
+
+ServerApp (coordinator side): never builds a model. It asks one site for the initial arrays, then hands
+the strategy to the round driver.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+from hydrafl.arrays import from_record, to_record
+from hydrafl.config import RunConfig
+from hydrafl.data import Cohort, SiteSplit, TaskSpec, load_cohort
+from hydrafl.driver import DriverConfig, RoundDriver, RoundRecord, RunResult
+from hydrafl.models import Classifier, build_model, federated_state
+from hydrafl.stability import OuterSetup, check_spectrum
+from hydrafl.strategies import build_strategy
+from hydrafl.training import LocalTrainConfig, batch_generator, evaluate, train_local
+
+log = logging.getLogger(__name__)
+
+client_app = ClientApp()
+server_app = ServerApp()
+
+
+# ---- site side -------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=4)
+def _cohort(task: str, data: str, label_column: str, partition: str, sites: int, samples: int, seed: int) -> Cohort:
+    return load_cohort(
+        task,
+        num_sites=sites,
+        seed=seed,
+        partition=partition or None,
+        data_path=data or None,
+        label_column=label_column or None,
+        samples_per_site=samples,
+    )
+
+
+def site_data(cfg: RunConfig, context: Context) -> tuple[Cohort, SiteSplit]:
+    """This site's split; in simulation the site's `partition-id` picks its share of the cohort."""
+    cohort = _cohort(cfg.task, cfg.data, cfg.label_column, cfg.partition, cfg.sites, cfg.samples_per_site, cfg.seed)
+    partition_id = int(context.node_config["partition-id"])
+    if not 0 <= partition_id < len(cohort.sites):
+        raise ValueError(f"partition-id {partition_id} is outside the cohort's {len(cohort.sites)} sites")
+    return cohort, cohort.sites[partition_id]
+
+
+@lru_cache(maxsize=4)
+def _working_model(task: TaskSpec, model: str, seed: int) -> Classifier:
+    """One model object per process, reloaded from the message's arrays before every use."""
+    return build_model(task, model=model, seed=seed)
+
+
+def _load(model: Classifier, arrays: ArrayRecord) -> None:
+    parameters = dict(model.named_parameters())
+    unknown = sorted(set(arrays) - set(parameters))
+    if unknown:
+        raise ValueError(f"arrays {unknown[:3]} are not parameters of this site's model")
+    with torch.no_grad():
+        for name, tensor in from_record(arrays).items():
+            parameters[name].copy_(tensor)
+
+
+def _received_arrays(message: Message) -> ArrayRecord:
+    return next(iter(message.content.array_records.values()))
+
+
+def _received_config(message: Message) -> ConfigRecord:
+    records = message.content.config_records
+    return next(iter(records.values())) if records else ConfigRecord()
+
+
+def _run_config(message: Message, context: Context) -> RunConfig:
+    """The run's settings: the site's own run_config, overridden by what the coordinator sent with the
+    message (so runtimes that cannot set a site's run_config, like Flower's Ray engine, still work)."""
+    return RunConfig.from_flower({**context.run_config, **_received_config(message)})
+
+
+@client_app.train()
+def train(message: Message, context: Context) -> Message:
+    cfg = _run_config(message, context)
+    cohort, split = site_data(cfg, context)
+    model = _working_model(cohort.task, cfg.model, cfg.seed)
+    arrays = _received_arrays(message)
+    _load(model, arrays)
+    start = {name: p.clone() for name, p in federated_state(model).items() if name in arrays}
+    config = _received_config(message)
+    local = LocalTrainConfig(
+        steps=cfg.local_steps,
+        batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        optimizer=cfg.inner_optimizer,
+        weight_decay=cfg.weight_decay,
+        proximal_mu=float(config.get("proximal-mu", 0.0)),
+    )
+    site = int(context.node_config["partition-id"])
+    generator = batch_generator(cfg.seed, int(config.get("server-round", 0)), site)
+    result = train_local(model, split.train_x, split.train_y, local, generator)
+    end = federated_state(model)
+    delta = {name: start[name] - end[name] for name in start}
+    metrics = MetricRecord({"num-examples": len(split.train_y), "train_loss": result.loss})
+    return Message(RecordDict({"arrays": to_record(delta), "metrics": metrics}), reply_to=message)
+
+
+@client_app.evaluate()
+def evaluate_site(message: Message, context: Context) -> Message:
+    cfg = _run_config(message, context)
+    cohort, split = site_data(cfg, context)
+    model = _working_model(cohort.task, cfg.model, cfg.seed)
+    _load(model, _received_arrays(message))
+    loss, accuracy = evaluate(model, split.test_x, split.test_y)
+    metrics = MetricRecord({"num-examples": len(split.test_y), "loss": loss, "accuracy": accuracy})
+    return Message(RecordDict({"metrics": metrics}), reply_to=message)
+
+
+@client_app.query("init")
+def initial_model(message: Message, context: Context) -> Message:
+    cfg = _run_config(message, context)
+    cohort, _ = site_data(cfg, context)
+    model = build_model(cohort.task, model=cfg.model, seed=cfg.seed)
+    return Message(RecordDict({"arrays": to_record(federated_state(model))}), reply_to=message)
+
+
+@client_app.query("curvature")
+def curvature(message: Message, context: Context) -> Message:
+    cfg = _run_config(message, context)
+    cohort, split = site_data(cfg, context)
+    model = _working_model(cohort.task, cfg.model, cfg.seed)
+    _load(model, _received_arrays(message))
+    h, v = estimate_curvature(model, split.train_x[:16], split.train_y[:16], seed=cfg.seed)
+    metrics = MetricRecord({"curvature": h, "curvature-var": v, "num-examples": len(split.train_y)})
+    return Message(RecordDict({"metrics": metrics}), reply_to=message)
+
+
+def estimate_curvature(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, seed: int, iterations: int = 6
+) -> tuple[float, float]:
+    """Top Hessian eigenvalue h of the mean loss (power iteration on Hessian-vector products) and the
+    variance over samples of the per-sample curvature u^T H_i u along that direction."""
+    model.eval()
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def hvp(loss: torch.Tensor, vector: list[torch.Tensor]) -> list[torch.Tensor]:
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        dot = sum((g * u).sum() for g, u in zip(grads, vector, strict=True))
+        return list(torch.autograd.grad(dot, params))
+
+    generator = torch.Generator().manual_seed(seed)
+    direction = [torch.randn(p.shape, generator=generator) for p in params]
+    for _ in range(iterations):
+        norm = torch.sqrt(sum((u**2).sum() for u in direction))
+        direction = [u / norm for u in direction]
+        product = hvp(F.cross_entropy(model(x), y), direction)
+        direction = product
+    norm = torch.sqrt(sum((u**2).sum() for u in direction))
+    direction = [u / norm for u in direction]
+    per_sample = []
+    for i in range(min(len(x), 8)):
+        product = hvp(F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), direction)
+        per_sample.append(float(sum((p * u).sum() for p, u in zip(product, direction, strict=True))))
+    samples = torch.tensor(per_sample, dtype=torch.float64)
+    return float(samples.mean().abs()), float(samples.var())
+
+
+# ---- coordinator side ------------------------------------------------------------------------------
+
+
+@server_app.main()
+def main(grid: Grid, context: Context) -> None:
+    run_federation(grid, RunConfig.from_flower(context.run_config))
+
+
+def build_server_app(cfg: RunConfig) -> ServerApp:
+    """A ServerApp bound to `cfg`, for runtimes that start the ServerApp with an empty run_config."""
+    app = ServerApp()
+
+    @app.main()
+    def bound_main(grid: Grid, context: Context) -> None:
+        run_federation(grid, RunConfig.from_flower({**cfg.to_flower(), **context.run_config}))
+
+    return app
+
+
+def run_federation(
+    grid: Grid, cfg: RunConfig, *, on_round: Callable[[RoundRecord], None] | None = None
+) -> RunResult:
+    """One federated run of `cfg.strategy`: initial model from a site, optional stability check, rounds."""
+    strategy = build_strategy(cfg)
+    initial = request_initial_arrays(grid, cfg)
+    if cfg.strategy == "diloco":
+        check_outer_stability(grid, cfg, initial)
+    driver = RoundDriver(
+        grid,
+        strategy,
+        DriverConfig(
+            num_rounds=cfg.rounds,
+            required_sites=cfg.required_sites,
+            seed=cfg.seed,
+            timeout_s=cfg.round_timeout_s or None,
+            train_config=cfg.to_flower(),
+            evaluate_config=cfg.to_flower(),
+            run_dir=Path(cfg.run_dir) if cfg.run_dir else None,
+            run_config=cfg.to_flower(),
+        ),
+    )
+    return driver.run(initial, resume=cfg.resume, on_round=on_round)
+
+
+def _query(cfg: RunConfig, node: int, action: str, arrays: ArrayRecord | None = None) -> Message:
+    content = RecordDict({"config": ConfigRecord(cfg.to_flower())})
+    if arrays is not None:
+        content["arrays"] = arrays
+    return Message(content, dst_node_id=node, message_type=f"query.{action}")
+
+
+def request_initial_arrays(grid: Grid, cfg: RunConfig) -> ArrayRecord:
+    node = min(grid.get_node_ids())
+    [reply] = grid.send_and_receive([_query(cfg, node, "init")])
+    if reply.has_error():
+        raise RuntimeError(f"site {node} could not build the initial model: {reply.error.reason}")
+    return _received_arrays(reply)
+
+
+def check_outer_stability(grid: Grid, cfg: RunConfig, arrays: ArrayRecord) -> None:
+    """Probe each site's curvature and warn before training when the outer optimizer is predicted unstable
+    (exact mean-square criterion on the quadratic model; exact for SGD inner steps, indicative otherwise)."""
+    messages = [_query(cfg, node, "curvature", arrays) for node in sorted(grid.get_node_ids())]
+    probes = [reply.content["metrics"] for reply in grid.send_and_receive(messages) if not reply.has_error()]
+    if not probes:
+        log.warning("diloco: no site answered the curvature probe; stability not checked")
+        return
+    setups = [
+        OuterSetup(
+            inner_lr=cfg.lr,
+            curvature=max(float(probe["curvature"]), 1e-12),
+            curvature_var=max(float(probe["curvature-var"]), 0.0),
+            batch_size=cfg.batch_size,
+            local_steps=cfg.local_steps,
+            sites=cfg.sites,
+            outer_lr=cfg.outer_lr,
+            momentum=cfg.outer_momentum,
+            nesterov=cfg.outer_nesterov,
+        )
+        for probe in probes
+    ]
+    verdict = check_spectrum(setups)
+    if cfg.run_dir:
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.run_dir) / "stability.json").write_text(json.dumps(verdict.to_dict(), indent=1))
+    if not verdict.stable:
+        log.warning(
+            "diloco: outer lr %.3g with momentum %.2g is predicted UNSTABLE on the probed curvature "
+            "(largest stable outer lr %.3g); lower --outer-lr or --lr, or add sites",
+            cfg.outer_lr,
+            cfg.outer_momentum,
+            verdict.max_stable_outer_lr,
+        )

@@ -1,0 +1,49 @@
+"""Conversions between Flower's ArrayRecord and named torch tensors, and the delta convention.
+
+A site replies with `delta = start - end` for the coordinates it trained. Strategies that expect weights
+(Flower's built-ins) get `start - delta` back, so they run unmodified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord
+
+
+def to_record(tensors: Mapping[str, torch.Tensor | np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({name: Array(_as_numpy(value)) for name, value in tensors.items()})
+
+
+def from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    return {name: torch.from_numpy(array.numpy()) for name, array in record.items()}
+
+
+def record_nbytes(record: ArrayRecord) -> int:
+    """Payload bytes of a record (what travels, before transport framing)."""
+    return sum(len(array.data) for array in record.values())
+
+
+def weights_from_delta(start: ArrayRecord, delta: ArrayRecord) -> ArrayRecord:
+    """end = start - delta for every coordinate in `delta` (the inverse of a site's reply)."""
+    return ArrayRecord(
+        {name: Array((start[name].numpy() - array.numpy()).astype(start[name].dtype)) for name, array in delta.items()}
+    )
+
+
+def keep_dtypes(arrays: ArrayRecord, reference: ArrayRecord) -> ArrayRecord:
+    """Cast back to the global model's dtypes: some Flower strategies (FedAdam, FedYogi) return float64,
+    which would otherwise change the wire format and double the bytes of every later round."""
+    if all(array.dtype == reference[name].dtype for name, array in arrays.items()):
+        return arrays
+    return ArrayRecord(
+        {name: Array(array.numpy().astype(reference[name].dtype, copy=False)) for name, array in arrays.items()}
+    )
+
+
+def _as_numpy(value: torch.Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().contiguous().numpy()
+    return np.ascontiguousarray(value)

@@ -1,0 +1,142 @@
+"""The `hydrafl` command."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+import hydrafl  # noqa: F401  (sets the telemetry/offline environment before Flower is imported)
+from hydrafl.checkpoint import CheckpointError
+from hydrafl.config import ConfigError, build_simulation_config, load_toml
+from hydrafl.data import DataError
+from hydrafl.driver import RoundFailed
+from hydrafl.stability import OuterSetup, check, plot_stable_region
+
+app = typer.Typer(
+    help="hydrafl: federated fine-tuning for hospital consortia.", no_args_is_help=True, pretty_exceptions_show_locals=False
+)
+console = Console(stderr=True)
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(message)s",
+        handlers=[RichHandler(console=console, show_path=False)],
+        force=True,
+    )
+    flower = logging.getLogger("flwr")
+    flower.setLevel(logging.INFO if verbose else logging.WARNING)
+    flower.propagate = False  # Flower has its own console handler
+
+
+def _fail(message: str, code: int) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(code)
+
+
+@app.command()
+def simulate(
+    config: Annotated[Path | None, typer.Option(help="TOML file; keys are these flags' names.")] = None,
+    strategies: Annotated[str | None, typer.Option(help="Comma-separated, e.g. fedavg,fedprox,fedadam,diloco.")] = None,
+    sites: Annotated[int | None, typer.Option(help="Number of simulated hospital sites.")] = None,
+    rounds: Annotated[int | None, typer.Option(help="Federated rounds per strategy.")] = None,
+    local_steps: Annotated[int | None, typer.Option(help="Optimizer steps per site per round.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Same seed, same numbers.")] = None,
+    out: Annotated[str | None, typer.Option(help="Output directory.")] = None,
+    task: Annotated[str | None, typer.Option(help="clinical-text, chest-xray or tabular.")] = None,
+    partition: Annotated[str | None, typer.Option(help="natural, iid, dirichlet:ALPHA or pathological:K.")] = None,
+    backend: Annotated[str | None, typer.Option(help="inprocess (default) or ray (needs hydrafl[ray]).")] = None,
+    resume: Annotated[bool | None, typer.Option("--resume", help="Continue each strategy from its checkpoint.")] = None,
+    data: Annotated[str | None, typer.Option(help="CSV/JSONL file or image folder to split across sites.")] = None,
+    label_column: Annotated[str | None, typer.Option(help="Label column of a CSV/JSONL --data file.")] = None,
+    model: Annotated[str | None, typer.Option(help="'tiny' or a local checkpoint directory.")] = None,
+    lr: Annotated[float | None, typer.Option(help="Inner (site) learning rate.")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Site batch size.")] = None,
+    inner_optimizer: Annotated[str | None, typer.Option(help="adamw, sgd or muon.")] = None,
+    outer_lr: Annotated[float | None, typer.Option(help="DiLoCo outer learning rate.")] = None,
+    outer_momentum: Annotated[float | None, typer.Option(help="DiLoCo outer momentum.")] = None,
+    min_sites: Annotated[int | None, typer.Option(help="Fewer successful sites fail the round (0 = all).")] = None,
+    samples_per_site: Annotated[int | None, typer.Option(help="Synthetic cohort size per site.")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every round.")] = False,
+    progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
+) -> None:
+    """Compare strategies on simulated non-IID hospital sites; writes results.json, report.md, PNGs, rounds.tsv."""
+    flags = {name: value for name, value in locals().items() if value is not None}
+    for name in ("config", "verbose", "progress"):
+        flags.pop(name, None)
+    from hydrafl.simulation.compare import compare_strategies
+    from hydrafl.simulation.report import SUMMARY_COLUMNS, summary_rows
+
+    _setup_logging(verbose)
+    try:
+        values: dict[str, Any] = load_toml(config) if config else {}
+        values = {**values, **{name.replace("_", "-"): value for name, value in flags.items()}}
+        simulation = build_simulation_config(values, source=str(config) if config else "options")
+        results = compare_strategies(simulation, show_progress=progress)
+    except (ConfigError, DataError, CheckpointError) as error:
+        _fail(str(error), 2)
+    except RoundFailed as error:
+        _fail(str(error), 1)
+    table = Table(title=f"hydrafl simulate -> {simulation.out}")
+    for column in SUMMARY_COLUMNS:
+        table.add_column(column, justify="left" if column == "strategy" else "right")
+    for row in summary_rows(results):
+        table.add_row(*row)
+    Console().print(table)
+
+
+@app.command()
+def stability(
+    inner_lr: Annotated[float, typer.Option(help="Inner SGD learning rate eta.")],
+    curvature: Annotated[float, typer.Option(help="Curvature h of the mode.")],
+    curvature_var: Annotated[float, typer.Option(help="Per-sample curvature variance v (2h^2 for Gaussian).")],
+    batch_size: Annotated[int, typer.Option(help="Inner batch size b.")],
+    local_steps: Annotated[int, typer.Option(help="Inner steps H per round.")],
+    sites: Annotated[int, typer.Option(help="Number of sites M averaged.")],
+    outer_lr: Annotated[float, typer.Option(help="Outer learning rate gamma.")],
+    momentum: Annotated[float, typer.Option(help="Outer momentum mu.")],
+    nesterov: Annotated[bool, typer.Option("--nesterov/--heavy-ball", help="Outer momentum form.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of the stable region here.")] = None,
+) -> None:
+    """Exact mean-square stability of DiLoCo's outer momentum on the stochastic quadratic model."""
+    try:
+        setup = OuterSetup(
+            inner_lr=inner_lr,
+            curvature=curvature,
+            curvature_var=curvature_var,
+            batch_size=batch_size,
+            local_steps=local_steps,
+            sites=sites,
+            outer_lr=outer_lr,
+            momentum=momentum,
+            nesterov=nesterov,
+        )
+    except ValueError as error:
+        _fail(str(error), 2)
+    verdict = check(setup)
+    if plot:
+        plot_stable_region(setup, plot)
+    if as_json:
+        print(json.dumps(verdict.to_dict()))
+        return
+    form = "Nesterov" if nesterov else "heavy-ball"
+    word = "[green]STABLE[/]" if verdict.stable else "[red]UNSTABLE[/]"
+    Console().print(
+        f"{word} ({form}, mean-square): outer lr {outer_lr:g}, momentum {momentum:g}; "
+        f"largest stable outer lr {verdict.max_stable_outer_lr:.4g}"
+    )
+    if plot:
+        Console().print(f"stable region plotted to {plot}")
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,183 @@
+"""Run configuration: one frozen dataclass per concern, validated once at the edge.
+
+`RunConfig` is everything the ServerApp and ClientApp of one federated run need; it travels as Flower's
+flat `run_config` (str/int/float/bool only, so "" means "not set"). `SimulationConfig` adds what the
+`hydrafl simulate` runner needs to compare several strategies. TOML files use the CLI flag names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydrafl.kernels.optimizers import INNER_OPTIMIZERS
+
+BACKENDS = ("inprocess", "ray")
+DEFAULT_STRATEGIES = ("fedavg", "fedprox", "fedadam", "diloco")
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is invalid; the message names it and the valid choices."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    """One federated run of one strategy."""
+
+    task: str = "clinical-text"
+    """Synthetic cohort: clinical-text, chest-xray or tabular (ignored when `data` is set)."""
+    data: str = ""
+    """A CSV/JSONL file or an image folder to split across the sites instead of a synthetic cohort."""
+    label_column: str = ""
+    """Label column of a CSV/JSONL `data` file."""
+    partition: str = ""
+    """natural (synthetic: one hospital per site), iid, dirichlet:ALPHA or pathological:K."""
+    sites: int = 4
+    samples_per_site: int = 400
+    seed: int = 0
+    model: str = "tiny"
+    """"tiny" (seeded from-scratch transformer) or a local checkpoint directory."""
+    strategy: str = "fedavg"
+    rounds: int = 12
+    min_sites: int = 0
+    """A round with fewer successful replies fails the run; 0 means every site must answer."""
+    round_timeout_s: float = 0.0
+    """How long a round waits for replies; 0 waits for all."""
+    local_steps: int = 10
+    batch_size: int = 32
+    lr: float = 1e-3
+    """Inner (site) learning rate."""
+    inner_optimizer: str = "adamw"
+    weight_decay: float = 0.0
+    proximal_mu: float = 0.1
+    """FedProx proximal term weight."""
+    server_lr: float = 0.03
+    """Server learning rate (eta) of FedAdam, FedYogi and FedAdagrad."""
+    server_momentum: float = 0.9
+    """FedAvgM server momentum."""
+    outer_lr: float = 0.7
+    """DiLoCo outer learning rate."""
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+    trimmed_beta: float = 0.2
+    """FedTrimmedAvg: fraction cut at each end."""
+    krum_malicious: int = 0
+    """Krum: number of sites assumed malicious."""
+    run_dir: str = ""
+    """Where the run checkpoints every round; "" disables checkpoints."""
+    resume: bool = False
+    """Continue from the last checkpoint in `run_dir` instead of starting over."""
+
+    def __post_init__(self) -> None:
+        _check(self.sites >= 1, "sites", self.sites, "an integer >= 1")
+        _check(self.rounds >= 1, "rounds", self.rounds, "an integer >= 1")
+        _check(self.local_steps >= 1, "local-steps", self.local_steps, "an integer >= 1")
+        _check(self.batch_size >= 1, "batch-size", self.batch_size, "an integer >= 1")
+        _check(self.samples_per_site >= 2, "samples-per-site", self.samples_per_site, "an integer >= 2")
+        _check(0 <= self.min_sites <= self.sites, "min-sites", self.min_sites, f"0..{self.sites} (0 = all sites)")
+        _check(self.lr > 0, "lr", self.lr, "a float > 0")
+        _check(self.round_timeout_s >= 0, "round-timeout-s", self.round_timeout_s, "seconds >= 0")
+        _check(
+            self.inner_optimizer in INNER_OPTIMIZERS,
+            "inner-optimizer",
+            self.inner_optimizer,
+            ", ".join(INNER_OPTIMIZERS),
+        )
+        _check(0 <= self.outer_momentum < 1, "outer-momentum", self.outer_momentum, "0 <= mu < 1")
+        _check(0 <= self.trimmed_beta < 0.5, "trimmed-beta", self.trimmed_beta, "0 <= beta < 0.5")
+
+    @property
+    def required_sites(self) -> int:
+        return self.min_sites or self.sites
+
+    def to_flower(self) -> dict[str, bool | int | float | str]:
+        """Flower's `run_config` form (flat scalars, kebab-case keys)."""
+        return {f.name.replace("_", "-"): getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_flower(cls, run_config: dict[str, Any]) -> RunConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {key.replace("-", "_"): value for key, value in run_config.items()}
+        return cls(**{name: value for name, value in values.items() if name in names})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SimulationConfig:
+    """`hydrafl simulate`: the same federation run once per strategy."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    strategies: tuple[str, ...] = DEFAULT_STRATEGIES
+    backend: str = "inprocess"
+    out: str = "hydrafl-runs/latest"
+
+    def __post_init__(self) -> None:
+        _check(len(self.strategies) >= 1, "strategies", self.strategies, "at least one strategy name")
+        _check(self.backend in BACKENDS, "backend", self.backend, ", ".join(BACKENDS))
+        _check(len(set(self.strategies)) == len(self.strategies), "strategies", self.strategies, "no repeats")
+
+    def run_config(self, strategy: str) -> RunConfig:
+        return dataclasses.replace(self.run, strategy=strategy, run_dir=str(Path(self.out) / strategy))
+
+
+_SIMULATION_KEYS = {"strategies", "backend", "out"}
+_RUN_KEYS = {f.name for f in dataclasses.fields(RunConfig)} - {"strategy", "run_dir"}
+
+
+def valid_keys() -> list[str]:
+    return sorted(key.replace("_", "-") for key in _SIMULATION_KEYS | _RUN_KEYS)
+
+
+def build_simulation_config(values: dict[str, Any], *, source: str = "options") -> SimulationConfig:
+    """Build a config from flat key/values (TOML file and CLI flags merged); unknown keys are an error."""
+    run_values: dict[str, Any] = {}
+    sim_values: dict[str, Any] = {}
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name in _RUN_KEYS:
+            run_values[name] = _coerce(RunConfig, name, key, value, source)
+        elif name in _SIMULATION_KEYS:
+            sim_values[name] = value
+        else:
+            raise ConfigError(f"unknown key {key!r} in {source}; valid keys: {', '.join(valid_keys())}")
+    if isinstance(sim_values.get("strategies"), str):
+        sim_values["strategies"] = tuple(s.strip() for s in sim_values["strategies"].split(",") if s.strip())
+    elif "strategies" in sim_values:
+        sim_values["strategies"] = tuple(sim_values["strategies"])
+    try:
+        return SimulationConfig(run=RunConfig(**run_values), **sim_values)
+    except TypeError as error:
+        raise ConfigError(f"invalid configuration in {source}: {error}") from error
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a flat TOML config file (nested tables are an error: every key is a CLI flag)."""
+    path = Path(path)
+    try:
+        values = tomllib.loads(path.read_text())
+    except FileNotFoundError as error:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from error
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {error}") from error
+    for key, value in values.items():
+        if isinstance(value, dict):
+            raise ConfigError(f"unknown key {key!r} in {path}: tables are not supported, use flat keys")
+    return values
+
+
+def _coerce(cls: type, name: str, key: str, value: Any, source: str) -> Any:
+    """Accept an int where a float is expected; reject any other type mismatch with the key named."""
+    expected = {f.name: f.type for f in dataclasses.fields(cls)}[name]
+    kind = {"int": int, "float": float, "str": str, "bool": bool}[expected]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"key {key!r} in {source} must be {expected}, got {value!r}")
+    return value
+
+
+def _check(ok: bool, key: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"invalid {key}={value!r}: expected {expected}")

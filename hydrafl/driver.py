@@ -1,0 +1,273 @@
+"""The round driver: Flower's strategy hooks, called unchanged, plus what `Strategy.start` lacks.
+
+Added here: a deterministic round (seeded sampling, replies in node order), validation of every reply
+before aggregation, a minimum-success rule that fails the run loudly, per-round checkpoints of the global
+arrays and the strategy's state (resume ends with the same numbers), and a timing/bytes log whose schema
+(`rounds.tsv`) every runtime shares.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from hydrafl.arrays import keep_dtypes, record_nbytes, weights_from_delta
+from hydrafl.checkpoint import Checkpoint, CheckpointError, load_checkpoint, restore_strategy_state, save_checkpoint
+from hydrafl.checkpoint import strategy_state
+from hydrafl.updates import InvalidUpdate, check_train_reply
+
+log = logging.getLogger(__name__)
+
+ROUNDS_TSV_COLUMNS = (
+    "round",
+    "duration_s",
+    "aggregation_s",
+    "gap_s",
+    "sites_ok",
+    "sites_failed",
+    "bytes_up",
+    "bytes_down",
+    "bytes_up_per_site",
+    "bytes_down_per_site",
+)
+
+
+class RoundFailed(RuntimeError):
+    """Too few sites answered a round without error; the run stops instead of silently keeping old weights."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RoundRecord:
+    round: int
+    loss: float | None = None
+    accuracy: float | None = None
+    train_loss: float | None = None
+    bytes_up: int = 0
+    bytes_down: int = 0
+    seconds: float = 0.0
+    aggregation_s: float = 0.0
+    gap_s: float = 0.0
+    sites_ok: int = 0
+    sites_failed: int = 0
+    bytes_up_per_site: dict[str, int] = field(default_factory=dict)
+    bytes_down_per_site: dict[str, int] = field(default_factory=dict)
+
+    def tsv_row(self) -> str:
+        sites = max(self.sites_ok + self.sites_failed, 1)
+        values = {
+            "round": self.round,
+            "duration_s": f"{self.seconds:.4f}",
+            "aggregation_s": f"{self.aggregation_s:.4f}",
+            "gap_s": f"{self.gap_s:.4f}",
+            "sites_ok": self.sites_ok,
+            "sites_failed": self.sites_failed,
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+            "bytes_up_per_site": self.bytes_up // sites,
+            "bytes_down_per_site": self.bytes_down // sites,
+        }
+        return "\t".join(str(values[column]) for column in ROUNDS_TSV_COLUMNS)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DriverConfig:
+    num_rounds: int
+    required_sites: int
+    """A training round with fewer valid replies fails the run."""
+    seed: int = 0
+    timeout_s: float | None = None
+    train_config: dict[str, Any] = field(default_factory=dict)
+    evaluate_config: dict[str, Any] = field(default_factory=dict)
+    run_dir: Path | None = None
+    """Checkpoints, history.json and rounds.tsv go here; None keeps the run in memory only."""
+    run_config: dict[str, Any] = field(default_factory=dict)
+    """Saved with checkpoints; a resume with a different configuration is refused."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunResult:
+    arrays: ArrayRecord
+    history: list[dict[str, Any]]
+
+
+RoundCallback = Callable[[RoundRecord], None]
+
+
+class RoundDriver:
+    """Runs `config.num_rounds` rounds of `strategy` over `grid`; sites reply with deltas (start - end)."""
+
+    def __init__(self, grid: Grid, strategy: Strategy, config: DriverConfig) -> None:
+        self.grid = grid
+        self.strategy = strategy
+        self.config = config
+        self.weights_from_deltas = not getattr(strategy, "consumes_deltas", False)
+        self.weighted_by_key: str = getattr(strategy, "weighted_by_key", "num-examples")
+
+    def run(self, initial_arrays: ArrayRecord, *, resume: bool = False, on_round: RoundCallback | None = None) -> RunResult:
+        arrays, history, first_round = initial_arrays, [], 1
+        checkpoint = self._load_for_resume() if resume else None
+        if checkpoint is not None:
+            arrays, history, first_round = checkpoint.arrays, checkpoint.history, checkpoint.server_round + 1
+            restore_strategy_state(self.strategy, checkpoint.strategy_state)
+            log.info("resuming after round %d", checkpoint.server_round)
+        else:
+            record = self._evaluate_round(0, arrays)
+            history.append(asdict(record))
+            self._log_round(record, history, arrays)
+            if on_round:
+                on_round(record)
+        last_end = time.perf_counter()
+        for server_round in range(first_round, self.config.num_rounds + 1):
+            started = time.perf_counter()
+            arrays, record = self._train_round(server_round, arrays)
+            evaluation = self._evaluate_round(server_round, arrays)
+            record.loss, record.accuracy = evaluation.loss, evaluation.accuracy
+            record.bytes_down += evaluation.bytes_down
+            record.bytes_up += evaluation.bytes_up
+            record.gap_s = started - last_end if server_round > first_round else 0.0
+            last_end = time.perf_counter()
+            record.seconds = last_end - started
+            history.append(asdict(record))
+            self._log_round(record, history, arrays)
+            if on_round:
+                on_round(record)
+        return RunResult(arrays=arrays, history=history)
+
+    def _train_round(self, server_round: int, arrays: ArrayRecord) -> tuple[ArrayRecord, RoundRecord]:
+        random.seed(self.config.seed * 100_003 + server_round)  # Flower samples nodes with `random`
+        config = ConfigRecord(dict(self.config.train_config))
+        messages = list(self.strategy.configure_train(server_round, arrays, config, self.grid))
+        record = RoundRecord(round=server_round)
+        self._count_down(messages, record)
+        replies = self._exchange(messages)
+        valid = []
+        for reply in replies:
+            reason = reply.error.reason if reply.has_error() else self._invalid_reason(reply, arrays)
+            if reason:
+                log.warning("round %d: site %d failed: %s", server_round, reply.metadata.src_node_id, reason)
+                continue
+            self._count_up(reply, record)
+            valid.append(reply)
+        record.sites_ok, record.sites_failed = len(valid), len(messages) - len(valid)
+        if len(valid) < self.config.required_sites:
+            raise RoundFailed(
+                f"round {server_round}: only {len(valid)} of {len(messages)} sites replied without error, "
+                f"{self.config.required_sites} required (min_sites); the run stops with the round-"
+                f"{server_round - 1} model saved"
+            )
+        if self.weights_from_deltas:
+            for reply in valid:
+                key = next(iter(reply.content.array_records))
+                reply.content[key] = weights_from_delta(arrays, reply.content[key])
+        aggregation_started = time.perf_counter()
+        new_arrays, train_metrics = self.strategy.aggregate_train(server_round, iter(valid))
+        record.aggregation_s = time.perf_counter() - aggregation_started
+        if new_arrays is None:
+            raise RoundFailed(f"round {server_round}: the strategy produced no model from {len(valid)} replies")
+        new_arrays = keep_dtypes(new_arrays, arrays)
+        record.train_loss = _metric(train_metrics, "train_loss")
+        return new_arrays, record
+
+    def _evaluate_round(self, server_round: int, arrays: ArrayRecord) -> RoundRecord:
+        config = ConfigRecord(dict(self.config.evaluate_config))
+        messages = list(self.strategy.configure_evaluate(server_round, arrays, config, self.grid))
+        record = RoundRecord(round=server_round)
+        self._count_down(messages, record)
+        replies = [reply for reply in self._exchange(messages) if not reply.has_error()]
+        for reply in replies:
+            self._count_up(reply, record)
+        record.sites_ok = len(replies)
+        metrics = self.strategy.aggregate_evaluate(server_round, replies) if replies else None
+        record.loss, record.accuracy = _metric(metrics, "loss"), _metric(metrics, "accuracy")
+        return record
+
+    def _exchange(self, messages: Sequence[Message]) -> list[Message]:
+        if not messages:
+            return []
+        replies = self.grid.send_and_receive(messages, timeout=self.config.timeout_s)
+        return sorted(replies, key=lambda reply: reply.metadata.src_node_id)
+
+    def _invalid_reason(self, reply: Message, arrays: ArrayRecord) -> str:
+        try:
+            check_train_reply(reply, arrays, self.weighted_by_key)
+        except InvalidUpdate as error:
+            return f"invalid update: {error}"
+        return ""
+
+    @staticmethod
+    def _count_down(messages: Sequence[Message], record: RoundRecord) -> None:
+        for message in messages:
+            nbytes = sum(record_nbytes(r) for r in message.content.array_records.values())
+            node = str(message.metadata.dst_node_id)
+            record.bytes_down += nbytes
+            record.bytes_down_per_site[node] = record.bytes_down_per_site.get(node, 0) + nbytes
+
+    @staticmethod
+    def _count_up(reply: Message, record: RoundRecord) -> None:
+        nbytes = sum(record_nbytes(r) for r in reply.content.array_records.values())
+        node = str(reply.metadata.src_node_id)
+        record.bytes_up += nbytes
+        record.bytes_up_per_site[node] = record.bytes_up_per_site.get(node, 0) + nbytes
+
+    def _load_for_resume(self) -> Checkpoint | None:
+        if self.config.run_dir is None:
+            raise CheckpointError("resume needs a run directory")
+        checkpoint = load_checkpoint(self.config.run_dir)
+        if checkpoint is None:
+            return None
+        saved = {k: v for k, v in checkpoint.run_config.items() if k not in ("rounds", "resume")}
+        current = {k: v for k, v in self.config.run_config.items() if k not in ("rounds", "resume")}
+        changed = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
+        if changed:
+            raise CheckpointError(
+                f"cannot resume {self.config.run_dir}: configuration changed since it was written ({', '.join(changed)})"
+            )
+        return checkpoint
+
+    def _log_round(self, record: RoundRecord, history: list[dict[str, Any]], arrays: ArrayRecord) -> None:
+        log.info(
+            "round %d: loss=%s accuracy=%s sites=%d/%d up=%dB down=%dB %.2fs",
+            record.round,
+            _fmt(record.loss),
+            _fmt(record.accuracy),
+            record.sites_ok,
+            record.sites_ok + record.sites_failed,
+            record.bytes_up,
+            record.bytes_down,
+            record.seconds,
+        )
+        run_dir = self.config.run_dir
+        if run_dir is None:
+            return
+        save_checkpoint(
+            run_dir,
+            Checkpoint(
+                server_round=record.round,
+                arrays=arrays,
+                strategy_state=strategy_state(self.strategy),
+                history=history,
+                run_config=self.config.run_config,
+            ),
+        )
+        rows = [RoundRecord(**entry).tsv_row() for entry in history]
+        (run_dir / "rounds.tsv").write_text("\n".join(["\t".join(ROUNDS_TSV_COLUMNS), *rows]) + "\n")
+        (run_dir / "history.json").write_text(json.dumps(history, indent=1))
+
+def _metric(metrics: MetricRecord | None, key: str) -> float | None:
+    if metrics is None or key not in metrics:
+        return None
+    return float(metrics[key])
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"

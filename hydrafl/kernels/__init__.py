@@ -1,0 +1,1 @@
+"""Shared local-training kernels every site (and the simulation) trains with."""

@@ -1,0 +1,118 @@
+"""An in-process Flower `Grid`: virtual sites that live in this process, each with a persistent Context.
+
+No Ray, no sockets. Every message still crosses a serialisation boundary (Flower's own protobuf form), so a
+ClientApp can never mutate the server's arrays and what runs here behaves as it would on a real wire.
+Replies come back in the order the messages were pushed, which keeps aggregation order (and therefore
+floating-point sums) deterministic.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import replace
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.common.serde import message_from_proto, message_to_proto
+from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=no-name-in-module
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+log = logging.getLogger(__name__)
+
+FIRST_NODE_ID = 1001
+
+
+class InProcessGrid(Grid):
+    """Runs `client_app` for each pushed message, synchronously, in this process."""
+
+    def __init__(
+        self, client_app: ClientApp, num_sites: int, run_config: dict | None = None, *, run_id: int = 1
+    ) -> None:
+        if num_sites < 1:
+            raise ValueError(f"num_sites must be >= 1, got {num_sites}")
+        self.client_app = client_app
+        self._run = replace(Run.create_empty(run_id), override_config=dict(run_config or {}))
+        self.contexts = {
+            FIRST_NODE_ID + i: Context(
+                run_id=run_id,
+                node_id=FIRST_NODE_ID + i,
+                node_config={"partition-id": i, "num-partitions": num_sites},
+                state=RecordDict(),
+                run_config=dict(run_config or {}),
+            )
+            for i in range(num_sites)
+        }
+        self._replies: dict[str, Message] = {}
+        self._next_message_id = 0
+        self._claim_identity()
+
+    def _claim_identity(self) -> None:
+        """Flower builds new messages from the process-global task identity; make it this server's."""
+        TaskIdentity.run_id = self._run.run_id
+        TaskIdentity.node_id = SUPERLINK_NODE_ID
+        TaskIdentity.task_id = self._run.run_id
+
+    def set_run(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        return replace(self._run)
+
+    def create_message(
+        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
+    ) -> Message:
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        message_ids = []
+        for message in messages:
+            message_id = self._new_message_id()
+            message.metadata.__dict__["_message_id"] = message_id
+            self._replies[message_id] = self._deliver(message)
+            message_ids.append(message_id)
+        return message_ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return [self._replies.pop(message_id) for message_id in message_ids if message_id in self._replies]
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        return self.pull_messages(self.push_messages(messages))
+
+    def _new_message_id(self) -> str:
+        self._next_message_id += 1
+        return f"{self._run.run_id}-{self._next_message_id}"
+
+    def _deliver(self, message: Message) -> Message:
+        """One round trip: serialise, run the site's ClientApp, serialise the reply back."""
+        context = self.contexts.get(message.metadata.dst_node_id)
+        if context is None:
+            reply = Message(
+                Error(ErrorCode.NODE_UNAVAILABLE, f"no site with node id {message.metadata.dst_node_id}"),
+                reply_to=message,
+            )
+        else:
+            received = _wire_copy(message)
+            try:
+                reply = self.client_app(message=received, context=context)
+            except Exception as error:  # a site's crash becomes an error reply, as on a real deployment
+                log.warning("site %d raised %s: %s", context.node_id, type(error).__name__, error)
+                reply = Message(
+                    Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(error).__name__}: {error}"),
+                    reply_to=received,
+                )
+            finally:
+                self._claim_identity()
+        reply.metadata.__dict__["_message_id"] = self._new_message_id()
+        return _wire_copy(reply)
+
+
+def _wire_copy(message: Message) -> Message:
+    return message_from_proto(ProtoMessage.FromString(message_to_proto(message).SerializeToString()))

@@ -1,0 +1,94 @@
+"""What researchers compare: results.json, a Markdown table, PNG curves, and the rounds.tsv timing table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+from hydrafl.driver import ROUNDS_TSV_COLUMNS, RoundRecord  # noqa: E402
+
+SUMMARY_COLUMNS = ("strategy", "final loss", "final accuracy", "best accuracy", "MB up", "MB down", "seconds")
+
+
+def summary_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = []
+    for strategy, run in results["strategies"].items():
+        rounds = run["rounds"]
+        last = rounds[-1]
+        accuracies = [r["accuracy"] for r in rounds if r["accuracy"] is not None]
+        rows.append(
+            (
+                strategy,
+                _fmt(last["loss"]),
+                _fmt(last["accuracy"]),
+                _fmt(max(accuracies) if accuracies else None),
+                f"{sum(r['bytes_up'] for r in rounds) / 1e6:.2f}",
+                f"{sum(r['bytes_down'] for r in rounds) / 1e6:.2f}",
+                f"{run['seconds']:.1f}",
+            )
+        )
+    return rows
+
+
+def write_report(out: Path, results: dict[str, Any]) -> None:
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    config = results["config"]
+    lines = [
+        "# hydrafl strategy comparison",
+        "",
+        f"task `{config['data'] or config['task']}`, {config['sites']} sites, {config['rounds']} rounds, "
+        f"{config['local_steps']} local steps, partition `{config['partition'] or 'default'}`, seed {config['seed']}",
+        "",
+        "| " + " | ".join(SUMMARY_COLUMNS) + " |",
+        "|" + "---|" * len(SUMMARY_COLUMNS),
+        *("| " + " | ".join(row) + " |" for row in summary_rows(results)),
+        "",
+        "Loss and accuracy are the federated evaluation of the global model on every site's test split "
+        "(sample-weighted). MB counts array payloads sent to and from sites, training and evaluation.",
+        "",
+        "![by round](curves_by_round.png)",
+        "![by bytes](curves_by_bytes.png)",
+    ]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    rows = [
+        f"{strategy}\t{RoundRecord(**record).tsv_row()}"
+        for strategy, run in results["strategies"].items()
+        for record in run["rounds"]
+    ]
+    (out / "rounds.tsv").write_text("\n".join(["strategy\t" + "\t".join(ROUNDS_TSV_COLUMNS), *rows]) + "\n")
+    _plot(out / "curves_by_round.png", results, by_bytes=False)
+    _plot(out / "curves_by_bytes.png", results, by_bytes=True)
+
+
+def _plot(path: Path, results: dict[str, Any], *, by_bytes: bool) -> None:
+    figure, (loss_axis, accuracy_axis) = plt.subplots(1, 2, figsize=(11, 4))
+    for strategy, run in results["strategies"].items():
+        rounds = run["rounds"]
+        if by_bytes:
+            total, xs = 0, []
+            for record in rounds:
+                total += record["bytes_up"] + record["bytes_down"]
+                xs.append(total / 1e6)
+        else:
+            xs = [record["round"] for record in rounds]
+        loss_axis.plot(xs, [r["loss"] for r in rounds], marker=".", label=strategy)
+        accuracy_axis.plot(xs, [r["accuracy"] for r in rounds], marker=".", label=strategy)
+    xlabel = "MB communicated (up + down)" if by_bytes else "round"
+    loss_axis.set(xlabel=xlabel, ylabel="federated test loss", title="Loss")
+    accuracy_axis.set(xlabel=xlabel, ylabel="federated test accuracy", title="Accuracy")
+    for axis in (loss_axis, accuracy_axis):
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"

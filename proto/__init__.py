@@ -1,0 +1,1 @@
+"""hydrafl.proto: coordinator <-> site protocol and generated stubs (see issue 4)."""

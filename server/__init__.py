@@ -1,0 +1,1 @@
+"""Coordinator: gRPC service, Grid over it, SQLAlchemy store (see issue 4)."""

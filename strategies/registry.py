@@ -1,0 +1,60 @@
+"""Strategy names a run can ask for: Flower's built-ins (reused as they are) and hydrafl's own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from flwr.serverapp.strategy import (
+    FedAdagrad,
+    FedAdam,
+    FedAvg,
+    FedAvgM,
+    FedMedian,
+    FedProx,
+    FedTrimmedAvg,
+    FedYogi,
+    Krum,
+    Strategy,
+)
+
+from hydrafl.config import RunConfig
+from hydrafl.strategies.diloco import DiLoCo
+
+Builder = Callable[[RunConfig, dict[str, Any]], Strategy]
+
+_BUILDERS: dict[str, Builder] = {
+    "fedavg": lambda cfg, common: FedAvg(**common),
+    "fedprox": lambda cfg, common: FedProx(proximal_mu=cfg.proximal_mu, **common),
+    "fedavgm": lambda cfg, common: FedAvgM(server_momentum=cfg.server_momentum, **common),
+    "fedadam": lambda cfg, common: FedAdam(eta=cfg.server_lr, eta_l=cfg.lr, **common),
+    "fedyogi": lambda cfg, common: FedYogi(eta=cfg.server_lr, eta_l=cfg.lr, **common),
+    "fedadagrad": lambda cfg, common: FedAdagrad(eta=cfg.server_lr, eta_l=cfg.lr, **common),
+    "fedmedian": lambda cfg, common: FedMedian(**common),
+    "fedtrimmedavg": lambda cfg, common: FedTrimmedAvg(beta=cfg.trimmed_beta, **common),
+    "krum": lambda cfg, common: Krum(num_malicious_nodes=cfg.krum_malicious, **common),
+    "diloco": lambda cfg, common: DiLoCo(
+        outer_lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_nesterov, **common
+    ),
+}
+
+STRATEGIES: tuple[str, ...] = tuple(_BUILDERS)
+
+
+def build_strategy(cfg: RunConfig) -> Strategy:
+    """The strategy `cfg.strategy`, sampling every site each round and needing `cfg.required_sites` replies."""
+    if cfg.strategy not in _BUILDERS:
+        raise ValueError(f"unknown strategy {cfg.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    common = {
+        "fraction_train": 1.0,
+        "fraction_evaluate": 1.0,
+        "min_train_nodes": cfg.required_sites,
+        "min_evaluate_nodes": cfg.required_sites,
+        "min_available_nodes": cfg.required_sites,
+    }
+    return _BUILDERS[cfg.strategy](cfg, common)
+
+
+def consumes_deltas(strategy: Strategy) -> bool:
+    """hydrafl strategies aggregate deltas directly; Flower's built-ins get weights reconstructed."""
+    return bool(getattr(strategy, "consumes_deltas", False))
