@@ -41,19 +41,19 @@ class RunConfig:
     model: str = "tiny"
     """"tiny" (seeded from-scratch transformer) or a local checkpoint directory."""
     strategy: str = "fedavg"
-    rounds: int = 12
+    rounds: int = 15
     min_sites: int = 0
     """A round with fewer successful replies fails the run; 0 means every site must answer."""
     round_timeout_s: float = 0.0
     """How long a round waits for replies; 0 waits for all."""
     local_steps: int = 10
     batch_size: int = 32
-    lr: float = 1e-3
+    lr: float = 2e-3
     """Inner (site) learning rate."""
     inner_optimizer: str = "adamw"
     weight_decay: float = 0.0
-    proximal_mu: float = 0.1
-    """FedProx proximal term weight."""
+    fedprox_mu: float = 0.01
+    """FedProx proximal term weight (sent to sites by FedProx itself as "proximal-mu")."""
     server_lr: float = 0.03
     """Server learning rate (eta) of FedAdam, FedYogi and FedAdagrad."""
     server_momentum: float = 0.9

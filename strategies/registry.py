@@ -25,7 +25,7 @@ Builder = Callable[[RunConfig, dict[str, Any]], Strategy]
 
 _BUILDERS: dict[str, Builder] = {
     "fedavg": lambda cfg, common: FedAvg(**common),
-    "fedprox": lambda cfg, common: FedProx(proximal_mu=cfg.proximal_mu, **common),
+    "fedprox": lambda cfg, common: FedProx(proximal_mu=cfg.fedprox_mu, **common),
     "fedavgm": lambda cfg, common: FedAvgM(server_momentum=cfg.server_momentum, **common),
     "fedadam": lambda cfg, common: FedAdam(eta=cfg.server_lr, eta_l=cfg.lr, **common),
     "fedyogi": lambda cfg, common: FedYogi(eta=cfg.server_lr, eta_l=cfg.lr, **common),
