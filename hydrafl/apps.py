@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
@@ -55,9 +56,14 @@ def _cohort(task: str, data: str, label_column: str, partition: str, sites: int,
     )
 
 
+def run_cohort(cfg: RunConfig) -> Cohort:
+    """The cohort a run's sites share out (cached per process; loading it early surfaces data errors)."""
+    return _cohort(cfg.task, cfg.data, cfg.label_column, cfg.partition, cfg.sites, cfg.samples_per_site, cfg.seed)
+
+
 def site_data(cfg: RunConfig, context: Context) -> tuple[Cohort, SiteSplit]:
     """This site's split; in simulation the site's `partition-id` picks its share of the cohort."""
-    cohort = _cohort(cfg.task, cfg.data, cfg.label_column, cfg.partition, cfg.sites, cfg.samples_per_site, cfg.seed)
+    cohort = run_cohort(cfg)
     partition_id = int(context.node_config["partition-id"])
     if not 0 <= partition_id < len(cohort.sites):
         raise ValueError(f"partition-id {partition_id} is outside the cohort's {len(cohort.sites)} sites")
@@ -161,9 +167,10 @@ def estimate_curvature(
     params = [p for p in model.parameters() if p.requires_grad]
 
     def hvp(loss: torch.Tensor, vector: list[torch.Tensor]) -> list[torch.Tensor]:
-        grads = torch.autograd.grad(loss, params, create_graph=True)
-        dot = sum((g * u).sum() for g, u in zip(grads, vector, strict=True))
-        return list(torch.autograd.grad(dot, params))
+        grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+        dot = sum((g * u).sum() for g, u in zip(grads, vector, strict=True) if g is not None)
+        second = torch.autograd.grad(dot, params, allow_unused=True)
+        return [torch.zeros_like(p) if h is None else h for p, h in zip(params, second, strict=True)]
 
     generator = torch.Generator().manual_seed(seed)
     direction = [torch.randn(p.shape, generator=generator) for p in params]
@@ -206,6 +213,7 @@ def run_federation(
 ) -> RunResult:
     """One federated run of `cfg.strategy`: initial model from a site, optional stability check, rounds."""
     strategy = build_strategy(cfg)
+    wait_for_sites(grid, cfg.required_sites, cfg.site_wait_s)
     initial = request_initial_arrays(grid, cfg)
     if cfg.strategy == "diloco":
         check_outer_stability(grid, cfg, initial)
@@ -224,6 +232,16 @@ def run_federation(
         ),
     )
     return driver.run(initial, resume=cfg.resume, on_round=on_round)
+
+
+def wait_for_sites(grid: Grid, required: int, timeout_s: float) -> list[int]:
+    """Sites register asynchronously on real and Ray runtimes; wait for enough of them, with a deadline."""
+    deadline = time.monotonic() + timeout_s
+    while len(nodes := sorted(grid.get_node_ids())) < required:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(nodes)} of the {required} required sites connected within {timeout_s:g} s")
+        time.sleep(0.2)
+    return nodes
 
 
 def _query(cfg: RunConfig, node: int, action: str, arrays: ArrayRecord | None = None) -> Message:

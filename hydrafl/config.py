@@ -46,6 +46,8 @@ class RunConfig:
     """A round with fewer successful replies fails the run; 0 means every site must answer."""
     round_timeout_s: float = 0.0
     """How long a round waits for replies; 0 waits for all."""
+    site_wait_s: float = 120.0
+    """How long the run waits at start for `min_sites` sites to connect."""
     local_steps: int = 10
     batch_size: int = 32
     lr: float = 2e-3

@@ -54,7 +54,9 @@ def load_cohort(
         site_rows = split_by_label(y, scheme, num_sites, seed)
     else:
         if task not in _GENERATORS:
-            raise DataError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}, or pass data_path for your own data")
+            raise DataError(
+                f"unknown task {task!r}; choose one of {', '.join(TASKS)}, or pass data_path for your own data"
+            )
         generator = _GENERATORS[task]
         spec = generator.task_spec()
         scheme = parse_partition("natural" if partition is None else partition)
@@ -90,7 +92,9 @@ def _check_arguments(*, num_sites: int, seed: int, samples_per_site: int, test_f
     if seed < 0:
         raise DataError(f"seed must be a non-negative integer; got {seed}")
     if samples_per_site < 2:
-        raise DataError(f"samples_per_site must be at least 2 (one train and one test row per site); got {samples_per_site}")
+        raise DataError(
+            f"samples_per_site must be at least 2 (one train and one test row per site); got {samples_per_site}"
+        )
     if not 0.0 < test_fraction < 1.0:
         raise DataError(f"test_fraction must be strictly between 0 and 1; got {test_fraction}")
 

@@ -219,7 +219,9 @@ def _read_image_folder(path: Path) -> tuple[TaskSpec, np.ndarray, np.ndarray]:
     images: list[np.ndarray] = []
     labels: list[int] = []
     for label, folder in enumerate(folders):
-        files = sorted(entry for entry in folder.iterdir() if entry.is_file() and entry.suffix.lower() in IMAGE_SUFFIXES)
+        files = sorted(
+            entry for entry in folder.iterdir() if entry.is_file() and entry.suffix.lower() in IMAGE_SUFFIXES
+        )
         if not files:
             raise DataError(
                 f"{folder}: class folder {folder.name!r} has no images ({', '.join(IMAGE_SUFFIXES)}); "

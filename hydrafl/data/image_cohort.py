@@ -29,7 +29,9 @@ def task_spec() -> TaskSpec:
     )
 
 
-def _ellipse(x: np.ndarray, y: np.ndarray, cx: np.ndarray, cy: np.ndarray, rx: np.ndarray, ry: np.ndarray) -> np.ndarray:
+def _ellipse(
+    x: np.ndarray, y: np.ndarray, cx: np.ndarray, cy: np.ndarray, rx: np.ndarray, ry: np.ndarray
+) -> np.ndarray:
     """Soft-edged ellipse masks in [0, 1]; per-image parameters broadcast over the pixel grid."""
     r = np.sqrt(((x - cx[:, None, None]) / rx[:, None, None]) ** 2 + ((y - cy[:, None, None]) / ry[:, None, None]) ** 2)
     return np.clip((1.0 - r) * 8.0, 0.0, 1.0)
@@ -49,9 +51,9 @@ def generate_site(seed: int, site: int, n: int) -> tuple[np.ndarray, np.ndarray]
     """Raw images float32 [n, 1, 32, 32] (not yet standardised) and labels int64 [n] for one hospital."""
     rng = site_rng(seed, site, GENERATE_STREAM)
     # The hospital's scanner and positioning protocol, drawn before any image so it does not depend on n.
-    gamma = rng.uniform(0.8, 1.25)
-    contrast = rng.uniform(0.85, 1.15)
-    offset = rng.uniform(-0.08, 0.08)
+    gamma = rng.uniform(0.85, 1.2)
+    contrast = rng.uniform(0.9, 1.1)
+    offset = rng.uniform(-0.05, 0.05)
     noise = rng.uniform(0.04, 0.12)
     blur = rng.uniform(0.3, 1.1)
     tilt = rng.uniform(-0.09, 0.09)  # radians, ~5 degrees

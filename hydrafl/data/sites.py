@@ -1,7 +1,7 @@
 """Per-site randomness and label prevalence shared by the synthetic generators.
 
 Every random draw comes from a generator seeded by (seed, site, stream), never the global RNG, so a cohort
-is bit-identical for the same arguments and adding a site leaves the existing ones unchanged.
+is bit-identical for the same arguments and a site's raw rows do not depend on how many sites there are.
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def site_notes(seed: int, site: int, n: int) -> tuple[list[str], np.ndarray]:
 
     labels = sample_site_labels(rng, len(CLASS_NAMES), n)
     present = rng.random((n, len(CONCEPTS))) < _profile_matrix()[labels] * thoroughness
-    negatable = np.array([negatable for _, _, negatable, _ in CONCEPTS])
+    negatable = np.array([can_negate for _, _, can_negate, _ in CONCEPTS])
     negated = ~present & negatable & (rng.random((n, len(CONCEPTS))) < negation_rate)
     forms = np.stack([rng.choice(len(w), size=n, p=w) for w in form_weights], axis=1)
     negation = rng.choice(len(NEGATIONS), size=(n, len(CONCEPTS)), p=negation_weights)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hydrafl.apps import build_server_app, client_app, run_federation
+from hydrafl.apps import build_server_app, client_app, run_cohort, run_federation
 from hydrafl.config import RunConfig, SimulationConfig
 from hydrafl.driver import RoundRecord
 from hydrafl.simulation.grid import InProcessGrid
@@ -25,6 +25,7 @@ OnRound = Callable[[RoundRecord], None]
 def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) -> dict[str, Any]:
     """Run every strategy of `config`, write results.json, report.md, plots and rounds.tsv to `config.out`."""
     torch.set_num_threads(1)  # tiny per-site models: one thread is faster and never oversubscribes a small box
+    run_cohort(config.run)  # bad data fails here, once, with the file's own error message
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {

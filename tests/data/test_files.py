@@ -56,7 +56,8 @@ def test_text_csv_with_quoted_commas_becomes_a_text_task(tmp_path: Path) -> None
     cohort = load_cohort(data_path=_write(tmp_path / "notes.csv", lines), label_column="label", num_sites=2)
     task = cohort.task
     assert (task.modality, task.vocab_size, task.seq_len, task.class_names) == ("text", 2048, 48, ("0", "1"))
-    expected = tokenize([f'patient {i}, {"febrile" if i % 2 else "no fever"}, "quoted" note' for i in range(20)], 2048, 48)
+    texts = [f'patient {i}, {"febrile" if i % 2 else "no fever"}, "quoted" note' for i in range(20)]
+    expected = tokenize(texts, 2048, 48)
     x, y = _all_rows(cohort)
     row_label = {tuple(row.tolist()): i % 2 for i, row in enumerate(expected)}
     assert sorted(row_label[tuple(row.tolist())] for row in x) == sorted(i % 2 for i in range(20))
@@ -68,14 +69,16 @@ def test_jsonl_text_and_tabular(tmp_path: Path, suffix: str) -> None:
     records = [{"text": f"note {i} {'wheeze' if i % 2 else 'edema'}", "dx": ["copd", "hf"][i % 2]} for i in range(16)]
     lines = [json.dumps(r) for r in records[:8]] + [""] + [json.dumps(r) for r in records[8:]]  # blank line is fine
     cohort = load_cohort(data_path=_write(tmp_path / f"notes{suffix}", lines), label_column="dx", num_sites=2)
-    assert (cohort.task.name, cohort.task.modality, cohort.task.class_names) == (f"file:notes{suffix}", "text", ("copd", "hf"))
+    task = cohort.task
+    assert (task.name, task.modality, task.class_names) == (f"file:notes{suffix}", "text", ("copd", "hf"))
     x, y = _all_rows(cohort)
     assert x.shape == (16, 48) and (x[:, 0] == 1).all()
     wheeze = tokenize(["wheeze"], 2048, 2)[0, 1]
     assert ((x == wheeze).any(1) == (y == 1)).all()
 
     rows = [{"a": i, "b": 0.5 * i, "y": i % 2} for i in range(10)]
-    tab = load_cohort(data_path=_write(tmp_path / f"t{suffix}", [json.dumps(r) for r in rows]), label_column="y", num_sites=2)
+    table = _write(tmp_path / f"t{suffix}", [json.dumps(r) for r in rows])
+    tab = load_cohort(data_path=table, label_column="y", num_sites=2)
     assert (tab.task.modality, tab.task.num_features, tab.task.class_names) == ("tabular", 2, ("0", "1"))
 
 
@@ -91,7 +94,7 @@ def test_file_partitions_by_label(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("name", "lines", "label", "fragments"),
     [
-        ("v.csv", ["a,b,y", "1,2,x", "3,oops,z", "4,5,x"], "y", ["v.csv", "line 3", "'b'", "'oops' is not a finite number"]),
+        ("v.csv", ["a,b,y", "1,2,x", "3,oops,z", "4,5,x"], "y", ["v.csv", "line 3", "'b'", "'oops' is not a finite"]),
         ("v.csv", ["a,b,y", "1,2,x", "3,nan,z"], "y", ["v.csv", "line 3", "'b'", "not a finite number"]),
         ("v.csv", ["a,b,y", "1,2,x", "3,,z"], "y", ["v.csv", "line 3", "'b'", "empty cell"]),
         ("v.csv", ["a,b,y", "1,2,x", "3,4,"], "y", ["v.csv", "line 3", "'y'", "empty cell"]),
@@ -105,9 +108,9 @@ def test_file_partitions_by_label(tmp_path: Path) -> None:
         ("v.csv", ["y", "x", "z"], "y", ["v.csv", "only column"]),
         ("m.csv", ["age,note,y", "40,cough,x", "50,fever,z"], "y", ["m.csv", "['note']", "['age']"]),
         ("m.csv", ["note,site,y", "cough,a,x", "fever,b,z"], "y", ["m.csv", "['note', 'site']"]),
-        ("j.jsonl", ['{"a": 1, "y": "x"}', '{"a": 2, "y": "z"}', '{"a": 3, "y": '], "y", ["j.jsonl", "line 3", "malformed JSON"]),
+        ("j.jsonl", ['{"a": 1, "y": "x"}', "", '{"a": 3, "y": '], "y", ["j.jsonl", "line 3", "malformed JSON"]),
         ("j.jsonl", ['{"a": 1, "y": "x"}', "[1, 2]"], "y", ["j.jsonl", "line 2", "expected a JSON object"]),
-        ("j.jsonl", ['{"a": 1, "y": "x"}', '{"a": 2, "b": 3, "y": "z"}'], "y", ["j.jsonl", "line 2", "'b'", "first record"]),
+        ("j.jsonl", ['{"a": 1, "y": "x"}', '{"a": 2, "b": 3, "y": "z"}'], "y", ["j.jsonl", "line 2", "'b'", "first"]),
         ("j.jsonl", ['{"a": 1, "y": "x"}', '{"y": "z"}'], "y", ["j.jsonl", "line 2", "'a'", "empty cell"]),
         ("j.jsonl", ['{"a": 1, "y": "x"}', '{"a": [1], "y": "z"}'], "y", ["j.jsonl", "line 2", "'a'", "nested list"]),
         ("j.jsonl", ['{"a": 1, "y": "x"}', '{"a": "high", "y": "z"}'], "y", ["j.jsonl", "line 2", "'a'", "'high'"]),

@@ -1,0 +1,71 @@
+"""The ClientApp's replies: a delta of exactly the local training, FedProx honoured, evaluation, probes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ConfigRecord, Message, RecordDict
+
+from hydrafl import apps
+from hydrafl.arrays import from_record
+from hydrafl.config import RunConfig
+from hydrafl.models import build_model, federated_state
+from hydrafl.simulation.grid import InProcessGrid
+from hydrafl.training import LocalTrainConfig, batch_generator, train_local
+
+CFG = RunConfig(task="tabular", sites=2, samples_per_site=50, local_steps=4, batch_size=8, lr=3e-3)
+
+
+@pytest.fixture
+def grid():
+    return InProcessGrid(apps.client_app, CFG.sites, CFG.to_flower())
+
+
+def _ask(grid, message_type, node, arrays=None, **config):
+    content = RecordDict({"config": ConfigRecord({**CFG.to_flower(), **config})})
+    if arrays is not None:
+        content["arrays"] = arrays
+    [reply] = grid.send_and_receive([Message(content, dst_node_id=node, message_type=message_type)])
+    assert not reply.has_error(), reply.error.reason
+    return reply
+
+
+def test_train_reply_is_start_minus_end_of_local_training(grid):
+    node = max(grid.get_node_ids())
+    initial = apps.request_initial_arrays(grid, CFG)
+    reply = _ask(grid, "train", node, initial, **{"server-round": 2})
+    delta = from_record(reply.content["arrays"])
+
+    cohort = apps.run_cohort(CFG)
+    split = cohort.sites[1]
+    model = build_model(cohort.task, seed=CFG.seed)
+    start = {k: v.clone() for k, v in federated_state(model).items()}
+    local = LocalTrainConfig(steps=4, batch_size=8, lr=3e-3)
+    train_local(model, split.train_x, split.train_y, local, batch_generator(CFG.seed, 2, 1))
+    for name, value in federated_state(model).items():
+        torch.testing.assert_close(delta[name], start[name] - value)
+    assert reply.content["metrics"]["num-examples"] == len(split.train_y)
+
+
+def test_fedprox_proximal_mu_from_the_strategy_shrinks_the_update(grid):
+    node = min(grid.get_node_ids())
+    initial = apps.request_initial_arrays(grid, CFG)
+    norms = {}
+    for mu in (0.0, 50.0):
+        delta = from_record(_ask(grid, "train", node, initial, **{"proximal-mu": mu}).content["arrays"])
+        norms[mu] = float(sum((d**2).sum() for d in delta.values()))
+    assert norms[50.0] < 0.5 * norms[0.0]
+
+
+def test_evaluate_and_probes(grid):
+    node = min(grid.get_node_ids())
+    initial = apps.request_initial_arrays(grid, CFG)
+    again = apps.request_initial_arrays(grid, CFG)
+    for name, array in initial.items():
+        np.testing.assert_array_equal(array.numpy(), again[name].numpy())
+    metrics = _ask(grid, "evaluate", node, initial).content["metrics"]
+    assert 0.0 <= metrics["accuracy"] <= 1.0 and metrics["loss"] > 0
+    assert metrics["num-examples"] == len(apps.run_cohort(CFG).sites[0].test_y)
+    probe = _ask(grid, "query.curvature", node, initial).content["metrics"]
+    assert probe["curvature"] > 0 and probe["curvature-var"] >= 0

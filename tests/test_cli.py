@@ -1,0 +1,133 @@
+"""The `hydrafl` command end to end: outputs, determinism, resume, and clear errors with exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from hydrafl import apps
+from hydrafl.cli import app
+from hydrafl.stability import OuterSetup, check
+
+SMALL = """
+task = "tabular"
+sites = 3
+samples-per-site = 60
+rounds = 2
+local-steps = 3
+batch-size = 16
+strategies = "fedavg,diloco"
+"""
+RECORD_KEYS = {"round", "loss", "accuracy", "bytes_up", "bytes_down", "seconds"}
+
+
+def _hydrafl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hydrafl", *args], capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def _numbers(results: dict) -> dict:
+    return {
+        name: [{k: v for k, v in r.items() if k not in {"seconds", "aggregation_s", "gap_s"}} for r in run["rounds"]]
+        for name, run in results["strategies"].items()
+    }
+
+
+@pytest.mark.slow
+def test_simulate_writes_every_output_and_repeats_exactly(tmp_path):
+    config = tmp_path / "small.toml"
+    config.write_text(SMALL)
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for out in outs:
+        done = _hydrafl("simulate", "--config", str(config), "--out", str(out), "--no-progress")
+        assert done.returncode == 0, done.stderr
+        assert "fedavg" in done.stdout and "diloco" in done.stdout  # the summary table
+    results = json.loads((outs[0] / "results.json").read_text())
+    assert list(results["strategies"]) == ["fedavg", "diloco"]
+    for run in results["strategies"].values():
+        assert [r["round"] for r in run["rounds"]] == [0, 1, 2]
+        assert all(RECORD_KEYS <= set(r) for r in run["rounds"])
+        assert all(r["bytes_up"] > 0 and r["bytes_down"] > 0 for r in run["rounds"][1:])
+    assert results["config"]["sites"] == 3 and results["config"]["task"] == "tabular"
+    assert _numbers(results) == _numbers(json.loads((outs[1] / "results.json").read_text()))
+    report = (outs[0] / "report.md").read_text()
+    assert "| fedavg |" in report and "| diloco |" in report
+    for png in ("curves_by_round.png", "curves_by_bytes.png"):
+        assert (outs[0] / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = (outs[0] / "rounds.tsv").read_text().splitlines()
+    assert rows[0].split("\t")[:5] == ["strategy", "round", "duration_s", "aggregation_s", "gap_s"]
+    assert len(rows) == 1 + 2 * 3
+    assert (outs[0] / "diloco" / "stability.json").exists()
+
+
+def test_resume_continues_a_stopped_run(tmp_path):
+    runner = CliRunner()
+    common = ["simulate", "--task", "tabular", "--sites", "2", "--samples-per-site", "40", "--local-steps", "2",
+              "--strategies", "diloco", "--no-progress"]
+    assert runner.invoke(app, [*common, "--rounds", "3", "--out", str(tmp_path / "full")]).exit_code == 0
+    assert runner.invoke(app, [*common, "--rounds", "1", "--out", str(tmp_path / "split")]).exit_code == 0
+    resumed = runner.invoke(app, [*common, "--rounds", "3", "--resume", "--out", str(tmp_path / "split")])
+    assert resumed.exit_code == 0, resumed.output
+    full = json.loads((tmp_path / "full" / "results.json").read_text())
+    split = json.loads((tmp_path / "split" / "results.json").read_text())
+    assert _numbers(full) == _numbers(split)
+
+
+def test_unknown_config_key_is_an_error_that_names_it(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text('rounds = 2\nlocal_stepz = 3\n')
+    result = CliRunner().invoke(app, ["simulate", "--config", str(config), "--no-progress"])
+    assert result.exit_code == 2
+    assert "local_stepz" in result.output and "bad.toml" in result.output
+
+
+def test_bad_data_file_error_names_file_and_line(tmp_path):
+    data = tmp_path / "visits.csv"
+    data.write_text("age,lactate,outcome\n61,2.1,ward\n70,high,icu\n55,1.0,home\n")
+    result = CliRunner().invoke(
+        app, ["simulate", "--data", str(data), "--label-column", "outcome", "--out", str(tmp_path / "o"), "--no-progress"]
+    )
+    assert result.exit_code == 2
+    assert "visits.csv" in result.output and "lactate" in result.output and "3" in result.output
+
+
+def test_too_few_successful_sites_exits_non_zero_with_the_reason(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("GPU fell off the bus")
+
+    monkeypatch.setattr(apps, "train_local", broken)
+    result = CliRunner().invoke(
+        app,
+        ["simulate", "--task", "tabular", "--sites", "2", "--samples-per-site", "40", "--rounds", "2",
+         "--strategies", "fedavg", "--out", str(tmp_path / "o"), "--no-progress"],
+    )
+    assert result.exit_code == 1
+    assert "only 0 of 2 sites replied without error" in " ".join(result.output.split())
+
+
+def test_stability_command_json_and_plot(tmp_path):
+    args = ["--inner-lr", "0.1", "--curvature", "1", "--curvature-var", "2", "--batch-size", "1",
+            "--local-steps", "10", "--sites", "1", "--momentum", "0.9"]
+    stable = CliRunner().invoke(app, ["stability", *args, "--outer-lr", "1.0", "--json"])
+    verdict = json.loads(stable.output)
+    expected = check(OuterSetup(inner_lr=0.1, curvature=1, curvature_var=2, batch_size=1, local_steps=10,
+                                sites=1, outer_lr=1.0, momentum=0.9))
+    assert verdict["stable"] is True
+    assert verdict["max_stable_outer_lr"] == pytest.approx(expected.max_stable_outer_lr)
+    assert verdict["max_stable_outer_lr"] == pytest.approx(1.8645, abs=1e-3)
+    unstable = CliRunner().invoke(app, ["stability", *args, "--outer-lr", "2.5", "--json", "--heavy-ball"])
+    assert json.loads(unstable.output)["stable"] is False
+    plot = tmp_path / "region.png"
+    text = CliRunner().invoke(app, ["stability", *args, "--outer-lr", "2.5", "--plot", str(plot)])
+    assert "UNSTABLE" in text.output and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("command", [[], ["simulate"], ["stability"]])
+def test_every_command_has_help(command):
+    result = CliRunner().invoke(app, [*command, "--help"])
+    assert result.exit_code == 0 and "Usage" in result.output

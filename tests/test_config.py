@@ -1,0 +1,58 @@
+"""Configuration is validated once, at the edge, with errors that name the key and the valid choices."""
+
+from __future__ import annotations
+
+import pytest
+
+from hydrafl.config import ConfigError, RunConfig, build_simulation_config, load_toml
+
+
+def test_flags_and_toml_keys_build_one_frozen_config(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('local-steps = 7\nlr = 1\nstrategies = ["fedavg", "krum"]\npartition = "dirichlet:0.3"\n')
+    config = build_simulation_config({**load_toml(path), "seed": 3}, source=str(path))
+    assert config.run.local_steps == 7 and config.run.lr == 1.0 and config.run.seed == 3
+    assert config.strategies == ("fedavg", "krum")
+    run = config.run_config("krum")
+    assert run.strategy == "krum" and run.run_dir.endswith("krum")
+    assert RunConfig.from_flower(run.to_flower()) == run
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"roundz": 3}, "unknown key 'roundz'"),
+        ({"rounds": "3"}, "key 'rounds' in options must be int"),
+        ({"rounds": 0}, "invalid rounds=0"),
+        ({"inner-optimizer": "lion"}, "adamw, sgd, muon"),
+        ({"backend": "spark"}, "inprocess, ray"),
+        ({"sites": 2, "min-sites": 3}, "invalid min-sites=3"),
+        ({"outer-momentum": 1.0}, "outer-momentum"),
+        ({"strategies": "fedavg,fedavg"}, "no repeats"),
+    ],
+)
+def test_invalid_values_name_the_key(values, message):
+    with pytest.raises(ConfigError, match=message):
+        build_simulation_config(values)
+
+
+def test_toml_errors_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_toml(tmp_path / "missing.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("rounds = = 3")
+    with pytest.raises(ConfigError, match="broken.toml"):
+        load_toml(broken)
+    nested = tmp_path / "nested.toml"
+    nested.write_text("[train]\nlr = 1\n")
+    with pytest.raises(ConfigError, match="'train'"):
+        load_toml(nested)
+
+
+def test_unknown_strategy_lists_the_registry():
+    from hydrafl.strategies import STRATEGIES, build_strategy
+
+    with pytest.raises(ValueError, match="fedavg, fedprox"):
+        build_strategy(RunConfig(strategy="fedsgdx"))
+    assert {"fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedmedian", "fedtrimmedavg",
+            "krum", "diloco"} <= set(STRATEGIES)
