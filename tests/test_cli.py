@@ -131,3 +131,24 @@ def test_stability_command_json_and_plot(tmp_path):
 def test_every_command_has_help(command):
     result = CliRunner().invoke(app, [*command, "--help"])
     assert result.exit_code == 0 and "Usage" in result.output
+
+
+def test_simulate_on_a_users_csv(tmp_path):
+    rng = __import__("numpy").random.default_rng(0)
+    rows = ["age,lactate,heart_rate,outcome"]
+    for _ in range(90):
+        age, lactate, rate = rng.normal(60, 15), rng.gamma(2, 1), rng.normal(85, 15)
+        rows.append(f"{age:.1f},{lactate:.2f},{rate:.0f},{'icu' if lactate + rate / 50 > 4.5 else 'ward'}")
+    data = tmp_path / "visits.csv"
+    data.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        app,
+        ["simulate", "--data", str(data), "--label-column", "outcome", "--sites", "3", "--rounds", "2",
+         "--local-steps", "3", "--strategies", "fedavg", "--partition", "dirichlet:1.0", "--out", str(out),
+         "--no-progress"],
+    )
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["data"] == str(data)
+    assert len(results["strategies"]["fedavg"]["rounds"]) == 3

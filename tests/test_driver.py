@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -102,3 +104,23 @@ def test_invalid_updates_are_rejected_before_aggregation(small_run, corruption):
     assert [r["sites_failed"] for r in result.history[1:]] == [1, 1, 1]
     assert np.isfinite([r["loss"] for r in result.history]).all()
     assert honest.history[-1]["loss"] != result.history[-1]["loss"]
+
+
+@pytest.mark.parametrize("task", ["clinical-text", "chest-xray", "tabular"])
+def test_every_task_trains_federated(small_run, task):
+    cfg = dataclasses.replace(small_run, task=task, samples_per_site=100, rounds=4, local_steps=10, lr=1e-3, run_dir="")
+    history = _run(cfg).history
+    assert history[-1]["train_loss"] < history[1]["train_loss"]  # each round starts from a better global model
+    assert all(r["sites_ok"] == cfg.sites for r in history)
+
+
+def test_diloco_warns_before_training_when_predicted_unstable(small_run, caplog):
+    unstable = dataclasses.replace(small_run, strategy="diloco", rounds=1, outer_lr=50.0)
+    _run(unstable)
+    assert "predicted UNSTABLE" in caplog.text
+    verdict = json.loads((Path(unstable.run_dir) / "stability.json").read_text())
+    assert verdict["stable"] is False and 0 < verdict["max_stable_outer_lr"] < 50.0
+    caplog.clear()
+    stable = dataclasses.replace(unstable, outer_lr=verdict["max_stable_outer_lr"] / 4, run_dir="")
+    _run(stable)
+    assert "predicted UNSTABLE" not in caplog.text
