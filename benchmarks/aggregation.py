@@ -63,7 +63,7 @@ class Scale:
         return self.params * 4
 
 
-FULL = Scale(params=10_000_000, throughput_sites=10, memory_sites=(10, 20, 50), reps=5, memory_reps=3)
+FULL = Scale(params=10_000_000, throughput_sites=10, memory_sites=(10, 20, 50), reps=7, memory_reps=3)
 QUICK = Scale(params=1_000_000, throughput_sites=4, memory_sites=(2, 4), reps=3, memory_reps=1)
 
 

@@ -51,9 +51,9 @@ def generate_site(seed: int, site: int, n: int) -> tuple[np.ndarray, np.ndarray]
     """Raw images float32 [n, 1, 32, 32] (not yet standardised) and labels int64 [n] for one hospital."""
     rng = site_rng(seed, site, GENERATE_STREAM)
     # The hospital's scanner and positioning protocol, drawn before any image so it does not depend on n.
-    gamma = rng.uniform(0.85, 1.2)
-    contrast = rng.uniform(0.9, 1.1)
-    offset = rng.uniform(-0.05, 0.05)
+    gamma = rng.uniform(0.9, 1.12)
+    contrast = rng.uniform(0.93, 1.07)
+    offset = rng.uniform(-0.025, 0.025)
     noise = rng.uniform(0.04, 0.12)
     blur = rng.uniform(0.3, 1.1)
     tilt = rng.uniform(-0.09, 0.09)  # radians, ~5 degrees
