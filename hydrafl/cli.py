@@ -138,5 +138,51 @@ def stability(
         Console().print(f"stable region plotted to {plot}")
 
 
+admin_app = typer.Typer(help="Administer a coordinator's database: sites (and runs).", no_args_is_help=True)
+site_admin = typer.Typer(help="Enrol, list and revoke hospital sites.", no_args_is_help=True)
+admin_app.add_typer(site_admin, name="site")
+app.add_typer(admin_app, name="admin")
+DbOption = Annotated[str | None, typer.Option("--db", help="SQLAlchemy URL (default: SQLite in $HYDRAFL_HOME).")]
+
+
+def _store(db: str | None):  # noqa: ANN202  (the server package is imported only by admin commands)
+    from hydrafl.server.paths import data_dir, default_db_url
+    from hydrafl.server.store import Store
+
+    if db is None:
+        data_dir().mkdir(parents=True, exist_ok=True)
+    return Store(db or default_db_url())
+
+
+@site_admin.command("add")
+def site_add(name: Annotated[str, typer.Argument(help="Site name, e.g. st-marys.")], db: DbOption = None) -> None:
+    """Enrol a site and print its one-time token (only a hash is stored: copy it now)."""
+    try:
+        site, token = _store(db).add_site(name)
+    except ValueError as error:
+        _fail(str(error), 2)
+    console.print(f"enrolled [bold]{site.name}[/] as node {site.node_id}; its token (shown once):")
+    print(token)
+
+
+@site_admin.command("list")
+def site_list(db: DbOption = None) -> None:
+    """List enrolled sites."""
+    table = Table("site", "node id", "status", "enrolled")
+    for site in _store(db).sites():
+        table.add_row(site.name, str(site.node_id), "revoked" if site.revoked else "active", f"{site.created_at:%Y-%m-%d %H:%M}")
+    Console().print(table)
+
+
+@site_admin.command("revoke")
+def site_revoke(name: Annotated[str, typer.Argument(help="Site name.")], db: DbOption = None) -> None:
+    """Revoke a site: its token is refused from now on."""
+    try:
+        _store(db).revoke_site(name)
+    except ValueError as error:
+        _fail(str(error), 2)
+    console.print(f"revoked [bold]{name}[/]")
+
+
 def main() -> None:
     app()

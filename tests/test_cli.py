@@ -152,3 +152,20 @@ def test_simulate_on_a_users_csv(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["data"] == str(data)
     assert len(results["strategies"]["fedavg"]["rounds"]) == 3
+
+
+def test_admin_site_commands(tmp_path):
+    db = ["--db", f"sqlite:///{tmp_path / 'c.db'}"]
+    runner = CliRunner()
+    added = runner.invoke(app, ["admin", "site", "add", "st-marys", *db])
+    assert added.exit_code == 0
+    token = added.stdout.strip().splitlines()[-1]
+    from hydrafl.server.store import Store
+
+    assert Store(f"sqlite:///{tmp_path / 'c.db'}").authenticate(token).name == "st-marys"
+    again = runner.invoke(app, ["admin", "site", "add", "st-marys", *db])
+    assert again.exit_code == 2 and "already enrolled" in again.output
+    assert runner.invoke(app, ["admin", "site", "revoke", "st-marys", *db]).exit_code == 0
+    listed = runner.invoke(app, ["admin", "site", "list", *db])
+    assert "st-marys" in listed.output and "revoked" in listed.output
+    assert runner.invoke(app, ["admin", "site", "revoke", "nobody", *db]).exit_code == 2
