@@ -42,7 +42,9 @@ def make_reply(site: int, params: int) -> Message:
     request.metadata.__dict__["_message_id"] = f"request-{site}"
     rng = np.random.default_rng(site)
     size = params // ARRAYS_PER_MODEL
-    arrays = ArrayRecord({f"layer{i}": Array(rng.standard_normal(size, dtype=np.float32)) for i in range(ARRAYS_PER_MODEL)})
+    arrays = ArrayRecord(
+        {f"layer{i}": Array(rng.standard_normal(size, dtype=np.float32)) for i in range(ARRAYS_PER_MODEL)}
+    )
     content = RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": num_examples(site)})})
     return Message(content, reply_to=request)
 

@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ NAME = "aggregation"
 GOAL_THROUGHPUT_RATIO = 3.0
 GOAL_EXTRA_MODELS = 3.0
 TOLERANCE = 1e-5
-MB = 1024**2
+MB = 1e6  # decimal megabytes: one 10M-parameter fp32 model is 40 MB
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,7 +97,7 @@ def throughput(scale: Scale) -> dict[str, Any]:
         "seconds": seconds,
         "median_s": medians,
         "gb_per_s": {name: input_bytes / median / 1e9 for name, median in medians.items()},
-        "ratio_flower_over_hydrafl": ratio,
+        "speedup_hydrafl_over_flower": ratio,  # Flower's median seconds / hydrafl's
         "goal": GOAL_THROUGHPUT_RATIO,
         "goal_met": ratio >= GOAL_THROUGHPUT_RATIO,
         "equality": {"max_abs_diff": diff, "tolerance": TOLERANCE, "passed": diff <= TOLERANCE},
@@ -115,20 +116,24 @@ def probe(what: str, sites: int, scale: Scale) -> int:
 
 
 def memory(scale: Scale) -> dict[str, Any]:
-    """Extra peak memory of each aggregator over the baseline, as the number of sites grows."""
-    baseline = statistics.median(probe("baseline", 1, scale) for _ in range(scale.memory_reps))
-    sites: dict[str, dict[str, dict[str, float]]] = {}
-    for count in scale.memory_sites:
-        sites[str(count)] = {}
-        for name in AGGREGATORS:
-            peak = statistics.median(probe(name, count, scale) for _ in range(scale.memory_reps))
-            sites[str(count)][name] = {
-                "peak_mb": peak / MB,
-                "extra_mb": (peak - baseline) / MB,
-                "extra_models": (peak - baseline) / scale.model_bytes,
+    """Extra peak memory of each aggregator over the baseline, as the number of sites grows. Probes run two at
+    a time: each reports its own peak, which another process running beside it does not change."""
+    jobs = [("baseline", 1)] + [(name, count) for count in scale.memory_sites for name in AGGREGATORS]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {job: [pool.submit(probe, *job, scale) for _ in range(scale.memory_reps)] for job in jobs}
+        peaks = {job: statistics.median(future.result() for future in done) for job, done in futures.items()}
+    baseline = peaks["baseline", 1]
+    sites = {
+        str(count): {
+            name: {
+                "peak_mb": peaks[name, count] / MB,
+                "extra_mb": (peaks[name, count] - baseline) / MB,
+                "extra_models": (peaks[name, count] - baseline) / scale.model_bytes,
             }
-        print(f"memory, {count} sites: " + ", ".join(f"{n} +{v['extra_mb']:.0f} MB" for n, v in sites[str(count)].items()),
-              flush=True)
+            for name in AGGREGATORS
+        }
+        for count in scale.memory_sites
+    }
     hydrafl = [entry["hydrafl"]["extra_models"] for entry in sites.values()]
     flower = [entry["flower"]["extra_models"] for entry in sites.values()]
     return {
@@ -155,10 +160,10 @@ def print_tables(summary: dict[str, Any]) -> None:
         runs = " ".join(f"{s:.3f}" for s in tput["seconds"][name])
         table.add_row(name, f"{tput['median_s'][name]:.3f}", f"{tput['gb_per_s'][name]:.2f}", runs)
     console.print(table)
-    ratio = tput["ratio_flower_over_hydrafl"]
+    ratio = tput["speedup_hydrafl_over_flower"]
     equality = tput["equality"]
     console.print(
-        f"throughput hydrafl/flower {ratio:.2f}x: {_verdict(tput['goal_met'])} (goal >= {GOAL_THROUGHPUT_RATIO:g}x); "
+        f"hydrafl speed-up over Flower {ratio:.2f}x: {_verdict(tput['goal_met'])} (goal >= {GOAL_THROUGHPUT_RATIO:g}x); "
         f"same mean: max |diff| {equality['max_abs_diff']:.2e} (tolerance {TOLERANCE:g}): "
         f"{_verdict(equality['passed'], 'PASS', 'FAIL')}"
     )
@@ -177,7 +182,8 @@ def print_tables(summary: dict[str, Any]) -> None:
     console.print(table)
     console.print(
         f"hydrafl under {GOAL_EXTRA_MODELS:g} models at every size: {_verdict(mem['hydrafl_under_goal'])}; "
-        f"hydrafl spread {mem['hydrafl_spread_models']:.1f} models, Flower grows {mem['flower_growth_models']:.1f} models"
+        f"hydrafl spread {mem['hydrafl_spread_models']:.1f} models, "
+        f"Flower grows {mem['flower_growth_models']:.1f} models"
     )
 
 
@@ -193,11 +199,11 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         left.bar(i, tput["gb_per_s"][name], color=colors[name], alpha=0.7)
     left.set_xticks(range(len(AGGREGATORS)), list(AGGREGATORS))
     left.set_ylabel("aggregation throughput (GB/s of replies)")
-    left.set_title(f"{tput['sites']} sites: hydrafl {tput['ratio_flower_over_hydrafl']:.2f}x Flower (goal >= 3x)")
+    left.set_title(f"{tput['sites']} sites: hydrafl {tput['speedup_hydrafl_over_flower']:.2f}x Flower (goal >= 3x)")
     counts = [int(count) for count in mem["sites"]]
     for name in AGGREGATORS:
-        right.plot(counts, [mem["sites"][str(c)][name]["extra_models"] for c in counts], marker="o", label=name,
-                   color=colors[name])
+        extra = [mem["sites"][str(count)][name]["extra_models"] for count in counts]
+        right.plot(counts, extra, marker="o", label=name, color=colors[name])
     right.axhline(GOAL_EXTRA_MODELS, color="gray", linestyle=":", label=f"goal: {GOAL_EXTRA_MODELS:g} models")
     right.set_xlabel("sites")
     right.set_ylabel(f"extra peak memory (models of {mem['model_mb']:.0f} MB)")

@@ -7,7 +7,8 @@ counted, and no run can warm another. Repetitions alternate the backend order to
 machine evenly. Memory is the peak of the summed RSS of the whole process tree (Ray's GCS, raylet and worker
 processes included), sampled every 50 ms; this process is a child subreaper, so daemons that detach from the
 worker are still counted. Summed RSS counts shared pages (libraries, Ray's shared-memory object store) once per
-process that maps them, so the summed private memory (RSS minus shared pages) is reported as a lower bound.
+process that maps them, so the summed anonymous memory ("private": RSS minus file-backed and shared-memory
+pages) is reported too, as a lower bound.
 
 Goal (from the issue): in-process at least 3x faster and at most 1/3 of the memory of Ray.
 """
@@ -44,7 +45,7 @@ GOAL_TIME_RATIO = 3.0
 GOAL_MEMORY_RATIO = 3.0
 LOSS_TOLERANCE = 1e-6
 PR_SET_CHILD_SUBREAPER = 36
-MB = 1024**2
+MB = 1e6  # decimal megabytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,10 +56,10 @@ class Scale:
 
 
 FULL = Scale(sites=10, rounds=3, reps=3)
-QUICK = Scale(sites=4, rounds=1, reps=1)
+QUICK = Scale(sites=2, rounds=1, reps=1)
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Measurement:
     backend: str
     rep: int
@@ -68,7 +69,8 @@ class Measurement:
     peak_rss_mb: float
     peak_private_mb: float
     peak_processes: int
-    leftover_processes: int
+    left_at_exit: list[str]
+    terminated: int
     history: list[dict[str, Any]]
 
 
@@ -94,7 +96,7 @@ def become_subreaper() -> None:
 
 
 def tree_memory(root: psutil.Process) -> tuple[int, int, int]:
-    """(summed RSS, summed private RSS, process count) of every descendant of `root`, in bytes."""
+    """(summed RSS, summed anonymous RSS, process count) of every descendant of `root`; sizes in bytes."""
     rss = private = count = 0
     for process in root.children(recursive=True):
         try:
@@ -122,7 +124,7 @@ def measure(backend: str, rep: int, scale: Scale, work: Path) -> Measurement:
             peak_rss, peak_private, peak_count = max(peak_rss, rss), max(peak_private, private), max(peak_count, count)
             time.sleep(SAMPLE_S)
         wall_s = time.perf_counter() - started
-    leftovers = reap_leftovers(me)
+    left_at_exit, terminated = reap_leftovers(me)
     if worker.returncode != 0 or not result.exists():
         tail = "\n".join(log.read_text().splitlines()[-30:])
         raise RuntimeError(f"{backend} run {rep} failed (exit {worker.returncode}); log tail:\n{tail}")
@@ -136,19 +138,27 @@ def measure(backend: str, rep: int, scale: Scale, work: Path) -> Measurement:
         peak_rss_mb=peak_rss / MB,
         peak_private_mb=peak_private / MB,
         peak_processes=peak_count,
-        leftover_processes=leftovers,
+        left_at_exit=left_at_exit,
+        terminated=terminated,
         history=run["history"],
     )
 
 
-def reap_leftovers(me: psutil.Process, grace_s: float = 5.0) -> int:
-    """Processes a run left behind would skew the next run; give them a grace period, then end them."""
+def reap_leftovers(me: psutil.Process, grace_s: float = 5.0) -> tuple[list[str], int]:
+    """Processes a run left behind would skew the next run: name them, give them a grace period to exit,
+    then end them; returns (their names, how many had to be terminated)."""
     leftovers = me.children(recursive=True)
+    names = []
+    for process in leftovers:
+        try:
+            names.append(process.name())
+        except psutil.NoSuchProcess:
+            names.append("<exited>")
     _, alive = psutil.wait_procs(leftovers, timeout=grace_s)
     for process in alive:
         process.terminate()
     psutil.wait_procs(alive, timeout=grace_s)
-    return len(leftovers)
+    return names, len(alive)
 
 
 def max_round_diff(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str) -> float:
@@ -247,7 +257,8 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     runs = summary["runs"]
     colors = {"inprocess": "tab:blue", "ray": "tab:orange"}
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for ax, key, label in ((axes[0], "wall_s", "wall time (s)"), (axes[1], "peak_rss_mb", "peak RSS of process tree (MB)")):
+    panels = ((axes[0], "wall_s", "wall time (s)"), (axes[1], "peak_rss_mb", "peak RSS of process tree (MB)"))
+    for ax, key, label in panels:
         for i, backend in enumerate(BACKENDS):
             values = [run[key] for run in runs if run["backend"] == backend]
             ax.bar(i, summary["median"][backend][key], color=colors[backend], alpha=0.6)

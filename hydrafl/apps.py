@@ -62,9 +62,16 @@ def run_cohort(cfg: RunConfig) -> Cohort:
 
 
 def site_data(cfg: RunConfig, context: Context) -> tuple[Cohort, SiteSplit]:
-    """This site's split; in simulation the site's `partition-id` picks its share of the cohort."""
+    """This site's data. A hospital site names its own file (`data-path` in its node_config); a demo site
+    (`demo-site`) takes its share of the run's synthetic cohort; a simulated site its `partition-id`."""
+    node = context.node_config
+    if node.get("data-path"):
+        cohort = _cohort("", str(node["data-path"]), str(node.get("label-column", "")), "iid", 1, 2, cfg.seed)
+        return cohort, cohort.sites[0]
     cohort = run_cohort(cfg)
-    partition_id = int(context.node_config["partition-id"])
+    if "demo-site" in node:
+        return cohort, cohort.sites[int(node["demo-site"]) % len(cohort.sites)]
+    partition_id = int(node["partition-id"])
     if not 0 <= partition_id < len(cohort.sites):
         raise ValueError(f"partition-id {partition_id} is outside the cohort's {len(cohort.sites)} sites")
     return cohort, cohort.sites[partition_id]
@@ -118,7 +125,7 @@ def train(message: Message, context: Context) -> Message:
         weight_decay=cfg.weight_decay,
         proximal_mu=float(config.get("proximal-mu", 0.0)),
     )
-    site = int(context.node_config["partition-id"])
+    site = int(context.node_config.get("partition-id", context.node_config.get("demo-site", 0)))
     generator = batch_generator(cfg.seed, int(config.get("server-round", 0)), site)
     result = train_local(model, split.train_x, split.train_y, local, generator)
     end = federated_state(model)

@@ -184,5 +184,139 @@ def site_revoke(name: Annotated[str, typer.Argument(help="Site name.")], db: DbO
     console.print(f"revoked [bold]{name}[/]")
 
 
+run_admin = typer.Typer(help="Create runs and follow them.", no_args_is_help=True)
+admin_app.add_typer(run_admin, name="run")
+
+
+@run_admin.command("create")
+def run_create(
+    config: Annotated[Path | None, typer.Option(help="TOML file with run keys (task, strategy, rounds, ...).")] = None,
+    strategy: Annotated[str | None, typer.Option(help="Strategy name, e.g. fedavg or diloco.")] = None,
+    task: Annotated[str | None, typer.Option(help="Task (demo sites use its synthetic cohort).")] = None,
+    rounds: Annotated[int | None, typer.Option(help="Federated rounds.")] = None,
+    sites: Annotated[int | None, typer.Option(help="Sites expected (the demo cohort's size).")] = None,
+    min_sites: Annotated[int | None, typer.Option(help="Fewer successful sites fail the round (0 = all).")] = None,
+    local_steps: Annotated[int | None, typer.Option(help="Optimizer steps per site per round.")] = None,
+    round_timeout_s: Annotated[float | None, typer.Option(help="Round deadline in seconds (0 = wait for all).")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed.")] = None,
+    db: DbOption = None,
+) -> None:
+    """Queue a run; the coordinator starts it when enough sites are connected."""
+    flags = {k: v for k, v in locals().items() if v is not None and k not in ("config", "db")}
+    from hydrafl.config import RunConfig
+
+    try:
+        values = {**(load_toml(config) if config else {}), **flags}
+        run_config = RunConfig.from_flower({key.replace("_", "-"): value for key, value in values.items()})
+        unknown = sorted(set(k.replace("_", "-") for k in values) - set(run_config.to_flower()))
+        if unknown:
+            raise ConfigError(f"unknown key {unknown[0]!r}; valid keys: {', '.join(sorted(run_config.to_flower()))}")
+    except (ConfigError, TypeError) as error:
+        _fail(str(error), 2)
+    stored = {k: v for k, v in run_config.to_flower().items() if k not in ("run-dir", "resume")}
+    run = _store(db).create_run(stored)
+    console.print(f"created run {run.id} ({run_config.strategy}, {run_config.rounds} rounds, task {run_config.task})")
+    print(run.id)
+
+
+@run_admin.command("status")
+def run_status(
+    run_id: Annotated[int, typer.Argument(help="Run id.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    db: DbOption = None,
+) -> None:
+    """A run's state, rounds done and per-round metrics."""
+    try:
+        run = _store(db).run(run_id)
+    except ValueError as error:
+        _fail(str(error), 2)
+    summary = {
+        "run": run.id,
+        "status": run.status,
+        "rounds_done": run.rounds_done,
+        "rounds": run.config.get("rounds"),
+        "strategy": run.config.get("strategy"),
+        "detail": run.detail,
+        "history": run.history,
+    }
+    if as_json:
+        print(json.dumps(summary))
+        return
+    Console().print(f"run {run.id}: {run.status}, {run.rounds_done}/{summary['rounds']} rounds ({summary['strategy']})")
+    table = Table("round", "loss", "accuracy", "sites ok", "bytes up", "seconds")
+    for record in run.history:
+        table.add_row(
+            str(record["round"]), f"{record['loss'] or 0:.4f}", f"{record['accuracy'] or 0:.4f}",
+            str(record["sites_ok"]), str(record["bytes_up"]), f"{record['seconds']:.2f}",
+        )
+    Console().print(table)
+
+
+@run_admin.command("list")
+def run_list(db: DbOption = None) -> None:
+    """All runs."""
+    table = Table("run", "strategy", "task", "status", "rounds", "created")
+    for run in _store(db).runs():
+        table.add_row(
+            str(run.id), str(run.config.get("strategy")), str(run.config.get("task")), run.status,
+            f"{run.rounds_done}/{run.config.get('rounds')}", f"{run.created_at:%Y-%m-%d %H:%M}",
+        )
+    Console().print(table)
+
+
+@app.command()
+def server(
+    listen: Annotated[str, typer.Option(help="HOST:PORT to serve on.")] = "127.0.0.1:9091",
+    db: DbOption = None,
+    blobs: Annotated[Path | None, typer.Option(help="Folder for array chunks (default: $HYDRAFL_HOME/blobs).")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every round.")] = False,
+) -> None:
+    """Run the coordinator: serves sites over gRPC and drives queued runs."""
+    from hydrafl.server.coordinator import Coordinator
+    from hydrafl.server.paths import data_dir, default_blob_dir, default_db_url
+
+    _setup_logging(verbose)
+    data_dir().mkdir(parents=True, exist_ok=True)
+    blob_dir = blobs or default_blob_dir()
+    coordinator = Coordinator(
+        listen=listen, db_url=db or default_db_url(), blob_dir=blob_dir, runs_dir=data_dir() / "runs"
+    )
+    coordinator.start()
+    console.print(f"coordinator on {listen} (port {coordinator.port}); database {db or default_db_url()}; blobs {blob_dir}")
+    try:
+        coordinator.serve_forever()
+    except KeyboardInterrupt:
+        coordinator.stop()
+
+
+@app.command()
+def site(
+    coordinator: Annotated[str, typer.Option(help="Coordinator HOST:PORT.")] = "127.0.0.1:9091",
+    token: Annotated[str, typer.Option(envvar="HYDRAFL_SITE_TOKEN", help="Enrolment token (or $HYDRAFL_SITE_TOKEN).")] = "",
+    data: Annotated[Path | None, typer.Option(help="This site's CSV/JSONL file or image folder.")] = None,
+    label_column: Annotated[str, typer.Option(help="Label column of a CSV/JSONL --data file.")] = "",
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every message.")] = False,
+) -> None:
+    """Join a coordinator as a hospital site (outbound connection only) and train when asked."""
+    from hydrafl.apps import client_app
+    from hydrafl.client.agent import SiteAgent, SiteRefused
+
+    _setup_logging(verbose)
+    if not token:
+        _fail("a site needs --token (printed by `hydrafl admin site add NAME`)", 2)
+    if data is not None and not data.exists():
+        _fail(f"--data {data} does not exist", 2)
+    node_config = {"data-path": str(data), "label-column": label_column} if data else {}
+    if data is None:
+        console.print("no --data: joining with a synthetic demo cohort of the run's task")
+    agent = SiteAgent(coordinator, token, client_app, node_config, demo=data is None)
+    try:
+        agent.run()
+    except SiteRefused as error:
+        _fail(f"the coordinator refused this site: {error}", 3)
+    except KeyboardInterrupt:
+        pass
+
+
 def main() -> None:
     app()

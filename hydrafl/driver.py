@@ -149,7 +149,7 @@ class RoundDriver:
         messages = list(self.strategy.configure_train(server_round, arrays, config, self.grid))
         record = RoundRecord(round=server_round)
         self._count_down(messages, record)
-        replies = self._exchange(messages)
+        replies = self._exchange(messages, server_round)
         valid = []
         for reply in replies:
             reason = reply.error.reason if reply.has_error() else self._invalid_reason(reply, arrays)
@@ -183,7 +183,7 @@ class RoundDriver:
         messages = list(self.strategy.configure_evaluate(server_round, arrays, config, self.grid))
         record = RoundRecord(round=server_round)
         self._count_down(messages, record)
-        replies = [reply for reply in self._exchange(messages) if not reply.has_error()]
+        replies = [reply for reply in self._exchange(messages, server_round) if not reply.has_error()]
         for reply in replies:
             self._count_up(reply, record)
         record.sites_ok = len(replies)
@@ -191,9 +191,11 @@ class RoundDriver:
         record.loss, record.accuracy = _metric(metrics, "loss"), _metric(metrics, "accuracy")
         return record
 
-    def _exchange(self, messages: Sequence[Message]) -> list[Message]:
+    def _exchange(self, messages: Sequence[Message], server_round: int) -> list[Message]:
         if not messages:
             return []
+        for message in messages:  # Flower's strategies leave group_id empty; runtimes key rounds on it
+            message.metadata.group_id = str(server_round)
         replies = self.grid.send_and_receive(messages, timeout=self.config.timeout_s)
         return sorted(replies, key=lambda reply: reply.metadata.src_node_id)
 

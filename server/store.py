@@ -56,6 +56,8 @@ class Run(Base):
     status: Mapped[str] = mapped_column(String(16), default="pending")
     """pending -> running -> finished | failed"""
     rounds_done: Mapped[int] = mapped_column(Integer, default=0)
+    history: Mapped[list] = mapped_column(JSON, default=list)
+    """Per-round records (loss, accuracy, bytes, timings), as in the simulation's results.json."""
     detail: Mapped[str] = mapped_column(Text, default="")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
@@ -158,3 +160,108 @@ class Store:
             if kind is not None:
                 query = query.where(AuditEvent.kind == kind)
             return list(session.scalars(query))
+
+    def create_run(self, config: dict) -> Run:
+        with self.session() as session, session.begin():
+            run = Run(config=config)
+            session.add(run)
+        return run
+
+    def runs(self) -> list[Run]:
+        with self.session() as session:
+            return list(session.scalars(select(Run).order_by(Run.id)))
+
+    def run(self, run_id: int) -> Run:
+        with self.session() as session:
+            run = session.get(Run, run_id)
+        if run is None:
+            raise ValueError(f"no run {run_id}; `hydrafl admin run list` shows the runs")
+        return run
+
+    def next_run(self) -> Run | None:
+        """The run to drive: one left running by a crashed coordinator first, else the oldest pending one."""
+        with self.session() as session:
+            for status in ("running", "pending"):
+                run = session.scalar(select(Run).where(Run.status == status).order_by(Run.id).limit(1))
+                if run is not None:
+                    return run
+        return None
+
+    def set_run_status(
+        self, run_id: int, status: str, *, detail: str = "", rounds_done: int | None = None, history: list | None = None
+    ) -> None:
+        with self.session() as session, session.begin():
+            run = session.get(Run, run_id)
+            changed = run.status != status
+            run.status = status
+            run.detail = detail or run.detail
+            if rounds_done is not None:
+                run.rounds_done = rounds_done
+            if history is not None:
+                run.history = list(history)
+            if status in ("finished", "failed"):
+                run.finished_at = now()
+            if changed:
+                session.add(AuditEvent(kind=f"run-{status}", run_id=run_id, detail=detail))
+
+    def add_outbound(self, message_id: str, run_id: int, server_round: int, node_id: int, envelope: bytes) -> None:
+        with self.session() as session, session.begin():
+            if session.get(OutboundMessage, message_id) is None:
+                session.add(
+                    OutboundMessage(
+                        message_id=message_id, run_id=run_id, server_round=server_round, node_id=node_id, envelope=envelope
+                    )
+                )
+
+    def drop_unanswered(self, run_id: int) -> int:
+        """Forget a run's messages no site answered (a restarted coordinator re-sends its round afresh)."""
+        with self.session() as session, session.begin():
+            answered = select(Reply.reply_to_message_id)
+            stale = session.scalars(
+                select(OutboundMessage)
+                .where(OutboundMessage.run_id == run_id)
+                .where(OutboundMessage.message_id.not_in(answered))
+            ).all()
+            for message in stale:
+                session.delete(message)
+        return len(stale)
+
+    def outbound(self, message_id: str) -> OutboundMessage | None:
+        with self.session() as session:
+            return session.get(OutboundMessage, message_id)
+
+    def next_message_for(self, node_id: int) -> OutboundMessage | None:
+        """The oldest message to this site of a running run that it has not answered yet."""
+        with self.session() as session:
+            answered = select(Reply.reply_to_message_id)
+            running = select(Run.id).where(Run.status == "running")
+            query = (
+                select(OutboundMessage)
+                .where(OutboundMessage.node_id == node_id)
+                .where(OutboundMessage.message_id.not_in(answered))
+                .where(OutboundMessage.run_id.in_(running))
+                .order_by(OutboundMessage.created_at, OutboundMessage.message_id)
+                .limit(1)
+            )
+            return session.scalar(query)
+
+    def add_reply(self, outbound: OutboundMessage, envelope: bytes) -> bool:
+        """Store a reply; False when this message was already answered (pushes are idempotent)."""
+        with self.session() as session, session.begin():
+            exists = session.scalar(select(Reply.id).where(Reply.reply_to_message_id == outbound.message_id))
+            if exists is not None:
+                return False
+            session.add(
+                Reply(
+                    reply_to_message_id=outbound.message_id,
+                    run_id=outbound.run_id,
+                    server_round=outbound.server_round,
+                    node_id=outbound.node_id,
+                    envelope=envelope,
+                )
+            )
+        return True
+
+    def replies_to(self, message_ids: list[str]) -> list[Reply]:
+        with self.session() as session:
+            return list(session.scalars(select(Reply).where(Reply.reply_to_message_id.in_(message_ids))))

@@ -42,7 +42,9 @@ def _blur(images: np.ndarray, sigma: float) -> np.ndarray:
     taps = np.exp(-0.5 * (np.arange(-2, 3) / max(sigma, 1e-3)) ** 2)
     taps /= taps.sum()
     for axis in (1, 2):
-        padded = np.pad(images, [(0, 0), (2, 2) if axis == 1 else (0, 0), (2, 2) if axis == 2 else (0, 0)], mode="edge")
+        width = [(0, 0)] * 3
+        width[axis] = (2, 2)
+        padded = np.pad(images, width, mode="edge")
         images = sum(w * np.take(padded, np.arange(k, k + IMAGE_SIZE), axis=axis) for k, w in enumerate(taps))
     return images
 

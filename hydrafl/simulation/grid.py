@@ -14,12 +14,13 @@ from dataclasses import replace
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.common.constant import ErrorCode
 from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=no-name-in-module
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
-from flwr.supercore.task_identity import TaskIdentity
+
+from hydrafl.identity import claim_server_identity
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +49,7 @@ class InProcessGrid(Grid):
         }
         self._replies: dict[str, Message] = {}
         self._next_message_id = 0
-        self._claim_identity()
-
-    def _claim_identity(self) -> None:
-        """Flower builds new messages from the process-global task identity; make it this server's."""
-        TaskIdentity.run_id = self._run.run_id
-        TaskIdentity.node_id = SUPERLINK_NODE_ID
-        TaskIdentity.task_id = self._run.run_id
+        claim_server_identity(self._run.run_id)
 
     def set_run(self, run: Run) -> None:
         self._run = run
@@ -109,7 +104,7 @@ class InProcessGrid(Grid):
                     reply_to=received,
                 )
             finally:
-                self._claim_identity()
+                claim_server_identity(self._run.run_id)
         reply.metadata.__dict__["_message_id"] = self._new_message_id()
         return _wire_copy(reply)
 

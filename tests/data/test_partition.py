@@ -89,7 +89,7 @@ def test_pathological_one_gives_one_class_per_site_and_uses_every_class() -> Non
     assert set().union(*classes) == set(range(4))  # 4 sites, 4 classes: each class lives at exactly one site
 
 
-def test_pathological_two_gives_at_most_two_classes_per_site() -> None:
+def test_pathological_two_gives_two_classes_per_site() -> None:
     cohort = load_cohort("clinical-text", partition="pathological:2", num_sites=5)
     assert all(len(set(y.tolist())) == 2 for y in _site_labels(cohort))
 

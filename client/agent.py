@@ -1,0 +1,126 @@
+"""The site agent: connects outbound to the coordinator, pulls messages, runs the ClientApp in-process with a
+persistent Context per run, and pushes replies.
+
+Downloads fetch only the chunks the site lacks; uploads ask which chunks the coordinator already holds
+first, so a retried or interrupted upload resumes instead of starting over. A dropped connection is retried
+with exponential backoff; a refused token stops the agent (a revoked site must not keep knocking).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import grpc
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
+
+from hydrafl.proto import coordinator_pb2 as pb
+from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
+from hydrafl.proto.envelope import EnvelopeError, chunk_hashes, join_message, sha256, split_message
+
+log = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 8 << 20),
+    ("grpc.max_receive_message_length", 8 << 20),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+class SiteRefused(RuntimeError):
+    """The coordinator refused this site (unknown or revoked token, or a permission error)."""
+
+
+class SiteAgent:
+    def __init__(
+        self, coordinator: str, token: str, client_app: ClientApp, node_config: dict, *, demo: bool = False
+    ) -> None:
+        self.coordinator = coordinator
+        self.client_app = client_app
+        self.node_config = dict(node_config)
+        self.demo = demo
+        self.metadata = (("authorization", f"Bearer {token}"),)
+        self.contexts: dict[int, Context] = {}
+        self.node_id = 0
+        self.handled = 0
+
+    def run(self, stop: threading.Event | None = None, max_backoff_s: float = 30.0) -> None:
+        """Serve until `stop` is set; reconnect with backoff when the coordinator is unreachable."""
+        stop = stop or threading.Event()
+        backoff = 0.5
+        while not stop.is_set():
+            try:
+                with grpc.insecure_channel(self.coordinator, options=CHANNEL_OPTIONS) as channel:
+                    self._serve(CoordinatorStub(channel), stop)
+            except grpc.RpcError as error:
+                code = error.code()
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    raise SiteRefused(f"{code.name}: {error.details()}") from error
+                if code not in RETRYABLE:
+                    raise
+                log.warning("coordinator %s unreachable (%s); retrying in %.1f s", self.coordinator, code.name, backoff)
+                stop.wait(backoff)
+                backoff = min(backoff * 2, max_backoff_s)
+
+    def _serve(self, stub: CoordinatorStub, stop: threading.Event) -> None:
+        joined = stub.Join(pb.JoinRequest(), metadata=self.metadata)
+        self.node_id = joined.node_id
+        if self.demo:
+            self.node_config["demo-site"] = joined.site_index
+        log.info("joined as %s (node %d)", joined.site_name, joined.node_id)
+        while not stop.is_set():
+            pulled = stub.PullMessage(pb.PullMessageRequest(), metadata=self.metadata)
+            if not pulled.has_message:
+                stop.wait(pulled.poll_after_s)
+                continue
+            envelope = pulled.envelope
+            if envelope.run_id not in self.contexts:
+                joined = stub.Join(pb.JoinRequest(), metadata=self.metadata)
+                self.contexts[envelope.run_id] = Context(
+                    run_id=envelope.run_id,
+                    node_id=self.node_id,
+                    node_config=self.node_config,
+                    state=RecordDict(),
+                    run_config=json.loads(joined.run_config or b"{}"),
+                )
+            reply = self._handle(stub, envelope)
+            self._push(stub, reply, envelope.round)
+            self.handled += 1
+
+    def _handle(self, stub: CoordinatorStub, envelope: pb.Envelope) -> Message:
+        chunks = {}
+        for chunk in stub.GetChunks(pb.GetChunksRequest(sha256=chunk_hashes(envelope)), metadata=self.metadata):
+            if sha256(chunk.data) != chunk.sha256:
+                raise EnvelopeError(f"chunk {chunk.sha256[:12]} from the coordinator fails its SHA-256 check")
+            chunks[chunk.sha256] = chunk.data
+        message = join_message(envelope, chunks)
+        try:
+            reply = self.client_app(message=message, context=self.contexts[envelope.run_id])
+        except Exception as error:  # the site's failure becomes an error reply; the agent keeps serving
+            log.warning("ClientApp raised %s: %s", type(error).__name__, error)
+            reply = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(error).__name__}: {error}"), reply_to=message)
+        reply.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+        return reply
+
+    def _push(self, stub: CoordinatorStub, reply: Message, server_round: int) -> None:
+        envelope, chunks = split_message(reply, server_round)
+        present = set(stub.HasChunks(pb.HasChunksRequest(sha256=list(chunks)), metadata=self.metadata).present)
+        missing = [digest for digest in chunks if digest not in present]
+
+        def stream() -> Iterator[pb.Chunk]:
+            for digest in missing:
+                yield pb.Chunk(sha256=digest, data=chunks[digest])
+
+        if missing:
+            stub.PutChunks(stream(), metadata=self.metadata)
+        started = time.perf_counter()
+        stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=self.metadata)
+        log.info("pushed reply to %s in %.3f s", envelope.reply_to_message_id[:8], time.perf_counter() - started)

@@ -1,0 +1,85 @@
+"""The coordinator process: the gRPC service, the health service, and the loop that drives runs.
+
+Runs are driven one at a time by the same round driver as the simulation. Every run checkpoints each
+round into its run folder and is always started with `resume`, so a coordinator restarted after a crash
+continues a running run from its last completed round with the strategy state (e.g. outer momentum) intact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from hydrafl.apps import run_federation
+from hydrafl.config import RunConfig
+from hydrafl.driver import RoundRecord
+from hydrafl.proto.coordinator_pb2_grpc import add_CoordinatorServicer_to_server
+from hydrafl.server.blobs import BlobStore
+from hydrafl.server.grid import CoordinatorGrid
+from hydrafl.server.service import GRPC_OPTIONS, CoordinatorService
+from hydrafl.server.store import Run, Store
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "hydrafl.proto.Coordinator"
+
+
+class Coordinator:
+    def __init__(self, *, listen: str, db_url: str, blob_dir: Path, runs_dir: Path) -> None:
+        self.store = Store(db_url)
+        self.blobs = BlobStore(blob_dir)
+        self.runs_dir = runs_dir
+        self.service = CoordinatorService(self.store, self.blobs)
+        self.health = health.HealthServicer()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=GRPC_OPTIONS)
+        add_CoordinatorServicer_to_server(self.service, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {listen}")
+        self.stopping = threading.Event()
+
+    def start(self) -> None:
+        self.server.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.server.stop(grace=1).wait()
+
+    def serve_forever(self, idle_poll_s: float = 0.5) -> None:
+        """Drive pending runs until stopped."""
+        while not self.stopping.is_set():
+            run = self.store.next_run()
+            if run is None:
+                self.stopping.wait(idle_poll_s)
+                continue
+            self.drive(run)
+
+    def drive(self, run: Run) -> None:
+        cfg = dataclasses.replace(
+            RunConfig.from_flower(run.config), run_dir=str(self.runs_dir / str(run.id)), resume=True
+        )
+        self.store.set_run_status(run.id, "running")
+        self.store.drop_unanswered(run.id)
+        grid = CoordinatorGrid(self.store, self.blobs, self.service, run.id)
+
+        history: list[dict] = list(run.history)
+
+        def progress(record: RoundRecord) -> None:
+            history[:] = [entry for entry in history if entry["round"] < record.round] + [dataclasses.asdict(record)]
+            self.store.set_run_status(run.id, "running", rounds_done=record.round, history=history)
+
+        try:
+            run_federation(grid, cfg, on_round=progress)
+        except Exception as error:  # any failure ends this run, loudly, and the coordinator keeps serving
+            log.error("run %d failed: %s", run.id, error)
+            self.store.set_run_status(run.id, "failed", detail=f"{type(error).__name__}: {error}")
+            return
+        self.store.set_run_status(run.id, "finished", rounds_done=cfg.rounds)

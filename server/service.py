@@ -1,0 +1,147 @@
+"""The coordinator's gRPC service: every call authenticated, every bad input a clear status, state untouched.
+
+Status codes: wrong or revoked token -> UNAUTHENTICATED; a reply to another site's message ->
+PERMISSION_DENIED; a reply to a message of a finished run -> FAILED_PRECONDITION; malformed manifest,
+chunk hash mismatch, NaN/Inf, garbage bytes -> INVALID_ARGUMENT with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+from flwr.app import Message
+
+from hydrafl.proto import coordinator_pb2 as pb
+from hydrafl.proto.coordinator_pb2_grpc import CoordinatorServicer
+from hydrafl.proto.envelope import EnvelopeError, chunk_hashes, join_message
+from hydrafl.server.blobs import BlobStore
+from hydrafl.server.store import FIRST_NODE_ID, Site, Store
+
+log = logging.getLogger(__name__)
+
+POLL_AFTER_S = 0.2
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 8 << 20),
+    ("grpc.max_receive_message_length", 8 << 20),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+class CoordinatorService(CoordinatorServicer):
+    def __init__(self, store: Store, blobs: BlobStore) -> None:
+        self.store = store
+        self.blobs = blobs
+        self.last_seen: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    def connected_nodes(self, within_s: float = 30.0) -> list[int]:
+        """Sites that called in recently and are still enrolled."""
+        horizon = time.monotonic() - within_s
+        active = {site.node_id for site in self.store.sites() if not site.revoked}
+        with self._lock:
+            return sorted(node for node, seen in self.last_seen.items() if seen >= horizon and node in active)
+
+    def _site(self, context: grpc.ServicerContext) -> Site:
+        metadata = dict(context.invocation_metadata())
+        token = metadata.get("authorization", "").removeprefix("Bearer ").strip()
+        site = self.store.authenticate(token) if token else None
+        if site is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "unknown or revoked site token")
+        with self._lock:
+            self.last_seen[site.node_id] = time.monotonic()
+        return site
+
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
+        site = self._site(context)
+        run = next((r for r in self.store.runs() if r.status == "running"), None)
+        return pb.JoinReply(
+            site_name=site.name,
+            node_id=site.node_id,
+            run_id=run.id if run else 0,
+            run_config=json.dumps(run.config if run else {}).encode(),
+            site_index=site.node_id - FIRST_NODE_ID,
+        )
+
+    def PullMessage(self, request: pb.PullMessageRequest, context: grpc.ServicerContext) -> pb.PullMessageReply:
+        site = self._site(context)
+        outbound = self.store.next_message_for(site.node_id)
+        if outbound is None:
+            return pb.PullMessageReply(has_message=False, poll_after_s=POLL_AFTER_S)
+        return pb.PullMessageReply(has_message=True, envelope=pb.Envelope.FromString(outbound.envelope))
+
+    def GetChunks(self, request: pb.GetChunksRequest, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
+        self._site(context)
+        for digest in request.sha256:
+            try:
+                data = self.blobs.get(digest)
+            except (KeyError, EnvelopeError) as error:
+                context.abort(grpc.StatusCode.NOT_FOUND, str(error))
+            yield pb.Chunk(sha256=digest, data=data)
+
+    def HasChunks(self, request: pb.HasChunksRequest, context: grpc.ServicerContext) -> pb.HasChunksReply:
+        self._site(context)
+        try:
+            missing = set(self.blobs.missing(request.sha256))
+        except EnvelopeError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return pb.HasChunksReply(present=[digest for digest in request.sha256 if digest not in missing])
+
+    def PutChunks(self, request_iterator: Iterator[pb.Chunk], context: grpc.ServicerContext) -> pb.PutChunksReply:
+        site = self._site(context)
+        stored = present = 0
+        for chunk in request_iterator:
+            try:
+                if self.blobs.put(chunk.sha256, chunk.data):
+                    stored += 1
+                else:
+                    present += 1
+            except EnvelopeError as error:
+                self.store.audit("update-rejected", site_name=site.name, detail=str(error))
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return pb.PutChunksReply(stored=stored, already_present=present)
+
+    def PushReply(self, request: pb.PushReplyRequest, context: grpc.ServicerContext) -> pb.PushReplyReply:
+        site = self._site(context)
+        envelope = request.envelope
+        outbound = self.store.outbound(envelope.reply_to_message_id)
+        if outbound is None or outbound.node_id != site.node_id:
+            self._reject(context, site, grpc.StatusCode.PERMISSION_DENIED, "reply to a message not addressed to this site")
+        if self.store.run(outbound.run_id).status != "running":
+            self._reject(context, site, grpc.StatusCode.FAILED_PRECONDITION, f"run {outbound.run_id} is not running")
+        try:
+            missing = self.blobs.missing(chunk_hashes(envelope))
+            if missing:
+                raise EnvelopeError(f"{len(missing)} chunks were not uploaded (first {missing[0][:12]})")
+            message = join_message(envelope, {digest: self.blobs.get(digest) for digest in chunk_hashes(envelope)})
+            _check_finite(message)
+        except EnvelopeError as error:
+            self._reject(context, site, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        accepted = self.store.add_reply(outbound, envelope.SerializeToString())
+        if accepted:
+            self.store.audit(
+                "update-accepted", site_name=site.name, run_id=outbound.run_id, detail=envelope.reply_to_message_id
+            )
+        return pb.PushReplyReply(duplicate=not accepted)
+
+    def _reject(self, context: grpc.ServicerContext, site: Site, code: grpc.StatusCode, reason: str) -> None:
+        self.store.audit("update-rejected", site_name=site.name, detail=f"{code.name}: {reason}")
+        context.abort(code, reason)
+
+
+def _check_finite(message: Message) -> None:
+    if message.has_error():
+        return
+    for key, record in message.content.array_records.items():
+        for name, array in record.items():
+            values = array.numpy()
+            if values.dtype.kind == "f" and not np.isfinite(values).all():
+                raise EnvelopeError(f"array {key}/{name} contains NaN or Inf")

@@ -1,0 +1,53 @@
+"""The benchmarks' --quick modes run end to end and their numerical checks pass (no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def run_quick(name: str, out: Path, timeout_s: float) -> dict[str, Any]:
+    command = [sys.executable, "-m", f"hydrafl.benchmarks.{name}", "--quick", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert (out / f"{name}.png").stat().st_size > 0
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def test_aggregation_quick(tmp_path):
+    result = run_quick("aggregation", tmp_path, timeout_s=180)
+    assert result["quick"] is True
+    throughput = result["throughput"]
+    assert set(throughput["median_s"]) == set(throughput["gb_per_s"]) == {"hydrafl", "flower"}
+    assert throughput["speedup_hydrafl_over_flower"] > 0
+    assert throughput["equality"]["passed"], throughput["equality"]
+    memory = result["memory"]
+    assert memory["baseline_mb"] > 0 and memory["model_mb"] > 0
+    assert [int(count) for count in memory["sites"]] == [2, 4]
+    for entry in memory["sites"].values():
+        assert set(entry) == {"hydrafl", "flower"}
+        assert {"peak_mb", "extra_mb", "extra_models"} <= set(entry["flower"])
+    assert {"hydrafl_under_goal", "hydrafl_spread_models", "flower_growth_models"} <= set(memory)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_simulation_runtime_quick(tmp_path):
+    pytest.importorskip("ray")
+    result = run_quick("simulation_runtime", tmp_path, timeout_s=300)
+    assert result["quick"] is True
+    assert {run["backend"] for run in result["runs"]} == {"inprocess", "ray"}
+    for backend in ("inprocess", "ray"):
+        median = result["median"][backend]
+        assert median["wall_s"] > 0 and median["peak_rss_mb"] > 0
+    assert result["median"]["ray"]["peak_processes"] > 1  # Ray's own processes were seen by the sampler
+    assert {"time_ray_over_inprocess", "memory_ray_over_inprocess", "time_goal_met", "memory_goal_met"} <= set(
+        result["ratios"]
+    )
+    assert result["equality"]["passed"], result["equality"]
+    assert result["equality"]["inprocess_reps_identical"]

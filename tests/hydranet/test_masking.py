@@ -1,0 +1,216 @@
+"""Head masking and layer freezing/bypass on live models, against independent reference computations."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hydrafl.hydranet import SubnetSpec, apply_spec, find_architecture
+from hydrafl.model_zoo import with_lora
+
+
+def _bert_reference(net, x: torch.Tensor, kept: dict[int, tuple[int, ...]]) -> torch.Tensor:
+    """BERT classifier logits written out by hand: per-head attention, dropped heads' context set to zero."""
+    bert = net.bert
+    h = bert.embeddings(input_ids=x)
+    pad = x == 0  # [B, S] keys to ignore
+    for i, layer in enumerate(bert.encoder.layer):
+        att, out = layer.attention.self, layer.attention.output
+        heads, d = att.num_attention_heads, att.attention_head_size
+        B, S, _ = h.shape
+
+        def split(t):
+            return t.view(B, S, heads, d).transpose(1, 2)  # [B, heads, S, d]
+
+        q, k, v = split(att.query(h)), split(att.key(h)), split(att.value(h))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+        scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+        context = torch.softmax(scores, dim=-1) @ v  # [B, heads, S, d]
+        for head in range(heads):
+            if i in kept and head not in kept[i]:
+                context[:, head] = 0.0
+        context = context.transpose(1, 2).reshape(B, S, heads * d)
+        a = out.LayerNorm(F.linear(context, out.dense.weight, out.dense.bias) + h)
+        ffn = F.linear(F.gelu(layer.intermediate.dense(a)), layer.output.dense.weight, layer.output.dense.bias)
+        h = layer.output.LayerNorm(ffn + a)
+    pooled = torch.tanh(bert.pooler.dense(h[:, 0]))
+    return net.classifier(pooled)
+
+
+def test_bert_head_mask_equals_hand_written_reference(bert, text_batch):
+    model = bert.double().eval()
+    x, _ = text_batch
+    x = x.clone()
+    x[0, 6:] = 0  # padding, to exercise the attention mask too
+    x[3, 5:] = 0
+    kept = {0: (1, 3), 1: (0,)}  # layer 2: all heads
+    spec = SubnetSpec(layers=(0, 1, 2), heads=(kept[0], kept[1], (0, 1, 2, 3)))
+    with torch.no_grad():
+        full = model(x)
+        assert torch.allclose(full, _bert_reference(model.net, x, {}), atol=1e-10, rtol=0)
+        with apply_spec(model, spec):
+            masked = model(x)
+        reference = _bert_reference(model.net, x, kept)
+        after = model(x)
+    assert torch.allclose(masked, reference, atol=1e-10, rtol=0)
+    assert (masked - full).abs().max() > 1e-5  # the mask really changes the function (100000x the tolerance)
+    assert torch.equal(after, full)  # remove() restores the model exactly
+
+
+def _zero_o_inputs(model, arch, layer: int, dims: list[int]) -> None:
+    """Reference masking: zero the columns of o (base weight and LoRA A) that read the dropped heads."""
+    o = model.get_submodule(arch.layers[layer].o)
+    with torch.no_grad():
+        if hasattr(o, "base_layer"):
+            o.base_layer.weight[:, dims] = 0.0
+            for a in o.lora_A.values():
+                a.weight[:, dims] = 0.0
+        else:
+            o.weight[:, dims] = 0.0
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_llama_gqa_group_mask_equals_zeroed_o_columns(llama, lm_batch, lora):
+    model = with_lora(llama, rank=2, alpha=4, init_lora_weights=False) if lora else llama
+    model.eval()
+    arch = find_architecture(model)
+    x, _ = lm_batch
+    # Layer 1 keeps KV group 1 = query heads 2, 3 (o input dims 16..31); layer 2 keeps group 0 (dims 0..15).
+    spec = SubnetSpec(layers=(1, 2), heads=((1,), (0,)))
+    with torch.no_grad():
+        with apply_spec(model, spec):
+            masked = model(input_ids=x).logits
+        reference_model = copy.deepcopy(model)
+        _zero_o_inputs(reference_model, arch, 1, list(range(0, 16)))
+        _zero_o_inputs(reference_model, arch, 2, list(range(16, 32)))
+        reference = reference_model(input_ids=x).logits
+        full = model(input_ids=x).logits
+    assert torch.allclose(masked, reference, atol=1e-6, rtol=0)
+    assert (masked - full).abs().max() > 1e-3
+
+
+def test_vit_head_mask_equals_zeroed_o_columns(vit, image_batch):
+    model = vit.eval()
+    arch = find_architecture(model)
+    x, _ = image_batch
+    spec = SubnetSpec(layers=(0,), heads=((2,),))
+    with torch.no_grad():
+        with apply_spec(model, spec):
+            masked = model(x)
+        reference_model = copy.deepcopy(model)
+        _zero_o_inputs(reference_model, arch, 0, list(range(0, 16)) + list(range(24, 32)))
+        reference = reference_model(x)
+        full = model(x)
+    assert torch.allclose(masked, reference, atol=1e-6, rtol=0)
+    assert (masked - full).abs().max() > 1e-4
+
+
+def _grads(model) -> dict[str, torch.Tensor | None]:
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_masked_heads_get_exactly_zero_gradient_llama_full(llama, lm_batch, lm_loss):
+    x, y = lm_batch
+    spec = SubnetSpec(layers=(0, 2), heads=((1,), (0,)))
+    with apply_spec(llama, spec):
+        lm_loss(llama, x, y).backward()
+        g = _grads(llama)
+    L0, L2 = "model.layers.0.self_attn", "model.layers.2.self_attn"
+    # layer 0 keeps group 1: q rows 16..31, k/v rows 8..15, o columns 16..31
+    assert torch.count_nonzero(g[f"{L0}.q_proj.weight"][:16]) == 0
+    assert torch.count_nonzero(g[f"{L0}.q_proj.weight"][16:]) == 16 * 32
+    for kv in ("k_proj", "v_proj"):
+        assert torch.count_nonzero(g[f"{L0}.{kv}.weight"][:8]) == 0
+        assert torch.count_nonzero(g[f"{L0}.{kv}.weight"][8:]) == 8 * 32
+    assert torch.count_nonzero(g[f"{L0}.o_proj.weight"][:, :16]) == 0
+    assert torch.count_nonzero(g[f"{L0}.o_proj.weight"][:, 16:]) == 32 * 16
+    # layer 2 keeps group 0
+    assert torch.count_nonzero(g[f"{L2}.q_proj.weight"][16:]) == 0
+    assert torch.count_nonzero(g[f"{L2}.o_proj.weight"][:, 16:]) == 0
+    # layer 1 is frozen: no gradient at all; FFN of selected layers trains fully
+    assert all(v is None for n, v in g.items() if n.startswith("model.layers.1."))
+    assert torch.count_nonzero(g["model.layers.0.mlp.down_proj.weight"]) == 32 * 48
+    # after remove(): every parameter trainable again, no hooks left
+    assert all(p.requires_grad for p in llama.parameters())
+    assert not any(hasattr(p, "_hydrafl_frozen") for p in llama.parameters())
+    assert all(not m._forward_pre_hooks for m in llama.modules())
+
+
+def test_masked_heads_get_exactly_zero_gradient_under_lora(llama, lm_batch, lm_loss):
+    model = with_lora(llama, rank=2, alpha=4, init_lora_weights=False)  # B random, so every factor gets gradient
+    x, y = lm_batch
+    spec = SubnetSpec(layers=(1,), heads=((0,),))  # group 0: query heads 0, 1
+    with apply_spec(model, spec):
+        lm_loss(model, x, y).backward()
+    g = _grads(model)
+    L = "base_model.model.model.layers.1.self_attn"
+    assert torch.count_nonzero(g[f"{L}.q_proj.lora_B.default.weight"][16:]) == 0
+    assert torch.count_nonzero(g[f"{L}.q_proj.lora_B.default.weight"][:16]) == 16 * 2
+    for kv in ("k_proj", "v_proj"):
+        assert torch.count_nonzero(g[f"{L}.{kv}.lora_B.default.weight"][8:]) == 0
+        assert torch.count_nonzero(g[f"{L}.{kv}.lora_B.default.weight"][:8]) == 8 * 2
+    # o's LoRA A reads the concatenated heads: masked heads' columns get zero gradient
+    assert torch.count_nonzero(g[f"{L}.o_proj.lora_A.default.weight"][:, 16:]) == 0
+    assert torch.count_nonzero(g[f"{L}.o_proj.lora_A.default.weight"][:, :16]) == 2 * 16
+    assert g[f"{L}.o_proj.base_layer.weight"] is None  # frozen by LoRA
+    assert all(v is None for n, v in g.items() if ".layers.0." in n or ".layers.2." in n)
+
+
+def test_bert_bias_rows_of_masked_heads_get_zero_gradient(bert, text_batch):
+    x, y = text_batch
+    with apply_spec(bert, SubnetSpec(layers=(2,), heads=((1, 2),))):
+        F.cross_entropy(bert(x), y).backward()
+    s = "net.bert.encoder.layer.2.attention.self"
+    grads = dict(bert.named_parameters())
+    for proj in ("query", "value"):  # (the key bias has no effect on softmax: its gradient is ~0 for all heads)
+        b = grads[f"{s}.{proj}.bias"].grad
+        assert torch.count_nonzero(b[:8]) == 0 and torch.count_nonzero(b[24:]) == 0
+        assert torch.count_nonzero(b[8:24]) == 16
+
+
+def test_frozen_layers_keep_the_function_bypassed_layers_skip_it(llama, lm_batch):
+    llama.eval()
+    x, _ = lm_batch
+    calls = []
+    llama.model.layers[1].self_attn.register_forward_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        full = llama(input_ids=x).logits
+        with apply_spec(llama, SubnetSpec(layers=(0, 2))):
+            frozen = llama(input_ids=x).logits
+        assert torch.equal(frozen, full) and len(calls) == 2  # a frozen layer still runs
+        with apply_spec(llama, SubnetSpec(layers=(0, 2), bypass=True)):
+            bypassed = llama(input_ids=x).logits
+        assert len(calls) == 2  # a bypassed layer does not
+        reference = copy.deepcopy(llama)
+        reference.model.layers = nn.ModuleList([reference.model.layers[0], reference.model.layers[2]])
+        expected = reference(input_ids=x).logits
+        after = llama(input_ids=x).logits
+    assert torch.allclose(bypassed, expected, atol=1e-6, rtol=0)
+    assert (bypassed - full).abs().max() > 1e-3
+    assert torch.equal(after, full) and len(calls) == 3
+    assert "forward" not in vars(llama.model.layers[1])
+
+
+def test_bert_bypass_equals_the_model_without_the_layer(bert, text_batch):
+    bert.eval()
+    x, _ = text_batch
+    with torch.no_grad():
+        with apply_spec(bert, SubnetSpec(layers=(1,), bypass=True)):
+            bypassed = bert(x)
+        reference = copy.deepcopy(bert)
+        reference.net.bert.encoder.layer = nn.ModuleList([reference.net.bert.encoder.layer[1]])
+        expected = reference(x)
+    assert torch.allclose(bypassed, expected, atol=1e-6, rtol=0)
+
+
+def test_width_ratio_is_refused_not_ignored(llama):
+    from hydrafl.hydranet import SpecError
+
+    with pytest.raises(SpecError, match="width_ratio=0.5 is for the width-based baselines"):
+        apply_spec(llama, SubnetSpec(layers=(0,), width_ratio=0.5))
+    assert all(p.requires_grad for p in llama.parameters())

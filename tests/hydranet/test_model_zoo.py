@@ -1,0 +1,89 @@
+"""Tiny causal LM, LoRA wrapping, offline loading, and hand-counted parameter / FLOP numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from hydrafl.hydranet import SubnetSpec
+from hydrafl.model_zoo import (
+    TinyLlamaShape,
+    build_causal_lm,
+    forward_flops,
+    load_pretrained,
+    parameter_bytes,
+    parameter_count,
+    with_lora,
+)
+
+# Tiny Llama of conftest.LLAMA: hidden 32, 3 layers, 4 heads / 2 KV heads of 8, intermediate 48, vocab 40.
+# Per layer: q 32x32 (1024) + k 16x32 (512) + v 512 + o 1024 + gate/up/down 3 x 48x32 (4608) = 7680 matmul weights,
+# + 2 RMSNorm x 32. LM head 40x32 = 1280, embeddings 40x32 = 1280, final norm 32.
+LAYER_MATMUL = 7680
+ATTN_PROJ = 3072  # q + k + v + o
+
+
+def test_tiny_causal_lm_config(llama, lm_batch):
+    c = llama.config
+    assert (c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (
+        40, 32, 3, 4, 2,
+    )
+    assert llama(input_ids=lm_batch[0]).logits.shape == (4, 8, 40)
+    again = build_causal_lm(40, shape=TinyLlamaShape(hidden=32, layers=3, heads=4, kv_heads=2, intermediate=48,
+                                                     max_positions=32), seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(llama.state_dict().values(), again.state_dict().values()))
+    with pytest.raises(ValueError, match="do not divide"):
+        build_causal_lm(40, shape=TinyLlamaShape(hidden=32, heads=4, kv_heads=3))
+
+
+def test_parameter_counts(llama):
+    assert parameter_count(llama) == 1280 + 3 * (LAYER_MATMUL + 64) + 32 + 1280 == 25824
+    assert parameter_bytes(llama) == 4 * 25824
+    lora = with_lora(llama, rank=2, alpha=4)
+    # per layer: q A 2x32 + B 32x2, k A 2x32 + B 16x2, v the same, o A 2x32 + B 32x2 = 128 + 96 + 96 + 128 = 448
+    assert parameter_count(lora) == 3 * 448
+    assert parameter_count(lora, trainable_only=False) == 25824 + 3 * 448
+
+
+def test_forward_flops_hand_count(llama):
+    S = 8
+    attention_per_layer = 4 * S * S * 4 * 8  # QK^T and AV: 4 S^2 x heads x head_dim = 8192
+    full = 2 * S * (3 * LAYER_MATMUL + 1280) + 3 * attention_per_layer
+    assert full == 413696
+    assert forward_flops(llama, S) == full
+    # bypassing layer 1 removes its matmuls and attention
+    bypass = SubnetSpec(layers=(0, 2), bypass=True)
+    assert forward_flops(llama, S, bypass) == 2 * S * (2 * LAYER_MATMUL + 1280) + 2 * attention_per_layer == 282624
+    # freezing does not save forward compute
+    assert forward_flops(llama, S, SubnetSpec(layers=(0, 2))) == full
+    # one of two KV groups in layers 0 and 2: the pruned subnetwork computes half of q/k/v/o and half the heads
+    heads = SubnetSpec(layers=(0, 1, 2), heads=((0,), (0, 1), (1,)))
+    pruned = 2 * S * (3 * LAYER_MATMUL - 2 * ATTN_PROJ // 2 + 1280) + 2 * attention_per_layer // 2 + attention_per_layer
+    assert forward_flops(llama, S, heads, executed=False) == pruned == 356352
+    assert forward_flops(llama, S, heads, executed=True) == full  # the mask hook still runs every head
+    # LoRA adds its factors' matmuls (448 per layer), the base weights still run
+    assert forward_flops(with_lora(llama, rank=2, alpha=4), S) == full + 2 * S * 3 * 448 == 435200
+
+
+def test_bert_flops_count_the_pooled_head_per_token(bert):
+    # hidden 32, 3 layers, 4 heads of 8, intermediate 48; q/k/v/o 4 x 1024 + FFN 2 x 1536 = 7168 per layer;
+    # outside: pooler 1024 + classifier 96, counted per token (an upper bound for the pooled head)
+    S = 8
+    assert forward_flops(bert, S) == 2 * S * (3 * 7168 + 1024 + 96) + 3 * 4 * S * S * 32 == 386560
+
+
+def test_load_pretrained_round_trip(tmp_path, llama, bert, lm_batch, text_batch):
+    llama.save_pretrained(tmp_path / "lm")
+    loaded = load_pretrained(tmp_path / "lm")
+    assert type(loaded) is LlamaForCausalLM
+    assert loaded.config.num_key_value_heads == 2
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(input_ids=lm_batch[0]).logits, llama.eval()(input_ids=lm_batch[0]).logits)
+    bert.net.save_pretrained(tmp_path / "bert")
+    assert type(load_pretrained(tmp_path / "bert")).__name__ == "BertForSequenceClassification"
+    with pytest.raises(ValueError, match="is not a local checkpoint directory"):
+        load_pretrained(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="has no config.json"):
+        load_pretrained(tmp_path / "empty")

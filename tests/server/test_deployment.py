@@ -1,0 +1,121 @@
+"""A real coordinator process and real site processes on loopback, against the in-process simulation."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hydrafl.config import RunConfig
+from hydrafl.server.store import Store
+from hydrafl.simulation.compare import run_strategy
+
+RUN = RunConfig(task="tabular", sites=3, samples_per_site=60, rounds=3, local_steps=3, batch_size=16, lr=3e-3,
+                strategy="diloco", outer_lr=0.5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(*args: str, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "hydrafl", *args], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_serving(address: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(service="hydrafl.proto.Coordinator"), timeout=1).status == 1:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.2)
+    raise TimeoutError(f"coordinator on {address} never reported SERVING")
+
+
+def _wait(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.3)
+    raise TimeoutError(what)
+
+
+@pytest.fixture
+def deployment(tmp_path):
+    env = {**os.environ, "HYDRAFL_HOME": str(tmp_path / "home")}
+    db = f"sqlite:///{tmp_path / 'coordinator.db'}"
+    store = Store(db)
+    tokens = [store.add_site(f"hospital-{i}")[1] for i in range(RUN.sites)]
+    run = store.create_run({k: v for k, v in RUN.to_flower().items() if k not in ("run-dir", "resume")})
+    address = f"127.0.0.1:{_free_port()}"
+    server_args = ("server", "--listen", address, "--db", db, "--blobs", str(tmp_path / "blobs"))
+    processes: list[subprocess.Popen] = []
+
+    def start_server() -> subprocess.Popen:
+        process = _start(*server_args, env=env)
+        processes.append(process)
+        _wait_serving(address)
+        return process
+
+    yield store, run.id, address, tokens, start_server, lambda token: processes.append(
+        _start("site", "--coordinator", address, "--token", token, env=env))
+    for process in processes:
+        process.kill()
+        process.wait()
+
+
+def _history_numbers(history):
+    return [(r["round"], r["loss"], r["accuracy"], r["sites_ok"], r["bytes_up"]) for r in history]
+
+
+@pytest.mark.slow
+def test_coordinator_and_three_sites_match_the_simulation(deployment, tmp_path):
+    store, run_id, address, tokens, start_server, start_site = deployment
+    start_server()
+    for token in tokens:
+        start_site(token)
+    _wait(lambda: store.run(run_id).status in ("finished", "failed"), 240, "the run did not finish")
+    run = store.run(run_id)
+    assert run.status == "finished", run.detail
+    simulated = run_strategy(RunConfig.from_flower({**RUN.to_flower(), "run-dir": str(tmp_path / "sim")}), "inprocess")
+    for (r1, loss1, acc1, ok1, up1), (r2, loss2, acc2, ok2, up2) in zip(_history_numbers(run.history),
+                                                                        _history_numbers(simulated), strict=True):
+        assert (r1, ok1, up1) == (r2, ok2, up2)
+        assert loss1 == pytest.approx(loss2, rel=1e-5) and acc1 == pytest.approx(acc2, abs=1e-9)
+    kinds = [event.kind for event in store.audit_events()]
+    # train + evaluate each round, the round-0 evaluation, one init query, one curvature probe per site
+    assert kinds.count("update-accepted") == RUN.rounds * RUN.sites * 2 + RUN.sites + 1 + RUN.sites
+    assert "run-finished" in kinds
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_coordinator_mid_run_then_restart_finishes_with_the_same_model(deployment, tmp_path):
+    store, run_id, address, tokens, start_server, start_site = deployment
+    server = start_server()
+    for token in tokens:
+        start_site(token)
+    _wait(lambda: store.run(run_id).rounds_done >= 1, 240, "round 1 never completed")
+    server.send_signal(signal.SIGKILL)
+    server.wait()
+    assert store.run(run_id).status == "running"
+    start_server()
+    _wait(lambda: store.run(run_id).status in ("finished", "failed"), 240, "the restarted run did not finish")
+    run = store.run(run_id)
+    assert run.status == "finished", run.detail
+    simulated = run_strategy(RunConfig.from_flower({**RUN.to_flower(), "run-dir": str(tmp_path / "sim")}), "inprocess")
+    assert [r["round"] for r in run.history] == [0, 1, 2, 3]
+    assert run.history[-1]["loss"] == pytest.approx(simulated[-1]["loss"], rel=1e-5)
