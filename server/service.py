@@ -121,6 +121,7 @@ class CoordinatorService(CoordinatorServicer):
             missing = self.blobs.missing(chunk_hashes(envelope))
             if missing:
                 raise EnvelopeError(f"{len(missing)} chunks were not uploaded (first {missing[0][:12]})")
+            _check_against_request(pb.Envelope.FromString(outbound.envelope), envelope)
             message = join_message(envelope, {digest: self.blobs.get(digest) for digest in chunk_hashes(envelope)})
             _check_finite(message)
         except EnvelopeError as error:
@@ -135,6 +136,19 @@ class CoordinatorService(CoordinatorServicer):
     def _reject(self, context: grpc.ServicerContext, site: Site, code: grpc.StatusCode, reason: str) -> None:
         self.store.audit("update-rejected", site_name=site.name, detail=f"{code.name}: {reason}")
         context.abort(code, reason)
+
+
+def _check_against_request(request: pb.Envelope, reply: pb.Envelope) -> None:
+    """A reply's tensor that shares a name with one the site was sent must keep its shape and dtype."""
+    sent = {t.name: (t.dtype, list(t.shape)) for record in request.arrays for t in record.tensors}
+    for record in reply.arrays:
+        for tensor in record.tensors:
+            if tensor.name in sent and sent[tensor.name] != (tensor.dtype, list(tensor.shape)):
+                dtype, shape = sent[tensor.name]
+                raise EnvelopeError(
+                    f"array {tensor.name}: shape {list(tensor.shape)} {tensor.dtype} does not match shape {shape} "
+                    f"{dtype} of the array sent"
+                )
 
 
 def _check_finite(message: Message) -> None:

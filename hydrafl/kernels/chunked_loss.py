@@ -91,11 +91,12 @@ class _CrossEntropyShard(torch.autograd.Function):
         target = torch.zeros(rows, dtype=acc, device=hidden.device)  # [N]
         for r, c in _blocks(rows, weight.shape[0], window_size, chunk_size):
             z = _logits(hidden, weight, r, c)  # [w, c]
-            new_max = torch.maximum(row_max[r], z.amax(dim=1))  # [w]
-            sumexp[r] = sumexp[r] * torch.exp(row_max[r] - new_max) + torch.exp(z - new_max[:, None]).sum(dim=1)
-            row_max[r] = new_max
             inside, column = _target_in_chunk(local_target[r], c)
             target[r] += torch.where(inside, z.gather(1, column).squeeze(1), 0.0)
+            new_max = torch.maximum(row_max[r], z.amax(dim=1))  # [w]
+            exp_z = z.sub_(new_max[:, None]).exp_()  # [w, c] e^(z - m), in place: one block alive at a time
+            sumexp[r] = sumexp[r] * torch.exp(row_max[r] - new_max) + exp_z.sum(dim=1)
+            row_max[r] = new_max
         ctx.save_for_backward(hidden, weight, local_target, row_max)
         ctx.chunk_size, ctx.window_size = chunk_size, window_size
         ctx.mark_non_differentiable(row_max)
@@ -110,9 +111,8 @@ class _CrossEntropyShard(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden) if want_hidden else None  # [N, D]
         grad_weight = torch.zeros_like(weight) if want_weight else None  # [V_s, D]
         for r, c in _blocks(hidden.shape[0], weight.shape[0], ctx.window_size, ctx.chunk_size):
-            z = _logits(hidden, weight, r, c)  # [w, c], recomputed
-            # dL/dz = dL/dZ * e^(z - m) + dL/dz_y * onehot(y)
-            grad_z = grad_sumexp[r, None] * torch.exp(z - row_max[r, None])  # [w, c]
+            # dL/dz = dL/dZ * e^(z - m) + dL/dz_y * onehot(y), from the recomputed logits, in place
+            grad_z = _logits(hidden, weight, r, c).sub_(row_max[r, None]).exp_().mul_(grad_sumexp[r, None])  # [w, c]
             inside, column = _target_in_chunk(local_target[r], c)
             grad_z.scatter_add_(1, column, torch.where(inside, grad_target[r], 0.0).unsqueeze(1))
             grad_z = grad_z.to(hidden.dtype)
@@ -145,14 +145,16 @@ class _KLShard(torch.autograd.Function):
         for r, c in _blocks(rows, student_weight.shape[0], window_size, chunk_size):
             s = _logits(student_hidden, student_weight, r, c)  # [w, c]
             t = _logits(teacher_hidden, teacher_weight, r, c).to(acc)  # [w, c]
+            gap = t - s  # [w, c]
             new_s_max = torch.maximum(s_max[r], s.amax(dim=1))  # [w]
-            s_sumexp[r] = s_sumexp[r] * torch.exp(s_max[r] - new_s_max) + torch.exp(s - new_s_max[:, None]).sum(1)
+            exp_s = s.sub_(new_s_max[:, None]).exp_()  # [w, c] e^(s - m'), in place
+            s_sumexp[r] = s_sumexp[r] * torch.exp(s_max[r] - new_s_max) + exp_s.sum(dim=1)
             s_max[r] = new_s_max
             new_t_max = torch.maximum(t_max[r], t.amax(dim=1))  # [w]
             rescale = torch.exp(t_max[r] - new_t_max)  # [w]
-            e = torch.exp(t - new_t_max[:, None])  # [w, c]
-            t_sumexp[r] = t_sumexp[r] * rescale + e.sum(dim=1)
-            t_gap[r] = t_gap[r] * rescale + (e * (t - s)).sum(dim=1)
+            exp_t = t.sub_(new_t_max[:, None]).exp_()  # [w, c] e^(t - m), in place
+            t_sumexp[r] = t_sumexp[r] * rescale + exp_t.sum(dim=1)
+            t_gap[r] = t_gap[r] * rescale + exp_t.mul_(gap).sum(dim=1)
             t_max[r] = new_t_max
         ctx.save_for_backward(student_hidden, student_weight, teacher_hidden, teacher_weight, s_max, t_max)
         ctx.chunk_size, ctx.window_size = chunk_size, window_size
@@ -168,11 +170,11 @@ class _KLShard(torch.autograd.Function):
         grad_hidden = torch.zeros_like(student_hidden) if want_hidden else None  # [N, D]
         grad_weight = torch.zeros_like(student_weight) if want_weight else None  # [V_s, D]
         for r, c in _blocks(student_hidden.shape[0], student_weight.shape[0], ctx.window_size, ctx.chunk_size):
-            s = _logits(student_hidden, student_weight, r, c)  # [w, c], recomputed
-            t = _logits(teacher_hidden, teacher_weight, r, c).to(s.dtype)  # [w, c], recomputed
-            # dL/ds = dL/dZ' * e^(s - m') - dL/dC * e^(t - m)
-            grad_s = grad_s_sumexp[r, None] * torch.exp(s - s_max[r, None])
-            grad_s = (grad_s - grad_gap[r, None] * torch.exp(t - t_max[r, None])).to(student_hidden.dtype)
+            # dL/ds = dL/dZ' * e^(s - m') - dL/dC * e^(t - m), from the recomputed logits, in place
+            s = _logits(student_hidden, student_weight, r, c)  # [w, c]
+            t = _logits(teacher_hidden, teacher_weight, r, c).to(s.dtype)  # [w, c]
+            grad_s = s.sub_(s_max[r, None]).exp_().mul_(grad_s_sumexp[r, None])
+            grad_s = grad_s.sub_(t.sub_(t_max[r, None]).exp_().mul_(grad_gap[r, None])).to(student_hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[r] += grad_s @ student_weight[c]  # [w, D]
             if grad_weight is not None:

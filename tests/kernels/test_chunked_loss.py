@@ -114,6 +114,18 @@ def test_global_count_normalises_across_ranks() -> None:
         torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-5)
 
 
+def test_a_frozen_head_and_the_teacher_get_no_gradient() -> None:
+    p = problem()
+    weight = p["weight"].detach()
+    teacher_hidden = p["teacher_hidden"].requires_grad_()
+    full = F.cross_entropy(p["hidden"] @ weight.T, p["target"])
+    ours = chunked_cross_entropy(p["hidden"], weight, p["target"], chunk_size=16, window_size=8)
+    torch.testing.assert_close(grads(ours, p["hidden"])[0], grads(full, p["hidden"])[0], atol=1e-6, rtol=1e-5)
+    kl = chunked_kl_divergence(p["hidden"], weight, teacher_hidden, p["teacher_weight"], chunk_size=16)
+    kl.backward()
+    assert p["hidden"].grad is not None and teacher_hidden.grad is None
+
+
 def test_only_ignored_targets_give_zero_loss_and_zero_gradient() -> None:
     p = problem()
     loss = chunked_cross_entropy(p["hidden"], p["weight"], torch.full((N,), IGNORE_INDEX), chunk_size=16)

@@ -1,0 +1,128 @@
+"""Every bad input gets a clear gRPC status and changes nothing; the coordinator keeps serving."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from sqlalchemy import func, select
+
+from hydrafl.proto import coordinator_pb2 as pb
+from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
+from hydrafl.proto.envelope import split_message
+from hydrafl.server.coordinator import Coordinator
+from hydrafl.server.grid import CoordinatorGrid
+from hydrafl.server.store import Reply
+
+
+@pytest.fixture
+def live(tmp_path):
+    coordinator = Coordinator(listen="127.0.0.1:0", db_url=f"sqlite:///{tmp_path / 'c.db'}",
+                              blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs")
+    coordinator.start()
+    store = coordinator.store
+    (site_a, token_a), (site_b, token_b) = store.add_site("a"), store.add_site("b")
+    run = store.create_run({"rounds": 1})
+    store.set_run_status(run.id, "running")
+    grid = CoordinatorGrid(store, coordinator.blobs, coordinator.service, run.id)
+    arrays = ArrayRecord({"w": Array(np.ones((3, 2), dtype=np.float32))})
+    request = Message(RecordDict({"arrays": arrays}), dst_node_id=site_a.node_id, message_type="train")
+    request.metadata.group_id = "1"
+    [message_id] = grid.push_messages([request])
+    channel = grpc.insecure_channel(f"127.0.0.1:{coordinator.port}")
+    yield coordinator, CoordinatorStub(channel), token_a, token_b, message_id, request
+    channel.close()
+    coordinator.stop()
+
+
+def _auth(token):
+    return (("authorization", f"Bearer {token}"),)
+
+
+def _reply(request, values):
+    reply = Message(
+        RecordDict({"arrays": ArrayRecord({"w": Array(values)}), "metrics": MetricRecord({"num-examples": 5})}),
+        reply_to=request,
+    )
+    reply.metadata.__dict__["_message_id"] = "r-1"
+    return split_message(reply, 1)
+
+
+def _upload(stub, token, chunks):
+    stub.PutChunks(iter(pb.Chunk(sha256=h, data=d) for h, d in chunks.items()), metadata=_auth(token))
+
+
+def _code(call):
+    with pytest.raises(grpc.RpcError) as raised:
+        call()
+    return raised.value.code(), raised.value.details()
+
+
+def _replies(coordinator):
+    with coordinator.store.session() as session:
+        return session.scalar(select(func.count()).select_from(Reply))
+
+
+def test_tokens(live):
+    coordinator, stub, token_a, token_b, _, _ = live
+    assert stub.Join(pb.JoinRequest(), metadata=_auth(token_a)).site_name == "a"
+    assert _code(lambda: stub.Join(pb.JoinRequest(), metadata=_auth("forged")))[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert _code(lambda: stub.Join(pb.JoinRequest()))[0] == grpc.StatusCode.UNAUTHENTICATED
+    coordinator.store.revoke_site("b")
+    assert _code(lambda: stub.PullMessage(pb.PullMessageRequest(), metadata=_auth(token_b)))[0] == (
+        grpc.StatusCode.UNAUTHENTICATED
+    )
+
+
+def test_a_valid_reply_is_accepted_once(live):
+    coordinator, stub, token_a, _, message_id, request = live
+    pulled = stub.PullMessage(pb.PullMessageRequest(), metadata=_auth(token_a))
+    assert pulled.has_message and pulled.envelope.message_id == message_id
+    envelope, chunks = _reply(request, np.zeros((3, 2), dtype=np.float32))
+    _upload(stub, token_a, chunks)
+    present = stub.HasChunks(pb.HasChunksRequest(sha256=list(chunks)), metadata=_auth(token_a)).present
+    assert set(present) == set(chunks)
+    assert stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=_auth(token_a)).duplicate is False
+    assert stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=_auth(token_a)).duplicate is True
+    assert _replies(coordinator) == 1
+    assert not stub.PullMessage(pb.PullMessageRequest(), metadata=_auth(token_a)).has_message
+
+
+@pytest.mark.parametrize(
+    ("case", "code", "reason"),
+    [
+        ("other-site", grpc.StatusCode.PERMISSION_DENIED, "not addressed to this site"),
+        ("nan", grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf"),
+        ("not-uploaded", grpc.StatusCode.INVALID_ARGUMENT, "were not uploaded"),
+        ("shape", grpc.StatusCode.INVALID_ARGUMENT, "does not match shape"),
+        ("garbage", grpc.StatusCode.INVALID_ARGUMENT, "not a valid Flower RecordDict"),
+        ("finished-run", grpc.StatusCode.FAILED_PRECONDITION, "is not running"),
+    ],
+)
+def test_bad_replies_get_a_clear_status_and_change_nothing(live, case, code, reason):
+    coordinator, stub, token_a, token_b, _, request = live
+    values = np.full((3, 2), np.nan if case == "nan" else 0.5, dtype=np.float32)
+    envelope, chunks = _reply(request, values)
+    token = token_b if case == "other-site" else token_a
+    if case != "not-uploaded":
+        _upload(stub, token, chunks)
+    if case == "shape":
+        envelope.arrays[0].tensors[0].shape[:] = [2, 3, 1]
+    if case == "garbage":
+        envelope.content = b"\x00\xffnot protobuf"
+    if case == "finished-run":
+        coordinator.store.set_run_status(envelope.run_id or 1, "finished")
+    got, details = _code(lambda: stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=_auth(token)))
+    assert got == code and reason in details
+    assert _replies(coordinator) == 0
+    assert coordinator.store.audit_events("update-rejected")[-1].detail.startswith(code.name)
+    assert stub.Join(pb.JoinRequest(), metadata=_auth(token_a)).site_name == "a"  # still serving
+
+
+def test_a_chunk_that_does_not_match_its_hash_is_refused(live):
+    coordinator, stub, token_a, _, _, _ = live
+    bad = iter([pb.Chunk(sha256="ab" * 32, data=b"payload")])
+    code, details = _code(lambda: stub.PutChunks(bad, metadata=_auth(token_a)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "SHA-256" in details
+    assert coordinator.blobs.missing(["ab" * 32]) == ["ab" * 32]
