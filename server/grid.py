@@ -83,4 +83,6 @@ class CoordinatorGrid(Grid):
             pending = [message_id for message_id in pending if message_id not in answered]
             if pending:
                 time.sleep(self.poll_interval_s)
+        if pending:  # the deadline passed: these sites are stragglers and their late replies will be refused
+            self.store.close_messages(pending)
         return replies

@@ -115,6 +115,11 @@ class CoordinatorService(CoordinatorServicer):
         outbound = self.store.outbound(envelope.reply_to_message_id)
         if outbound is None or outbound.node_id != site.node_id:
             self._reject(context, site, grpc.StatusCode.PERMISSION_DENIED, "reply to a message not addressed to this site")
+        if outbound.closed:
+            self._reject(
+                context, site, grpc.StatusCode.FAILED_PRECONDITION,
+                f"round {outbound.server_round} closed at its deadline; late reply refused",
+            )
         if self.store.run(outbound.run_id).status != "running":
             self._reject(context, site, grpc.StatusCode.FAILED_PRECONDITION, f"run {outbound.run_id} is not running")
         try:

@@ -74,6 +74,8 @@ class OutboundMessage(Base):
     envelope: Mapped[bytes] = mapped_column(LargeBinary)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
     delivered_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    closed: Mapped[bool] = mapped_column(Boolean, default=False)
+    """Set when the round's deadline passed without this reply: a late reply is refused."""
 
 
 class Reply(Base):
@@ -226,6 +228,11 @@ class Store:
                 session.delete(message)
         return len(stale)
 
+    def close_messages(self, message_ids: list[str]) -> None:
+        with self.session() as session, session.begin():
+            for message in session.scalars(select(OutboundMessage).where(OutboundMessage.message_id.in_(message_ids))):
+                message.closed = True
+
     def outbound(self, message_id: str) -> OutboundMessage | None:
         with self.session() as session:
             return session.get(OutboundMessage, message_id)
@@ -239,6 +246,7 @@ class Store:
                 select(OutboundMessage)
                 .where(OutboundMessage.node_id == node_id)
                 .where(OutboundMessage.message_id.not_in(answered))
+                .where(OutboundMessage.closed.is_(False))
                 .where(OutboundMessage.run_id.in_(running))
                 .order_by(OutboundMessage.created_at, OutboundMessage.message_id)
                 .limit(1)

@@ -126,3 +126,14 @@ def test_a_chunk_that_does_not_match_its_hash_is_refused(live):
     code, details = _code(lambda: stub.PutChunks(bad, metadata=_auth(token_a)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "SHA-256" in details
     assert coordinator.blobs.missing(["ab" * 32]) == ["ab" * 32]
+
+
+def test_a_reply_after_the_round_deadline_is_refused(live):
+    coordinator, stub, token_a, _, message_id, request = live
+    coordinator.store.close_messages([message_id])
+    assert not stub.PullMessage(pb.PullMessageRequest(), metadata=_auth(token_a)).has_message
+    envelope, chunks = _reply(request, np.zeros((3, 2), dtype=np.float32))
+    _upload(stub, token_a, chunks)
+    code, details = _code(lambda: stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=_auth(token_a)))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "late reply refused" in details
+    assert _replies(coordinator) == 0
