@@ -6,6 +6,8 @@ A site replies with `delta = start - end` for the coordinates it trained. Strate
 
 from __future__ import annotations
 
+import io
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -19,6 +21,17 @@ def to_record(tensors: Mapping[str, torch.Tensor | np.ndarray]) -> ArrayRecord:
 
 def from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
     return {name: torch.from_numpy(array.numpy()) for name, array in record.items()}
+
+
+def array_view(array: Array) -> np.ndarray:
+    """A read-only view of an Array's values without copying them out of its serialised bytes (the copy
+    `Array.numpy()` makes is most of the cost of aggregating large updates)."""
+    buffer = io.BytesIO(array.data)
+    major, _ = np.lib.format.read_magic(buffer)
+    read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+    shape, fortran_order, dtype = read_header(buffer)
+    values = np.frombuffer(array.data, dtype=dtype, count=math.prod(shape), offset=buffer.tell())
+    return values.reshape(shape, order="F" if fortran_order else "C")
 
 
 def record_nbytes(record: ArrayRecord) -> int:

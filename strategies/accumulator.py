@@ -6,10 +6,13 @@ per-site temporaries), which is what lets one coordinator aggregate many large u
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+
+from hydrafl.arrays import array_view
 
 
 class AggregationError(ValueError):
@@ -26,14 +29,18 @@ class WeightedDeltaAccumulator:
         self.metric_records: list[RecordDict] = []
 
     def add(self, reply: Message) -> None:
-        content = reply.content
-        arrays = _only(content.array_records, "ArrayRecord", reply)
-        metrics = _only(content.metric_records, "MetricRecord", reply)
+        # Records are picked by type from content.items(): RecordDict's array_records/metric_records views
+        # build a reference cycle that keeps every consumed reply alive until the cycle collector runs.
+        records = list(reply.content.values())
+        arrays = _only([r for r in records if isinstance(r, ArrayRecord)], "ArrayRecord", reply)
+        metrics = _only([r for r in records if isinstance(r, MetricRecord)], "MetricRecord", reply)
         weight = float(metrics[self.weighted_by_key])
         if weight <= 0:
             raise AggregationError(f"reply from node {reply.metadata.src_node_id} has {self.weighted_by_key}={weight}")
         for name, array in arrays.items():
-            delta = torch.from_numpy(array.numpy())
+            with warnings.catch_warnings():  # a read-only view: only ever read, never written
+                warnings.simplefilter("ignore", UserWarning)
+                delta = torch.from_numpy(array_view(array))
             if name not in self.sums:
                 self.sums[name] = delta.to(torch.float32).mul(weight)
             elif self.sums[name].shape != delta.shape:
@@ -49,14 +56,15 @@ class WeightedDeltaAccumulator:
                 self.add(reply)
 
     def mean(self) -> dict[str, torch.Tensor]:
+        """The weighted mean, computed in place: the accumulator is spent afterwards."""
         if not self.total_weight:
             raise AggregationError("no successful reply to aggregate")
-        return {name: total / self.total_weight for name, total in self.sums.items()}
+        return {name: total.div_(self.total_weight) for name, total in self.sums.items()}
 
 
-def _only(records: dict, kind: str, reply: Message) -> ArrayRecord | MetricRecord:
+def _only(records: list, kind: str, reply: Message) -> ArrayRecord | MetricRecord:
     if len(records) != 1:
         raise AggregationError(
             f"reply from node {reply.metadata.src_node_id} must hold exactly one {kind}, found {len(records)}"
         )
-    return next(iter(records.values()))
+    return records[0]

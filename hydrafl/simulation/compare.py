@@ -24,7 +24,6 @@ OnRound = Callable[[RoundRecord], None]
 
 def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) -> dict[str, Any]:
     """Run every strategy of `config`, write results.json, report.md, plots and rounds.tsv to `config.out`."""
-    torch.set_num_threads(1)  # tiny per-site models: one thread is faster and never oversubscribes a small box
     run_cohort(config.run)  # bad data fails here, once, with the file's own error message
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -51,6 +50,7 @@ def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) 
 
 def run_strategy(cfg: RunConfig, backend: str, *, on_round: OnRound | None = None) -> list[dict[str, Any]]:
     """One strategy's run; returns its per-round history (round 0 is the initial model's evaluation)."""
+    torch.set_num_threads(1)  # tiny per-site models: one thread is faster and never oversubscribes a small box
     if backend == "inprocess":
         grid = InProcessGrid(client_app, cfg.sites, cfg.to_flower())
         return run_federation(grid, cfg, on_round=on_round).history
@@ -66,6 +66,11 @@ def _run_on_ray(cfg: RunConfig) -> list[dict[str, Any]]:
         from flwr.simulation import run_simulation
     except ImportError as error:
         raise RuntimeError("--backend ray needs the ray extra: pip install 'hydrafl[ray]'") from error
+    if not cfg.run_dir:
+        raise ValueError("the ray backend reads the run's history back from its run_dir; set run_dir")
+    history_file = Path(cfg.run_dir) / "history.json"
+    if not cfg.resume:
+        history_file.unlink(missing_ok=True)  # never mistake an earlier run's history for this one's
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     run_simulation(
         server_app=build_server_app(cfg),
@@ -76,7 +81,6 @@ def _run_on_ray(cfg: RunConfig) -> list[dict[str, Any]]:
             "init_args": {"num_cpus": os.cpu_count() or 1, "address": "local", "include_dashboard": False},
         },
     )
-    history_file = Path(cfg.run_dir) / "history.json"
     history = json.loads(history_file.read_text()) if history_file.exists() else []
     if len(history) != cfg.rounds + 1:
         raise RuntimeError(
