@@ -20,6 +20,7 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
+from hydrafl.client.policy import SitePolicy
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
 from hydrafl.proto.envelope import EnvelopeError, chunk_hashes, join_message, sha256, split_message
@@ -41,12 +42,20 @@ class SiteRefused(RuntimeError):
 
 class SiteAgent:
     def __init__(
-        self, coordinator: str, token: str, client_app: ClientApp, node_config: dict, *, demo: bool = False
+        self,
+        coordinator: str,
+        token: str,
+        client_app: ClientApp,
+        node_config: dict,
+        *,
+        demo: bool = False,
+        policy: SitePolicy = SitePolicy(),
     ) -> None:
         self.coordinator = coordinator
         self.client_app = client_app
         self.node_config = dict(node_config)
         self.demo = demo
+        self.policy = policy
         self.metadata = (("authorization", f"Bearer {token}"),)
         self.contexts: dict[int, Context] = {}
         self.node_id = 0
@@ -102,11 +111,18 @@ class SiteAgent:
                 raise EnvelopeError(f"chunk {chunk.sha256[:12]} from the coordinator fails its SHA-256 check")
             chunks[chunk.sha256] = chunk.data
         message = join_message(envelope, chunks)
-        try:
-            reply = self.client_app(message=message, context=self.contexts[envelope.run_id])
-        except Exception as error:  # the site's failure becomes an error reply; the agent keeps serving
-            log.warning("ClientApp raised %s: %s", type(error).__name__, error)
-            reply = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(error).__name__}: {error}"), reply_to=message)
+        context = self.contexts[envelope.run_id]
+        refusal = self.policy.refusal(envelope.run_id, str(context.run_config.get("strategy", "")))
+        if refusal:
+            log.warning("declining a message of run %d: %s", envelope.run_id, refusal)
+            reply = Message(Error(ErrorCode.MOD_FAILED_PRECONDITION, refusal), reply_to=message)
+        else:
+            try:
+                reply = self.policy.apply(self.client_app(message=message, context=context))
+            except Exception as error:  # the site's failure becomes an error reply; the agent keeps serving
+                log.warning("ClientApp raised %s: %s", type(error).__name__, error)
+                reason = f"{type(error).__name__}: {error}"
+                reply = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=message)
         reply.metadata.__dict__["_message_id"] = uuid.uuid4().hex
         return reply
 

@@ -295,27 +295,48 @@ def site(
     token: Annotated[str, typer.Option(envvar="HYDRAFL_SITE_TOKEN", help="Enrolment token (or $HYDRAFL_SITE_TOKEN).")] = "",
     data: Annotated[Path | None, typer.Option(help="This site's CSV/JSONL file or image folder.")] = None,
     label_column: Annotated[str, typer.Option(help="Label column of a CSV/JSONL --data file.")] = "",
+    policy: Annotated[Path | None, typer.Option(help="Site policy TOML: allowed runs, update clipping, noise.")] = None,
+    client_app: Annotated[str, typer.Option("--app", help="ClientApp to run, as module:attribute.")] = "hydrafl.apps:client_app",
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every message.")] = False,
 ) -> None:
     """Join a coordinator as a hospital site (outbound connection only) and train when asked."""
-    from hydrafl.apps import client_app
     from hydrafl.client.agent import SiteAgent, SiteRefused
+    from hydrafl.client.policy import PolicyError, SitePolicy, load_policy
 
     _setup_logging(verbose)
     if not token:
         _fail("a site needs --token (printed by `hydrafl admin site add NAME`)", 2)
     if data is not None and not data.exists():
         _fail(f"--data {data} does not exist", 2)
+    try:
+        site_policy = load_policy(policy) if policy else SitePolicy()
+    except PolicyError as error:
+        _fail(f"invalid site policy, not starting: {error}", 2)
     node_config = {"data-path": str(data), "label-column": label_column} if data else {}
     if data is None:
         console.print("no --data: joining with a synthetic demo cohort of the run's task")
-    agent = SiteAgent(coordinator, token, client_app, node_config, demo=data is None)
+    agent = SiteAgent(coordinator, token, _load_app(client_app), node_config, demo=data is None, policy=site_policy)
     try:
         agent.run()
     except SiteRefused as error:
         _fail(f"the coordinator refused this site: {error}", 3)
     except KeyboardInterrupt:
         pass
+
+
+def _load_app(reference: str):  # noqa: ANN202
+    import importlib
+
+    from flwr.clientapp import ClientApp
+
+    module_name, _, attribute = reference.partition(":")
+    try:
+        app_object = getattr(importlib.import_module(module_name), attribute or "app")
+    except (ImportError, AttributeError) as error:
+        _fail(f"cannot load ClientApp {reference!r}: {error}", 2)
+    if not isinstance(app_object, ClientApp):
+        _fail(f"{reference!r} is a {type(app_object).__name__}, not a flwr ClientApp", 2)
+    return app_object
 
 
 def main() -> None:

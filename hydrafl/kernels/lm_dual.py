@@ -99,7 +99,7 @@ class LMDualOptimizer:
         self.min_damping, self.max_damping, self.slice_size = min_damping, max_damping, slice_size
 
     def _per_sample_loss(self, params: dict[str, Tensor], inputs: Tensor, targets: Tensor) -> Tensor:
-        """l_i [B] at `params`, checked to be one finite, non-negative loss per sample."""
+        """l_i [B] at `params`, checked to be one loss per sample."""
         losses = self.loss_fn(functional_call(self.head, params, (inputs,)), targets)
         if losses.shape != inputs.shape[:1]:
             raise ValueError(
@@ -115,7 +115,7 @@ class LMDualOptimizer:
         self.damping = min(self.damping * self.increase, self.max_damping)
 
     def step(self, inputs: Tensor, targets: Tensor) -> float:
-        """One damped step on this batch; returns the batch's mean loss after it (unchanged if rejected)."""
+        """One damped step on this batch; returns its mean loss after the step (the loss before it if rejected)."""
         current = {name: p.detach() for name, p in self.params.items()}
         jacobian, residual = residual_jacobian(self._residuals, current, inputs, targets, slice_size=self.slice_size)
         if not torch.isfinite(residual).all():
