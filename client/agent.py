@@ -14,6 +14,8 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from flwr.app import Context, Error, Message, RecordDict
@@ -36,6 +38,22 @@ CHANNEL_OPTIONS = [
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SiteTls:
+    """PEM files: the CA that signed the coordinator's certificate, and this site's own pair for mutual TLS."""
+
+    ca: Path
+    cert: Path | None = None
+    key: Path | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca.read_bytes(),
+            private_key=self.key.read_bytes() if self.key else None,
+            certificate_chain=self.cert.read_bytes() if self.cert else None,
+        )
+
+
 class SiteRefused(RuntimeError):
     """The coordinator refused this site (unknown or revoked token, or a permission error)."""
 
@@ -50,12 +68,14 @@ class SiteAgent:
         *,
         demo: bool = False,
         policy: SitePolicy = SitePolicy(),
+        tls: SiteTls | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.client_app = client_app
         self.node_config = dict(node_config)
         self.demo = demo
         self.policy = policy
+        self.tls = tls
         self.metadata = (("authorization", f"Bearer {token}"),)
         self.contexts: dict[int, Context] = {}
         self.node_id = 0
@@ -67,7 +87,7 @@ class SiteAgent:
         backoff = 0.5
         while not stop.is_set():
             try:
-                with grpc.insecure_channel(self.coordinator, options=CHANNEL_OPTIONS) as channel:
+                with self._channel() as channel:
                     self._serve(CoordinatorStub(channel), stop)
             except grpc.RpcError as error:
                 code = error.code()
@@ -78,6 +98,11 @@ class SiteAgent:
                 log.warning("coordinator %s unreachable (%s); retrying in %.1f s", self.coordinator, code.name, backoff)
                 stop.wait(backoff)
                 backoff = min(backoff * 2, max_backoff_s)
+
+    def _channel(self) -> grpc.Channel:
+        if self.tls is None:
+            return grpc.insecure_channel(self.coordinator, options=CHANNEL_OPTIONS)
+        return grpc.secure_channel(self.coordinator, self.tls.credentials(), options=CHANNEL_OPTIONS)
 
     def _serve(self, stub: CoordinatorStub, stop: threading.Event) -> None:
         joined = stub.Join(pb.JoinRequest(), metadata=self.metadata)

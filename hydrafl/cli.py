@@ -264,25 +264,50 @@ def run_list(db: DbOption = None) -> None:
     Console().print(table)
 
 
+SERVER_KEYS = {"listen", "db", "blobs", "tls-cert", "tls-key", "tls-client-ca"}
+
+
 @app.command()
 def server(
-    listen: Annotated[str, typer.Option(help="HOST:PORT to serve on.")] = "127.0.0.1:9091",
+    config: Annotated[Path | None, typer.Option(help="TOML file with these options' names as keys.")] = None,
+    listen: Annotated[str | None, typer.Option(help="HOST:PORT to serve on (default 127.0.0.1:9091).")] = None,
     db: DbOption = None,
     blobs: Annotated[Path | None, typer.Option(help="Folder for array chunks (default: $HYDRAFL_HOME/blobs).")] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help="Server certificate (PEM); enables TLS.")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="Server private key (PEM).")] = None,
+    tls_client_ca: Annotated[Path | None, typer.Option(help="CA of site certificates (PEM); enables mutual TLS.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every round.")] = False,
 ) -> None:
     """Run the coordinator: serves sites over gRPC and drives queued runs."""
-    from hydrafl.server.coordinator import Coordinator
+    flags = {k.replace("_", "-"): v for k, v in locals().items() if v is not None and k not in ("config", "verbose")}
+    from hydrafl.server.coordinator import Coordinator, ServerTls
     from hydrafl.server.paths import data_dir, default_blob_dir, default_db_url
 
     _setup_logging(verbose)
+    try:
+        values = {**(load_toml(config) if config else {}), **flags}
+    except ConfigError as error:
+        _fail(str(error), 2)
+    unknown = sorted(set(values) - SERVER_KEYS)
+    if unknown:
+        _fail(f"unknown key {unknown[0]!r} in {config}; valid keys: {', '.join(sorted(SERVER_KEYS))}", 2)
+    tls = None
+    if values.get("tls-cert") or values.get("tls-key"):
+        if not (values.get("tls-cert") and values.get("tls-key")):
+            _fail("TLS needs both --tls-cert and --tls-key", 2)
+        client_ca = values.get("tls-client-ca")
+        tls = ServerTls(cert=Path(values["tls-cert"]), key=Path(values["tls-key"]),
+                        client_ca=Path(client_ca) if client_ca else None)
+    elif values.get("tls-client-ca"):
+        _fail("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key", 2)
     data_dir().mkdir(parents=True, exist_ok=True)
-    blob_dir = blobs or default_blob_dir()
-    coordinator = Coordinator(
-        listen=listen, db_url=db or default_db_url(), blob_dir=blob_dir, runs_dir=data_dir() / "runs"
-    )
+    listen_on = values.get("listen", "127.0.0.1:9091")
+    db_url = values.get("db") or default_db_url()
+    blob_dir = Path(values.get("blobs") or default_blob_dir())
+    coordinator = Coordinator(listen=listen_on, db_url=db_url, blob_dir=blob_dir, runs_dir=data_dir() / "runs", tls=tls)
     coordinator.start()
-    console.print(f"coordinator on {listen} (port {coordinator.port}); database {db or default_db_url()}; blobs {blob_dir}")
+    mode = "no TLS" if tls is None else ("mutual TLS" if tls.client_ca else "TLS")
+    console.print(f"coordinator on {listen_on} ({mode}); database {db_url}; blobs {blob_dir}; runs {data_dir() / 'runs'}")
     try:
         coordinator.serve_forever()
     except KeyboardInterrupt:
@@ -297,10 +322,13 @@ def site(
     label_column: Annotated[str, typer.Option(help="Label column of a CSV/JSONL --data file.")] = "",
     policy: Annotated[Path | None, typer.Option(help="Site policy TOML: allowed runs, update clipping, noise.")] = None,
     client_app: Annotated[str, typer.Option("--app", help="ClientApp to run, as module:attribute.")] = "hydrafl.apps:client_app",
+    tls_ca: Annotated[Path | None, typer.Option(help="CA that signed the coordinator's certificate (PEM); enables TLS.")] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help="This site's certificate (PEM), for mutual TLS.")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="This site's private key (PEM), for mutual TLS.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every message.")] = False,
 ) -> None:
     """Join a coordinator as a hospital site (outbound connection only) and train when asked."""
-    from hydrafl.client.agent import SiteAgent, SiteRefused
+    from hydrafl.client.agent import SiteAgent, SiteRefused, SiteTls
     from hydrafl.client.policy import PolicyError, SitePolicy, load_policy
 
     _setup_logging(verbose)
@@ -315,7 +343,12 @@ def site(
     node_config = {"data-path": str(data), "label-column": label_column} if data else {}
     if data is None:
         console.print("no --data: joining with a synthetic demo cohort of the run's task")
-    agent = SiteAgent(coordinator, token, _load_app(client_app), node_config, demo=data is None, policy=site_policy)
+    if (tls_cert is None) != (tls_key is None) or (tls_cert and tls_ca is None):
+        _fail("mutual TLS needs --tls-ca, --tls-cert and --tls-key together", 2)
+    tls = SiteTls(ca=tls_ca, cert=tls_cert, key=tls_key) if tls_ca else None
+    agent = SiteAgent(
+        coordinator, token, _load_app(client_app), node_config, demo=data is None, policy=site_policy, tls=tls
+    )
     try:
         agent.run()
     except SiteRefused as error:

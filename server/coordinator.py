@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import threading
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -29,8 +30,27 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "hydrafl.proto.Coordinator"
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServerTls:
+    """PEM files. With `client_ca`, every site must present a certificate signed by it (mutual TLS)."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        root = self.client_ca.read_bytes() if self.client_ca else None
+        return grpc.ssl_server_credentials(
+            [(self.key.read_bytes(), self.cert.read_bytes())],
+            root_certificates=root,
+            require_client_auth=root is not None,
+        )
+
+
 class Coordinator:
-    def __init__(self, *, listen: str, db_url: str, blob_dir: Path, runs_dir: Path) -> None:
+    def __init__(
+        self, *, listen: str, db_url: str, blob_dir: Path, runs_dir: Path, tls: ServerTls | None = None
+    ) -> None:
         self.store = Store(db_url)
         self.blobs = BlobStore(blob_dir)
         self.runs_dir = runs_dir
@@ -39,7 +59,10 @@ class Coordinator:
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=GRPC_OPTIONS)
         add_CoordinatorServicer_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(listen)
+        if tls is None:
+            self.port = self.server.add_insecure_port(listen)
+        else:
+            self.port = self.server.add_secure_port(listen, tls.credentials())
         if self.port == 0:
             raise OSError(f"cannot listen on {listen}")
         self.stopping = threading.Event()

@@ -127,7 +127,11 @@ def test_stability_command_json_and_plot(tmp_path):
     assert "UNSTABLE" in text.output and plot.read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("command", [[], ["simulate"], ["stability"]])
+@pytest.mark.parametrize(
+    "command",
+    [[], ["simulate"], ["stability"], ["server"], ["site"], ["admin"], ["admin", "site", "add"], ["admin", "site", "list"],
+     ["admin", "site", "revoke"], ["admin", "run", "create"], ["admin", "run", "status"], ["admin", "run", "list"]],
+)
 def test_every_command_has_help(command):
     result = CliRunner().invoke(app, [*command, "--help"])
     assert result.exit_code == 0 and "Usage" in result.output
