@@ -80,6 +80,8 @@ class SiteAgent:
         self.contexts: dict[int, Context] = {}
         self.node_id = 0
         self.handled = 0
+        self.chunk_cache: dict[str, bytes] = {}
+        """Chunks of the message in hand: a download cut by a dropped connection resumes with the rest."""
 
     def run(self, stop: threading.Event | None = None, max_backoff_s: float = 30.0) -> None:
         """Serve until `stop` is set; reconnect with backoff when the coordinator is unreachable."""
@@ -127,15 +129,16 @@ class SiteAgent:
                 )
             reply = self._handle(stub, envelope)
             self._push(stub, reply, envelope.round)
+            self.chunk_cache.clear()
             self.handled += 1
 
     def _handle(self, stub: CoordinatorStub, envelope: pb.Envelope) -> Message:
-        chunks = {}
-        for chunk in stub.GetChunks(pb.GetChunksRequest(sha256=chunk_hashes(envelope)), metadata=self.metadata):
+        missing = [digest for digest in chunk_hashes(envelope) if digest not in self.chunk_cache]
+        for chunk in stub.GetChunks(pb.GetChunksRequest(sha256=missing), metadata=self.metadata):
             if sha256(chunk.data) != chunk.sha256:
                 raise EnvelopeError(f"chunk {chunk.sha256[:12]} from the coordinator fails its SHA-256 check")
-            chunks[chunk.sha256] = chunk.data
-        message = join_message(envelope, chunks)
+            self.chunk_cache[chunk.sha256] = chunk.data
+        message = join_message(envelope, self.chunk_cache)
         context = self.contexts[envelope.run_id]
         refusal = self.policy.refusal(envelope.run_id, str(context.run_config.get("strategy", "")))
         if refusal:

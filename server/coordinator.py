@@ -105,4 +105,7 @@ class Coordinator:
             log.error("run %d failed: %s", run.id, error)
             self.store.set_run_status(run.id, "failed", detail=f"{type(error).__name__}: {error}")
             return
+        finally:
+            Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+            (Path(cfg.run_dir) / "push_latency.tsv").write_text(self.service.latency_table())
         self.store.set_run_status(run.id, "finished", rounds_done=cfg.rounds)

@@ -41,6 +41,8 @@ class CoordinatorService(CoordinatorServicer):
         self.store = store
         self.blobs = blobs
         self.last_seen: dict[int, float] = {}
+        self.latencies: dict[tuple[str, str], list[float]] = {}
+        """(site name, call) -> seconds the coordinator spent on each PutChunks stream / PushReply."""
         self._lock = threading.Lock()
 
     def connected_nodes(self, within_s: float = 30.0) -> list[int]:
@@ -95,8 +97,22 @@ class CoordinatorService(CoordinatorServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         return pb.HasChunksReply(present=[digest for digest in request.sha256 if digest not in missing])
 
+    def _timed(self, site: Site, call: str, started: float) -> None:
+        with self._lock:
+            self.latencies.setdefault((site.name, call), []).append(time.perf_counter() - started)
+
+    def latency_table(self) -> str:
+        """Per-site P50/P99 of upload streams and reply pushes, as TSV."""
+        rows = ["site\tcall\tcount\tp50_ms\tp99_ms"]
+        with self._lock:
+            for (name, call), seconds in sorted(self.latencies.items()):
+                p50, p99 = np.percentile(np.array(seconds) * 1e3, [50, 99])
+                rows.append(f"{name}\t{call}\t{len(seconds)}\t{p50:.2f}\t{p99:.2f}")
+        return "\n".join(rows) + "\n"
+
     def PutChunks(self, request_iterator: Iterator[pb.Chunk], context: grpc.ServicerContext) -> pb.PutChunksReply:
         site = self._site(context)
+        started = time.perf_counter()
         stored = present = 0
         for chunk in request_iterator:
             try:
@@ -107,10 +123,12 @@ class CoordinatorService(CoordinatorServicer):
             except EnvelopeError as error:
                 self.store.audit("update-rejected", site_name=site.name, detail=str(error))
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        self._timed(site, "put_chunks", started)
         return pb.PutChunksReply(stored=stored, already_present=present)
 
     def PushReply(self, request: pb.PushReplyRequest, context: grpc.ServicerContext) -> pb.PushReplyReply:
         site = self._site(context)
+        started = time.perf_counter()
         envelope = request.envelope
         outbound = self.store.outbound(envelope.reply_to_message_id)
         if outbound is None or outbound.node_id != site.node_id:
@@ -136,6 +154,7 @@ class CoordinatorService(CoordinatorServicer):
             self.store.audit(
                 "update-accepted", site_name=site.name, run_id=outbound.run_id, detail=envelope.reply_to_message_id
             )
+        self._timed(site, "push_reply", started)
         return pb.PushReplyReply(duplicate=not accepted)
 
     def _reject(self, context: grpc.ServicerContext, site: Site, code: grpc.StatusCode, reason: str) -> None:

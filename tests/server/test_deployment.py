@@ -100,6 +100,11 @@ def test_coordinator_and_three_sites_match_the_simulation(deployment, tmp_path):
     # train + evaluate each round, the round-0 evaluation, one init query, one curvature probe per site
     assert kinds.count("update-accepted") == RUN.rounds * RUN.sites * 2 + RUN.sites + 1 + RUN.sites
     assert "run-finished" in kinds
+    run_dir = tmp_path / "home" / "runs" / str(run_id)
+    assert (run_dir / "rounds.tsv").read_text().splitlines()[0].startswith("round\tduration_s\taggregation_s\tgap_s")
+    latency = [line.split("\t") for line in (run_dir / "push_latency.tsv").read_text().splitlines()[1:]]
+    assert {row[0] for row in latency} == {f"hospital-{i}" for i in range(RUN.sites)}
+    assert all(float(row[3]) <= float(row[4]) for row in latency)  # P50 <= P99
 
 
 @pytest.mark.slow
