@@ -5,6 +5,11 @@ ClientApp (site side): `train` trains the model it is given on the site's data a
 `query.init` returns the seeded initial model and `query.curvature` a cheap estimate of the loss curvature
 (top Hessian eigenvalue and its per-sample variance) for the DiLoCo stability check.
 
+Hydra-nets: `query.scores` replies with the site's layer and head importance on its own data, its declared
+resource tier and the model's slice layout; a `train` message whose config carries a SubnetSpec (`hydra.*`
+keys) trains only that subnetwork and replies with full-shape deltas of the tensors it touches, zero outside
+its slices (tensors it does not touch are omitted), so the strategy can mask by the spec it assigned.
+
 ServerApp (coordinator side): never builds a model. It asks one site for the initial arrays, then hands
 the strategy to the round driver.
 """
@@ -15,6 +20,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import lru_cache
 from pathlib import Path
 
@@ -29,7 +35,18 @@ from hydrafl.arrays import from_record, to_record
 from hydrafl.config import RunConfig
 from hydrafl.data import Cohort, SiteSplit, TaskSpec, load_cohort
 from hydrafl.driver import DriverConfig, RoundDriver, RoundRecord, RunResult
+from hydrafl.hydranet import (
+    SubnetSpec,
+    apply_spec,
+    find_architecture,
+    head_axis_of,
+    head_importance,
+    layer_importance,
+    trainable_slices,
+)
 from hydrafl.models import Classifier, build_model, federated_state
+from flwr.serverapp.strategy import Strategy
+
 from hydrafl.stability import OuterSetup, check_spectrum
 from hydrafl.strategies import build_strategy
 from hydrafl.training import LocalTrainConfig, batch_generator, evaluate, train_local
@@ -117,6 +134,7 @@ def train(message: Message, context: Context) -> Message:
     _load(model, arrays)
     start = {name: p.clone() for name, p in federated_state(model).items() if name in arrays}
     config = _received_config(message)
+    spec = SubnetSpec.from_config(config) if "hydra.layers" in config else None
     local = LocalTrainConfig(
         steps=cfg.local_steps,
         batch_size=cfg.batch_size,
@@ -125,13 +143,21 @@ def train(message: Message, context: Context) -> Message:
         weight_decay=cfg.weight_decay,
         proximal_mu=float(config.get("proximal-mu", 0.0)),
     )
-    site = int(context.node_config.get("partition-id", context.node_config.get("demo-site", 0)))
-    generator = batch_generator(cfg.seed, int(config.get("server-round", 0)), site)
-    result = train_local(model, split.train_x, split.train_y, local, generator)
+    generator = batch_generator(cfg.seed, int(config.get("server-round", 0)), _site_index(context))
+    with apply_spec(model, spec) if spec else nullcontext():
+        result = train_local(model, split.train_x, split.train_y, local, generator)
     end = federated_state(model)
-    delta = {name: start[name] - end[name] for name in start}
+    if spec is None:
+        delta = {name: start[name] - end[name] for name in start}
+    else:  # only the subnetwork's tensors travel; zeros outside its slices (weight decay moves those too)
+        slices = trainable_slices(model, spec)
+        delta = {name: (start[name] - end[name]) * sl.mask(start[name].shape) for name, sl in slices.items()}
     metrics = MetricRecord({"num-examples": len(split.train_y), "train_loss": result.loss})
     return Message(RecordDict({"arrays": to_record(delta), "metrics": metrics}), reply_to=message)
+
+
+def _site_index(context: Context) -> int:
+    return int(context.node_config.get("partition-id", context.node_config.get("demo-site", 0)))
 
 
 @client_app.evaluate()
@@ -163,6 +189,54 @@ def curvature(message: Message, context: Context) -> Message:
         h, v = estimate_curvature(model, split.train_x[:16], split.train_y[:16], seed=cfg.seed)
     metrics = MetricRecord({"curvature": h, "curvature-var": v, "num-examples": len(split.train_y)})
     return Message(RecordDict({"metrics": metrics}), reply_to=message)
+
+
+@client_app.query("scores")
+def scores(message: Message, context: Context) -> Message:
+    """Layer importance (`layer-L`) and head importance (`head-L-G`, per KV group) on a few of the site's
+    training batches, with the site's tier and the model's slice layout (see `slice_layout`)."""
+    cfg = _run_config(message, context)
+    cohort, split = site_data(cfg, context)
+    model = _working_model(cohort.task, cfg.model, cfg.seed)
+    _load(model, _received_arrays(message))
+    n = min(cfg.score_samples, len(split.train_y))
+    batches = [(split.train_x[i : i + cfg.batch_size], split.train_y[i : i + cfg.batch_size]) for i in range(0, n, cfg.batch_size)]
+    layers = layer_importance(model, batches, method=cfg.layer_score)
+    heads = head_importance(model, batches, method=cfg.head_score)
+    metrics = MetricRecord(
+        {
+            "num-examples": len(split.train_y),
+            **{f"layer-{layer}": score for layer, score in enumerate(layers)},
+            **{f"head-{layer}-{g}": score for layer, row in enumerate(heads) for g, score in enumerate(row)},
+        }
+    )
+    site = ConfigRecord({"tier": site_tier(cfg, context), **slice_layout(model)})
+    return Message(RecordDict({"metrics": metrics, "site": site}), reply_to=message)
+
+
+def site_tier(cfg: RunConfig, context: Context) -> str:
+    """The resource tier a site declares: its node_config `tier`, else its entry of the run's `site_tiers`
+    (simulation), else "" (untiered)."""
+    if context.node_config.get("tier"):
+        return str(context.node_config["tier"])
+    tiers = cfg.tier_list
+    return tiers[_site_index(context) % len(tiers)] if tiers else ""
+
+
+def slice_layout(model: torch.nn.Module) -> dict[str, list[str] | list[int]]:
+    """How each federated tensor splits over heads, as flat lists for a ConfigRecord: per name its layer
+    (-1 outside the layers), head axis (-1 when every element serves every head) and the run of indices
+    along that axis one head group owns (query heads of a KV group for q and o, one KV head for k and v).
+    With it the coordinator rebuilds any spec's slices (`hydra.layout_slices`) without the model."""
+    arch = find_architecture(model)
+    names = list(federated_state(model))
+    layers, axes, units = [], [], []
+    for name in names:
+        layer, role, axis = head_axis_of(arch, name)
+        layers.append(-1 if layer is None else layer)
+        axes.append(-1 if axis is None else axis)
+        units.append(arch.head_dim * (1 if role in ("k", "v") else arch.group_size))
+    return {"layout.names": names, "layout.layers": layers, "layout.axes": axes, "layout.units": units}
 
 
 def estimate_curvature(
@@ -216,10 +290,15 @@ def build_server_app(cfg: RunConfig) -> ServerApp:
 
 
 def run_federation(
-    grid: Grid, cfg: RunConfig, *, on_round: Callable[[RoundRecord], None] | None = None
+    grid: Grid,
+    cfg: RunConfig,
+    *,
+    on_round: Callable[[RoundRecord], None] | None = None,
+    strategy: Strategy | None = None,
 ) -> RunResult:
-    """One federated run of `cfg.strategy`: initial model from a site, optional stability check, rounds."""
-    strategy = build_strategy(cfg)
+    """One federated run of `cfg.strategy` (or of `strategy`, built from `cfg` by the caller to read its
+    state afterwards): initial model from a site, optional stability check, rounds."""
+    strategy = strategy or build_strategy(cfg)
     wait_for_sites(grid, cfg.required_sites, cfg.site_wait_s)
     initial = request_initial_arrays(grid, cfg)
     if cfg.strategy == "diloco":

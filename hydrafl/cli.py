@@ -65,6 +65,11 @@ def simulate(
     outer_momentum: Annotated[float | None, typer.Option(help="DiLoCo outer momentum.")] = None,
     min_sites: Annotated[int | None, typer.Option(help="Fewer successful sites fail the round (0 = all).")] = None,
     samples_per_site: Annotated[int | None, typer.Option(help="Synthetic cohort size per site.")] = None,
+    site_tiers: Annotated[str | None, typer.Option(help="Hydra: tier per site, e.g. small,medium,large.")] = None,
+    hydra_layers: Annotated[float | None, typer.Option(help="Hydra: layer fraction of an untiered site.")] = None,
+    hydra_heads: Annotated[float | None, typer.Option(help="Hydra: head fraction of an untiered site.")] = None,
+    rescore_every: Annotated[int | None, typer.Option(help="Hydra: rescore every N rounds (0 = once).")] = None,
+    outer: Annotated[str | None, typer.Option(help="Hydra outer optimizer: none or nesterov.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every round.")] = False,
     progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
 ) -> None:

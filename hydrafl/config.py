@@ -17,6 +17,10 @@ from hydrafl.kernels.optimizers import INNER_OPTIMIZERS
 
 BACKENDS = ("inprocess", "ray")
 DEFAULT_STRATEGIES = ("fedavg", "fedprox", "fedadam", "diloco")
+SITE_TIERS = ("small", "medium", "large")
+OUTER_OPTIMIZERS = ("none", "nesterov")
+LAYER_SCORES = ("fisher", "taylor")
+HEAD_SCORES = ("taylor", "confidence")
 
 
 class ConfigError(ValueError):
@@ -68,6 +72,23 @@ class RunConfig:
     """FedTrimmedAvg: fraction cut at each end."""
     krum_malicious: int = 0
     """Krum: number of sites assumed malicious."""
+    site_tiers: str = ""
+    """Hydra: comma-separated resource tier (small, medium, large) per simulated site, in partition order;
+    a site's own node_config `tier` wins. "" leaves sites untiered (budget `hydra_layers`/`hydra_heads`)."""
+    hydra_layers: float = 1.0
+    """Hydra: fraction of the layers an untiered site trains."""
+    hydra_heads: float = 1.0
+    """Hydra: fraction of the heads (KV groups) per trained layer an untiered site keeps."""
+    rescore_every: int = 0
+    """Hydra: sites recompute layer/head scores every this many rounds; 0 scores once, before round 1."""
+    layer_score: str = "fisher"
+    """Hydra layer importance at the sites: fisher or taylor."""
+    head_score: str = "taylor"
+    """Hydra head importance at the sites: taylor (gate gradient) or confidence."""
+    score_samples: int = 64
+    """Hydra: training samples a site scores on."""
+    outer: str = "none"
+    """Hydra outer optimizer over the masked mean delta: none (lr 1) or nesterov (`outer_lr`, `outer_momentum`)."""
     run_dir: str = ""
     """Where the run checkpoints every round; "" disables checkpoints."""
     resume: bool = False
@@ -90,6 +111,25 @@ class RunConfig:
         )
         _check(0 <= self.outer_momentum < 1, "outer-momentum", self.outer_momentum, "0 <= mu < 1")
         _check(0 <= self.trimmed_beta < 0.5, "trimmed-beta", self.trimmed_beta, "0 <= beta < 0.5")
+        tiers = self.tier_list
+        _check(
+            all(t in SITE_TIERS for t in tiers) and len(tiers) in (0, self.sites),
+            "site-tiers",
+            self.site_tiers,
+            f"{self.sites} comma-separated names from {', '.join(SITE_TIERS)} (one per site), or empty",
+        )
+        _check(0 < self.hydra_layers <= 1, "hydra-layers", self.hydra_layers, "a fraction in (0, 1]")
+        _check(0 < self.hydra_heads <= 1, "hydra-heads", self.hydra_heads, "a fraction in (0, 1]")
+        _check(self.rescore_every >= 0, "rescore-every", self.rescore_every, "an integer >= 0 (0 = score once)")
+        _check(self.layer_score in LAYER_SCORES, "layer-score", self.layer_score, ", ".join(LAYER_SCORES))
+        _check(self.head_score in HEAD_SCORES, "head-score", self.head_score, ", ".join(HEAD_SCORES))
+        _check(self.score_samples >= 1, "score-samples", self.score_samples, "an integer >= 1")
+        _check(self.outer in OUTER_OPTIMIZERS, "outer", self.outer, ", ".join(OUTER_OPTIMIZERS))
+
+    @property
+    def tier_list(self) -> tuple[str, ...]:
+        """`site_tiers` split per site (empty when sites are untiered)."""
+        return tuple(t.strip() for t in self.site_tiers.split(",") if t.strip())
 
     @property
     def required_sites(self) -> int:

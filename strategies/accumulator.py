@@ -7,10 +7,10 @@ per-site temporaries), which is what lets one coordinator aggregate many large u
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
-from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
 from hydrafl.arrays import array_view
 
@@ -29,18 +29,9 @@ class WeightedDeltaAccumulator:
         self.metric_records: list[RecordDict] = []
 
     def add(self, reply: Message) -> None:
-        # Records are picked by type from content.items(): RecordDict's array_records/metric_records views
-        # build a reference cycle that keeps every consumed reply alive until the cycle collector runs.
-        records = list(reply.content.values())
-        arrays = _only([r for r in records if isinstance(r, ArrayRecord)], "ArrayRecord", reply)
-        metrics = _only([r for r in records if isinstance(r, MetricRecord)], "MetricRecord", reply)
-        weight = float(metrics[self.weighted_by_key])
-        if weight <= 0:
-            raise AggregationError(f"reply from node {reply.metadata.src_node_id} has {self.weighted_by_key}={weight}")
+        arrays, metrics, weight = _parse(reply, self.weighted_by_key)
         for name, array in arrays.items():
-            with warnings.catch_warnings():  # a read-only view: only ever read, never written
-                warnings.simplefilter("ignore", UserWarning)
-                delta = torch.from_numpy(array_view(array))
+            delta = _view(array)
             if name not in self.sums:
                 self.sums[name] = delta.to(torch.float32).mul(weight)
             elif self.sums[name].shape != delta.shape:
@@ -60,6 +51,66 @@ class WeightedDeltaAccumulator:
         if not self.total_weight:
             raise AggregationError("no successful reply to aggregate")
         return {name: total.div_(self.total_weight) for name, total in self.sums.items()}
+
+
+class MaskedDeltaAccumulator:
+    """Per-coordinate running sums for subnetwork updates: sum_k w_k m_k delta_k and sum_k w_k m_k, where
+    m_k is the 0/1 mask of the coordinates site k was assigned (a site's values outside it are ignored)."""
+
+    def __init__(self, weighted_by_key: str = "num-examples") -> None:
+        self.weighted_by_key = weighted_by_key
+        self.sums: dict[str, torch.Tensor] = {}
+        self.weights: dict[str, torch.Tensor] = {}
+        self.metric_records: list[RecordDict] = []
+
+    def add(self, reply: Message, masks: Mapping[str, torch.Tensor]) -> None:
+        """Fold in one reply; `masks` (bool, full shape) are the coordinates its site was assigned."""
+        arrays, metrics, weight = _parse(reply, self.weighted_by_key)
+        unassigned = sorted(set(arrays.keys()) - set(masks))
+        if unassigned:
+            raise AggregationError(
+                f"reply from node {reply.metadata.src_node_id} updates {unassigned[:3]}, outside its subnetwork"
+            )
+        for name, array in arrays.items():
+            delta, mask = _view(array), masks[name]
+            if delta.shape != mask.shape:
+                raise AggregationError(f"array {name!r} has shape {tuple(delta.shape)}, expected {tuple(mask.shape)}")
+            weighted_mask = mask.to(torch.float32).mul_(weight)
+            if name not in self.sums:
+                self.sums[name] = torch.zeros(mask.shape, dtype=torch.float32)
+                self.weights[name] = torch.zeros(mask.shape, dtype=torch.float32)
+            self.sums[name].addcmul_(weighted_mask, delta)
+            self.weights[name].add_(weighted_mask)
+        self.metric_records.append(RecordDict({"metrics": metrics}))
+
+    def mean(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per name: (masked weighted mean delta, 0 where no site trained; bool mask of trained coordinates).
+        Computed in place: the accumulator is spent afterwards."""
+        if not self.metric_records:
+            raise AggregationError("no successful reply to aggregate")
+        out = {}
+        for name, total in self.sums.items():
+            covered = self.weights[name] > 0
+            out[name] = (total.div_(self.weights[name].clamp_(min=1e-30)).mul_(covered), covered)
+        return out
+
+
+def _parse(reply: Message, weighted_by_key: str) -> tuple[ArrayRecord, MetricRecord, float]:
+    # Records are picked by type from content.values(): RecordDict's array_records/metric_records views
+    # build a reference cycle that keeps every consumed reply alive until the cycle collector runs.
+    records = list(reply.content.values())
+    arrays = _only([r for r in records if isinstance(r, ArrayRecord)], "ArrayRecord", reply)
+    metrics = _only([r for r in records if isinstance(r, MetricRecord)], "MetricRecord", reply)
+    weight = float(metrics[weighted_by_key])
+    if weight <= 0:
+        raise AggregationError(f"reply from node {reply.metadata.src_node_id} has {weighted_by_key}={weight}")
+    return arrays, metrics, weight
+
+
+def _view(array: Array) -> torch.Tensor:
+    with warnings.catch_warnings():  # a read-only view: only ever read, never written
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array_view(array))
 
 
 def _only(records: list, kind: str, reply: Message) -> ArrayRecord | MetricRecord:

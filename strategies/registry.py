@@ -20,6 +20,7 @@ from flwr.serverapp.strategy import (
 
 from hydrafl.config import RunConfig
 from hydrafl.strategies.diloco import DiLoCo
+from hydrafl.strategies.hydra import Hydra
 
 Builder = Callable[[RunConfig, dict[str, Any]], Strategy]
 
@@ -35,6 +36,17 @@ _BUILDERS: dict[str, Builder] = {
     "krum": lambda cfg, common: Krum(num_malicious_nodes=cfg.krum_malicious, **common),
     "diloco": lambda cfg, common: DiLoCo(
         outer_lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_nesterov, **common
+    ),
+    "hydra": lambda cfg, common: Hydra(
+        untiered=(cfg.hydra_layers, cfg.hydra_heads),
+        rescore_every=cfg.rescore_every,
+        timeout_s=cfg.round_timeout_s or None,
+        **(
+            {"outer_lr": cfg.outer_lr, "momentum": cfg.outer_momentum, "nesterov": cfg.outer_nesterov}
+            if cfg.outer == "nesterov"
+            else {}
+        ),
+        **common,
     ),
 }
 

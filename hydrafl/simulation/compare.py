@@ -11,12 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from flwr.serverapp.strategy import Strategy
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hydrafl.apps import build_server_app, client_app, run_cohort, run_federation
 from hydrafl.config import RunConfig, SimulationConfig
 from hydrafl.driver import RoundRecord
 from hydrafl.simulation.grid import InProcessGrid
+from hydrafl.strategies import Hydra, build_strategy
 from hydrafl.simulation.report import write_report
 
 OnRound = Callable[[RoundRecord], None]
@@ -42,18 +44,26 @@ def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) 
                 progress.update(task, completed=record.round, status=status)
 
             started = time.perf_counter()
-            history = run_strategy(run_cfg, config.backend, on_round=on_round)
+            built = build_strategy(run_cfg) if config.backend == "inprocess" else None
+            history = run_strategy(run_cfg, config.backend, on_round=on_round, strategy=built)
             results["strategies"][strategy] = {"seconds": time.perf_counter() - started, "rounds": history}
+            if isinstance(built, Hydra):  # per round, per site; bytes per site are in the round records
+                results["strategies"][strategy]["trainable_params_per_site"] = built.trainable_params
     write_report(out, results)
     return results
 
 
-def run_strategy(cfg: RunConfig, backend: str, *, on_round: OnRound | None = None) -> list[dict[str, Any]]:
-    """One strategy's run; returns its per-round history (round 0 is the initial model's evaluation)."""
+def run_strategy(
+    cfg: RunConfig, backend: str, *, on_round: OnRound | None = None, strategy: Strategy | None = None
+) -> list[dict[str, Any]]:
+    """One strategy's run; returns its per-round history (round 0 is the initial model's evaluation).
+    `strategy` (in-process only) is the caller's own instance of `cfg.strategy`, to read its state after."""
     torch.set_num_threads(1)  # tiny per-site models: one thread is faster and never oversubscribes a small box
     if backend == "inprocess":
         grid = InProcessGrid(client_app, cfg.sites, cfg.to_flower())
-        return run_federation(grid, cfg, on_round=on_round).history
+        return run_federation(grid, cfg, on_round=on_round, strategy=strategy).history
+    if strategy is not None:
+        raise ValueError("a strategy instance can only be passed to the inprocess backend")
     if backend == "ray":
         return _run_on_ray(cfg)
     raise ValueError(f"unknown backend {backend!r}; choose inprocess or ray")

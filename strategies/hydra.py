@@ -1,0 +1,187 @@
+"""Hydra: each site trains its own subnetwork (Hydra-net) of the global transformer, sized to its resources.
+
+Sites score layers and heads on their own data (`query.scores`, at round 1 and every `rescore_every` rounds).
+The coordinator ranks layers once globally (sample-weighted site scores, so subnetworks nest), gives each site
+the top layers its tier affords and, in them, the heads its own scores rank highest. Aggregation is the masked
+per-coordinate weighted mean of the deltas; coordinates no site trained keep their value (and momentum). The
+outer step is DiLoCo's on the trained coordinates: outer_lr 1 without momentum is the plain masked mean.
+
+Design: ../shared/research/hydra-nets.md (Fisher layer scores as in Fed-HeLLo; Michel et al. head importance).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common import MessageType
+from flwr.serverapp import Grid
+
+from hydrafl.arrays import from_record, to_record
+from hydrafl.hydranet import Slice, SubnetSpec, build_spec, combine_layer_scores, coordinate_masks
+from hydrafl.strategies.accumulator import AggregationError, MaskedDeltaAccumulator
+from hydrafl.strategies.diloco import DiLoCo
+
+log = logging.getLogger(__name__)
+
+TIER_BUDGETS: Mapping[str, tuple[float, float]] = {"small": (1 / 3, 0.5), "medium": (2 / 3, 0.75), "large": (1.0, 1.0)}
+"""Per tier: the fraction of the layers, and of the heads (KV groups) in each of them, a site trains."""
+
+Layout = Mapping[str, tuple[int, int, int]]
+"""Per federated tensor: (layer or -1, head axis or -1, indices one head group owns along it); `apps.slice_layout`."""
+
+
+class ScoringError(RuntimeError):
+    """The scoring round gave nothing to build subnetworks from."""
+
+
+def layout_slices(layout: Layout, spec: SubnetSpec) -> dict[str, Slice]:
+    """`hydranet.trainable_slices` of `spec`, from the layout a site reported instead of a live model."""
+    slices = {}
+    for name, (layer, axis, unit) in layout.items():
+        if layer < 0:
+            if spec.train_outside:
+                slices[name] = Slice(None)
+        elif layer in spec.layers:
+            kept = spec.heads_for(layer)
+            whole = axis < 0 or kept is None
+            slices[name] = Slice(None) if whole else Slice(axis, [i for g in kept for i in range(g * unit, (g + 1) * unit)])
+    return slices
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SiteScores:
+    layers: list[float]
+    heads: list[list[float]]  # per layer, per head group
+    weight: float
+    tier: str
+
+
+def _read_scores(reply: Message, weighted_by_key: str, arrays: ArrayRecord) -> tuple[SiteScores, dict]:
+    """A `query.scores` reply as (scores, layout); KeyError/ValueError when it is malformed."""
+    metrics, site = reply.content["metrics"], reply.content["site"]
+    num_layers, num_groups = sum(k.startswith("layer-") for k in metrics), sum(k.startswith("head-0-") for k in metrics)
+    layout = dict(zip(site["layout.names"], zip(site["layout.layers"], site["layout.axes"], site["layout.units"])))
+    if set(layout) != set(arrays) or not num_layers or not num_groups:
+        raise ValueError("its layout does not name the global arrays, or it has no layer/head scores")
+    heads = [[float(metrics[f"head-{l}-{g}"]) for g in range(num_groups)] for l in range(num_layers)]
+    layers = [float(metrics[f"layer-{l}"]) for l in range(num_layers)]
+    return SiteScores(layers=layers, heads=heads, weight=float(metrics[weighted_by_key]), tier=str(site["tier"])), layout
+
+
+class Hydra(DiLoCo):
+    """DiLoCo's sampling, evaluation and outer step, over per-site subnetworks and a masked mean."""
+
+    def __init__(
+        self,
+        *,
+        tiers: Mapping[str, tuple[float, float]] = TIER_BUDGETS,
+        untiered: tuple[float, float] = (1.0, 1.0),
+        rescore_every: int = 0,
+        timeout_s: float | None = None,
+        outer_lr: float = 1.0,
+        momentum: float = 0.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(outer_lr=outer_lr, momentum=momentum, **kwargs)
+        if rescore_every < 0 or not all(0 < f <= 1 for budget in (*tiers.values(), untiered) for f in budget):
+            raise ValueError(f"Hydra needs rescore_every >= 0 and budget fractions in (0, 1], got {tiers=}, {untiered=}")
+        self.tiers, self.untiered = dict(tiers), untiered
+        self.rescore_every, self.timeout_s = rescore_every, timeout_s
+        self.layout: dict[str, tuple[int, int, int]] = {}
+        self.ranking: list[int] = []
+        self.site_scores: dict[int, SiteScores] = {}
+        self.specs: dict[int, SubnetSpec] = {}
+        self.trainable_params: dict[int, dict[str, int]] = {}
+        """Per round, per site (node id): coordinates its subnetwork trained."""
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        if not self.ranking or (self.rescore_every and (server_round - 1) % self.rescore_every == 0):
+            self._score(arrays, config, grid)
+        messages, self.specs, counts = [], {}, {}
+        for sampled in super().configure_train(server_round, arrays, config, grid):
+            node = sampled.metadata.dst_node_id
+            if node not in self.site_scores:
+                log.warning("hydra: site %d has no scores (it missed the scoring round); not training it", node)
+                continue
+            self.specs[node] = spec = self._spec(self.site_scores[node])
+            slices = layout_slices(self.layout, spec)
+            counts[str(node)] = sum(sl.numel(arrays[name].shape) for name, sl in slices.items())
+            content = RecordDict({"arrays": arrays, "config": ConfigRecord({**config, **spec.to_config()})})
+            messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
+        self.trainable_params[server_round] = counts
+        return messages
+
+    def _score(self, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> None:
+        """The scoring round: every site scores the current model on its own data."""
+        content = RecordDict({"arrays": arrays, "config": ConfigRecord(dict(config))})
+        queries = [Message(content, dst_node_id=node, message_type="query.scores") for node in sorted(grid.get_node_ids())]
+        self.site_scores = {}
+        for reply in grid.send_and_receive(queries, timeout=self.timeout_s):
+            node = reply.metadata.src_node_id
+            try:
+                if reply.has_error():
+                    raise ValueError(reply.error.reason)
+                scores, self.layout = _read_scores(reply, self.weighted_by_key, arrays)
+            except (KeyError, ValueError, TypeError) as error:
+                log.warning("hydra: site %d gave no usable scores: %s", node, error)
+                continue
+            if scores.tier and scores.tier not in self.tiers:
+                raise ScoringError(f"site {node} declares tier {scores.tier!r}; known tiers: {', '.join(self.tiers)}")
+            self.site_scores[node] = scores
+        if not self.site_scores:
+            raise ScoringError("no site answered the scoring query usably; cannot build Hydra-nets")
+        self.ranking = combine_layer_scores([(s.layers, s.weight) for s in self.site_scores.values()])
+
+    def _spec(self, scores: SiteScores) -> SubnetSpec:
+        """Top layers of the global ranking and, in each, the site's top heads, as many as its tier affords."""
+        layer_fraction, head_fraction = self.tiers[scores.tier] if scores.tier else self.untiered
+        num_layers = max(1, math.ceil(layer_fraction * len(self.ranking) - 1e-9))
+        num_heads = max(1, math.ceil(head_fraction * len(scores.heads[0]) - 1e-9))
+        return build_spec(self.ranking, num_layers, scores.heads, num_heads)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        if self.current_arrays is None:
+            return None, None
+        weights = from_record(self.current_arrays)
+        accumulator = MaskedDeltaAccumulator(self.weighted_by_key)
+        for reply in replies:
+            if reply.has_error():
+                continue
+            if reply.metadata.src_node_id not in self.specs:
+                raise AggregationError(f"reply from node {reply.metadata.src_node_id}, which was assigned no subnetwork")
+            slices = layout_slices(self.layout, self.specs[reply.metadata.src_node_id])
+            accumulator.add(reply, coordinate_masks(slices, weights))
+        if not accumulator.metric_records:
+            return None, None
+        for name, (delta, trained) in accumulator.mean().items():
+            weights[name] = self._masked_step(name, weights[name], delta, trained)
+        return to_record(weights), self.train_metrics_aggr_fn(accumulator.metric_records, self.weighted_by_key)
+
+    def _masked_step(self, name: str, weights: torch.Tensor, delta: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+        """DiLoCo's outer step where some site trained; elsewhere value and momentum stay as they were."""
+        before = self.momentum_buffer[name].clone() if name in self.momentum_buffer else None
+        direction = self._direction(name, delta)
+        if before is not None:
+            self.momentum_buffer[name] = torch.where(trained, self.momentum_buffer[name], before)
+        return torch.where(trained, weights - self.outer_lr * direction, weights)
+
+    _STATE = ("layout", "ranking", "site_scores", "specs", "trainable_params")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), **{key: copy.deepcopy(getattr(self, key)) for key in self._STATE}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        for key in self._STATE:
+            setattr(self, key, copy.deepcopy(state[key]))

@@ -1,0 +1,107 @@
+"""Hydra end to end on the in-process grid: site scores, tiered subnetworks, partial updates, masked merge."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ConfigRecord, Message, RecordDict
+
+from hydrafl import apps
+from hydrafl.arrays import from_record
+from hydrafl.config import RunConfig, SimulationConfig
+from hydrafl.hydranet import SubnetSpec, coordinate_masks, trainable_slices
+from hydrafl.models import build_model
+from hydrafl.simulation.compare import compare_strategies
+from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
+from hydrafl.strategies import Hydra, build_strategy, layout_slices
+
+CFG = RunConfig(
+    task="tabular",
+    strategy="hydra",
+    sites=3,
+    samples_per_site=60,
+    rounds=2,
+    local_steps=3,
+    batch_size=16,
+    lr=3e-3,
+    site_tiers="small,medium,large",
+    score_samples=16,
+)
+TIER_OF_NODE = {FIRST_NODE_ID + i: tier for i, tier in enumerate(CFG.tier_list)}
+
+
+def _ask(grid, message_type, node, arrays, **config):
+    content = RecordDict({"arrays": arrays, "config": ConfigRecord({**CFG.to_flower(), **config})})
+    [reply] = grid.send_and_receive([Message(content, dst_node_id=node, message_type=message_type)])
+    assert not reply.has_error(), reply.error.reason
+    return reply
+
+
+def test_site_scores_and_partial_train_reply():
+    grid = InProcessGrid(apps.client_app, CFG.sites, CFG.to_flower())
+    initial = apps.request_initial_arrays(grid, CFG)
+    scores = _ask(grid, "query.scores", FIRST_NODE_ID, initial)
+    metrics, site = scores.content["metrics"], scores.content["site"]
+    assert {"layer-0", "layer-1", "head-0-0", "head-1-3", "num-examples"} <= set(metrics)
+    assert all(metrics[key] >= 0 for key in metrics)
+    assert site["tier"] == "small" and sorted(site["layout.names"]) == sorted(initial)
+
+    spec = SubnetSpec(layers=(1,), heads=((0, 2),))
+    reply = _ask(grid, "train", FIRST_NODE_ID, initial, **spec.to_config(), **{"server-round": 1})
+    delta = from_record(reply.content["arrays"])
+    model = build_model(apps.run_cohort(CFG).task, seed=CFG.seed)
+    slices = trainable_slices(model, spec)
+    assert set(delta) == set(slices) and len(delta) < len(initial)  # layer 0's tensors are not sent
+    for name, mask in coordinate_masks(slices, delta).items():
+        assert float(delta[name][~mask].abs().sum()) == 0.0
+    query = delta["net.encoder.encoder.layer.1.attention.self.query.weight"]  # heads 0 and 2 of 4, 16 rows each
+    assert [float(query[16 * h : 16 * (h + 1)].abs().sum()) > 0 for h in range(4)] == [True, False, True, False]
+
+
+def test_hydra_two_rounds_changes_only_trained_coordinates_and_small_sites_send_less():
+    cfg = dataclasses.replace(CFG, site_tiers="small,medium,small")  # a head of the second layer stays untrained
+    tier_of_node = {FIRST_NODE_ID + i: tier for i, tier in enumerate(cfg.tier_list)}
+    strategy = build_strategy(cfg)
+    grid = InProcessGrid(apps.client_app, cfg.sites, cfg.to_flower())
+    initial = from_record(apps.request_initial_arrays(grid, cfg))
+    result = apps.run_federation(grid, cfg, strategy=strategy)
+    final = from_record(result.arrays)
+
+    assert isinstance(strategy, Hydra) and sorted(strategy.site_scores) == sorted(tier_of_node)
+    trained = {name: torch.zeros(t.shape, dtype=torch.bool) for name, t in initial.items()}
+    for spec in strategy.specs.values():  # scored once: the same subnetworks in both rounds
+        for name, mask in coordinate_masks(layout_slices(strategy.layout, spec), initial).items():
+            trained[name] |= mask
+    assert not all(mask.all() for mask in trained.values())  # some coordinates nobody trained
+    for name, mask in trained.items():
+        torch.testing.assert_close(final[name][~mask], initial[name][~mask], rtol=0, atol=0)
+    assert sum(int((final[name] != initial[name]).sum()) for name in initial) > 0
+
+    specs = {node: (len(spec.layers), [len(h) for h in spec.heads]) for node, spec in strategy.specs.items()}
+    assert specs == {FIRST_NODE_ID: (1, [2]), FIRST_NODE_ID + 1: (2, [3, 3]), FIRST_NODE_ID + 2: (1, [2])}
+    for record in result.history[1:]:
+        up = {int(node): n for node, n in record["bytes_up_per_site"].items()}
+        params = {int(node): n for node, n in strategy.trainable_params[record["round"]].items()}
+        assert up[FIRST_NODE_ID] == up[FIRST_NODE_ID + 2] < up[FIRST_NODE_ID + 1]
+        assert params[FIRST_NODE_ID] == params[FIRST_NODE_ID + 2] < params[FIRST_NODE_ID + 1]
+
+
+def test_simulate_hydra_and_fedavg_writes_per_site_counts(tmp_path):
+    config = SimulationConfig(run=dataclasses.replace(CFG, rounds=1), strategies=("hydra", "fedavg"), out=str(tmp_path))
+    compare_strategies(config, show_progress=False)
+    results = json.loads((tmp_path / "results.json").read_text())
+    params = {TIER_OF_NODE[int(node)]: n for node, n in results["strategies"]["hydra"]["trainable_params_per_site"]["1"].items()}
+    assert params["small"] < params["medium"] < params["large"]
+    fedavg = results["strategies"]["fedavg"]["rounds"][1]["bytes_up_per_site"]
+    up = {TIER_OF_NODE[int(node)]: n for node, n in results["strategies"]["hydra"]["rounds"][1]["bytes_up_per_site"].items()}
+    assert up["small"] < up["medium"] <= up["large"] == max(fedavg.values())  # full-shape tensors: see apps.train
+    assert "trainable_params_per_site" not in results["strategies"]["fedavg"]
+
+
+def test_unknown_site_tier_is_refused():
+    with pytest.raises(ValueError, match="site-tiers"):
+        dataclasses.replace(CFG, site_tiers="small,huge,large")
