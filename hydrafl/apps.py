@@ -200,7 +200,8 @@ def scores(message: Message, context: Context) -> Message:
     model = _working_model(cohort.task, cfg.model, cfg.seed)
     _load(model, _received_arrays(message))
     n = min(cfg.score_samples, len(split.train_y))
-    batches = [(split.train_x[i : i + cfg.batch_size], split.train_y[i : i + cfg.batch_size]) for i in range(0, n, cfg.batch_size)]
+    size = cfg.batch_size
+    batches = [(split.train_x[i : min(i + size, n)], split.train_y[i : min(i + size, n)]) for i in range(0, n, size)]
     layers = layer_importance(model, batches, method=cfg.layer_score)
     heads = head_importance(model, batches, method=cfg.head_score)
     metrics = MetricRecord(

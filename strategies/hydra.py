@@ -78,16 +78,11 @@ def _read_scores(reply: Message, weighted_by_key: str, arrays: ArrayRecord) -> t
 class Hydra(DiLoCo):
     """DiLoCo's sampling, evaluation and outer step, over per-site subnetworks and a masked mean."""
 
-    def __init__(
-        self,
-        *,
-        tiers: Mapping[str, tuple[float, float]] = TIER_BUDGETS,
-        untiered: tuple[float, float] = (1.0, 1.0),
-        rescore_every: int = 0,
-        timeout_s: float | None = None,
-        outer_lr: float = 1.0,
-        momentum: float = 0.0,
-        **kwargs: Any,
+    consumes_deltas = True
+
+    def __init__(  # outer_lr 1 without momentum: no outer optimizer
+        self, *, tiers: Mapping[str, tuple[float, float]] = TIER_BUDGETS, untiered: tuple[float, float] = (1.0, 1.0),
+        rescore_every: int = 0, timeout_s: float | None = None, outer_lr: float = 1.0, momentum: float = 0.0, **kwargs: Any,
     ) -> None:
         super().__init__(outer_lr=outer_lr, momentum=momentum, **kwargs)
         if rescore_every < 0 or not all(0 < f <= 1 for budget in (*tiers.values(), untiered) for f in budget):
@@ -98,12 +93,9 @@ class Hydra(DiLoCo):
         self.ranking: list[int] = []
         self.site_scores: dict[int, SiteScores] = {}
         self.specs: dict[int, SubnetSpec] = {}
-        self.trainable_params: dict[int, dict[str, int]] = {}
-        """Per round, per site (node id): coordinates its subnetwork trained."""
+        self.trainable_params: dict[int, dict[str, int]] = {}  # per round, per site: coordinates it trained
 
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         if not self.ranking or (self.rescore_every and (server_round - 1) % self.rescore_every == 0):
             self._score(arrays, config, grid)
         messages, self.specs, counts = [], {}, {}
@@ -148,20 +140,16 @@ class Hydra(DiLoCo):
         num_heads = max(1, math.ceil(head_fraction * len(scores.heads[0]) - 1e-9))
         return build_spec(self.ranking, num_layers, scores.heads, num_heads)
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         if self.current_arrays is None:
             return None, None
         weights = from_record(self.current_arrays)
         accumulator = MaskedDeltaAccumulator(self.weighted_by_key)
         for reply in replies:
-            if reply.has_error():
-                continue
-            if reply.metadata.src_node_id not in self.specs:
-                raise AggregationError(f"reply from node {reply.metadata.src_node_id}, which was assigned no subnetwork")
-            slices = layout_slices(self.layout, self.specs[reply.metadata.src_node_id])
-            accumulator.add(reply, coordinate_masks(slices, weights))
+            if not reply.has_error():
+                if (node := reply.metadata.src_node_id) not in self.specs:
+                    raise AggregationError(f"reply from node {node}, which was assigned no subnetwork this round")
+                accumulator.add(reply, coordinate_masks(layout_slices(self.layout, self.specs[node]), weights))
         if not accumulator.metric_records:
             return None, None
         for name, (delta, trained) in accumulator.mean().items():

@@ -94,12 +94,26 @@ def test_simulate_hydra_and_fedavg_writes_per_site_counts(tmp_path):
     config = SimulationConfig(run=dataclasses.replace(CFG, rounds=1), strategies=("hydra", "fedavg"), out=str(tmp_path))
     compare_strategies(config, show_progress=False)
     results = json.loads((tmp_path / "results.json").read_text())
-    params = {TIER_OF_NODE[int(node)]: n for node, n in results["strategies"]["hydra"]["trainable_params_per_site"]["1"].items()}
+    hydra = results["strategies"]["hydra"]
+    params = {TIER_OF_NODE[int(node)]: n for node, n in hydra["trainable_params_per_site"]["1"].items()}
     assert params["small"] < params["medium"] < params["large"]
     fedavg = results["strategies"]["fedavg"]["rounds"][1]["bytes_up_per_site"]
-    up = {TIER_OF_NODE[int(node)]: n for node, n in results["strategies"]["hydra"]["rounds"][1]["bytes_up_per_site"].items()}
+    up = {TIER_OF_NODE[int(node)]: n for node, n in hydra["rounds"][1]["bytes_up_per_site"].items()}
     assert up["small"] < up["medium"] <= up["large"] == max(fedavg.values())  # full-shape tensors: see apps.train
     assert "trainable_params_per_site" not in results["strategies"]["fedavg"]
+
+
+def test_resume_with_outer_nesterov_ends_with_the_same_numbers(tmp_path):
+    cfg = dataclasses.replace(CFG, outer="nesterov", outer_lr=0.7, outer_momentum=0.9, rescore_every=2, rounds=3)
+
+    def run(cfg: RunConfig):
+        return apps.run_federation(InProcessGrid(apps.client_app, cfg.sites, cfg.to_flower()), cfg)
+
+    straight = run(dataclasses.replace(cfg, run_dir=str(tmp_path / "straight")))
+    run(dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"), rounds=2))
+    resumed = run(dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"), resume=True))
+    for name, array in straight.arrays.items():
+        np.testing.assert_array_equal(array.numpy(), resumed.arrays[name].numpy())
 
 
 def test_unknown_site_tier_is_refused():

@@ -32,7 +32,11 @@ DELTA_A = {  # row 3 of w is outside A's subnetwork: whatever A sends there must
     "w": np.array([[0.1, 0.2], [0.4, 0.4], [0.0, 0.0], [100.0, 100.0]]),
     "o": np.array([1.0, 0.0]),
 }
-DELTA_B = {"w": np.array([[0.0, 0.0], [0.8, 0.0], [0.3, -0.3], [0.0, 0.0]]), "v": np.array([0.2, 0.2, -0.4]), "o": np.array([-1.0, 2.0])}
+DELTA_B = {
+    "w": np.array([[0.0, 0.0], [0.8, 0.0], [0.3, -0.3], [0.0, 0.0]]),
+    "v": np.array([0.2, 0.2, -0.4]),
+    "o": np.array([-1.0, 2.0]),
+}
 
 
 def _record(arrays):
@@ -43,7 +47,8 @@ def _step(strategy: Hydra, arrays, replies, server_round=1):
     """One aggregation with A (node 1, 10 examples) and B (node 2, 30 examples) assigned SPEC_A / SPEC_B."""
     strategy.layout, strategy.specs = dict(LAYOUT), {1: SPEC_A, 2: SPEC_B}
     strategy.current_arrays = _record(arrays)
-    new, metrics = strategy.aggregate_train(server_round, iter([make_reply(d, n, node_id=i + 1) for i, (d, n) in enumerate(replies)]))
+    messages = [make_reply(delta, n, node_id=i + 1) for i, (delta, n) in enumerate(replies)]
+    new, metrics = strategy.aggregate_train(server_round, iter(messages))
     assert metrics is not None
     return {name: array.numpy() for name, array in new.items()}
 
@@ -131,7 +136,7 @@ def test_layout_slices_equal_trainable_slices_of_the_live_model(family):
     model = {
         "bert": lambda: build_model(TEXT, shape=SHAPE),
         "vit": lambda: build_model(IMAGE, shape=SHAPE),
-        "llama": lambda: build_causal_lm(40, shape=TinyLlamaShape(hidden=32, layers=3, heads=4, kv_heads=2, intermediate=48)),
+        "llama": lambda: build_causal_lm(40, shape=TinyLlamaShape(hidden=32, layers=3, heads=4, kv_heads=2)),
     }[family]()
     layout = slice_layout(model)
     layout = dict(zip(layout["layout.names"], zip(layout["layout.layers"], layout["layout.axes"], layout["layout.units"])))
