@@ -30,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import Strategy
 
 from hydrafl.arrays import from_record, to_record
 from hydrafl.config import RunConfig
@@ -45,8 +46,6 @@ from hydrafl.hydranet import (
     trainable_slices,
 )
 from hydrafl.models import Classifier, build_model, federated_state
-from flwr.serverapp.strategy import Strategy
-
 from hydrafl.stability import OuterSetup, check_spectrum
 from hydrafl.strategies import build_strategy
 from hydrafl.training import LocalTrainConfig, batch_generator, evaluate, train_local

@@ -1,7 +1,7 @@
 """Hydra: each site trains its own subnetwork (Hydra-net) of the global transformer, sized to its resources.
 
 Sites score layers and heads on their own data (`query.scores`, at round 1 and every `rescore_every` rounds).
-The coordinator ranks layers once globally (sample-weighted site scores, so subnetworks nest), gives each site
+The coordinator ranks layers globally (sample-weighted site scores, so subnetworks nest), gives each site
 the top layers its tier affords and, in them, the heads its own scores rank highest. Aggregation is the masked
 per-coordinate weighted mean of the deltas; coordinates no site trained keep their value (and momentum). The
 outer step is DiLoCo's on the trained coordinates: outer_lr 1 without momentum is the plain masked mean.
