@@ -2,7 +2,8 @@
 
 Runs are driven one at a time by the same round driver as the simulation. Every run checkpoints each
 round into its run folder and is always started with `resume`, so a coordinator restarted after a crash
-continues a running run from its last completed round with the strategy state (e.g. outer momentum) intact.
+continues a running run from its last completed round with the strategy state (e.g. outer momentum) intact,
+and re-sends the round in progress under the same message ids: the replies already accepted are reused.
 """
 
 from __future__ import annotations
@@ -90,7 +91,6 @@ class Coordinator:
             RunConfig.from_flower(run.config), run_dir=str(self.runs_dir / str(run.id)), resume=True
         )
         self.store.set_run_status(run.id, "running")
-        self.store.drop_unanswered(run.id)
         grid = CoordinatorGrid(self.store, self.blobs, self.service, run.id)
 
         history: list[dict] = list(run.history)

@@ -1,11 +1,10 @@
 """A Flower `Grid` over the coordinator's database and blob store, so the ServerApp and every strategy run
 unchanged: pushing a message stores its envelope and chunks for the site to pull; pulling returns the
-replies sites have pushed."""
+replies sites have pushed. Message ids are (run, round, type, site), so a round is never sent twice."""
 
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Iterable
 
 from flwr.app import Message, RecordDict
@@ -50,9 +49,12 @@ class CoordinatorGrid(Grid):
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         message_ids = []
         for message in messages:
-            message_id = uuid.uuid4().hex
-            message.metadata.__dict__["_message_id"] = message_id
             server_round = int(message.metadata.group_id or 0)
+            # Deterministic ids: a coordinator restarted mid-round re-sends the round's messages under the same
+            # ids, so replies sites already pushed are reused, never lost and never counted twice.
+            kind = message.metadata.message_type
+            message_id = f"{self._run.run_id}-{server_round}-{kind}-{message.metadata.dst_node_id}"
+            message.metadata.__dict__["_message_id"] = message_id
             envelope, chunks = split_message(message, server_round)
             for digest, data in chunks.items():
                 self.blobs.put(digest, data)

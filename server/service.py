@@ -19,7 +19,7 @@ from flwr.app import Message
 
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorServicer
-from hydrafl.proto.envelope import EnvelopeError, chunk_hashes, join_message
+from hydrafl.proto.envelope import CHUNK_BYTES, EnvelopeError, chunk_hashes, join_message
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.store import FIRST_NODE_ID, Site, Store
 
@@ -116,6 +116,8 @@ class CoordinatorService(CoordinatorServicer):
         stored = present = 0
         for chunk in request_iterator:
             try:
+                if len(chunk.data) > CHUNK_BYTES:
+                    raise EnvelopeError(f"chunk {chunk.sha256[:12]} has {len(chunk.data)} bytes; at most {CHUNK_BYTES}")
                 if self.blobs.put(chunk.sha256, chunk.data):
                     stored += 1
                 else:

@@ -215,19 +215,6 @@ class Store:
                     )
                 )
 
-    def drop_unanswered(self, run_id: int) -> int:
-        """Forget a run's messages no site answered (a restarted coordinator re-sends its round afresh)."""
-        with self.session() as session, session.begin():
-            answered = select(Reply.reply_to_message_id)
-            stale = session.scalars(
-                select(OutboundMessage)
-                .where(OutboundMessage.run_id == run_id)
-                .where(OutboundMessage.message_id.not_in(answered))
-            ).all()
-            for message in stale:
-                session.delete(message)
-        return len(stale)
-
     def close_messages(self, message_ids: list[str]) -> None:
         with self.session() as session, session.begin():
             for message in session.scalars(select(OutboundMessage).where(OutboundMessage.message_id.in_(message_ids))):

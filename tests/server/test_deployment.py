@@ -8,12 +8,14 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hydrafl.config import RunConfig
+from hydrafl.server.store import Run as StoredRun
 from hydrafl.server.store import Store
 from hydrafl.simulation.compare import run_strategy
 
@@ -27,9 +29,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(*args: str, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "hydrafl", *args], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+def _start(*args: str, env: dict, log: Path) -> subprocess.Popen:
+    with log.open("a") as handle:
+        return subprocess.Popen([sys.executable, "-m", "hydrafl", *args, "-v"], env=env, stdout=handle, stderr=handle)
 
 
 def _wait_serving(address: str, timeout_s: float = 60) -> None:
@@ -66,13 +68,18 @@ def deployment(tmp_path):
     processes: list[subprocess.Popen] = []
 
     def start_server() -> subprocess.Popen:
-        process = _start(*server_args, env=env)
+        process = _start(*server_args, env=env, log=tmp_path / "coordinator.log")
         processes.append(process)
         _wait_serving(address)
         return process
 
-    yield store, run.id, address, tokens, start_server, lambda token: processes.append(
-        _start("site", "--coordinator", address, "--token", token, env=env))
+    def start_site(token: str) -> subprocess.Popen:
+        log = tmp_path / f"site-{tokens.index(token)}.log"
+        process = _start("site", "--coordinator", address, "--token", token, env=env, log=log)
+        processes.append(process)
+        return process
+
+    yield store, run.id, address, tokens, start_server, start_site
     for process in processes:
         process.kill()
         process.wait()
@@ -124,3 +131,28 @@ def test_kill_9_of_the_coordinator_mid_run_then_restart_finishes_with_the_same_m
     simulated = run_strategy(RunConfig.from_flower({**RUN.to_flower(), "run-dir": str(tmp_path / "sim")}), "inprocess")
     assert [r["round"] for r in run.history] == [0, 1, 2, 3]
     assert run.history[-1]["loss"] == pytest.approx(simulated[-1]["loss"], rel=1e-5)
+    # every update accepted exactly once, before or after the crash: none lost, none counted twice
+    accepted = [event.detail for event in store.audit_events("update-accepted")]
+    assert len(accepted) == len(set(accepted)) == RUN.rounds * RUN.sites * 2 + RUN.sites + 1 + RUN.sites
+
+
+@pytest.mark.slow
+def test_a_site_killed_mid_round_is_left_out_at_the_deadline_and_rejoins(deployment, tmp_path):
+    store, run_id, address, tokens, start_server, start_site = deployment
+    with store.session() as session, session.begin():
+        run = session.get(StoredRun, run_id)
+        run.config = {**run.config, "min-sites": 2, "round-timeout-s": 10.0, "strategy": "fedavg", "rounds": 8}
+    start_server()
+    sites = {token: start_site(token) for token in tokens}
+    _wait(lambda: store.run(run_id).rounds_done >= 1, 240, "round 1 never completed")
+    victim = sites[tokens[-1]]
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    _wait(lambda: store.run(run_id).rounds_done >= 2, 240, "round 2 never closed")
+    start_site(tokens[-1])
+    _wait(lambda: store.run(run_id).status in ("finished", "failed"), 240, "the run did not finish")
+    run = store.run(run_id)
+    assert run.status == "finished", run.detail
+    ok = [record["sites_ok"] for record in run.history]
+    assert ok[2] == 2 and run.history[2]["sites_failed"] == 1  # closed at the deadline with the others
+    assert 3 in ok[3:]  # the restarted site is back (once its process has started)

@@ -10,7 +10,7 @@ from sqlalchemy import func, select
 
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
-from hydrafl.proto.envelope import split_message
+from hydrafl.proto.envelope import CHUNK_BYTES, sha256, split_message
 from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.grid import CoordinatorGrid
 from hydrafl.server.store import Reply
@@ -120,12 +120,16 @@ def test_bad_replies_get_a_clear_status_and_change_nothing(live, case, code, rea
     assert stub.Join(pb.JoinRequest(), metadata=_auth(token_a)).site_name == "a"  # still serving
 
 
-def test_a_chunk_that_does_not_match_its_hash_is_refused(live):
+def test_a_chunk_that_does_not_match_its_hash_or_is_oversize_is_refused(live):
     coordinator, stub, token_a, _, _, _ = live
     bad = iter([pb.Chunk(sha256="ab" * 32, data=b"payload")])
     code, details = _code(lambda: stub.PutChunks(bad, metadata=_auth(token_a)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "SHA-256" in details
     assert coordinator.blobs.missing(["ab" * 32]) == ["ab" * 32]
+    data = b"x" * (CHUNK_BYTES + 1)
+    code, details = _code(lambda: stub.PutChunks(iter([pb.Chunk(sha256=sha256(data), data=data)]), metadata=_auth(token_a)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "at most" in details
+    assert coordinator.blobs.missing([sha256(data)]) == [sha256(data)]
 
 
 def test_a_reply_after_the_round_deadline_is_refused(live):
