@@ -3,19 +3,35 @@
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import select
+from postgres_server import postgres_server
+from sqlalchemy import create_engine, select
 
 from hydrafl.proto.envelope import EnvelopeError, sha256
 from hydrafl.server.blobs import BlobStore
-from hydrafl.server.store import Site, Store, hash_token
+from hydrafl.server.store import Base, Run, Site, Store, hash_token
+
+
+@pytest.fixture(scope="module")
+def postgres_url():
+    with postgres_server() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'coordinator.db'}"
+    url = request.getfixturevalue("postgres_url")
+    Base.metadata.drop_all(create_engine(url))  # each test starts from an empty database
+    return url
 
 
 @pytest.fixture
-def store(tmp_path) -> Store:
-    return Store(f"sqlite:///{tmp_path / 'coordinator.db'}")
+def store(db_url) -> Store:
+    return Store(db_url)
 
 
-def test_enrolment_token_authenticates_until_revoked(store, tmp_path):
+def test_enrolment_token_authenticates_until_revoked(store, db_url):
     site, token = store.add_site("st-marys")
     other, other_token = store.add_site("royal-infirmary")
     assert other.node_id == site.node_id + 1 and token != other_token
@@ -27,7 +43,7 @@ def test_enrolment_token_authenticates_until_revoked(store, tmp_path):
     store.revoke_site("st-marys")
     assert store.authenticate(token) is None
     assert store.authenticate(other_token).name == "royal-infirmary"
-    reopened = Store(f"sqlite:///{tmp_path / 'coordinator.db'}")  # state survives a restart
+    reopened = Store(db_url)  # state survives a restart
     assert [s.name for s in reopened.sites()] == ["st-marys", "royal-infirmary"]
     assert [e.kind for e in reopened.audit_events()] == ["enrolled", "enrolled", "revoked"]
 
@@ -53,3 +69,21 @@ def test_blob_store_verifies_and_never_rewrites(tmp_path):
     with pytest.raises(EnvelopeError, match="not a SHA-256"):
         blobs.has("../../etc/passwd")
     assert not (tmp_path / "blobs" / sha256(b"other")[:2] / sha256(b"other")).exists()
+
+
+def test_runs_messages_and_idempotent_replies(store):
+    run = store.create_run({"strategy": "fedavg", "rounds": 2})
+    site, _ = store.add_site("a")
+    store.set_run_status(run.id, "running")
+    store.add_outbound("1-1-train-1", run.id, 1, site.node_id, b"envelope")
+    store.add_outbound("1-1-train-1", run.id, 1, site.node_id, b"other")  # a re-send keeps the original
+    outbound = store.next_message_for(site.node_id)
+    assert outbound.message_id == "1-1-train-1" and outbound.envelope == b"envelope"
+    assert store.add_reply(outbound, b"reply") is True
+    assert store.add_reply(outbound, b"reply again") is False
+    assert [r.envelope for r in store.replies_to(["1-1-train-1"])] == [b"reply"]
+    assert store.next_message_for(site.node_id) is None
+    store.set_run_status(run.id, "finished", rounds_done=2, history=[{"round": 0}])
+    assert store.run(run.id).status == "finished" and store.run(run.id).history == [{"round": 0}]
+    assert [e.kind for e in store.audit_events() if e.run_id == run.id] == ["run-running", "run-finished"]
+    assert isinstance(store.runs()[0], Run)
