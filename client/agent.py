@@ -79,7 +79,6 @@ class SiteAgent:
         self.metadata = (("authorization", f"Bearer {token}"),)
         self.contexts: dict[int, Context] = {}
         self.node_id = 0
-        self.handled = 0
         self.chunk_cache: dict[str, bytes] = {}
         """Chunks of the message in hand: a download cut by a dropped connection resumes with the rest."""
 
@@ -130,7 +129,6 @@ class SiteAgent:
             reply = self._handle(stub, envelope)
             self._push(stub, reply, envelope.round)
             self.chunk_cache.clear()
-            self.handled += 1
 
     def _handle(self, stub: CoordinatorStub, envelope: pb.Envelope) -> Message:
         missing = [digest for digest in chunk_hashes(envelope) if digest not in self.chunk_cache]

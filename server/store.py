@@ -73,7 +73,6 @@ class OutboundMessage(Base):
     node_id: Mapped[int] = mapped_column(BigInteger, index=True)
     envelope: Mapped[bytes] = mapped_column(LargeBinary)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
-    delivered_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     closed: Mapped[bool] = mapped_column(Boolean, default=False)
     """Set when the round's deadline passed without this reply: a late reply is refused."""
 
