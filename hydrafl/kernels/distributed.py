@@ -1,0 +1,295 @@
+"""Multi-process local training for one site: N ranks, DistributedDataParallel, elastic deterministic batches.
+
+Every rank reads its share of each global batch from an `ElasticLoader` (world_size = nproc), so global batch k
+holds the same samples for any world size that divides the loader's lanes. The ranks' shares are equal (lanes
+divide evenly over the ranks and the global batch over the lanes), so each rank's mean loss over its share,
+averaged by DDP over the ranks, has exactly the gradient of the mean loss over the global batch: the end state
+equals, within float tolerance, what one process computes on the same global batches. `nproc=1` trains in
+process, without a process group, and is the reference.
+
+Ranks talk through torch.distributed: gloo on CPU, nccl when the accelerator is CUDA (`pick_device`). Rank 0
+hands the end state back to the caller through a file in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from hydrafl.kernels.elastic_loader import ElasticLoader, LoaderConfigError
+from hydrafl.kernels.optimizers import build_inner_optimizer
+
+__all__ = ["DistributedResult", "pick_device", "process_group_backend", "train_distributed"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DistributedResult:
+    end_state: dict[str, torch.Tensor]
+    """The trained weights, on CPU, with the same keys as the start state."""
+    loss: float
+    """Mean training loss over the steps (each step's loss is the mean over its whole global batch)."""
+    samples: int
+    """Samples trained on, over all ranks: steps x global batch size."""
+    data_hash: str
+    """The loader's round hash: SHA-256 over every global batch's ordered sample ids; equal for any nproc."""
+    samples_per_s: float
+    """Throughput of the training loop over all ranks (process start-up and model build excluded)."""
+    steps: int
+    nproc: int
+    device: str
+    """Device type the ranks trained on ("cpu", "cuda", ...)."""
+
+
+def pick_device() -> torch.device:
+    """The current accelerator (through `torch.accelerator`) when one is available, else the CPU."""
+    if torch.accelerator.is_available():
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is not None:
+            return torch.device(accelerator.type)
+    return torch.device("cpu")
+
+
+def process_group_backend(device: torch.device) -> str:
+    """nccl for CUDA ranks, gloo for everything else (CPU included)."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Job:
+    """Everything a rank needs, picklable for `torch.multiprocessing.spawn`."""
+
+    build: Callable[[], nn.Module]
+    state: dict[str, torch.Tensor]
+    x: torch.Tensor
+    y: torch.Tensor
+    steps: int
+    global_batch_size: int
+    lr: float
+    optimizer: str
+    weight_decay: float
+    seed: int
+    server_round: int
+    nproc: int
+    lanes: int
+    bf16: bool
+    device_type: str
+
+
+def train_distributed(
+    build: Callable[[], nn.Module],
+    state: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    steps: int | None = None,
+    global_batch_size: int,
+    lr: float,
+    optimizer: str = "adamw",
+    weight_decay: float = 0.0,
+    seed: int = 0,
+    server_round: int = 0,
+    nproc: int = 1,
+    lanes: int = 8,
+    bf16: bool = False,
+    device: str | torch.device | None = None,
+) -> DistributedResult:
+    """Train `build()` loaded with `state` for `steps` global batches of (x, y) on `nproc` processes.
+
+    `build` must be picklable for nproc > 1 (e.g. `functools.partial(build_model, task)`). `steps=None` trains on
+    every full global batch of the round; more steps than the round holds is an error (the loader hands out one
+    pass per round). `lanes` fixes the data order: keep it across runs that must see the same batches; nproc
+    must divide it. `bf16` trains under bfloat16 autocast. `device` defaults to `pick_device()`.
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc={nproc} must be >= 1")
+    # Validates lanes, world size, batch size and dataset size before any process starts.
+    probe = ElasticLoader(
+        len(x), global_batch_size=global_batch_size, lanes=lanes, world_size=nproc, seed=seed, server_round=server_round
+    )
+    if steps is None:
+        steps = probe.steps_per_round
+    if not 1 <= steps <= probe.steps_per_round:
+        raise LoaderConfigError(
+            f"steps={steps} must be between 1 and the {probe.steps_per_round} full global batches of "
+            f"{global_batch_size} that a round of {len(x)} samples holds; lower steps or global_batch_size"
+        )
+    if len(x) != len(y):
+        raise ValueError(f"x has {len(x)} rows but y has {len(y)}")
+    device_type = torch.device(device).type if device is not None else pick_device().type
+    job = _Job(
+        build=build,
+        state={name: tensor.detach().cpu() for name, tensor in state.items()},
+        x=x,
+        y=y,
+        steps=steps,
+        global_batch_size=global_batch_size,
+        lr=lr,
+        optimizer=optimizer,
+        weight_decay=weight_decay,
+        seed=seed,
+        server_round=server_round,
+        nproc=nproc,
+        lanes=lanes,
+        bf16=bf16,
+        device_type=device_type,
+    )
+    if nproc == 1:
+        return _run_rank(job, rank=0, model_wrapper=None)
+    if device_type == "cuda" and nproc > torch.accelerator.device_count():
+        raise ValueError(f"nproc={nproc} exceeds the {torch.accelerator.device_count()} CUDA devices")
+    with tempfile.TemporaryDirectory(prefix="hydrafl-ddp-") as tmp:
+        out = Path(tmp) / "rank0.pt"
+        mp.spawn(_rank_main, args=(job, free_port(), str(out)), nprocs=nproc, join=True)
+        payload = torch.load(out, weights_only=True)
+    return DistributedResult(**payload)
+
+
+def _rank_main(rank: int, job: _Job, port: int, out: str) -> None:
+    """Entry point of a spawned rank: join the process group, train, rank 0 writes the result."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    # Share the host's cores between the ranks instead of oversubscribing them.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.nproc))
+    device = _rank_device(job.device_type, rank)
+    dist.init_process_group(
+        process_group_backend(device),
+        rank=rank,
+        world_size=job.nproc,
+        **({"device_id": device} if device.type == "cuda" else {}),
+    )
+    try:
+
+        def wrap(model: nn.Module) -> nn.Module:
+            # Some parameters get no gradient (e.g. word embeddings of an encoder fed `inputs_embeds`).
+            return DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True
+            )
+
+        result = _run_rank(job, rank=rank, model_wrapper=wrap)
+        if rank == 0:
+            torch.save(
+                {
+                    "end_state": result.end_state,
+                    "loss": result.loss,
+                    "samples": result.samples,
+                    "data_hash": result.data_hash,
+                    "samples_per_s": result.samples_per_s,
+                    "steps": result.steps,
+                    "nproc": result.nproc,
+                    "device": result.device,
+                },
+                out,
+            )
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_device(device_type: str, rank: int) -> torch.device:
+    if device_type == "cpu":
+        return torch.device("cpu")
+    index = rank % max(1, torch.accelerator.device_count())
+    torch.accelerator.set_device_index(index)
+    return torch.device(device_type, index)
+
+
+def _run_rank(job: _Job, *, rank: int, model_wrapper: Callable[[nn.Module], nn.Module] | None) -> DistributedResult:
+    """Train this rank's model on its share of every global batch; the whole loop for nproc == 1."""
+    device = _rank_device(job.device_type, rank)
+    model = job.build()
+    _load_start_state(model, job.state)
+    model.to(device)
+    trained = model_wrapper(model) if model_wrapper is not None else model
+    optimizer = build_inner_optimizer(model, job.optimizer, lr=job.lr, weight_decay=job.weight_decay)
+    loader = ElasticLoader(
+        len(job.x),
+        global_batch_size=job.global_batch_size,
+        lanes=job.lanes,
+        world_size=job.nproc,
+        rank=rank,
+        seed=job.seed,
+        server_round=job.server_round,
+    )
+    local_size = job.global_batch_size // job.nproc
+    if local_size * job.nproc != job.global_batch_size:
+        raise LoaderConfigError(
+            f"global batch {job.global_batch_size} does not split evenly over {job.nproc} ranks; the DDP mean would "
+            "not be the global mean"
+        )
+    trained.train()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    if model_wrapper is not None:
+        dist.barrier()
+    start = time.perf_counter()
+    for _, ids in zip(range(job.steps), loader, strict=False):
+        if len(ids) != local_size:
+            raise LoaderConfigError(f"rank {rank} got {len(ids)} samples, expected {local_size}")
+        idx = torch.as_tensor(ids, dtype=torch.long)
+        xb, yb = job.x[idx].to(device, non_blocking=True), job.y[idx].to(device, non_blocking=True)
+        optimizer.zero_grad()
+        with _autocast(device, job.bf16):
+            logits = trained(xb)
+        # Equal shares: the mean over the ranks (DDP's gradient average) of each share's mean is the global mean.
+        loss = F.cross_entropy(logits.float(), yb)
+        loss.backward()
+        optimizer.step()
+        loss_sum += loss.detach().double().cpu()
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
+    if model_wrapper is not None:
+        loss_sum = loss_sum.to(device)
+        dist.all_reduce(loss_sum)  # sum over ranks of the share means: nproc x the global mean, per step
+        loss_sum = loss_sum.cpu() / job.nproc
+    elapsed = time.perf_counter() - start
+    samples = job.steps * job.global_batch_size
+    model_state = model.state_dict()
+    end_state = {name: model_state[name].detach().cpu().clone() for name in job.state}
+    return DistributedResult(
+        end_state=end_state,
+        loss=float(loss_sum) / job.steps,
+        samples=samples,
+        data_hash=loader.round_hash(),
+        samples_per_s=samples / elapsed if elapsed > 0 else math.inf,
+        steps=job.steps,
+        nproc=job.nproc,
+        device=device.type,
+    )
+
+
+def _autocast(device: torch.device, enabled: bool) -> AbstractContextManager[Any]:
+    if not enabled:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def _load_start_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load `state` (all of the model's trainable parameters, optionally buffers and frozen ones)."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected:
+        raise KeyError(f"the start state has keys the model lacks: {sorted(unexpected)[:5]}")
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    lacking = sorted(trainable & set(missing))
+    if lacking:
+        raise KeyError(f"the start state lacks trainable parameters: {lacking[:5]}")

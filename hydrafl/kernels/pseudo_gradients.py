@@ -1,0 +1,124 @@
+"""Per-round diagnostics of the sites' pseudo-gradients (delta = end weights - start weights of a round).
+
+They check the replica-scaling claim (whitening inner optimizers scale best with more sites):
+
+- `noise_scale`: B_pg = tr(Cov[delta_site]) / ||mean delta||^2, the pseudo-gradient analogue of the gradient
+  noise scale. The mean is sample-weighted (the FedAvg mean). The covariance estimator is chosen by `estimator`:
+
+  * "unbiased" (default): the reliability-weighted unbiased estimator
+    sum_i w_i ||d_i - m||^2 / (V1 - V2 / V1), V1 = sum_i w_i, V2 = sum_i w_i^2; with equal weights this is the
+    usual 1 / (n - 1) sample covariance. It needs two or more sites with positive weight.
+  * "weighted": the weighted population covariance sum_i w_i ||d_i - m||^2 / V1 (1 / n with equal weights);
+    zero for a single site.
+
+  A zero mean delta with a nonzero spread gives `math.inf` (no signal, only noise); all-zero spread and mean
+  (0 / 0) raise `ZeroDeltaError`.
+- `cosine_to_reference`: cosine between the averaged delta and the full-data (pooled) delta, all tensors
+  flattened together. A zero vector has no direction: `ZeroDeltaError`.
+
+Everything is computed in float64 on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+__all__ = ["ZeroDeltaError", "cosine_to_reference", "mean_delta", "noise_scale"]
+
+Delta = Mapping[str, torch.Tensor]
+
+
+class ZeroDeltaError(ValueError):
+    """A quantity is undefined because a delta (or the mean delta and the spread) is exactly zero."""
+
+
+def _flatten(delta: Delta, names: Sequence[str], shapes: Mapping[str, torch.Size], what: str) -> torch.Tensor:
+    if set(delta) != set(names):
+        missing, extra = sorted(set(names) - set(delta)), sorted(set(delta) - set(names))
+        raise KeyError(f"{what} has different tensors: missing {missing[:5]}, extra {extra[:5]}")
+    parts = []
+    for name in names:
+        tensor = delta[name]
+        if tensor.shape != shapes[name]:
+            raise ValueError(f"{what}: {name} has shape {tuple(tensor.shape)}, expected {tuple(shapes[name])}")
+        parts.append(tensor.detach().to("cpu", torch.float64).reshape(-1))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def _stack(deltas: Sequence[Delta]) -> tuple[torch.Tensor, list[str], dict[str, torch.Size]]:
+    """[sites, P] float64, with the tensor names (sorted) and shapes of the first delta."""
+    if not deltas:
+        raise ValueError("no deltas: pass one delta per site")
+    names = sorted(deltas[0])
+    shapes = {name: deltas[0][name].shape for name in names}
+    rows = [_flatten(delta, names, shapes, f"delta {i}") for i, delta in enumerate(deltas)]
+    return torch.stack(rows), names, shapes
+
+
+def _weights(weights: Sequence[float] | torch.Tensor | None, n: int) -> torch.Tensor:
+    w = torch.ones(n, dtype=torch.float64) if weights is None else torch.as_tensor(weights, dtype=torch.float64)
+    if w.shape != (n,):
+        raise ValueError(f"{w.numel()} weights for {n} deltas; pass one weight (e.g. sample count) per site")
+    if not torch.isfinite(w).all() or (w < 0).any() or float(w.sum()) <= 0:
+        raise ValueError(f"weights must be finite, non-negative and not all zero; got {w.tolist()}")
+    return w
+
+
+def mean_delta(
+    deltas: Sequence[Delta], weights: Sequence[float] | torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """The sample-weighted mean delta (FedAvg's), per tensor, float64; `weights=None` weighs sites equally."""
+    stacked, names, shapes = _stack(deltas)
+    w = _weights(weights, len(deltas))
+    flat = (w[:, None] * stacked).sum(0) / w.sum()
+    out, offset = {}, 0
+    for name in names:
+        size = shapes[name].numel()
+        out[name] = flat[offset : offset + size].reshape(shapes[name])
+        offset += size
+    return out
+
+
+def noise_scale(
+    deltas: Sequence[Delta], weights: Sequence[float] | torch.Tensor | None = None, *, estimator: str = "unbiased"
+) -> float:
+    """B_pg = tr(Cov[delta_site]) / ||weighted mean delta||^2; see the module docstring for the estimators."""
+    if estimator not in ("unbiased", "weighted"):
+        raise ValueError(f"unknown estimator {estimator!r}; choose 'unbiased' or 'weighted'")
+    stacked, _, _ = _stack(deltas)
+    w = _weights(weights, len(deltas))
+    v1 = w.sum()
+    mean = (w[:, None] * stacked).sum(0) / v1
+    spread = float((w * (stacked - mean).pow(2).sum(1)).sum())
+    if estimator == "weighted":
+        trace = spread / float(v1)
+    else:
+        denominator = float(v1 - w.pow(2).sum() / v1)
+        if denominator <= 0:
+            raise ValueError(
+                "the unbiased covariance needs at least two sites with positive weight; "
+                "use estimator='weighted' for a single site"
+            )
+        trace = spread / denominator
+    signal = float(mean.pow(2).sum())
+    if signal == 0.0:
+        if trace == 0.0:
+            raise ZeroDeltaError("every delta is zero: the noise scale 0 / 0 is undefined")
+        return math.inf
+    return trace / signal
+
+
+def cosine_to_reference(mean_delta: Delta, reference_delta: Delta) -> float:
+    """Cosine between the averaged delta and the full-data delta, over all tensors flattened together."""
+    names = sorted(reference_delta)
+    shapes = {name: reference_delta[name].shape for name in names}
+    a = _flatten(mean_delta, names, shapes, "mean delta")
+    b = _flatten(reference_delta, names, shapes, "reference delta")
+    norm_a, norm_b = float(a.norm()), float(b.norm())
+    if norm_a == 0.0 or norm_b == 0.0:
+        which = "mean delta" if norm_a == 0.0 else "reference delta"
+        raise ZeroDeltaError(f"the {which} is zero, so it has no direction to compare; the cosine is undefined")
+    return max(-1.0, min(1.0, float(a @ b) / (norm_a * norm_b)))

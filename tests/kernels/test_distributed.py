@@ -1,0 +1,215 @@
+"""Multi-process site training: 2 gloo ranks under DDP train to the state 1 process reaches on the same batches."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hydrafl.data import load_cohort
+from hydrafl.kernels import distributed
+from hydrafl.kernels.distributed import DistributedResult, pick_device, process_group_backend, train_distributed
+from hydrafl.kernels.elastic_loader import (
+    ElasticLoader,
+    LoaderConfigError,
+    WorldSizeError,
+    hash_global_batches,
+    round_order,
+)
+from hydrafl.kernels.optimizers import build_inner_optimizer
+from hydrafl.models import TinyShape, build_model, federated_state
+
+LANES = 4
+GLOBAL_BATCH = 8
+TINY = TinyShape(hidden=16, layers=1, heads=2, intermediate=32)
+
+
+@pytest.fixture(scope="module")
+def site() -> tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]]:
+    cohort = load_cohort("tabular", num_sites=1, samples_per_site=64)
+    split = cohort.sites[0]
+    return split.train_x, split.train_y, functools.partial(build_model, cohort.task, shape=TINY)
+
+
+def _mlp_builder(num_features: int, num_classes: int) -> Callable[[], nn.Module]:
+    """A picklable builder whose spawned ranks import only torch (fast start-up on a busy CI machine)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(num_features, 32), nn.Tanh(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, num_classes)
+    )
+    return functools.partial(copy.deepcopy, model)
+
+
+def _start_state(build: Callable[[], nn.Module]) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in federated_state(build()).items()}
+
+
+def _relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """||a - b|| / ||a|| over all tensors flattened together (float64)."""
+    diff = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
+    norm = sum(float(a[k].double().pow(2).sum()) for k in a)
+    return math.sqrt(diff / norm)
+
+
+def _delta(end: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: end[k] - start[k] for k in start}
+
+
+def _run(build: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tensor, **overrides: object) -> DistributedResult:
+    kwargs: dict[str, object] = {
+        "global_batch_size": GLOBAL_BATCH,
+        "lr": 1e-2,
+        "optimizer": "sgd",
+        "seed": 3,
+        "server_round": 1,
+        "nproc": 1,
+        "lanes": LANES,
+    }
+    kwargs.update(overrides)
+    return train_distributed(build, _start_state(build), x, y, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def mlp_runs(site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]]) -> dict[tuple[str, int], object]:
+    """1- and 2-process runs of an MLP for SGD and AdamW (the spawns are the slow part: do each once)."""
+    x, y, _ = site
+    build = _mlp_builder(x.shape[1], int(y.max()) + 1)
+    runs: dict[tuple[str, int], object] = {"start": _start_state(build)}  # type: ignore[dict-item]
+    for optimizer in ("sgd", "adamw"):
+        for nproc in (1, 2):
+            runs[optimizer, nproc] = _run(build, x, y, optimizer=optimizer, nproc=nproc, lr=0.05)
+    return runs
+
+
+def test_pick_device_falls_back_to_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    assert pick_device() == torch.device("cpu")
+    assert process_group_backend(pick_device()) == "gloo"
+
+
+def test_pick_device_uses_the_current_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    assert pick_device() == torch.device("cuda")
+    assert process_group_backend(pick_device()) == "nccl"
+
+
+def test_one_process_runs_in_process_and_is_the_plain_loop(
+    site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x, y, build = site
+
+    def no_spawn(*args: object, **kwargs: object) -> None:
+        raise AssertionError("nproc=1 must not spawn processes")
+
+    monkeypatch.setattr(distributed.mp, "spawn", no_spawn)
+    result = _run(build, x, y, optimizer="adamw", steps=3)
+
+    # The reference: a plain loop over the round's first three global batches, mean loss over each.
+    model = build()
+    optimizer = build_inner_optimizer(model, "adamw", lr=1e-2)
+    loader = ElasticLoader(len(x), global_batch_size=GLOBAL_BATCH, lanes=LANES, seed=3, server_round=1)
+    losses = []
+    for step in range(3):
+        idx = torch.as_tensor(loader.global_batch(step))
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    expected = federated_state(model)
+    assert result.end_state.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(result.end_state[name], tensor, rtol=0, atol=0)
+    assert result.loss == pytest.approx(sum(losses) / 3, rel=1e-12)
+    assert (result.samples, result.steps, result.nproc, result.device) == (3 * GLOBAL_BATCH, 3, 1, "cpu")
+    assert result.samples_per_s > 0
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_two_gloo_processes_equal_one_process(mlp_runs: dict, optimizer: str) -> None:
+    one, two = mlp_runs[optimizer, 1], mlp_runs[optimizer, 2]
+    start = mlp_runs["start"]
+    assert two.nproc == 2 and two.samples == one.samples == 6 * GLOBAL_BATCH  # 51 train rows: 6 full batches
+    assert _relative_difference(one.end_state, two.end_state) <= 1e-5
+    # The pseudo-gradient a site sends (end - start) agrees too, not just the (large) weights.
+    assert _relative_difference(_delta(one.end_state, start), _delta(two.end_state, start)) <= 1e-4
+    assert _relative_difference(_delta(one.end_state, start), {k: torch.zeros_like(v) for k, v in start.items()}) > 0
+    assert two.loss == pytest.approx(one.loss, rel=1e-5)
+
+
+def test_data_hash_is_the_same_for_any_nproc_and_changes_with_the_round(
+    mlp_runs: dict, site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]]
+) -> None:
+    x, y, build = site
+    one, two = mlp_runs["sgd", 1], mlp_runs["sgd", 2]
+    order = round_order(len(x), 3, 1)
+    expected = hash_global_batches(order[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH] for k in range(6))
+    assert one.data_hash == two.data_hash == mlp_runs["adamw", 2].data_hash == expected
+    assert _run(build, x, y, server_round=2, steps=1).data_hash != _run(build, x, y, steps=1).data_hash
+    assert _run(build, x, y, steps=2).data_hash != _run(build, x, y, steps=1).data_hash
+
+
+def test_nproc_beyond_the_lanes_is_an_error_before_any_spawn(
+    site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x, y, build = site
+    monkeypatch.setattr(distributed.mp, "spawn", lambda *a, **k: pytest.fail("spawned despite a bad world size"))
+    with pytest.raises(WorldSizeError, match="between 1 and the number of lanes 4"):
+        _run(build, x, y, nproc=5)
+    with pytest.raises(WorldSizeError, match="do not divide evenly"):
+        _run(build, x, y, nproc=3)
+    with pytest.raises(LoaderConfigError, match="steps=7"):
+        _run(build, x, y, steps=7)
+    with pytest.raises(ValueError, match="nproc=0"):
+        _run(build, x, y, nproc=0)
+
+
+def test_start_state_missing_a_trainable_parameter_is_an_error(
+    site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]],
+) -> None:
+    x, y, build = site
+    state = _start_state(build)
+    state.pop("net.head.weight")
+    with pytest.raises(KeyError, match="net.head.weight"):
+        train_distributed(build, state, x, y, global_batch_size=GLOBAL_BATCH, lr=1e-2, lanes=LANES, steps=1)
+
+
+def test_bf16_autocast_runs_with_a_finite_loss(
+    site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]],
+) -> None:
+    x, y, build = site
+    result = _run(build, x, y, bf16=True, steps=2, optimizer="adamw")
+    assert math.isfinite(result.loss)
+    assert all(tensor.dtype == torch.float32 for tensor in result.end_state.values())
+
+
+def test_two_processes_equal_one_process_on_the_tabular_transformer(
+    site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]],
+) -> None:
+    """build_model's encoder (with a never-used word embedding: DDP must tolerate unused parameters).
+
+    The attention key biases are left out: softmax is shift-invariant, so their true gradient is exactly zero and
+    what they get is fp32 rounding noise, which depends on the reduction order (1 vs 2 ranks). AdamW normalises
+    that noise into real steps (up to ~lr |g| / (|g| + eps)), so those coordinates legitimately differ.
+    """
+    x, y, build = site
+    start = _start_state(build)
+    one = _run(build, x, y, optimizer="adamw")
+    two = _run(build, x, y, optimizer="adamw", nproc=2)
+
+    def determined(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in state.items() if not k.endswith("attention.self.key.bias")}
+
+    assert len(determined(start)) == len(start) - TINY.layers
+    assert _relative_difference(determined(one.end_state), determined(two.end_state)) <= 1e-5
+    one_delta, two_delta = _delta(one.end_state, start), _delta(two.end_state, start)
+    assert _relative_difference(determined(one_delta), determined(two_delta)) <= 1e-4
+    assert one.data_hash == two.data_hash
+    assert two.loss == pytest.approx(one.loss, rel=1e-5)
