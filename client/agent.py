@@ -35,6 +35,7 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
 ]
+MAX_IDLE_POLL_S = 2.0
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
@@ -111,11 +112,14 @@ class SiteAgent:
         if self.demo:
             self.node_config["demo-site"] = joined.site_index
         log.info("joined as %s (node %d)", joined.site_name, joined.node_id)
+        idle_wait = 0.0
         while not stop.is_set():
             pulled = stub.PullMessage(pb.PullMessageRequest(), metadata=self.metadata)
-            if not pulled.has_message:
-                stop.wait(pulled.poll_after_s)
+            if not pulled.has_message:  # back off while idle, so many waiting sites cost the coordinator little
+                idle_wait = min(max(pulled.poll_after_s, idle_wait * 1.5), MAX_IDLE_POLL_S)
+                stop.wait(idle_wait)
                 continue
+            idle_wait = 0.0
             envelope = pulled.envelope
             if envelope.run_id not in self.contexts:
                 joined = stub.Join(pb.JoinRequest(), metadata=self.metadata)
@@ -127,7 +131,13 @@ class SiteAgent:
                     run_config=json.loads(joined.run_config or b"{}"),
                 )
             reply = self._handle(stub, envelope)
-            self._push(stub, reply, envelope.round)
+            try:
+                self._push(stub, reply, envelope.round)
+            except grpc.RpcError as error:
+                if error.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+                    raise
+                # A late reply (round closed) or one the coordinator refused: drop it and take the next message.
+                log.warning("coordinator refused the reply (%s): %s", error.code().name, error.details())
             self.chunk_cache.clear()
 
     def _handle(self, stub: CoordinatorStub, envelope: pb.Envelope) -> Message:

@@ -88,16 +88,21 @@ def check_manifest(envelope: Envelope) -> None:
                 raise EnvelopeError(f"{where}: {len(tensor.chunk_sha256)} chunks listed for {expected} bytes")
 
 
+def parse_content(envelope: Envelope) -> RecordDict:
+    """The envelope's non-array records (configs, metrics); garbage bytes are an EnvelopeError."""
+    try:
+        return recorddict_from_proto(ProtoRecordDict.FromString(envelope.content))
+    except Exception as error:  # protobuf raises several types for garbage bytes
+        raise EnvelopeError(f"message content is not a valid Flower RecordDict: {error}") from error
+
+
 def join_message(envelope: Envelope, chunks: Mapping[str, bytes]) -> Message:
     """Rebuild the Flower Message; every chunk must be present and match its hash."""
     check_manifest(envelope)
     metadata = metadata_from_proto(ProtoMetadata.FromString(envelope.metadata))
     if envelope.error_reason or envelope.error_code:
         return make_message(metadata=metadata, error=Error(int(envelope.error_code), envelope.error_reason))
-    try:
-        content = recorddict_from_proto(ProtoRecordDict.FromString(envelope.content))
-    except Exception as error:  # protobuf raises several types for garbage bytes
-        raise EnvelopeError(f"message content is not a valid Flower RecordDict: {error}") from error
+    content = parse_content(envelope)
     for record in envelope.arrays:
         arrays = {}
         for tensor in record.tensors:

@@ -33,10 +33,10 @@ class BlobStore:
     def put(self, digest: str, data: bytes) -> bool:
         """Store a chunk; False when it was already there. A chunk that does not hash to its name is refused."""
         path = self._path(digest)
-        if sha256(data) != digest:
-            raise EnvelopeError(f"chunk {digest[:12]} fails its SHA-256 check ({len(data)} bytes received)")
         if path.exists():
             return False
+        if sha256(data) != digest:
+            raise EnvelopeError(f"chunk {digest[:12]} fails its SHA-256 check ({len(data)} bytes received)")
         path.parent.mkdir(exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as handle:
             handle.write(data)
@@ -44,6 +44,9 @@ class BlobStore:
             os.fsync(handle.fileno())
         os.replace(handle.name, path)
         return True
+
+    def size(self, digest: str) -> int:
+        return self._path(digest).stat().st_size
 
     def get(self, digest: str) -> bytes:
         path = self._path(digest)

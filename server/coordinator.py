@@ -91,6 +91,7 @@ class Coordinator:
             RunConfig.from_flower(run.config), run_dir=str(self.runs_dir / str(run.id)), resume=True
         )
         self.store.set_run_status(run.id, "running")
+        self.service.latencies.clear()  # push_latency.tsv describes this run only
         grid = CoordinatorGrid(self.store, self.blobs, self.service, run.id)
 
         history: list[dict] = list(run.history)
