@@ -5,6 +5,7 @@ replies sites have pushed. Message ids are (run, round, type, site), so a round 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterable
 
 from flwr.app import Message, RecordDict
@@ -29,6 +30,7 @@ class CoordinatorGrid(Grid):
         self._run = Run.create_empty(run_id)
         self.poll_interval_s = poll_interval_s
         self._pulled: set[str] = set()
+        self._sent: Counter[tuple[int, str, int]] = Counter()
         claim_server_identity(run_id)
 
     def set_run(self, run: Run) -> None:
@@ -51,9 +53,11 @@ class CoordinatorGrid(Grid):
         for message in messages:
             server_round = int(message.metadata.group_id or 0)
             # Deterministic ids: a coordinator restarted mid-round re-sends the round's messages under the same
-            # ids, so replies sites already pushed are reused, never lost and never counted twice.
-            kind = message.metadata.message_type
-            message_id = f"{self._run.run_id}-{server_round}-{kind}-{message.metadata.dst_node_id}"
+            # ids, so replies sites already pushed are reused, never lost and never counted twice. The sequence
+            # number keeps ids unique for ServerApps that leave group_id empty (Flower's own Strategy.start).
+            key = (server_round, message.metadata.message_type, message.metadata.dst_node_id)
+            message_id = f"{self._run.run_id}-{key[0]}-{key[1]}-{key[2]}-{self._sent[key]}"
+            self._sent[key] += 1
             message.metadata.__dict__["_message_id"] = message_id
             envelope, chunks = split_message(message, server_round)
             for digest, data in chunks.items():

@@ -45,7 +45,8 @@ def test_stock_flower_apps_behind_hydrafl_site(tmp_path):
         @server_app.main()
         def main(grid: Grid, context: Context) -> None:
             initial = ArrayRecord({"w": Array(np.zeros(3, dtype=np.float32))})
-            result["final"] = FedAvg(min_available_nodes=2).start(grid=grid, initial_arrays=initial, num_rounds=2).arrays
+            strategy = FedAvg(min_available_nodes=2)
+            result["final"] = strategy.start(grid=grid, initial_arrays=initial, num_rounds=2, timeout=120).arrays
 
         grid = CoordinatorGrid(coordinator.store, coordinator.blobs, coordinator.service, run.id)
         server_app(grid, Context(run_id=run.id, node_id=0, node_config={}, state=RecordDict(), run_config={}))
