@@ -142,13 +142,7 @@ class CoordinatorService(CoordinatorServicer):
         if self.store.run(outbound.run_id).status != "running":
             self._reject(context, site, grpc.StatusCode.FAILED_PRECONDITION, f"run {outbound.run_id} is not running")
         try:
-            missing = self.blobs.missing(chunk_hashes(envelope))
-            if missing:
-                raise EnvelopeError(f"{len(missing)} chunks were not uploaded (first {missing[0][:12]})")
-            _check_against_request(pb.Envelope.FromString(outbound.envelope), envelope)
-            check_manifest(envelope)
-            parse_content(envelope)
-            self._check_chunks(envelope)
+            self.check_reply(envelope, sent=pb.Envelope.FromString(outbound.envelope))
         except EnvelopeError as error:
             self._reject(context, site, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         accepted = self.store.add_reply(outbound, envelope.SerializeToString())
@@ -158,6 +152,16 @@ class CoordinatorService(CoordinatorServicer):
             )
         self._timed(site, "push_reply", started)
         return pb.PushReplyReply(duplicate=not accepted)
+
+    def check_reply(self, envelope: pb.Envelope, *, sent: pb.Envelope) -> None:
+        """Everything a reply must satisfy before it is stored; raises EnvelopeError saying what is wrong."""
+        missing = self.blobs.missing(chunk_hashes(envelope))
+        if missing:
+            raise EnvelopeError(f"{len(missing)} chunks were not uploaded (first {missing[0][:12]})")
+        _check_against_request(sent, envelope)
+        check_manifest(envelope)
+        parse_content(envelope)
+        self._check_chunks(envelope)
 
     def _check_chunks(self, envelope: pb.Envelope) -> None:
         """Sizes add up and float values are finite, read one stored chunk at a time: the coordinator never

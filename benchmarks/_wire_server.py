@@ -1,0 +1,181 @@
+"""A gRPC server in its own process for the wire benchmarks, and the parent's handle on it.
+
+    python -m hydrafl.benchmarks._wire_server coordinator --db URL --blobs DIR --runs DIR [--serve]
+    python -m hydrafl.benchmarks._wire_server raw
+
+The child prints one JSON line ({"port": N}) once it serves, and stops when its stdin closes, so a parent that
+dies takes it down too. A separate process is what a real deployment has (site and coordinator never share a
+GIL) and lets the parent sample the server's RSS alone.
+
+`coordinator` is hydrafl's `Coordinator` (gRPC service + health; with `--serve` it also drives queued runs, as
+`hydrafl server` does). `raw` is the floor to compare it with: a generic stream-unary handler that only counts
+the bytes it receives, served with the coordinator's thread-pool size and gRPC options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import psutil
+
+RAW_METHOD = "/hydrafl.bench.RawSink/Put"
+SERVER_WORKERS = 16  # Coordinator's ThreadPoolExecutor size
+SAMPLE_S = 0.05
+ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+
+
+def _raw_put(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+    return sum(len(request) for request in requests).to_bytes(8, "little")
+
+
+def _serve_raw() -> grpc.Server:
+    from hydrafl.server.service import GRPC_OPTIONS
+
+    service, method = RAW_METHOD.strip("/").split("/")
+    handler = grpc.method_handlers_generic_handler(service, {method: grpc.stream_unary_rpc_method_handler(_raw_put)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=SERVER_WORKERS), options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(json.dumps({"port": port}), flush=True)
+    return server
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("kind", choices=("coordinator", "raw"))
+    parser.add_argument("--db", default="")
+    parser.add_argument("--blobs", type=Path)
+    parser.add_argument("--runs", type=Path)
+    parser.add_argument("--serve", action="store_true", help="also drive queued runs (serve_forever)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.kind == "raw":
+        server = _serve_raw()
+        sys.stdin.read()
+        server.stop(grace=1).wait()
+        return
+    from hydrafl.server.coordinator import Coordinator
+
+    coordinator = Coordinator(listen="127.0.0.1:0", db_url=args.db, blob_dir=args.blobs, runs_dir=args.runs)
+    coordinator.start()
+    if args.serve:
+        threading.Thread(target=coordinator.serve_forever, name="serve_forever", daemon=True).start()
+    print(json.dumps({"port": coordinator.port}), flush=True)
+    sys.stdin.read()
+    coordinator.stop()
+    logging.shutdown()
+    os._exit(0)  # skip the interpreter's teardown of torch & co. (~2 s); nothing is left to flush
+
+
+# ---- parent side -----------------------------------------------------------------------------------
+
+
+@dataclass
+class RssSampler:
+    """RSS of one process every SAMPLE_S seconds, in a background thread (peaks shorter than that can be
+    missed, so the kernel's high-water mark VmHWM is read as well)."""
+
+    pid: int
+    samples: list[tuple[float, int]] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> RssSampler:
+        process = psutil.Process(self.pid)
+
+        def loop() -> None:
+            while not self._stop.is_set():
+                try:
+                    self.samples.append((time.monotonic(), process.memory_info().rss))
+                except psutil.NoSuchProcess:
+                    return
+                self._stop.wait(SAMPLE_S)
+
+        self._thread = threading.Thread(target=loop, name="rss-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def now(self) -> int:
+        return psutil.Process(self.pid).memory_info().rss
+
+    def peak(self, since: float = 0.0) -> int:
+        return max((rss for at, rss in self.samples if at >= since), default=0)
+
+    def high_water_mark(self) -> int:
+        """VmHWM: the process's peak RSS over its whole life, exact (Linux)."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmHWM in /proc status")
+
+
+class ServerProcess:
+    """A server child: spawned at construction, so several can import in parallel; `wait_ready` for its port;
+    stopped (stdin closed, killed if it lingers) on exit."""
+
+    def __init__(self, kind: str, *args: str, log_path: Path) -> None:
+        self.kind = kind
+        self.log_path = log_path
+        self.port = 0
+        with log_path.open("w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "hydrafl.benchmarks._wire_server", kind, *args],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **ENV},
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def wait_ready(self) -> ServerProcess:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.kind} server did not start:\n{self.log_tail()}")
+        self.port = int(json.loads(line)["port"])
+        return self
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Close its stdin (it stops and exits); kill it if it lingers. Idempotent."""
+        if self.process.stdin.closed:
+            return
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+if __name__ == "__main__":
+    main()
