@@ -19,7 +19,6 @@ Goals (from the issue): throughput ratio >= 3x; hydrafl's extra memory flat in t
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import logging
@@ -42,6 +41,7 @@ from flwr.app import ArrayRecord  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
 from hydrafl.benchmarks._aggregation_worker import AGGREGATORS, ARRAYS_PER_MODEL, lazy_replies  # noqa: E402
 
 NAME = "aggregation"
@@ -163,9 +163,9 @@ def print_tables(summary: dict[str, Any]) -> None:
     ratio = tput["speedup_hydrafl_over_flower"]
     equality = tput["equality"]
     console.print(
-        f"hydrafl speed-up over Flower {ratio:.2f}x: {_verdict(tput['goal_met'])} (goal >= {GOAL_THROUGHPUT_RATIO:g}x); "
+        f"hydrafl speed-up over Flower {ratio:.2f}x: {verdict(tput['goal_met'])} (goal >= {GOAL_THROUGHPUT_RATIO:g}x); "
         f"same mean: max |diff| {equality['max_abs_diff']:.2e} (tolerance {TOLERANCE:g}): "
-        f"{_verdict(equality['passed'], 'PASS', 'FAIL')}"
+        f"{verdict(equality['passed'], 'PASS', 'FAIL')}"
     )
     table = Table(
         title=f"extra peak memory over baseline ({mem['baseline_mb']:.0f} MB: imports + one reply), "
@@ -181,14 +181,10 @@ def print_tables(summary: dict[str, Any]) -> None:
         )
     console.print(table)
     console.print(
-        f"hydrafl under {GOAL_EXTRA_MODELS:g} models at every size: {_verdict(mem['hydrafl_under_goal'])}; "
+        f"hydrafl under {GOAL_EXTRA_MODELS:g} models at every size: {verdict(mem['hydrafl_under_goal'])}; "
         f"hydrafl spread {mem['hydrafl_spread_models']:.1f} models, "
         f"Flower grows {mem['flower_growth_models']:.1f} models"
     )
-
-
-def _verdict(ok: bool, yes: str = "goal met", no: str = "BELOW GOAL") -> str:
-    return f"[green]{yes}[/]" if ok else f"[red]{no}[/]"
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
@@ -215,9 +211,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where JSON and PNG go")
-    parser.add_argument("--quick", action="store_true", help=f"smoke-test size: {QUICK}")
+    parser = benchmark_parser(__doc__, str(QUICK))
     args = parser.parse_args()
     scale = QUICK if args.quick else FULL
     args.out.mkdir(parents=True, exist_ok=True)

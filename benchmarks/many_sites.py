@@ -18,7 +18,6 @@ history in the store, agents that stopped, and warnings logged on either side.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -41,6 +40,7 @@ from flwr.clientapp import ClientApp  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from hydrafl.benchmarks._common import benchmark_parser  # noqa: E402
 from hydrafl.benchmarks._wire_server import RssSampler, ServerProcess  # noqa: E402
 from hydrafl.config import RunConfig  # noqa: E402
 from hydrafl.server.store import Store  # noqa: E402
@@ -302,9 +302,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where JSON and PNG go")
-    parser.add_argument("--quick", action="store_true", help=f"smoke-test size: {QUICK}")
+    parser = benchmark_parser(__doc__, str(QUICK))
     parser.add_argument("--sites", type=int, help="override the number of sites")
     parser.add_argument("--rounds", type=int, help="override the number of rounds")
     args = parser.parse_args()

@@ -15,7 +15,6 @@ Goal (from the issue): in-process at least 3x faster and at most 1/3 of the memo
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import statistics
@@ -36,6 +35,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
 from hydrafl.config import RunConfig  # noqa: E402
 
 NAME = "simulation_runtime"
@@ -239,18 +239,14 @@ def print_table(summary: dict[str, Any]) -> None:
     console = Console()
     console.print(table)
     console.print(
-        f"time ratio {_verdict(ratios['time_goal_met'])}, memory ratio {_verdict(ratios['memory_goal_met'])} "
+        f"time ratio {verdict(ratios['time_goal_met'])}, memory ratio {verdict(ratios['memory_goal_met'])} "
         f"(goal: ray/inprocess >= {GOAL_TIME_RATIO:g}x time and >= {GOAL_MEMORY_RATIO:g}x memory)"
     )
     console.print(
         f"same results: max |loss diff| {equality['max_abs_loss_diff']:.2e}, max |accuracy diff| "
         f"{equality['max_abs_accuracy_diff']:.2e} (tolerance {equality['tolerance']:g}): "
-        f"{_verdict(equality['passed'], 'PASS', 'FAIL')}"
+        f"{verdict(equality['passed'], 'PASS', 'FAIL')}"
     )
-
-
-def _verdict(ok: bool, yes: str = "goal met", no: str = "BELOW GOAL") -> str:
-    return f"[green]{yes}[/]" if ok else f"[red]{no}[/]"
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
@@ -284,9 +280,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where JSON and PNG go")
-    parser.add_argument("--quick", action="store_true", help=f"smoke-test size: {QUICK}")
+    parser = benchmark_parser(__doc__, str(QUICK))
     args = parser.parse_args()
     scale = QUICK if args.quick else FULL
     args.out.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,6 @@ Goals (from the issue): throughput ratio hydrafl/raw >= 0.7; coordinator peak ex
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import shutil
@@ -51,12 +50,13 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
 from hydrafl.benchmarks._wire_server import RAW_METHOD, RssSampler, ServerProcess  # noqa: E402
 from hydrafl.client.agent import CHANNEL_OPTIONS  # noqa: E402
 from hydrafl.identity import claim_server_identity  # noqa: E402
 from hydrafl.proto import coordinator_pb2 as pb  # noqa: E402
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub  # noqa: E402
-from hydrafl.proto.envelope import CHUNK_BYTES, chunk_hashes, join_message, sha256, split_message  # noqa: E402
+from hydrafl.proto.envelope import CHUNK_BYTES, join_message, sha256, split_message  # noqa: E402
 from hydrafl.server.blobs import BlobStore  # noqa: E402
 from hydrafl.server.grid import CoordinatorGrid  # noqa: E402
 from hydrafl.server.service import CoordinatorService  # noqa: E402
@@ -449,8 +449,8 @@ def print_tables(summary: dict[str, Any]) -> None:
     console.print(table)
     checks = tput["checks"]
     console.print(
-        f"hydrafl/raw throughput {tput['ratio_hydrafl_over_raw']:.2f}: {_verdict(tput['goal_met'])} (goal >= "
-        f"{GOAL_RATIO:g}); accepted and byte-exact: {_verdict(checks['passed'], 'PASS', 'FAIL')}"
+        f"hydrafl/raw throughput {tput['ratio_hydrafl_over_raw']:.2f}: {verdict(tput['goal_met'])} (goal >= "
+        f"{GOAL_RATIO:g}); accepted and byte-exact: {verdict(checks['passed'], 'PASS', 'FAIL')}"
     )
     table = Table(title=f"where hydrafl's time goes ({size:g} GiB; phases median, components timed alone)")
     table.add_column("step")
@@ -483,13 +483,9 @@ def print_tables(summary: dict[str, Any]) -> None:
     )
     console.print(table)
     console.print(
-        f"peak extra {mem['peak_extra_updates']:.2f} updates: {_verdict(mem['goal_met'])} (goal < "
-        f"{GOAL_EXTRA_UPDATES:g}); all accepted: {_verdict(mem['checks']['passed'], 'PASS', 'FAIL')}"
+        f"peak extra {mem['peak_extra_updates']:.2f} updates: {verdict(mem['goal_met'])} (goal < "
+        f"{GOAL_EXTRA_UPDATES:g}); all accepted: {verdict(mem['checks']['passed'], 'PASS', 'FAIL')}"
     )
-
-
-def _verdict(ok: bool, yes: str = "goal met", no: str = "BELOW GOAL") -> str:
-    return f"[green]{yes}[/]" if ok else f"[red]{no}[/]"
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
@@ -528,9 +524,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where JSON and PNG go")
-    parser.add_argument("--quick", action="store_true", help=f"smoke-test size: {QUICK}")
+    parser = benchmark_parser(__doc__, str(QUICK))
     args = parser.parse_args()
     scale = QUICK if args.quick else FULL
     args.out.mkdir(parents=True, exist_ok=True)
