@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 import secrets
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message
+
+from hydrafl.config import ConfigError, load_toml
 
 KEYS = {"allowed-runs", "allowed-strategies", "max-update-norm", "noise-multiplier"}
 
@@ -75,11 +76,9 @@ class SitePolicy:
 def load_policy(path: str | Path) -> SitePolicy:
     path = Path(path)
     try:
-        values = tomllib.loads(path.read_text())
-    except FileNotFoundError as error:
-        raise PolicyError(f"policy file {path} does not exist") from error
-    except tomllib.TOMLDecodeError as error:
-        raise PolicyError(f"policy file {path} is not valid TOML: {error}") from error
+        values = load_toml(path, what="policy file")
+    except ConfigError as error:
+        raise PolicyError(str(error)) from error
     unknown = sorted(set(values) - KEYS)
     if unknown:
         raise PolicyError(f"unknown key {unknown[0]!r} in {path}; valid keys: {', '.join(sorted(KEYS))}")

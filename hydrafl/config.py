@@ -194,15 +194,15 @@ def build_simulation_config(values: dict[str, Any], *, source: str = "options") 
         raise ConfigError(f"invalid configuration in {source}: {error}") from error
 
 
-def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a flat TOML config file (nested tables are an error: every key is a CLI flag)."""
+def load_toml(path: str | Path, *, what: str = "config file") -> dict[str, Any]:
+    """Read a flat TOML file (nested tables are an error: every key is a flag); `what` names it in errors."""
     path = Path(path)
     try:
         values = tomllib.loads(path.read_text())
     except FileNotFoundError as error:
-        raise ConfigError(f"config file {str(path)!r} does not exist") from error
+        raise ConfigError(f"{what} {str(path)!r} does not exist") from error
     except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {error}") from error
+        raise ConfigError(f"{what} {str(path)!r} is not valid TOML: {error}") from error
     for key, value in values.items():
         if isinstance(value, dict):
             raise ConfigError(f"unknown key {key!r} in {path}: tables are not supported, use flat keys")
