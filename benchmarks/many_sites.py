@@ -111,7 +111,7 @@ def run_benchmark(scale: Scale, work: Path) -> dict[str, Any]:
         # imported while the coordinator process imports the same: the two start in parallel
         import torch
 
-        from hydrafl.apps import client_app
+        from hydrafl.site_app import client_app
         from hydrafl.client.agent import SiteAgent
 
         torch.set_num_threads(1)

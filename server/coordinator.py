@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from hydrafl.apps import run_federation
+from hydrafl.server_app import run_federation
 from hydrafl.config import RunConfig
 from hydrafl.driver import RoundRecord
 from hydrafl.proto.coordinator_pb2_grpc import add_CoordinatorServicer_to_server

@@ -7,7 +7,7 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from hydrafl import apps
+from hydrafl import server_app, site_app
 from hydrafl.arrays import from_record
 from hydrafl.config import RunConfig
 from hydrafl.models import build_model, federated_state
@@ -19,7 +19,7 @@ CFG = RunConfig(task="tabular", sites=2, samples_per_site=50, local_steps=4, bat
 
 @pytest.fixture
 def grid():
-    return InProcessGrid(apps.client_app, CFG.sites, CFG.to_flower())
+    return InProcessGrid(site_app.client_app, CFG.sites, CFG.to_flower())
 
 
 def _ask(grid, message_type, node, arrays=None, **config):
@@ -33,11 +33,11 @@ def _ask(grid, message_type, node, arrays=None, **config):
 
 def test_train_reply_is_start_minus_end_of_local_training(grid):
     node = max(grid.get_node_ids())
-    initial = apps.request_initial_arrays(grid, CFG)
+    initial = server_app.request_initial_arrays(grid, CFG)
     reply = _ask(grid, "train", node, initial, **{"server-round": 2})
     delta = from_record(reply.content["arrays"])
 
-    cohort = apps.run_cohort(CFG)
+    cohort = site_app.run_cohort(CFG)
     split = cohort.sites[1]
     model = build_model(cohort.task, seed=CFG.seed)
     start = {k: v.clone() for k, v in federated_state(model).items()}
@@ -50,7 +50,7 @@ def test_train_reply_is_start_minus_end_of_local_training(grid):
 
 def test_fedprox_proximal_mu_from_the_strategy_shrinks_the_update(grid):
     node = min(grid.get_node_ids())
-    initial = apps.request_initial_arrays(grid, CFG)
+    initial = server_app.request_initial_arrays(grid, CFG)
     norms = {}
     for mu in (0.0, 50.0):
         delta = from_record(_ask(grid, "train", node, initial, **{"proximal-mu": mu}).content["arrays"])
@@ -60,12 +60,12 @@ def test_fedprox_proximal_mu_from_the_strategy_shrinks_the_update(grid):
 
 def test_evaluate_and_probes(grid):
     node = min(grid.get_node_ids())
-    initial = apps.request_initial_arrays(grid, CFG)
-    again = apps.request_initial_arrays(grid, CFG)
+    initial = server_app.request_initial_arrays(grid, CFG)
+    again = server_app.request_initial_arrays(grid, CFG)
     for name, array in initial.items():
         np.testing.assert_array_equal(array.numpy(), again[name].numpy())
     metrics = _ask(grid, "evaluate", node, initial).content["metrics"]
     assert 0.0 <= metrics["accuracy"] <= 1.0 and metrics["loss"] > 0
-    assert metrics["num-examples"] == len(apps.run_cohort(CFG).sites[0].test_y)
+    assert metrics["num-examples"] == len(site_app.run_cohort(CFG).sites[0].test_y)
     probe = _ask(grid, "query.curvature", node, initial).content["metrics"]
     assert probe["curvature"] > 0 and probe["curvature-var"] >= 0

@@ -9,7 +9,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from hydrafl import apps
+from hydrafl import site_app
 from hydrafl.cli import app
 from hydrafl.stability import OuterSetup, check
 
@@ -100,7 +100,7 @@ def test_too_few_successful_sites_exits_non_zero_with_the_reason(tmp_path, monke
     def broken(*args, **kwargs):
         raise RuntimeError("GPU fell off the bus")
 
-    monkeypatch.setattr(apps, "train_local", broken)
+    monkeypatch.setattr(site_app, "train_local", broken)
     result = CliRunner().invoke(
         app,
         ["simulate", "--task", "tabular", "--sites", "2", "--samples-per-site", "40", "--rounds", "2",

@@ -11,7 +11,7 @@ import pytest
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from hydrafl import apps
+from hydrafl import server_app, site_app
 from hydrafl.arrays import from_record, to_record
 from hydrafl.checkpoint import CheckpointError
 from hydrafl.driver import RoundFailed
@@ -20,9 +20,9 @@ from hydrafl.simulation.grid import InProcessGrid
 TIMING_KEYS = {"seconds", "aggregation_s", "gap_s"}
 
 
-def _run(cfg, client_app=apps.client_app):
+def _run(cfg, client_app=site_app.client_app):
     grid = InProcessGrid(client_app, cfg.sites, cfg.to_flower())
-    return apps.run_federation(grid, cfg)
+    return server_app.run_federation(grid, cfg)
 
 
 def _numbers(history):
@@ -37,10 +37,10 @@ def _site_app(train_override) -> ClientApp:
     def train(message: Message, context: Context) -> Message:
         if context.node_config["partition-id"] == 0:
             return train_override(message, context)
-        return apps.train(message, context)
+        return site_app.train(message, context)
 
-    app.evaluate()(apps.evaluate_site)
-    app.query("init")(apps.initial_model)
+    app.evaluate()(site_app.evaluate_site)
+    app.query("init")(site_app.initial_model)
     return app
 
 
@@ -87,7 +87,7 @@ def test_round_with_too_few_successful_sites_fails_the_run(small_run):
 @pytest.mark.parametrize("corruption", ["nan", "shape", "unknown"])
 def test_invalid_updates_are_rejected_before_aggregation(small_run, corruption):
     def corrupt(message: Message, context: Context) -> Message:
-        reply = apps.train(message, context)
+        reply = site_app.train(message, context)
         delta = from_record(reply.content["arrays"])
         name = next(iter(delta))
         if corruption == "nan":
@@ -99,7 +99,7 @@ def test_invalid_updates_are_rejected_before_aggregation(small_run, corruption):
         reply.content["arrays"] = to_record(delta)
         return reply
 
-    honest = _run(dataclasses.replace(small_run, min_sites=2, run_dir=""), _site_app(apps.train))
+    honest = _run(dataclasses.replace(small_run, min_sites=2, run_dir=""), _site_app(site_app.train))
     result = _run(dataclasses.replace(small_run, min_sites=2, run_dir=""), _site_app(corrupt))
     assert [r["sites_failed"] for r in result.history[1:]] == [1, 1, 1]
     assert np.isfinite([r["loss"] for r in result.history]).all()

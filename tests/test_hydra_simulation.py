@@ -10,7 +10,7 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from hydrafl import apps
+from hydrafl import server_app, site_app
 from hydrafl.arrays import from_record
 from hydrafl.config import RunConfig, SimulationConfig
 from hydrafl.hydranet import SubnetSpec, coordinate_masks, trainable_slices
@@ -42,8 +42,8 @@ def _ask(grid, message_type, node, arrays, **config):
 
 
 def test_site_scores_and_partial_train_reply():
-    grid = InProcessGrid(apps.client_app, CFG.sites, CFG.to_flower())
-    initial = apps.request_initial_arrays(grid, CFG)
+    grid = InProcessGrid(site_app.client_app, CFG.sites, CFG.to_flower())
+    initial = server_app.request_initial_arrays(grid, CFG)
     scores = _ask(grid, "query.scores", FIRST_NODE_ID, initial)
     metrics, site = scores.content["metrics"], scores.content["site"]
     assert {"layer-0", "layer-1", "head-0-0", "head-1-3", "num-examples"} <= set(metrics)
@@ -53,7 +53,7 @@ def test_site_scores_and_partial_train_reply():
     spec = SubnetSpec(layers=(1,), heads=((0, 2),))
     reply = _ask(grid, "train", FIRST_NODE_ID, initial, **spec.to_config(), **{"server-round": 1})
     delta = from_record(reply.content["arrays"])
-    model = build_model(apps.run_cohort(CFG).task, seed=CFG.seed)
+    model = build_model(site_app.run_cohort(CFG).task, seed=CFG.seed)
     slices = trainable_slices(model, spec)
     assert set(delta) == set(slices) and len(delta) < len(initial)  # layer 0's tensors are not sent
     for name, mask in coordinate_masks(slices, delta).items():
@@ -66,9 +66,9 @@ def test_hydra_two_rounds_changes_only_trained_coordinates_and_small_sites_send_
     cfg = dataclasses.replace(CFG, site_tiers="small,medium,small")  # a head of the second layer stays untrained
     tier_of_node = {FIRST_NODE_ID + i: tier for i, tier in enumerate(cfg.tier_list)}
     strategy = build_strategy(cfg)
-    grid = InProcessGrid(apps.client_app, cfg.sites, cfg.to_flower())
-    initial = from_record(apps.request_initial_arrays(grid, cfg))
-    result = apps.run_federation(grid, cfg, strategy=strategy)
+    grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
+    initial = from_record(server_app.request_initial_arrays(grid, cfg))
+    result = server_app.run_federation(grid, cfg, strategy=strategy)
     final = from_record(result.arrays)
 
     assert isinstance(strategy, Hydra) and sorted(strategy.site_scores) == sorted(tier_of_node)
@@ -99,7 +99,7 @@ def test_simulate_hydra_and_fedavg_writes_per_site_counts(tmp_path):
     assert params["small"] < params["medium"] < params["large"]
     fedavg = results["strategies"]["fedavg"]["rounds"][1]["bytes_up_per_site"]
     up = {TIER_OF_NODE[int(node)]: n for node, n in hydra["rounds"][1]["bytes_up_per_site"].items()}
-    assert up["small"] < up["medium"] <= up["large"] == max(fedavg.values())  # full-shape tensors: see apps.train
+    assert up["small"] < up["medium"] <= up["large"] == max(fedavg.values())  # full-shape tensors: see site_app.train
     assert "trainable_params_per_site" not in results["strategies"]["fedavg"]
 
 
@@ -107,7 +107,7 @@ def test_resume_with_outer_nesterov_ends_with_the_same_numbers(tmp_path):
     cfg = dataclasses.replace(CFG, outer="nesterov", outer_lr=0.7, outer_momentum=0.9, rescore_every=2, rounds=3)
 
     def run(cfg: RunConfig):
-        return apps.run_federation(InProcessGrid(apps.client_app, cfg.sites, cfg.to_flower()), cfg)
+        return server_app.run_federation(InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower()), cfg)
 
     straight = run(dataclasses.replace(cfg, run_dir=str(tmp_path / "straight")))
     run(dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"), rounds=2))

@@ -14,7 +14,8 @@ import torch
 from flwr.serverapp.strategy import Strategy
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hydrafl.apps import build_server_app, client_app, run_cohort, run_federation
+from hydrafl.server_app import build_server_app, run_federation
+from hydrafl.site_app import client_app, run_cohort
 from hydrafl.config import RunConfig, SimulationConfig
 from hydrafl.driver import RoundRecord
 from hydrafl.simulation.grid import InProcessGrid

@@ -10,7 +10,7 @@ import torch
 from helpers import make_reply
 from flwr.app import Array, ArrayRecord
 
-from hydrafl.apps import slice_layout
+from hydrafl.site_app import slice_layout
 from hydrafl.config import RunConfig
 from hydrafl.data import TaskSpec
 from hydrafl.hydranet import SubnetSpec, trainable_slices

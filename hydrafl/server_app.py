@@ -1,0 +1,134 @@
+"""The ServerApp every hydrafl runtime runs (simulation grid, Ray, the coordinator).
+
+It never builds a model and never imports model code (the coordinator handles named arrays only): the
+initial arrays come from a site (`query.init`), DiLoCo's curvature probe from sites (`query.curvature`);
+then the strategy goes to the round driver.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import Strategy
+
+from hydrafl.config import RunConfig
+from hydrafl.driver import DriverConfig, RoundDriver, RoundRecord, RunResult
+from hydrafl.stability import OuterSetup, check_spectrum
+from hydrafl.strategies import build_strategy
+
+log = logging.getLogger(__name__)
+
+server_app = ServerApp()
+
+@server_app.main()
+def main(grid: Grid, context: Context) -> None:
+    run_federation(grid, RunConfig.from_flower(context.run_config))
+
+
+def build_server_app(cfg: RunConfig) -> ServerApp:
+    """A ServerApp bound to `cfg`, for runtimes that start the ServerApp with an empty run_config."""
+    app = ServerApp()
+
+    @app.main()
+    def bound_main(grid: Grid, context: Context) -> None:
+        run_federation(grid, RunConfig.from_flower({**cfg.to_flower(), **context.run_config}))
+
+    return app
+
+
+def run_federation(
+    grid: Grid,
+    cfg: RunConfig,
+    *,
+    on_round: Callable[[RoundRecord], None] | None = None,
+    strategy: Strategy | None = None,
+) -> RunResult:
+    """One federated run of `cfg.strategy` (or of `strategy`, built from `cfg` by the caller to read its
+    state afterwards): initial model from a site, optional stability check, rounds."""
+    strategy = strategy or build_strategy(cfg)
+    wait_for_sites(grid, cfg.required_sites, cfg.site_wait_s)
+    initial = request_initial_arrays(grid, cfg)
+    if cfg.strategy == "diloco":
+        check_outer_stability(grid, cfg, initial)
+    driver = RoundDriver(
+        grid,
+        strategy,
+        DriverConfig(
+            num_rounds=cfg.rounds,
+            required_sites=cfg.required_sites,
+            seed=cfg.seed,
+            timeout_s=cfg.round_timeout_s or None,
+            train_config=cfg.to_flower(),
+            evaluate_config=cfg.to_flower(),
+            run_dir=Path(cfg.run_dir) if cfg.run_dir else None,
+            run_config=cfg.to_flower(),
+        ),
+    )
+    return driver.run(initial, resume=cfg.resume, on_round=on_round)
+
+
+def wait_for_sites(grid: Grid, required: int, timeout_s: float) -> list[int]:
+    """Sites register asynchronously on real and Ray runtimes; wait for enough of them, with a deadline."""
+    deadline = time.monotonic() + timeout_s
+    while len(nodes := sorted(grid.get_node_ids())) < required:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(nodes)} of the {required} required sites connected within {timeout_s:g} s")
+        time.sleep(0.2)
+    return nodes
+
+
+def _query(cfg: RunConfig, node: int, action: str, arrays: ArrayRecord | None = None) -> Message:
+    content = RecordDict({"config": ConfigRecord(cfg.to_flower())})
+    if arrays is not None:
+        content["arrays"] = arrays
+    return Message(content, dst_node_id=node, message_type=f"query.{action}")
+
+
+def request_initial_arrays(grid: Grid, cfg: RunConfig) -> ArrayRecord:
+    node = min(grid.get_node_ids())
+    [reply] = grid.send_and_receive([_query(cfg, node, "init")])
+    if reply.has_error():
+        raise RuntimeError(f"site {node} could not build the initial model: {reply.error.reason}")
+    return next(iter(reply.content.array_records.values()))
+
+
+def check_outer_stability(grid: Grid, cfg: RunConfig, arrays: ArrayRecord) -> None:
+    """Probe each site's curvature and warn before training when the outer optimizer is predicted unstable
+    (exact mean-square criterion on the quadratic model; exact for SGD inner steps, indicative otherwise)."""
+    messages = [_query(cfg, node, "curvature", arrays) for node in sorted(grid.get_node_ids())]
+    probes = [reply.content["metrics"] for reply in grid.send_and_receive(messages) if not reply.has_error()]
+    if not probes:
+        log.warning("diloco: no site answered the curvature probe; stability not checked")
+        return
+    setups = [
+        OuterSetup(
+            inner_lr=cfg.lr,
+            curvature=max(float(probe["curvature"]), 1e-12),
+            curvature_var=max(float(probe["curvature-var"]), 0.0),
+            batch_size=cfg.batch_size,
+            local_steps=cfg.local_steps,
+            sites=cfg.sites,
+            outer_lr=cfg.outer_lr,
+            momentum=cfg.outer_momentum,
+            nesterov=cfg.outer_nesterov,
+        )
+        for probe in probes
+    ]
+    verdict = check_spectrum(setups)
+    if cfg.run_dir:
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.run_dir) / "stability.json").write_text(json.dumps(verdict.to_dict(), indent=1))
+    if not verdict.stable:
+        log.warning(
+            "diloco: outer lr %.3g with momentum %.2g is predicted UNSTABLE on the probed curvature "
+            "(largest stable outer lr %.3g); lower --outer-lr or --lr, or add sites",
+            cfg.outer_lr,
+            cfg.outer_momentum,
+            verdict.max_stable_outer_lr,
+        )

@@ -1,0 +1,252 @@
+"""The ClientApp every hydrafl site runs, whichever runtime delivers its messages.
+
+`train` trains the model it is given on the site's data and replies with the delta (start - end) of the
+coordinates it trained; `evaluate` replies with loss/accuracy on the site's test split; `query.init` returns
+the seeded initial model and `query.curvature` a cheap estimate of the loss curvature (top Hessian eigenvalue
+and its per-sample variance) for the DiLoCo stability check.
+
+Hydra-nets: `query.scores` replies with the site's layer and head importance on its own data, its declared
+resource tier and the model's slice layout; a `train` message whose config carries a SubnetSpec (`hydra.*`
+keys) trains only that subnetwork and replies with full-shape deltas of the tensors it touches, zero outside
+its slices (tensors it does not touch are omitted), so the strategy can mask by the spec it assigned.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from hydrafl.arrays import from_record, to_record
+from hydrafl.config import RunConfig
+from hydrafl.data import Cohort, SiteSplit, TaskSpec, load_cohort
+from hydrafl.hydranet import (
+    SubnetSpec,
+    apply_spec,
+    find_architecture,
+    head_axis_of,
+    head_importance,
+    layer_importance,
+    trainable_slices,
+)
+from hydrafl.models import Classifier, build_model, federated_state
+from hydrafl.training import LocalTrainConfig, batch_generator, evaluate, train_local
+
+client_app = ClientApp()
+
+@lru_cache(maxsize=4)
+def _cohort(task: str, data: str, label_column: str, partition: str, sites: int, samples: int, seed: int) -> Cohort:
+    return load_cohort(
+        task,
+        num_sites=sites,
+        seed=seed,
+        partition=partition or None,
+        data_path=data or None,
+        label_column=label_column or None,
+        samples_per_site=samples,
+    )
+
+
+def run_cohort(cfg: RunConfig) -> Cohort:
+    """The cohort a run's sites share out (cached per process; loading it early surfaces data errors)."""
+    return _cohort(cfg.task, cfg.data, cfg.label_column, cfg.partition, cfg.sites, cfg.samples_per_site, cfg.seed)
+
+
+def site_data(cfg: RunConfig, context: Context) -> tuple[Cohort, SiteSplit]:
+    """This site's data. A hospital site names its own file (`data-path` in its node_config); a demo site
+    (`demo-site`) takes its share of the run's synthetic cohort; a simulated site its `partition-id`."""
+    node = context.node_config
+    if node.get("data-path"):
+        cohort = _cohort("", str(node["data-path"]), str(node.get("label-column", "")), "iid", 1, 2, cfg.seed)
+        return cohort, cohort.sites[0]
+    cohort = run_cohort(cfg)
+    if "demo-site" in node:
+        return cohort, cohort.sites[int(node["demo-site"]) % len(cohort.sites)]
+    partition_id = int(node["partition-id"])
+    if not 0 <= partition_id < len(cohort.sites):
+        raise ValueError(f"partition-id {partition_id} is outside the cohort's {len(cohort.sites)} sites")
+    return cohort, cohort.sites[partition_id]
+
+
+@lru_cache(maxsize=4)
+def _working_model(task: TaskSpec, model: str, seed: int) -> Classifier:
+    """One model object per process, reloaded from the message's arrays before every use."""
+    return build_model(task, model=model, seed=seed)
+
+
+def _load(model: Classifier, arrays: ArrayRecord) -> None:
+    parameters = dict(model.named_parameters())
+    unknown = sorted(set(arrays) - set(parameters))
+    if unknown:
+        raise ValueError(f"arrays {unknown[:3]} are not parameters of this site's model")
+    with torch.no_grad():
+        for name, tensor in from_record(arrays).items():
+            parameters[name].copy_(tensor)
+
+
+def _received_arrays(message: Message) -> ArrayRecord:
+    return next(iter(message.content.array_records.values()))
+
+
+def _received_config(message: Message) -> ConfigRecord:
+    records = message.content.config_records
+    return next(iter(records.values())) if records else ConfigRecord()
+
+
+def _run_config(message: Message, context: Context) -> RunConfig:
+    """The run's settings: the site's own run_config, overridden by what the coordinator sent with the
+    message (so runtimes that cannot set a site's run_config, like Flower's Ray engine, still work)."""
+    return RunConfig.from_flower({**context.run_config, **_received_config(message)})
+
+
+@client_app.train()
+def train(message: Message, context: Context) -> Message:
+    cfg = _run_config(message, context)
+    cohort, split = site_data(cfg, context)
+    model = _working_model(cohort.task, cfg.model, cfg.seed)
+    arrays = _received_arrays(message)
+    _load(model, arrays)
+    start = {name: p.clone() for name, p in federated_state(model).items() if name in arrays}
+    config = _received_config(message)
+    spec = SubnetSpec.from_config(config) if "hydra.layers" in config else None
+    local = LocalTrainConfig(
+        steps=cfg.local_steps,
+        batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        optimizer=cfg.inner_optimizer,
+        weight_decay=cfg.weight_decay,
+        proximal_mu=float(config.get("proximal-mu", 0.0)),
+    )
+    generator = batch_generator(cfg.seed, int(config.get("server-round", 0)), _site_index(context))
+    with apply_spec(model, spec) if spec else nullcontext():
+        result = train_local(model, split.train_x, split.train_y, local, generator)
+    end = federated_state(model)
+    if spec is None:
+        delta = {name: start[name] - end[name] for name in start}
+    else:  # only the subnetwork's tensors travel; zeros outside its slices (weight decay moves those too)
+        slices = trainable_slices(model, spec)
+        delta = {name: (start[name] - end[name]) * sl.mask(start[name].shape) for name, sl in slices.items()}
+    metrics = MetricRecord({"num-examples": len(split.train_y), "train_loss": result.loss})
+    return Message(RecordDict({"arrays": to_record(delta), "metrics": metrics}), reply_to=message)
+
+
+def _site_index(context: Context) -> int:
+    return int(context.node_config.get("partition-id", context.node_config.get("demo-site", 0)))
+
+
+@client_app.evaluate()
+def evaluate_site(message: Message, context: Context) -> Message:
+    cfg = _run_config(message, context)
+    cohort, split = site_data(cfg, context)
+    model = _working_model(cohort.task, cfg.model, cfg.seed)
+    _load(model, _received_arrays(message))
+    loss, accuracy = evaluate(model, split.test_x, split.test_y)
+    metrics = MetricRecord({"num-examples": len(split.test_y), "loss": loss, "accuracy": accuracy})
+    return Message(RecordDict({"metrics": metrics}), reply_to=message)
+
+
+@client_app.query("init")
+def initial_model(message: Message, context: Context) -> Message:
+    cfg = _run_config(message, context)
+    cohort, _ = site_data(cfg, context)
+    model = build_model(cohort.task, model=cfg.model, seed=cfg.seed)
+    return Message(RecordDict({"arrays": to_record(federated_state(model))}), reply_to=message)
+
+
+@client_app.query("curvature")
+def curvature(message: Message, context: Context) -> Message:
+    cfg = _run_config(message, context)
+    cohort, split = site_data(cfg, context)
+    model = _working_model(cohort.task, cfg.model, cfg.seed)
+    _load(model, _received_arrays(message))
+    with sdpa_kernel(SDPBackend.MATH):  # the fused CPU attention kernels have no double backward
+        h, v = estimate_curvature(model, split.train_x[:16], split.train_y[:16], seed=cfg.seed)
+    metrics = MetricRecord({"curvature": h, "curvature-var": v, "num-examples": len(split.train_y)})
+    return Message(RecordDict({"metrics": metrics}), reply_to=message)
+
+
+@client_app.query("scores")
+def scores(message: Message, context: Context) -> Message:
+    """Layer importance (`layer-L`) and head importance (`head-L-G`, per KV group) on a few of the site's
+    training batches, with the site's tier and the model's slice layout (see `slice_layout`)."""
+    cfg = _run_config(message, context)
+    cohort, split = site_data(cfg, context)
+    model = _working_model(cohort.task, cfg.model, cfg.seed)
+    _load(model, _received_arrays(message))
+    n = min(cfg.score_samples, len(split.train_y))
+    size = cfg.batch_size
+    batches = [(split.train_x[i : min(i + size, n)], split.train_y[i : min(i + size, n)]) for i in range(0, n, size)]
+    layers = layer_importance(model, batches, method=cfg.layer_score)
+    heads = head_importance(model, batches, method=cfg.head_score)
+    metrics = MetricRecord(
+        {
+            "num-examples": len(split.train_y),
+            **{f"layer-{layer}": score for layer, score in enumerate(layers)},
+            **{f"head-{layer}-{g}": score for layer, row in enumerate(heads) for g, score in enumerate(row)},
+        }
+    )
+    site = ConfigRecord({"tier": site_tier(cfg, context), **slice_layout(model)})
+    return Message(RecordDict({"metrics": metrics, "site": site}), reply_to=message)
+
+
+def site_tier(cfg: RunConfig, context: Context) -> str:
+    """The resource tier a site declares: its node_config `tier`, else its entry of the run's `site_tiers`
+    (simulation), else "" (untiered)."""
+    if context.node_config.get("tier"):
+        return str(context.node_config["tier"])
+    tiers = cfg.tier_list
+    return tiers[_site_index(context) % len(tiers)] if tiers else ""
+
+
+def slice_layout(model: torch.nn.Module) -> dict[str, list[str] | list[int]]:
+    """How each federated tensor splits over heads, as flat lists for a ConfigRecord: per name its layer
+    (-1 outside the layers), head axis (-1 when every element serves every head) and the run of indices
+    along that axis one head group owns (query heads of a KV group for q and o, one KV head for k and v).
+    With it the coordinator rebuilds any spec's slices (`hydra.layout_slices`) without the model."""
+    arch = find_architecture(model)
+    names = list(federated_state(model))
+    layers, axes, units = [], [], []
+    for name in names:
+        layer, role, axis = head_axis_of(arch, name)
+        layers.append(-1 if layer is None else layer)
+        axes.append(-1 if axis is None else axis)
+        units.append(arch.head_dim * (1 if role in ("k", "v") else arch.group_size))
+    return {"layout.names": names, "layout.layers": layers, "layout.axes": axes, "layout.units": units}
+
+
+def estimate_curvature(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, seed: int, iterations: int = 6
+) -> tuple[float, float]:
+    """Top Hessian eigenvalue h of the mean loss (power iteration on Hessian-vector products) and the
+    variance over samples of the per-sample curvature u^T H_i u along that direction."""
+    model.eval()
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def hvp(loss: torch.Tensor, vector: list[torch.Tensor]) -> list[torch.Tensor]:
+        grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+        dot = sum((g * u).sum() for g, u in zip(grads, vector, strict=True) if g is not None)
+        second = torch.autograd.grad(dot, params, allow_unused=True)
+        return [torch.zeros_like(p) if h is None else h for p, h in zip(params, second, strict=True)]
+
+    generator = torch.Generator().manual_seed(seed)
+    direction = [torch.randn(p.shape, generator=generator) for p in params]
+    for _ in range(iterations):
+        norm = torch.sqrt(sum((u**2).sum() for u in direction))
+        direction = [u / norm for u in direction]
+        product = hvp(F.cross_entropy(model(x), y), direction)
+        direction = product
+    norm = torch.sqrt(sum((u**2).sum() for u in direction))
+    direction = [u / norm for u in direction]
+    per_sample = []
+    for i in range(min(len(x), 8)):
+        product = hvp(F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), direction)
+        per_sample.append(float(sum((p * u).sum() for p, u in zip(product, direction, strict=True))))
+    samples = torch.tensor(per_sample, dtype=torch.float64)
+    return float(samples.mean().abs()), float(samples.var())
+
+
