@@ -169,7 +169,7 @@ class SiteAgent:
 
         def stream() -> Iterator[pb.Chunk]:
             for digest in missing:
-                yield pb.Chunk(sha256=digest, data=chunks[digest])
+                yield pb.Chunk(sha256=digest, data=bytes(chunks[digest]))
 
         if missing:
             stub.PutChunks(stream(), metadata=self.metadata)

@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Error, Message, RecordDict
+from flwr.common.constant import SType
 from flwr.app.message.message import make_message
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.common.serde_utils import metadata_from_proto, metadata_to_proto
 from flwr.proto.message_pb2 import Metadata as ProtoMetadata  # pylint: disable=no-name-in-module
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=no-name-in-module
 
+from hydrafl.arrays import array_view
 from hydrafl.proto.coordinator_pb2 import Envelope, RecordManifest, TensorManifest
 
 CHUNK_BYTES = 1 << 20
@@ -28,12 +32,26 @@ class EnvelopeError(ValueError):
     """An envelope or its chunks are malformed; the message says which tensor or chunk."""
 
 
-def sha256(data: bytes) -> str:
+def sha256(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def split_message(message: Message, server_round: int = 0) -> tuple[Envelope, dict[str, bytes]]:
-    """The envelope (manifests, configs, metrics) and the array chunks by hash."""
+def sha256_all(pieces: Sequence[bytes | memoryview]) -> list[str]:
+    """Digests of many chunks, on several threads (hashlib releases the GIL for large inputs)."""
+    if len(pieces) < 2:
+        return [sha256(piece) for piece in pieces]
+    with ThreadPoolExecutor(min(len(pieces), os.cpu_count() or 1, 8), thread_name_prefix="sha256") as pool:
+        return list(pool.map(sha256, pieces))
+
+
+def raw_bytes(array: Array) -> memoryview:
+    """An Array's values as raw C-order bytes; a view into its serialised data when it is already C-ordered."""
+    values = array_view(array) if array.stype == SType.NUMPY else array.numpy()
+    return memoryview(np.ascontiguousarray(values).reshape(-1).view(np.uint8))
+
+
+def split_message(message: Message, server_round: int = 0) -> tuple[Envelope, dict[str, memoryview]]:
+    """The envelope (manifests, configs, metrics) and the array chunks by hash (views, not copies)."""
     metadata = message.metadata
     envelope = Envelope(
         message_id=metadata.message_id,
@@ -43,7 +61,7 @@ def split_message(message: Message, server_round: int = 0) -> tuple[Envelope, di
         round=server_round,
         metadata=metadata_to_proto(metadata).SerializeToString(),
     )
-    chunks: dict[str, bytes] = {}
+    chunks: dict[str, memoryview] = {}
     if message.has_error():
         envelope.error_code = message.error.code
         envelope.error_reason = message.error.reason
@@ -53,13 +71,10 @@ def split_message(message: Message, server_round: int = 0) -> tuple[Envelope, di
     for key, record in message.content.array_records.items():
         manifest = RecordManifest(key=key)
         for name, array in record.items():
-            raw = np.ascontiguousarray(array.numpy()).tobytes()
-            hashes = []
-            for start in range(0, len(raw), CHUNK_BYTES):
-                piece = raw[start : start + CHUNK_BYTES]
-                digest = sha256(piece)
-                chunks[digest] = piece
-                hashes.append(digest)
+            raw = raw_bytes(array)
+            pieces = [raw[start : start + CHUNK_BYTES] for start in range(0, len(raw), CHUNK_BYTES)]
+            hashes = sha256_all(pieces)
+            chunks.update(zip(hashes, pieces))
             manifest.tensors.append(
                 TensorManifest(name=name, dtype=array.dtype, shape=list(array.shape), chunk_sha256=hashes, nbytes=len(raw))
             )
@@ -96,7 +111,7 @@ def parse_content(envelope: Envelope) -> RecordDict:
         raise EnvelopeError(f"message content is not a valid Flower RecordDict: {error}") from error
 
 
-def join_message(envelope: Envelope, chunks: Mapping[str, bytes]) -> Message:
+def join_message(envelope: Envelope, chunks: Mapping[str, bytes | memoryview]) -> Message:
     """Rebuild the Flower Message; every chunk must be present and match its hash."""
     check_manifest(envelope)
     metadata = metadata_from_proto(ProtoMetadata.FromString(envelope.metadata))
@@ -106,18 +121,17 @@ def join_message(envelope: Envelope, chunks: Mapping[str, bytes]) -> Message:
     for record in envelope.arrays:
         arrays = {}
         for tensor in record.tensors:
-            pieces = []
-            for digest in tensor.chunk_sha256:
-                if digest not in chunks:
-                    raise EnvelopeError(f"array {record.key}/{tensor.name}: chunk {digest[:12]} is missing")
-                piece = chunks[digest]
-                if sha256(piece) != digest:
+            missing = [digest for digest in tensor.chunk_sha256 if digest not in chunks]
+            if missing:
+                raise EnvelopeError(f"array {record.key}/{tensor.name}: chunk {missing[0][:12]} is missing")
+            pieces = [chunks[digest] for digest in tensor.chunk_sha256]
+            for digest, actual in zip(tensor.chunk_sha256, sha256_all(pieces), strict=True):
+                if actual != digest:
                     raise EnvelopeError(f"array {record.key}/{tensor.name}: chunk {digest[:12]} fails its SHA-256 check")
-                pieces.append(piece)
             raw = b"".join(pieces)
             if len(raw) != tensor.nbytes:
                 raise EnvelopeError(f"array {record.key}/{tensor.name}: {len(raw)} bytes, manifest says {tensor.nbytes}")
             values = np.frombuffer(raw, dtype=tensor.dtype).reshape(tuple(tensor.shape))
-            arrays[tensor.name] = Array(values.copy())
+            arrays[tensor.name] = Array(values)
         content[record.key] = ArrayRecord(arrays)
     return make_message(metadata=metadata, content=content)

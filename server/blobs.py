@@ -1,23 +1,33 @@
 """Content-addressed array chunks on disk: `<root>/<first two hex digits>/<sha256>`.
 
-A chunk is verified against its name when it is written, written atomically, and never rewritten, so
-re-sending a chunk (a resumed upload, a retry) is free and cannot corrupt what is stored.
+A chunk is verified against its name when it is written, written atomically and fsynced before it counts
+as stored, and never rewritten, so re-sending a chunk (a resumed upload, a retry) is free and cannot corrupt
+what is stored. Streams of chunks are verified and written by a pool of writer threads while the next
+chunks arrive (SHA-256, writes and fsync all release the GIL), so an upload costs about the slowest of
+receiving, hashing and the disk rather than their sum.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from hydrafl.proto.envelope import EnvelopeError, sha256
+
+WRITERS = 8
+CHUNKS_IN_FLIGHT = 16
+"""Per stream: at most this many received chunks wait for their writer (bounds memory per upload)."""
 
 
 class BlobStore:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self._writers = ThreadPoolExecutor(WRITERS, thread_name_prefix="blob-writer")
 
     def _path(self, digest: str) -> Path:
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
@@ -30,7 +40,7 @@ class BlobStore:
     def missing(self, digests: Iterable[str]) -> list[str]:
         return [digest for digest in digests if not self.has(digest)]
 
-    def put(self, digest: str, data: bytes) -> bool:
+    def put(self, digest: str, data: bytes | memoryview) -> bool:
         """Store a chunk; False when it was already there. A chunk that does not hash to its name is refused."""
         path = self._path(digest)
         if path.exists():
@@ -38,12 +48,42 @@ class BlobStore:
         if sha256(data) != digest:
             raise EnvelopeError(f"chunk {digest[:12]} fails its SHA-256 check ({len(data)} bytes received)")
         path.parent.mkdir(exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(handle.name, path)
+        descriptor, temporary = tempfile.mkstemp(dir=path.parent, suffix=".part")
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(descriptor, view) :]
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        os.replace(temporary, path)
         return True
+
+    def put_stream(self, chunks: Iterable[tuple[str, bytes | memoryview]]) -> tuple[int, int]:
+        """Store chunks as they come, verified and written in parallel; returns (stored, already present).
+
+        Raises the first EnvelopeError (a bad chunk, or one `chunks` itself raises) once the writes in
+        flight have finished; chunks written before it stay stored, which is harmless: each is verified."""
+        pending: deque[Future[bool]] = deque()
+        stored = present = 0
+
+        def settle(keep: int) -> None:
+            nonlocal stored, present
+            while len(pending) > keep:
+                if pending.popleft().result():
+                    stored += 1
+                else:
+                    present += 1
+
+        try:
+            for digest, data in chunks:
+                pending.append(self._writers.submit(self.put, digest, data))
+                settle(CHUNKS_IN_FLIGHT)
+            settle(0)
+        except BaseException:
+            wait(pending)
+            raise
+        return stored, present
 
     def size(self, digest: str) -> int:
         return self._path(digest).stat().st_size

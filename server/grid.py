@@ -60,8 +60,7 @@ class CoordinatorGrid(Grid):
             self._sent[key] += 1
             message.metadata.__dict__["_message_id"] = message_id
             envelope, chunks = split_message(message, server_round)
-            for digest, data in chunks.items():
-                self.blobs.put(digest, data)
+            self.blobs.put_stream(chunks.items())
             self.store.add_outbound(
                 message_id, self._run.run_id, server_round, message.metadata.dst_node_id, envelope.SerializeToString()
             )

@@ -112,18 +112,18 @@ class CoordinatorService(CoordinatorServicer):
     def PutChunks(self, request_iterator: Iterator[pb.Chunk], context: grpc.ServicerContext) -> pb.PutChunksReply:
         site = self._site(context)
         started = time.perf_counter()
-        stored = present = 0
-        for chunk in request_iterator:
-            try:
+
+        def received() -> Iterator[tuple[str, bytes]]:
+            for chunk in request_iterator:
                 if len(chunk.data) > CHUNK_BYTES:
                     raise EnvelopeError(f"chunk {chunk.sha256[:12]} has {len(chunk.data)} bytes; at most {CHUNK_BYTES}")
-                if self.blobs.put(chunk.sha256, chunk.data):
-                    stored += 1
-                else:
-                    present += 1
-            except EnvelopeError as error:
-                self.store.audit("update-rejected", site_name=site.name, detail=str(error))
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                yield chunk.sha256, chunk.data
+
+        try:
+            stored, present = self.blobs.put_stream(received())
+        except EnvelopeError as error:
+            self.store.audit("update-rejected", site_name=site.name, detail=str(error))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         self._timed(site, "put_chunks", started)
         return pb.PutChunksReply(stored=stored, already_present=present)
 

@@ -28,6 +28,20 @@ def _message() -> Message:
     return message
 
 
+def test_chunks_are_views_of_the_message_and_any_memory_order_round_trips():
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 7, SUPERLINK_NODE_ID, 7
+    values = np.arange(3 * 400_000, dtype=np.float32).reshape(3, 400_000)
+    record = ArrayRecord({"c": Array(values), "f": Array(np.asfortranarray(values))})
+    message = Message(RecordDict({"arrays": record}), dst_node_id=12, message_type="train")
+    envelope, chunks = split_message(message)
+    c, f = envelope.arrays[0].tensors
+    assert c.chunk_sha256 == f.chunk_sha256  # the same values in C order, whatever the memory layout
+    assert all(isinstance(piece, memoryview) for piece in chunks.values())
+    assert bytes(chunks[c.chunk_sha256[0]]) == values.tobytes()[:CHUNK_BYTES]
+    rebuilt = join_message(envelope, chunks)
+    np.testing.assert_array_equal(rebuilt.content["arrays"]["f"].numpy(), values)
+
+
 def test_round_trip_is_exact_and_chunks_are_content_addressed():
     message = _message()
     envelope, chunks = split_message(message, server_round=4)

@@ -50,7 +50,7 @@ def _reply(request, values):
 
 
 def _upload(stub, token, chunks):
-    stub.PutChunks(iter(pb.Chunk(sha256=h, data=d) for h, d in chunks.items()), metadata=_auth(token))
+    stub.PutChunks(iter(pb.Chunk(sha256=h, data=bytes(d)) for h, d in chunks.items()), metadata=_auth(token))
 
 
 def _code(call):

@@ -71,6 +71,21 @@ def test_blob_store_verifies_and_never_rewrites(tmp_path):
     assert not (tmp_path / "blobs" / sha256(b"other")[:2] / sha256(b"other")).exists()
 
 
+def test_blob_stream_stores_in_parallel_and_stops_at_a_bad_chunk(tmp_path):
+    blobs = BlobStore(tmp_path / "blobs")
+    pieces = [bytes([i]) * 5000 for i in range(40)]
+    items = [(sha256(piece), piece) for piece in pieces]
+    assert blobs.put_stream(items[:10]) == (10, 0)
+    corrupt = items[:25] + [(items[25][0], b"not what the name says")] + items[26:]
+    with pytest.raises(EnvelopeError, match=f"chunk {items[25][0][:12]} fails its SHA-256"):
+        blobs.put_stream(corrupt)
+    assert blobs.has(items[24][0]) and not blobs.has(items[25][0])
+    assert list((tmp_path / "blobs").rglob("*.part")) == []  # no half-written blob is left behind
+    stored, present = blobs.put_stream(items)  # the retry sends everything; only what is missing is written
+    assert present >= 25 and stored + present == 40
+    assert all(blobs.get(digest) == piece for digest, piece in items)
+
+
 def test_runs_messages_and_idempotent_replies(store):
     run = store.create_run({"strategy": "fedavg", "rounds": 2})
     site, _ = store.add_site("a")
