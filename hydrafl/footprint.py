@@ -1,0 +1,68 @@
+"""What one training step of a site holds in memory, measured on the live model.
+
+Peak training memory = all parameters + a gradient for every parameter that requires one + the optimizer's
+state for those + the activations autograd saves for the backward pass. The activations are measured, not
+estimated: a `saved_tensors_hooks` pair records every tensor the forward pass keeps (each storage once), so
+frozen or bypassed layers, masked heads and narrower widths all show up as they really are in this
+implementation. The same number on every device, and comparable across strategies in one simulation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+OPTIMIZER_STATES = {"adamw": 2, "sgd": 0, "muon": 1}
+"""Tensors of state per trainable parameter (AdamW: two moments; Muon: momentum, AdamW moments for 1-D)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Footprint:
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def saved_activation_bytes(forward: Callable[[], torch.Tensor], parameters: set[tuple[int, int]]) -> int:
+    """Bytes of the distinct storages autograd saves while `forward()` runs, parameters excluded."""
+    seen: dict[tuple[int, int], int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(tensor)
+        if key not in parameters and key[0] != 0:
+            seen[key] = key[1]
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = forward()
+    del loss
+    return sum(seen.values())
+
+
+def training_footprint(model: nn.Module, forward: Callable[[], torch.Tensor], optimizer: str) -> Footprint:
+    """The footprint of one step of `forward()` (which returns the loss) with the model as it is configured
+    now (frozen parameters, masks and bypasses applied)."""
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    states = OPTIMIZER_STATES.get(optimizer, 2)
+    keys = {_storage_key(p) for p in params}
+    return Footprint(
+        parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+        gradient_bytes=trainable_bytes,
+        optimizer_bytes=states * trainable_bytes,
+        activation_bytes=saved_activation_bytes(forward, keys) if trainable else 0,
+    )
