@@ -2,7 +2,8 @@
 
 Status codes: wrong or revoked token -> UNAUTHENTICATED; a reply to another site's message ->
 PERMISSION_DENIED; a reply to a message of a finished run -> FAILED_PRECONDITION; malformed manifest,
-chunk hash mismatch, NaN/Inf, garbage bytes -> INVALID_ARGUMENT with the reason.
+chunk hash mismatch, NaN/Inf, garbage bytes, a tensor larger than the one sent -> INVALID_ARGUMENT with the
+reason.
 """
 
 from __future__ import annotations
@@ -190,13 +191,17 @@ class CoordinatorService(CoordinatorServicer):
 
 
 def _check_against_request(request: pb.Envelope, reply: pb.Envelope) -> None:
-    """A reply's tensor that shares a name with one the site was sent must keep its shape and dtype."""
+    """A reply's tensor that shares a name with one the site was sent keeps its dtype and rank and is no larger
+    along any axis: the whole tensor, or the slice a subnetwork trained (which slice is the strategy's check)."""
     sent = {t.name: (t.dtype, list(t.shape)) for record in request.arrays for t in record.tensors}
     for record in reply.arrays:
         for tensor in record.tensors:
-            if tensor.name in sent and sent[tensor.name] != (tensor.dtype, list(tensor.shape)):
-                dtype, shape = sent[tensor.name]
+            if tensor.name not in sent:
+                continue
+            dtype, shape = sent[tensor.name]
+            fits = len(tensor.shape) == len(shape) and all(0 <= n <= m for n, m in zip(tensor.shape, shape))
+            if tensor.dtype != dtype or not fits:
                 raise EnvelopeError(
-                    f"array {tensor.name}: shape {list(tensor.shape)} {tensor.dtype} does not match shape {shape} "
+                    f"array {tensor.name}: shape {list(tensor.shape)} {tensor.dtype} does not fit in shape {shape} "
                     f"{dtype} of the array sent"
                 )

@@ -89,20 +89,30 @@ def test_a_valid_reply_is_accepted_once(live):
     assert not stub.PullMessage(pb.PullMessageRequest(), metadata=_auth(token_a)).has_message
 
 
+def test_a_reply_may_carry_a_slice_of_a_tensor_it_was_sent(live):
+    """A Hydra-net site uploads only the rows/columns it trained; the strategy checks which."""
+    coordinator, stub, token_a, _, _, request = live
+    envelope, chunks = _reply(request, np.ones((3, 1), dtype=np.float32))
+    _upload(stub, token_a, chunks)
+    assert stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=_auth(token_a)).duplicate is False
+    assert _replies(coordinator) == 1
+
+
 @pytest.mark.parametrize(
     ("case", "code", "reason"),
     [
         ("other-site", grpc.StatusCode.PERMISSION_DENIED, "not addressed to this site"),
         ("nan", grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf"),
         ("not-uploaded", grpc.StatusCode.INVALID_ARGUMENT, "were not uploaded"),
-        ("shape", grpc.StatusCode.INVALID_ARGUMENT, "does not match shape"),
+        ("shape", grpc.StatusCode.INVALID_ARGUMENT, "does not fit in shape [3, 2]"),
+        ("wider", grpc.StatusCode.INVALID_ARGUMENT, "shape [3, 4] float32 does not fit"),
         ("garbage", grpc.StatusCode.INVALID_ARGUMENT, "not a valid Flower RecordDict"),
         ("finished-run", grpc.StatusCode.FAILED_PRECONDITION, "is not running"),
     ],
 )
 def test_bad_replies_get_a_clear_status_and_change_nothing(live, case, code, reason):
     coordinator, stub, token_a, token_b, _, request = live
-    values = np.full((3, 2), np.nan if case == "nan" else 0.5, dtype=np.float32)
+    values = np.full((3, 4 if case == "wider" else 2), np.nan if case == "nan" else 0.5, dtype=np.float32)
     envelope, chunks = _reply(request, values)
     token = token_b if case == "other-site" else token_a
     if case != "not-uploaded":
