@@ -57,7 +57,11 @@ def simulate(
     resume: Annotated[bool | None, typer.Option("--resume", help="Continue each strategy from its checkpoint.")] = None,
     data: Annotated[str | None, typer.Option(help="CSV/JSONL file or image folder to split across sites.")] = None,
     label_column: Annotated[str | None, typer.Option(help="Label column of a CSV/JSONL --data file.")] = None,
-    model: Annotated[str | None, typer.Option(help="'tiny' or a local checkpoint directory.")] = None,
+    model: Annotated[str | None, typer.Option(help="'tiny', 'minilm' (pretrained) or a local checkpoint directory.")] = None,
+    lora_rank: Annotated[int | None, typer.Option(help="PEFT LoRA rank (0 = full fine-tuning).")] = None,
+    lora_alpha: Annotated[float | None, typer.Option(help="LoRA alpha (scaling alpha / rank).")] = None,
+    lora_targets: Annotated[str | None, typer.Option(help="LoRA module suffixes, e.g. query,value (default q/k/v/o).")] = None,
+    hetlora_prune: Annotated[float | None, typer.Option(help="HetLoRA: rank fraction a site self-prunes.")] = None,
     lr: Annotated[float | None, typer.Option(help="Inner (site) learning rate.")] = None,
     batch_size: Annotated[int | None, typer.Option(help="Site batch size.")] = None,
     inner_optimizer: Annotated[str | None, typer.Option(help="adamw, sgd or muon.")] = None,
@@ -70,6 +74,10 @@ def simulate(
     hydra_heads: Annotated[float | None, typer.Option(help="Hydra: head fraction of an untiered site.")] = None,
     rescore_every: Annotated[int | None, typer.Option(help="Hydra: rescore every N rounds (0 = once).")] = None,
     outer: Annotated[str | None, typer.Option(help="Hydra outer optimizer: none or nesterov.")] = None,
+    nproc: Annotated[int | None, typer.Option(help="Training processes per simulated site (DDP; 1 = in process).")] = None,
+    diagnostics: Annotated[
+        bool | None, typer.Option("--diagnostics", help="Per round: B_pg and cosine to a full-data delta (costs a run).")
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every round.")] = False,
     progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
 ) -> None:
@@ -326,6 +334,7 @@ def site(
     data: Annotated[Path | None, typer.Option(help="This site's CSV/JSONL file or image folder.")] = None,
     label_column: Annotated[str, typer.Option(help="Label column of a CSV/JSONL --data file.")] = "",
     policy: Annotated[Path | None, typer.Option(help="Site policy TOML: allowed runs, update clipping, noise.")] = None,
+    nproc: Annotated[int, typer.Option(min=1, help="Training processes (one per GPU, or CPU ranks): DDP, same delta.")] = 1,
     client_app: Annotated[str, typer.Option("--app", help="ClientApp to run, as module:attribute.")] = "hydrafl.apps:client_app",
     tls_ca: Annotated[Path | None, typer.Option(help="CA that signed the coordinator's certificate (PEM); enables TLS.")] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="This site's certificate (PEM), for mutual TLS.")] = None,
@@ -346,6 +355,7 @@ def site(
     except PolicyError as error:
         _fail(f"invalid site policy, not starting: {error}", 2)
     node_config = {"data-path": str(data), "label-column": label_column} if data else {}
+    node_config["nproc"] = nproc
     if data is None:
         console.print("no --data: joining with a synthetic demo cohort of the run's task")
     if (tls_cert is None) != (tls_key is None) or (tls_cert and tls_ca is None):

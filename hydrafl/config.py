@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydrafl.data import NEXT_TOKEN_TASKS
 from hydrafl.kernels.optimizers import INNER_OPTIMIZERS
 
 BACKENDS = ("inprocess", "ray")
@@ -21,6 +22,7 @@ SITE_TIERS = ("small", "medium", "large")
 OUTER_OPTIMIZERS = ("none", "nesterov")
 LAYER_SCORES = ("fisher", "taylor")
 HEAD_SCORES = ("taylor", "confidence")
+LORA_STRATEGIES = ("fedit", "flora", "hetlora", "flexlora")
 
 
 class ConfigError(ValueError):
@@ -32,7 +34,8 @@ class RunConfig:
     """One federated run of one strategy."""
 
     task: str = "clinical-text"
-    """Synthetic cohort: clinical-text, chest-xray or tabular (ignored when `data` is set)."""
+    """Synthetic cohort: clinical-text, chest-xray, tabular or clinical-notes-lm (next-token prediction on the
+    notes with the tiny causal LM); ignored when `data` is set."""
     data: str = ""
     """A CSV/JSONL file or an image folder to split across the sites instead of a synthetic cohort."""
     label_column: str = ""
@@ -43,7 +46,17 @@ class RunConfig:
     samples_per_site: int = 400
     seed: int = 0
     model: str = "tiny"
-    """"tiny" (seeded from-scratch transformer) or a local checkpoint directory."""
+    """"tiny" (seeded from-scratch transformer), "minilm" (pretrained MiniLM-L6 encoder, text tasks; needs
+    hydrafl[minilm]) or a local checkpoint directory."""
+    lora_rank: int = 0
+    """PEFT LoRA rank; 0 trains the full model. With LoRA the federated coordinates are the LoRA factors and
+    the classification head. The LoRA-family strategies give each site a rank up to this one by its tier."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator (the update is alpha / lora_rank * B A)."""
+    lora_targets: str = ""
+    """Comma-separated module-name suffixes LoRA adapts (e.g. query,value); "" = the q/k/v/o projections."""
+    hetlora_prune: float = 0.1
+    """HetLoRA rank self-pruning: the fraction of a site's rank dropped when its tail shrinks in training."""
     strategy: str = "fedavg"
     rounds: int = 15
     min_sites: int = 0
@@ -93,6 +106,17 @@ class RunConfig:
     """Where the run checkpoints every round; "" disables checkpoints."""
     resume: bool = False
     """Continue from the last checkpoint in `run_dir` instead of starting over."""
+    nproc: int = 1
+    """Processes each site trains with (torch.distributed + DDP; 1 trains in process). A real site's own
+    `--nproc` wins. The batch size must be a multiple of it."""
+    distill_teacher: str = ""
+    """Next-token tasks: distil from a frozen teacher, "init" (the seeded initial model, a smoke test) or a local
+    causal-LM checkpoint directory with the task's vocabulary; "" trains on cross-entropy alone."""
+    distill_weight: float = 0.5
+    """Weight w of KL(teacher || student) in the site loss CE + w * KL (teacher signal: hidden states + LM head)."""
+    diagnostics: bool = False
+    """Per round, the pseudo-gradient noise scale B_pg of the sites' deltas and (simulation) the cosine between
+    the averaged delta and a full-data delta, which costs one extra training run per round."""
 
     def __post_init__(self) -> None:
         _check(self.sites >= 1, "sites", self.sites, "an integer >= 1")
@@ -125,11 +149,44 @@ class RunConfig:
         _check(self.head_score in HEAD_SCORES, "head-score", self.head_score, ", ".join(HEAD_SCORES))
         _check(self.score_samples >= 1, "score-samples", self.score_samples, "an integer >= 1")
         _check(self.outer in OUTER_OPTIMIZERS, "outer", self.outer, ", ".join(OUTER_OPTIMIZERS))
+        _check(self.nproc >= 1, "nproc", self.nproc, "an integer >= 1")
+        _check(
+            self.batch_size % self.nproc == 0,
+            "batch-size",
+            self.batch_size,
+            f"a multiple of nproc={self.nproc} (each process trains an equal share of the batch)",
+        )
+        _check(self.lora_rank >= 0, "lora-rank", self.lora_rank, "an integer >= 0 (0 = no LoRA)")
+        _check(self.distill_weight >= 0, "distill-weight", self.distill_weight, "a float >= 0")
+        _check(
+            not self.distill_teacher or (self.task in NEXT_TOKEN_TASKS and not self.data),
+            "distill-teacher",
+            self.distill_teacher,
+            f"empty unless the task is a synthetic next-token task ({', '.join(NEXT_TOKEN_TASKS)})",
+        )
+        _check(self.lora_alpha > 0, "lora-alpha", self.lora_alpha, "a float > 0")
+        _check(0 <= self.hetlora_prune < 1, "hetlora-prune", self.hetlora_prune, "a fraction in [0, 1)")
+        _check(
+            self.strategy not in LORA_STRATEGIES or self.lora_rank > 0,
+            "lora-rank",
+            self.lora_rank,
+            f"an integer >= 1: strategy {self.strategy} federates LoRA adapters",
+        )
 
     @property
     def tier_list(self) -> tuple[str, ...]:
         """`site_tiers` split per site (empty when sites are untiered)."""
         return tuple(t.strip() for t in self.site_tiers.split(",") if t.strip())
+
+    @property
+    def federates_lora_bases(self) -> bool:
+        """FLoRA merges every round's adapters into the frozen base weights, which therefore travel too."""
+        return self.strategy == "flora"
+
+    @property
+    def lora_target_list(self) -> tuple[str, ...]:
+        """`lora_targets` split (empty: the attention projections)."""
+        return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
 
     @property
     def required_sites(self) -> int:
@@ -159,6 +216,8 @@ class SimulationConfig:
         _check(len(self.strategies) >= 1, "strategies", self.strategies, "at least one strategy name")
         _check(self.backend in BACKENDS, "backend", self.backend, ", ".join(BACKENDS))
         _check(len(set(self.strategies)) == len(self.strategies), "strategies", self.strategies, "no repeats")
+        for strategy in self.strategies:  # fail before the first strategy runs, not after it
+            dataclasses.replace(self.run, strategy=strategy)
 
     def run_config(self, strategy: str) -> RunConfig:
         return dataclasses.replace(self.run, strategy=strategy, run_dir=str(Path(self.out) / strategy))

@@ -3,7 +3,9 @@
 Added here: a deterministic round (seeded sampling, replies in node order), validation of every reply
 before aggregation, a minimum-success rule that fails the run loudly, per-round checkpoints of the global
 arrays and the strategy's state (resume ends with the same numbers), and a timing/bytes log whose schema
-(`rounds.tsv`) every runtime shares.
+(`rounds.tsv`) every runtime shares. Each round's record keeps every site's data hash (the `data-hash` each
+train reply carries), and with `diagnostics` the sites' pseudo-gradient noise scale B_pg and, when the grid
+has a full-data reference site, the cosine between the averaged delta and that site's delta.
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from hydrafl.arrays import keep_dtypes, record_nbytes, weights_from_delta
+from hydrafl.arrays import array_view, keep_dtypes, record_nbytes, weights_from_delta
 from hydrafl.checkpoint import Checkpoint, CheckpointError, load_checkpoint, restore_strategy_state, save_checkpoint
 from hydrafl.checkpoint import strategy_state
+from hydrafl.kernels.pseudo_gradients import DeltaMoments, ZeroDeltaError, cosine_to_reference
 from hydrafl.updates import InvalidUpdate, check_train_reply
 
 log = logging.getLogger(__name__)
@@ -61,6 +66,16 @@ class RoundRecord:
     sites_failed: int = 0
     bytes_up_per_site: dict[str, int] = field(default_factory=dict)
     bytes_down_per_site: dict[str, int] = field(default_factory=dict)
+    data_hash_per_site: dict[str, str] = field(default_factory=dict)
+    """Per node id, the SHA-256 of the ordered sample ids of the site's global batches this round."""
+    trainable_params_per_site: dict[str, int] = field(default_factory=dict)
+    """Per node id, the coordinates the site trained this round (its reply's `trainable-params`)."""
+    peak_memory_per_site: dict[str, int] = field(default_factory=dict)
+    """Per node id, the site's peak training memory in bytes (`hydrafl.footprint`, its `peak-memory-bytes`)."""
+    noise_scale: float | None = None
+    """Diagnostics: B_pg = tr(Cov[delta_site]) / ||mean delta||^2 over this round's valid replies."""
+    full_data_cosine: float | None = None
+    """Diagnostics: cosine between the averaged delta and the full-data reference site's delta."""
 
     def tsv_row(self) -> str:
         sites = max(self.sites_ok + self.sites_failed, 1)
@@ -92,6 +107,10 @@ class DriverConfig:
     """Checkpoints, history.json and rounds.tsv go here; None keeps the run in memory only."""
     run_config: dict[str, Any] = field(default_factory=dict)
     """Saved with checkpoints; a resume with a different configuration is refused."""
+    diagnostics: bool = False
+    """Compute B_pg over each round's deltas (and the full-data cosine when `reference_node` is set)."""
+    reference_node: int | None = None
+    """A node outside the sampled sites that trains on all sites' pooled data (the simulation grid's)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,6 +176,13 @@ class RoundDriver:
                 log.warning("round %d: site %d failed: %s", server_round, reply.metadata.src_node_id, reason)
                 continue
             self._count_up(reply, record)
+            node = str(reply.metadata.src_node_id)
+            record.data_hash_per_site[node] = _data_hash(reply)
+            site_metrics = next(iter(reply.content.metric_records.values()))
+            for key, per_site in (("trainable-params", record.trainable_params_per_site),
+                                  ("peak-memory-bytes", record.peak_memory_per_site)):
+                if key in site_metrics:
+                    per_site[node] = int(site_metrics[key])
             valid.append(reply)
         record.sites_ok, record.sites_failed = len(valid), len(messages) - len(valid)
         if len(valid) < self.config.required_sites:
@@ -165,6 +191,8 @@ class RoundDriver:
                 f"{self.config.required_sites} required (min_sites); the run stops with the round-"
                 f"{server_round - 1} model saved"
             )
+        if self.config.diagnostics:
+            self._diagnose(server_round, messages, valid, record)
         if self.weights_from_deltas:
             for reply in valid:
                 key = next(iter(reply.content.array_records))
@@ -177,6 +205,29 @@ class RoundDriver:
         new_arrays = keep_dtypes(new_arrays, arrays)
         record.train_loss = _metric(train_metrics, "train_loss")
         return new_arrays, record
+
+    def _diagnose(
+        self, server_round: int, messages: Sequence[Message], valid: Sequence[Message], record: RoundRecord
+    ) -> None:
+        """B_pg over the valid deltas, streamed; the cosine to the reference site's delta from the same start."""
+        moments = DeltaMoments()
+        try:
+            for reply in valid:
+                weight = float(next(iter(reply.content.metric_records.values()))[self.weighted_by_key])
+                moments.add({name: array_view(a) for name, a in _delta_record(reply).items()}, weight)
+            if len(valid) >= 2:
+                record.noise_scale = moments.noise_scale()
+            if self.config.reference_node is not None:
+                reference = Message(
+                    messages[0].content, dst_node_id=self.config.reference_node, message_type=messages[0].metadata.message_type
+                )
+                [reply] = self._exchange([reference], server_round)
+                if reply.has_error():
+                    raise RuntimeError(f"the full-data reference site failed: {reply.error.reason}")
+                pooled = {name: _tensor(array_view(a)) for name, a in _delta_record(reply).items()}
+                record.full_data_cosine = cosine_to_reference(moments.mean(), pooled)
+        except (KeyError, ValueError, ZeroDeltaError) as error:  # e.g. Hydra: sites send different tensors
+            log.warning("round %d: pseudo-gradient diagnostics undefined: %s", server_round, error)
 
     def _evaluate_round(self, server_round: int, arrays: ArrayRecord) -> RoundRecord:
         config = ConfigRecord(dict(self.config.evaluate_config))
@@ -200,8 +251,11 @@ class RoundDriver:
         return sorted(replies, key=lambda reply: reply.metadata.src_node_id)
 
     def _invalid_reason(self, reply: Message, arrays: ArrayRecord) -> str:
+        # a subnetwork strategy (Hydra and the width baselines) accepts each site's slices, not whole tensors
+        reply_shapes = getattr(self.strategy, "reply_shapes", None)
+        shapes = reply_shapes(reply.metadata.src_node_id, arrays) if reply_shapes else None
         try:
-            check_train_reply(reply, arrays, self.weighted_by_key)
+            check_train_reply(reply, arrays, self.weighted_by_key, shapes=shapes)
         except InvalidUpdate as error:
             return f"invalid update: {error}"
         return ""
@@ -264,6 +318,22 @@ class RoundDriver:
         rows = [RoundRecord(**entry).tsv_row() for entry in history]
         (run_dir / "rounds.tsv").write_text("\n".join(["\t".join(ROUNDS_TSV_COLUMNS), *rows]) + "\n")
         (run_dir / "history.json").write_text(json.dumps(history, indent=1))
+
+def _data_hash(reply: Message) -> str:
+    """The `data-hash` a site's train reply carries in a ConfigRecord ("" from apps that send none)."""
+    for record in reply.content.config_records.values():
+        if "data-hash" in record:
+            return str(record["data-hash"])
+    return ""
+
+
+def _delta_record(reply: Message) -> ArrayRecord:
+    return next(iter(reply.content.array_records.values()))
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.array(array, dtype=np.float64))  # a writable float64 copy of a wire view
+
 
 def _metric(metrics: MetricRecord | None, key: str) -> float | None:
     if metrics is None or key not in metrics:

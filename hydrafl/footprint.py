@@ -46,7 +46,8 @@ def saved_activation_bytes(forward: Callable[[], torch.Tensor], parameters: set[
             seen[key] = key[1]
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    # fork_rng: the measuring forward draws no random numbers from training's stream (dropout)
+    with torch.random.fork_rng(devices=[]), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         loss = forward()
     del loss
     return sum(seen.values())

@@ -24,13 +24,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from hydrafl.losses import LossFn, classification_loss
 
 # --------------------------------------------------------------------------------------------------------------
 # Subnetwork specification
@@ -62,8 +63,15 @@ class SubnetSpec:
     heads: per selected layer (aligned with `layers`), the kept head indices, i.e. KV-group indices under
         grouped-query attention (query heads follow their group); None keeps every head of every selected
         layer. Stored sorted.
-    width_ratio: for the width-based baselines (HeteroFL, FjORD, FedRolex), which interpret it themselves;
-        `apply_spec` and `trainable_slices` refuse a ratio below 1 rather than silently ignoring it.
+    width_ratio: for the width-based baselines (HeteroFL, FjORD, FedRolex): in every selected layer, the share
+        of each head's dims and of the FFN hidden units the site keeps (see `width_window`); 1 keeps all.
+        A spec selects heads or a width, not both.
+    width_offset: first kept channel of each width block (FedRolex's rolling window, wrapping around);
+        0 keeps the leading channels (HeteroFL, FjORD).
+    width_levels: FjORD's ordered dropout: before each forward pass the site draws a width uniformly from the
+        levels below `width_ratio` and `width_ratio` itself; empty trains at `width_ratio` throughout.
+    width_seed: seeds those draws. Part of the spec so that every process of a multi-process site draws the same
+        widths; the strategy varies it per round and site.
     bypass: unselected layers are skipped (identity on hidden states, saves their compute) instead of frozen.
         This changes the function the site trains, so it is part of the spec, not a site-local choice.
     train_outside: the trainable tensors outside the transformer layers (classifier / LoRA-saved head,
@@ -73,6 +81,9 @@ class SubnetSpec:
     layers: tuple[int, ...]
     heads: tuple[tuple[int, ...], ...] | None = None
     width_ratio: float = 1.0
+    width_offset: int = 0
+    width_levels: tuple[float, ...] = ()
+    width_seed: int = 0
     bypass: bool = False
     train_outside: bool = True
 
@@ -96,9 +107,19 @@ class SubnetSpec:
         ratio = self.width_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < float(ratio) <= 1.0:
             raise SpecError(f"width_ratio must be a number in (0, 1], got {ratio!r}")
+        for key in ("width_offset", "width_seed"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise SpecError(f"{key} must be an integer >= 0, got {value!r}")
+        levels = tuple(self.width_levels)
+        if not all(not isinstance(v, bool) and isinstance(v, (int, float)) and 0.0 < v <= 1.0 for v in levels):
+            raise SpecError(f"width_levels must be numbers in (0, 1], got {list(levels)}")
+        if heads is not None and (float(ratio) < 1.0 or levels):
+            raise SpecError("a SubnetSpec selects heads or a width (width_ratio < 1 / width_levels), not both")
         object.__setattr__(self, "layers", tuple(sorted(layers)))
         object.__setattr__(self, "heads", heads)
         object.__setattr__(self, "width_ratio", float(ratio))
+        object.__setattr__(self, "width_levels", tuple(sorted({float(v) for v in levels})))
         object.__setattr__(self, "bypass", bool(self.bypass))
         object.__setattr__(self, "train_outside", bool(self.train_outside))
 
@@ -106,6 +127,11 @@ class SubnetSpec:
     def full(cls, num_layers: int, **kwargs: Any) -> SubnetSpec:
         """Every layer, every head (the full model as a spec)."""
         return cls(layers=tuple(range(num_layers)), **kwargs)
+
+    @property
+    def is_width(self) -> bool:
+        """A width-baseline spec (slices channels) rather than a Hydra layer/head selection."""
+        return self.width_ratio < 1.0 or bool(self.width_levels)
 
     def heads_for(self, layer: int) -> tuple[int, ...] | None:
         """Kept heads (KV groups) of a selected layer; None means all. KeyError if the layer is not selected."""
@@ -144,14 +170,21 @@ class SubnetSpec:
         if self.heads is not None:
             config[f"{prefix}head-counts"] = [len(h) for h in self.heads]
             config[f"{prefix}heads"] = [h for kept in self.heads for h in kept]
+        if self.width_offset:
+            config[f"{prefix}width-offset"] = self.width_offset
+        if self.width_levels:
+            config[f"{prefix}width-levels"] = list(self.width_levels)
+            config[f"{prefix}width-seed"] = self.width_seed
         return config
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], prefix: str = "hydra.") -> SubnetSpec:
         """Inverse of `to_config`; raises SpecError naming the missing or malformed key."""
 
-        def get(key: str, types: tuple[type, ...]) -> Any:
+        def get(key: str, types: tuple[type, ...], default: Any = None) -> Any:
             name = prefix + key
+            if name not in config and default is not None:
+                return default
             if name not in config:
                 raise SpecError(f"config has no {name!r} (keys: {sorted(config)})")
             value = config[name]
@@ -183,6 +216,9 @@ class SubnetSpec:
             layers=tuple(layers),
             heads=heads,
             width_ratio=get("width-ratio", (int, float)),
+            width_offset=get("width-offset", (int,), 0),
+            width_levels=tuple(get("width-levels", (list,), [])),
+            width_seed=get("width-seed", (int,), 0),
             bypass=get("bypass", (bool,)),
             train_outside=get("train-outside", (bool,)),
         )
@@ -423,6 +459,12 @@ class SubnetHandle:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._frozen: list[nn.Parameter] = []
         self._bypassed: list[nn.Module] = []
+        self._width: _WidthMask | None = None
+
+    @property
+    def width_ratio(self) -> float:
+        """The width the model computes at now (FjORD redraws it before every forward pass)."""
+        return self._width.ratio if self._width is not None else 1.0
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -441,14 +483,6 @@ class SubnetHandle:
         self.remove()
 
 
-def _check_width(spec: SubnetSpec) -> None:
-    if spec.width_ratio != 1.0:
-        raise SpecError(
-            f"width_ratio={spec.width_ratio} is for the width-based baselines (HeteroFL/FjORD/FedRolex), which "
-            "slice widths themselves; Hydra layer/head subnetworks need width_ratio=1.0"
-        )
-
-
 def apply_spec(model: nn.Module, spec: SubnetSpec, arch: Architecture | None = None) -> SubnetHandle:
     """Make `model` train only the subnetwork `spec`, in place, until `handle.remove()`.
 
@@ -460,10 +494,13 @@ def apply_spec(model: nn.Module, spec: SubnetSpec, arch: Architecture | None = N
       q/k/v and LoRA A columns of o get exactly zero gradient. (An optimizer with weight decay still moves
       those coordinates; `extract` never sends them.)
     - `spec.train_outside=False` freezes the trainable tensors outside the layers as well.
+    - A width spec (`spec.is_width`): in selected layers, forward hooks zero the dropped dims of every head at
+      the q and k outputs and at the o input, and the dropped FFN hidden units at the FFN output projection's
+      input, so exactly the coordinates outside `width_slices` get zero gradient. With `spec.width_levels` the
+      width is redrawn before every forward pass from a generator seeded with `spec.width_seed` (FjORD).
     """
     arch = arch or find_architecture(model)
     spec.check(arch)
-    _check_width(spec)
     handle = SubnetHandle(model, spec, arch)
     try:
         for name, p in model.named_parameters():
@@ -486,6 +523,8 @@ def apply_spec(model: nn.Module, spec: SubnetSpec, arch: Architecture | None = N
             keep = torch.zeros(arch.num_groups)
             keep[list(kept)] = 1.0
             handle._hooks.append(model.get_submodule(ref.o).register_forward_pre_hook(_HeadMask(keep)))
+        if spec.is_width:
+            _add_width_hooks(model, spec, arch, handle)
     except BaseException:
         handle.remove()
         raise
@@ -523,17 +562,30 @@ class Slice:
             return tensor.clone()
         return tensor.index_select(self.dim, self._index.to(tensor.device))
 
+    def taken_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape `take` gives for a tensor of `shape`: what a site uploads for it."""
+        taken = list(shape)
+        if self.dim is not None:
+            taken[self.dim] = len(self.index)
+        return tuple(taken)
+
     def put(self, tensor: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """A copy of `tensor` with the slice replaced by `values` (shape of `take(tensor)`)."""
-        expected = list(tensor.shape)
-        if self.dim is not None:
-            expected[self.dim] = len(self.index)
-        if list(values.shape) != expected:
-            raise ValueError(f"slice values have shape {tuple(values.shape)}, expected {tuple(expected)}")
+        expected = self.taken_shape(tensor.shape)
+        if tuple(values.shape) != expected:
+            raise ValueError(f"slice values have shape {tuple(values.shape)}, expected {expected}")
         values = values.detach().to(dtype=tensor.dtype, device=tensor.device)
         if self.dim is None:
             return values.clone()
         return tensor.detach().clone().index_copy_(self.dim, self._index.to(tensor.device), values)
+
+    def add_to(self, target: torch.Tensor, values: torch.Tensor, alpha: float = 1.0) -> None:
+        """target[slice] += alpha * values, in place (`values` of `take`'s shape): aggregation without ever
+        expanding a compact upload to the full tensor."""
+        if self.dim is None:
+            target.add_(values, alpha=alpha)
+        else:
+            target.index_add_(self.dim, self._index.to(target.device), values.to(target.dtype), alpha=alpha)
 
     def mask(self, shape: Sequence[int]) -> torch.Tensor:
         """Boolean tensor of `shape`, True on the sliced coordinates (m_kj of the masked aggregation)."""
@@ -553,7 +605,8 @@ def trainable_slices(model: nn.Module, spec: SubnetSpec, arch: Architecture | No
     when `spec.train_outside`."""
     arch = arch or find_architecture(model)
     spec.check(arch)
-    _check_width(spec)
+    if spec.is_width:
+        return width_slices(width_layout(model, arch), spec)
     slices: dict[str, Slice] = {}
     for name, p in model.named_parameters():
         if not _federated(p):
@@ -609,15 +662,183 @@ def coordinate_masks(slices: Mapping[str, Slice], state: Mapping[str, torch.Tens
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Width slicing (HeteroFL / FjORD / FedRolex)
+# --------------------------------------------------------------------------------------------------------------
+#
+# A width ratio r keeps, in every selected layer, ceil(r * d) of the d dims of EVERY attention head (rows of q/k/v
+# and of their LoRA B, the matching columns of o and of its LoRA A) and ceil(r * I) of the I FFN hidden units
+# (rows of the FFN input projections, columns of the output projection). The residual stream (embeddings, norms,
+# the o and FFN output biases, the classifier) stays whole and every site trains it: zeroing residual channels
+# would still let LayerNorm write into them, so masking cannot give HeteroFL's narrower residual stream.
+# Along a width axis a tensor is a run of blocks of `period` channels (one per head, or the whole FFN); every
+# block keeps the same window.
+
+FFN_PATTERNS: Mapping[str, tuple[tuple[str, ...], str]] = {
+    "bert": (("intermediate.dense",), "output.dense"),
+    "vit": (("mlp.fc1",), "mlp.fc2"),
+    "llama": (("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj"),
+}
+"""Per family, FFN module paths relative to a layer: the projections into the hidden units, the one out of them."""
+
+
+class WidthAxis(NamedTuple):
+    """How one federated tensor is width-sliced."""
+
+    layer: int  # -1 outside the layers
+    axis: int  # -1 when the tensor is not width-sliced
+    period: int  # channels per block along `axis`: the head dim, or the FFN hidden units
+    shape: tuple[int, ...]
+
+
+WidthLayout = Mapping[str, WidthAxis]
+
+
+def width_window(period: int, ratio: float, offset: int = 0) -> tuple[int, ...]:
+    """The ceil(ratio * period) channels of a block a width keeps, from `offset mod period` on, wrapping around
+    (FedRolex); offset 0 is the leading slice of HeteroFL and FjORD. Sorted."""
+    keep = min(period, max(1, math.ceil(ratio * period - 1e-9)))
+    return tuple(sorted((offset + i) % period for i in range(keep)))
+
+
+def _ffn_axis(name: str, layer: int) -> int | None:
+    """Width axis of an FFN tensor of `layer`: projections into the hidden units are sliced like q/k/v (rows),
+    the projection out of them like o (columns); None for any other tensor."""
+    for inputs, output in FFN_PATTERNS.values():
+        for role, module in [*(("q", m) for m in inputs), ("o", output)]:
+            marker = f".{layer}.{module}."
+            if marker in f".{name}":
+                suffix = f".{name}".split(marker, 1)[1]
+                return _head_axis(role, _part(suffix), suffix)
+    return None
+
+
+def width_layout(model: nn.Module, arch: Architecture | None = None) -> dict[str, WidthAxis]:
+    """Site side: how each federated tensor of a live model is width-sliced."""
+    arch = arch or find_architecture(model)
+    layout = {}
+    for name, p in model.named_parameters():
+        if not _federated(p):
+            continue
+        layer, _, axis = head_axis_of(arch, name)
+        period = arch.head_dim
+        if layer is not None and axis is None and (axis := _ffn_axis(name, layer)) is not None:
+            period = p.shape[axis]
+        layer = -1 if layer is None else layer
+        layout[name] = WidthAxis(layer, -1, 0, tuple(p.shape)) if axis is None else WidthAxis(layer, axis, period, tuple(p.shape))
+    return layout
+
+
+def width_layout_from_heads(
+    layout: Mapping[str, tuple[int, int, int]], shapes: Mapping[str, Sequence[int]]
+) -> dict[str, WidthAxis]:
+    """Coordinator side, without the model: `width_layout` from the head layout a site reports (per name: layer,
+    head axis, indices one head group owns; `site_app.slice_layout`) and the arrays' shapes. The head dim is a
+    layer's smallest head-group run (one KV head under grouped-query attention)."""
+    head_dim: dict[int, int] = {}
+    for layer, axis, unit in layout.values():
+        if layer >= 0 and axis >= 0:
+            head_dim[layer] = min(unit, head_dim.get(layer, unit))
+    out = {}
+    for name, (layer, axis, _) in layout.items():
+        shape, period = tuple(shapes[name]), head_dim.get(layer, 0)
+        if layer >= 0 and axis < 0 and (ffn := _ffn_axis(name, layer)) is not None:
+            axis, period = ffn, shape[ffn]
+        out[name] = WidthAxis(layer, axis, period, shape) if axis >= 0 else WidthAxis(layer, -1, 0, shape)
+    return out
+
+
+def width_slices(layout: WidthLayout, spec: SubnetSpec) -> dict[str, Slice]:
+    """The coordinates a width spec trains (at its widest, `spec.width_ratio`): in selected layers the window
+    of every block along each tensor's width axis, the layer's other tensors whole; tensors outside the layers
+    whole when `spec.train_outside`."""
+    slices: dict[str, Slice] = {}
+    for name, (layer, axis, period, shape) in layout.items():
+        if layer < 0:
+            if spec.train_outside:
+                slices[name] = Slice(None)
+            continue
+        if layer not in spec.layers:
+            continue
+        if axis < 0:
+            slices[name] = Slice(None)
+            continue
+        if period <= 0 or shape[axis] % period:
+            raise SpecError(f"{name} has {shape[axis]} channels along axis {axis}, not whole blocks of {period}")
+        window = width_window(period, spec.width_ratio, spec.width_offset)
+        slices[name] = Slice(axis, tuple(b * period + j for b in range(shape[axis] // period) for j in window))
+    return slices
+
+
+def width_for_budget(layout: WidthLayout, budget: int, layers: Sequence[int]) -> tuple[float, int]:
+    """The width ratio (over `layers`) whose trained coordinates come closest to `budget`, ties to the narrower,
+    and that count. Candidates are the ratios k / period at which some window grows by one channel."""
+    periods = {a.period for a in layout.values() if a.axis >= 0}
+    best: tuple[int, float, int] | None = None
+    for ratio in sorted({k / p for p in periods for k in range(1, p + 1)} | {1.0}):
+        slices = width_slices(layout, SubnetSpec(layers=tuple(layers), width_ratio=ratio))
+        count = sum(sl.numel(layout[name].shape) for name, sl in slices.items())
+        if best is None or abs(count - budget) < best[0]:
+            best = (abs(count - budget), ratio, count)
+    assert best is not None
+    return best[1], best[2]
+
+
+class _WidthMask:
+    """The 0/1 channel masks of a width spec, shared by its hooks; FjORD redraws the width before each forward."""
+
+    def __init__(self, spec: SubnetSpec, generator: torch.Generator) -> None:
+        self.spec, self.generator = spec, generator
+        self.choices = tuple(v for v in spec.width_levels if v < spec.width_ratio) + (spec.width_ratio,)
+        self.ratio = spec.width_ratio
+        self._masks: dict[tuple[float, int, int], torch.Tensor] = {}
+
+    def draw(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if len(self.choices) > 1:
+            self.ratio = self.choices[int(torch.randint(len(self.choices), (), generator=self.generator))]
+
+    def mask(self, period: int, length: int, like: torch.Tensor) -> torch.Tensor:
+        key = (self.ratio, period, length)
+        if key not in self._masks:
+            block = torch.zeros(period)
+            block[list(width_window(period, self.ratio, self.spec.width_offset))] = 1.0
+            self._masks[key] = block.repeat(length // period)
+        return self._masks[key].to(dtype=like.dtype, device=like.device)
+
+    def output_hook(self, period: int) -> Callable[..., torch.Tensor]:
+        def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+            return output * self.mask(period, output.shape[-1], output)
+
+        return hook
+
+    def input_hook(self, period: int | None) -> Callable[..., tuple[Any, ...]]:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            x = args[0]
+            return (x * self.mask(period or x.shape[-1], x.shape[-1], x), *args[1:])
+
+        return hook
+
+
+def _add_width_hooks(model: nn.Module, spec: SubnetSpec, arch: Architecture, handle: SubnetHandle) -> None:
+    """Mask q/k outputs and o inputs per head dim, and the FFN output projection's input per hidden unit."""
+    width = handle._width = _WidthMask(spec, torch.Generator().manual_seed(spec.width_seed))
+    handle._hooks.append(model.register_forward_pre_hook(width.draw))
+    ffn_out = FFN_PATTERNS[arch.family][1]
+    for ref in arch.layers:
+        if ref.index not in spec.layers:
+            continue
+        if not _has(model, f"{ref.name}.{ffn_out}"):
+            raise SpecError(f"layer {ref.index} has no FFN output projection {ffn_out!r}; cannot apply a width")
+        for path in (ref.q, ref.k):
+            handle._hooks.append(model.get_submodule(path).register_forward_hook(width.output_hook(arch.head_dim)))
+        handle._hooks.append(model.get_submodule(ref.o).register_forward_pre_hook(width.input_hook(arch.head_dim)))
+        out = model.get_submodule(f"{ref.name}.{ffn_out}")
+        handle._hooks.append(out.register_forward_pre_hook(width.input_hook(None)))
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Importance scores (computed at a site on its own data)
 # --------------------------------------------------------------------------------------------------------------
 
-LossFn = Callable[[nn.Module, Any, torch.Tensor], torch.Tensor]
-
-
-def classification_loss(model: nn.Module, x: Any, y: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of `model(x)` (the `hydrafl.models.Classifier` interface)."""
-    return F.cross_entropy(model(x), y)
 
 
 def _samples(
@@ -969,6 +1190,7 @@ __all__ = [
     "PATTERNS",
     "Architecture",
     "Budget",
+    "FFN_PATTERNS",
     "LayerCost",
     "LayerRef",
     "Slice",
@@ -992,4 +1214,10 @@ __all__ = [
     "plan_budget",
     "select_heads",
     "trainable_slices",
+    "WidthAxis",
+    "width_for_budget",
+    "width_layout",
+    "width_layout_from_heads",
+    "width_slices",
+    "width_window",
 ]

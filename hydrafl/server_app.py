@@ -48,9 +48,11 @@ def run_federation(
     *,
     on_round: Callable[[RoundRecord], None] | None = None,
     strategy: Strategy | None = None,
+    reference_node: int | None = None,
 ) -> RunResult:
     """One federated run of `cfg.strategy` (or of `strategy`, built from `cfg` by the caller to read its
-    state afterwards): initial model from a site, optional stability check, rounds."""
+    state afterwards): initial model from a site, optional stability check, rounds. `reference_node` is a
+    full-data site of the grid (simulation) that `cfg.diagnostics` compares the averaged delta with."""
     strategy = strategy or build_strategy(cfg)
     wait_for_sites(grid, cfg.required_sites, cfg.site_wait_s)
     initial = request_initial_arrays(grid, cfg)
@@ -68,6 +70,8 @@ def run_federation(
             evaluate_config=cfg.to_flower(),
             run_dir=Path(cfg.run_dir) if cfg.run_dir else None,
             run_config=cfg.to_flower(),
+            diagnostics=cfg.diagnostics,
+            reference_node=reference_node if cfg.diagnostics else None,
         ),
     )
     return driver.run(initial, resume=cfg.resume, on_round=on_round)

@@ -7,17 +7,18 @@ and its per-sample variance) for the DiLoCo stability check.
 
 Hydra-nets: `query.scores` replies with the site's layer and head importance on its own data, its declared
 resource tier and the model's slice layout; a `train` message whose config carries a SubnetSpec (`hydra.*`
-keys) trains only that subnetwork and replies with full-shape deltas of the tensors it touches, zero outside
-its slices (tensors it does not touch are omitted), so the strategy can mask by the spec it assigned.
+keys) trains only that subnetwork and replies with the deltas of exactly its slices, compact (`hydranet.extract`:
+rows/columns of the kept heads or widths, tensors it does not touch omitted); the strategy knows the spec it
+assigned and folds them back. Every train reply reports the site's trainable parameters and peak training
+memory (`hydrafl.footprint`), its throughput and the round's data hash (`hydrafl.training`).
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -25,22 +26,29 @@ from flwr.clientapp import ClientApp
 from hydrafl.arrays import from_record, to_record
 from hydrafl.config import RunConfig
 from hydrafl.data import Cohort, SiteSplit, TaskSpec, load_cohort
+from hydrafl.footprint import training_footprint
 from hydrafl.hydranet import (
+    Slice,
     SubnetSpec,
     apply_spec,
+    extract,
     find_architecture,
     head_axis_of,
     head_importance,
     layer_importance,
     trainable_slices,
 )
-from hydrafl.models import Classifier, build_model, federated_state
-from hydrafl.training import LocalTrainConfig, batch_generator, evaluate, train_local
+from hydrafl.data.text_cohort import MINILM
+from hydrafl.losses import LossFn, classification_loss
+from hydrafl.models import Classifier, LoraSpec, build_model, federated_state, lora_base_state, task_loss, training_loss
+from hydrafl.training import SiteTrainConfig, build_site_model, evaluate, site_seed, train_site
 
 client_app = ClientApp()
 
 @lru_cache(maxsize=4)
-def _cohort(task: str, data: str, label_column: str, partition: str, sites: int, samples: int, seed: int) -> Cohort:
+def _cohort(
+    task: str, data: str, label_column: str, partition: str, sites: int, samples: int, seed: int, tokenizer: str = "hash"
+) -> Cohort:
     return load_cohort(
         task,
         num_sites=sites,
@@ -49,18 +57,29 @@ def _cohort(task: str, data: str, label_column: str, partition: str, sites: int,
         data_path=data or None,
         label_column=label_column or None,
         samples_per_site=samples,
+        text_tokenizer=tokenizer,
     )
 
 
 def run_cohort(cfg: RunConfig) -> Cohort:
     """The cohort a run's sites share out (cached per process; loading it early surfaces data errors)."""
-    return _cohort(cfg.task, cfg.data, cfg.label_column, cfg.partition, cfg.sites, cfg.samples_per_site, cfg.seed)
+    tokenizer = MINILM if cfg.model == MINILM and not cfg.data else "hash"  # a pretrained model reads its own tokens
+    return _cohort(
+        cfg.task, cfg.data, cfg.label_column, cfg.partition, cfg.sites, cfg.samples_per_site, cfg.seed, tokenizer
+    )
 
 
 def site_data(cfg: RunConfig, context: Context) -> tuple[Cohort, SiteSplit]:
     """This site's data. A hospital site names its own file (`data-path` in its node_config); a demo site
-    (`demo-site`) takes its share of the run's synthetic cohort; a simulated site its `partition-id`."""
+    (`demo-site`) takes its share of the run's synthetic cohort; a simulated site its `partition-id`; the
+    simulation's full-data reference site (`pooled`) every site's training data together."""
     node = context.node_config
+    if node.get("pooled"):
+        cohort = run_cohort(cfg)
+        empty = cohort.sites[0].test_x[:0], cohort.sites[0].test_y[:0]
+        pooled_x = torch.cat([site.train_x for site in cohort.sites])
+        pooled_y = torch.cat([site.train_y for site in cohort.sites])
+        return cohort, SiteSplit(train_x=pooled_x, train_y=pooled_y, test_x=empty[0], test_y=empty[1])
     if node.get("data-path"):
         cohort = _cohort("", str(node["data-path"]), str(node.get("label-column", "")), "iid", 1, 2, cfg.seed)
         return cohort, cohort.sites[0]
@@ -74,9 +93,24 @@ def site_data(cfg: RunConfig, context: Context) -> tuple[Cohort, SiteSplit]:
 
 
 @lru_cache(maxsize=4)
-def _working_model(task: TaskSpec, model: str, seed: int) -> Classifier:
-    """One model object per process, reloaded from the message's arrays before every use."""
-    return build_model(task, model=model, seed=seed)
+def _working_model(task: TaskSpec, model: str, seed: int, lora: LoraSpec | None, own_bases: bool) -> Classifier:
+    """One model object per process, reloaded from the message's arrays before every use. Messages that carry
+    the frozen LoRA base weights (FLoRA merges into them) get a model of their own, so merged bases never
+    leak into runs whose messages do not carry them."""
+    return build_model(task, model=model, seed=seed, lora=lora)
+
+
+def lora_spec(cfg: RunConfig) -> LoraSpec | None:
+    """The run's LoRA settings, None without LoRA."""
+    return LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_target_list) if cfg.lora_rank else None
+
+
+def _site_model(task: TaskSpec, cfg: RunConfig, arrays: ArrayRecord) -> Classifier:
+    """The working model loaded with `arrays`."""
+    own_bases = any(name.endswith(".base_layer.weight") for name in arrays)
+    model = _working_model(task, cfg.model, cfg.seed, lora_spec(cfg), own_bases)
+    _load(model, arrays)
+    return model
 
 
 def _load(model: Classifier, arrays: ArrayRecord) -> None:
@@ -108,31 +142,50 @@ def _run_config(message: Message, context: Context) -> RunConfig:
 def train(message: Message, context: Context) -> Message:
     cfg = _run_config(message, context)
     cohort, split = site_data(cfg, context)
-    model = _working_model(cohort.task, cfg.model, cfg.seed)
     arrays = _received_arrays(message)
-    _load(model, arrays)
+    model = _site_model(cohort.task, cfg, arrays)
     start = {name: p.clone() for name, p in federated_state(model).items() if name in arrays}
     config = _received_config(message)
     spec = SubnetSpec.from_config(config) if "hydra.layers" in config else None
-    local = LocalTrainConfig(
+    local = SiteTrainConfig(
         steps=cfg.local_steps,
         batch_size=cfg.batch_size,
         lr=cfg.lr,
         optimizer=cfg.inner_optimizer,
         weight_decay=cfg.weight_decay,
         proximal_mu=float(config.get("proximal-mu", 0.0)),
+        nproc=int(context.node_config.get("nproc", cfg.nproc)),  # the site's own hardware wins
+        seed=site_seed(cfg.seed, _site_index(context)),
+        server_round=int(config.get("server-round", 0)),
     )
-    generator = batch_generator(cfg.seed, int(config.get("server-round", 0)), _site_index(context))
+    frozen = {name: t for name, t in model.state_dict().items() if name not in start} if local.nproc > 1 else None
+    rebuild = partial(build_site_model, cohort.task, cfg.model, cfg.seed, spec, lora=lora_spec(cfg), frozen=frozen)
+    loss_fn = training_loss(
+        cohort.task, model=cfg.model, seed=cfg.seed, distill_teacher=cfg.distill_teacher, distill_weight=cfg.distill_weight
+    )
     with apply_spec(model, spec) if spec else nullcontext():
-        result = train_local(model, split.train_x, split.train_y, local, generator)
-    end = federated_state(model)
-    if spec is None:
-        delta = {name: start[name] - end[name] for name in start}
-    else:  # only the subnetwork's tensors travel; zeros outside its slices (weight decay moves those too)
-        slices = trainable_slices(model, spec)
-        delta = {name: (start[name] - end[name]) * sl.mask(start[name].shape) for name, sl in slices.items()}
-    metrics = MetricRecord({"num-examples": len(split.train_y), "train_loss": result.loss})
-    return Message(RecordDict({"arrays": to_record(delta), "metrics": metrics}), reply_to=message)
+        sample = slice(0, min(cfg.batch_size, len(split.train_y)))
+        footprint = training_footprint(
+            model, lambda: loss_fn(model, split.train_x[sample], split.train_y[sample]), cfg.inner_optimizer
+        )
+        result = train_site(model, start, split.train_x, split.train_y, local, rebuild=rebuild, loss_fn=loss_fn)
+    end = result.end_state
+    slices = trainable_slices(model, spec) if spec else {name: Slice(None) for name in start}
+    # only the subnetwork's coordinates travel, as compact slices (the strategy knows which it assigned)
+    delta = extract({name: start[name] - end[name] for name in slices}, slices)
+    metrics = MetricRecord(
+        {
+            "num-examples": len(split.train_y),
+            "trainable-params": sum(sl.numel(start[name].shape) for name, sl in slices.items()),
+            "peak-memory-bytes": footprint.peak_bytes,
+            "train_loss": result.loss,
+            "samples-per-s": result.samples_per_s,
+            **({"mfu": result.mfu} if result.mfu is not None else {}),
+        }
+    )
+    info = ConfigRecord({"data-hash": result.data_hash})  # a string: MetricRecords hold numbers only
+    content = RecordDict({"arrays": to_record(delta), "metrics": metrics, "train-info": info})
+    return Message(content, reply_to=message)
 
 
 def _site_index(context: Context) -> int:
@@ -143,8 +196,7 @@ def _site_index(context: Context) -> int:
 def evaluate_site(message: Message, context: Context) -> Message:
     cfg = _run_config(message, context)
     cohort, split = site_data(cfg, context)
-    model = _working_model(cohort.task, cfg.model, cfg.seed)
-    _load(model, _received_arrays(message))
+    model = _site_model(cohort.task, cfg, _received_arrays(message))
     loss, accuracy = evaluate(model, split.test_x, split.test_y)
     metrics = MetricRecord({"num-examples": len(split.test_y), "loss": loss, "accuracy": accuracy})
     return Message(RecordDict({"metrics": metrics}), reply_to=message)
@@ -154,18 +206,22 @@ def evaluate_site(message: Message, context: Context) -> Message:
 def initial_model(message: Message, context: Context) -> Message:
     cfg = _run_config(message, context)
     cohort, _ = site_data(cfg, context)
-    model = build_model(cohort.task, model=cfg.model, seed=cfg.seed)
-    return Message(RecordDict({"arrays": to_record(federated_state(model))}), reply_to=message)
+    model = build_model(cohort.task, model=cfg.model, seed=cfg.seed, lora=lora_spec(cfg))
+    state = federated_state(model)
+    if cfg.federates_lora_bases:
+        state |= lora_base_state(model)
+    return Message(RecordDict({"arrays": to_record(state)}), reply_to=message)
 
 
 @client_app.query("curvature")
 def curvature(message: Message, context: Context) -> Message:
     cfg = _run_config(message, context)
     cohort, split = site_data(cfg, context)
-    model = _working_model(cohort.task, cfg.model, cfg.seed)
-    _load(model, _received_arrays(message))
+    model = _site_model(cohort.task, cfg, _received_arrays(message))
     with sdpa_kernel(SDPBackend.MATH):  # the fused CPU attention kernels have no double backward
-        h, v = estimate_curvature(model, split.train_x[:16], split.train_y[:16], seed=cfg.seed)
+        h, v = estimate_curvature(
+            model, split.train_x[:16], split.train_y[:16], seed=cfg.seed, loss_fn=task_loss(cohort.task)
+        )
     metrics = MetricRecord({"curvature": h, "curvature-var": v, "num-examples": len(split.train_y)})
     return Message(RecordDict({"metrics": metrics}), reply_to=message)
 
@@ -176,13 +232,12 @@ def scores(message: Message, context: Context) -> Message:
     training batches, with the site's tier and the model's slice layout (see `slice_layout`)."""
     cfg = _run_config(message, context)
     cohort, split = site_data(cfg, context)
-    model = _working_model(cohort.task, cfg.model, cfg.seed)
-    _load(model, _received_arrays(message))
+    model = _site_model(cohort.task, cfg, _received_arrays(message))
     n = min(cfg.score_samples, len(split.train_y))
     size = cfg.batch_size
     batches = [(split.train_x[i : min(i + size, n)], split.train_y[i : min(i + size, n)]) for i in range(0, n, size)]
-    layers = layer_importance(model, batches, method=cfg.layer_score)
-    heads = head_importance(model, batches, method=cfg.head_score)
+    layers = layer_importance(model, batches, task_loss(cohort.task), method=cfg.layer_score)
+    heads = head_importance(model, batches, task_loss(cohort.task), method=cfg.head_score)
     metrics = MetricRecord(
         {
             "num-examples": len(split.train_y),
@@ -220,10 +275,16 @@ def slice_layout(model: torch.nn.Module) -> dict[str, list[str] | list[int]]:
 
 
 def estimate_curvature(
-    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, seed: int, iterations: int = 6
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    seed: int,
+    iterations: int = 6,
+    loss_fn: LossFn = classification_loss,
 ) -> tuple[float, float]:
-    """Top Hessian eigenvalue h of the mean loss (power iteration on Hessian-vector products) and the
-    variance over samples of the per-sample curvature u^T H_i u along that direction."""
+    """Top Hessian eigenvalue h of the task's mean loss `loss_fn` (power iteration on Hessian-vector products)
+    and the variance over samples of the per-sample curvature u^T H_i u along that direction."""
     model.eval()
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -238,13 +299,13 @@ def estimate_curvature(
     for _ in range(iterations):
         norm = torch.sqrt(sum((u**2).sum() for u in direction))
         direction = [u / norm for u in direction]
-        product = hvp(F.cross_entropy(model(x), y), direction)
+        product = hvp(loss_fn(model, x, y), direction)
         direction = product
     norm = torch.sqrt(sum((u**2).sum() for u in direction))
     direction = [u / norm for u in direction]
     per_sample = []
     for i in range(min(len(x), 8)):
-        product = hvp(F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), direction)
+        product = hvp(loss_fn(model, x[i : i + 1], y[i : i + 1]), direction)
         per_sample.append(float(sum((p * u).sum() for p, u in zip(product, direction, strict=True))))
     samples = torch.tensor(per_sample, dtype=torch.float64)
     return float(samples.mean().abs()), float(samples.var())

@@ -1,81 +1,196 @@
 """The local trainer a site runs for one round, and its evaluation.
 
-Batch order is a pure function of (seed, round, site), never of global RNG state, so a resumed run and an
-uninterrupted run train on exactly the same batches.
+Training goes through the site kernels (`hydrafl.kernels.distributed.train_distributed`): `nproc` processes
+under DDP, or the same loop in process for nproc=1, on the global batches of the elastic loader. Batch order
+is a pure function of (seed, round, site), never of global RNG state or of nproc, so a resumed run, an
+uninterrupted run and a run with more processes train on exactly the same batches; the data hash proves it.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from hydrafl.kernels.optimizers import build_inner_optimizer
+from hydrafl.data import TaskSpec
+from hydrafl.hydranet import SubnetSpec, apply_spec, find_architecture
+from hydrafl.kernels.distributed import train_distributed
+from hydrafl.kernels.optimizers import INNER_OPTIMIZERS
+from hydrafl.kernels.peak_flops import mfu
+from hydrafl.losses import LossFn, classification_loss
+from hydrafl.model_zoo import forward_flops
+from hydrafl.models import LoraSpec, build_model
+
+__all__ = [
+    "SiteTrainConfig",
+    "SiteTrainResult",
+    "build_site_model",
+    "evaluate",
+    "site_seed",
+    "train_flops_per_sample",
+    "train_site",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class LocalTrainConfig:
+class SiteTrainConfig:
     steps: int
     batch_size: int
+    """Global batch size (over all processes); capped at the number of training samples."""
     lr: float
     optimizer: str = "adamw"
     weight_decay: float = 0.0
     proximal_mu: float = 0.0
     """FedProx: adds mu/2 ||w - w_global||^2 to the loss."""
+    nproc: int = 1
+    """Training processes (one per accelerator, or CPU ranks under gloo); the global batch must split evenly."""
+    seed: int = 0
+    """Data-order seed; `site_seed` gives each site its own."""
+    server_round: int = 0
+    bf16: bool = False
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch_size < 1 or self.nproc < 1:
+            raise ValueError(
+                f"steps={self.steps}, batch_size={self.batch_size} and nproc={self.nproc} must all be >= 1"
+            )
+        if self.optimizer not in INNER_OPTIMIZERS:
+            raise ValueError(f"unknown inner optimizer {self.optimizer!r}; choose one of {', '.join(INNER_OPTIMIZERS)}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TrainResult:
+class SiteTrainResult:
+    end_state: dict[str, torch.Tensor]
+    """The trained values of the start state's tensors, on CPU."""
     loss: float
     """Mean training loss over the local steps."""
     num_examples: int
-    """Samples seen this round (steps x batch size); what FedAvg-style weighting uses."""
+    """Samples trained on this round (steps x global batch)."""
+    data_hash: str
+    """SHA-256 over the ordered sample ids of every global batch; the same for any nproc."""
+    samples_per_s: float
+    mfu: float | None
+    """Model FLOPs utilisation; None where the device's peak FLOP/s is unknown (CPU, unlisted GPUs)."""
 
 
-def batch_generator(seed: int, server_round: int, site: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 1_000_003 + server_round * 10_007 + site)
+def site_seed(seed: int, site: int) -> int:
+    """The data-order seed of `site` in a run seeded `seed`: sites of equal size must not share an order."""
+    return seed * 1_000_003 + site
 
 
-def batch_indices(num_samples: int, config: LocalTrainConfig, generator: torch.Generator) -> list[torch.Tensor]:
-    """Indices of each local step's batch: shuffled epochs, concatenated, cut into batches."""
-    needed = config.steps * config.batch_size
-    order = torch.cat([torch.randperm(num_samples, generator=generator) for _ in range(-(-needed // num_samples))])
-    return list(order[:needed].view(config.steps, config.batch_size))
+def build_site_model(
+    task: TaskSpec,
+    model: str,
+    seed: int,
+    spec: SubnetSpec | None,
+    *,
+    lora: LoraSpec | None = None,
+    frozen: dict[str, torch.Tensor] | None = None,
+) -> nn.Module:
+    """A fresh copy of a site's working model for a spawned training process: the same LoRA wrapping, the
+    working model's `frozen` tensors (e.g. LoRA bases a FLoRA merge changed, which the start state does not
+    carry), restricted to the subnetwork `spec` when given (the process ends with the model, so the spec is
+    never removed). Picklable through `functools.partial`."""
+    net = build_model(task, model=model, seed=seed, lora=lora)
+    if frozen:
+        unexpected = net.load_state_dict(frozen, strict=False).unexpected_keys
+        if unexpected:
+            raise KeyError(f"frozen tensors the rebuilt model lacks: {sorted(unexpected)[:5]}")
+    if spec is not None:
+        apply_spec(net, spec)
+    return net
 
 
-def train_local(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, config: LocalTrainConfig, generator: torch.Generator
-) -> TrainResult:
-    """Run `config.steps` optimizer steps on (x, y); the model is updated in place."""
-    config = dataclasses.replace(config, batch_size=min(config.batch_size, len(x)))
-    optimizer = build_inner_optimizer(model, config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
-    anchors = [p.detach().clone() for p in model.parameters() if p.requires_grad] if config.proximal_mu else []
-    model.train()
-    total = 0.0
-    for idx in batch_indices(len(x), config, generator):
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(x[idx]), y[idx])
-        total += loss.item()
-        if config.proximal_mu:
-            trainable = (p for p in model.parameters() if p.requires_grad)
-            proximal = sum(((p - a) ** 2).sum() for p, a in zip(trainable, anchors, strict=True))
-            loss = loss + 0.5 * config.proximal_mu * proximal
-        loss.backward()
-        optimizer.step()
-    return TrainResult(loss=total / config.steps, num_examples=config.steps * config.batch_size)
+def train_flops_per_sample(model: nn.Module, x: torch.Tensor) -> float:
+    """Training FLOPs of one sample: 3x the forward (`model_zoo.forward_flops`), at the token count the first
+    transformer layer sees for one row of `x`."""
+    first = model.get_submodule(find_architecture(model).layers[0].q)
+    tokens: list[int] = []
+    hook = first.register_forward_pre_hook(lambda _, args: tokens.append(args[0].shape[-2]))
+    try:
+        with torch.no_grad():
+            model(x[:1].to(next(model.parameters()).device))
+    finally:
+        hook.remove()
+    return 3.0 * forward_flops(model, tokens[0])
+
+
+def train_site(
+    model: nn.Module,
+    state: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    config: SiteTrainConfig,
+    *,
+    rebuild: Callable[[], nn.Module] | None = None,
+    device: str | torch.device | None = None,
+    loss_fn: LossFn = classification_loss,
+) -> SiteTrainResult:
+    """Train for one round from `state` (the tensors to train and send back, already loaded in `model`).
+
+    nproc=1 trains `model` itself in process (it ends on the device it started on, with the trained weights);
+    nproc>1 needs `rebuild`, a picklable builder of the same model (e.g. `functools.partial(build_site_model,
+    ...)`), and leaves `model` untouched. `device` defaults to the accelerator when there is one. `loss_fn` is
+    the task's training loss (`hydrafl.models.training_loss`), picklable for nproc > 1.
+    """
+    global_batch = min(config.batch_size, len(x))
+    if global_batch % config.nproc:
+        raise ValueError(
+            f"batch size {global_batch} does not split evenly over nproc={config.nproc} processes; use a batch "
+            f"size that is a multiple of {config.nproc}"
+        )
+    if config.nproc > 1 and rebuild is None:
+        raise ValueError(f"nproc={config.nproc} needs `rebuild`, a picklable builder of the model for each process")
+    home = next(model.parameters()).device
+    try:
+        result = train_distributed(
+            rebuild if config.nproc > 1 else (lambda: model),  # type: ignore[arg-type]
+            state,
+            x,
+            y,
+            steps=config.steps,
+            global_batch_size=global_batch,
+            lr=config.lr,
+            optimizer=config.optimizer,
+            weight_decay=config.weight_decay,
+            proximal_mu=config.proximal_mu,
+            seed=config.seed,
+            server_round=config.server_round,
+            nproc=config.nproc,
+            lanes=config.nproc,  # global batches do not depend on the lanes, only how ranks split them
+            bf16=config.bf16,
+            device=device,
+            loss_fn=loss_fn,
+        )
+    finally:
+        model.to(home)
+    utilisation = None
+    if result.device_name:
+        flops = train_flops_per_sample(model, x)
+        utilisation = mfu(
+            result.samples_per_s, flops, device_name=result.device_name, devices=config.nproc, bf16=config.bf16
+        )
+    return SiteTrainResult(
+        end_state=result.end_state,
+        loss=result.loss,
+        num_examples=result.samples,
+        data_hash=result.data_hash,
+        samples_per_s=result.samples_per_s,
+        mfu=utilisation,
+    )
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy on (x, y)."""
+    """Mean cross-entropy and accuracy on (x, y): per sample for a `Classifier`, per valid next-token target
+    for a `CausalLM` (whose `evaluation_sums` never builds full logits)."""
     model.eval()
-    loss_sum, correct = 0.0, 0
+    loss_sum, correct, count = 0.0, 0, 0
     for start in range(0, len(x), batch_size):
-        logits = model(x[start : start + batch_size])
-        target = y[start : start + batch_size]
-        loss_sum += F.cross_entropy(logits, target, reduction="sum").item()
-        correct += int((logits.argmax(dim=-1) == target).sum())
-    return loss_sum / len(x), correct / len(x)
+        batch_loss, batch_correct, batch_count = model.evaluation_sums(  # type: ignore[operator]
+            x[start : start + batch_size], y[start : start + batch_size]
+        )
+        loss_sum, correct, count = loss_sum + batch_loss, correct + batch_correct, count + batch_count
+    return loss_sum / max(count, 1), correct / max(count, 1)

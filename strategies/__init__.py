@@ -2,6 +2,13 @@
 
 from hydrafl.strategies.accumulator import AggregationError, MaskedDeltaAccumulator, WeightedDeltaAccumulator
 from hydrafl.strategies.diloco import DiLoCo
+from hydrafl.strategies.fedit import FedIT
+from hydrafl.strategies.flexlora import FlexLoRA
+from hydrafl.strategies.flora import FLoRA
+from hydrafl.strategies.hetlora import HetLoRA
+from hydrafl.strategies.fedrolex import FedRolex
+from hydrafl.strategies.fjord import FjORD
+from hydrafl.strategies.heterofl import HeteroFL
 from hydrafl.strategies.hydra import TIER_BUDGETS, Hydra, ScoringError, layout_slices
 from hydrafl.strategies.registry import STRATEGIES, build_strategy, consumes_deltas
 
@@ -10,6 +17,13 @@ __all__ = [
     "TIER_BUDGETS",
     "AggregationError",
     "DiLoCo",
+    "FLoRA",
+    "FedIT",
+    "FedRolex",
+    "FjORD",
+    "FlexLoRA",
+    "HetLoRA",
+    "HeteroFL",
     "Hydra",
     "MaskedDeltaAccumulator",
     "ScoringError",

@@ -13,6 +13,7 @@ import torch
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
 from hydrafl.arrays import array_view
+from hydrafl.hydranet import Slice
 
 
 class AggregationError(ValueError):
@@ -81,6 +82,33 @@ class MaskedDeltaAccumulator:
                 self.weights[name] = torch.zeros(mask.shape, dtype=torch.float32)
             self.sums[name].addcmul_(weighted_mask, delta)
             self.weights[name].add_(weighted_mask)
+        self.metric_records.append(RecordDict({"metrics": metrics}))
+
+    def add_slices(
+        self, reply: Message, slices: Mapping[str, Slice], shapes: Mapping[str, tuple[int, ...]], *, count_once: bool = False
+    ) -> None:
+        """Fold in one reply that carries only its subnetwork's slices (compact tensors of `Slice.take`'s shape),
+        straight into the full-shape sums. `count_once`: every site weighs 1 instead of its weight (the plain
+        mean over the sites that trained a coordinate). Every shape is checked before anything is added."""
+        arrays, metrics, weight = _parse(reply, self.weighted_by_key)
+        node = reply.metadata.src_node_id
+        unassigned = sorted(set(arrays.keys()) - set(slices))
+        if unassigned:
+            raise AggregationError(f"reply from node {node} updates {unassigned[:3]}, outside its subnetwork")
+        deltas = {name: _view(array) for name, array in arrays.items()}
+        for name, delta in deltas.items():
+            expected = slices[name].taken_shape(shapes[name])
+            if tuple(delta.shape) != expected:
+                raise AggregationError(
+                    f"reply from node {node}: array {name!r} has shape {tuple(delta.shape)}, its slice is {expected}"
+                )
+        weight = 1.0 if count_once else weight
+        for name, delta in deltas.items():
+            if name not in self.sums:
+                self.sums[name] = torch.zeros(shapes[name], dtype=torch.float32)
+                self.weights[name] = torch.zeros(shapes[name], dtype=torch.float32)
+            slices[name].add_to(self.sums[name], delta, alpha=weight)
+            slices[name].add_to(self.weights[name], torch.ones(delta.shape), alpha=weight)
         self.metric_records.append(RecordDict({"metrics": metrics}))
 
     def mean(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -24,7 +24,7 @@ from flwr.common import MessageType
 from flwr.serverapp import Grid
 
 from hydrafl.arrays import from_record, to_record
-from hydrafl.hydranet import Slice, SubnetSpec, build_spec, combine_layer_scores, coordinate_masks
+from hydrafl.hydranet import Slice, SubnetSpec, build_spec, combine_layer_scores
 from hydrafl.strategies.accumulator import AggregationError, MaskedDeltaAccumulator
 from hydrafl.strategies.diloco import DiLoCo
 
@@ -140,16 +140,31 @@ class Hydra(DiLoCo):
         num_heads = max(1, math.ceil(head_fraction * len(scores.heads[0]) - 1e-9))
         return build_spec(self.ranking, num_layers, scores.heads, num_heads)
 
+    count_once = False
+    """True: a coordinate's update is the plain mean over the sites that trained it (each site weighs 1)."""
+
+    def site_slices(self, node: int) -> dict[str, Slice]:
+        """The coordinates `node` trains this round: what its reply carries, as compact slices."""
+        return layout_slices(self.layout, self.specs[node])
+
+    def reply_shapes(self, node: int, arrays: ArrayRecord) -> dict[str, tuple[int, ...]] | None:
+        """The shape of each array `node`'s reply may carry (its slices of `arrays`); the round driver checks
+        replies against these instead of the global shapes. None: the node was sent no subnetwork spec."""
+        if node not in self.specs:
+            return None
+        return {name: sl.taken_shape(arrays[name].shape) for name, sl in self.site_slices(node).items()}
+
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         if self.current_arrays is None:
             return None, None
         weights = from_record(self.current_arrays)
+        shapes = {name: tuple(tensor.shape) for name, tensor in weights.items()}
         accumulator = MaskedDeltaAccumulator(self.weighted_by_key)
         for reply in replies:
             if not reply.has_error():
                 if (node := reply.metadata.src_node_id) not in self.specs:
                     raise AggregationError(f"reply from node {node}, which was assigned no subnetwork this round")
-                accumulator.add(reply, coordinate_masks(layout_slices(self.layout, self.specs[node]), weights))
+                accumulator.add_slices(reply, self.site_slices(node), shapes, count_once=self.count_once)
         if not accumulator.metric_records:
             return None, None
         for name, (delta, trained) in accumulator.mean().items():

@@ -20,9 +20,34 @@ from flwr.serverapp.strategy import (
 
 from hydrafl.config import RunConfig
 from hydrafl.strategies.diloco import DiLoCo
+from hydrafl.strategies.fedit import FedIT
+from hydrafl.strategies.flexlora import FlexLoRA
+from hydrafl.strategies.flora import FLoRA
+from hydrafl.strategies.hetlora import HetLoRA
+from hydrafl.strategies.fedrolex import FedRolex
+from hydrafl.strategies.fjord import FjORD
+from hydrafl.strategies.heterofl import HeteroFL
 from hydrafl.strategies.hydra import Hydra
 
 Builder = Callable[[RunConfig, dict[str, Any]], Strategy]
+
+
+def _width_baseline(cls: type[HeteroFL]) -> Builder:
+    """HeteroFL / FjORD / FedRolex get the budget Hydra gives a site of the same tier (or the untiered one)."""
+    return lambda cfg, common: cls(
+        untiered=(cfg.hydra_layers, cfg.hydra_heads), timeout_s=cfg.round_timeout_s or None, **common
+    )
+
+
+def _lora_baseline(cls: type[FedIT | FLoRA | HetLoRA | FlexLoRA], **options: Any) -> Builder:
+    """FedIT / FLoRA / HetLoRA / FlexLoRA give each site the LoRA rank closest to Hydra's budget for its tier."""
+    return lambda cfg, common: cls(
+        untiered=(cfg.hydra_layers, cfg.hydra_heads),
+        timeout_s=cfg.round_timeout_s or None,
+        **{name: getattr(cfg, field) for name, field in options.items()},
+        **common,
+    )
+
 
 _BUILDERS: dict[str, Builder] = {
     "fedavg": lambda cfg, common: FedAvg(**common),
@@ -48,6 +73,13 @@ _BUILDERS: dict[str, Builder] = {
         ),
         **common,
     ),
+    "heterofl": _width_baseline(HeteroFL),
+    "fjord": _width_baseline(FjORD),
+    "fedrolex": _width_baseline(FedRolex),
+    "fedit": _lora_baseline(FedIT),
+    "flora": _lora_baseline(FLoRA, alpha="lora_alpha", seed="seed"),
+    "hetlora": _lora_baseline(HetLoRA, prune="hetlora_prune"),
+    "flexlora": _lora_baseline(FlexLoRA),
 }
 
 STRATEGIES: tuple[str, ...] = tuple(_BUILDERS)

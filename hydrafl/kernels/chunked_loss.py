@@ -377,3 +377,21 @@ def chunked_kl_divergence(
         for start, stop in _shard_bounds(student_weight.shape[0], num_shards)
     ]
     return kl_from_stats(merge_kl_stats(shards), valid, num_valid=num_valid)
+
+
+@torch.no_grad()
+def chunked_argmax(
+    hidden: Tensor, weight: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE, window_size: int = DEFAULT_WINDOW_SIZE
+) -> Tensor:
+    """`(hidden @ weight.T).argmax(-1)` [N] without the [N, V] logits, for token accuracy; a tie between chunks
+    keeps the lower id, as torch.argmax does."""
+    _check_blocks(hidden, weight, chunk_size, window_size)
+    rows = hidden.shape[0]
+    best = torch.full((rows,), -torch.inf, dtype=_accumulation_dtype(hidden), device=hidden.device)  # [N]
+    ids = torch.zeros(rows, dtype=torch.long, device=hidden.device)  # [N]
+    for r, c in _blocks(rows, weight.shape[0], window_size, chunk_size):
+        value, index = _logits(hidden, weight, r, c).max(dim=1)  # [w], [w]
+        better = value > best[r]
+        best[r] = torch.where(better, value, best[r])
+        ids[r] = torch.where(better, index + c.start, ids[r])
+    return ids

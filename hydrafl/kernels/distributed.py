@@ -5,7 +5,9 @@ holds the same samples for any world size that divides the loader's lanes. The r
 divide evenly over the ranks and the global batch over the lanes), so each rank's mean loss over its share,
 averaged by DDP over the ranks, has exactly the gradient of the mean loss over the global batch: the end state
 equals, within float tolerance, what one process computes on the same global batches. `nproc=1` trains in
-process, without a process group, and is the reference.
+process, without a process group, and is the reference. A round with more steps than one pass over the data
+holds reads further passes (the loader's epochs 1, 2, ...), each a fresh permutation; the data hash covers
+every global batch of every pass, in order.
 
 Ranks talk through torch.distributed: gloo on CPU, nccl when the accelerator is CUDA (`pick_device`). Rank 0
 hands the end state back to the caller through a file in a temporary directory.
@@ -13,12 +15,13 @@ hands the end state back to the caller through a file in a temporary directory.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hydrafl.kernels.elastic_loader import ElasticLoader, LoaderConfigError
+from hydrafl.kernels.elastic_loader import ElasticLoader, LoaderConfigError, hash_global_batches
 from hydrafl.kernels.optimizers import build_inner_optimizer
+from hydrafl.losses import LossFn, classification_loss
 
 __all__ = ["DistributedResult", "pick_device", "process_group_backend", "train_distributed"]
 
@@ -53,6 +56,8 @@ class DistributedResult:
     nproc: int
     device: str
     """Device type the ranks trained on ("cpu", "cuda", ...)."""
+    device_name: str = ""
+    """The accelerator's product name (e.g. "NVIDIA H100 80GB HBM3"); "" on CPU. Keys the peak-FLOP/s table."""
 
 
 def pick_device() -> torch.device:
@@ -89,12 +94,14 @@ class _Job:
     lr: float
     optimizer: str
     weight_decay: float
+    proximal_mu: float
     seed: int
     server_round: int
     nproc: int
     lanes: int
     bf16: bool
     device_type: str
+    loss_fn: LossFn
 
 
 def train_distributed(
@@ -108,19 +115,24 @@ def train_distributed(
     lr: float,
     optimizer: str = "adamw",
     weight_decay: float = 0.0,
+    proximal_mu: float = 0.0,
     seed: int = 0,
     server_round: int = 0,
     nproc: int = 1,
     lanes: int = 8,
     bf16: bool = False,
     device: str | torch.device | None = None,
+    loss_fn: LossFn = classification_loss,
 ) -> DistributedResult:
     """Train `build()` loaded with `state` for `steps` global batches of (x, y) on `nproc` processes.
 
-    `build` must be picklable for nproc > 1 (e.g. `functools.partial(build_model, task)`). `steps=None` trains on
-    every full global batch of the round; more steps than the round holds is an error (the loader hands out one
-    pass per round). `lanes` fixes the data order: keep it across runs that must see the same batches; nproc
-    must divide it. `bf16` trains under bfloat16 autocast. `device` defaults to `pick_device()`.
+    `build` must be picklable for nproc > 1 (e.g. `functools.partial(build_model, task)`); with nproc=1 it may
+    return a live model, which is trained in place (and moved to the device). `steps=None` trains on every full
+    global batch of one pass; more steps read further passes. `lanes` must be divisible by nproc and divide
+    the global batch (the batches themselves do not depend on it). `proximal_mu` adds FedProx's
+    mu/2 ||w - w_start||^2 to the loss. `bf16` trains under bfloat16 autocast. `device` defaults to
+    `pick_device()`. `loss_fn(model, x, y)` is the task's batch-mean loss (picklable for nproc > 1); it must
+    call the model's forward, which is all DDP sees.
     """
     if nproc < 1:
         raise ValueError(f"nproc={nproc} must be >= 1")
@@ -130,11 +142,10 @@ def train_distributed(
     )
     if steps is None:
         steps = probe.steps_per_round
-    if not 1 <= steps <= probe.steps_per_round:
-        raise LoaderConfigError(
-            f"steps={steps} must be between 1 and the {probe.steps_per_round} full global batches of "
-            f"{global_batch_size} that a round of {len(x)} samples holds; lower steps or global_batch_size"
-        )
+    if steps < 1:
+        raise LoaderConfigError(f"steps={steps} must be >= 1")
+    if proximal_mu < 0:
+        raise ValueError(f"proximal_mu={proximal_mu} must be >= 0")
     if len(x) != len(y):
         raise ValueError(f"x has {len(x)} rows but y has {len(y)}")
     device_type = torch.device(device).type if device is not None else pick_device().type
@@ -148,12 +159,14 @@ def train_distributed(
         lr=lr,
         optimizer=optimizer,
         weight_decay=weight_decay,
+        proximal_mu=proximal_mu,
         seed=seed,
         server_round=server_round,
         nproc=nproc,
         lanes=lanes,
         bf16=bf16,
         device_type=device_type,
+        loss_fn=loss_fn,
     )
     if nproc == 1:
         return _run_rank(job, rank=0, model_wrapper=None)
@@ -199,6 +212,7 @@ def _rank_main(rank: int, job: _Job, port: int, out: str) -> None:
                     "steps": result.steps,
                     "nproc": result.nproc,
                     "device": result.device,
+                    "device_name": result.device_name,
                 },
                 out,
             )
@@ -223,15 +237,9 @@ def _run_rank(job: _Job, *, rank: int, model_wrapper: Callable[[nn.Module], nn.M
     model.to(device)
     trained = model_wrapper(model) if model_wrapper is not None else model
     optimizer = build_inner_optimizer(model, job.optimizer, lr=job.lr, weight_decay=job.weight_decay)
-    loader = ElasticLoader(
-        len(job.x),
-        global_batch_size=job.global_batch_size,
-        lanes=job.lanes,
-        world_size=job.nproc,
-        rank=rank,
-        seed=job.seed,
-        server_round=job.server_round,
-    )
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    anchors = [p.detach().clone() for p in trainable] if job.proximal_mu else []
+    loaders: list[ElasticLoader] = []
     local_size = job.global_batch_size // job.nproc
     if local_size * job.nproc != job.global_batch_size:
         raise LoaderConfigError(
@@ -243,19 +251,22 @@ def _run_rank(job: _Job, *, rank: int, model_wrapper: Callable[[nn.Module], nn.M
     if model_wrapper is not None:
         dist.barrier()
     start = time.perf_counter()
-    for _, ids in zip(range(job.steps), loader, strict=False):
+    for ids in _rank_batches(job, rank, loaders):
         if len(ids) != local_size:
             raise LoaderConfigError(f"rank {rank} got {len(ids)} samples, expected {local_size}")
         idx = torch.as_tensor(ids, dtype=torch.long)
         xb, yb = job.x[idx].to(device, non_blocking=True), job.y[idx].to(device, non_blocking=True)
         optimizer.zero_grad()
+        # Equal shares: the mean over the ranks (DDP's gradient average) of each share's mean is the global mean
+        # (a loss over a varying number of valid tokens rescales its share itself, see `hydrafl.causal_lm`).
         with _autocast(device, job.bf16):
-            logits = trained(xb)
-        # Equal shares: the mean over the ranks (DDP's gradient average) of each share's mean is the global mean.
-        loss = F.cross_entropy(logits.float(), yb)
+            loss = job.loss_fn(trained, xb, yb)
+        loss_sum += loss.detach().double().cpu()
+        if job.proximal_mu:  # the same on every rank: DDP's average keeps it as is
+            proximal = sum(((p - a) ** 2).sum() for p, a in zip(trainable, anchors, strict=True))
+            loss = loss + 0.5 * job.proximal_mu * proximal
         loss.backward()
         optimizer.step()
-        loss_sum += loss.detach().double().cpu()
     if device.type != "cpu":
         torch.accelerator.synchronize()
     if model_wrapper is not None:
@@ -270,12 +281,36 @@ def _run_rank(job: _Job, *, rank: int, model_wrapper: Callable[[nn.Module], nn.M
         end_state=end_state,
         loss=float(loss_sum) / job.steps,
         samples=samples,
-        data_hash=loader.round_hash(),
+        data_hash=hash_global_batches(loader.global_batch(step) for loader in loaders for step in range(loader.step)),
         samples_per_s=samples / elapsed if elapsed > 0 else math.inf,
         steps=job.steps,
         nproc=job.nproc,
         device=device.type,
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "",
     )
+
+
+def _rank_batches(job: _Job, rank: int, loaders: list[ElasticLoader]) -> Iterator[list[int]]:
+    """This rank's share of each of the job's `steps` global batches, pass after pass; every pass's loader is
+    appended to `loaders` (for the data hash)."""
+    emitted = 0
+    for epoch in itertools.count():
+        loader = ElasticLoader(
+            len(job.x),
+            global_batch_size=job.global_batch_size,
+            lanes=job.lanes,
+            world_size=job.nproc,
+            rank=rank,
+            seed=job.seed,
+            server_round=job.server_round,
+            epoch=epoch,
+        )
+        loaders.append(loader)
+        for ids in loader:
+            yield ids
+            emitted += 1
+            if emitted == job.steps:
+                return
 
 
 def _autocast(device: torch.device, enabled: bool) -> AbstractContextManager[Any]:

@@ -1,7 +1,8 @@
 """Zephon-style elastic deterministic loading: the same global batches whatever the number of ranks.
 
 The round's global sample order is a pure function of (seed, round): a seeded permutation `order` of the
-dataset's indices. Position g of that order belongs to lane g mod L, for a fixed number of lanes L (at least
+dataset's indices. A round that needs more than one pass over the data reads further passes (`epoch` 1, 2, ...),
+each its own permutation, a pure function of (seed, round, epoch); pass 0 is the round's order. Position g of that order belongs to lane g mod L, for a fixed number of lanes L (at least
 the largest world size ever used). Each global batch of G samples takes G / L consecutive items from every
 lane, so global batch k is exactly order[k G : (k + 1) G], whoever reads it. Rank r of W owns the contiguous
 lanes [r L/W, (r + 1) L/W) and emits their items round-robin; the W rank batches, interleaved lane block by
@@ -42,9 +43,11 @@ class MissingLaneError(LoaderCheckpointError):
     """The checkpoint lacks some lanes' positions (e.g. one rank's state was not merged in)."""
 
 
-def round_order(dataset_size: int, seed: int, server_round: int) -> np.ndarray:
-    """The round's global sample order [dataset_size]: a permutation, a pure function of (seed, round)."""
-    return np.random.default_rng([seed, server_round]).permutation(dataset_size)
+def round_order(dataset_size: int, seed: int, server_round: int, epoch: int = 0) -> np.ndarray:
+    """The global sample order [dataset_size] of a round's pass `epoch`: a permutation, a pure function of
+    (seed, round, epoch)."""
+    key = [seed, server_round] if epoch == 0 else [seed, server_round, epoch]
+    return np.random.default_rng(key).permutation(dataset_size)
 
 
 def hash_global_batches(batches: Iterable[Sequence[int]]) -> str:
@@ -86,6 +89,7 @@ class ElasticLoader:
         rank: int = 0,
         seed: int = 0,
         server_round: int = 0,
+        epoch: int = 0,
     ) -> None:
         if lanes < 1:
             raise LoaderConfigError(f"lanes={lanes} must be >= 1 (at least the largest world size you will use)")
@@ -119,14 +123,15 @@ class ElasticLoader:
         lanes_per_rank = lanes // world_size
         self.owned_lanes = range(rank * lanes_per_rank, (rank + 1) * lanes_per_rank)
         self.steps_per_round = dataset_size // global_batch_size
-        self.start_round(server_round)
+        """Full global batches in one pass over the data."""
+        self.start_round(server_round, epoch)
 
-    def start_round(self, server_round: int) -> None:
-        """Begin `server_round` from its first global batch."""
-        if server_round < 0:
-            raise LoaderConfigError(f"round {server_round} must be >= 0")
-        self.server_round = server_round
-        self._order = round_order(self.dataset_size, self.seed, server_round)  # [dataset_size]
+    def start_round(self, server_round: int, epoch: int = 0) -> None:
+        """Begin pass `epoch` of `server_round` from its first global batch."""
+        if server_round < 0 or epoch < 0:
+            raise LoaderConfigError(f"round {server_round} and epoch {epoch} must be >= 0")
+        self.server_round, self.epoch = server_round, epoch
+        self._order = round_order(self.dataset_size, self.seed, server_round, epoch)  # [dataset_size]
         self.lane_positions = dict.fromkeys(self.owned_lanes, 0)  # items handed out per lane, this round
 
     @property
@@ -163,6 +168,7 @@ class ElasticLoader:
             "lanes": self.lanes,
             "seed": self.seed,
             "server_round": self.server_round,
+            "epoch": self.epoch,
             "lane_positions": dict(self.lane_positions),
         }
 
@@ -191,7 +197,7 @@ class ElasticLoader:
                 f"lane positions differ ({positions}); the ranks' states were saved at different steps, "
                 "save them all after the same step"
             )
-        self.start_round(state["server_round"])
+        self.start_round(state["server_round"], state.get("epoch", 0))
         for lane in self.owned_lanes:
             self.lane_positions[lane] = positions[lane]
 

@@ -2,6 +2,13 @@
 
 Muon only makes sense for hidden 2-D weight matrices; embeddings, the classifier head and 1-D
 parameters (norms, biases) stay on AdamW, as in the Muon and MuLoCo recipes.
+
+Parameters whose gradient is zero are not stepped at all (no momentum, no weight decay): torch optimizers
+skip a parameter whose `.grad` is None, so `InnerOptimizer.step` sets it to None first. "Zero" includes
+rounding noise: an attention key bias has an exactly zero true gradient (softmax is shift-invariant) but gets
+fp32 noise about 1e-10 of the largest gradient entry, which Adam's normalisation (AdamW, and the AdamW half
+of Muon) would turn into full-size steps that differ between 1 and N processes. A gradient whose every entry
+is below the dtype's machine epsilon times the model's largest gradient entry is that noise.
 """
 
 from __future__ import annotations
@@ -19,14 +26,35 @@ class InnerOptimizer:
 
     def __init__(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         self.optimizers = list(optimizers)
+        self.skipped: list[torch.Tensor] = []
+        """The parameters the last `step` left untouched because their gradient was zero."""
 
     def zero_grad(self) -> None:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
 
     def step(self) -> None:
+        params = [p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]]
+        self.skipped = skip_zero_gradients(params)
         for optimizer in self.optimizers:
             optimizer.step()
+
+
+def skip_zero_gradients(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Set `.grad = None` on parameters whose gradient is zero up to rounding noise; returns them."""
+    with_grad = [p for p in params if p.grad is not None]
+    if not with_grad:
+        return []
+    peaks = torch.stack([p.grad.detach().abs().amax().float() for p in with_grad])  # [P]
+    largest = float(peaks.max())
+    zero = [
+        p
+        for p, peak in zip(with_grad, peaks.tolist(), strict=True)
+        if peak <= torch.finfo(p.grad.dtype).eps * largest
+    ]
+    for p in zero:
+        p.grad = None
+    return zero
 
 
 def _is_muon_matrix(name: str, param: nn.Parameter) -> bool:

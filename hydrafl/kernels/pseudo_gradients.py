@@ -15,6 +15,9 @@ They check the replica-scaling claim (whitening inner optimizers scale best with
   (0 / 0) raise `ZeroDeltaError`.
 - `cosine_to_reference`: cosine between the averaged delta and the full-data (pooled) delta, all tensors
   flattened together. A zero vector has no direction: `ZeroDeltaError`.
+- `DeltaMoments`: the same B_pg and mean, streamed one delta at a time (a coordinator sees replies one by one
+  and keeps no per-site copies): it holds sum w_i, sum w_i^2, sum w_i ||d_i||^2 and sum w_i d_i, and uses
+  sum w_i ||d_i - m||^2 = sum w_i ||d_i||^2 - V1 ||m||^2 (clamped at 0 against rounding).
 
 Everything is computed in float64 on CPU.
 """
@@ -24,11 +27,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
-__all__ = ["ZeroDeltaError", "cosine_to_reference", "mean_delta", "noise_scale"]
+__all__ = ["DeltaMoments", "ZeroDeltaError", "cosine_to_reference", "mean_delta", "noise_scale"]
 
 Delta = Mapping[str, torch.Tensor]
+ArrayLike = torch.Tensor | np.ndarray
 
 
 class ZeroDeltaError(ValueError):
@@ -82,6 +87,80 @@ def mean_delta(
     return out
 
 
+def _trace_over_signal(spread: float, v1: float, v2: float, signal: float, estimator: str) -> float:
+    """B_pg from the weighted spread sum_i w_i ||d_i - m||^2, V1, V2 and ||m||^2."""
+    if estimator not in ("unbiased", "weighted"):
+        raise ValueError(f"unknown estimator {estimator!r}; choose 'unbiased' or 'weighted'")
+    if estimator == "weighted":
+        trace = spread / v1
+    else:
+        denominator = v1 - v2 / v1
+        if denominator <= 0:
+            raise ValueError(
+                "the unbiased covariance needs at least two sites with positive weight; "
+                "use estimator='weighted' for a single site"
+            )
+        trace = spread / denominator
+    if signal == 0.0:
+        if trace == 0.0:
+            raise ZeroDeltaError("every delta is zero: the noise scale 0 / 0 is undefined")
+        return math.inf
+    return trace / signal
+
+
+def _float64(value: ArrayLike) -> torch.Tensor:
+    if isinstance(value, np.ndarray):  # possibly a read-only view of wire bytes: copy while converting
+        return torch.from_numpy(np.array(value, dtype=np.float64))
+    return value.detach().to("cpu", torch.float64)
+
+
+class DeltaMoments:
+    """Streaming weighted moments of the sites' deltas: O(model) memory whatever the number of sites."""
+
+    def __init__(self) -> None:
+        self.v1 = 0.0  # sum w_i
+        self.v2 = 0.0  # sum w_i^2
+        self.weighted_sq_norms = 0.0  # sum w_i ||d_i||^2
+        self.weighted_sum: dict[str, torch.Tensor] = {}  # sum w_i d_i, float64
+        self.count = 0
+
+    def add(self, delta: Mapping[str, ArrayLike], weight: float) -> None:
+        """Fold in one site's delta with its weight (e.g. its sample count)."""
+        if not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"weight {weight} must be finite and >= 0")
+        tensors = {name: _float64(value) for name, value in delta.items()}
+        if self.count and set(tensors) != set(self.weighted_sum):
+            missing, extra = sorted(set(self.weighted_sum) - set(tensors)), sorted(set(tensors) - set(self.weighted_sum))
+            raise KeyError(f"delta {self.count} has different tensors: missing {missing[:5]}, extra {extra[:5]}")
+        for name, tensor in tensors.items():
+            if self.count and tensor.shape != self.weighted_sum[name].shape:
+                raise ValueError(
+                    f"delta {self.count}: {name} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(self.weighted_sum[name].shape)}"
+                )
+            if name in self.weighted_sum:
+                self.weighted_sum[name].add_(tensor, alpha=weight)
+            else:
+                self.weighted_sum[name] = tensor * weight
+        self.weighted_sq_norms += weight * sum(float(t.pow(2).sum()) for t in tensors.values())
+        self.v1 += weight
+        self.v2 += weight * weight
+        self.count += 1
+
+    def mean(self) -> dict[str, torch.Tensor]:
+        """The weighted mean delta (FedAvg's), float64."""
+        if self.v1 <= 0:
+            raise ValueError("no delta with a positive weight was added")
+        return {name: total / self.v1 for name, total in self.weighted_sum.items()}
+
+    def noise_scale(self, *, estimator: str = "unbiased") -> float:
+        """B_pg of the deltas added so far; equal to `noise_scale(deltas, weights)` up to rounding."""
+        mean = self.mean()
+        signal = sum(float(t.pow(2).sum()) for t in mean.values())
+        spread = max(0.0, self.weighted_sq_norms - self.v1 * signal)
+        return _trace_over_signal(spread, self.v1, self.v2, signal, estimator)
+
+
 def noise_scale(
     deltas: Sequence[Delta], weights: Sequence[float] | torch.Tensor | None = None, *, estimator: str = "unbiased"
 ) -> float:
@@ -93,22 +172,7 @@ def noise_scale(
     v1 = w.sum()
     mean = (w[:, None] * stacked).sum(0) / v1
     spread = float((w * (stacked - mean).pow(2).sum(1)).sum())
-    if estimator == "weighted":
-        trace = spread / float(v1)
-    else:
-        denominator = float(v1 - w.pow(2).sum() / v1)
-        if denominator <= 0:
-            raise ValueError(
-                "the unbiased covariance needs at least two sites with positive weight; "
-                "use estimator='weighted' for a single site"
-            )
-        trace = spread / denominator
-    signal = float(mean.pow(2).sum())
-    if signal == 0.0:
-        if trace == 0.0:
-            raise ZeroDeltaError("every delta is zero: the noise scale 0 / 0 is undefined")
-        return math.inf
-    return trace / signal
+    return _trace_over_signal(spread, float(v1), float(w.pow(2).sum()), float(mean.pow(2).sum()), estimator)
 
 
 def cosine_to_reference(mean_delta: Delta, reference_delta: Delta) -> float:

@@ -61,8 +61,10 @@ def run_strategy(
     `strategy` (in-process only) is the caller's own instance of `cfg.strategy`, to read its state after."""
     torch.set_num_threads(1)  # tiny per-site models: one thread is faster and never oversubscribes a small box
     if backend == "inprocess":
-        grid = InProcessGrid(client_app, cfg.sites, cfg.to_flower())
-        return run_federation(grid, cfg, on_round=on_round, strategy=strategy).history
+        grid = InProcessGrid(client_app, cfg.sites, cfg.to_flower(), pooled_site=cfg.diagnostics)
+        return run_federation(
+            grid, cfg, on_round=on_round, strategy=strategy, reference_node=grid.reference_node
+        ).history
     if strategy is not None:
         raise ValueError("a strategy instance can only be passed to the inprocess backend")
     if backend == "ray":

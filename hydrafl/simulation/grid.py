@@ -3,7 +3,9 @@
 No Ray, no sockets. Every message still crosses a serialisation boundary (Flower's own protobuf form), so a
 ClientApp can never mutate the server's arrays and what runs here behaves as it would on a real wire.
 Replies come back in the order the messages were pushed, which keeps aggregation order (and therefore
-floating-point sums) deterministic.
+floating-point sums) deterministic. With `pooled_site`, one more site (`reference_node`, never listed by
+`get_node_ids`, so strategies never sample it) holds every site's training data: the full-data reference
+of the pseudo-gradient diagnostics.
 """
 
 from __future__ import annotations
@@ -25,13 +27,20 @@ from hydrafl.identity import claim_server_identity
 log = logging.getLogger(__name__)
 
 FIRST_NODE_ID = 1001
+POOLED_NODE_ID = 1000
 
 
 class InProcessGrid(Grid):
     """Runs `client_app` for each pushed message, synchronously, in this process."""
 
     def __init__(
-        self, client_app: ClientApp, num_sites: int, run_config: dict | None = None, *, run_id: int = 1
+        self,
+        client_app: ClientApp,
+        num_sites: int,
+        run_config: dict | None = None,
+        *,
+        run_id: int = 1,
+        pooled_site: bool = False,
     ) -> None:
         if num_sites < 1:
             raise ValueError(f"num_sites must be >= 1, got {num_sites}")
@@ -47,6 +56,16 @@ class InProcessGrid(Grid):
             )
             for i in range(num_sites)
         }
+        self.reference_node: int | None = POOLED_NODE_ID if pooled_site else None
+        self._pooled: dict[int, Context] = {}
+        if pooled_site:  # partition-id one past the sites': its own data order
+            self._pooled[POOLED_NODE_ID] = Context(
+                run_id=run_id,
+                node_id=POOLED_NODE_ID,
+                node_config={"pooled": True, "partition-id": num_sites, "num-partitions": num_sites},
+                state=RecordDict(),
+                run_config=dict(run_config or {}),
+            )
         self._replies: dict[str, Message] = {}
         self._next_message_id = 0
         claim_server_identity(self._run.run_id)
@@ -87,7 +106,8 @@ class InProcessGrid(Grid):
 
     def _deliver(self, message: Message) -> Message:
         """One round trip: serialise, run the site's ClientApp, serialise the reply back."""
-        context = self.contexts.get(message.metadata.dst_node_id)
+        node = message.metadata.dst_node_id
+        context = self.contexts.get(node) or self._pooled.get(node)
         if context is None:
             reply = Message(
                 Error(ErrorCode.NODE_UNAVAILABLE, f"no site with node id {message.metadata.dst_node_id}"),

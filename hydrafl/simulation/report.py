@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 from hydrafl.driver import ROUNDS_TSV_COLUMNS, RoundRecord  # noqa: E402
 
 SUMMARY_COLUMNS = ("strategy", "final loss", "final accuracy", "best accuracy", "MB up", "MB down", "seconds")
+DIAGNOSTIC_COLUMNS = ("strategy", "mean B_pg", "final B_pg", "mean cos(avg, full)", "final cos(avg, full)")
 
 
 def summary_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
@@ -36,6 +37,26 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
     return rows
 
 
+def diagnostic_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
+    """Per strategy, the pseudo-gradient noise scale and full-data cosine over the training rounds (only
+    strategies whose rounds carry them: runs with `diagnostics`)."""
+    rows = []
+    for strategy, run in results["strategies"].items():
+        scales = [r["noise_scale"] for r in run["rounds"] if r.get("noise_scale") is not None]
+        cosines = [r["full_data_cosine"] for r in run["rounds"] if r.get("full_data_cosine") is not None]
+        if scales or cosines:
+            rows.append(
+                (
+                    strategy,
+                    _fmt(sum(scales) / len(scales) if scales else None),
+                    _fmt(scales[-1] if scales else None),
+                    _fmt(sum(cosines) / len(cosines) if cosines else None),
+                    _fmt(cosines[-1] if cosines else None),
+                )
+            )
+    return rows
+
+
 def write_report(out: Path, results: dict[str, Any]) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=1))
     config = results["config"]
@@ -55,6 +76,20 @@ def write_report(out: Path, results: dict[str, Any]) -> None:
         "![by round](curves_by_round.png)",
         "![by bytes](curves_by_bytes.png)",
     ]
+    diagnostics = diagnostic_rows(results)
+    if diagnostics:
+        lines += [
+            "",
+            "## Pseudo-gradient diagnostics",
+            "",
+            "| " + " | ".join(DIAGNOSTIC_COLUMNS) + " |",
+            "|" + "---|" * len(DIAGNOSTIC_COLUMNS),
+            *("| " + " | ".join(row) + " |" for row in diagnostics),
+            "",
+            "B_pg = tr(Cov[delta_site]) / ||mean delta||^2 over each round's site deltas (more sites help while "
+            "their number is below B_pg); cos(avg, full) compares the averaged delta with the delta of one site "
+            "trained on all sites' pooled data from the same start weights.",
+        ]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     rows = [
         f"{strategy}\t{RoundRecord(**record).tsv_row()}"

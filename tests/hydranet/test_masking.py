@@ -208,9 +208,11 @@ def test_bert_bypass_equals_the_model_without_the_layer(bert, text_batch):
     assert torch.allclose(bypassed, expected, atol=1e-6, rtol=0)
 
 
-def test_width_ratio_is_refused_not_ignored(llama):
+def test_width_ratio_is_applied_not_ignored(llama):
     from hydrafl.hydranet import SpecError
 
-    with pytest.raises(SpecError, match="width_ratio=0.5 is for the width-based baselines"):
-        apply_spec(llama, SubnetSpec(layers=(0,), width_ratio=0.5))
+    with apply_spec(llama, SubnetSpec(layers=(0,), width_ratio=0.5)) as handle:
+        assert handle.width_ratio == 0.5  # masking per width: tests/strategies/test_width_baselines.py
     assert all(p.requires_grad for p in llama.parameters())
+    with pytest.raises(SpecError, match="selects heads or a width"):
+        SubnetSpec(layers=(0,), heads=((0,),), width_ratio=0.5)

@@ -156,6 +156,39 @@ def test_data_hash_is_the_same_for_any_nproc_and_changes_with_the_round(
     assert _run(build, x, y, steps=2).data_hash != _run(build, x, y, steps=1).data_hash
 
 
+def test_steps_beyond_one_pass_read_further_passes_identically_for_any_nproc(
+    site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]],
+) -> None:
+    """51 rows hold 6 global batches of 8 per pass: 9 steps read all of pass 0 and 3 batches of pass 1."""
+    x, y, _ = site
+    build = _mlp_builder(x.shape[1], int(y.max()) + 1)
+    start = _start_state(build)
+    one, two = _run(build, x, y, steps=9), _run(build, x, y, steps=9, nproc=2)
+    passes = [round_order(len(x), 3, 1, epoch) for epoch in (0, 1)]
+    batches = [passes[0][k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH] for k in range(6)]
+    batches += [passes[1][k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH] for k in range(3)]
+    assert one.data_hash == two.data_hash == hash_global_batches(batches)
+    assert one.samples == two.samples == 9 * GLOBAL_BATCH
+    assert _relative_difference(_delta(one.end_state, start), _delta(two.end_state, start)) <= 1e-4
+
+
+def test_proximal_term_pulls_towards_the_start_weights(
+    site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]],
+) -> None:
+    x, y, _ = site
+    build = _mlp_builder(x.shape[1], int(y.max()) + 1)
+    start = _start_state(build)
+
+    def delta_norm(mu: float) -> float:
+        delta = _delta(_run(build, x, y, proximal_mu=mu, lr=0.2).end_state, start)
+        return math.sqrt(sum(float(d.pow(2).sum()) for d in delta.values()))
+
+    drift = {mu: delta_norm(mu) for mu in (0.0, 5.0)}
+    assert drift[5.0] < 0.5 * drift[0.0]
+    with pytest.raises(ValueError, match="proximal_mu=-1"):
+        _run(build, x, y, proximal_mu=-1.0)
+
+
 def test_nproc_beyond_the_lanes_is_an_error_before_any_spawn(
     site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -165,8 +198,8 @@ def test_nproc_beyond_the_lanes_is_an_error_before_any_spawn(
         _run(build, x, y, nproc=5)
     with pytest.raises(WorldSizeError, match="do not divide evenly"):
         _run(build, x, y, nproc=3)
-    with pytest.raises(LoaderConfigError, match="steps=7"):
-        _run(build, x, y, steps=7)
+    with pytest.raises(LoaderConfigError, match="steps=0"):
+        _run(build, x, y, steps=0)
     with pytest.raises(ValueError, match="nproc=0"):
         _run(build, x, y, nproc=0)
 

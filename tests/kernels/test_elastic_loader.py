@@ -139,3 +139,15 @@ def test_inconsistent_checkpoints_are_refused() -> None:
         merge_state_dicts([ranks(2)[0].state_dict(), ranks(2, server_round=0)[1].state_dict()])
     with pytest.raises(LoaderCheckpointError, match="no states to merge"):
         merge_state_dicts([])
+
+
+def test_further_passes_are_fresh_permutations_and_resume_in_their_pass() -> None:
+    first = ElasticLoader(40, global_batch_size=8, lanes=4, seed=2, server_round=3, epoch=1)
+    assert sorted(first.global_batch(0) + first.global_batch(1) + first.global_batch(2) + first.global_batch(3)
+                  + first.global_batch(4)) == list(range(40))
+    assert first._order.tolist() != ElasticLoader(40, global_batch_size=8, lanes=4, seed=2, server_round=3)._order.tolist()
+    next(iter(first))
+    resumed = ElasticLoader(40, global_batch_size=8, lanes=4, world_size=2, rank=1, seed=2, server_round=0)
+    resumed.load_state_dict(first.state_dict())
+    assert (resumed.epoch, resumed.step) == (1, 1)
+    assert resumed.global_batch(1) == first.global_batch(1)

@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from hydrafl.kernels.pseudo_gradients import ZeroDeltaError, cosine_to_reference, mean_delta, noise_scale
+from hydrafl.kernels.pseudo_gradients import (
+    DeltaMoments,
+    ZeroDeltaError,
+    cosine_to_reference,
+    mean_delta,
+    noise_scale,
+)
 
 
 def _d(*values: float) -> dict[str, torch.Tensor]:
@@ -95,3 +101,24 @@ def test_bad_inputs() -> None:
         noise_scale([{"a": torch.ones(1)}, {"b": torch.ones(1)}])
     with pytest.raises(ValueError, match="shape"):
         cosine_to_reference({"a": torch.ones(2)}, {"a": torch.ones(3)})
+
+
+def test_streamed_moments_equal_the_batch_noise_scale_and_mean() -> None:
+    gen = torch.Generator().manual_seed(4)
+    common = {"w": torch.randn(5, 3, generator=gen), "b": torch.randn(3, generator=gen)}
+    deltas = [{k: v + 0.7 * torch.randn(v.shape, generator=gen) for k, v in common.items()} for _ in range(6)]
+    weights = [10.0, 3.0, 7.0, 1.0, 12.0, 5.0]
+    moments = DeltaMoments()
+    for delta, weight in zip(deltas, weights):
+        moments.add({k: v.numpy() for k, v in delta.items()}, weight)  # numpy, as the driver reads the wire
+    for estimator in ("unbiased", "weighted"):
+        expected = noise_scale(deltas, weights, estimator=estimator)
+        assert moments.noise_scale(estimator=estimator) == pytest.approx(expected, rel=1e-10)
+    for name, value in mean_delta(deltas, weights).items():
+        torch.testing.assert_close(moments.mean()[name], value, rtol=1e-12, atol=1e-12)
+    with pytest.raises(KeyError, match="missing"):
+        moments.add({"w": common["w"]}, 1.0)
+    with pytest.raises(ValueError, match="two sites"):
+        single = DeltaMoments()
+        single.add(common, 1.0)
+        single.noise_scale()

@@ -22,7 +22,7 @@ def live(tmp_path):
                               blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs")
     coordinator.start()
     store = coordinator.store
-    (site_a, token_a), (site_b, token_b) = store.add_site("a"), store.add_site("b")
+    (site_a, token_a), (_, token_b) = store.add_site("a"), store.add_site("b")
     run = store.create_run({"rounds": 1})
     store.set_run_status(run.id, "running")
     grid = CoordinatorGrid(store, coordinator.blobs, coordinator.service, run.id)

@@ -28,12 +28,12 @@ START = {
 }
 SPEC_A = SubnetSpec(layers=(0,), heads=((0, 1),))  # w rows 0-1, o
 SPEC_B = SubnetSpec(layers=(0, 1), heads=((1, 2), (0,)))  # w rows 1-2, v, o
-DELTA_A = {  # row 3 of w is outside A's subnetwork: whatever A sends there must be ignored
-    "w": np.array([[0.1, 0.2], [0.4, 0.4], [0.0, 0.0], [100.0, 100.0]]),
+DELTA_A = {  # sites send only their slices: A's rows 0-1 of w, and o
+    "w": np.array([[0.1, 0.2], [0.4, 0.4]]),
     "o": np.array([1.0, 0.0]),
 }
-DELTA_B = {
-    "w": np.array([[0.0, 0.0], [0.8, 0.0], [0.3, -0.3], [0.0, 0.0]]),
+DELTA_B = {  # B's rows 1-2 of w, v and o
+    "w": np.array([[0.8, 0.0], [0.3, -0.3]]),
     "v": np.array([0.2, 0.2, -0.4]),
     "o": np.array([-1.0, 2.0]),
 }
@@ -60,13 +60,23 @@ def test_masked_mean_by_hand():
             [1.0 - 0.1, 2.0 - 0.2],  # only A trained row 0
             [3.0 - (10 * 0.4 + 30 * 0.8) / 40, 4.0 - (10 * 0.4 + 30 * 0.0) / 40],  # both: weighted mean 0.7, 0.1
             [5.0 - 0.3, 6.0 + 0.3],  # only B
-            [7.0, 8.0],  # nobody: unchanged despite A's 100s
+            [7.0, 8.0],  # nobody: unchanged
         ]
     )
     np.testing.assert_allclose(new["w"], expected_w, rtol=1e-6)
     np.testing.assert_allclose(new["v"], START["v"] - DELTA_B["v"], rtol=1e-6)  # only B
     np.testing.assert_allclose(new["o"], [2.0 - (10 - 30) / 40, -2.0 - 60 / 40], rtol=1e-6)  # [2.5, -3.5]
     np.testing.assert_array_equal(new["w"][3], START["w"][3])
+
+
+def test_a_reply_that_is_not_its_sites_slice_is_refused():
+    full_shape = {"w": np.zeros((4, 2)), "o": np.zeros(2)}  # A's w must be its two rows, not the whole tensor
+    with pytest.raises(AggregationError, match=r"array 'w' has shape \(4, 2\), its slice is \(2, 2\)"):
+        _step(Hydra(), START, [(full_shape, 10), (DELTA_B, 30)])
+    strategy = Hydra()
+    strategy.layout, strategy.specs = dict(LAYOUT), {1: SPEC_A, 2: SPEC_B}
+    assert strategy.reply_shapes(1, _record(START)) == {"w": (2, 2), "o": (2,)}
+    assert strategy.reply_shapes(2, _record(START)) == {"w": (2, 2), "v": (3,), "o": (2,)}
 
 
 def test_accumulator_coverage_and_refusals():

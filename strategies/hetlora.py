@@ -1,0 +1,82 @@
+"""HetLoRA: heterogeneous ranks, zero-padded to the largest, aggregated with sparsity weights, truncated back.
+
+Site k starts from the global factors truncated to its rank r_k. The server zero-pads what comes back to the
+global rank R and takes, per adapted module, the average of the factors weighted by p_k = ||B_k A_k||_F /
+sum_j ||B_j A_j||_F (sites whose update is larger weigh more); the head is sample-weighted FedAvg. Rank
+self-pruning: when the norm of a site's last `prune` fraction of rank components, ||B_tail A_tail||_F summed over
+modules, ends its local training below where it started, the site drops them: r_k <- max(1, floor((1 - prune) r_k)).
+The paper adds a local penalty lambda ||B_tail A_tail|| to push that norm down; hydrafl's local trainer has no such
+hook yet, so here pruning happens when the data alone shrink the tail.
+
+Cho, Manoel, Joshi, Sahu, "Heterogeneous LoRA for Federated Fine-tuning of On-Device Foundation Models", EMNLP 2024.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, Message, MetricRecord
+
+from hydrafl.arrays import from_record, to_record
+from hydrafl.strategies.accumulator import WeightedDeltaAccumulator
+from hydrafl.strategies.lora import LoraBaseline, lora_pairs, reply_delta, truncate
+
+
+class HetLoRA(LoraBaseline):
+    """Sparsity-weighted average of zero-padded factors, with per-site rank self-pruning."""
+
+    def __init__(self, *, prune: float = 0.1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not 0 <= prune < 1:
+            raise ValueError(f"HetLoRA needs 0 <= prune < 1, got {prune}")
+        self.prune = prune
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        if self.current_arrays is None:
+            return None, None
+        weights = from_record(self.current_arrays)
+        pairs = lora_pairs(weights)
+        head = WeightedDeltaAccumulator(self.weighted_by_key)  # sums every array; only non-factors are used
+        sums = {name: torch.zeros_like(weights[name]) for pair in pairs for name in (pair.a, pair.b)}
+        norms = {pair.module: 0.0 for pair in pairs}
+        for reply in replies:
+            if reply.has_error():
+                continue
+            head.add(reply)
+            node, rank = reply.metadata.src_node_id, self._rank_of(reply)
+            delta, tail = reply_delta(reply), [0.0, 0.0]
+            for pair in pairs:
+                a0, b0 = truncate(weights[pair.a], weights[pair.b], rank)  # what the site started from
+                a, b = a0 - delta.get(pair.a, 0.0), b0 - delta.get(pair.b, 0.0)
+                norm = float(torch.linalg.matrix_norm(b @ a))
+                sums[pair.a].add_(a, alpha=norm)
+                sums[pair.b].add_(b, alpha=norm)
+                norms[pair.module] += norm
+                tail[0] += _tail_norm(a0, b0, rank, self.prune)
+                tail[1] += _tail_norm(a, b, rank, self.prune)
+            if tail[1] < tail[0]:
+                self.ranks[node] = _pruned(rank, self.prune)
+        if not head.metric_records:
+            return None, None
+        factors = {name for pair in pairs for name in (pair.a, pair.b)}
+        for name, delta in head.mean().items():
+            if name not in factors:
+                weights[name] = weights[name] - delta
+        for pair in pairs:
+            if norms[pair.module] > 0:  # all-zero updates (nothing trained) keep the module as it was
+                weights[pair.a] = sums[pair.a].div_(norms[pair.module])
+                weights[pair.b] = sums[pair.b].div_(norms[pair.module])
+        return to_record(weights), self.train_metrics_aggr_fn(head.metric_records, self.weighted_by_key)
+
+
+def _pruned(rank: int, prune: float) -> int:
+    return max(1, math.floor((1 - prune) * rank))
+
+
+def _tail_norm(a: torch.Tensor, b: torch.Tensor, rank: int, prune: float) -> float:
+    """||B_tail A_tail||_F over the components a pruning step would drop (none when it would drop none)."""
+    keep = _pruned(rank, prune)
+    return float(torch.linalg.matrix_norm(b[:, keep:rank] @ a[keep:rank])) if keep < rank else 0.0

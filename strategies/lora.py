@@ -1,0 +1,159 @@
+"""What the LoRA-family baselines (FedIT, FLoRA, HetLoRA, FlexLoRA) share: finding the LoRA factor pairs among the
+global arrays, one rank per site sized to Hydra's budget for the site's tier, and per-site factors.
+
+A site of rank r_k trains a rank-R model (R = the run's `lora_rank`) whose factor components r_k..R-1 are zero:
+with both A's row and B's column zero a component gets exactly zero gradient, so the site trains, and sends
+non-zero deltas for, exactly the r_k * (in + out) coordinates of a rank-r_k LoRA. Arrays keep the global shapes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common import MessageType
+from flwr.serverapp import Grid
+
+from hydrafl.arrays import from_record, to_record
+from hydrafl.strategies.accumulator import AggregationError
+from hydrafl.strategies.diloco import DiLoCo
+from hydrafl.strategies.hydra import Hydra, layout_slices
+
+log = logging.getLogger(__name__)
+
+_LORA_A = re.compile(r"^(?P<module>.+)\.lora_A\.(?P<adapter>[^.]+)\.weight$")
+
+
+@dataclass(frozen=True, slots=True)
+class LoraPair:
+    """One adapted module: A [R, in] and B [out, R] by array name; the update is B A (times alpha / R)."""
+
+    module: str
+    a: str
+    b: str
+
+    @property
+    def base(self) -> str:
+        """The module's frozen base weight (PEFT's `base_layer`)."""
+        return f"{self.module}.base_layer.weight"
+
+
+def lora_pairs(names: Iterable[str]) -> list[LoraPair]:
+    """Every (A, B) pair among `names`; AggregationError when there is none (the run has no LoRA)."""
+    names = set(names)
+    pairs = []
+    for name in sorted(names):
+        if match := _LORA_A.match(name):
+            b = f"{match['module']}.lora_B.{match['adapter']}.weight"
+            if b not in names:
+                raise AggregationError(f"LoRA factor {name!r} has no matching {b!r} among the global arrays")
+            pairs.append(LoraPair(match["module"], name, b))
+    if not pairs:
+        raise AggregationError("no LoRA factors among the global arrays: the LoRA baselines need --lora-rank R >= 1")
+    return pairs
+
+
+def truncate(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of A and B keeping their first `rank` components (rows of A, columns of B), zeros elsewhere."""
+    a, b = a.clone(), b.clone()
+    a[rank:] = 0
+    b[:, rank:] = 0
+    return a, b
+
+
+def trainable_names(names: Iterable[str], pairs: Iterable[LoraPair]) -> list[str]:
+    """The arrays sites train: all but the frozen base weights FLoRA keeps among the global arrays."""
+    bases = {pair.base for pair in pairs}
+    return [name for name in names if name not in bases]
+
+
+def rank_masks(pairs: Iterable[LoraPair], shapes: Mapping[str, tuple[int, ...]], rank: int) -> dict[str, torch.Tensor]:
+    """Per trainable array, the coordinates a site of rank `rank` trains (all of every non-LoRA array)."""
+    masks = {name: torch.ones(shape, dtype=torch.bool) for name, shape in shapes.items()}
+    for pair in pairs:
+        masks[pair.a][rank:] = False
+        masks[pair.b][:, rank:] = False
+    return masks
+
+
+class LoraBaseline(Hydra):
+    """Hydra's tier-and-layout query (on one sample, only the tier and layout are used), then one LoRA rank per
+    site: the rank whose trainable parameters come closest to what a Hydra-net of the site's tier trains."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ranks: dict[int, int] = {}
+        self.server_round = 0
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        pairs = lora_pairs(arrays)
+        trainable = ArrayRecord({name: arrays[name] for name in trainable_names(arrays, pairs)})
+        if not self.ranking:
+            self._score(trainable, ConfigRecord({**config, "score-samples": 1}), grid)
+        self.server_round, messages, counts = server_round, [], {}
+        # DiLoCo's sampling and bookkeeping; Hydra's own would send subnetwork specs the sites must not apply.
+        for sampled in DiLoCo.configure_train(self, server_round, arrays, config, grid):
+            node = sampled.metadata.dst_node_id
+            if node not in self.site_scores:
+                log.warning("%s: site %d missed the tier query; not training it", type(self).__name__, node)
+                continue
+            if node not in self.ranks:
+                self.ranks[node] = self._rank(node, trainable, pairs)
+            rank = self.ranks[node]
+            counts[str(node)] = _count(trainable, pairs, rank)
+            content = RecordDict({"arrays": self._site_arrays(node, rank, arrays, pairs), "config": sampled.content["config"]})
+            messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
+        self.trainable_params[server_round] = counts
+        return messages
+
+    def _rank(self, node: int, trainable: ArrayRecord, pairs: list[LoraPair]) -> int:
+        """Closest rank to the Hydra-net budget of the node's tier; ties go to the smaller rank."""
+        hydra = self._spec(self.site_scores[node])
+        budget = sum(sl.numel(tuple(trainable[name].shape)) for name, sl in layout_slices(self.layout, hydra).items())
+        max_rank = int(trainable[pairs[0].a].shape[0])
+        return min(range(1, max_rank + 1), key=lambda r: (abs(_count(trainable, pairs, r) - budget), r))
+
+    def _site_arrays(self, node: int, rank: int, arrays: ArrayRecord, pairs: list[LoraPair]) -> ArrayRecord:
+        """What site `node` starts from: the global factors truncated to its rank (FLoRA overrides). Arrays
+        other than the factors are shared with the global record, not copied."""
+        factors = {}
+        for pair in pairs:
+            a, b = torch.from_numpy(arrays[pair.a].numpy()), torch.from_numpy(arrays[pair.b].numpy())
+            factors[pair.a], factors[pair.b] = truncate(a, b, rank)
+        return ArrayRecord({**{name: arrays[name] for name in arrays}, **to_record(factors)})
+
+    def _rank_of(self, reply: Message) -> int:
+        if (node := reply.metadata.src_node_id) not in self.ranks:
+            raise AggregationError(f"reply from node {node}, which was assigned no LoRA rank")
+        return self.ranks[node]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "ranks": dict(self.ranks)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.ranks = dict(state["ranks"])
+
+
+def _count(trainable: ArrayRecord, pairs: list[LoraPair], rank: int) -> int:
+    """Trainable coordinates of a rank-`rank` site: rank * (in + out) per pair, plus every non-LoRA array."""
+    lora = {name for pair in pairs for name in (pair.a, pair.b)}
+    fixed = sum(math.prod(trainable[name].shape) for name in trainable if name not in lora)
+    return fixed + sum(rank * (trainable[p.a].shape[1] + trainable[p.b].shape[0]) for p in pairs)
+
+
+def reply_weight(reply: Message, key: str) -> float:
+    """The reply's aggregation weight (e.g. num-examples); the accumulator it also went into checked it."""
+    return float(next(r for r in reply.content.values() if isinstance(r, MetricRecord))[key])
+
+
+def reply_delta(reply: Message) -> dict[str, torch.Tensor]:
+    """The reply's delta arrays (start - end) as tensors."""
+    record = next(r for r in reply.content.values() if isinstance(r, ArrayRecord))
+    return from_record(record)

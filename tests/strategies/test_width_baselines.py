@@ -1,0 +1,299 @@
+"""HeteroFL, FjORD and FedRolex: width windows, masking on live models, aggregation by hand, and a tiered run."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import make_reply
+from flwr.app import Array, ArrayRecord, ConfigRecord
+
+from hydrafl import server_app, site_app
+from hydrafl.config import RunConfig, SimulationConfig
+from hydrafl.data import TaskSpec
+from hydrafl.hydranet import (
+    SpecError,
+    SubnetSpec,
+    WidthAxis,
+    apply_spec,
+    extract,
+    trainable_slices,
+    width_layout,
+    width_layout_from_heads,
+    width_slices,
+    width_window,
+)
+from hydrafl.model_zoo import TinyLlamaShape, build_causal_lm, with_lora
+from hydrafl.models import TinyShape, build_model
+from hydrafl.simulation.compare import compare_strategies
+from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
+from hydrafl.strategies import FedRolex, FjORD, HeteroFL, build_strategy
+
+TEXT = TaskSpec(name="text", modality="text", num_classes=3, class_names=("a", "b", "c"), vocab_size=40, seq_len=8)
+SHAPE = TinyShape(hidden=32, layers=2, heads=4, intermediate=48)  # head dim 8
+LLAMA = TinyLlamaShape(hidden=32, layers=2, heads=4, kv_heads=2, intermediate=48, max_positions=32)
+
+
+def test_width_window_keeps_leading_channels_or_rolls_and_wraps():
+    assert width_window(8, 0.5) == (0, 1, 2, 3)
+    assert width_window(16, 0.3) == (0, 1, 2, 3, 4)  # ceil(4.8)
+    assert width_window(8, 0.5, offset=6) == (0, 1, 6, 7)  # 6, 7, then wraps to 0, 1
+    assert width_window(8, 0.5, offset=9) == width_window(8, 0.5, offset=1) == (1, 2, 3, 4)
+    assert width_window(4, 1.0, offset=3) == (0, 1, 2, 3)
+    assert width_window(100, 0.001) == (0,)  # never empty
+
+
+def test_width_spec_round_trips_and_refuses_heads_with_a_width():
+    spec = SubnetSpec(layers=(0, 1), width_ratio=0.4, width_offset=3, width_levels=(0.6, 0.2), width_seed=7)
+    back = SubnetSpec.from_config(dict(ConfigRecord(spec.to_config())))
+    assert back == spec and back.width_levels == (0.2, 0.6) and back.is_width
+    assert "hydra.width-offset" not in SubnetSpec(layers=(0,)).to_config()  # Hydra specs travel as before
+    with pytest.raises(SpecError, match="selects heads or a width"):
+        SubnetSpec(layers=(0,), heads=((0,),), width_ratio=0.5)
+    with pytest.raises(SpecError, match="width_offset must be an integer >= 0"):
+        SubnetSpec(layers=(0,), width_offset=-1)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Masking a live model
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _bert():
+    return build_model(TEXT, seed=0, shape=SHAPE)
+
+
+def _llama():
+    return build_causal_lm(40, shape=LLAMA, seed=0)
+
+
+def _loss(model, x, y):
+    if y is None:  # causal LM: next-token loss
+        return model(input_ids=x, labels=x).loss
+    return F.cross_entropy(model(x), y)
+
+
+def _batch(kind):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(1, 40, (4, 8), generator=g)
+    return x, (torch.randint(0, 3, (4,), generator=g) if kind == "bert" else None)
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama", "bert-lora", "llama-lora"])
+def test_masked_width_channels_get_exactly_zero_gradient(kind):
+    model = _bert() if kind.startswith("bert") else _llama()
+    if kind.endswith("lora"):
+        model = with_lora(model, rank=4, init_lora_weights=False)
+    x, y = _batch(kind.split("-")[0])
+    spec = SubnetSpec(layers=(0, 1), width_ratio=0.4, width_offset=5)
+    slices = trainable_slices(model, spec)
+    model.zero_grad()
+    with apply_spec(model, spec):
+        _loss(model, x, y).backward()
+    sliced = 0
+    for name, p in model.named_parameters():
+        if name not in slices or p.grad is None:
+            continue
+        mask = slices[name].mask(p.shape)
+        assert float(p.grad[~mask].abs().sum()) == 0.0, name
+        assert float(p.grad[mask].abs().sum()) > 0.0, name
+        sliced += int(not mask.all())
+    assert sliced >= 8  # q/k/v/o (or their LoRA factors) of both layers, FFN too without LoRA
+
+
+def test_width_masking_equals_the_model_with_dropped_channels_zeroed():
+    model = _bert()
+    x, _ = _batch("bert")
+    keep = 3  # ceil(0.3 * 8) dims of each head, ceil(0.3 * 48) = 15 FFN units
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in reference.net.bert.encoder.layer:
+            dropped = [h * 8 + j for h in range(4) for j in range(keep, 8)]
+            for linear in (layer.attention.self.query, layer.attention.self.key):
+                linear.weight[dropped] = 0.0
+                linear.bias[dropped] = 0.0
+            layer.attention.output.dense.weight[:, dropped] = 0.0
+            layer.output.dense.weight[:, 15:] = 0.0
+        expected = reference(x)
+        with apply_spec(model, SubnetSpec(layers=(0, 1), width_ratio=0.3)):
+            masked = model(x)
+        unmasked = model(x)
+    torch.testing.assert_close(masked, expected, rtol=0, atol=1e-6)
+    assert not torch.allclose(unmasked, expected)  # the hooks are gone after the block
+
+
+def test_fjord_draws_nested_widths_per_step_and_only_trains_inside_its_widest():
+    model = _bert()
+    x, y = _batch("bert")
+    spec = SubnetSpec(layers=(0, 1), width_ratio=0.6, width_levels=(0.2, 0.4, 0.6, 0.8, 1.0), width_seed=3)
+    widest = trainable_slices(model, spec)
+    drawn, name = set(), "net.bert.encoder.layer.0.intermediate.dense.weight"
+    with apply_spec(model, spec) as handle:
+        for _ in range(12):
+            model.zero_grad()
+            _loss(model, x, y).backward()
+            drawn.add(handle.width_ratio)
+            rows = (model.get_parameter(name).grad.abs().sum(1) > 0).nonzero().flatten().tolist()
+            assert rows == list(range(len(width_window(48, handle.width_ratio))))  # a leading slice
+            assert not model.get_parameter(name).grad[~widest[name].mask((48, 32))].any()
+    assert drawn == {0.2, 0.4, 0.6}  # never wider than p_max
+
+
+def test_site_and_coordinator_agree_on_the_width_layout():
+    for model in (_llama(), with_lora(_bert(), rank=4)):
+        site = width_layout(model)
+        layout = site_app.slice_layout(model)
+        heads = dict(zip(layout["layout.names"], zip(layout["layout.layers"], layout["layout.axes"], layout["layout.units"])))
+        shapes = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
+        assert width_layout_from_heads(heads, shapes) == site
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Aggregation rules against hand-computed numbers
+# --------------------------------------------------------------------------------------------------------------
+
+# A toy model: "q" is layer 0's query (2 heads of head dim 2: rows 0-1 and 2-3), "f" its FFN output projection
+# (4 hidden units: columns), "n" a layer-0 norm (not width-sliced), "e" an embedding outside the layers.
+LAYOUT = {
+    "q": WidthAxis(0, 0, 2, (4, 1)),
+    "f": WidthAxis(0, 1, 4, (1, 4)),
+    "n": WidthAxis(0, -1, 0, (2,)),
+    "e": WidthAxis(-1, -1, 0, (2,)),
+}
+START = {"q": [[1.0], [2.0], [3.0], [4.0]], "f": [[1.0, 1.0, 1.0, 1.0]], "n": [1.0, 1.0], "e": [0.0, 0.0]}
+# Site A (10 examples, width 0.5) and site C (30 examples, width 0.25); junk (100) outside their slices never travels.
+DELTA_A = {"q": [[0.2], [100.0], [0.4], [100.0]], "f": [[0.1, 0.3, 100.0, 100.0]], "n": [0.2, 0.2], "e": [1.0, 1.0]}
+DELTA_C = {"q": [[0.6], [100.0], [0.8], [100.0]], "f": [[0.5, 100.0, 100.0, 100.0]], "n": [0.6, -0.2], "e": [3.0, 1.0]}
+
+
+def _aggregate(strategy, specs, deltas):
+    """Each site sends what `site_app.train` sends: its slices of the delta, compact (the junk is cut off)."""
+    strategy.width_layout, strategy.specs = dict(LAYOUT), dict(enumerate(specs, start=1))
+    strategy.current_arrays = ArrayRecord({k: Array(np.asarray(v, dtype=np.float32)) for k, v in START.items()})
+    replies = []
+    for i, (delta, n) in enumerate(deltas, start=1):
+        full = {name: torch.tensor(values, dtype=torch.float32) for name, values in delta.items()}
+        slices = {name: sl for name, sl in width_slices(LAYOUT, specs[i - 1]).items() if name in full}
+        compact = extract(full, slices)
+        replies.append(make_reply({name: t.numpy() for name, t in compact.items()}, n, node_id=i))
+    new, metrics = strategy.aggregate_train(1, iter(replies))
+    assert metrics is not None
+    return {name: array.numpy() for name, array in new.items()}
+
+
+def _specs(offset=0):
+    return [SubnetSpec(layers=(0,), width_ratio=r, width_offset=offset) for r in (0.5, 0.25)]
+
+
+def test_heterofl_is_the_plain_mean_over_the_sites_that_trained_each_coordinate():
+    new = _aggregate(HeteroFL(), _specs(), [(DELTA_A, 10), (DELTA_C, 30)])
+    # q keeps dim 0 of each head for both sites (ceil(0.5 * 2) = ceil(0.25 * 2) = 1): rows 0 and 2.
+    np.testing.assert_allclose(new["q"], [[1 - 0.4], [2.0], [3 - 0.6], [4.0]], rtol=1e-6)  # (0.2+0.6)/2, (0.4+0.8)/2
+    # f: A keeps units 0-1, C unit 0: unit 0 by both, unit 1 by A only, units 2-3 by nobody.
+    np.testing.assert_allclose(new["f"], [[1 - 0.3, 1 - 0.3, 1.0, 1.0]], rtol=1e-6)
+    np.testing.assert_allclose(new["n"], [1 - 0.4, 1 - 0.0], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(new["e"], [0 - 2.0, 0 - 1.0], rtol=1e-6)
+
+
+def test_fjord_weights_the_nested_blocks_by_samples():
+    new = _aggregate(FjORD(), _specs(), [(DELTA_A, 10), (DELTA_C, 30)])
+    np.testing.assert_allclose(new["q"], [[1 - 0.5], [2.0], [3 - 0.7], [4.0]], rtol=1e-6)  # (2 + 18) / 40, (4 + 24) / 40
+    np.testing.assert_allclose(new["f"], [[1 - 0.4, 1 - 0.3, 1.0, 1.0]], rtol=1e-6)  # (1 + 15) / 40; A alone
+    np.testing.assert_allclose(new["n"], [1 - 0.5, 1 + 0.1], rtol=1e-6)  # (2 + 18) / 40, (2 - 6) / 40
+    np.testing.assert_allclose(new["e"], [0 - 2.5, 0 - 1.0], rtol=1e-6)
+
+
+def test_fedrolex_rolls_the_window_and_averages_plainly():
+    delta_a = {"q": [[100.0], [0.2], [100.0], [0.4]], "f": [[100.0, 0.1, 0.3, 100.0]], "n": [0.2, 0.2], "e": [1.0, 1.0]}
+    delta_c = {"q": [[100.0], [0.6], [100.0], [0.8]], "f": [[100.0, 0.5, 100.0, 100.0]], "n": [0.6, -0.2], "e": [3.0, 1.0]}
+    new = _aggregate(FedRolex(), _specs(offset=1), [(delta_a, 10), (delta_c, 30)])
+    np.testing.assert_allclose(new["q"], [[1.0], [2 - 0.4], [3.0], [4 - 0.6]], rtol=1e-6)  # dim 1 of each head
+    np.testing.assert_allclose(new["f"], [[1.0, 1 - 0.3, 1 - 0.3, 1.0]], rtol=1e-6)  # units 1-2 and 1
+    specs = [SubnetSpec(layers=(0,), width_ratio=0.5, width_offset=3)]
+    new = _aggregate(FedRolex(), specs, [({"q": START["q"], "f": [[0.5, 100.0, 100.0, 0.5]]}, 10)])
+    np.testing.assert_allclose(new["f"], [[0.5, 1.0, 1.0, 0.5]], rtol=1e-6)  # units 3, then 0: wrapped
+
+
+# --------------------------------------------------------------------------------------------------------------
+# On the in-process grid
+# --------------------------------------------------------------------------------------------------------------
+
+CFG = RunConfig(
+    task="tabular",
+    sites=3,
+    samples_per_site=60,
+    rounds=2,
+    local_steps=3,
+    batch_size=16,
+    lr=3e-3,
+    site_tiers="small,medium,large",
+    score_samples=16,
+)
+TIER_OF_NODE = {FIRST_NODE_ID + i: tier for i, tier in enumerate(CFG.tier_list)}
+QUERY = "net.encoder.encoder.layer.0.attention.self.query.weight"  # 4 heads of 16 rows
+FFN_IN = "net.encoder.encoder.layer.0.intermediate.dense.weight"  # 128 hidden units
+
+
+def test_fedrolex_window_advances_each_round_and_wraps():
+    cfg = dataclasses.replace(CFG, strategy="fedrolex")
+    strategy = build_strategy(cfg)
+    grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
+    arrays = server_app.request_initial_arrays(grid, cfg)
+    small = FIRST_NODE_ID  # the small tier
+    rows = {}
+    for server_round in (1, 2, 17):
+        messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
+        config = next(m for m in messages if m.metadata.dst_node_id == small).content["config"]
+        spec = SubnetSpec.from_config(dict(config))
+        assert spec.width_offset == server_round - 1
+        slices = width_slices(strategy.width_layout, spec)
+        rows[server_round] = (slices[QUERY].index, slices[FFN_IN].index)
+    kept = len(rows[1][0]) // 4
+    assert 0 < kept < 16 and rows[1][0][:kept] == tuple(range(kept))
+    assert rows[2][0][:kept] == tuple(range(1, kept + 1))  # advanced by one channel in every head
+    assert rows[17][0] == rows[1][0]  # head dim 16: round 17 wraps back to round 1's window
+    assert rows[17][1] != rows[1][1] and rows[17][1][0] == 16  # the 128 FFN units have not wrapped yet
+
+
+def test_simulate_width_baselines_train_at_the_hydra_budget_of_each_tier(tmp_path):
+    strategies = ("hydra", "heterofl", "fjord", "fedrolex")
+    config = SimulationConfig(run=dataclasses.replace(CFG, rounds=2), strategies=strategies, out=str(tmp_path))
+    compare_strategies(config, show_progress=False)
+    results = json.loads((tmp_path / "results.json").read_text())
+
+    def per_tier(strategy, server_round="1"):
+        params = results["strategies"][strategy]["trainable_params_per_site"][server_round]
+        return {TIER_OF_NODE[int(node)]: n for node, n in params.items()}
+
+    hydra = per_tier("hydra")
+    # One more kept dim of every head moves the count by 2 layers x 4 heads x (3 q/k/v rows of 65 + an o column of 64).
+    step = 2 * 4 * (3 * 65 + 64)
+    for strategy in strategies[1:]:
+        for server_round in ("1", "2"):
+            params = per_tier(strategy, server_round)
+            assert params["small"] < params["medium"] < params["large"] == hydra["large"]
+            for tier, budget in hydra.items():
+                assert abs(params[tier] - budget) <= step, (strategy, tier, params[tier], budget)
+        rounds = results["strategies"][strategy]["rounds"]
+        assert rounds[-1]["loss"] != rounds[0]["loss"]  # it trained
+        up = {TIER_OF_NODE[int(node)]: n for node, n in rounds[1]["bytes_up_per_site"].items()}
+        assert set(up) == {"small", "medium", "large"}
+
+
+@pytest.mark.parametrize("strategy", ["fjord", "fedrolex"])
+def test_resume_ends_with_the_same_numbers(tmp_path, strategy):
+    cfg = dataclasses.replace(CFG, strategy=strategy, rounds=3)
+
+    def run(cfg: RunConfig):
+        return server_app.run_federation(InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower()), cfg)
+
+    straight = run(dataclasses.replace(cfg, run_dir=str(tmp_path / "straight")))
+    run(dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"), rounds=2))
+    resumed = run(dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"), resume=True))
+    for name, array in straight.arrays.items():
+        np.testing.assert_array_equal(array.numpy(), resumed.arrays[name].numpy())
