@@ -51,7 +51,7 @@ def simulate(
     local_steps: Annotated[int | None, typer.Option(help="Optimizer steps per site per round.")] = None,
     seed: Annotated[int | None, typer.Option(help="Same seed, same numbers.")] = None,
     out: Annotated[str | None, typer.Option(help="Output directory.")] = None,
-    task: Annotated[str | None, typer.Option(help="clinical-text, chest-xray or tabular.")] = None,
+    task: Annotated[str | None, typer.Option(help="clinical-text, chest-xray, tabular or clinical-notes-lm.")] = None,
     partition: Annotated[str | None, typer.Option(help="natural, iid, dirichlet:ALPHA or pathological:K.")] = None,
     backend: Annotated[str | None, typer.Option(help="inprocess (default) or ray (needs hydrafl[ray]).")] = None,
     resume: Annotated[bool | None, typer.Option("--resume", help="Continue each strategy from its checkpoint.")] = None,
@@ -70,11 +70,24 @@ def simulate(
     min_sites: Annotated[int | None, typer.Option(help="Fewer successful sites fail the round (0 = all).")] = None,
     samples_per_site: Annotated[int | None, typer.Option(help="Synthetic cohort size per site.")] = None,
     site_tiers: Annotated[str | None, typer.Option(help="Hydra: tier per site, e.g. small,medium,large.")] = None,
+    site_memory_mb: Annotated[
+        str | None, typer.Option(help="Hydra: training memory (MB) each site declares, e.g. 40,80,0 (0 = no limit).")
+    ] = None,
+    site_speeds: Annotated[
+        str | None, typer.Option(help="Hydra: relative speed per site, e.g. 0.25,0.5,1 (with --round-timeout-s).")
+    ] = None,
+    round_timeout_s: Annotated[
+        float | None, typer.Option(help="Round deadline (s); Hydra sizes each site's net so its steps fit it.")
+    ] = None,
     hydra_layers: Annotated[float | None, typer.Option(help="Hydra: layer fraction of an untiered site.")] = None,
     hydra_heads: Annotated[float | None, typer.Option(help="Hydra: head fraction of an untiered site.")] = None,
     rescore_every: Annotated[int | None, typer.Option(help="Hydra: rescore every N rounds (0 = once).")] = None,
     outer: Annotated[str | None, typer.Option(help="Hydra outer optimizer: none or nesterov.")] = None,
     nproc: Annotated[int | None, typer.Option(help="Training processes per simulated site (DDP; 1 = in process).")] = None,
+    distill_teacher: Annotated[
+        str | None, typer.Option(help="Next-token task: distil from 'init' (frozen initial model) or a checkpoint dir.")
+    ] = None,
+    distill_weight: Annotated[float | None, typer.Option(help="Weight w of the loss CE + w * KL(teacher || student).")] = None,
     diagnostics: Annotated[
         bool | None, typer.Option("--diagnostics", help="Per round: B_pg and cosine to a full-data delta (costs a run).")
     ] = None,
@@ -335,6 +348,9 @@ def site(
     label_column: Annotated[str, typer.Option(help="Label column of a CSV/JSONL --data file.")] = "",
     policy: Annotated[Path | None, typer.Option(help="Site policy TOML: allowed runs, update clipping, noise.")] = None,
     nproc: Annotated[int, typer.Option(min=1, help="Training processes (one per GPU, or CPU ranks): DDP, same delta.")] = 1,
+    memory_mb: Annotated[
+        float, typer.Option(min=0, help="Training memory this site offers (MB); Hydra-nets are sized to fit. 0 = no limit.")
+    ] = 0.0,
     client_app: Annotated[str, typer.Option("--app", help="ClientApp to run, as module:attribute.")] = "hydrafl.apps:client_app",
     tls_ca: Annotated[Path | None, typer.Option(help="CA that signed the coordinator's certificate (PEM); enables TLS.")] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="This site's certificate (PEM), for mutual TLS.")] = None,
@@ -356,6 +372,8 @@ def site(
         _fail(f"invalid site policy, not starting: {error}", 2)
     node_config = {"data-path": str(data), "label-column": label_column} if data else {}
     node_config["nproc"] = nproc
+    if memory_mb:
+        node_config["memory-mb"] = memory_mb
     if data is None:
         console.print("no --data: joining with a synthetic demo cohort of the run's task")
     if (tls_cert is None) != (tls_key is None) or (tls_cert and tls_ca is None):

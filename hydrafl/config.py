@@ -88,6 +88,12 @@ class RunConfig:
     site_tiers: str = ""
     """Hydra: comma-separated resource tier (small, medium, large) per simulated site, in partition order;
     a site's own node_config `tier` wins. "" leaves sites untiered (budget `hydra_layers`/`hydra_heads`)."""
+    site_memory_mb: str = ""
+    """Hydra: comma-separated training memory (MB) each simulated site declares, in partition order (a real
+    site: `hydrafl site --memory-mb`); 0 or "" = no memory limit. A site's Hydra-net is sized to fit it."""
+    site_speeds: str = ""
+    """Hydra: comma-separated relative speed per simulated site (1.0 = this machine; 0.25 = four times slower),
+    used with `round_timeout_s` to size each Hydra-net so its local steps fit the round deadline."""
     hydra_layers: float = 1.0
     """Hydra: fraction of the layers an untiered site trains."""
     hydra_heads: float = 1.0
@@ -142,6 +148,13 @@ class RunConfig:
             self.site_tiers,
             f"{self.sites} comma-separated names from {', '.join(SITE_TIERS)} (one per site), or empty",
         )
+        for key, values in (("site-memory-mb", self.memory_list), ("site-speeds", self.speed_list)):
+            _check(
+                len(values) in (0, self.sites) and all(v >= 0 for v in values) and (key != "site-speeds" or 0 not in values),
+                key,
+                getattr(self, key.replace("-", "_")),
+                f"{self.sites} comma-separated numbers (one per site; speeds > 0, memory >= 0), or empty",
+            )
         _check(0 < self.hydra_layers <= 1, "hydra-layers", self.hydra_layers, "a fraction in (0, 1]")
         _check(0 < self.hydra_heads <= 1, "hydra-heads", self.hydra_heads, "a fraction in (0, 1]")
         _check(self.rescore_every >= 0, "rescore-every", self.rescore_every, "an integer >= 0 (0 = score once)")
@@ -177,6 +190,16 @@ class RunConfig:
     def tier_list(self) -> tuple[str, ...]:
         """`site_tiers` split per site (empty when sites are untiered)."""
         return tuple(t.strip() for t in self.site_tiers.split(",") if t.strip())
+
+    @property
+    def memory_list(self) -> tuple[float, ...]:
+        """`site_memory_mb` split per site (empty: no site declares a memory limit)."""
+        return _numbers(self.site_memory_mb, "site-memory-mb")
+
+    @property
+    def speed_list(self) -> tuple[float, ...]:
+        """`site_speeds` split per site (empty: every site runs at this machine's speed)."""
+        return _numbers(self.site_speeds, "site-speeds")
 
     @property
     def federates_lora_bases(self) -> bool:
@@ -225,6 +248,13 @@ class SimulationConfig:
 
 _SIMULATION_KEYS = {"strategies", "backend", "out"}
 _RUN_KEYS = {f.name for f in dataclasses.fields(RunConfig)} - {"strategy", "run_dir"}
+
+
+def _numbers(text: str, key: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(f"{key} must be comma-separated numbers, got {text!r}") from None
 
 
 def valid_keys() -> list[str]:

@@ -36,11 +36,20 @@ from hydrafl.hydranet import (
     head_axis_of,
     head_importance,
     layer_importance,
+    measure_layer_cost,
     trainable_slices,
 )
 from hydrafl.data.text_cohort import MINILM
 from hydrafl.losses import LossFn, classification_loss
-from hydrafl.models import Classifier, LoraSpec, build_model, federated_state, lora_base_state, task_loss, training_loss
+from hydrafl.models import (
+    Classifier,
+    LoraSpec,
+    build_model,
+    federated_state,
+    lora_base_state,
+    task_loss,
+    training_loss,
+)
 from hydrafl.training import SiteTrainConfig, build_site_model, evaluate, site_seed, train_site
 
 client_app = ClientApp()
@@ -160,9 +169,8 @@ def train(message: Message, context: Context) -> Message:
     )
     frozen = {name: t for name, t in model.state_dict().items() if name not in start} if local.nproc > 1 else None
     rebuild = partial(build_site_model, cohort.task, cfg.model, cfg.seed, spec, lora=lora_spec(cfg), frozen=frozen)
-    loss_fn = training_loss(
-        cohort.task, model=cfg.model, seed=cfg.seed, distill_teacher=cfg.distill_teacher, distill_weight=cfg.distill_weight
-    )
+    teacher = {"distill_teacher": cfg.distill_teacher, "distill_weight": cfg.distill_weight}
+    loss_fn = training_loss(cohort.task, model=cfg.model, seed=cfg.seed, **teacher)
     with apply_spec(model, spec) if spec else nullcontext():
         sample = slice(0, min(cfg.batch_size, len(split.train_y)))
         footprint = training_footprint(
@@ -229,7 +237,8 @@ def curvature(message: Message, context: Context) -> Message:
 @client_app.query("scores")
 def scores(message: Message, context: Context) -> Message:
     """Layer importance (`layer-L`) and head importance (`head-L-G`, per KV group) on a few of the site's
-    training batches, with the site's tier and the model's slice layout (see `slice_layout`)."""
+    training batches, with the site's tier, its measured step cost (`hydranet.measure_layer_cost`) and declared
+memory, and the model's slice layout (see `slice_layout`)."""
     cfg = _run_config(message, context)
     cohort, split = site_data(cfg, context)
     model = _site_model(cohort.task, cfg, _received_arrays(message))
@@ -238,11 +247,20 @@ def scores(message: Message, context: Context) -> Message:
     batches = [(split.train_x[i : min(i + size, n)], split.train_y[i : min(i + size, n)]) for i in range(0, n, size)]
     layers = layer_importance(model, batches, task_loss(cohort.task), method=cfg.layer_score)
     heads = head_importance(model, batches, task_loss(cohort.task), method=cfg.head_score)
+    x, y = batches[0]
+    cost = measure_layer_cost(
+        model, lambda: task_loss(cohort.task)(model, x, y), cfg.inner_optimizer, speed=site_resource(cfg, context, "speed")
+    )
     metrics = MetricRecord(
         {
             "num-examples": len(split.train_y),
             **{f"layer-{layer}": score for layer, score in enumerate(layers)},
             **{f"head-{layer}-{g}": score for layer, row in enumerate(heads) for g, score in enumerate(row)},
+            "cost.fixed-s": cost.fixed_s,
+            "cost.per-layer-s": cost.per_layer_s,
+            "cost.fixed-bytes": cost.fixed_bytes,
+            "cost.per-layer-bytes": cost.per_layer_bytes,
+            "memory-bytes": site_resource(cfg, context, "memory-mb") * 1e6,
         }
     )
     site = ConfigRecord({"tier": site_tier(cfg, context), **slice_layout(model)})
@@ -256,6 +274,17 @@ def site_tier(cfg: RunConfig, context: Context) -> str:
         return str(context.node_config["tier"])
     tiers = cfg.tier_list
     return tiers[_site_index(context) % len(tiers)] if tiers else ""
+
+
+def site_resource(cfg: RunConfig, context: Context, key: str) -> float:
+    """What a site declares about its hardware: `memory-mb` (0 = no limit) or `speed` (relative, 1.0 = as
+    measured): its node_config (`hydrafl site --memory-mb/--speed`), else its entry of the run's
+    `site_memory_mb` / `site_speeds` (simulation), else no limit / 1.0."""
+    if key in context.node_config:
+        return float(context.node_config[key])
+    values = cfg.memory_list if key == "memory-mb" else cfg.speed_list
+    default = 0.0 if key == "memory-mb" else 1.0
+    return values[_site_index(context) % len(values)] if values else default
 
 
 def slice_layout(model: torch.nn.Module) -> dict[str, list[str] | list[int]]:

@@ -24,7 +24,7 @@ from flwr.common import MessageType
 from flwr.serverapp import Grid
 
 from hydrafl.arrays import from_record, to_record
-from hydrafl.hydranet import Slice, SubnetSpec, build_spec, combine_layer_scores
+from hydrafl.hydranet import LayerCost, Slice, SubnetSpec, build_spec, combine_layer_scores, plan_budget
 from hydrafl.strategies.accumulator import AggregationError, MaskedDeltaAccumulator
 from hydrafl.strategies.diloco import DiLoCo
 
@@ -39,6 +39,10 @@ Layout = Mapping[str, tuple[int, int, int]]
 
 class ScoringError(RuntimeError):
     """The scoring round gave nothing to build subnetworks from."""
+
+
+class BudgetError(ValueError):
+    """Not even the smallest Hydra-net (one layer, one head) fits a site's memory or the round deadline."""
 
 
 def layout_slices(layout: Layout, spec: SubnetSpec) -> dict[str, Slice]:
@@ -61,6 +65,10 @@ class SiteScores:
     heads: list[list[float]]  # per layer, per head group
     weight: float
     tier: str
+    cost: LayerCost | None = None
+    """The site's measured step cost (`hydranet.measure_layer_cost`), when it reported one."""
+    memory_bytes: float = 0.0
+    """Training memory the site declares; 0 = no limit."""
 
 
 def _read_scores(reply: Message, weighted_by_key: str, arrays: ArrayRecord) -> tuple[SiteScores, dict]:
@@ -72,7 +80,17 @@ def _read_scores(reply: Message, weighted_by_key: str, arrays: ArrayRecord) -> t
         raise ValueError("its layout does not name the global arrays, or it has no layer/head scores")
     heads = [[float(metrics[f"head-{l}-{g}"]) for g in range(num_groups)] for l in range(num_layers)]
     layers = [float(metrics[f"layer-{l}"]) for l in range(num_layers)]
-    return SiteScores(layers=layers, heads=heads, weight=float(metrics[weighted_by_key]), tier=str(site["tier"])), layout
+    cost = None
+    if "cost.fixed-s" in metrics:
+        cost = LayerCost(**{field: float(metrics[f"cost.{field.replace('_', '-')}"]) for field in _COST_FIELDS})
+    scores = SiteScores(
+        layers=layers, heads=heads, weight=float(metrics[weighted_by_key]), tier=str(site["tier"]), cost=cost,
+        memory_bytes=float(metrics.get("memory-bytes", 0.0)),
+    )
+    return scores, layout
+
+
+_COST_FIELDS = ("fixed_s", "per_layer_s", "fixed_bytes", "per_layer_bytes")
 
 
 class Hydra(DiLoCo):
@@ -82,13 +100,14 @@ class Hydra(DiLoCo):
 
     def __init__(  # outer_lr 1 without momentum: no outer optimizer
         self, *, tiers: Mapping[str, tuple[float, float]] = TIER_BUDGETS, untiered: tuple[float, float] = (1.0, 1.0),
-        rescore_every: int = 0, timeout_s: float | None = None, outer_lr: float = 1.0, momentum: float = 0.0, **kwargs: Any,
+        rescore_every: int = 0, timeout_s: float | None = None, local_steps: int = 1, outer_lr: float = 1.0,
+        momentum: float = 0.0, **kwargs: Any,
     ) -> None:
         super().__init__(outer_lr=outer_lr, momentum=momentum, **kwargs)
         if rescore_every < 0 or not all(0 < f <= 1 for budget in (*tiers.values(), untiered) for f in budget):
             raise ValueError(f"Hydra needs rescore_every >= 0 and budget fractions in (0, 1], got {tiers=}, {untiered=}")
         self.tiers, self.untiered = dict(tiers), untiered
-        self.rescore_every, self.timeout_s = rescore_every, timeout_s
+        self.rescore_every, self.timeout_s, self.local_steps = rescore_every, timeout_s, local_steps
         self.layout: dict[str, tuple[int, int, int]] = {}
         self.ranking: list[int] = []
         self.site_scores: dict[int, SiteScores] = {}
@@ -104,7 +123,11 @@ class Hydra(DiLoCo):
             if node not in self.site_scores:
                 log.warning("hydra: site %d has no scores (it missed the scoring round); not training it", node)
                 continue
-            self.specs[node] = spec = self._spec(self.site_scores[node])
+            try:
+                self.specs[node] = spec = self._spec(self.site_scores[node])
+            except BudgetError as error:
+                log.warning("hydra: site %d cannot train this round: %s", node, error)
+                continue
             slices = layout_slices(self.layout, spec)
             counts[str(node)] = sum(sl.numel(arrays[name].shape) for name, sl in slices.items())
             content = RecordDict({"arrays": arrays, "config": ConfigRecord({**config, **spec.to_config()})})
@@ -134,10 +157,26 @@ class Hydra(DiLoCo):
         self.ranking = combine_layer_scores([(s.layers, s.weight) for s in self.site_scores.values()])
 
     def _spec(self, scores: SiteScores) -> SubnetSpec:
-        """Top layers of the global ranking and, in each, the site's top heads, as many as its tier affords."""
+        """Top layers of the global ranking and, in each, the site's top heads, as many as its tier affords and,
+        when it declared memory or the round has a deadline, as many as fit them (`hydranet.plan_budget` on the
+        step cost the site measured). Raises BudgetError when not even one layer with one head fits."""
         layer_fraction, head_fraction = self.tiers[scores.tier] if scores.tier else self.untiered
         num_layers = max(1, math.ceil(layer_fraction * len(self.ranking) - 1e-9))
         num_heads = max(1, math.ceil(head_fraction * len(scores.heads[0]) - 1e-9))
+        if scores.cost is not None and (scores.memory_bytes > 0 or self.timeout_s):
+            try:
+                budget = plan_budget(
+                    scores.cost,
+                    num_layers=len(self.ranking),
+                    num_groups=len(scores.heads[0]),
+                    memory_bytes=scores.memory_bytes or math.inf,
+                    speed=1.0,  # the site's measured step time already includes its declared speed
+                    deadline_s=self.timeout_s or math.inf,
+                    local_steps=self.local_steps,
+                )
+            except ValueError as error:
+                raise BudgetError(str(error)) from error
+            num_layers, num_heads = min(num_layers, budget.layers), min(num_heads, budget.heads)
         return build_spec(self.ranking, num_layers, scores.heads, num_heads)
 
     count_once = False

@@ -23,7 +23,7 @@ from flwr.serverapp import Grid
 from hydrafl.arrays import from_record, to_record
 from hydrafl.strategies.accumulator import AggregationError
 from hydrafl.strategies.diloco import DiLoCo
-from hydrafl.strategies.hydra import Hydra, layout_slices
+from hydrafl.strategies.hydra import BudgetError, Hydra, layout_slices
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,11 @@ class LoraBaseline(Hydra):
                 log.warning("%s: site %d missed the tier query; not training it", type(self).__name__, node)
                 continue
             if node not in self.ranks:
-                self.ranks[node] = self._rank(node, trainable, pairs)
+                try:
+                    self.ranks[node] = self._rank(node, trainable, pairs)
+                except BudgetError as error:
+                    log.warning("%s: site %d cannot train this round: %s", type(self).__name__, node, error)
+                    continue
             rank = self.ranks[node]
             counts[str(node)] = _count(trainable, pairs, rank)
             content = RecordDict({"arrays": self._site_arrays(node, rank, arrays, pairs), "config": sampled.content["config"]})

@@ -32,20 +32,25 @@ from hydrafl.strategies.hydra import Hydra
 Builder = Callable[[RunConfig, dict[str, Any]], Strategy]
 
 
+def _budget(cfg: RunConfig) -> dict[str, Any]:
+    """What sizes a site's Hydra-net: its tier (or the untiered fractions), and with the round deadline and
+    local steps, its measured step cost against its declared memory and speed."""
+    return {
+        "untiered": (cfg.hydra_layers, cfg.hydra_heads),
+        "timeout_s": cfg.round_timeout_s or None,
+        "local_steps": cfg.local_steps,
+    }
+
+
 def _width_baseline(cls: type[HeteroFL]) -> Builder:
     """HeteroFL / FjORD / FedRolex get the budget Hydra gives a site of the same tier (or the untiered one)."""
-    return lambda cfg, common: cls(
-        untiered=(cfg.hydra_layers, cfg.hydra_heads), timeout_s=cfg.round_timeout_s or None, **common
-    )
+    return lambda cfg, common: cls(**_budget(cfg), **common)
 
 
 def _lora_baseline(cls: type[FedIT | FLoRA | HetLoRA | FlexLoRA], **options: Any) -> Builder:
     """FedIT / FLoRA / HetLoRA / FlexLoRA give each site the LoRA rank closest to Hydra's budget for its tier."""
     return lambda cfg, common: cls(
-        untiered=(cfg.hydra_layers, cfg.hydra_heads),
-        timeout_s=cfg.round_timeout_s or None,
-        **{name: getattr(cfg, field) for name, field in options.items()},
-        **common,
+        **_budget(cfg), **{name: getattr(cfg, field) for name, field in options.items()}, **common
     )
 
 
@@ -63,9 +68,8 @@ _BUILDERS: dict[str, Builder] = {
         outer_lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_nesterov, **common
     ),
     "hydra": lambda cfg, common: Hydra(
-        untiered=(cfg.hydra_layers, cfg.hydra_heads),
+        **_budget(cfg),
         rescore_every=cfg.rescore_every,
-        timeout_s=cfg.round_timeout_s or None,
         **(
             {"outer_lr": cfg.outer_lr, "momentum": cfg.outer_momentum, "nesterov": cfg.outer_nesterov}
             if cfg.outer == "nesterov"

@@ -132,3 +132,20 @@ def test_resume_with_outer_nesterov_ends_with_the_same_numbers(tmp_path):
 def test_unknown_site_tier_is_refused():
     with pytest.raises(ValueError, match="site-tiers"):
         dataclasses.replace(CFG, site_tiers="small,huge,large")
+
+
+def test_a_site_that_declares_little_memory_gets_a_hydra_net_that_fits_it():
+    cfg = dataclasses.replace(CFG, site_tiers="", rounds=1)
+    grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
+    initial = server_app.request_initial_arrays(grid, cfg)
+    metrics = _ask(grid, "query.scores", FIRST_NODE_ID, initial).content["metrics"]
+    fixed, per_layer = metrics["cost.fixed-bytes"], metrics["cost.per-layer-bytes"]
+    assert fixed > 0 and per_layer > 0 and metrics["memory-bytes"] == 0  # measured; nothing declared
+    limit_mb = (fixed + 1.2 * per_layer) / 1e6  # room for one trained layer, not two
+    cfg = dataclasses.replace(cfg, site_memory_mb=f"{limit_mb},0,0")
+    strategy = build_strategy(cfg)
+    result = server_app.run_federation(InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower()), cfg, strategy=strategy)
+    layers = {node: len(spec.layers) for node, spec in strategy.specs.items()}
+    assert layers == {FIRST_NODE_ID: 1, FIRST_NODE_ID + 1: 2, FIRST_NODE_ID + 2: 2}
+    peak = result.history[1]["peak_memory_per_site"]
+    assert peak[str(FIRST_NODE_ID)] <= limit_mb * 1e6 < peak[str(FIRST_NODE_ID + 1)]  # measured while training

@@ -16,7 +16,9 @@ from hydrafl.data import TaskSpec
 from hydrafl.hydranet import SubnetSpec, trainable_slices
 from hydrafl.model_zoo import TinyLlamaShape, build_causal_lm
 from hydrafl.models import TinyShape, build_model
+from hydrafl.hydranet import LayerCost
 from hydrafl.strategies import AggregationError, Hydra, MaskedDeltaAccumulator, build_strategy, layout_slices
+from hydrafl.strategies.hydra import BudgetError, SiteScores
 
 # A toy "model": w is layer 0's q-like tensor, 4 head groups of one row each (axis 0, unit 1); v is layer 1,
 # shared by its heads; o lies outside the layers.
@@ -158,3 +160,25 @@ def test_layout_slices_equal_trainable_slices_of_the_live_model(family):
         dataclasses.replace(SubnetSpec(layers=(2,), heads=((0,),)), train_outside=False),
     ):
         assert layout_slices(layout, spec) == trainable_slices(model, spec)
+
+
+def _scores(**resources) -> SiteScores:
+    """Four layers of four head groups (descending scores), untiered, with the given measured cost/memory."""
+    heads = [[4.0, 3.0, 2.0, 1.0]] * 4
+    return SiteScores(layers=[4.0, 3.0, 2.0, 1.0], heads=heads, weight=1.0, tier="", **resources)
+
+
+def test_declared_memory_and_the_round_deadline_shrink_a_sites_hydra_net_by_hand():
+    cost = LayerCost(fixed_s=0.1, per_layer_s=0.1, fixed_bytes=100.0, per_layer_bytes=50.0, head_fraction=0.35)
+    strategy = Hydra(local_steps=10)
+    strategy.ranking = [0, 1, 2, 3]
+    assert strategy._spec(_scores()).layers == (0, 1, 2, 3)  # nothing declared: the tier (untiered: all)
+    # memory 200 = 100 + w * 50 -> at most w = 2 trained-layer equivalents: 2 layers with all 4 heads
+    spec = strategy._spec(_scores(cost=cost, memory_bytes=200.0))
+    assert spec.layers == (0, 1) and spec.heads_for(0) in (None, (0, 1, 2, 3))
+    # deadline 2.5 s for 10 steps of (0.1 + 0.1 w) s -> w <= 1.5; 2 layers x 1 head: w = 2 (0.65 + 0.35 / 4) = 1.475
+    strategy.timeout_s = 2.5
+    spec = strategy._spec(_scores(cost=cost))
+    assert spec.layers == (0, 1) and spec.heads_for(0) == (0,) and spec.heads_for(1) == (0,)
+    with pytest.raises(BudgetError, match="no Hydra-net fits"):
+        strategy._spec(_scores(cost=cost, memory_bytes=120.0))  # 1 layer, 1 head needs 100 + 0.7375 * 50
