@@ -20,7 +20,14 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 
 from hydrafl.arrays import from_record, to_record
 from hydrafl.strategies.accumulator import WeightedDeltaAccumulator
-from hydrafl.strategies.lora import LoraBaseline, lora_pairs, reply_delta, reply_weight, truncate
+from hydrafl.strategies.lora import (
+    LoraBaseline,
+    lora_pairs,
+    reply_delta,
+    reply_weight,
+    step_outside_factors,
+    truncate,
+)
 
 
 class FlexLoRA(LoraBaseline):
@@ -43,10 +50,7 @@ class FlexLoRA(LoraBaseline):
                 products[pair.module].addmm_(b0 - delta[pair.b], a0 - delta[pair.a], alpha=n)
         if not head.metric_records:
             return None, None
-        factors = {name for pair in pairs for name in (pair.a, pair.b)}
-        for name, delta in head.mean().items():
-            if name not in factors:
-                weights[name] = weights[name] - delta
+        step_outside_factors(weights, head, pairs)
         for pair in pairs:
             weights[pair.b], weights[pair.a] = svd_factors(products[pair.module].div_(head.total_weight), weights[pair.a].shape[0])
         return to_record(weights), self.train_metrics_aggr_fn(head.metric_records, self.weighted_by_key)

@@ -22,7 +22,15 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 
 from hydrafl.arrays import from_record, to_record
 from hydrafl.strategies.accumulator import AggregationError, WeightedDeltaAccumulator
-from hydrafl.strategies.lora import LoraBaseline, LoraPair, lora_pairs, reply_delta, reply_weight, truncate
+from hydrafl.strategies.lora import (
+    LoraBaseline,
+    LoraPair,
+    lora_pairs,
+    reply_delta,
+    reply_weight,
+    step_outside_factors,
+    truncate,
+)
 
 
 class FLoRA(LoraBaseline):
@@ -70,10 +78,7 @@ class FLoRA(LoraBaseline):
         if not head.metric_records:
             return None, None
         weights = from_record(self.current_arrays)
-        factors = {name for pair in pairs for name in (pair.a, pair.b)}
-        for name, delta in head.mean().items():
-            if name not in factors:
-                weights[name] = weights[name] - delta
+        step_outside_factors(weights, head, pairs)
         for pair in pairs:
             scale = self.alpha / weights[pair.a].shape[0] / head.total_weight  # PEFT's alpha / R, and 1 / N
             weights[pair.base] = weights[pair.base] + scale * products[pair.module]

@@ -22,7 +22,13 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 
 from hydrafl.arrays import from_record, to_record
 from hydrafl.strategies.accumulator import WeightedDeltaAccumulator
-from hydrafl.strategies.lora import LoraBaseline, lora_pairs, reply_delta, truncate
+from hydrafl.strategies.lora import (
+    LoraBaseline,
+    lora_pairs,
+    reply_delta,
+    step_outside_factors,
+    truncate,
+)
 
 
 class HetLoRA(LoraBaseline):
@@ -61,10 +67,7 @@ class HetLoRA(LoraBaseline):
                 self.ranks[node] = _pruned(rank, self.prune)
         if not head.metric_records:
             return None, None
-        factors = {name for pair in pairs for name in (pair.a, pair.b)}
-        for name, delta in head.mean().items():
-            if name not in factors:
-                weights[name] = weights[name] - delta
+        step_outside_factors(weights, head, pairs)
         for pair in pairs:
             if norms[pair.module] > 0:  # all-zero updates (nothing trained) keep the module as it was
                 weights[pair.a] = sums[pair.a].div_(norms[pair.module])

@@ -21,7 +21,7 @@ from flwr.common import MessageType
 from flwr.serverapp import Grid
 
 from hydrafl.arrays import from_record, to_record
-from hydrafl.strategies.accumulator import AggregationError
+from hydrafl.strategies.accumulator import AggregationError, WeightedDeltaAccumulator
 from hydrafl.strategies.diloco import DiLoCo
 from hydrafl.strategies.hydra import BudgetError, Hydra, layout_slices
 
@@ -150,6 +150,14 @@ def _count(trainable: ArrayRecord, pairs: list[LoraPair], rank: int) -> int:
     lora = {name for pair in pairs for name in (pair.a, pair.b)}
     fixed = sum(math.prod(trainable[name].shape) for name in trainable if name not in lora)
     return fixed + sum(rank * (trainable[p.a].shape[1] + trainable[p.b].shape[0]) for p in pairs)
+
+
+def step_outside_factors(weights: dict[str, torch.Tensor], head: WeightedDeltaAccumulator, pairs: Iterable[LoraPair]) -> None:
+    """The arrays that are not LoRA factors (the classifier head, ...) take the FedAvg step of their mean delta."""
+    factors = {name for pair in pairs for name in (pair.a, pair.b)}
+    for name, delta in head.mean().items():
+        if name not in factors:
+            weights[name] = weights[name] - delta
 
 
 def reply_weight(reply: Message, key: str) -> float:
