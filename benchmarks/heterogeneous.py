@@ -71,7 +71,7 @@ def run_config(scale: Scale, group: str, seed: int) -> RunConfig:
         rounds=scale.rounds,
         local_steps=scale.local_steps,
         seed=seed,
-        site_tiers=",".join(TIERS),
+        site_tiers=",".join(TIERS[i % len(TIERS)] for i in range(scale.sites)),
         lora_rank=LORA_RANK if group == "lora" else 0,
     )
 

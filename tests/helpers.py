@@ -1,6 +1,12 @@
-"""Builders for real Flower messages used across tests."""
+"""Builders for real Flower messages used across tests, and a runner for the benchmarks' --quick modes."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
@@ -20,3 +26,11 @@ def make_reply(arrays: dict[str, np.ndarray], num_examples: float, node_id: int 
         }
     )
     return Message(content, reply_to=request)
+
+
+def run_quick(name: str, out: Path, timeout_s: float) -> dict[str, Any]:
+    command = [sys.executable, "-m", f"hydrafl.benchmarks.{name}", "--quick", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert (out / f"{name}.png").stat().st_size > 0
+    return json.loads((out / f"{name}.json").read_text())

@@ -2,21 +2,8 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-from typing import Any
-
 import pytest
-
-
-def run_quick(name: str, out: Path, timeout_s: float) -> dict[str, Any]:
-    command = [sys.executable, "-m", f"hydrafl.benchmarks.{name}", "--quick", "--out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert (out / f"{name}.png").stat().st_size > 0
-    return json.loads((out / f"{name}.json").read_text())
+from helpers import run_quick
 
 
 def test_aggregation_quick(tmp_path):
