@@ -3,26 +3,13 @@ or memory goal is asserted: those are measurements, reported as they come out)."
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-from typing import Any
-
 import pytest
-
-
-def run_quick(name: str, out: Path, timeout_s: float = 180) -> dict[str, Any]:
-    command = [sys.executable, "-m", f"hydrafl.benchmarks.{name}", "--quick", "--out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert (out / f"{name}.png").stat().st_size > 0
-    return json.loads((out / f"{name}.json").read_text())
+from helpers import run_quick
 
 
 @pytest.mark.slow
 def test_wire_quick(tmp_path):
-    result = run_quick("wire", tmp_path)
+    result = run_quick("wire", tmp_path, timeout_s=180)
     assert result["quick"] is True
     throughput = result["throughput"]
     assert set(throughput["median_s"]) == set(throughput["gib_per_s"]) == {"hydrafl", "raw"}
@@ -45,7 +32,7 @@ def test_wire_quick(tmp_path):
 
 @pytest.mark.slow
 def test_many_sites_quick(tmp_path):
-    result = run_quick("many_sites", tmp_path)
+    result = run_quick("many_sites", tmp_path, timeout_s=180)
     assert result["quick"] is True
     assert result["checks"]["passed"], (result["checks"], result["run"], result["errors"])
     assert result["run"]["status"] == "finished" and result["run"]["rounds_done"] == result["workload"]["rounds"]
