@@ -17,8 +17,19 @@ from torch import Tensor, nn
 
 from hydrafl.data import TaskSpec
 from hydrafl.data.notes_lm_cohort import IGNORE_INDEX
-from hydrafl.kernels.chunked_loss import chunked_argmax, chunked_cross_entropy, chunked_kl_divergence
-from hydrafl.model_zoo import TinyLlamaShape, build_causal_lm, load_pretrained, with_lora
+from hydrafl.kernels.chunked_loss import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_WINDOW_SIZE,
+    chunked_argmax,
+    chunked_cross_entropy,
+    chunked_kl_divergence,
+)
+from hydrafl.model_zoo import (
+    TinyLlamaShape,
+    build_causal_lm,
+    load_pretrained,
+    with_lora,
+)
 
 if TYPE_CHECKING:
     from hydrafl.models import LoraSpec, TinyShape
@@ -34,11 +45,15 @@ class DistillationError(ValueError):
 
 
 class CausalLM(nn.Module):
-    """A decoder-only LM (plain or PEFT-wrapped) behind the hidden-states + LM-head interface."""
+    """A decoder-only LM (plain or PEFT-wrapped) behind the hidden-states + LM-head interface. `chunk_size`
+    vocabulary entries x `window_size` rows is the largest logits block the loss kernel ever holds."""
 
-    def __init__(self, net: nn.Module) -> None:
+    def __init__(
+        self, net: nn.Module, *, chunk_size: int = DEFAULT_CHUNK_SIZE, window_size: int = DEFAULT_WINDOW_SIZE
+    ) -> None:
         super().__init__()
         self.net = net
+        self.chunk_size, self.window_size = chunk_size, window_size
         head = self._lm().get_output_embeddings()
         if head is None or getattr(head, "bias", None) is not None:
             raise ValueError(f"{type(self._lm()).__name__} has no bias-free LM head; a causal-LM checkpoint is needed")
@@ -47,6 +62,10 @@ class CausalLM(nn.Module):
         """The transformers causal LM under any PEFT wrapper (PEFT injects LoRA into its modules in place)."""
         get_base = getattr(self.net, "get_base_model", None)
         return get_base() if get_base is not None and hasattr(self.net, "peft_config") else self.net
+
+    @property
+    def _blocks(self) -> dict[str, int]:
+        return {"chunk_size": self.chunk_size, "window_size": self.window_size}
 
     @property
     def head_weight(self) -> Tensor:
@@ -75,7 +94,7 @@ class CausalLM(nn.Module):
         weight = self.head_weight.float()  # [V, D]
         count = _valid_count(valid) if self.training else None
         with torch.autocast(h.device.type, enabled=False):  # the kernel accumulates in float32 itself
-            loss = chunked_cross_entropy(h, weight, target, num_valid=count)
+            loss = chunked_cross_entropy(h, weight, target, num_valid=count, **self._blocks)
             if teacher is not None and distill_weight:
                 t_hidden, t_weight = teacher
                 if t_weight.shape[0] != weight.shape[0]:
@@ -85,7 +104,7 @@ class CausalLM(nn.Module):
                         "student's tokenizer"
                     )
                 t_h = t_hidden.reshape(-1, t_hidden.shape[-1])[valid].float()  # [N, D_t]
-                kl = chunked_kl_divergence(h, weight, t_h, t_weight.float(), num_valid=count)
+                kl = chunked_kl_divergence(h, weight, t_h, t_weight.float(), num_valid=count, **self._blocks)
                 loss = loss + distill_weight * kl
         return loss
 
@@ -104,8 +123,8 @@ class CausalLM(nn.Module):
         h = hidden.reshape(-1, hidden.shape[-1])[valid].float()
         weight = self.head_weight.float()
         count = int(valid.sum())
-        loss_sum = float(chunked_cross_entropy(h, weight, target)) * count
-        correct = int((chunked_argmax(h, weight) == target).sum())
+        loss_sum = float(chunked_cross_entropy(h, weight, target, **self._blocks)) * count
+        correct = int((chunked_argmax(h, weight, **self._blocks) == target).sum())
         return loss_sum, correct, count
 
 
@@ -160,7 +179,9 @@ def build_teacher(
     elif Path(source).is_dir():
         teacher = CausalLM(load_pretrained(source))
     else:
-        raise DistillationError(f"distill-teacher {source!r} is neither {TEACHER_INIT!r} nor a local checkpoint directory")
+        raise DistillationError(
+            f"distill-teacher {source!r} is neither {TEACHER_INIT!r} nor a local checkpoint directory"
+        )
     vocab = teacher.head_weight.shape[0]
     if vocab != vocab_size:
         raise DistillationError(
