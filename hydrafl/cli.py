@@ -64,7 +64,7 @@ def simulate(
     hetlora_prune: Annotated[float | None, typer.Option(help="HetLoRA: rank fraction a site self-prunes.")] = None,
     lr: Annotated[float | None, typer.Option(help="Inner (site) learning rate.")] = None,
     batch_size: Annotated[int | None, typer.Option(help="Site batch size.")] = None,
-    inner_optimizer: Annotated[str | None, typer.Option(help="adamw, sgd or muon.")] = None,
+    inner_optimizer: Annotated[str | None, typer.Option(help="adamw, sgd, muon, or lm-dual (head-only Levenberg-Marquardt).")] = None,
     outer_lr: Annotated[float | None, typer.Option(help="DiLoCo outer learning rate.")] = None,
     outer_momentum: Annotated[float | None, typer.Option(help="DiLoCo outer momentum.")] = None,
     min_sites: Annotated[int | None, typer.Option(help="Fewer successful sites fail the round (0 = all).")] = None,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-OPTIMIZER_STATES = {"adamw": 2, "sgd": 0, "muon": 1}
+OPTIMIZER_STATES = {"adamw": 2, "sgd": 0, "muon": 1, "lm-dual": 0}
 """Tensors of state per trainable parameter (AdamW: two moments; Muon: momentum, AdamW moments for 1-D)."""
 
 

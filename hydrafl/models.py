@@ -76,6 +76,20 @@ class Classifier(nn.Module):
             return self.net(pixel_values=x).logits
         return self.net(x)
 
+    def head(self) -> nn.Linear:
+        """The trainable layer that maps features to class logits (`classifier` or `head`; under LoRA the trained
+        copy PEFT saves): what head-only fine-tuning (`--inner-optimizer lm-dual`) trains."""
+        heads = [
+            module
+            for name, module in self.net.named_modules()
+            if isinstance(module, nn.Linear)
+            and {"classifier", "head"} & set(name.split("."))
+            and any(p.requires_grad for p in module.parameters())
+        ]
+        if not heads:
+            raise ValueError(f"{type(self.net).__name__} has no trainable classification head")
+        return heads[-1]
+
     @torch.no_grad()
     def evaluation_sums(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
         """(summed cross-entropy, correct predictions, samples) of one batch; `CausalLM` counts tokens."""

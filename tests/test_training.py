@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from hydrafl.data import load_cohort
+from hydrafl.kernels.elastic_loader import ElasticLoader
+from hydrafl.kernels.lm_dual import HeadLM
 from hydrafl.kernels.optimizers import build_inner_optimizer
 from hydrafl.models import build_model, federated_state
+from hydrafl.kernels.distributed import train_distributed
 from hydrafl.training import SiteTrainConfig, evaluate, site_seed, train_site
 
 
@@ -65,3 +68,42 @@ def test_proximal_term_limits_drift_from_the_global_model(site):
         _train(model, split, config)
         drift[mu] = sum(((federated_state(model)[k] - v) ** 2).sum() for k, v in start.items()).sqrt().item()
     assert drift[10.0] < 0.7 * drift[0.0]
+
+
+def test_lm_dual_trains_only_the_head_and_equals_its_steps_taken_by_hand(site):
+    task, split = site
+    model = build_model(task, seed=0)
+    start = {k: v.clone() for k, v in federated_state(model).items()}
+    # Gauss-Newton on a 195-parameter head wants batches of its size (small ones overfit each batch)
+    config = SiteTrainConfig(steps=4, batch_size=96, lr=1.0, optimizer="lm-dual", seed=3, server_round=2)
+    before, _ = evaluate(model, split.train_x, split.train_y)
+    result = _train(model, split, config)
+    changed = sorted(name for name in start if not torch.equal(result.end_state[name], start[name]))
+    assert changed == ["net.head.bias", "net.head.weight"]  # the body and the feature tokens never move
+    after, _ = evaluate(model, split.train_x, split.train_y)
+    assert after < before
+
+    reference = build_model(task, seed=0)  # the same steps by hand: the loader's batches, pass after pass
+    head_lm = HeadLM(reference, reference.head())
+    batch, steps = min(96, len(split.train_x)), 0
+    for epoch in range(4):
+        loader = ElasticLoader(
+            len(split.train_x), global_batch_size=batch, lanes=1, world_size=1, seed=3, server_round=2, epoch=epoch
+        )
+        for ids in loader:
+            if steps < 4:
+                idx = torch.as_tensor(ids)
+                head_lm.step(split.train_x[idx], split.train_y[idx])
+                steps += 1
+    assert steps == 4
+    for name, tensor in reference.net.head.state_dict().items():
+        torch.testing.assert_close(result.end_state[f"net.head.{name}"], tensor, rtol=0, atol=0)
+
+
+def test_lm_dual_refuses_several_processes(site):
+    task, split = site
+    with pytest.raises(ValueError, match="lm-dual fine-tunes the head in one process"):
+        train_distributed(
+            lambda: build_model(task, seed=0), {}, split.train_x, split.train_y, steps=1, global_batch_size=32,
+            lr=1.0, optimizer="lm-dual", nproc=2, lanes=2,
+        )

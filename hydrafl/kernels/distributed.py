@@ -34,6 +34,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hydrafl.kernels.elastic_loader import ElasticLoader, LoaderConfigError, hash_global_batches
+from hydrafl.kernels.lm_dual import HeadLM
 from hydrafl.kernels.optimizers import build_inner_optimizer
 from hydrafl.losses import LossFn, classification_loss
 
@@ -146,6 +147,8 @@ def train_distributed(
         raise LoaderConfigError(f"steps={steps} must be >= 1")
     if proximal_mu < 0:
         raise ValueError(f"proximal_mu={proximal_mu} must be >= 0")
+    if optimizer == "lm-dual" and (nproc > 1 or proximal_mu):
+        raise ValueError("lm-dual fine-tunes the head in one process without a proximal term; use nproc=1")
     if len(x) != len(y):
         raise ValueError(f"x has {len(x)} rows but y has {len(y)}")
     device_type = torch.device(device).type if device is not None else pick_device().type
@@ -236,7 +239,8 @@ def _run_rank(job: _Job, *, rank: int, model_wrapper: Callable[[nn.Module], nn.M
     _load_start_state(model, job.state)
     model.to(device)
     trained = model_wrapper(model) if model_wrapper is not None else model
-    optimizer = build_inner_optimizer(model, job.optimizer, lr=job.lr, weight_decay=job.weight_decay)
+    head_lm = HeadLM(model, model.head()) if job.optimizer == "lm-dual" else None  # type: ignore[operator]
+    optimizer = None if head_lm else build_inner_optimizer(model, job.optimizer, lr=job.lr, weight_decay=job.weight_decay)
     trainable = [p for p in model.parameters() if p.requires_grad]
     anchors = [p.detach().clone() for p in trainable] if job.proximal_mu else []
     loaders: list[ElasticLoader] = []
@@ -256,6 +260,9 @@ def _run_rank(job: _Job, *, rank: int, model_wrapper: Callable[[nn.Module], nn.M
             raise LoaderConfigError(f"rank {rank} got {len(ids)} samples, expected {local_size}")
         idx = torch.as_tensor(ids, dtype=torch.long)
         xb, yb = job.x[idx].to(device, non_blocking=True), job.y[idx].to(device, non_blocking=True)
+        if head_lm is not None:
+            loss_sum += head_lm.step(xb, yb)
+            continue
         optimizer.zero_grad()
         # Equal shares: the mean over the ranks (DDP's gradient average) of each share's mean is the global mean
         # (a loss over a varying number of valid tokens rescales its share itself, see `hydrafl.causal_lm`).

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
@@ -137,3 +138,40 @@ class LMDualOptimizer:
                 p.copy_(trial[name])
         self.damping = max(self.damping / self.decrease, self.min_damping)
         return trial_loss
+
+
+class HeadLM:
+    """`LMDualOptimizer` as a site's inner optimizer for head-only fine-tuning (`--inner-optimizer lm-dual`).
+
+    Only `head` trains: each step runs the model without gradients (eval mode: no dropout, so the features are
+    a function of the weights and the batch) to catch the head's input features, then takes one damped dual
+    step of the head on them with per-sample cross-entropy. Everything else keeps its start value, so the
+    site's delta is zero outside the head.
+    """
+
+    def __init__(self, model: nn.Module, head: nn.Module, **options: float) -> None:
+        self.model, self.head = model, head
+        self.optimizer = LMDualOptimizer(head, _per_sample_cross_entropy, **options)
+
+    def features(self, x: Tensor) -> Tensor:
+        caught: list[Tensor] = []
+        hook = self.head.register_forward_pre_hook(lambda _module, args: caught.append(args[0].detach()))
+        was_training = self.model.training
+        try:
+            self.model.eval()
+            with torch.no_grad():
+                self.model(x)
+        finally:
+            hook.remove()
+            self.model.train(was_training)
+        if len(caught) != 1:
+            raise ValueError(f"the head ran {len(caught)} times in one forward pass; expected once")
+        return caught[0]
+
+    def step(self, x: Tensor, y: Tensor) -> float:
+        """One step on the batch; its mean loss after the step (before it, when the step was rejected)."""
+        return self.optimizer.step(self.features(x), y)
+
+
+def _per_sample_cross_entropy(logits: Tensor, y: Tensor) -> Tensor:
+    return F.cross_entropy(logits, y, reduction="none")

@@ -18,7 +18,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-INNER_OPTIMIZERS = ("adamw", "sgd", "muon")
+INNER_OPTIMIZERS = ("adamw", "sgd", "muon", "lm-dual")
+"""lm-dual (Levenberg-Marquardt, dual form) trains only the classification head: `kernels.lm_dual.HeadLM`."""
 
 
 class InnerOptimizer:
@@ -80,4 +81,6 @@ def build_inner_optimizer(model: nn.Module, name: str, *, lr: float, weight_deca
         if others:
             optimizers.append(torch.optim.AdamW(others, lr=lr, weight_decay=weight_decay))
         return InnerOptimizer(optimizers)
+    if name == "lm-dual":
+        raise ValueError("lm-dual is head-only Levenberg-Marquardt (kernels.lm_dual.HeadLM), not a gradient optimizer")
     raise ValueError(f"unknown inner optimizer {name!r}; choose one of {', '.join(INNER_OPTIMIZERS)}")
