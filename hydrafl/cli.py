@@ -84,6 +84,7 @@ def simulate(
     rescore_every: Annotated[int | None, typer.Option(help="Hydra: rescore every N rounds (0 = once).")] = None,
     outer: Annotated[str | None, typer.Option(help="Hydra outer optimizer: none or nesterov.")] = None,
     nproc: Annotated[int | None, typer.Option(help="Training processes per simulated site (DDP; 1 = in process).")] = None,
+    bf16: Annotated[bool | None, typer.Option("--bf16", help="Train under bfloat16 autocast.")] = None,
     distill_teacher: Annotated[
         str | None, typer.Option(help="Next-token task: distil from 'init' (frozen initial model) or a checkpoint dir.")
     ] = None,
@@ -348,6 +349,7 @@ def site(
     label_column: Annotated[str, typer.Option(help="Label column of a CSV/JSONL --data file.")] = "",
     policy: Annotated[Path | None, typer.Option(help="Site policy TOML: allowed runs, update clipping, noise.")] = None,
     nproc: Annotated[int, typer.Option(min=1, help="Training processes (one per GPU, or CPU ranks): DDP, same delta.")] = 1,
+    bf16: Annotated[bool, typer.Option("--bf16", help="Train under bfloat16 autocast.")] = False,
     memory_mb: Annotated[
         float, typer.Option(min=0, help="Training memory this site offers (MB); Hydra-nets are sized to fit. 0 = no limit.")
     ] = 0.0,
@@ -374,6 +376,8 @@ def site(
     node_config["nproc"] = nproc
     if memory_mb:
         node_config["memory-mb"] = memory_mb
+    if bf16:
+        node_config["bf16"] = True
     if data is None:
         console.print("no --data: joining with a synthetic demo cohort of the run's task")
     if (tls_cert is None) != (tls_key is None) or (tls_cert and tls_ca is None):

@@ -115,6 +115,8 @@ class RunConfig:
     nproc: int = 1
     """Processes each site trains with (torch.distributed + DDP; 1 trains in process). A real site's own
     `--nproc` wins. The batch size must be a multiple of it."""
+    bf16: bool = False
+    """Train under bfloat16 autocast (a real site's own `--bf16` wins)."""
     distill_teacher: str = ""
     """Next-token tasks: distil from a frozen teacher, "init" (the seeded initial model, a smoke test) or a local
     causal-LM checkpoint directory with the task's vocabulary; "" trains on cross-entropy alone."""

@@ -15,6 +15,7 @@ memory (`hydrafl.footprint`), its throughput and the round's data hash (`hydrafl
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 from functools import lru_cache, partial
 
@@ -51,6 +52,8 @@ from hydrafl.models import (
     training_loss,
 )
 from hydrafl.training import SiteTrainConfig, build_site_model, evaluate, site_seed, train_site
+
+log = logging.getLogger(__name__)
 
 client_app = ClientApp()
 
@@ -166,6 +169,7 @@ def train(message: Message, context: Context) -> Message:
         nproc=int(context.node_config.get("nproc", cfg.nproc)),  # the site's own hardware wins
         seed=site_seed(cfg.seed, _site_index(context)),
         server_round=int(config.get("server-round", 0)),
+        bf16=bool(context.node_config.get("bf16", cfg.bf16)),
     )
     frozen = {name: t for name, t in model.state_dict().items() if name not in start} if local.nproc > 1 else None
     rebuild = partial(build_site_model, cohort.task, cfg.model, cfg.seed, spec, lora=lora_spec(cfg), frozen=frozen)
@@ -190,6 +194,12 @@ def train(message: Message, context: Context) -> Message:
             "samples-per-s": result.samples_per_s,
             **({"mfu": result.mfu} if result.mfu is not None else {}),
         }
+    )
+    utilisation = f", MFU {result.mfu:.1%}" if result.mfu is not None else ""
+    log.info(
+        "round %d: %d samples on %d process(es), %.0f samples/s%s, loss %.4f, data %s",
+        local.server_round, result.num_examples, local.nproc, result.samples_per_s, utilisation, result.loss,
+        result.data_hash[:12],
     )
     info = ConfigRecord({"data-hash": result.data_hash})  # a string: MetricRecords hold numbers only
     content = RecordDict({"arrays": to_record(delta), "metrics": metrics, "train-info": info})
