@@ -13,6 +13,23 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
+from hydrafl.config import RunConfig
+from hydrafl.simulation.grid import FIRST_NODE_ID
+
+TIERED_RUN = RunConfig(
+    task="tabular",
+    sites=3,
+    samples_per_site=60,
+    rounds=2,
+    local_steps=3,
+    batch_size=16,
+    lr=3e-3,
+    site_tiers="small,medium,large",
+    score_samples=16,
+)
+"""Three small tabular sites, one per resource tier: the shared setting of the subnetwork strategies' tests."""
+TIER_OF_NODE = {FIRST_NODE_ID + i: tier for i, tier in enumerate(TIERED_RUN.tier_list)}
+
 
 def make_reply(arrays: dict[str, np.ndarray], num_examples: float, node_id: int = 1) -> Message:
     """A site's training reply as the strategy sees it (one ArrayRecord, one MetricRecord)."""

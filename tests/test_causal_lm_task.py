@@ -3,6 +3,7 @@ and a short federated run on it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ConfigRecord, Message, RecordDict
 
+from helpers import TIERED_RUN
 from hydrafl import server_app, site_app
 from hydrafl.causal_lm import CausalLM, DistillationError
 from hydrafl.config import (
@@ -197,17 +199,7 @@ def test_site_trains_with_distillation_and_reports_the_lm_footprint():
 
 
 def test_two_rounds_of_fedavg_and_hydra_lower_the_next_token_loss(tmp_path):
-    run = RunConfig(
-        task=TASK,
-        sites=3,
-        samples_per_site=60,
-        rounds=2,
-        local_steps=6,
-        batch_size=16,
-        lr=3e-3,
-        site_tiers="small,medium,large",
-        score_samples=16,
-    )
+    run = dataclasses.replace(TIERED_RUN, task=TASK, local_steps=6)
     config = SimulationConfig(run=run, strategies=("fedavg", "hydra"), out=str(tmp_path))
     compare_strategies(config, show_progress=False)
     results = json.loads((tmp_path / "results.json").read_text())

@@ -11,6 +11,7 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 
+from helpers import TIER_OF_NODE, TIERED_RUN
 from hydrafl import server_app, site_app
 from hydrafl.arrays import from_record
 from hydrafl.config import RunConfig, SimulationConfig
@@ -20,19 +21,7 @@ from hydrafl.simulation.compare import compare_strategies
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
 from hydrafl.strategies import Hydra, build_strategy, layout_slices
 
-CFG = RunConfig(
-    task="tabular",
-    strategy="hydra",
-    sites=3,
-    samples_per_site=60,
-    rounds=2,
-    local_steps=3,
-    batch_size=16,
-    lr=3e-3,
-    site_tiers="small,medium,large",
-    score_samples=16,
-)
-TIER_OF_NODE = {FIRST_NODE_ID + i: tier for i, tier in enumerate(CFG.tier_list)}
+CFG = dataclasses.replace(TIERED_RUN, strategy="hydra")
 
 
 def _ask(grid, message_type, node, arrays, **config):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_reply
+from helpers import TIER_OF_NODE, TIERED_RUN, make_reply
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from hydrafl import server_app, site_app
@@ -223,18 +223,7 @@ def test_fedrolex_rolls_the_window_and_averages_plainly():
 # On the in-process grid
 # --------------------------------------------------------------------------------------------------------------
 
-CFG = RunConfig(
-    task="tabular",
-    sites=3,
-    samples_per_site=60,
-    rounds=2,
-    local_steps=3,
-    batch_size=16,
-    lr=3e-3,
-    site_tiers="small,medium,large",
-    score_samples=16,
-)
-TIER_OF_NODE = {FIRST_NODE_ID + i: tier for i, tier in enumerate(CFG.tier_list)}
+CFG = TIERED_RUN
 QUERY = "net.encoder.encoder.layer.0.attention.self.query.weight"  # 4 heads of 16 rows
 FFN_IN = "net.encoder.encoder.layer.0.intermediate.dense.weight"  # 128 hidden units
 
