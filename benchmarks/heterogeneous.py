@@ -27,7 +27,7 @@ import dataclasses
 import json
 import statistics
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,7 @@ class Group:
     strategies: tuple[str, ...]
     model: str = "tiny"
     lora_rank: int = 0
-    lr: float = RunConfig.lr
+    lr: float = field(default_factory=lambda: RunConfig().lr)
     full: Scale
     quick: Scale
 
