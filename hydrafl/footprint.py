@@ -37,17 +37,23 @@ def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 def saved_activation_bytes(forward: Callable[[], torch.Tensor], parameters: set[tuple[int, int]]) -> int:
-    """Bytes of the distinct storages autograd saves while `forward()` runs, parameters excluded."""
+    """Bytes of the distinct storages autograd saves while `forward()` runs, parameters excluded.
+
+    The pack hook keeps nothing (the graph is measured, never backpropagated): handing the tensor itself back
+    would store an output inside its own graph node, a reference cycle through C++ that Python's collector
+    cannot see, and every measured step's activations would stay alive."""
     seen: dict[tuple[int, int], int] = {}
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
+    def pack(tensor: torch.Tensor) -> None:
         key = _storage_key(tensor)
         if key not in parameters and key[0] != 0:
             seen[key] = key[1]
-        return tensor
+
+    def unpack(_: None) -> torch.Tensor:
+        raise RuntimeError("a footprint measurement's graph cannot be backpropagated")
 
     # fork_rng: the measuring forward draws no random numbers from training's stream (dropout)
-    with torch.random.fork_rng(devices=[]), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with torch.random.fork_rng(devices=[]), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         loss = forward()
     del loss
     return sum(seen.values())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,3 +38,18 @@ def test_freezing_the_first_layer_drops_its_gradients_state_and_saved_input():
     assert full.gradient_bytes - frozen.gradient_bytes == first_layer and frozen.optimizer_bytes == 0
     assert full.activation_bytes - frozen.activation_bytes == 5 * 8 * 4  # x is no longer needed for a gradient
     assert frozen.peak_bytes < full.peak_bytes
+
+
+def test_measuring_keeps_no_activation_alive():
+    """A pack hook that handed the tensor back would store outputs inside their own graph nodes (a cycle
+    through C++ the collector cannot see) and leak every measured step's activations."""
+    model, x, y = _mlp(), torch.randn(5, 8), torch.tensor([0, 1, 2, 3, 0])
+
+    def live_graph_tensors() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+
+    before = live_graph_tensors()
+    for _ in range(5):
+        training_footprint(model, lambda: F.cross_entropy(model(x), y), "adamw")
+    assert live_graph_tensors() == before
