@@ -39,15 +39,19 @@ def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
 def saved_activation_bytes(forward: Callable[[], torch.Tensor], parameters: set[tuple[int, int]]) -> int:
     """Bytes of the distinct storages autograd saves while `forward()` runs, parameters excluded.
 
-    The pack hook keeps nothing (the graph is measured, never backpropagated): handing the tensor itself back
-    would store an output inside its own graph node, a reference cycle through C++ that Python's collector
-    cannot see, and every measured step's activations would stay alive."""
+    The graph is measured, never backpropagated, so it stores nothing (handing the tensor itself back would put
+    an output inside its own graph node, a reference cycle through C++ that Python's collector cannot see, and
+    every measured step's activations would stay alive). The saved tensors are held here instead until the
+    forward pass ends, as the graph would hold them: a freed one's address could otherwise be reused by a
+    later tensor and counted once for two."""
     seen: dict[tuple[int, int], int] = {}
+    held: list[torch.Tensor] = []
 
     def pack(tensor: torch.Tensor) -> None:
         key = _storage_key(tensor)
         if key not in parameters and key[0] != 0:
             seen[key] = key[1]
+            held.append(tensor)
 
     def unpack(_: None) -> torch.Tensor:
         raise RuntimeError("a footprint measurement's graph cannot be backpropagated")
@@ -56,6 +60,7 @@ def saved_activation_bytes(forward: Callable[[], torch.Tensor], parameters: set[
     with torch.random.fork_rng(devices=[]), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         loss = forward()
     del loss
+    held.clear()
     return sum(seen.values())
 
 
