@@ -44,7 +44,7 @@ def sha256_all(pieces: Sequence[bytes | memoryview]) -> list[str]:
         return list(pool.map(sha256, pieces))
 
 
-def raw_bytes(array: Array) -> memoryview:
+def _raw_bytes(array: Array) -> memoryview:
     """An Array's values as raw C-order bytes; a view into its serialised data when it is already C-ordered."""
     values = array_view(array) if array.stype == SType.NUMPY else array.numpy()
     return memoryview(np.ascontiguousarray(values).reshape(-1).view(np.uint8))
@@ -71,7 +71,7 @@ def split_message(message: Message, server_round: int = 0) -> tuple[Envelope, di
     for key, record in message.content.array_records.items():
         manifest = RecordManifest(key=key)
         for name, array in record.items():
-            raw = raw_bytes(array)
+            raw = _raw_bytes(array)
             pieces = [raw[start : start + CHUNK_BYTES] for start in range(0, len(raw), CHUNK_BYTES)]
             hashes = sha256_all(pieces)
             chunks.update(zip(hashes, pieces))
