@@ -42,6 +42,7 @@ from hydrafl.hydranet import (
 )
 from hydrafl.data.text_cohort import MINILM
 from hydrafl.losses import LossFn, classification_loss
+from hydrafl.strategies.lora import SITE_RANK_KEY, rank_slices
 from hydrafl.models import (
     Classifier,
     LoraSpec,
@@ -182,7 +183,12 @@ def train(message: Message, context: Context) -> Message:
         )
         result = train_site(model, start, split.train_x, split.train_y, local, rebuild=rebuild, loss_fn=loss_fn)
     end = result.end_state
-    slices = trainable_slices(model, spec) if spec else {name: Slice(None) for name in start}
+    if spec is not None:
+        slices = trainable_slices(model, spec)
+    elif SITE_RANK_KEY in config:  # a LoRA baseline's site: only its rank's components of each factor
+        slices = rank_slices(start, int(config[SITE_RANK_KEY]))
+    else:
+        slices = {name: Slice(None) for name in start}
     # only the subnetwork's coordinates travel, as compact slices (the strategy knows which it assigned)
     delta = extract({name: start[name] - end[name] for name in slices}, slices)
     metrics = MetricRecord(

@@ -21,9 +21,7 @@ from hydrafl.strategies.lora import LoraBaseline, lora_pairs, rank_masks, traina
 class FedIT(LoraBaseline):
     """Per-coordinate sample-weighted mean of the factor deltas over the sites whose rank covers them."""
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        if self.current_arrays is None:
-            return None, None
+    def aggregate_lora(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         weights = from_record(self.current_arrays)
         pairs = lora_pairs(weights)
         shapes = {name: tuple(weights[name].shape) for name in trainable_names(weights, pairs)}

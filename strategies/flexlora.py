@@ -33,9 +33,7 @@ from hydrafl.strategies.lora import (
 class FlexLoRA(LoraBaseline):
     """Sample-weighted mean of the products B_k A_k, SVD-truncated back to the global rank."""
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        if self.current_arrays is None:
-            return None, None
+    def aggregate_lora(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         weights = from_record(self.current_arrays)
         pairs = lora_pairs(weights)
         head = WeightedDeltaAccumulator(self.weighted_by_key)  # sums every array; only non-factors are used

@@ -60,9 +60,7 @@ class FLoRA(LoraBaseline):
             factors[pair.a], factors[pair.b] = truncate(a, torch.zeros(out, r), rank)
         return factors
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        if self.current_arrays is None:
-            return None, None
+    def aggregate_lora(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         pairs = lora_pairs(self.current_arrays)
         head = WeightedDeltaAccumulator(self.weighted_by_key)  # sums every array; only non-factors are used
         products: dict[str, torch.Tensor] = {}

@@ -40,9 +40,7 @@ class HetLoRA(LoraBaseline):
             raise ValueError(f"HetLoRA needs 0 <= prune < 1, got {prune}")
         self.prune = prune
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        if self.current_arrays is None:
-            return None, None
+    def aggregate_lora(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         weights = from_record(self.current_arrays)
         pairs = lora_pairs(weights)
         head = WeightedDeltaAccumulator(self.weighted_by_key)  # sums every array; only non-factors are used

@@ -23,9 +23,13 @@ from flwr.serverapp import Grid
 from hydrafl.arrays import from_record, to_record
 from hydrafl.strategies.accumulator import AggregationError, WeightedDeltaAccumulator
 from hydrafl.strategies.diloco import DiLoCo
+from hydrafl.hydranet import Slice
 from hydrafl.strategies.hydra import BudgetError, Hydra, layout_slices
 
 log = logging.getLogger(__name__)
+
+SITE_RANK_KEY = "lora.site-rank"
+"""Train config key: the LoRA rank a site trains and uploads (`rank_slices`)."""
 
 _LORA_A = re.compile(r"^(?P<module>.+)\.lora_A\.(?P<adapter>[^.]+)\.weight$")
 
@@ -73,6 +77,16 @@ def trainable_names(names: Iterable[str], pairs: Iterable[LoraPair]) -> list[str
     return [name for name in names if name not in bases]
 
 
+def rank_slices(names: Iterable[str], rank: int) -> dict[str, Slice]:
+    """What a site of rank `rank` trains and uploads of each trainable array: the first `rank` rows of every A,
+    the first `rank` columns of every B, every other array whole."""
+    names = list(names)
+    axis = {}
+    for pair in lora_pairs(names):
+        axis[pair.a], axis[pair.b] = 0, 1
+    return {name: Slice(axis[name], range(rank)) if name in axis else Slice(None) for name in names}
+
+
 def rank_masks(pairs: Iterable[LoraPair], shapes: Mapping[str, tuple[int, ...]], rank: int) -> dict[str, torch.Tensor]:
     """Per trainable array, the coordinates a site of rank `rank` trains (all of every non-LoRA array)."""
     masks = {name: torch.ones(shape, dtype=torch.bool) for name, shape in shapes.items()}
@@ -111,7 +125,8 @@ class LoraBaseline(Hydra):
                     continue
             rank = self.ranks[node]
             counts[str(node)] = _count(trainable, pairs, rank)
-            content = RecordDict({"arrays": self._site_arrays(node, rank, arrays, pairs), "config": sampled.content["config"]})
+            config = ConfigRecord({**sampled.content["config"], SITE_RANK_KEY: rank})  # the site uploads only its rank
+            content = RecordDict({"arrays": self._site_arrays(node, rank, arrays, pairs), "config": config})
             messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
         self.trainable_params[server_round] = counts
         return messages
@@ -131,6 +146,35 @@ class LoraBaseline(Hydra):
             a, b = torch.from_numpy(arrays[pair.a].numpy()), torch.from_numpy(arrays[pair.b].numpy())
             factors[pair.a], factors[pair.b] = truncate(a, b, rank)
         return ArrayRecord({**{name: arrays[name] for name in arrays}, **to_record(factors)})
+
+    def reply_shapes(self, node: int, arrays: ArrayRecord) -> dict[str, tuple[int, ...]] | None:
+        """A site uploads its rank's components only; None for a node that was assigned no rank."""
+        if node not in self.ranks:
+            return None
+        slices = rank_slices(trainable_names(arrays, lora_pairs(arrays)), self.ranks[node])
+        return {name: sl.taken_shape(arrays[name].shape) for name, sl in slices.items()}
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Each reply back at the global shapes (zeros beyond its site's rank), one at a time, for the rule."""
+        if self.current_arrays is None:
+            return None, None
+        return self.aggregate_lora(server_round, (self._full_shape(reply) for reply in replies))
+
+    def aggregate_lora(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The method's rule on full-shape replies."""
+        raise NotImplementedError
+
+    def _full_shape(self, reply: Message) -> Message:
+        if reply.has_error():
+            return reply
+        key, record = next((k, r) for k, r in reply.content.items() if isinstance(r, ArrayRecord))
+        slices = rank_slices(record, self._rank_of(reply))
+        full = {}
+        for name, compact in from_record(record).items():
+            full[name] = torch.zeros(tuple(self.current_arrays[name].shape), dtype=compact.dtype)
+            slices[name].add_to(full[name], compact)
+        reply.content[key] = to_record(full)
+        return reply
 
     def _rank_of(self, reply: Message) -> int:
         if (node := reply.metadata.src_node_id) not in self.ranks:

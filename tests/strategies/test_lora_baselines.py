@@ -21,7 +21,8 @@ from hydrafl.models import LoraSpec, build_model, federated_state, lora_base_sta
 from hydrafl.simulation.compare import compare_strategies
 from hydrafl.simulation.grid import FIRST_NODE_ID
 from hydrafl.strategies import AggregationError, FedIT, FlexLoRA, FLoRA, HetLoRA
-from hydrafl.strategies.lora import lora_pairs
+from hydrafl.hydranet import extract
+from hydrafl.strategies.lora import lora_pairs, rank_slices
 
 # A toy adapted module "m": A [R=2, in=2], B [out=2, R=2]; "head" stands for the classification head.
 A, B = "m.lora_A.default.weight", "m.lora_B.default.weight"
@@ -33,9 +34,14 @@ def _record(arrays):
 
 
 def _aggregate(strategy, arrays, replies, ranks):
-    """One aggregation of replies (delta, n) from nodes 1, 2, ... with the given LoRA ranks."""
+    """One aggregation of replies (delta, n) from nodes 1, 2, ... with the given LoRA ranks. Each site sends
+    what `site_app.train` sends: its rank's components only (anything written beyond its rank never travels)."""
     strategy.current_arrays, strategy.ranks = _record(arrays), dict(ranks)
-    messages = [make_reply(delta, n, node_id=i + 1) for i, (delta, n) in enumerate(replies)]
+    messages = []
+    for i, (delta, n) in enumerate(replies):
+        full = {name: torch.tensor(values, dtype=torch.float32) for name, values in delta.items()}
+        compact = extract(full, rank_slices(full, ranks[i + 1]))
+        messages.append(make_reply({name: t.numpy() for name, t in compact.items()}, n, node_id=i + 1))
     new, metrics = strategy.aggregate_train(1, iter(messages))
     assert metrics is not None
     return {name: array.numpy() for name, array in new.items()}
@@ -186,6 +192,10 @@ def test_tiered_simulation_trains_with_hydra_sized_ranks(strategy, tmp_path):
     # small = 1 layer, 2 heads -> 3072 = rank 3; medium = 2 layers, 3 heads -> 7168 = rank 7; large = rank 8.
     params = {TIER_OF_NODE[node]: n for node, n in result["trainable_params_per_site"]["1"].items()}
     assert params == {"small": 195 + 3 * 1024, "medium": 195 + 7 * 1024, "large": 195 + 8 * 1024}
+    trained = result["rounds"][1]["trainable_params_per_site"]  # what the sites counted and uploaded
+    assert {TIER_OF_NODE[node]: n for node, n in trained.items()} == params
+    up = {TIER_OF_NODE[node]: n for node, n in result["rounds"][1]["bytes_up_per_site"].items()}
+    assert up["small"] < up["medium"] < up["large"]  # a site uploads its rank's components only
     if strategy == "flora":  # sites trained on merged bases, which stay out of the model other runs share
         task, lora = site_app.run_cohort(CFG).task, site_app.lora_spec(CFG)
         fresh = lora_base_state(build_model(task, lora=lora))
