@@ -14,8 +14,9 @@ import torch
 from flwr.app import ArrayRecord, Message, MetricRecord
 
 from hydrafl.arrays import from_record, to_record
+from hydrafl.hydranet import coordinate_masks
 from hydrafl.strategies.accumulator import MaskedDeltaAccumulator
-from hydrafl.strategies.lora import LoraBaseline, lora_pairs, rank_masks, trainable_names
+from hydrafl.strategies.lora import LoraBaseline, lora_pairs, rank_slices, trainable_names
 
 
 class FedIT(LoraBaseline):
@@ -23,12 +24,11 @@ class FedIT(LoraBaseline):
 
     def aggregate_lora(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         weights = from_record(self.current_arrays)
-        pairs = lora_pairs(weights)
-        shapes = {name: tuple(weights[name].shape) for name in trainable_names(weights, pairs)}
+        names = trainable_names(weights, lora_pairs(weights))
         accumulator = MaskedDeltaAccumulator(self.weighted_by_key)
         for reply in replies:
             if not reply.has_error():
-                accumulator.add(reply, rank_masks(pairs, shapes, self._rank_of(reply)))
+                accumulator.add(reply, coordinate_masks(rank_slices(names, self._rank_of(reply)), weights))
         if not accumulator.metric_records:
             return None, None
         for name, (delta, trained) in accumulator.mean().items():

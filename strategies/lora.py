@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,15 +85,6 @@ def rank_slices(names: Iterable[str], rank: int) -> dict[str, Slice]:
     for pair in lora_pairs(names):
         axis[pair.a], axis[pair.b] = 0, 1
     return {name: Slice(axis[name], range(rank)) if name in axis else Slice(None) for name in names}
-
-
-def rank_masks(pairs: Iterable[LoraPair], shapes: Mapping[str, tuple[int, ...]], rank: int) -> dict[str, torch.Tensor]:
-    """Per trainable array, the coordinates a site of rank `rank` trains (all of every non-LoRA array)."""
-    masks = {name: torch.ones(shape, dtype=torch.bool) for name, shape in shapes.items()}
-    for pair in pairs:
-        masks[pair.a][rank:] = False
-        masks[pair.b][:, rank:] = False
-    return masks
 
 
 class LoraBaseline(Hydra):
