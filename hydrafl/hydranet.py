@@ -1137,6 +1137,10 @@ class LayerCost:
         return layers * ((1.0 - self.head_fraction) + self.head_fraction * heads / num_groups)
 
 
+COST_FIELDS = ("fixed_s", "per_layer_s", "fixed_bytes", "per_layer_bytes")
+"""The measured LayerCost fields a site reports (as `cost.fixed-s`, ...) in its scores reply."""
+
+
 @dataclass(frozen=True)
 class Budget:
     layers: int
@@ -1230,6 +1234,7 @@ __all__ = [
     "PATTERNS",
     "Architecture",
     "Budget",
+    "COST_FIELDS",
     "measure_layer_cost",
     "FFN_PATTERNS",
     "LayerCost",

@@ -29,6 +29,7 @@ from hydrafl.config import RunConfig
 from hydrafl.data import Cohort, SiteSplit, TaskSpec, load_cohort
 from hydrafl.footprint import training_footprint
 from hydrafl.hydranet import (
+    COST_FIELDS,
     Slice,
     SubnetSpec,
     apply_spec,
@@ -263,22 +264,20 @@ memory, and the model's slice layout (see `slice_layout`)."""
     batches = [(split.train_x[i : min(i + size, n)], split.train_y[i : min(i + size, n)]) for i in range(0, n, size)]
     layers = layer_importance(model, batches, task_loss(cohort.task), method=cfg.layer_score)
     heads = head_importance(model, batches, task_loss(cohort.task), method=cfg.head_score)
-    x, y = batches[0]
-    cost = measure_layer_cost(
-        model, lambda: task_loss(cohort.task)(model, x, y), cfg.inner_optimizer, speed=site_resource(cfg, context, "speed")
-    )
+    memory_bytes = site_resource(cfg, context, "memory-mb") * 1e6
     metrics = MetricRecord(
         {
             "num-examples": len(split.train_y),
             **{f"layer-{layer}": score for layer, score in enumerate(layers)},
             **{f"head-{layer}-{g}": score for layer, row in enumerate(heads) for g, score in enumerate(row)},
-            "cost.fixed-s": cost.fixed_s,
-            "cost.per-layer-s": cost.per_layer_s,
-            "cost.fixed-bytes": cost.fixed_bytes,
-            "cost.per-layer-bytes": cost.per_layer_bytes,
-            "memory-bytes": site_resource(cfg, context, "memory-mb") * 1e6,
+            "memory-bytes": memory_bytes,
         }
     )
+    if memory_bytes or cfg.round_timeout_s:  # the cost only sizes a Hydra-net against memory or a deadline
+        x, y = batches[0]
+        speed = site_resource(cfg, context, "speed")
+        cost = measure_layer_cost(model, lambda: task_loss(cohort.task)(model, x, y), cfg.inner_optimizer, speed=speed)
+        metrics.update({f"cost.{field.replace('_', '-')}": getattr(cost, field) for field in COST_FIELDS})
     site = ConfigRecord({"tier": site_tier(cfg, context), **slice_layout(model)})
     return Message(RecordDict({"metrics": metrics, "site": site}), reply_to=message)
 

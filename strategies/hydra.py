@@ -24,7 +24,7 @@ from flwr.common import MessageType
 from flwr.serverapp import Grid
 
 from hydrafl.arrays import from_record, to_record
-from hydrafl.hydranet import LayerCost, Slice, SubnetSpec, build_spec, combine_layer_scores, plan_budget
+from hydrafl.hydranet import COST_FIELDS, LayerCost, Slice, SubnetSpec, build_spec, combine_layer_scores, plan_budget
 from hydrafl.strategies.accumulator import AggregationError, MaskedDeltaAccumulator
 from hydrafl.strategies.diloco import DiLoCo
 
@@ -82,15 +82,13 @@ def _read_scores(reply: Message, weighted_by_key: str, arrays: ArrayRecord) -> t
     layers = [float(metrics[f"layer-{l}"]) for l in range(num_layers)]
     cost = None
     if "cost.fixed-s" in metrics:
-        cost = LayerCost(**{field: float(metrics[f"cost.{field.replace('_', '-')}"]) for field in _COST_FIELDS})
+        cost = LayerCost(**{field: float(metrics[f"cost.{field.replace('_', '-')}"]) for field in COST_FIELDS})
     scores = SiteScores(
         layers=layers, heads=heads, weight=float(metrics[weighted_by_key]), tier=str(site["tier"]), cost=cost,
         memory_bytes=float(metrics.get("memory-bytes", 0.0)),
     )
     return scores, layout
 
-
-_COST_FIELDS = ("fixed_s", "per_layer_s", "fixed_bytes", "per_layer_bytes")
 
 
 class Hydra(DiLoCo):

@@ -127,9 +127,11 @@ def test_a_site_that_declares_little_memory_gets_a_hydra_net_that_fits_it():
     cfg = dataclasses.replace(CFG, site_tiers="", rounds=1)
     grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
     initial = server_app.request_initial_arrays(grid, cfg)
-    metrics = _ask(grid, "query.scores", FIRST_NODE_ID, initial).content["metrics"]
+    undeclared = _ask(grid, "query.scores", FIRST_NODE_ID, initial).content["metrics"]
+    assert undeclared["memory-bytes"] == 0 and "cost.fixed-bytes" not in undeclared  # nothing to size against
+    metrics = _ask(grid, "query.scores", FIRST_NODE_ID, initial, **{"round-timeout-s": 3600.0}).content["metrics"]
     fixed, per_layer = metrics["cost.fixed-bytes"], metrics["cost.per-layer-bytes"]
-    assert fixed > 0 and per_layer > 0 and metrics["memory-bytes"] == 0  # measured; nothing declared
+    assert fixed > 0 and per_layer > 0 and metrics["memory-bytes"] == 0  # measured for the deadline; no memory
     limit_mb = (fixed + 1.2 * per_layer) / 1e6  # room for one trained layer, not two
     cfg = dataclasses.replace(cfg, site_memory_mb=f"{limit_mb},0,0")
     strategy = build_strategy(cfg)
