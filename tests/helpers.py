@@ -1,7 +1,9 @@
-"""Builders for real Flower messages used across tests, and a runner for the benchmarks' --quick modes."""
+"""What tests share: builders for real Flower messages, a tiered run, a resume check, and a runner for the
+benchmarks' --quick modes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -13,8 +15,9 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
+from hydrafl import server_app, site_app
 from hydrafl.config import RunConfig
-from hydrafl.simulation.grid import FIRST_NODE_ID
+from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
 
 TIERED_RUN = RunConfig(
     task="tabular",
@@ -51,3 +54,15 @@ def run_quick(name: str, out: Path, timeout_s: float) -> dict[str, Any]:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert (out / f"{name}.png").stat().st_size > 0
     return json.loads((out / f"{name}.json").read_text())
+
+
+def assert_resume_matches_a_straight_run(cfg: RunConfig, tmp_path: Path) -> None:
+    """Stopped after rounds - 1 and resumed, a run ends with exactly the arrays of an uninterrupted one."""
+    def run(cfg: RunConfig):
+        return server_app.run_federation(InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower()), cfg)
+
+    straight = run(dataclasses.replace(cfg, run_dir=str(tmp_path / "straight")))
+    run(dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"), rounds=cfg.rounds - 1))
+    resumed = run(dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"), resume=True))
+    for name, array in straight.arrays.items():
+        np.testing.assert_array_equal(array.numpy(), resumed.arrays[name].numpy())

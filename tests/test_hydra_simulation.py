@@ -6,15 +6,14 @@ import dataclasses
 import json
 import math
 
-import numpy as np
 import pytest
 import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from helpers import TIER_OF_NODE, TIERED_RUN
+from helpers import TIERED_RUN, TIER_OF_NODE, assert_resume_matches_a_straight_run
 from hydrafl import server_app, site_app
 from hydrafl.arrays import from_record
-from hydrafl.config import RunConfig, SimulationConfig
+from hydrafl.config import SimulationConfig
 from hydrafl.hydranet import SubnetSpec, coordinate_masks, merge, trainable_slices
 from hydrafl.models import build_model
 from hydrafl.simulation.compare import compare_strategies
@@ -107,15 +106,7 @@ def test_simulate_hydra_and_fedavg_writes_per_site_counts(tmp_path):
 
 def test_resume_with_outer_nesterov_ends_with_the_same_numbers(tmp_path):
     cfg = dataclasses.replace(CFG, outer="nesterov", outer_lr=0.7, outer_momentum=0.9, rescore_every=2, rounds=3)
-
-    def run(cfg: RunConfig):
-        return server_app.run_federation(InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower()), cfg)
-
-    straight = run(dataclasses.replace(cfg, run_dir=str(tmp_path / "straight")))
-    run(dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"), rounds=2))
-    resumed = run(dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"), resume=True))
-    for name, array in straight.arrays.items():
-        np.testing.assert_array_equal(array.numpy(), resumed.arrays[name].numpy())
+    assert_resume_matches_a_straight_run(cfg, tmp_path)
 
 
 def test_unknown_site_tier_is_refused():

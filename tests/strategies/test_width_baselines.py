@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TIER_OF_NODE, TIERED_RUN, make_reply
+from helpers import TIERED_RUN, TIER_OF_NODE, assert_resume_matches_a_straight_run, make_reply
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from hydrafl import server_app, site_app
-from hydrafl.config import RunConfig, SimulationConfig
+from hydrafl.config import SimulationConfig
 from hydrafl.data import TaskSpec
 from hydrafl.hydranet import (
     SpecError,
@@ -277,12 +277,4 @@ def test_simulate_width_baselines_train_at_the_hydra_budget_of_each_tier(tmp_pat
 @pytest.mark.parametrize("strategy", ["fjord", "fedrolex"])
 def test_resume_ends_with_the_same_numbers(tmp_path, strategy):
     cfg = dataclasses.replace(CFG, strategy=strategy, rounds=3)
-
-    def run(cfg: RunConfig):
-        return server_app.run_federation(InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower()), cfg)
-
-    straight = run(dataclasses.replace(cfg, run_dir=str(tmp_path / "straight")))
-    run(dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"), rounds=2))
-    resumed = run(dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"), resume=True))
-    for name, array in straight.arrays.items():
-        np.testing.assert_array_equal(array.numpy(), resumed.arrays[name].numpy())
+    assert_resume_matches_a_straight_run(cfg, tmp_path)
