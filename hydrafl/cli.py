@@ -81,6 +81,9 @@ def simulate(
     ] = None,
     hydra_layers: Annotated[float | None, typer.Option(help="Hydra: layer fraction of an untiered site.")] = None,
     hydra_heads: Annotated[float | None, typer.Option(help="Hydra: head fraction of an untiered site.")] = None,
+    hydra_bypass: Annotated[
+        bool | None, typer.Option("--hydra-bypass", help="Hydra: sites skip the layers outside their net (not frozen).")
+    ] = None,
     rescore_every: Annotated[int | None, typer.Option(help="Hydra: rescore every N rounds (0 = once).")] = None,
     outer: Annotated[str | None, typer.Option(help="Hydra outer optimizer: none or nesterov.")] = None,
     nproc: Annotated[int | None, typer.Option(help="Training processes per simulated site (DDP; 1 = in process).")] = None,

@@ -98,6 +98,9 @@ class RunConfig:
     """Hydra: fraction of the layers an untiered site trains."""
     hydra_heads: float = 1.0
     """Hydra: fraction of the heads (KV groups) per trained layer an untiered site keeps."""
+    hydra_bypass: bool = False
+    """Hydra: a site skips the layers outside its Hydra-net (identity) instead of running them frozen: less
+    compute and memory, and it downloads only its Hydra-net; the sites then train a shallower network."""
     rescore_every: int = 0
     """Hydra: sites recompute layer/head scores every this many rounds; 0 scores once, before round 1."""
     layer_score: str = "fisher"

@@ -9,7 +9,8 @@ Hugging Face models (BERT, ViT, Llama-style; plain or wrapped by PEFT LoRA):
 - `apply_spec`: freeze (or bypass) unselected layers and mask dropped heads with a forward pre-hook on the
   attention output projection (transformers 5 ignores `head_mask`). Masked heads get exactly zero gradient.
 - `trainable_slices` / `extract` / `merge` / `payload_bytes`: exactly the rows/columns a site trains, so
-  only those bytes travel, and the way back into the full tensors.
+  only those bytes travel up, and the way back into the full tensors; `read_slices`: what the subnetwork's
+  forward pass reads, the only bytes that travel down.
 - `layer_importance` / `head_importance`: scores a site computes on its own data (a few floats).
 - `combine_layer_scores`, `select_heads`, `build_spec`, `plan_budget`: what the coordinator does with them.
 
@@ -629,6 +630,19 @@ def trainable_slices(model: nn.Module, spec: SubnetSpec, arch: Architecture | No
             raise ValueError(f"{name} has shape {tuple(p.shape)}; axis {axis} does not match the head layout")
         slices[name] = Slice(axis, tuple(dims))
     return slices
+
+
+def read_slices(trained: Mapping[str, Slice], layers: Mapping[str, int], spec: SubnetSpec) -> dict[str, Slice]:
+    """The coordinates a subnetwork's forward pass reads, which is all a site has to download: what it trains
+    (`trained`, from `trainable_slices` or the coordinator's layout), and every other federated tensor whole
+    (`layers`: per name its layer, -1 outside the layers) except those of the layers `spec.bypass` skips.
+    Dropped heads and widths are outside it: `apply_spec` zeroes their outputs before anything uses them.
+    The coordinator and the site both compute it, so it depends on nothing but these arguments."""
+    return {
+        name: trained.get(name, Slice(None))
+        for name, layer in layers.items()
+        if name in trained or not (spec.bypass and layer >= 0 and layer not in spec.layers)
+    }
 
 
 def extract(state: Mapping[str, torch.Tensor], slices: Mapping[str, Slice]) -> dict[str, torch.Tensor]:
@@ -1258,6 +1272,7 @@ __all__ = [
     "merge",
     "payload_bytes",
     "plan_budget",
+    "read_slices",
     "select_heads",
     "trainable_slices",
     "WidthAxis",

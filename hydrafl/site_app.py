@@ -16,6 +16,7 @@ memory (`hydrafl.footprint`), its throughput and the round's data hash (`hydrafl
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from contextlib import nullcontext
 from functools import lru_cache, partial
 
@@ -39,6 +40,7 @@ from hydrafl.hydranet import (
     head_importance,
     layer_importance,
     measure_layer_cost,
+    read_slices,
     trainable_slices,
 )
 from hydrafl.data.text_cohort import MINILM
@@ -119,22 +121,38 @@ def lora_spec(cfg: RunConfig) -> LoraSpec | None:
     return LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_target_list) if cfg.lora_rank else None
 
 
-def _site_model(task: TaskSpec, cfg: RunConfig, arrays: ArrayRecord) -> Classifier:
-    """The working model loaded with `arrays`."""
+def _site_model(task: TaskSpec, cfg: RunConfig, arrays: ArrayRecord, spec: SubnetSpec | None = None) -> Classifier:
+    """The working model loaded with `arrays`: the whole model, or with a subnetwork `spec` what its forward pass
+    reads (`hydranet.read_slices`), which is all a Hydra-net site is sent; the rest keeps whatever it held."""
     own_bases = any(name.endswith(".base_layer.weight") for name in arrays)
     model = _working_model(task, cfg.model, cfg.seed, lora_spec(cfg), own_bases)
-    _load(model, arrays)
+    read = None
+    if spec is not None:
+        layout = slice_layout(model)  # the layers as the coordinator knows them
+        read = read_slices(trainable_slices(model, spec), dict(zip(layout["layout.names"], layout["layout.layers"])), spec)
+    _load(model, arrays, read)
     return model
 
 
-def _load(model: Classifier, arrays: ArrayRecord) -> None:
+def _load(model: Classifier, arrays: ArrayRecord, read: Mapping[str, Slice] | None = None) -> None:
+    """Copy `arrays` into the model's parameters. Each array is a whole tensor or, for a tensor of `read`, exactly
+    its slice; every tensor of `read` must arrive."""
     parameters = dict(model.named_parameters())
     unknown = sorted(set(arrays) - set(parameters))
     if unknown:
         raise ValueError(f"arrays {unknown[:3]} are not parameters of this site's model")
+    missing = sorted(set(read or ()) - set(arrays))
+    if missing:
+        raise ValueError(f"the subnetwork's forward pass reads {missing[:3]}, which the message does not carry")
     with torch.no_grad():
         for name, tensor in from_record(arrays).items():
-            parameters[name].copy_(tensor)
+            target = parameters[name]
+            if tensor.shape == target.shape:
+                target.copy_(tensor)
+            elif read is not None and name in read:
+                target.copy_(read[name].put(target, tensor))
+            else:
+                raise ValueError(f"array {name!r} has shape {tuple(tensor.shape)}; the model's is {tuple(target.shape)}")
 
 
 def _received_arrays(message: Message) -> ArrayRecord:
@@ -156,11 +174,10 @@ def _run_config(message: Message, context: Context) -> RunConfig:
 def train(message: Message, context: Context) -> Message:
     cfg = _run_config(message, context)
     cohort, split = site_data(cfg, context)
-    arrays = _received_arrays(message)
-    model = _site_model(cohort.task, cfg, arrays)
-    start = {name: p.clone() for name, p in federated_state(model).items() if name in arrays}
-    config = _received_config(message)
+    arrays, config = _received_arrays(message), _received_config(message)
     spec = SubnetSpec.from_config(config) if "hydra.layers" in config else None
+    model = _site_model(cohort.task, cfg, arrays, spec)
+    start = {name: p.clone() for name, p in federated_state(model).items() if name in arrays}
     local = SiteTrainConfig(
         steps=cfg.local_steps,
         batch_size=cfg.batch_size,

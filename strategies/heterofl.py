@@ -38,9 +38,7 @@ class HeteroFL(Hydra):
         self.server_round, self.width_layout = server_round, {}
         self.shapes = {name: tuple(arrays[name].shape) for name in arrays}
         self.budgets[server_round] = {}
-        messages = super().configure_train(server_round, arrays, config, grid)
-        self.trainable_params[server_round] = {str(node): self._count(spec) for node, spec in self.specs.items()}
-        return messages
+        return super().configure_train(server_round, arrays, config, grid)
 
     def _spec(self, scores: SiteScores) -> SubnetSpec:
         """Every layer, at the width whose trainable parameters match the site's Hydra-net of the same tier."""
@@ -56,9 +54,6 @@ class HeteroFL(Hydra):
     def _width(self, ratio: float) -> dict[str, Any]:
         """The width fields of this round's spec for a site of width `ratio`."""
         return {"width_ratio": ratio}
-
-    def _count(self, spec: SubnetSpec) -> int:
-        return sum(sl.numel(self.shapes[name]) for name, sl in width_slices(self.width_layout, spec).items())
 
     def site_slices(self, node: int) -> dict[str, Slice]:
         return width_slices(self.width_layout, self.specs[node])

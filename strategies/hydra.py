@@ -19,12 +19,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import MessageType
 from flwr.serverapp import Grid
 
 from hydrafl.arrays import from_record, to_record
-from hydrafl.hydranet import COST_FIELDS, LayerCost, Slice, SubnetSpec, build_spec, combine_layer_scores, plan_budget
+from hydrafl.hydranet import (
+    COST_FIELDS,
+    LayerCost,
+    Slice,
+    SubnetSpec,
+    build_spec,
+    combine_layer_scores,
+    plan_budget,
+    read_slices,
+)
 from hydrafl.strategies.accumulator import AggregationError, MaskedDeltaAccumulator
 from hydrafl.strategies.diloco import DiLoCo
 
@@ -98,14 +107,15 @@ class Hydra(DiLoCo):
 
     def __init__(  # outer_lr 1 without momentum: no outer optimizer
         self, *, tiers: Mapping[str, tuple[float, float]] = TIER_BUDGETS, untiered: tuple[float, float] = (1.0, 1.0),
-        rescore_every: int = 0, timeout_s: float | None = None, local_steps: int = 1, outer_lr: float = 1.0,
-        momentum: float = 0.0, **kwargs: Any,
+        rescore_every: int = 0, timeout_s: float | None = None, local_steps: int = 1, bypass: bool = False,
+        outer_lr: float = 1.0, momentum: float = 0.0, **kwargs: Any,
     ) -> None:
         super().__init__(outer_lr=outer_lr, momentum=momentum, **kwargs)
         if rescore_every < 0 or not all(0 < f <= 1 for budget in (*tiers.values(), untiered) for f in budget):
             raise ValueError(f"Hydra needs rescore_every >= 0 and budget fractions in (0, 1], got {tiers=}, {untiered=}")
         self.tiers, self.untiered = dict(tiers), untiered
         self.rescore_every, self.timeout_s, self.local_steps = rescore_every, timeout_s, local_steps
+        self.bypass = bypass
         self.layout: dict[str, tuple[int, int, int]] = {}
         self.ranking: list[int] = []
         self.site_scores: dict[int, SiteScores] = {}
@@ -126,9 +136,9 @@ class Hydra(DiLoCo):
             except BudgetError as error:
                 log.warning("hydra: site %d cannot train this round: %s", node, error)
                 continue
-            slices = layout_slices(self.layout, spec)
-            counts[str(node)] = sum(sl.numel(arrays[name].shape) for name, sl in slices.items())
-            content = RecordDict({"arrays": arrays, "config": ConfigRecord({**config, **spec.to_config()})})
+            counts[str(node)] = sum(sl.numel(arrays[name].shape) for name, sl in self.site_slices(node).items())
+            site_arrays = self.download(node, arrays)
+            content = RecordDict({"arrays": site_arrays, "config": ConfigRecord({**config, **spec.to_config()})})
             messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
         self.trainable_params[server_round] = counts
         return messages
@@ -175,7 +185,7 @@ class Hydra(DiLoCo):
             except ValueError as error:
                 raise BudgetError(str(error)) from error
             num_layers, num_heads = min(num_layers, budget.layers), min(num_heads, budget.heads)
-        return build_spec(self.ranking, num_layers, scores.heads, num_heads)
+        return build_spec(self.ranking, num_layers, scores.heads, num_heads, bypass=self.bypass)
 
     count_once = False
     """True: a coordinate's update is the plain mean over the sites that trained it (each site weighs 1)."""
@@ -183,6 +193,18 @@ class Hydra(DiLoCo):
     def site_slices(self, node: int) -> dict[str, Slice]:
         """The coordinates `node` trains this round: what its reply carries, as compact slices."""
         return layout_slices(self.layout, self.specs[node])
+
+    def download(self, node: int, arrays: ArrayRecord) -> ArrayRecord:
+        """What `node` is sent to train: only the coordinates its subnetwork's forward pass reads
+        (`hydranet.read_slices`; the site computes the same slices from its model and fills them in)."""
+        layers = {name: layer for name, (layer, _, _) in self.layout.items()}
+        read = read_slices(self.site_slices(node), layers, self.specs[node])
+        return ArrayRecord(
+            {
+                name: arrays[name] if sl.dim is None else Array(sl.take(torch.from_numpy(arrays[name].numpy())).numpy())
+                for name, sl in read.items()
+            }
+        )
 
     def reply_shapes(self, node: int, arrays: ArrayRecord) -> dict[str, tuple[int, ...]] | None:
         """The shape of each array `node`'s reply may carry (its slices of `arrays`); the round driver checks

@@ -70,6 +70,7 @@ _BUILDERS: dict[str, Builder] = {
     "hydra": lambda cfg, common: Hydra(
         **_budget(cfg),
         rescore_every=cfg.rescore_every,
+        bypass=cfg.hydra_bypass,
         **(
             {"outer_lr": cfg.outer_lr, "momentum": cfg.outer_momentum, "nesterov": cfg.outer_nesterov}
             if cfg.outer == "nesterov"

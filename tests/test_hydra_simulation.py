@@ -12,9 +12,9 @@ from flwr.app import ConfigRecord, Message, RecordDict
 
 from helpers import TIERED_RUN, TIER_OF_NODE, assert_resume_matches_a_straight_run
 from hydrafl import server_app, site_app
-from hydrafl.arrays import from_record
+from hydrafl.arrays import from_record, record_nbytes, to_record
 from hydrafl.config import SimulationConfig
-from hydrafl.hydranet import SubnetSpec, coordinate_masks, merge, trainable_slices
+from hydrafl.hydranet import SubnetSpec, coordinate_masks, extract, merge, read_slices, trainable_slices
 from hydrafl.models import build_model
 from hydrafl.simulation.compare import compare_strategies
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
@@ -131,3 +131,68 @@ def test_a_site_that_declares_little_memory_gets_a_hydra_net_that_fits_it():
     assert layers == {FIRST_NODE_ID: 1, FIRST_NODE_ID + 1: 2, FIRST_NODE_ID + 2: 2}
     peak = result.history[1]["peak_memory_per_site"]
     assert peak[str(FIRST_NODE_ID)] <= limit_mb * 1e6 < peak[str(FIRST_NODE_ID + 1)]  # measured while training
+
+
+def _read_slices(spec: SubnetSpec) -> dict:
+    """What a site's forward pass reads under `spec`, computed from a live model as the site does."""
+    model = build_model(site_app.run_cohort(CFG).task, seed=CFG.seed)
+    layout = site_app.slice_layout(model)
+    return read_slices(trainable_slices(model, spec), dict(zip(layout["layout.names"], layout["layout.layers"])), spec)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        SubnetSpec(layers=(1,), heads=((0, 2),)),
+        SubnetSpec(layers=(1,), heads=((0, 2),), bypass=True),
+        SubnetSpec(layers=(0, 1), width_ratio=0.5, train_outside=False),
+    ],
+    ids=["frozen-layer", "bypassed-layer", "width-frozen-outside"],
+)
+def test_a_site_trains_the_same_from_only_what_its_subnetwork_reads(spec):
+    """Whatever the coordinates outside the download hold at the site, its delta is the same to the bit."""
+    grid = InProcessGrid(site_app.client_app, CFG.sites, CFG.to_flower())
+    initial = server_app.request_initial_arrays(grid, CFG)
+    config = {**spec.to_config(), "server-round": 1}
+    whole = from_record(_ask(grid, "train", FIRST_NODE_ID, initial, **config).content["arrays"])
+    generator = torch.Generator().manual_seed(0)
+    noisy = {name: t + torch.randn(t.shape, generator=generator) for name, t in from_record(initial).items()}
+    _ask(grid, "train", FIRST_NODE_ID, to_record(noisy), **config)  # the site's model now holds other values
+    read = _read_slices(spec)
+    download = extract(from_record(initial), read)
+    part = from_record(_ask(grid, "train", FIRST_NODE_ID, to_record(download), **config).content["arrays"])
+    assert sorted(part) == sorted(whole) and len(whole) > 0
+    for name, delta in whole.items():
+        torch.testing.assert_close(part[name], delta, rtol=0, atol=0)
+    assert sum(t.numel() for t in download.values()) < sum(math.prod(a.shape) for a in initial.values())
+    assert any(".layer.0." in name for name in read) != spec.bypass  # a bypassed layer is not even downloaded
+
+
+def test_a_site_refuses_a_download_that_lacks_what_its_subnetwork_reads():
+    grid = InProcessGrid(site_app.client_app, CFG.sites, CFG.to_flower())
+    initial = from_record(server_app.request_initial_arrays(grid, CFG))
+    spec = SubnetSpec(layers=(1,), heads=((0, 2),), bypass=True)
+    download = extract(initial, _read_slices(spec))
+    missing = next(name for name in download if ".layer.1." in name)
+    del download[missing]
+    content = RecordDict({"arrays": to_record(download), "config": ConfigRecord({**CFG.to_flower(), **spec.to_config()})})
+    [reply] = grid.send_and_receive([Message(content, dst_node_id=FIRST_NODE_ID, message_type="train")])
+    assert reply.has_error() and missing in reply.error.reason
+
+
+def test_hydra_sends_each_site_only_what_its_hydra_net_reads():
+    cfg = dataclasses.replace(CFG, hydra_bypass=True)
+    strategy = build_strategy(cfg)
+    grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
+    initial = server_app.request_initial_arrays(grid, cfg)
+    result = server_app.run_federation(grid, cfg, strategy=strategy)
+    expected = {}
+    for node, spec in strategy.specs.items():  # scored once: the same Hydra-nets in every round
+        assert spec.bypass
+        read = _read_slices(spec)
+        shapes = {name: sl.taken_shape(a.shape) for name, a in initial.items() if (sl := read.get(name))}
+        expected[str(node)] = record_nbytes(to_record({name: torch.zeros(shape) for name, shape in shapes.items()}))
+    for record in result.history[1:]:
+        assert record["bytes_down_per_site"] == expected
+    down = {TIER_OF_NODE[int(node)]: n for node, n in expected.items()}
+    assert down["small"] < down["medium"] < down["large"] == record_nbytes(initial)  # large: the whole model
