@@ -121,36 +121,42 @@ def lora_spec(cfg: RunConfig) -> LoraSpec | None:
     return LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_target_list) if cfg.lora_rank else None
 
 
-def _site_model(task: TaskSpec, cfg: RunConfig, arrays: ArrayRecord, spec: SubnetSpec | None = None) -> Classifier:
-    """The working model loaded with `arrays`: the whole model, or with a subnetwork `spec` what its forward pass
-    reads (`hydranet.read_slices`), which is all a Hydra-net site is sent; the rest keeps whatever it held."""
+def _site_model(
+    task: TaskSpec, cfg: RunConfig, arrays: ArrayRecord, spec: SubnetSpec | None = None, rank: int | None = None
+) -> Classifier:
+    """The working model loaded with `arrays`: the whole model; with a subnetwork `spec` only what its forward
+    pass reads (`hydranet.read_slices`; the rest keeps whatever it held, unread); with a LoRA baseline's `rank`
+    the first `rank` components of each factor (the rest set to zero, as a rank-`rank` LoRA has it)."""
     own_bases = any(name.endswith(".base_layer.weight") for name in arrays)
     model = _working_model(task, cfg.model, cfg.seed, lora_spec(cfg), own_bases)
     read = None
     if spec is not None:
         layout = slice_layout(model)  # the layers as the coordinator knows them
         read = read_slices(trainable_slices(model, spec), dict(zip(layout["layout.names"], layout["layout.layers"])), spec)
-    _load(model, arrays, read)
+    elif rank is not None:
+        read = rank_slices(federated_state(model), rank)
+    _load(model, arrays, read, zero_rest=rank is not None)
     return model
 
 
-def _load(model: Classifier, arrays: ArrayRecord, read: Mapping[str, Slice] | None = None) -> None:
+def _load(model: Classifier, arrays: ArrayRecord, read: Mapping[str, Slice] | None = None, *, zero_rest: bool = False) -> None:
     """Copy `arrays` into the model's parameters. Each array is a whole tensor or, for a tensor of `read`, exactly
-    its slice; every tensor of `read` must arrive."""
+    its slice (outside it the tensor keeps its values, or with `zero_rest` becomes 0); every tensor of `read`
+    must arrive."""
     parameters = dict(model.named_parameters())
     unknown = sorted(set(arrays) - set(parameters))
     if unknown:
         raise ValueError(f"arrays {unknown[:3]} are not parameters of this site's model")
     missing = sorted(set(read or ()) - set(arrays))
     if missing:
-        raise ValueError(f"the subnetwork's forward pass reads {missing[:3]}, which the message does not carry")
+        raise ValueError(f"the site's model reads {missing[:3]}, which the message does not carry")
     with torch.no_grad():
         for name, tensor in from_record(arrays).items():
             target = parameters[name]
             if tensor.shape == target.shape:
                 target.copy_(tensor)
             elif read is not None and name in read:
-                target.copy_(read[name].put(target, tensor))
+                target.copy_(read[name].put(torch.zeros_like(target) if zero_rest else target, tensor))
             else:
                 raise ValueError(f"array {name!r} has shape {tuple(tensor.shape)}; the model's is {tuple(target.shape)}")
 
@@ -176,7 +182,8 @@ def train(message: Message, context: Context) -> Message:
     cohort, split = site_data(cfg, context)
     arrays, config = _received_arrays(message), _received_config(message)
     spec = SubnetSpec.from_config(config) if "hydra.layers" in config else None
-    model = _site_model(cohort.task, cfg, arrays, spec)
+    rank = int(config[SITE_RANK_KEY]) if SITE_RANK_KEY in config else None  # a LoRA baseline's site
+    model = _site_model(cohort.task, cfg, arrays, spec, rank)
     start = {name: p.clone() for name, p in federated_state(model).items() if name in arrays}
     local = SiteTrainConfig(
         steps=cfg.local_steps,
@@ -203,8 +210,8 @@ def train(message: Message, context: Context) -> Message:
     end = result.end_state
     if spec is not None:
         slices = trainable_slices(model, spec)
-    elif SITE_RANK_KEY in config:  # a LoRA baseline's site: only its rank's components of each factor
-        slices = rank_slices(start, int(config[SITE_RANK_KEY]))
+    elif rank is not None:  # only its rank's components of each factor
+        slices = rank_slices(start, rank)
     else:
         slices = {name: Slice(None) for name in start}
     # only the subnetwork's coordinates travel, as compact slices (the strategy knows which it assigned)

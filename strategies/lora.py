@@ -2,8 +2,9 @@
 global arrays, one rank per site sized to Hydra's budget for the site's tier, and per-site factors.
 
 A site of rank r_k trains a rank-R model (R = the run's `lora_rank`) whose factor components r_k..R-1 are zero:
-with both A's row and B's column zero a component gets exactly zero gradient, so the site trains, and sends
-non-zero deltas for, exactly the r_k * (in + out) coordinates of a rank-r_k LoRA. Arrays keep the global shapes.
+with both A's row and B's column zero a component gets exactly zero gradient, so the site trains exactly the
+r_k * (in + out) coordinates of a rank-r_k LoRA. Only those travel, both ways: a site downloads the first r_k
+rows of each A and columns of each B and zeroes the rest itself, and uploads the same slices.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import MessageType
 from flwr.serverapp import Grid
 
@@ -117,7 +118,8 @@ class LoraBaseline(Hydra):
             rank = self.ranks[node]
             counts[str(node)] = _count(trainable, pairs, rank)
             config = ConfigRecord({**sampled.content["config"], SITE_RANK_KEY: rank})  # the site uploads only its rank
-            content = RecordDict({"arrays": self._site_arrays(node, rank, arrays, pairs), "config": config})
+            download = _rank_only(self._site_arrays(node, rank, arrays, pairs), pairs, rank)
+            content = RecordDict({"arrays": download, "config": config})
             messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
         self.trainable_params[server_round] = counts
         return messages
@@ -178,6 +180,18 @@ class LoraBaseline(Hydra):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.ranks = dict(state["ranks"])
+
+
+def _rank_only(arrays: ArrayRecord, pairs: list[LoraPair], rank: int) -> ArrayRecord:
+    """What a site of rank `rank` downloads: its rank's components of each factor (the site sets the components
+    beyond it to zero), every other array whole and shared, not copied."""
+    slices = rank_slices([name for pair in pairs for name in (pair.a, pair.b)], rank)
+    return ArrayRecord(
+        {
+            name: Array(slices[name].take(torch.from_numpy(array.numpy())).numpy()) if name in slices else array
+            for name, array in arrays.items()
+        }
+    )
 
 
 def _count(trainable: ArrayRecord, pairs: list[LoraPair], rank: int) -> int:

@@ -10,19 +10,20 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from flwr.app import Array, ArrayRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from helpers import make_reply
 
-from hydrafl import site_app
+from hydrafl import server_app, site_app
+from hydrafl.arrays import from_record, to_record
 from hydrafl.config import ConfigError, RunConfig, SimulationConfig
 from hydrafl.data import load_cohort
 from hydrafl.hydranet import SubnetSpec, apply_spec, find_architecture
 from hydrafl.models import LoraSpec, build_model, federated_state, lora_base_state
 from hydrafl.simulation.compare import compare_strategies
-from hydrafl.simulation.grid import FIRST_NODE_ID
+from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
 from hydrafl.strategies import AggregationError, FedIT, FlexLoRA, FLoRA, HetLoRA
 from hydrafl.hydranet import extract
-from hydrafl.strategies.lora import lora_pairs, rank_slices
+from hydrafl.strategies.lora import SITE_RANK_KEY, lora_pairs, rank_slices, truncate
 
 # A toy adapted module "m": A [R=2, in=2], B [out=2, R=2]; "head" stands for the classification head.
 A, B = "m.lora_A.default.weight", "m.lora_B.default.weight"
@@ -196,6 +197,11 @@ def test_tiered_simulation_trains_with_hydra_sized_ranks(strategy, tmp_path):
     assert {TIER_OF_NODE[node]: n for node, n in trained.items()} == params
     up = {TIER_OF_NODE[node]: n for node, n in result["rounds"][1]["bytes_up_per_site"].items()}
     assert up["small"] < up["medium"] < up["large"]  # a site uploads its rank's components only
+    down = {TIER_OF_NODE[node]: n for node, n in result["rounds"][1]["bytes_down_per_site"].items()}
+    if strategy == "flora":  # and downloads them too (FLoRA: plus the dense base weights it merges into)
+        assert all(down[tier] > up[tier] for tier in up) and down["large"] - down["small"] == up["large"] - up["small"]
+    else:
+        assert down == up
     if strategy == "flora":  # sites trained on merged bases, which stay out of the model other runs share
         task, lora = site_app.run_cohort(CFG).task, site_app.lora_spec(CFG)
         fresh = lora_base_state(build_model(task, lora=lora))
@@ -243,3 +249,33 @@ def test_minilm_masked_heads_get_zero_lora_gradient():
     for head in range(arch.num_heads):
         rows = query_b[head * arch.head_dim : (head + 1) * arch.head_dim]
         assert bool(rows.abs().sum() > 0) == (head in (1, 5)), head
+
+
+def test_a_lora_site_trains_the_same_from_its_rank_alone():
+    """Sent only its rank's components, a site zeroes the rest itself: whatever its model held there before,
+    the delta equals the one from the full-shape factors truncated to its rank."""
+    grid = InProcessGrid(site_app.client_app, CFG.sites, CFG.to_flower())
+    initial = from_record(server_app.request_initial_arrays(grid, CFG))
+    generator = torch.Generator().manual_seed(0)
+    rank, arrays = 3, dict(initial)
+    for pair in lora_pairs(initial):  # a trained-looking adapter (B != 0), truncated as a coordinator sends it
+        b = torch.randn(initial[pair.b].shape, generator=generator) * 0.1
+        arrays[pair.a], arrays[pair.b] = truncate(initial[pair.a], b, rank)
+    noisy = {name: t + torch.randn(t.shape, generator=generator) for name, t in initial.items()}
+    compact = extract(arrays, rank_slices(arrays, rank))
+
+    def train(state):
+        config = ConfigRecord({**CFG.to_flower(), SITE_RANK_KEY: rank, "server-round": 1})
+        message = Message(RecordDict({"arrays": to_record(state), "config": config}), dst_node_id=FIRST_NODE_ID,
+                          message_type="train")
+        [reply] = grid.send_and_receive([message])
+        assert not reply.has_error(), reply.error.reason
+        return from_record(reply.content["arrays"])
+
+    whole = train(arrays)
+    train(noisy)  # the site's model now holds non-zero components beyond the rank
+    part = train(compact)
+    assert sum(t.numel() for t in compact.values()) < sum(t.numel() for t in arrays.values())
+    assert sorted(part) == sorted(whole)
+    for name, delta in whole.items():
+        torch.testing.assert_close(part[name], delta, rtol=0, atol=0)
