@@ -716,7 +716,7 @@ def width_window(period: int, ratio: float, offset: int = 0) -> tuple[int, ...]:
     return tuple(sorted((offset + i) % period for i in range(keep)))
 
 
-def _ffn_axis(name: str, layer: int) -> int | None:
+def ffn_width_axis(name: str, layer: int) -> int | None:
     """Width axis of an FFN tensor of `layer`: projections into the hidden units are sliced like q/k/v (rows),
     the projection out of them like o (columns); None for any other tensor."""
     for inputs, output in FFN_PATTERNS.values():
@@ -737,7 +737,7 @@ def width_layout(model: nn.Module, arch: Architecture | None = None) -> dict[str
             continue
         layer, _, axis = head_axis_of(arch, name)
         period = arch.head_dim
-        if layer is not None and axis is None and (axis := _ffn_axis(name, layer)) is not None:
+        if layer is not None and axis is None and (axis := ffn_width_axis(name, layer)) is not None:
             period = p.shape[axis]
         layer = -1 if layer is None else layer
         layout[name] = WidthAxis(layer, -1, 0, tuple(p.shape)) if axis is None else WidthAxis(layer, axis, period, tuple(p.shape))
@@ -757,7 +757,7 @@ def width_layout_from_heads(
     out = {}
     for name, (layer, axis, _) in layout.items():
         shape, period = tuple(shapes[name]), head_dim.get(layer, 0)
-        if layer >= 0 and axis < 0 and (ffn := _ffn_axis(name, layer)) is not None:
+        if layer >= 0 and axis < 0 and (ffn := ffn_width_axis(name, layer)) is not None:
             axis, period = ffn, shape[ffn]
         out[name] = WidthAxis(layer, axis, period, shape) if axis >= 0 else WidthAxis(layer, -1, 0, shape)
     return out
@@ -1264,6 +1264,7 @@ __all__ = [
     "coordinate_masks",
     "eager_attention",
     "extract",
+    "ffn_width_axis",
     "find_architecture",
     "global_layer_scores",
     "head_axis_of",

@@ -13,8 +13,9 @@ FLOP formula (forward, one sequence of S tokens; `forward_flops`):
   h query heads of width d computed in the layer; dense S x S as the kernels execute it (causal included).
 - Ignored (O(S * hidden)): embeddings lookups, biases, norms, activations, softmax, residual adds.
 - Per subnetwork: bypassed layers cost 0. `executed=True` counts what `hydranet.apply_spec` runs (frozen layers
-  and masked heads are still computed); `executed=False` counts the pruned subnetwork (the kept heads' share
-  of the q/k/v rows and o columns, and of the attention term, in the selected layers).
+  and masked heads or widths are still computed); `executed=False` counts the pruned subnetwork (the kept heads'
+  share of the q/k/v rows and o columns, and of the attention term, in the selected layers; for a width spec
+  the kept share of each head's dims and of the FFN hidden units, `width_window`, at the spec's widest).
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from hydrafl.hydranet import Architecture, SubnetSpec, find_architecture, head_axis_of, trainable_slices
+from hydrafl.hydranet import (
+    Architecture,
+    SubnetSpec,
+    ffn_width_axis,
+    find_architecture,
+    head_axis_of,
+    trainable_slices,
+    width_window,
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -183,9 +192,10 @@ def forward_flops(
         if spec is not None and spec.bypass and layer not in spec.layers:
             continue
         fraction = 1.0
-        if not executed and spec is not None and layer in spec.layers and role is not None:
-            kept = spec.heads_for(layer)
-            if kept is not None and axis is not None:
+        if not executed and spec is not None and layer in spec.layers:
+            if spec.is_width:
+                fraction = _width_fraction(arch, spec, name, layer, axis, module.weight.shape)
+            elif role is not None and axis is not None and (kept := spec.heads_for(layer)) is not None:
                 fraction = len(kept) / arch.num_groups
         touched += numel * fraction
     attention = 0
@@ -196,8 +206,25 @@ def forward_flops(
                 continue
             if not executed and ref.index in spec.layers and spec.heads_for(ref.index) is not None:
                 heads = len(spec.heads_for(ref.index)) * arch.group_size
-        attention += 4 * seq_len * seq_len * heads * arch.head_dim
+        head_dim = arch.head_dim
+        if spec is not None and spec.is_width and not executed and ref.index in spec.layers:
+            head_dim = len(width_window(arch.head_dim, spec.width_ratio, spec.width_offset))
+        attention += 4 * seq_len * seq_len * heads * head_dim
     return round(2 * seq_len * touched) + attention
+
+
+def _width_fraction(
+    arch: Architecture, spec: SubnetSpec, name: str, layer: int, axis: int | None, shape: torch.Size
+) -> float:
+    """The share of a layer's matmul weight a width spec keeps: its window of each head's dims (q/k/v rows,
+    o columns) or of the FFN hidden units; 1 for anything not width-sliced (LoRA A of q, ...)."""
+    period = arch.head_dim
+    if axis is None:
+        axis = ffn_width_axis(name + ".weight", layer)
+        if axis is None:
+            return 1.0
+        period = shape[axis]
+    return len(width_window(period, spec.width_ratio, spec.width_offset)) / period
 
 
 __all__ = [

@@ -62,6 +62,14 @@ def test_forward_flops_hand_count(llama):
     pruned = 2 * S * (3 * LAYER_MATMUL - 2 * ATTN_PROJ // 2 + 1280) + 2 * attention_per_layer // 2 + attention_per_layer
     assert forward_flops(llama, S, heads, executed=False) == pruned == 356352
     assert forward_flops(llama, S, heads, executed=True) == full  # the mask hook still runs every head
+    # width 0.5: 4 of each head's 8 dims (q/k/v rows, o columns, QK^T and AV) and 24 of the 48 FFN units
+    width = SubnetSpec(layers=(0, 1, 2), width_ratio=0.5)
+    assert forward_flops(llama, S, width, executed=False) == 2 * S * (3 * LAYER_MATMUL // 2 + 1280) + 3 * attention_per_layer // 2
+    assert forward_flops(llama, S, width, executed=True) == full  # masking still computes every channel
+    # width 0.3: ceil(2.4) = 3 of 8 head dims, ceil(14.4) = 15 of 48 FFN units, wherever the window starts
+    rolled = SubnetSpec(layers=(0, 1, 2), width_ratio=0.3, width_offset=6)
+    matmul = ATTN_PROJ * 3 / 8 + (LAYER_MATMUL - ATTN_PROJ) * 15 / 48
+    assert forward_flops(llama, S, rolled, executed=False) == round(2 * S * (3 * matmul + 1280)) + 3 * 4 * S * S * 4 * 3
     # LoRA adds its factors' matmuls (448 per layer), the base weights still run
     assert forward_flops(with_lora(llama, rank=2, alpha=4), S) == full + 2 * S * 3 * 448 == 435200
 
