@@ -62,6 +62,9 @@ def simulate(
     lora_alpha: Annotated[float | None, typer.Option(help="LoRA alpha (scaling alpha / rank).")] = None,
     lora_targets: Annotated[str | None, typer.Option(help="LoRA module suffixes, e.g. query,value (default q/k/v/o).")] = None,
     hetlora_prune: Annotated[float | None, typer.Option(help="HetLoRA: rank fraction a site self-prunes.")] = None,
+    hetlora_tail_penalty: Annotated[
+        float | None, typer.Option(help="HetLoRA: lambda of the sites' penalty on that rank tail (0 = none).")
+    ] = None,
     lr: Annotated[float | None, typer.Option(help="Inner (site) learning rate.")] = None,
     batch_size: Annotated[int | None, typer.Option(help="Site batch size.")] = None,
     inner_optimizer: Annotated[str | None, typer.Option(help="adamw, sgd, muon, or lm-dual (head-only Levenberg-Marquardt).")] = None,

@@ -56,6 +56,9 @@ class RunConfig:
     lora_targets: str = ""
     """Comma-separated module-name suffixes LoRA adapts (e.g. query,value); "" = the q/k/v/o projections."""
     hetlora_prune: float = 0.1
+    hetlora_tail_penalty: float = 1e-3
+    """HetLoRA: lambda of the sites' local regulariser lambda * ||B_tail A_tail||_F on the rank components a
+    self-pruning step would drop (0 = none)."""
     """HetLoRA rank self-pruning: the fraction of a site's rank dropped when its tail shrinks in training."""
     strategy: str = "fedavg"
     rounds: int = 15
@@ -184,6 +187,7 @@ class RunConfig:
         )
         _check(self.lora_alpha > 0, "lora-alpha", self.lora_alpha, "a float > 0")
         _check(0 <= self.hetlora_prune < 1, "hetlora-prune", self.hetlora_prune, "a fraction in [0, 1)")
+        _check(self.hetlora_tail_penalty >= 0, "hetlora-tail-penalty", self.hetlora_tail_penalty, "a float >= 0")
         _check(
             self.strategy not in LORA_STRATEGIES or self.lora_rank > 0,
             "lora-rank",

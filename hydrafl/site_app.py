@@ -45,6 +45,7 @@ from hydrafl.hydranet import (
 )
 from hydrafl.data.text_cohort import MINILM
 from hydrafl.losses import LossFn, classification_loss
+from hydrafl.strategies.hetlora import PRUNE_KEY, TAIL_PENALTY_KEY, TailPenalised
 from hydrafl.strategies.lora import SITE_RANK_KEY, rank_slices
 from hydrafl.models import (
     Classifier,
@@ -201,6 +202,8 @@ def train(message: Message, context: Context) -> Message:
     rebuild = partial(build_site_model, cohort.task, cfg.model, cfg.seed, spec, lora=lora_spec(cfg), frozen=frozen)
     teacher = {"distill_teacher": cfg.distill_teacher, "distill_weight": cfg.distill_weight}
     loss_fn = training_loss(cohort.task, model=cfg.model, seed=cfg.seed, **teacher)
+    if rank is not None and TAIL_PENALTY_KEY in config:  # a HetLoRA site's local regulariser
+        loss_fn = TailPenalised(loss_fn, float(config[TAIL_PENALTY_KEY]), rank, float(config[PRUNE_KEY]))
     with apply_spec(model, spec) if spec else nullcontext():
         sample = slice(0, min(cfg.batch_size, len(split.train_y)))
         footprint = training_footprint(

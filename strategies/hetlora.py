@@ -5,8 +5,8 @@ global rank R and takes, per adapted module, the average of the factors weighted
 sum_j ||B_j A_j||_F (sites whose update is larger weigh more); the head is sample-weighted FedAvg. Rank
 self-pruning: when the norm of a site's last `prune` fraction of rank components, ||B_tail A_tail||_F summed over
 modules, ends its local training below where it started, the site drops them: r_k <- max(1, floor((1 - prune) r_k)).
-The paper adds a local penalty lambda ||B_tail A_tail|| to push that norm down; hydrafl's local trainer has no such
-hook yet, so here pruning happens when the data alone shrink the tail.
+As in the paper, each site trains on its task loss plus lambda ||B_tail A_tail||_F (`TailPenalised`, lambda =
+`tail_penalty`), which pushes that tail down unless the data hold it up.
 
 Cho, Manoel, Joshi, Sahu, "Heterogeneous LoRA for Federated Fine-tuning of On-Device Foundation Models", EMNLP 2024.
 """
@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord
+from torch import nn
 
 from hydrafl.arrays import from_record, to_record
+from hydrafl.losses import LossFn
 from hydrafl.strategies.accumulator import WeightedDeltaAccumulator
 from hydrafl.strategies.lora import (
     LoraBaseline,
@@ -31,14 +34,47 @@ from hydrafl.strategies.lora import (
 )
 
 
+TAIL_PENALTY_KEY = "hetlora.tail-penalty"
+PRUNE_KEY = "hetlora.prune"
+"""Train config keys of a HetLoRA site's local regulariser: lambda, and the rank fraction that is the tail."""
+
+
+@dataclass(frozen=True, slots=True)
+class TailPenalised:
+    """A HetLoRA site's loss: its task loss plus lambda * sum over adapted modules of ||B_tail A_tail||_F, the
+    components of its rank a self-pruning step would drop. Picklable, so multi-process sites use it too."""
+
+    loss: LossFn
+    weight: float
+    rank: int
+    prune: float
+
+    def __call__(self, model: nn.Module, x: Any, y: torch.Tensor) -> torch.Tensor:
+        value = self.loss(model, x, y)
+        keep = _pruned(self.rank, self.prune)
+        if keep >= self.rank or not self.weight:
+            return value
+        params = dict(model.named_parameters())
+        tail = sum(_smooth_norm(params[p.b][:, keep : self.rank] @ params[p.a][keep : self.rank]) for p in lora_pairs(params))
+        return value + self.weight * tail
+
+
+def _smooth_norm(matrix: torch.Tensor) -> torch.Tensor:
+    """||matrix||_F with a finite (zero) gradient at 0, where the tail of fresh adapters starts."""
+    return torch.sqrt(matrix.square().sum() + 1e-12)
+
+
 class HetLoRA(LoraBaseline):
     """Sparsity-weighted average of zero-padded factors, with per-site rank self-pruning."""
 
-    def __init__(self, *, prune: float = 0.1, **kwargs: Any) -> None:
+    def __init__(self, *, prune: float = 0.1, tail_penalty: float = 1e-3, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if not 0 <= prune < 1:
-            raise ValueError(f"HetLoRA needs 0 <= prune < 1, got {prune}")
-        self.prune = prune
+        if not 0 <= prune < 1 or tail_penalty < 0:
+            raise ValueError(f"HetLoRA needs 0 <= prune < 1 and tail_penalty >= 0, got {prune}, {tail_penalty}")
+        self.prune, self.tail_penalty = prune, tail_penalty
+
+    def site_config(self, rank: int) -> dict[str, float]:
+        return {TAIL_PENALTY_KEY: self.tail_penalty, PRUNE_KEY: self.prune} if self.tail_penalty else {}
 
     def aggregate_lora(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         weights = from_record(self.current_arrays)

@@ -117,12 +117,16 @@ class LoraBaseline(Hydra):
                     continue
             rank = self.ranks[node]
             counts[str(node)] = _count(trainable, pairs, rank)
-            config = ConfigRecord({**sampled.content["config"], SITE_RANK_KEY: rank})  # the site uploads only its rank
+            config = ConfigRecord({**sampled.content["config"], **self.site_config(rank), SITE_RANK_KEY: rank})
             download = _rank_only(self._site_arrays(node, rank, arrays, pairs), pairs, rank)
             content = RecordDict({"arrays": download, "config": config})
             messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
         self.trainable_params[server_round] = counts
         return messages
+
+    def site_config(self, rank: int) -> dict[str, float]:
+        """What the method tells a site of rank `rank` beyond its rank (HetLoRA: its local regulariser)."""
+        return {}
 
     def _rank(self, node: int, trainable: ArrayRecord, pairs: list[LoraPair]) -> int:
         """Closest rank to the Hydra-net budget of the node's tier; ties go to the smaller rank."""

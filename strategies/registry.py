@@ -83,7 +83,7 @@ _BUILDERS: dict[str, Builder] = {
     "fedrolex": _width_baseline(FedRolex),
     "fedit": _lora_baseline(FedIT),
     "flora": _lora_baseline(FLoRA, alpha="lora_alpha", seed="seed"),
-    "hetlora": _lora_baseline(HetLoRA, prune="hetlora_prune"),
+    "hetlora": _lora_baseline(HetLoRA, prune="hetlora_prune", tail_penalty="hetlora_tail_penalty"),
     "flexlora": _lora_baseline(FlexLoRA),
 }
 

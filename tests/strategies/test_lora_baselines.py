@@ -23,6 +23,7 @@ from hydrafl.simulation.compare import compare_strategies
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
 from hydrafl.strategies import AggregationError, FedIT, FlexLoRA, FLoRA, HetLoRA
 from hydrafl.hydranet import extract
+from hydrafl.strategies.hetlora import PRUNE_KEY, TAIL_PENALTY_KEY, TailPenalised
 from hydrafl.strategies.lora import SITE_RANK_KEY, lora_pairs, rank_slices, truncate
 
 # A toy adapted module "m": A [R=2, in=2], B [out=2, R=2]; "head" stands for the classification head.
@@ -279,3 +280,54 @@ def test_a_lora_site_trains_the_same_from_its_rank_alone():
     assert sorted(part) == sorted(whole)
     for name, delta in whole.items():
         torch.testing.assert_close(part[name], delta, rtol=0, atol=0)
+
+
+class _ToyLora(torch.nn.Module):
+    """One adapted module "m" with PEFT's parameter names: A [R=4, in=3], B [out=2, R=4]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = torch.nn.Module()
+        self.m.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(3, 4, bias=False)})
+        self.m.lora_B = torch.nn.ModuleDict({"default": torch.nn.Linear(4, 2, bias=False)})
+
+
+def test_hetlora_tail_penalty_is_lambda_times_the_tail_products_norm():
+    torch.manual_seed(0)
+    model = _ToyLora()
+    a, b = model.m.lora_A["default"].weight, model.m.lora_B["default"].weight
+    loss = TailPenalised(lambda model, x, y: torch.tensor(1.5), weight=0.3, rank=4, prune=0.5)  # keeps 2 of 4
+    value = loss(model, None, torch.zeros(1))
+    expected = 1.5 + 0.3 * float(torch.linalg.matrix_norm(b[:, 2:] @ a[2:]))
+    assert float(value) == pytest.approx(expected, rel=1e-6)
+    value.backward()
+    assert not a.grad[:2].any() and not b.grad[:, :2].any()  # the kept components feel nothing
+    assert a.grad[2:].abs().sum() > 0 and b.grad[:, 2:].abs().sum() > 0
+    with torch.no_grad():
+        b[:, 2:] = 0  # a fresh tail (B = 0): the norm's gradient must stay finite
+    a.grad = b.grad = None
+    loss(model, None, torch.zeros(1)).backward()
+    assert torch.isfinite(a.grad).all() and torch.isfinite(b.grad).all()
+
+
+def test_a_hetlora_site_under_the_tail_penalty_ends_with_a_smaller_tail():
+    grid = InProcessGrid(site_app.client_app, CFG.sites, CFG.to_flower())
+    initial = from_record(server_app.request_initial_arrays(grid, CFG))
+    generator = torch.Generator().manual_seed(0)
+    arrays = dict(initial)
+    pairs = lora_pairs(initial)
+    for pair in pairs:  # a trained-looking adapter, so the tail has a norm to lose
+        arrays[pair.b] = torch.randn(initial[pair.b].shape, generator=generator) * 0.1
+
+    def tail_after(**penalty):
+        config = ConfigRecord({**CFG.to_flower(), SITE_RANK_KEY: 8, "server-round": 1, **penalty})
+        message = Message(RecordDict({"arrays": to_record(arrays), "config": config}), dst_node_id=FIRST_NODE_ID,
+                          message_type="train")
+        [reply] = grid.send_and_receive([message])
+        assert not reply.has_error(), reply.error.reason
+        delta = from_record(reply.content["arrays"])
+        end = {name: arrays[name] - delta[name] for name in delta}
+        return sum(float(torch.linalg.matrix_norm(end[p.b][:, 4:] @ end[p.a][4:])) for p in pairs)
+
+    plain, penalised = tail_after(), tail_after(**{TAIL_PENALTY_KEY: 10.0, PRUNE_KEY: 0.5})
+    assert penalised < 0.9 * plain
