@@ -9,10 +9,14 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
+
+if TYPE_CHECKING:
+    from hydrafl.hydranet import Slice
 
 
 def to_record(tensors: Mapping[str, torch.Tensor | np.ndarray]) -> ArrayRecord:
@@ -32,6 +36,17 @@ def array_view(array: Array) -> np.ndarray:
     shape, fortran_order, dtype = read_header(buffer)
     values = np.frombuffer(array.data, dtype=dtype, count=math.prod(shape), offset=buffer.tell())
     return values.reshape(shape, order="F" if fortran_order else "C")
+
+
+def sliced_record(record: ArrayRecord, slices: Mapping[str, Slice]) -> ArrayRecord:
+    """The arrays `slices` names, each cut to its slice (what a site is sent of a subnetwork); arrays taken
+    whole are shared with `record`, not copied."""
+    return ArrayRecord(
+        {
+            name: record[name] if sl.dim is None else Array(sl.take(torch.from_numpy(record[name].numpy())).numpy())
+            for name, sl in slices.items()
+        }
+    )
 
 
 def record_nbytes(record: ArrayRecord) -> int:

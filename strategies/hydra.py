@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import MessageType
 from flwr.serverapp import Grid
 
-from hydrafl.arrays import from_record, to_record
+from hydrafl.arrays import from_record, sliced_record, to_record
 from hydrafl.hydranet import (
     COST_FIELDS,
     LayerCost,
@@ -198,13 +198,7 @@ class Hydra(DiLoCo):
         """What `node` is sent to train: only the coordinates its subnetwork's forward pass reads
         (`hydranet.read_slices`; the site computes the same slices from its model and fills them in)."""
         layers = {name: layer for name, (layer, _, _) in self.layout.items()}
-        read = read_slices(self.site_slices(node), layers, self.specs[node])
-        return ArrayRecord(
-            {
-                name: arrays[name] if sl.dim is None else Array(sl.take(torch.from_numpy(arrays[name].numpy())).numpy())
-                for name, sl in read.items()
-            }
-        )
+        return sliced_record(arrays, read_slices(self.site_slices(node), layers, self.specs[node]))
 
     def reply_shapes(self, node: int, arrays: ArrayRecord) -> dict[str, tuple[int, ...]] | None:
         """The shape of each array `node`'s reply may carry (its slices of `arrays`); the round driver checks

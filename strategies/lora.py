@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import MessageType
 from flwr.serverapp import Grid
 
-from hydrafl.arrays import from_record, to_record
+from hydrafl.arrays import from_record, sliced_record, to_record
 from hydrafl.strategies.accumulator import AggregationError, WeightedDeltaAccumulator
 from hydrafl.strategies.diloco import DiLoCo
 from hydrafl.hydranet import Slice
@@ -118,7 +118,8 @@ class LoraBaseline(Hydra):
             rank = self.ranks[node]
             counts[str(node)] = _count(trainable, pairs, rank)
             config = ConfigRecord({**sampled.content["config"], **self.site_config(rank), SITE_RANK_KEY: rank})
-            download = _rank_only(self._site_arrays(node, rank, arrays, pairs), pairs, rank)
+            site_arrays = self._site_arrays(node, rank, arrays, pairs)
+            download = sliced_record(site_arrays, rank_slices(site_arrays, rank))  # the site zeroes the rest
             content = RecordDict({"arrays": download, "config": config})
             messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
         self.trainable_params[server_round] = counts
@@ -184,18 +185,6 @@ class LoraBaseline(Hydra):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.ranks = dict(state["ranks"])
-
-
-def _rank_only(arrays: ArrayRecord, pairs: list[LoraPair], rank: int) -> ArrayRecord:
-    """What a site of rank `rank` downloads: its rank's components of each factor (the site sets the components
-    beyond it to zero), every other array whole and shared, not copied."""
-    slices = rank_slices([name for pair in pairs for name in (pair.a, pair.b)], rank)
-    return ArrayRecord(
-        {
-            name: Array(slices[name].take(torch.from_numpy(array.numpy())).numpy()) if name in slices else array
-            for name, array in arrays.items()
-        }
-    )
 
 
 def _count(trainable: ArrayRecord, pairs: list[LoraPair], rank: int) -> int:
