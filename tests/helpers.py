@@ -1,5 +1,5 @@
-"""What tests share: builders for real Flower messages, a tiered run, a resume check, and a runner for the
-benchmarks' --quick modes."""
+"""What tests share: builders for real Flower messages, a tiered run, a resume check, what a Hydra-net site
+reads, and a runner for the benchmarks' --quick modes."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from hydrafl import server_app, site_app
 from hydrafl.config import RunConfig
+from hydrafl.hydranet import Slice, SubnetSpec, read_slices, trainable_slices
+from hydrafl.models import build_model
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
 
 TIERED_RUN = RunConfig(
@@ -66,3 +68,11 @@ def assert_resume_matches_a_straight_run(cfg: RunConfig, tmp_path: Path) -> None
     resumed = run(dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"), resume=True))
     for name, array in straight.arrays.items():
         np.testing.assert_array_equal(array.numpy(), resumed.arrays[name].numpy())
+
+
+def site_read_slices(cfg: RunConfig, spec: SubnetSpec) -> dict[str, Slice]:
+    """What a site's forward pass reads under `spec` (`hydranet.read_slices`), from a live model as the site
+    computes it: all a Hydra-net site is sent."""
+    model = build_model(site_app.run_cohort(cfg).task, seed=cfg.seed)
+    layout = site_app.slice_layout(model)
+    return read_slices(trainable_slices(model, spec), dict(zip(layout["layout.names"], layout["layout.layers"])), spec)

@@ -10,11 +10,11 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from helpers import TIERED_RUN, TIER_OF_NODE, assert_resume_matches_a_straight_run
+from helpers import TIERED_RUN, TIER_OF_NODE, assert_resume_matches_a_straight_run, site_read_slices
 from hydrafl import server_app, site_app
 from hydrafl.arrays import from_record, record_nbytes, to_record
 from hydrafl.config import SimulationConfig
-from hydrafl.hydranet import SubnetSpec, coordinate_masks, extract, merge, read_slices, trainable_slices
+from hydrafl.hydranet import SubnetSpec, coordinate_masks, extract, merge, trainable_slices
 from hydrafl.models import build_model
 from hydrafl.simulation.compare import compare_strategies
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
@@ -133,13 +133,6 @@ def test_a_site_that_declares_little_memory_gets_a_hydra_net_that_fits_it():
     assert peak[str(FIRST_NODE_ID)] <= limit_mb * 1e6 < peak[str(FIRST_NODE_ID + 1)]  # measured while training
 
 
-def _read_slices(spec: SubnetSpec) -> dict:
-    """What a site's forward pass reads under `spec`, computed from a live model as the site does."""
-    model = build_model(site_app.run_cohort(CFG).task, seed=CFG.seed)
-    layout = site_app.slice_layout(model)
-    return read_slices(trainable_slices(model, spec), dict(zip(layout["layout.names"], layout["layout.layers"])), spec)
-
-
 @pytest.mark.parametrize(
     "spec",
     [
@@ -158,7 +151,7 @@ def test_a_site_trains_the_same_from_only_what_its_subnetwork_reads(spec):
     generator = torch.Generator().manual_seed(0)
     noisy = {name: t + torch.randn(t.shape, generator=generator) for name, t in from_record(initial).items()}
     _ask(grid, "train", FIRST_NODE_ID, to_record(noisy), **config)  # the site's model now holds other values
-    read = _read_slices(spec)
+    read = site_read_slices(CFG, spec)
     download = extract(from_record(initial), read)
     part = from_record(_ask(grid, "train", FIRST_NODE_ID, to_record(download), **config).content["arrays"])
     assert sorted(part) == sorted(whole) and len(whole) > 0
@@ -172,7 +165,7 @@ def test_a_site_refuses_a_download_that_lacks_what_its_subnetwork_reads():
     grid = InProcessGrid(site_app.client_app, CFG.sites, CFG.to_flower())
     initial = from_record(server_app.request_initial_arrays(grid, CFG))
     spec = SubnetSpec(layers=(1,), heads=((0, 2),), bypass=True)
-    download = extract(initial, _read_slices(spec))
+    download = extract(initial, site_read_slices(CFG, spec))
     missing = next(name for name in download if ".layer.1." in name)
     del download[missing]
     content = RecordDict({"arrays": to_record(download), "config": ConfigRecord({**CFG.to_flower(), **spec.to_config()})})
@@ -189,7 +182,7 @@ def test_hydra_sends_each_site_only_what_its_hydra_net_reads():
     expected = {}
     for node, spec in strategy.specs.items():  # scored once: the same Hydra-nets in every round
         assert spec.bypass
-        read = _read_slices(spec)
+        read = site_read_slices(CFG, spec)
         shapes = {name: sl.taken_shape(a.shape) for name, a in initial.items() if (sl := read.get(name))}
         expected[str(node)] = record_nbytes(to_record({name: torch.zeros(shape) for name, shape in shapes.items()}))
     for record in result.history[1:]:

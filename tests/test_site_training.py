@@ -15,11 +15,12 @@ from flwr.serverapp.strategy import FedAvg
 from typer.testing import CliRunner
 
 from hydrafl import server_app, site_app
-from hydrafl.arrays import from_record, to_record
+from helpers import site_read_slices
+from hydrafl.arrays import from_record, sliced_record, to_record
 from hydrafl.cli import app
 from hydrafl.config import ConfigError, RunConfig
 from hydrafl.driver import DriverConfig, RoundDriver, RoundRecord
-from hydrafl.hydranet import SubnetSpec
+from hydrafl.hydranet import Slice, SubnetSpec
 from hydrafl.kernels.elastic_loader import hash_global_batches, round_order
 from hydrafl.kernels.pseudo_gradients import cosine_to_reference, noise_scale
 from hydrafl.model_zoo import forward_flops
@@ -31,10 +32,15 @@ from hydrafl.training import train_flops_per_sample
 CFG = RunConfig(task="tabular", sites=2, samples_per_site=50, local_steps=6, batch_size=8, lr=3e-3)
 
 
-def _train_reply(nproc: int, cfg: RunConfig = CFG, node_index: int = 1, **extra: object) -> Message:
+def _train_reply(
+    nproc: int, cfg: RunConfig = CFG, node_index: int = 1, read: dict[str, Slice] | None = None, **extra: object
+) -> Message:
+    """A site's train reply from the initial model, sent whole or, with `read`, cut to those slices."""
     grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
     node = sorted(grid.get_node_ids())[node_index]
     initial = server_app.request_initial_arrays(grid, cfg)
+    if read is not None:
+        initial = sliced_record(initial, read)
     config = ConfigRecord({**cfg.to_flower(), "nproc": nproc, "server-round": 2, **extra})
     message = Message(RecordDict({"arrays": initial, "config": config}), dst_node_id=node, message_type="train")
     [reply] = grid.send_and_receive([message])
@@ -80,9 +86,12 @@ def test_every_train_reply_carries_the_data_hash_and_throughput(one_and_two_proc
 
 
 def test_a_two_process_hydra_subnetwork_sends_the_one_process_delta():
-    """Each spawned process applies the subnetwork spec itself: same masked delta, same tensors sent."""
-    spec = SubnetSpec(layers=(1,), heads=((0,),))
-    one, two = (_train_reply(nproc, **spec.to_config()) for nproc in (1, 2))
+    """Each spawned process applies the subnetwork spec itself: same masked delta, same tensors sent, also when
+    the site was sent only what its Hydra-net reads (layer 0 bypassed: not even downloaded)."""
+    spec = SubnetSpec(layers=(1,), heads=((0,),), bypass=True)
+    read = site_read_slices(CFG, spec)
+    assert not any(".layer.0." in name for name in read)
+    one, two = _train_reply(1, **spec.to_config()), _train_reply(2, read=read, **spec.to_config())
     d1, d2 = from_record(one.content["arrays"]), from_record(two.content["arrays"])
     assert sorted(d1) == sorted(d2) and not any(".layer.0." in name for name in d1)  # layer 0 not trained
     f1, f2 = _flat(one.content["arrays"]), _flat(two.content["arrays"])
