@@ -46,7 +46,7 @@ from hydrafl.hydranet import (
 from hydrafl.data.text_cohort import MINILM
 from hydrafl.losses import LossFn, classification_loss
 from hydrafl.strategies.hetlora import PRUNE_KEY, TAIL_PENALTY_KEY, TailPenalised
-from hydrafl.strategies.lora import SITE_RANK_KEY, rank_slices
+from hydrafl.strategies.lora import SITE_RANK_KEY
 from hydrafl.models import (
     Classifier,
     LoraSpec,
@@ -109,17 +109,23 @@ def site_data(cfg: RunConfig, context: Context) -> tuple[Cohort, SiteSplit]:
     return cohort, cohort.sites[partition_id]
 
 
-@lru_cache(maxsize=4)
+@lru_cache(maxsize=8)
 def _working_model(task: TaskSpec, model: str, seed: int, lora: LoraSpec | None, own_bases: bool) -> Classifier:
-    """One model object per process, reloaded from the message's arrays before every use. Messages that carry
+    """One model object per process and LoRA shape (a LoRA baseline's site of rank r trains a rank-r adapter),
+    reloaded from the message's arrays before every use. Messages that carry
     the frozen LoRA base weights (FLoRA merges into them) get a model of their own, so merged bases never
     leak into runs whose messages do not carry them."""
     return build_model(task, model=model, seed=seed, lora=lora)
 
 
-def lora_spec(cfg: RunConfig) -> LoraSpec | None:
-    """The run's LoRA settings, None without LoRA."""
-    return LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_target_list) if cfg.lora_rank else None
+def lora_spec(cfg: RunConfig, rank: int | None = None) -> LoraSpec | None:
+    """The run's LoRA settings, None without LoRA. With a LoRA baseline's site `rank` r: a rank-r adapter with
+    alpha scaled by r / R, so its update B A * alpha_r / r is what the run's rank-R adapter computes from the
+    same r components (zero beyond them)."""
+    if not cfg.lora_rank:
+        return None
+    r = rank or cfg.lora_rank
+    return LoraSpec(rank=r, alpha=cfg.lora_alpha * r / cfg.lora_rank, targets=cfg.lora_target_list)
 
 
 def _site_model(
@@ -127,23 +133,20 @@ def _site_model(
 ) -> Classifier:
     """The working model loaded with `arrays`: the whole model; with a subnetwork `spec` only what its forward
     pass reads (`hydranet.read_slices`; the rest keeps whatever it held, unread); with a LoRA baseline's `rank`
-    the first `rank` components of each factor (the rest set to zero, as a rank-`rank` LoRA has it)."""
+    a rank-`rank` adapter (`lora_spec`), sent exactly its factors."""
     own_bases = any(name.endswith(".base_layer.weight") for name in arrays)
-    model = _working_model(task, cfg.model, cfg.seed, lora_spec(cfg), own_bases)
+    model = _working_model(task, cfg.model, cfg.seed, lora_spec(cfg, rank), own_bases)
     read = None
     if spec is not None:
         layout = slice_layout(model)  # the layers as the coordinator knows them
         read = read_slices(trainable_slices(model, spec), dict(zip(layout["layout.names"], layout["layout.layers"])), spec)
-    elif rank is not None:
-        read = rank_slices(federated_state(model), rank)
-    _load(model, arrays, read, zero_rest=rank is not None)
+    _load(model, arrays, read)
     return model
 
 
-def _load(model: Classifier, arrays: ArrayRecord, read: Mapping[str, Slice] | None = None, *, zero_rest: bool = False) -> None:
+def _load(model: Classifier, arrays: ArrayRecord, read: Mapping[str, Slice] | None = None) -> None:
     """Copy `arrays` into the model's parameters. Each array is a whole tensor or, for a tensor of `read`, exactly
-    its slice (outside it the tensor keeps its values, or with `zero_rest` becomes 0); every tensor of `read`
-    must arrive."""
+    its slice (the rest of the tensor keeps its values); every tensor of `read` must arrive."""
     parameters = dict(model.named_parameters())
     unknown = sorted(set(arrays) - set(parameters))
     if unknown:
@@ -157,7 +160,7 @@ def _load(model: Classifier, arrays: ArrayRecord, read: Mapping[str, Slice] | No
             if tensor.shape == target.shape:
                 target.copy_(tensor)
             elif read is not None and name in read:
-                target.copy_(read[name].put(torch.zeros_like(target) if zero_rest else target, tensor))
+                target.copy_(read[name].put(target, tensor))
             else:
                 raise ValueError(f"array {name!r} has shape {tuple(tensor.shape)}; the model's is {tuple(target.shape)}")
 
@@ -199,7 +202,8 @@ def train(message: Message, context: Context) -> Message:
         bf16=bool(context.node_config.get("bf16", cfg.bf16)),
     )
     frozen = {name: t for name, t in model.state_dict().items() if name not in start} if local.nproc > 1 else None
-    rebuild = partial(build_site_model, cohort.task, cfg.model, cfg.seed, spec, lora=lora_spec(cfg), frozen=frozen)
+    lora = lora_spec(cfg, rank)
+    rebuild = partial(build_site_model, cohort.task, cfg.model, cfg.seed, spec, lora=lora, frozen=frozen)
     teacher = {"distill_teacher": cfg.distill_teacher, "distill_weight": cfg.distill_weight}
     loss_fn = training_loss(cohort.task, model=cfg.model, seed=cfg.seed, **teacher)
     if rank is not None and TAIL_PENALTY_KEY in config:  # a HetLoRA site's local regulariser
@@ -213,9 +217,7 @@ def train(message: Message, context: Context) -> Message:
     end = result.end_state
     if spec is not None:
         slices = trainable_slices(model, spec)
-    elif rank is not None:  # only its rank's components of each factor
-        slices = rank_slices(start, rank)
-    else:
+    else:  # the whole model, or a LoRA baseline's rank-r adapter: exactly its rank's components
         slices = {name: Slice(None) for name in start}
     # only the subnetwork's coordinates travel, as compact slices (the strategy knows which it assigned)
     delta = extract({name: start[name] - end[name] for name in slices}, slices)

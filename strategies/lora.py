@@ -1,10 +1,10 @@
 """What the LoRA-family baselines (FedIT, FLoRA, HetLoRA, FlexLoRA) share: finding the LoRA factor pairs among the
 global arrays, one rank per site sized to Hydra's budget for the site's tier, and per-site factors.
 
-A site of rank r_k trains a rank-R model (R = the run's `lora_rank`) whose factor components r_k..R-1 are zero:
-with both A's row and B's column zero a component gets exactly zero gradient, so the site trains exactly the
-r_k * (in + out) coordinates of a rank-r_k LoRA. Only those travel, both ways: a site downloads the first r_k
-rows of each A and columns of each B and zeroes the rest itself, and uploads the same slices.
+A site of rank r_k trains the run's rank-R adapter (R = `lora_rank`) as if its components r_k..R-1 were zero
+(with both A's row and B's column zero a component gets exactly zero gradient): it downloads only the first r_k
+rows of each A and columns of each B, trains them as a rank-r_k adapter (alpha scaled by r_k / R, the same
+function; `site_app.lora_spec`), so its compute and memory are rank r_k's, and uploads the same slices.
 """
 
 from __future__ import annotations

@@ -252,9 +252,9 @@ def test_minilm_masked_heads_get_zero_lora_gradient():
         assert bool(rows.abs().sum() > 0) == (head in (1, 5)), head
 
 
-def test_a_lora_site_trains_the_same_from_its_rank_alone():
-    """Sent only its rank's components, a site zeroes the rest itself: whatever its model held there before,
-    the delta equals the one from the full-shape factors truncated to its rank."""
+def test_a_lora_site_of_rank_r_trains_what_the_rank_R_adapter_does_with_zeros_beyond_r():
+    """A LoRA baseline's site of rank 3 trains a rank-3 adapter (alpha scaled by 3/8), sent only its factors;
+    the run's rank-8 adapter with components 3..7 zero computes the same function and gets the same update."""
     grid = InProcessGrid(site_app.client_app, CFG.sites, CFG.to_flower())
     initial = from_record(server_app.request_initial_arrays(grid, CFG))
     generator = torch.Generator().manual_seed(0)
@@ -262,24 +262,28 @@ def test_a_lora_site_trains_the_same_from_its_rank_alone():
     for pair in lora_pairs(initial):  # a trained-looking adapter (B != 0), truncated as a coordinator sends it
         b = torch.randn(initial[pair.b].shape, generator=generator) * 0.1
         arrays[pair.a], arrays[pair.b] = truncate(initial[pair.a], b, rank)
-    noisy = {name: t + torch.randn(t.shape, generator=generator) for name, t in initial.items()}
-    compact = extract(arrays, rank_slices(arrays, rank))
 
-    def train(state):
-        config = ConfigRecord({**CFG.to_flower(), SITE_RANK_KEY: rank, "server-round": 1})
+    def train(state, **config):
+        config = ConfigRecord({**CFG.to_flower(), "server-round": 1, **config})
         message = Message(RecordDict({"arrays": to_record(state), "config": config}), dst_node_id=FIRST_NODE_ID,
                           message_type="train")
         [reply] = grid.send_and_receive([message])
         assert not reply.has_error(), reply.error.reason
-        return from_record(reply.content["arrays"])
+        return reply
 
-    whole = train(arrays)
-    train(noisy)  # the site's model now holds non-zero components beyond the rank
-    part = train(compact)
-    assert sum(t.numel() for t in compact.values()) < sum(t.numel() for t in arrays.values())
-    assert sorted(part) == sorted(whole)
-    for name, delta in whole.items():
-        torch.testing.assert_close(part[name], delta, rtol=0, atol=0)
+    slices = rank_slices(arrays, rank)
+    small = train(extract(arrays, slices), **{SITE_RANK_KEY: rank})
+    padded = from_record(train(arrays).content["arrays"])  # no rank: the plain rank-8 LoRA site
+    for pair in lora_pairs(padded):  # components beyond the rank never move
+        assert not padded[pair.a][rank:].any() and not padded[pair.b][:, rank:].any()
+    delta = from_record(small.content["arrays"])
+    assert {name: tuple(t.shape) for name, t in delta.items()} == {
+        name: sl.taken_shape(arrays[name].shape) for name, sl in slices.items()
+    }
+    flat = torch.cat([delta[name].reshape(-1) for name in sorted(delta)])
+    reference = torch.cat([slices[name].take(padded[name]).reshape(-1) for name in sorted(delta)])
+    assert float(reference.norm()) > 1e-3 and float((flat - reference).norm() / reference.norm()) <= 1e-4
+    assert small.content["metrics"]["trainable-params"] == flat.numel()
 
 
 class _ToyLora(torch.nn.Module):
