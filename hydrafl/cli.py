@@ -14,7 +14,7 @@ from rich.table import Table
 
 import hydrafl  # noqa: F401  (sets the telemetry/offline environment before Flower is imported)
 from hydrafl.checkpoint import CheckpointError
-from hydrafl.config import ConfigError, build_simulation_config, load_toml
+from hydrafl.config import SITE_TIERS, ConfigError, build_simulation_config, load_toml
 from hydrafl.data import DataError
 from hydrafl.driver import RoundFailed
 from hydrafl.stability import OuterSetup, check, plot_stable_region
@@ -359,6 +359,9 @@ def site(
     memory_mb: Annotated[
         float, typer.Option(min=0, help="Training memory this site offers (MB); Hydra-nets are sized to fit. 0 = no limit.")
     ] = 0.0,
+    tier: Annotated[
+        str, typer.Option(help="Resource tier this site declares: small, medium or large (wins over the run's site-tiers).")
+    ] = "",
     client_app: Annotated[str, typer.Option("--app", help="ClientApp to run, as module:attribute.")] = "hydrafl.apps:client_app",
     tls_ca: Annotated[Path | None, typer.Option(help="CA that signed the coordinator's certificate (PEM); enables TLS.")] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="This site's certificate (PEM), for mutual TLS.")] = None,
@@ -374,6 +377,8 @@ def site(
         _fail("a site needs --token (printed by `hydrafl admin site add NAME`)", 2)
     if data is not None and not data.exists():
         _fail(f"--data {data} does not exist", 2)
+    if tier and tier not in SITE_TIERS:
+        _fail(f"--tier {tier!r}: choose one of {', '.join(SITE_TIERS)}", 2)
     try:
         site_policy = load_policy(policy) if policy else SitePolicy()
     except PolicyError as error:
@@ -382,6 +387,8 @@ def site(
     node_config["nproc"] = nproc
     if memory_mb:
         node_config["memory-mb"] = memory_mb
+    if tier:
+        node_config["tier"] = tier
     if bf16:
         node_config["bf16"] = True
     if data is None:

@@ -173,3 +173,8 @@ def test_admin_site_commands(tmp_path):
     listed = runner.invoke(app, ["admin", "site", "list", *db])
     assert "st-marys" in listed.output and "revoked" in listed.output
     assert runner.invoke(app, ["admin", "site", "revoke", "nobody", *db]).exit_code == 2
+
+
+def test_a_site_with_an_unknown_tier_is_refused_before_it_connects():
+    result = CliRunner().invoke(app, ["site", "--token", "t", "--tier", "huge", "--coordinator", "127.0.0.1:1"])
+    assert result.exit_code == 2 and "small, medium, large" in result.output

@@ -73,9 +73,9 @@ def deployment(tmp_path):
         _wait_serving(address)
         return process
 
-    def start_site(token: str) -> subprocess.Popen:
+    def start_site(token: str, *options: str) -> subprocess.Popen:
         log = tmp_path / f"site-{tokens.index(token)}.log"
-        process = _start("site", "--coordinator", address, "--token", token, env=env, log=log)
+        process = _start("site", "--coordinator", address, "--token", token, *options, env=env, log=log)
         processes.append(process)
         return process
 
@@ -116,19 +116,22 @@ def test_coordinator_and_three_sites_match_the_simulation(deployment, tmp_path):
 
 @pytest.mark.slow
 def test_hydra_nets_over_the_wire_match_the_simulation(deployment, tmp_path):
-    """Compact downloads and uploads (each site only its Hydra-net's slices) through the real transport."""
+    """Compact downloads and uploads (each site only its Hydra-net's slices) through the real transport; each
+    site declares its own tier (`hydrafl site --tier`), the simulation gets the same tiers from the run."""
     store, run_id, address, tokens, start_server, start_site = deployment
-    hydra = {"strategy": "hydra", "hydra-bypass": True, "site-tiers": "small,medium,large", "score-samples": 16}
+    hydra = {"strategy": "hydra", "hydra-bypass": True, "score-samples": 16}
     with store.session() as session, session.begin():
         run = session.get(StoredRun, run_id)
         run.config = {**run.config, **hydra}
     start_server()
-    for token in tokens:
-        start_site(token)
+    for token, tier in zip(tokens, ("small", "medium", "large"), strict=True):
+        start_site(token, "--tier", tier)
     _wait(lambda: store.run(run_id).status in ("finished", "failed"), 240, "the run did not finish")
     run = store.run(run_id)
     assert run.status == "finished", run.detail
-    cfg = RunConfig.from_flower({**RUN.to_flower(), **hydra, "run-dir": str(tmp_path / "sim")})
+    cfg = RunConfig.from_flower(
+        {**RUN.to_flower(), **hydra, "site-tiers": "small,medium,large", "run-dir": str(tmp_path / "sim")}
+    )
     simulated = run_strategy(cfg, "inprocess")
     for deployed, local in zip(run.history, simulated, strict=True):
         for key in ("bytes_up_per_site", "bytes_down_per_site"):  # node ids differ: compare in site order
