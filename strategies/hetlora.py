@@ -73,7 +73,7 @@ class HetLoRA(LoraBaseline):
             raise ValueError(f"HetLoRA needs 0 <= prune < 1 and tail_penalty >= 0, got {prune}, {tail_penalty}")
         self.prune, self.tail_penalty = prune, tail_penalty
 
-    def site_config(self, rank: int) -> dict[str, float]:
+    def site_config(self) -> dict[str, float]:
         return {TAIL_PENALTY_KEY: self.tail_penalty, PRUNE_KEY: self.prune} if self.tail_penalty else {}
 
     def aggregate_lora(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:

@@ -117,16 +117,16 @@ class LoraBaseline(Hydra):
                     continue
             rank = self.ranks[node]
             counts[str(node)] = _count(trainable, pairs, rank)
-            config = ConfigRecord({**sampled.content["config"], **self.site_config(rank), SITE_RANK_KEY: rank})
+            config = ConfigRecord({**sampled.content["config"], **self.site_config(), SITE_RANK_KEY: rank})
             site_arrays = self._site_arrays(node, rank, arrays, pairs)
-            download = sliced_record(site_arrays, rank_slices(site_arrays, rank))  # the site zeroes the rest
+            download = sliced_record(site_arrays, rank_slices(site_arrays, rank))  # a rank-r adapter's factors
             content = RecordDict({"arrays": download, "config": config})
             messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
         self.trainable_params[server_round] = counts
         return messages
 
-    def site_config(self, rank: int) -> dict[str, float]:
-        """What the method tells a site of rank `rank` beyond its rank (HetLoRA: its local regulariser)."""
+    def site_config(self) -> dict[str, float]:
+        """What the method tells its sites beyond their rank (HetLoRA: their local regulariser)."""
         return {}
 
     def _rank(self, node: int, trainable: ArrayRecord, pairs: list[LoraPair]) -> int:
