@@ -1207,19 +1207,26 @@ def plan_budget(
 
 
 def measure_layer_cost(
-    model: nn.Module, loss: Callable[[], torch.Tensor], optimizer: str, *, speed: float = 1.0, repeats: int = 2
+    model: nn.Module,
+    loss: Callable[[], torch.Tensor],
+    optimizer: str,
+    *,
+    speed: float = 1.0,
+    repeats: int = 2,
+    bypass: bool = False,
 ) -> LayerCost:
     """A site's LayerCost, measured on its own model and data: one training step (forward + backward) with only
     the top layer trained and with every layer trained; memory from `hydrafl.footprint` (exact, so a memory
     budget is deterministic), time the best of `repeats` steps divided by `speed` (a declared slowdown, to
-    emulate slower hardware in simulation; 1.0 on a real site, which measures its own device)."""
+    emulate slower hardware in simulation; 1.0 on a real site, which measures its own device). With `bypass`
+    the untrained layers are skipped as a bypassing Hydra-net skips them, so they cost nothing fixed."""
     if speed <= 0:
         raise ValueError(f"speed must be > 0, got {speed}")
     arch = find_architecture(model)
     num_layers = len(arch.layers)
 
     def step(layers: tuple[int, ...]) -> tuple[float, float]:
-        with apply_spec(model, SubnetSpec(layers=layers), arch):
+        with apply_spec(model, SubnetSpec(layers=layers, bypass=bypass), arch):
             peak = training_footprint(model, loss, optimizer).peak_bytes
             seconds = []
             with torch.random.fork_rng(devices=[]):

@@ -305,7 +305,9 @@ memory, and the model's slice layout (see `slice_layout`)."""
     if memory_bytes or cfg.round_timeout_s:  # the cost only sizes a Hydra-net against memory or a deadline
         x, y = batches[0]
         speed = site_resource(cfg, context, "speed")
-        cost = measure_layer_cost(model, lambda: task_loss(cohort.task)(model, x, y), cfg.inner_optimizer, speed=speed)
+        cost = measure_layer_cost(
+            model, lambda: task_loss(cohort.task)(model, x, y), cfg.inner_optimizer, speed=speed, bypass=cfg.hydra_bypass
+        )
         metrics.update({f"cost.{field.replace('_', '-')}": getattr(cost, field) for field in COST_FIELDS})
     site = ConfigRecord({"tier": site_tier(cfg, context), **slice_layout(model)})
     return Message(RecordDict({"metrics": metrics, "site": site}), reply_to=message)

@@ -19,6 +19,7 @@ from hydrafl.hydranet import (
     global_layer_scores,
     head_importance,
     layer_importance,
+    measure_layer_cost,
     plan_budget,
     select_heads,
 )
@@ -243,3 +244,16 @@ def test_plan_budget_hand_examples():
     assert (tie.layers, tie.heads) == (4, 2)
     with pytest.raises(ValueError, match="no Hydra-net fits: 1 layer / 1 head needs"):
         plan_budget(cost, memory_bytes=100, speed=1.0, deadline_s=10.0, **common)
+
+
+def test_a_bypassing_hydra_net_measures_no_fixed_cost_for_the_layers_it_skips(bert, text_batch):
+    """Frozen layers below the top one still hold activations for the embeddings' gradient; skipped ones do not.
+    Either way the linear cost model reproduces the measured all-layers step exactly."""
+    x, y = text_batch
+    loss = lambda: F.cross_entropy(bert(x), y)  # noqa: E731
+    frozen, skipped = (measure_layer_cost(bert, loss, "adamw", bypass=bypass) for bypass in (False, True))
+    assert skipped.fixed_bytes < frozen.fixed_bytes and skipped.per_layer_bytes > frozen.per_layer_bytes
+    layers = 3
+    assert skipped.fixed_bytes + layers * skipped.per_layer_bytes == pytest.approx(
+        frozen.fixed_bytes + layers * frozen.per_layer_bytes, rel=1e-12
+    )
