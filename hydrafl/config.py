@@ -56,10 +56,10 @@ class RunConfig:
     lora_targets: str = ""
     """Comma-separated module-name suffixes LoRA adapts (e.g. query,value); "" = the q/k/v/o projections."""
     hetlora_prune: float = 0.1
+    """HetLoRA rank self-pruning: the fraction of a site's rank dropped when its tail shrinks in training."""
     hetlora_tail_penalty: float = 1e-3
     """HetLoRA: lambda of the sites' local regulariser lambda * ||B_tail A_tail||_F on the rank components a
-    self-pruning step would drop (0 = none)."""
-    """HetLoRA rank self-pruning: the fraction of a site's rank dropped when its tail shrinks in training."""
+    self-pruning step would drop (0 = none); their reported train loss includes it."""
     strategy: str = "fedavg"
     rounds: int = 15
     min_sites: int = 0

@@ -1219,7 +1219,8 @@ def measure_layer_cost(
     the top layer trained and with every layer trained; memory from `hydrafl.footprint` (exact, so a memory
     budget is deterministic), time the best of `repeats` steps divided by `speed` (a declared slowdown, to
     emulate slower hardware in simulation; 1.0 on a real site, which measures its own device). With `bypass`
-    the untrained layers are skipped as a bypassing Hydra-net skips them, so they cost nothing fixed."""
+    the untrained layers are skipped as a bypassing Hydra-net skips them: their compute and activations leave
+    the fixed cost (their weights stay in memory, and in it)."""
     if speed <= 0:
         raise ValueError(f"speed must be > 0, got {speed}")
     arch = find_architecture(model)

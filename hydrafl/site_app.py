@@ -124,16 +124,19 @@ def lora_spec(cfg: RunConfig, rank: int | None = None) -> LoraSpec | None:
     same r components (zero beyond them)."""
     if not cfg.lora_rank:
         return None
-    r = rank or cfg.lora_rank
-    return LoraSpec(rank=r, alpha=cfg.lora_alpha * r / cfg.lora_rank, targets=cfg.lora_target_list)
+    if rank is None or rank == cfg.lora_rank:
+        return LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_target_list)
+    if not 1 <= rank <= cfg.lora_rank:
+        raise ValueError(f"a site's LoRA rank must be in 1..{cfg.lora_rank}, got {rank}")
+    return LoraSpec(rank=rank, alpha=cfg.lora_alpha * rank / cfg.lora_rank, targets=cfg.lora_target_list)
 
 
 def _site_model(
     task: TaskSpec, cfg: RunConfig, arrays: ArrayRecord, spec: SubnetSpec | None = None, rank: int | None = None
 ) -> Classifier:
     """The working model loaded with `arrays`: the whole model; with a subnetwork `spec` only what its forward
-    pass reads (`hydranet.read_slices`; the rest keeps whatever it held, unread); with a LoRA baseline's `rank`
-    a rank-`rank` adapter (`lora_spec`), sent exactly its factors."""
+    pass reads (`hydranet.read_slices`; see `_load`); with a LoRA baseline's `rank` a rank-`rank` adapter
+    (`lora_spec`), sent exactly its factors."""
     own_bases = any(name.endswith(".base_layer.weight") for name in arrays)
     model = _working_model(task, cfg.model, cfg.seed, lora_spec(cfg, rank), own_bases)
     read = None
@@ -146,7 +149,9 @@ def _site_model(
 
 def _load(model: Classifier, arrays: ArrayRecord, read: Mapping[str, Slice] | None = None) -> None:
     """Copy `arrays` into the model's parameters. Each array is a whole tensor or, for a tensor of `read`, exactly
-    its slice (the rest of the tensor keeps its values); every tensor of `read` must arrive."""
+    its slice; every tensor of `read` must arrive. Outside its slice a tensor is set to 0: nothing reads it
+    (masked heads and widths are multiplied by 0), and a non-finite value left there by an earlier round that
+    diverged would make that product NaN for good, since those coordinates are never sent again."""
     parameters = dict(model.named_parameters())
     unknown = sorted(set(arrays) - set(parameters))
     if unknown:
@@ -160,7 +165,7 @@ def _load(model: Classifier, arrays: ArrayRecord, read: Mapping[str, Slice] | No
             if tensor.shape == target.shape:
                 target.copy_(tensor)
             elif read is not None and name in read:
-                target.copy_(read[name].put(target, tensor))
+                target.copy_(read[name].put(torch.zeros_like(target), tensor))
             else:
                 raise ValueError(f"array {name!r} has shape {tuple(tensor.shape)}; the model's is {tuple(target.shape)}")
 
@@ -207,13 +212,16 @@ def train(message: Message, context: Context) -> Message:
     teacher = {"distill_teacher": cfg.distill_teacher, "distill_weight": cfg.distill_weight}
     loss_fn = training_loss(cohort.task, model=cfg.model, seed=cfg.seed, **teacher)
     if rank is not None and TAIL_PENALTY_KEY in config:  # a HetLoRA site's local regulariser
-        loss_fn = TailPenalised(loss_fn, float(config[TAIL_PENALTY_KEY]), rank, float(config[PRUNE_KEY]))
+        prune = float(config.get(PRUNE_KEY, cfg.hetlora_prune))
+        loss_fn = TailPenalised(loss_fn, float(config[TAIL_PENALTY_KEY]), rank, prune)
     with apply_spec(model, spec) if spec else nullcontext():
         sample = slice(0, min(cfg.batch_size, len(split.train_y)))
         footprint = training_footprint(
             model, lambda: loss_fn(model, split.train_x[sample], split.train_y[sample]), cfg.inner_optimizer
         )
-        result = train_site(model, start, split.train_x, split.train_y, local, rebuild=rebuild, loss_fn=loss_fn)
+        result = train_site(
+            model, start, split.train_x, split.train_y, local, rebuild=rebuild, loss_fn=loss_fn, spec=spec
+        )
     end = result.end_state
     if spec is not None:
         slices = trainable_slices(model, spec)

@@ -103,10 +103,12 @@ def build_site_model(
     return net
 
 
-def train_flops_per_sample(model: nn.Module, x: torch.Tensor) -> float:
-    """Training FLOPs of one sample: 3x the forward (`model_zoo.forward_flops`), at the token count the first
-    transformer layer sees for one row of `x`."""
-    first = model.get_submodule(find_architecture(model).layers[0].q)
+def train_flops_per_sample(model: nn.Module, x: torch.Tensor, spec: SubnetSpec | None = None) -> float:
+    """Training FLOPs of one sample: 3x the forward the model executes (`model_zoo.forward_flops`; the layers a
+    bypassing `spec` skips cost nothing), at the token count the first executed transformer layer sees for one
+    row of `x`."""
+    layer = min(spec.layers) if spec is not None and spec.bypass else 0
+    first = model.get_submodule(find_architecture(model).layers[layer].q)
     tokens: list[int] = []
     hook = first.register_forward_pre_hook(lambda _, args: tokens.append(args[0].shape[-2]))
     try:
@@ -114,7 +116,7 @@ def train_flops_per_sample(model: nn.Module, x: torch.Tensor) -> float:
             model(x[:1].to(next(model.parameters()).device))
     finally:
         hook.remove()
-    return 3.0 * forward_flops(model, tokens[0])
+    return 3.0 * forward_flops(model, tokens[0], spec)
 
 
 def train_site(
@@ -127,13 +129,15 @@ def train_site(
     rebuild: Callable[[], nn.Module] | None = None,
     device: str | torch.device | None = None,
     loss_fn: LossFn = classification_loss,
+    spec: SubnetSpec | None = None,
 ) -> SiteTrainResult:
     """Train for one round from `state` (the tensors to train and send back, already loaded in `model`).
 
     nproc=1 trains `model` itself in process (it ends on the device it started on, with the trained weights);
     nproc>1 needs `rebuild`, a picklable builder of the same model (e.g. `functools.partial(build_site_model,
     ...)`), and leaves `model` untouched. `device` defaults to the accelerator when there is one. `loss_fn` is
-    the task's training loss (`hydrafl.models.training_loss`), picklable for nproc > 1.
+    the task's training loss (`hydrafl.models.training_loss`), picklable for nproc > 1. `spec`: the subnetwork
+    applied to `model` (and by `rebuild`), which its MFU counts.
     """
     global_batch = min(config.batch_size, len(x))
     if global_batch % config.nproc:
@@ -168,7 +172,7 @@ def train_site(
         model.to(home)
     utilisation = None
     if result.device_name:
-        flops = train_flops_per_sample(model, x)
+        flops = train_flops_per_sample(model, x, spec)
         utilisation = mfu(
             result.samples_per_s, flops, device_name=result.device_name, devices=config.nproc, bf16=config.bf16
         )

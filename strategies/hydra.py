@@ -145,7 +145,8 @@ class Hydra(DiLoCo):
 
     def _score(self, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> None:
         """The scoring round: every site scores the current model on its own data."""
-        content = RecordDict({"arrays": arrays, "config": ConfigRecord(dict(config))})
+        # the site measures its step cost as this method's nets run: skipping layers only if they bypass
+        content = RecordDict({"arrays": arrays, "config": ConfigRecord({**config, "hydra-bypass": self.bypass})})
         queries = [Message(content, dst_node_id=node, message_type="query.scores") for node in sorted(grid.get_node_ids())]
         self.site_scores = {}
         for reply in grid.send_and_receive(queries, timeout=self.timeout_s):

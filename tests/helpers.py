@@ -73,6 +73,6 @@ def assert_resume_matches_a_straight_run(cfg: RunConfig, tmp_path: Path) -> None
 def site_read_slices(cfg: RunConfig, spec: SubnetSpec) -> dict[str, Slice]:
     """What a site's forward pass reads under `spec` (`hydranet.read_slices`), from a live model as the site
     computes it: all a Hydra-net site is sent."""
-    model = build_model(site_app.run_cohort(cfg).task, seed=cfg.seed)
+    model = build_model(site_app.run_cohort(cfg).task, model=cfg.model, seed=cfg.seed, lora=site_app.lora_spec(cfg))
     layout = site_app.slice_layout(model)
     return read_slices(trainable_slices(model, spec), dict(zip(layout["layout.names"], layout["layout.layers"])), spec)

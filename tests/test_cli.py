@@ -178,3 +178,14 @@ def test_admin_site_commands(tmp_path):
 def test_a_site_with_an_unknown_tier_is_refused_before_it_connects():
     result = CliRunner().invoke(app, ["site", "--token", "t", "--tier", "huge", "--coordinator", "127.0.0.1:1"])
     assert result.exit_code == 2 and "small, medium, large" in result.output
+
+
+def test_simulate_hydra_bypass_sends_small_sites_less(tmp_path):
+    args = ["simulate", "--task", "tabular", "--strategies", "hydra", "--hydra-bypass", "--sites", "3", "--rounds", "1",
+            "--local-steps", "1", "--site-tiers", "small,medium,large", "--out", str(tmp_path), "--no-progress"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["config"]["hydra_bypass"] is True
+    down = sorted(results["strategies"]["hydra"]["rounds"][1]["bytes_down_per_site"].values())
+    assert down[0] < down[1] < down[2]  # a small site's net skips a layer: it is not even sent

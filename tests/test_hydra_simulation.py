@@ -143,7 +143,8 @@ def test_a_site_that_declares_little_memory_gets_a_hydra_net_that_fits_it():
     ids=["frozen-layer", "bypassed-layer", "width-frozen-outside"],
 )
 def test_a_site_trains_the_same_from_only_what_its_subnetwork_reads(spec):
-    """Whatever the coordinates outside the download hold at the site, its delta is the same to the bit."""
+    """Whatever the coordinates outside the download hold at the site, even NaN, its delta is the same to the
+    bit."""
     grid = InProcessGrid(site_app.client_app, CFG.sites, CFG.to_flower())
     initial = server_app.request_initial_arrays(grid, CFG)
     config = {**spec.to_config(), "server-round": 1}
@@ -152,6 +153,13 @@ def test_a_site_trains_the_same_from_only_what_its_subnetwork_reads(spec):
     noisy = {name: t + torch.randn(t.shape, generator=generator) for name, t in from_record(initial).items()}
     _ask(grid, "train", FIRST_NODE_ID, to_record(noisy), **config)  # the site's model now holds other values
     read = site_read_slices(CFG, spec)
+    working = site_app._working_model(site_app.run_cohort(CFG).task, CFG.model, CFG.seed, None, False)
+    with torch.no_grad():  # and NaN wherever its subnetwork does not read (as a diverged round could leave)
+        for name, p in working.named_parameters():
+            if name not in read:
+                p.fill_(float("nan"))
+            elif read[name].dim is not None:
+                p[~read[name].mask(p.shape)] = float("nan")
     download = extract(from_record(initial), read)
     part = from_record(_ask(grid, "train", FIRST_NODE_ID, to_record(download), **config).content["arrays"])
     assert sorted(part) == sorted(whole) and len(whole) > 0

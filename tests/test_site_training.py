@@ -20,7 +20,7 @@ from hydrafl.arrays import from_record, sliced_record, to_record
 from hydrafl.cli import app
 from hydrafl.config import ConfigError, RunConfig
 from hydrafl.driver import DriverConfig, RoundDriver, RoundRecord
-from hydrafl.hydranet import Slice, SubnetSpec
+from hydrafl.hydranet import Slice, SubnetSpec, apply_spec
 from hydrafl.kernels.elastic_loader import hash_global_batches, round_order
 from hydrafl.kernels.pseudo_gradients import cosine_to_reference, noise_scale
 from hydrafl.model_zoo import forward_flops
@@ -254,3 +254,15 @@ def test_bf16_autocast_trains_close_to_fp32_but_not_identically(one_and_two_proc
     relative = float((bf16 - fp32).norm() / fp32.norm())
     assert 0.0 < relative < 0.5  # bfloat16 matmuls round (8-bit mantissa), yet the update points the same way
     assert float(torch.nn.functional.cosine_similarity(bf16, fp32, dim=0)) > 0.9
+
+
+def test_training_flops_of_a_bypassing_subnetwork_count_only_the_layers_it_runs():
+    """A Hydra-net that skips layer 0 still finds its token count (at its first executed layer) and is charged
+    only for what it runs."""
+    cohort = site_app.run_cohort(CFG)
+    model = build_model(cohort.task)
+    spec = SubnetSpec(layers=(1,), bypass=True)
+    tokens = cohort.task.num_features + 1
+    with apply_spec(model, spec):
+        flops = train_flops_per_sample(model, cohort.sites[0].train_x, spec)
+    assert flops == 3 * forward_flops(model, tokens, spec) < 3 * forward_flops(model, tokens)

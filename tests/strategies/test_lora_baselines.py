@@ -21,7 +21,7 @@ from hydrafl.hydranet import SubnetSpec, apply_spec, find_architecture
 from hydrafl.models import LoraSpec, build_model, federated_state, lora_base_state
 from hydrafl.simulation.compare import compare_strategies
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
-from hydrafl.strategies import AggregationError, FedIT, FlexLoRA, FLoRA, HetLoRA
+from hydrafl.strategies import AggregationError, build_strategy, FedIT, FlexLoRA, FLoRA, HetLoRA
 from hydrafl.hydranet import extract
 from hydrafl.strategies.hetlora import PRUNE_KEY, TAIL_PENALTY_KEY, TailPenalised
 from hydrafl.strategies.lora import SITE_RANK_KEY, lora_pairs, rank_slices, truncate
@@ -133,6 +133,15 @@ def test_lora_strategies_need_a_lora_run():
         SimulationConfig(strategies=("fedavg", "hetlora"))
     with pytest.raises(AggregationError, match="lora-rank"):
         lora_pairs(["net.classifier.weight"])
+
+
+def test_hetlora_tells_its_sites_the_tail_penalty_the_run_asks_for():
+    strategy = build_strategy(RunConfig(strategy="hetlora", lora_rank=4, hetlora_tail_penalty=0.5, hetlora_prune=0.25))
+    assert strategy.site_config() == {TAIL_PENALTY_KEY: 0.5, PRUNE_KEY: 0.25}
+    assert build_strategy(RunConfig(strategy="hetlora", lora_rank=4, hetlora_tail_penalty=0)).site_config() == {}
+    assert build_strategy(RunConfig(strategy="fedit", lora_rank=4)).site_config() == {}
+    with pytest.raises(ConfigError, match="hetlora-tail-penalty"):
+        RunConfig(hetlora_tail_penalty=-1.0)
 
 
 TEXT = load_cohort("clinical-text", num_sites=1, samples_per_site=8).task
