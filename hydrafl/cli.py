@@ -87,6 +87,9 @@ def simulate(
     hydra_bypass: Annotated[
         bool | None, typer.Option("--hydra-bypass", help="Hydra: sites skip the layers outside their net (not frozen).")
     ] = None,
+    hydra_lora: Annotated[
+        str | None, typer.Option(help="Hydra over LoRA: average the products B A (products) or A and B apart (factors).")
+    ] = None,
     rescore_every: Annotated[int | None, typer.Option(help="Hydra: rescore every N rounds (0 = once).")] = None,
     outer: Annotated[str | None, typer.Option(help="Hydra outer optimizer: none or nesterov.")] = None,
     nproc: Annotated[int | None, typer.Option(help="Training processes per simulated site (DDP; 1 = in process).")] = None,

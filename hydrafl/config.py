@@ -21,6 +21,7 @@ DEFAULT_STRATEGIES = ("fedavg", "fedprox", "fedadam", "diloco")
 SITE_TIERS = ("small", "medium", "large")
 OUTER_OPTIMIZERS = ("none", "nesterov")
 LAYER_SCORES = ("fisher", "taylor")
+HYDRA_LORA = ("products", "factors")
 HEAD_SCORES = ("taylor", "confidence")
 LORA_STRATEGIES = ("fedit", "flora", "hetlora", "flexlora")
 
@@ -104,6 +105,9 @@ class RunConfig:
     hydra_bypass: bool = False
     """Hydra: a site skips the layers outside its Hydra-net (identity) instead of running them frozen: less
     compute and memory, and it downloads only its Hydra-net; the sites then train a shallower network."""
+    hydra_lora: str = "products"
+    """Hydra over LoRA: average each module's product B A over the heads each site ran and factor it back to the
+    run's rank (products), or average A and B apart as FedIT does (factors; its cross terms are noise)."""
     rescore_every: int = 0
     """Hydra: sites recompute layer/head scores every this many rounds; 0 scores once, before round 1."""
     layer_score: str = "fisher"
@@ -166,6 +170,7 @@ class RunConfig:
         _check(0 < self.hydra_layers <= 1, "hydra-layers", self.hydra_layers, "a fraction in (0, 1]")
         _check(0 < self.hydra_heads <= 1, "hydra-heads", self.hydra_heads, "a fraction in (0, 1]")
         _check(self.rescore_every >= 0, "rescore-every", self.rescore_every, "an integer >= 0 (0 = score once)")
+        _check(self.hydra_lora in HYDRA_LORA, "hydra-lora", self.hydra_lora, ", ".join(HYDRA_LORA))
         _check(self.layer_score in LAYER_SCORES, "layer-score", self.layer_score, ", ".join(LAYER_SCORES))
         _check(self.head_score in HEAD_SCORES, "head-score", self.head_score, ", ".join(HEAD_SCORES))
         _check(self.score_samples >= 1, "score-samples", self.score_samples, "an integer >= 1")

@@ -16,7 +16,8 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from hydrafl.arrays import from_record, to_record
 from hydrafl.hydranet import coordinate_masks
 from hydrafl.strategies.accumulator import MaskedDeltaAccumulator
-from hydrafl.strategies.lora import LoraBaseline, lora_pairs, rank_slices, trainable_names
+from hydrafl.strategies.lora import LoraBaseline, rank_slices, trainable_names
+from hydrafl.strategies.lora_factors import lora_pairs
 
 
 class FedIT(LoraBaseline):

@@ -20,14 +20,8 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 
 from hydrafl.arrays import from_record, to_record
 from hydrafl.strategies.accumulator import WeightedDeltaAccumulator
-from hydrafl.strategies.lora import (
-    LoraBaseline,
-    lora_pairs,
-    reply_delta,
-    reply_weight,
-    step_outside_factors,
-    truncate,
-)
+from hydrafl.strategies.lora import LoraBaseline, step_outside_factors, truncate
+from hydrafl.strategies.lora_factors import lora_pairs, reply_delta, reply_weight, svd_factors
 
 
 class FlexLoRA(LoraBaseline):
@@ -53,12 +47,3 @@ class FlexLoRA(LoraBaseline):
             weights[pair.b], weights[pair.a] = svd_factors(products[pair.module].div_(head.total_weight), weights[pair.a].shape[0])
         return to_record(weights), self.train_metrics_aggr_fn(head.metric_records, self.weighted_by_key)
 
-
-def svd_factors(product: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B [out, rank], A [rank, in]) with B A the best rank-`rank` approximation of `product` (Eckart-Young),
-    components ordered by singular value so that every prefix is the best approximation of its own rank."""
-    u, s, vh = torch.linalg.svd(product, full_matrices=False)
-    b, a = torch.zeros(product.shape[0], rank), torch.zeros(rank, product.shape[1])
-    k = min(rank, s.numel())
-    b[:, :k], a[:k] = u[:, :k] * s[:k], vh[:k]
-    return b, a

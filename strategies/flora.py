@@ -22,15 +22,8 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 
 from hydrafl.arrays import from_record, to_record
 from hydrafl.strategies.accumulator import AggregationError, WeightedDeltaAccumulator
-from hydrafl.strategies.lora import (
-    LoraBaseline,
-    LoraPair,
-    lora_pairs,
-    reply_delta,
-    reply_weight,
-    step_outside_factors,
-    truncate,
-)
+from hydrafl.strategies.lora import LoraBaseline, step_outside_factors, truncate
+from hydrafl.strategies.lora_factors import LoraPair, lora_pairs, reply_delta, reply_weight
 
 
 class FLoRA(LoraBaseline):

@@ -25,13 +25,8 @@ from torch import nn
 from hydrafl.arrays import from_record, to_record
 from hydrafl.losses import LossFn
 from hydrafl.strategies.accumulator import WeightedDeltaAccumulator
-from hydrafl.strategies.lora import (
-    LoraBaseline,
-    lora_pairs,
-    reply_delta,
-    step_outside_factors,
-    truncate,
-)
+from hydrafl.strategies.lora import LoraBaseline, step_outside_factors, truncate
+from hydrafl.strategies.lora_factors import lora_pairs, reply_delta
 
 
 TAIL_PENALTY_KEY = "hetlora.tail-penalty"

@@ -4,7 +4,9 @@ Sites score layers and heads on their own data (`query.scores`, at round 1 and e
 The coordinator ranks layers globally (sample-weighted site scores, so subnetworks nest), gives each site
 the top layers its tier affords and, in them, the heads its own scores rank highest. Aggregation is the masked
 per-coordinate weighted mean of the deltas; coordinates no site trained keep their value (and momentum). The
-outer step is DiLoCo's on the trained coordinates: outer_lr 1 without momentum is the plain masked mean.
+outer step is DiLoCo's on the trained coordinates: outer_lr 1 without momentum is the plain masked mean. Over
+LoRA the masked mean and the outer step are taken on each module's product B A, masked to the rows or columns of
+the heads a site ran, and factored back to the run's rank (`lora_factors`); modules no site trained keep A, B.
 
 Design: ../shared/research/hydra-nets.md (Fisher layer scores as in Fed-HeLLo; Michel et al. head importance).
 """
@@ -36,6 +38,13 @@ from hydrafl.hydranet import (
 )
 from hydrafl.strategies.accumulator import AggregationError, MaskedDeltaAccumulator
 from hydrafl.strategies.diloco import DiLoCo
+from hydrafl.strategies.lora_factors import (
+    MaskedProductAccumulator,
+    lora_pairs,
+    reply_delta,
+    reply_weight,
+    svd_factors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +117,14 @@ class Hydra(DiLoCo):
     def __init__(  # outer_lr 1 without momentum: no outer optimizer
         self, *, tiers: Mapping[str, tuple[float, float]] = TIER_BUDGETS, untiered: tuple[float, float] = (1.0, 1.0),
         rescore_every: int = 0, timeout_s: float | None = None, local_steps: int = 1, bypass: bool = False,
-        outer_lr: float = 1.0, momentum: float = 0.0, **kwargs: Any,
+        lora_products: bool = True, outer_lr: float = 1.0, momentum: float = 0.0, **kwargs: Any,
     ) -> None:
         super().__init__(outer_lr=outer_lr, momentum=momentum, **kwargs)
         if rescore_every < 0 or not all(0 < f <= 1 for budget in (*tiers.values(), untiered) for f in budget):
             raise ValueError(f"Hydra needs rescore_every >= 0 and budget fractions in (0, 1], got {tiers=}, {untiered=}")
         self.tiers, self.untiered = dict(tiers), untiered
         self.rescore_every, self.timeout_s, self.local_steps = rescore_every, timeout_s, local_steps
-        self.bypass = bypass
+        self.bypass, self.lora_products = bypass, lora_products
         self.layout: dict[str, tuple[int, int, int]] = {}
         self.ranking: list[int] = []
         self.site_scores: dict[int, SiteScores] = {}
@@ -214,15 +223,28 @@ class Hydra(DiLoCo):
         weights = from_record(self.current_arrays)
         shapes = {name: tuple(tensor.shape) for name, tensor in weights.items()}
         accumulator = MaskedDeltaAccumulator(self.weighted_by_key)
+        pairs = lora_pairs(weights, required=False) if self.lora_products else []
+        products = MaskedProductAccumulator(pairs, weights)
         for reply in replies:
             if not reply.has_error():
                 if (node := reply.metadata.src_node_id) not in self.specs:
                     raise AggregationError(f"reply from node {node}, which was assigned no subnetwork this round")
-                accumulator.add_slices(reply, self.site_slices(node), shapes, count_once=self.count_once)
+                slices = self.site_slices(node)
+                accumulator.add_slices(reply, slices, shapes, count_once=self.count_once)
+                if pairs:
+                    weight = 1.0 if self.count_once else reply_weight(reply, self.weighted_by_key)
+                    products.add({n: d for n, d in reply_delta(reply).items() if n in products.factors}, slices, weight)
         if not accumulator.metric_records:
             return None, None
         for name, (delta, trained) in accumulator.mean().items():
-            weights[name] = self._masked_step(name, weights[name], delta, trained)
+            if name not in products.factors:
+                weights[name] = self._masked_step(name, weights[name], delta, trained)
+        product_means = products.mean()
+        for pair in pairs:
+            if pair.module in product_means:  # B A takes the step, then back to the run's rank; else A, B unchanged
+                delta, trained = product_means[pair.module]
+                product = self._masked_step(f"{pair.module}.lora-product", products.products[pair.module], delta, trained)
+                weights[pair.b], weights[pair.a] = svd_factors(product, weights[pair.a].shape[0])
         return to_record(weights), self.train_metrics_aggr_fn(accumulator.metric_records, self.weighted_by_key)
 
     def _masked_step(self, name: str, weights: torch.Tensor, delta: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:

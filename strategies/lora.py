@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,43 +24,12 @@ from hydrafl.strategies.accumulator import AggregationError, WeightedDeltaAccumu
 from hydrafl.strategies.diloco import DiLoCo
 from hydrafl.hydranet import Slice
 from hydrafl.strategies.hydra import BudgetError, Hydra, layout_slices
+from hydrafl.strategies.lora_factors import LoraPair, lora_pairs
 
 log = logging.getLogger(__name__)
 
 SITE_RANK_KEY = "lora.site-rank"
 """Train config key: the LoRA rank a site trains and uploads (`rank_slices`)."""
-
-_LORA_A = re.compile(r"^(?P<module>.+)\.lora_A\.(?P<adapter>[^.]+)\.weight$")
-
-
-@dataclass(frozen=True, slots=True)
-class LoraPair:
-    """One adapted module: A [R, in] and B [out, R] by array name; the update is B A (times alpha / R)."""
-
-    module: str
-    a: str
-    b: str
-
-    @property
-    def base(self) -> str:
-        """The module's frozen base weight (PEFT's `base_layer`)."""
-        return f"{self.module}.base_layer.weight"
-
-
-def lora_pairs(names: Iterable[str]) -> list[LoraPair]:
-    """Every (A, B) pair among `names`; AggregationError when there is none (the run has no LoRA)."""
-    names = set(names)
-    pairs = []
-    for name in sorted(names):
-        if match := _LORA_A.match(name):
-            b = f"{match['module']}.lora_B.{match['adapter']}.weight"
-            if b not in names:
-                raise AggregationError(f"LoRA factor {name!r} has no matching {b!r} among the global arrays")
-            pairs.append(LoraPair(match["module"], name, b))
-    if not pairs:
-        raise AggregationError("no LoRA factors among the global arrays: the LoRA baselines need --lora-rank R >= 1")
-    return pairs
-
 
 def truncate(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of A and B keeping their first `rank` components (rows of A, columns of B), zeros elsewhere."""
@@ -200,14 +167,3 @@ def step_outside_factors(weights: dict[str, torch.Tensor], head: WeightedDeltaAc
     for name, delta in head.mean().items():
         if name not in factors:
             weights[name] = weights[name] - delta
-
-
-def reply_weight(reply: Message, key: str) -> float:
-    """The reply's aggregation weight (e.g. num-examples); the accumulator it also went into checked it."""
-    return float(next(r for r in reply.content.values() if isinstance(r, MetricRecord))[key])
-
-
-def reply_delta(reply: Message) -> dict[str, torch.Tensor]:
-    """The reply's delta arrays (start - end) as tensors."""
-    record = next(r for r in reply.content.values() if isinstance(r, ArrayRecord))
-    return from_record(record)

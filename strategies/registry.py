@@ -71,6 +71,7 @@ _BUILDERS: dict[str, Builder] = {
         **_budget(cfg),
         rescore_every=cfg.rescore_every,
         bypass=cfg.hydra_bypass,
+        lora_products=cfg.hydra_lora == "products",
         **(
             {"outer_lr": cfg.outer_lr, "momentum": cfg.outer_momentum, "nesterov": cfg.outer_nesterov}
             if cfg.outer == "nesterov"

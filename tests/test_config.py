@@ -29,6 +29,7 @@ def test_flags_and_toml_keys_build_one_frozen_config(tmp_path):
         ({"sites": 2, "min-sites": 3}, "invalid min-sites=3"),
         ({"outer-momentum": 1.0}, "outer-momentum"),
         ({"strategies": "fedavg,fedavg"}, "no repeats"),
+        ({"hydra-lora": "stacked"}, "invalid hydra-lora='stacked'.*products, factors"),
     ],
 )
 def test_invalid_values_name_the_key(values, message):

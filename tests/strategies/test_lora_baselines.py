@@ -24,7 +24,8 @@ from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
 from hydrafl.strategies import AggregationError, build_strategy, FedIT, FlexLoRA, FLoRA, HetLoRA
 from hydrafl.hydranet import extract
 from hydrafl.strategies.hetlora import PRUNE_KEY, TAIL_PENALTY_KEY, TailPenalised
-from hydrafl.strategies.lora import SITE_RANK_KEY, lora_pairs, rank_slices, truncate
+from hydrafl.strategies.lora import SITE_RANK_KEY, rank_slices, truncate
+from hydrafl.strategies.lora_factors import lora_pairs
 
 # A toy adapted module "m": A [R=2, in=2], B [out=2, R=2]; "head" stands for the classification head.
 A, B = "m.lora_A.default.weight", "m.lora_B.default.weight"

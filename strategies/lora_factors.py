@@ -1,0 +1,137 @@
+"""LoRA factor pairs among the global arrays, and aggregation over their products B A instead of A and B apart.
+
+Averaging A and B separately gives mean(B) mean(A), not mean(B A): the cross terms are noise (FedIT's flaw, which
+FLoRA and FlexLoRA remove). Hydra over LoRA averages the products, masked to the heads each site ran, and
+factors the result back to the run's rank (`MaskedProductAccumulator`, `svd_factors`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from flwr.app import ArrayRecord, Message, MetricRecord
+
+from hydrafl.arrays import from_record
+from hydrafl.hydranet import Slice
+from hydrafl.strategies.accumulator import AggregationError
+
+_LORA_A = re.compile(r"^(?P<module>.+)\.lora_A\.(?P<adapter>[^.]+)\.weight$")
+
+
+@dataclass(frozen=True, slots=True)
+class LoraPair:
+    """One adapted module: A [R, in] and B [out, R] by array name; the update is B A (times alpha / R)."""
+
+    module: str
+    a: str
+    b: str
+
+    @property
+    def base(self) -> str:
+        """The module's frozen base weight (PEFT's `base_layer`)."""
+        return f"{self.module}.base_layer.weight"
+
+
+def lora_pairs(names: Iterable[str], *, required: bool = True) -> list[LoraPair]:
+    """Every (A, B) pair among `names`. AggregationError when an A has no B, or, if `required`, when there is
+    no pair at all (the run has no LoRA)."""
+    names = set(names)
+    pairs = []
+    for name in sorted(names):
+        if match := _LORA_A.match(name):
+            b = f"{match['module']}.lora_B.{match['adapter']}.weight"
+            if b not in names:
+                raise AggregationError(f"LoRA factor {name!r} has no matching {b!r} among the global arrays")
+            pairs.append(LoraPair(match["module"], name, b))
+    if required and not pairs:
+        raise AggregationError("no LoRA factors among the global arrays: the LoRA baselines need --lora-rank R >= 1")
+    return pairs
+
+
+def svd_factors(product: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B [out, rank], A [rank, in]) with B A the best rank-`rank` approximation of `product` (Eckart-Young),
+    components ordered by singular value so that every prefix is the best approximation of its own rank.
+    A = V^T keeps orthonormal rows even where a singular value is 0, so no component is dead (B can grow), as
+    long as the rank is at most min(out, in)."""
+    u, s, vh = torch.linalg.svd(product, full_matrices=False)
+    b, a = torch.zeros(product.shape[0], rank), torch.zeros(rank, product.shape[1])
+    k = min(rank, s.numel())
+    b[:, :k], a[:k] = u[:, :k] * s[:k], vh[:k]
+    return b, a
+
+
+def reply_weight(reply: Message, key: str) -> float:
+    """The reply's aggregation weight (e.g. num-examples); the accumulator it also went into checked it."""
+    return float(next(r for r in reply.content.values() if isinstance(r, MetricRecord))[key])
+
+
+def reply_delta(reply: Message) -> dict[str, torch.Tensor]:
+    """The reply's delta arrays (start - end) as tensors."""
+    record = next(r for r in reply.content.values() if isinstance(r, ArrayRecord))
+    return from_record(record)
+
+
+def product_slice(a: Slice | None, b: Slice | None) -> Slice:
+    """The part of B A a site trained, from its slices of A and B: the rows of its heads when B is cut by rows
+    (q/k/v), their columns when A is cut by columns (the output projection), all of it when neither is cut."""
+    a_cut = a is not None and a.dim is not None
+    b_cut = b is not None and b.dim is not None
+    if a_cut and b_cut:
+        raise AggregationError("a site trained a slice of both A and B of one module: its product is not one slice")
+    if b_cut and b.dim == 0:
+        return Slice(0, b.index)
+    if a_cut and a.dim == 1:
+        return Slice(1, a.index)
+    if a_cut or b_cut:
+        raise AggregationError("a LoRA factor is cut along its rank axis: Hydra keeps every rank component")
+    return Slice(None)
+
+
+class MaskedProductAccumulator:
+    """Per adapted module: sum_k w_k m_k (B0 A0 - B_k A_k) and sum_k w_k m_k, where B_k A_k is the product
+    site k ended with and m_k the rows (or columns) of its heads: a site's product says nothing about heads it
+    did not run, even though its shared A (or B) moved them. O(out x in) per module, whatever the number of
+    sites."""
+
+    def __init__(self, pairs: Iterable[LoraPair], start: Mapping[str, torch.Tensor]) -> None:
+        self.pairs, self.start = list(pairs), start
+        self.products = {p.module: start[p.b].float() @ start[p.a].float() for p in self.pairs}
+        self.sums: dict[str, torch.Tensor] = {}
+        self.weights: dict[str, torch.Tensor] = {}
+
+    @property
+    def factors(self) -> set[str]:
+        return {name for pair in self.pairs for name in (pair.a, pair.b)}
+
+    def add(self, deltas: Mapping[str, torch.Tensor], slices: Mapping[str, Slice], weight: float) -> None:
+        """Fold in one site's compact factor deltas (`Slice.take` shapes of `slices`, already checked)."""
+        for pair in self.pairs:
+            if pair.a not in deltas and pair.b not in deltas:
+                continue  # the site did not train this module
+            a, b = (self._end(name, deltas, slices) for name in (pair.a, pair.b))
+            trained = product_slice(slices.get(pair.a), slices.get(pair.b))
+            start = self.products[pair.module]
+            if pair.module not in self.sums:
+                self.sums[pair.module] = torch.zeros_like(start)
+                self.weights[pair.module] = torch.zeros_like(start)
+            delta = trained.take(start - b @ a)
+            trained.add_to(self.sums[pair.module], delta, alpha=weight)
+            trained.add_to(self.weights[pair.module], torch.ones_like(delta), alpha=weight)
+
+    def _end(self, name: str, deltas: Mapping[str, torch.Tensor], slices: Mapping[str, Slice]) -> torch.Tensor:
+        """The factor the site ended with: its start minus its delta on the slice it trained."""
+        factor = self.start[name].float().clone()
+        if name in deltas:
+            slices[name].add_to(factor, deltas[name].float(), alpha=-1.0)
+        return factor
+
+    def mean(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per trained module: (masked weighted mean of B0 A0 - B_k A_k, 0 where no site trained; bool mask)."""
+        out = {}
+        for module, total in self.sums.items():
+            covered = self.weights[module] > 0
+            out[module] = (total.div_(self.weights[module].clamp_(min=1e-30)).mul_(covered), covered)
+        return out
