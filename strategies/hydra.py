@@ -243,7 +243,7 @@ class Hydra(DiLoCo):
         for pair in pairs:
             if pair.module in product_means:  # B A takes the step, then back to the run's rank; else A, B unchanged
                 delta, trained = product_means[pair.module]
-                product = self._masked_step(f"{pair.module}.lora-product", products.products[pair.module], delta, trained)
+                product = self._masked_step(f"{pair.module}.lora-product", products.start_product(pair), delta, trained)
                 weights[pair.b], weights[pair.a] = svd_factors(product, weights[pair.a].shape[0])
         return to_record(weights), self.train_metrics_aggr_fn(accumulator.metric_records, self.weighted_by_key)
 

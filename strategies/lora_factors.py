@@ -91,14 +91,13 @@ def product_slice(a: Slice | None, b: Slice | None) -> Slice:
 
 
 class MaskedProductAccumulator:
-    """Per adapted module: sum_k w_k m_k (B0 A0 - B_k A_k) and sum_k w_k m_k, where B_k A_k is the product
-    site k ended with and m_k the rows (or columns) of its heads: a site's product says nothing about heads it
-    did not run, even though its shared A (or B) moved them. O(out x in) per module, whatever the number of
+    """Per adapted module: sum_k w_k m_k B_k A_k and sum_k w_k m_k, where B_k A_k is the product site k ended
+    with and m_k the rows (or columns) of its heads: a site's product says nothing about heads it did not run,
+    even though its shared A (or B) moved them. Two dense out x in sums per module, whatever the number of
     sites."""
 
     def __init__(self, pairs: Iterable[LoraPair], start: Mapping[str, torch.Tensor]) -> None:
         self.pairs, self.start = list(pairs), start
-        self.products = {p.module: start[p.b].float() @ start[p.a].float() for p in self.pairs}
         self.sums: dict[str, torch.Tensor] = {}
         self.weights: dict[str, torch.Tensor] = {}
 
@@ -113,13 +112,17 @@ class MaskedProductAccumulator:
                 continue  # the site did not train this module
             a, b = (self._end(name, deltas, slices) for name in (pair.a, pair.b))
             trained = product_slice(slices.get(pair.a), slices.get(pair.b))
-            start = self.products[pair.module]
             if pair.module not in self.sums:
-                self.sums[pair.module] = torch.zeros_like(start)
-                self.weights[pair.module] = torch.zeros_like(start)
-            delta = trained.take(start - b @ a)
-            trained.add_to(self.sums[pair.module], delta, alpha=weight)
-            trained.add_to(self.weights[pair.module], torch.ones_like(delta), alpha=weight)
+                self.sums[pair.module] = torch.zeros(b.shape[0], a.shape[1])
+                self.weights[pair.module] = torch.zeros(b.shape[0], a.shape[1])
+            if trained.dim == 0:  # only the trained rows of B_k A_k
+                end = trained.take(b) @ a
+            elif trained.dim == 1:  # only its trained columns
+                end = b @ trained.take(a)
+            else:
+                end = b @ a
+            trained.add_to(self.sums[pair.module], end, alpha=weight)
+            trained.add_to(self.weights[pair.module], torch.ones_like(end), alpha=weight)
 
     def _end(self, name: str, deltas: Mapping[str, torch.Tensor], slices: Mapping[str, Slice]) -> torch.Tensor:
         """The factor the site ended with: its start minus its delta on the slice it trained."""
@@ -128,10 +131,17 @@ class MaskedProductAccumulator:
             slices[name].add_to(factor, deltas[name].float(), alpha=-1.0)
         return factor
 
+    def start_product(self, pair: LoraPair) -> torch.Tensor:
+        """B0 A0: the module's update before the round."""
+        return self.start[pair.b].float() @ self.start[pair.a].float()
+
     def mean(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Per trained module: (masked weighted mean of B0 A0 - B_k A_k, 0 where no site trained; bool mask)."""
+        """Per trained module: (masked weighted mean of B0 A0 - B_k A_k, 0 where no site trained; bool mask).
+        Computed in place: the accumulator is spent afterwards."""
         out = {}
-        for module, total in self.sums.items():
-            covered = self.weights[module] > 0
-            out[module] = (total.div_(self.weights[module].clamp_(min=1e-30)).mul_(covered), covered)
+        for pair in self.pairs:
+            if pair.module in self.sums:
+                covered = self.weights[pair.module] > 0
+                mean_end = self.sums[pair.module].div_(self.weights[pair.module].clamp_(min=1e-30))
+                out[pair.module] = (self.start_product(pair).sub_(mean_end).mul_(covered), covered)
         return out
