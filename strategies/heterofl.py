@@ -28,7 +28,7 @@ class HeteroFL(Hydra):
     """HeteroFL averages a coordinate over the sites that trained it, each counting once."""
 
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(lora_products=False, **kwargs)  # the paper's rule: each coordinate, LoRA factors too
         self.server_round = 0
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.width_layout: dict[str, WidthAxis] = {}

@@ -19,6 +19,7 @@ from hydrafl.models import build_model
 from hydrafl.simulation.compare import compare_strategies
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
 from hydrafl.strategies import Hydra, build_strategy, layout_slices
+from hydrafl.strategies.lora_factors import lora_pairs
 
 CFG = dataclasses.replace(TIERED_RUN, strategy="hydra")
 
@@ -197,3 +198,23 @@ def test_hydra_sends_each_site_only_what_its_hydra_net_reads():
         assert record["bytes_down_per_site"] == expected
     down = {TIER_OF_NODE[int(node)]: n for node, n in expected.items()}
     assert down["small"] < down["medium"] < down["large"] == record_nbytes(initial)  # large: the whole model
+
+
+@pytest.mark.parametrize("task", ["clinical-text", "clinical-notes-lm"])  # BERT (q/k/v/o) and Llama (GQA) layouts
+def test_hydra_over_lora_steps_the_products_of_trained_layers_and_keeps_the_rest(task):
+    cfg = dataclasses.replace(CFG, task=task, lora_rank=4, site_tiers="small,small,small", rounds=1)  # one layer of two
+    strategy = build_strategy(cfg)
+    grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
+    initial = from_record(server_app.request_initial_arrays(grid, cfg))
+    final = from_record(server_app.run_federation(grid, cfg, strategy=strategy).arrays)
+
+    trained_layers = {layer for spec in strategy.specs.values() for layer in spec.layers}
+    pairs = lora_pairs(initial)
+    untrained = [pair for pair in pairs if strategy.layout[pair.a][0] not in trained_layers]
+    assert untrained and len(untrained) < len(pairs)
+    for pair in pairs:
+        if pair in untrained:  # factors bit for bit
+            assert torch.equal(final[pair.a], initial[pair.a]) and torch.equal(final[pair.b], initial[pair.b])
+        else:  # the averaged product, factored back to rank 4: B = U S, A = V^T
+            assert not torch.allclose(final[pair.b] @ final[pair.a], initial[pair.b] @ initial[pair.a])
+            torch.testing.assert_close(final[pair.a] @ final[pair.a].T, torch.eye(4), atol=1e-5, rtol=0)

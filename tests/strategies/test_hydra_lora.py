@@ -7,8 +7,9 @@ import pytest
 from flwr.app import Array, ArrayRecord
 from helpers import make_reply
 
+from hydrafl.config import RunConfig
 from hydrafl.hydranet import Slice, SubnetSpec
-from hydrafl.strategies import AggregationError, Hydra
+from hydrafl.strategies import AggregationError, Hydra, build_strategy
 from hydrafl.strategies.lora_factors import product_slice
 
 RANK = 4
@@ -100,6 +101,13 @@ def test_outer_step_in_product_space_with_lr_one_and_no_momentum_is_the_plain_me
     halved = _aggregate(Hydra(outer_lr=0.5))
     start_q = START[Q_B].astype(np.float64) @ START[Q_A]
     np.testing.assert_allclose(halved[Q_B] @ halved[Q_A], (start_q + plain[Q_B] @ plain[Q_A]) / 2, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["heterofl", "fjord", "fedrolex"])
+def test_width_baselines_keep_their_papers_coordinate_rule_over_lora(name):
+    assert build_strategy(RunConfig(strategy=name, lora_rank=4)).lora_products is False
+    assert build_strategy(RunConfig(strategy="hydra", lora_rank=4)).lora_products is True
+    assert build_strategy(RunConfig(strategy="hydra", lora_rank=4, hydra_lora="factors")).lora_products is False
 
 
 def test_product_slice_of_a_sites_factor_slices():
