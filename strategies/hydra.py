@@ -6,7 +6,8 @@ the top layers its tier affords and, in them, the heads its own scores rank high
 per-coordinate weighted mean of the deltas; coordinates no site trained keep their value (and momentum). The
 outer step is DiLoCo's on the trained coordinates: outer_lr 1 without momentum is the plain masked mean. Over
 LoRA the masked mean and the outer step are taken on each module's product B A, masked to the rows or columns of
-the heads a site ran, and factored back to the run's rank (`lora_factors`); modules no site trained keep A, B.
+the heads a site ran, and factored back to the run's rank (`lora_factors`): the best rank-R approximation, so
+heads no site ran move by that cut when their module was trained; modules no site trained keep A and B.
 
 Design: ../shared/research/hydra-nets.md (Fisher layer scores as in Fed-HeLLo; Michel et al. head importance).
 """
@@ -41,7 +42,6 @@ from hydrafl.strategies.diloco import DiLoCo
 from hydrafl.strategies.lora_factors import (
     MaskedProductAccumulator,
     lora_pairs,
-    reply_delta,
     reply_weight,
     svd_factors,
 )
@@ -232,8 +232,7 @@ class Hydra(DiLoCo):
                 slices = self.site_slices(node)
                 accumulator.add_slices(reply, slices, shapes, count_once=self.count_once)
                 if pairs:
-                    weight = 1.0 if self.count_once else reply_weight(reply, self.weighted_by_key)
-                    products.add({n: d for n, d in reply_delta(reply).items() if n in products.factors}, slices, weight)
+                    products.add(reply, slices, 1.0 if self.count_once else reply_weight(reply, self.weighted_by_key))
         if not accumulator.metric_records:
             return None, None
         for name, (delta, trained) in accumulator.mean().items():
@@ -243,7 +242,10 @@ class Hydra(DiLoCo):
         for pair in pairs:
             if pair.module in product_means:  # B A takes the step, then back to the run's rank; else A, B unchanged
                 delta, trained = product_means[pair.module]
-                product = self._masked_step(f"{pair.module}.lora-product", products.start_product(pair), delta, trained)
+                start = products.start_products[pair.module]
+                product = self._masked_step(f"{pair.module}.lora-product", start, delta, trained)
+                if not torch.isfinite(product).all():
+                    raise AggregationError(f"the product B A of {pair.module!r} is not finite after the step")
                 weights[pair.b], weights[pair.a] = svd_factors(product, weights[pair.a].shape[0])
         return to_record(weights), self.train_metrics_aggr_fn(accumulator.metric_records, self.weighted_by_key)
 

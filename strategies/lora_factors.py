@@ -8,7 +8,7 @@ factors the result back to the run's rank (`MaskedProductAccumulator`, `svd_fact
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -68,10 +68,12 @@ def reply_weight(reply: Message, key: str) -> float:
     return float(next(r for r in reply.content.values() if isinstance(r, MetricRecord))[key])
 
 
-def reply_delta(reply: Message) -> dict[str, torch.Tensor]:
-    """The reply's delta arrays (start - end) as tensors."""
+def reply_delta(reply: Message, names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+    """The reply's delta arrays (start - end) as tensors; only those in `names` when given (no copy of the rest)."""
     record = next(r for r in reply.content.values() if isinstance(r, ArrayRecord))
-    return from_record(record)
+    if names is None:
+        return from_record(record)
+    return {name: torch.from_numpy(record[name].numpy()) for name in record if name in names}
 
 
 def product_slice(a: Slice | None, b: Slice | None) -> Slice:
@@ -94,19 +96,21 @@ class MaskedProductAccumulator:
     """Per adapted module: sum_k w_k m_k B_k A_k and sum_k w_k m_k, where B_k A_k is the product site k ended
     with and m_k the rows (or columns) of its heads: a site's product says nothing about heads it did not run,
     even though its shared A (or B) moved them. Two dense out x in sums per module, whatever the number of
-    sites."""
+    sites (the mask is whole rows or columns, but one site's may be the whole module)."""
 
     def __init__(self, pairs: Iterable[LoraPair], start: Mapping[str, torch.Tensor]) -> None:
         self.pairs, self.start = list(pairs), start
+        self.factors = {name for pair in self.pairs for name in (pair.a, pair.b)}
+        """The arrays this accumulator owns; every other array is averaged coordinate by coordinate."""
         self.sums: dict[str, torch.Tensor] = {}
         self.weights: dict[str, torch.Tensor] = {}
+        self.start_products: dict[str, torch.Tensor] = {}
+        """B0 A0 of each module `mean` averaged: the point its step starts from."""
 
-    @property
-    def factors(self) -> set[str]:
-        return {name for pair in self.pairs for name in (pair.a, pair.b)}
-
-    def add(self, deltas: Mapping[str, torch.Tensor], slices: Mapping[str, Slice], weight: float) -> None:
-        """Fold in one site's compact factor deltas (`Slice.take` shapes of `slices`, already checked)."""
+    def add(self, reply: Message, slices: Mapping[str, Slice], weight: float) -> None:
+        """Fold in one site's reply: its compact factor deltas (`Slice.take` shapes of `slices`, already checked
+        by the coordinate accumulator the reply also went into)."""
+        deltas = reply_delta(reply, self.factors)
         for pair in self.pairs:
             if pair.a not in deltas and pair.b not in deltas:
                 continue  # the site did not train this module
@@ -131,10 +135,6 @@ class MaskedProductAccumulator:
             slices[name].add_to(factor, deltas[name].float(), alpha=-1.0)
         return factor
 
-    def start_product(self, pair: LoraPair) -> torch.Tensor:
-        """B0 A0: the module's update before the round."""
-        return self.start[pair.b].float() @ self.start[pair.a].float()
-
     def mean(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Per trained module: (masked weighted mean of B0 A0 - B_k A_k, 0 where no site trained; bool mask).
         Computed in place: the accumulator is spent afterwards."""
@@ -143,5 +143,6 @@ class MaskedProductAccumulator:
             if pair.module in self.sums:
                 covered = self.weights[pair.module] > 0
                 mean_end = self.sums[pair.module].div_(self.weights[pair.module].clamp_(min=1e-30))
-                out[pair.module] = (self.start_product(pair).sub_(mean_end).mul_(covered), covered)
+                self.start_products[pair.module] = start = self.start[pair.b].float() @ self.start[pair.a].float()
+                out[pair.module] = ((start - mean_end).mul_(covered), covered)
         return out

@@ -43,18 +43,29 @@ LARGE_DELTA = {
 N_SMALL, N_LARGE = 10, 30
 
 
-def _aggregate(strategy: Hydra) -> dict[str, np.ndarray]:
+def _aggregate(strategy: Hydra, start: dict[str, np.ndarray] = START, server_round: int = 1) -> dict[str, np.ndarray]:
     strategy.layout, strategy.specs = dict(LAYOUT), {1: SMALL, 2: LARGE}
-    strategy.current_arrays = ArrayRecord({k: Array(v) for k, v in START.items()})
+    strategy.current_arrays = ArrayRecord({k: Array(v) for k, v in start.items()})
     replies = [make_reply(SMALL_DELTA, N_SMALL, node_id=1), make_reply(LARGE_DELTA, N_LARGE, node_id=2)]
-    new, _ = strategy.aggregate_train(1, iter(replies))
+    new, _ = strategy.aggregate_train(server_round, iter(replies))
     return {name: array.numpy() for name, array in new.items()}
 
 
-def _end(name: str, delta: np.ndarray, rows: slice = slice(None), columns: slice = slice(None)) -> np.ndarray:
-    end = START[name].astype(np.float64)
+def _end(
+    name: str, delta: np.ndarray, rows: slice = slice(None), columns: slice = slice(None), start: dict = START
+) -> np.ndarray:
+    end = start[name].astype(np.float64)
     end[rows, columns] -= delta
     return end
+
+
+def _mean_q_step(start: dict[str, np.ndarray]) -> np.ndarray:
+    """B0 A0 minus the masked mean of the sites' end products of q, by hand (the pseudo-gradient of B A)."""
+    small = _end(Q_B, SMALL_DELTA[Q_B], rows=slice(0, 2), start=start) @ _end(Q_A, SMALL_DELTA[Q_A], start=start)
+    large = _end(Q_B, LARGE_DELTA[Q_B], start=start) @ _end(Q_A, LARGE_DELTA[Q_A], start=start)
+    mean = large.copy()
+    mean[:2] = (N_SMALL * small[:2] + N_LARGE * large[:2]) / (N_SMALL + N_LARGE)
+    return start[Q_B].astype(np.float64) @ start[Q_A] - mean
 
 
 def test_products_are_averaged_over_the_heads_each_site_ran_and_factored_back_to_the_rank():
@@ -68,7 +79,7 @@ def test_products_are_averaged_over_the_heads_each_site_ran_and_factored_back_to
     expected_q[:2] = (N_SMALL * small_q[:2] + N_LARGE * large_q[:2]) / (N_SMALL + N_LARGE)
     # out 4 x in 3 has rank <= 3 < RANK: factoring back is exact
     np.testing.assert_allclose(new[Q_B] @ new[Q_A], expected_q, atol=1e-5)
-    assert not np.allclose(expected_q, start_q)
+    np.testing.assert_allclose(start_q - _mean_q_step(START), expected_q)  # the helper the outer-step test uses
 
     # o: the small site counts on head 0's columns only
     small_o = _end(O_B, SMALL_DELTA[O_B]) @ _end(O_A, SMALL_DELTA[O_A], columns=slice(0, 2))
@@ -89,18 +100,53 @@ def test_products_are_averaged_over_the_heads_each_site_ran_and_factored_back_to
 def test_averaging_the_factors_apart_is_what_products_avoid():
     """With factors, B A is mean(B) mean(A): the cross terms move it off the mean product."""
     factors, products = _aggregate(Hydra(lora_products=False)), _aggregate(Hydra())
-    np.testing.assert_allclose(factors[L1_A], START[L1_A])
     gap = np.abs(factors[Q_B] @ factors[Q_A] - products[Q_B] @ products[Q_A]).max()
     assert gap > 0.1
 
 
-def test_outer_step_in_product_space_with_lr_one_and_no_momentum_is_the_plain_mean():
-    plain = _aggregate(Hydra())
-    outer = _aggregate(Hydra(outer_lr=1.0, momentum=0.0, nesterov=True))
-    np.testing.assert_array_equal(outer[Q_B] @ outer[Q_A], plain[Q_B] @ plain[Q_A])
-    halved = _aggregate(Hydra(outer_lr=0.5))
-    start_q = START[Q_B].astype(np.float64) @ START[Q_A]
-    np.testing.assert_allclose(halved[Q_B] @ halved[Q_A], (start_q + plain[Q_B] @ plain[Q_A]) / 2, atol=1e-5)
+def test_a_product_of_higher_rank_is_cut_to_its_best_rank_r_approximation():
+    """8 x 8 products at rank 2: the averaged product (head 1's rows, which no site ran, at their start) has
+    rank above 2, and what comes back is its best rank-2 approximation, so head 1's rows move only by that cut."""
+    rank, q_a, q_b = 2, "m.q.lora_A.default.weight", "m.q.lora_B.default.weight"
+    start = {q_a: rng.normal(size=(rank, 8)).astype(np.float32), q_b: rng.normal(size=(8, rank)).astype(np.float32)}
+    deltas = [
+        {q_a: rng.normal(size=(rank, 8)), q_b: rng.normal(size=(4, rank))} for _ in range(2)  # head 0: rows 0-3
+    ]
+    strategy = Hydra()
+    strategy.layout = {q_a: (0, -1, 4), q_b: (0, 0, 4)}
+    strategy.specs = {1: SubnetSpec(layers=(0,), heads=((0,),)), 2: SubnetSpec(layers=(0,), heads=((0,),))}
+    strategy.current_arrays = ArrayRecord({k: Array(v) for k, v in start.items()})
+    new, _ = strategy.aggregate_train(1, iter([make_reply(d, n, node_id=i + 1) for i, (d, n) in enumerate(zip(deltas, (1, 3)))]))
+    new = {name: array.numpy() for name, array in new.items()}
+
+    ends = [_end(q_b, d[q_b], rows=slice(0, 4), start=start) @ _end(q_a, d[q_a], start=start) for d in deltas]
+    expected = start[q_b].astype(np.float64) @ start[q_a]
+    expected[:4] = (1 * ends[0][:4] + 3 * ends[1][:4]) / 4
+    assert np.linalg.matrix_rank(expected) > rank
+    u, s, vh = np.linalg.svd(expected)
+    best = (u[:, :rank] * s[:rank]) @ vh[:rank]
+    np.testing.assert_allclose(new[q_b] @ new[q_a], best, atol=1e-4)
+    head_1_moved = np.abs(best[4:] - expected[4:]).max()
+    assert 1e-3 < head_1_moved < np.abs(expected[4:]).max()
+
+
+def test_outer_nesterov_runs_on_the_products_across_rounds_and_resumes():
+    lr, momentum = 0.7, 0.9
+    strategy = Hydra(outer_lr=lr, momentum=momentum, nesterov=True)
+    after_1 = _aggregate(strategy)
+    d1 = _mean_q_step(START)
+    p1 = START[Q_B].astype(np.float64) @ START[Q_A] - lr * (d1 + momentum * d1)  # buffer b1 = d1
+    np.testing.assert_allclose(after_1[Q_B] @ after_1[Q_A], p1, atol=1e-4)  # rank 3 < 4: no cut
+    assert sorted(strategy.momentum_buffer) == [HEAD, "l0.o.lora-product", "l0.q.lora-product"]
+
+    resumed = Hydra(outer_lr=lr, momentum=momentum, nesterov=True)
+    resumed.load_state_dict(strategy.state_dict())
+    after_2 = _aggregate(resumed, start=after_1, server_round=2)
+    d2 = _mean_q_step(after_1)
+    b2 = momentum * d1 + d2
+    p2 = after_1[Q_B].astype(np.float64) @ after_1[Q_A] - lr * (d2 + momentum * b2)
+    np.testing.assert_allclose(after_2[Q_B] @ after_2[Q_A], p2, atol=1e-4)
+    np.testing.assert_array_equal(after_2[L1_A], START[L1_A])  # untrained: no momentum leaks in
 
 
 @pytest.mark.parametrize("name", ["heterofl", "fjord", "fedrolex"])
@@ -108,6 +154,12 @@ def test_width_baselines_keep_their_papers_coordinate_rule_over_lora(name):
     assert build_strategy(RunConfig(strategy=name, lora_rank=4)).lora_products is False
     assert build_strategy(RunConfig(strategy="hydra", lora_rank=4)).lora_products is True
     assert build_strategy(RunConfig(strategy="hydra", lora_rank=4, hydra_lora="factors")).lora_products is False
+
+
+def test_a_product_that_overflows_is_refused_by_name():
+    start = {**START, Q_A: np.full((RANK, 3), 1e30, np.float32), Q_B: np.full((4, RANK), 1e30, np.float32)}
+    with pytest.raises(AggregationError, match="product B A of 'l0.q' is not finite"):
+        _aggregate(Hydra(), start=start)
 
 
 def test_product_slice_of_a_sites_factor_slices():
