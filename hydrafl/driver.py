@@ -107,6 +107,9 @@ class DriverConfig:
     """Checkpoints, history.json and rounds.tsv go here; None keeps the run in memory only."""
     run_config: dict[str, Any] = field(default_factory=dict)
     """Saved with checkpoints; a resume with a different configuration is refused."""
+    run_config_defaults: dict[str, Any] = field(default_factory=dict)
+    """Each run config key's default. A key a checkpoint lacks was added by a later hydrafl; a resume that
+    leaves it at its default goes on (a coordinator upgraded mid-run keeps its runs), with a warning."""
     diagnostics: bool = False
     """Compute B_pg over each round's deltas (and the full-data cosine when `reference_node` is set)."""
     reference_node: int | None = None
@@ -283,10 +286,17 @@ class RoundDriver:
             return None
         saved = {k: v for k, v in checkpoint.run_config.items() if k not in ("rounds", "resume")}
         current = {k: v for k, v in self.config.run_config.items() if k not in ("rounds", "resume")}
-        changed = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
+        defaults = self.config.run_config_defaults
+        added = sorted(k for k in current.keys() - saved.keys() if k in defaults and current[k] == defaults[k])
+        changed = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k) and k not in added)
         if changed:
             raise CheckpointError(
                 f"cannot resume {self.config.run_dir}: configuration changed since it was written ({', '.join(changed)})"
+            )
+        if added:
+            log.warning(
+                "resuming %s, written before these keys existed; they take their defaults: %s",
+                self.config.run_dir, ", ".join(f"{k}={defaults[k]!r}" for k in added),
             )
         return checkpoint
 

@@ -70,6 +70,7 @@ def run_federation(
             evaluate_config=cfg.to_flower(),
             run_dir=Path(cfg.run_dir) if cfg.run_dir else None,
             run_config=cfg.to_flower(),
+            run_config_defaults=RunConfig().to_flower(),
             diagnostics=cfg.diagnostics,
             reference_node=reference_node if cfg.diagnostics else None,
         ),

@@ -13,7 +13,7 @@ from flwr.clientapp import ClientApp
 
 from hydrafl import server_app, site_app
 from hydrafl.arrays import from_record, to_record
-from hydrafl.checkpoint import CheckpointError
+from hydrafl.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from hydrafl.driver import RoundFailed
 from hydrafl.simulation.grid import InProcessGrid
 
@@ -71,6 +71,21 @@ def test_resume_refuses_a_changed_configuration(small_run):
     _run(dataclasses.replace(small_run, rounds=1))
     with pytest.raises(CheckpointError, match="lr"):
         _run(dataclasses.replace(small_run, rounds=2, lr=0.5, resume=True))
+
+
+def test_resume_of_a_checkpoint_older_than_a_key_goes_on_while_the_key_is_at_its_default(small_run, caplog):
+    """A coordinator upgraded mid-run: its checkpoint lacks a key a later hydrafl added."""
+    run_dir = Path(small_run.run_dir)
+    _run(dataclasses.replace(small_run, rounds=1))
+    old = load_checkpoint(run_dir)
+    written_before = {k: v for k, v in old.run_config.items() if k != "hydra-lora"}
+    save_checkpoint(run_dir, dataclasses.replace(old, run_config=written_before))
+    resumed = _run(dataclasses.replace(small_run, rounds=2, resume=True))
+    assert [record["round"] for record in resumed.history] == [0, 1, 2]
+    assert "they take their defaults: hydra-lora='products'" in caplog.text
+    save_checkpoint(run_dir, dataclasses.replace(old, run_config=written_before))
+    with pytest.raises(CheckpointError, match="hydra-lora"):  # set to something else: not the run it was
+        _run(dataclasses.replace(small_run, rounds=2, resume=True, hydra_lora="factors"))
 
 
 def test_round_with_too_few_successful_sites_fails_the_run(small_run):
