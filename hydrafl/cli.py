@@ -87,6 +87,9 @@ def simulate(
     hydra_bypass: Annotated[
         bool | None, typer.Option("--hydra-bypass", help="Hydra: sites skip the layers outside their net (not frozen).")
     ] = None,
+    hydra_head_mode: Annotated[
+        str | None, typer.Option(help="Hydra: heads outside a site's net are dropped (masked) or frozen (run untrained).")
+    ] = None,
     hydra_lora: Annotated[
         str | None, typer.Option(help="Hydra over LoRA: average the products B A (products) or A and B apart (factors).")
     ] = None,

@@ -22,6 +22,7 @@ SITE_TIERS = ("small", "medium", "large")
 OUTER_OPTIMIZERS = ("none", "nesterov")
 LAYER_SCORES = ("fisher", "taylor")
 HYDRA_LORA = ("products", "factors")
+HEAD_MODES = ("drop", "freeze")
 HEAD_SCORES = ("taylor", "confidence")
 LORA_STRATEGIES = ("fedit", "flora", "hetlora", "flexlora")
 
@@ -105,6 +106,9 @@ class RunConfig:
     hydra_bypass: bool = False
     """Hydra: a site skips the layers outside its Hydra-net (identity) instead of running them frozen: less
     compute and memory, and it downloads only its Hydra-net; the sites then train a shallower network."""
+    hydra_head_mode: str = "drop"
+    """Hydra: the heads outside a site's net are dropped (masked out of its forward pass) or frozen (they run,
+    untrained, so the site trains the global model's own function; it then also downloads them)."""
     hydra_lora: str = "products"
     """Hydra over LoRA: average each module's product B A over the heads each site ran and factor it back to the
     run's rank (products), or average A and B apart as FedIT does (factors; its cross terms are noise)."""
@@ -170,6 +174,7 @@ class RunConfig:
         _check(0 < self.hydra_layers <= 1, "hydra-layers", self.hydra_layers, "a fraction in (0, 1]")
         _check(0 < self.hydra_heads <= 1, "hydra-heads", self.hydra_heads, "a fraction in (0, 1]")
         _check(self.rescore_every >= 0, "rescore-every", self.rescore_every, "an integer >= 0 (0 = score once)")
+        _check(self.hydra_head_mode in HEAD_MODES, "hydra-head-mode", self.hydra_head_mode, ", ".join(HEAD_MODES))
         _check(self.hydra_lora in HYDRA_LORA, "hydra-lora", self.hydra_lora, ", ".join(HYDRA_LORA))
         _check(self.layer_score in LAYER_SCORES, "layer-score", self.layer_score, ", ".join(LAYER_SCORES))
         _check(self.head_score in HEAD_SCORES, "head-score", self.head_score, ", ".join(HEAD_SCORES))

@@ -77,6 +77,9 @@ class SubnetSpec:
         widths; the strategy varies it per round and site.
     bypass: unselected layers are skipped (identity on hidden states, saves their compute) instead of frozen.
         This changes the function the site trains, so it is part of the spec, not a site-local choice.
+    freeze_heads: dropped heads stay in the forward pass, frozen (their coordinates get zero gradient), instead
+        of being masked out: the site trains the global model's own function, which matters for a pretrained
+        model, and reads the dropped heads' coordinates too. Both cost the same compute.
     train_outside: the trainable tensors outside the transformer layers (classifier / LoRA-saved head,
         embeddings when trainable) are trained too; False freezes them.
     """
@@ -89,6 +92,7 @@ class SubnetSpec:
     width_seed: int = 0
     bypass: bool = False
     train_outside: bool = True
+    freeze_heads: bool = False
 
     def __post_init__(self) -> None:
         layers = _int_tuple(self.layers, "layer indices")
@@ -124,6 +128,7 @@ class SubnetSpec:
         object.__setattr__(self, "width_ratio", float(ratio))
         object.__setattr__(self, "width_levels", tuple(sorted({float(v) for v in levels})))
         object.__setattr__(self, "bypass", bool(self.bypass))
+        object.__setattr__(self, "freeze_heads", bool(self.freeze_heads))
         object.__setattr__(self, "train_outside", bool(self.train_outside))
 
     @classmethod
@@ -169,6 +174,7 @@ class SubnetSpec:
             f"{prefix}width-ratio": self.width_ratio,
             f"{prefix}bypass": self.bypass,
             f"{prefix}train-outside": self.train_outside,
+            f"{prefix}freeze-heads": self.freeze_heads,
         }
         if self.heads is not None:
             config[f"{prefix}head-counts"] = [len(h) for h in self.heads]
@@ -224,6 +230,7 @@ class SubnetSpec:
             width_seed=get("width-seed", (int,), 0),
             bypass=get("bypass", (bool,)),
             train_outside=get("train-outside", (bool,)),
+            freeze_heads=get("freeze-heads", (bool,), False),
         )
 
 
@@ -450,6 +457,24 @@ class _HeadMask:
         return (masked, *args[1:])
 
 
+class _GradientMask:
+    """Gradient hook of a parameter: zero outside the coordinates its site trains."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self.mask = mask
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad * self.mask.to(dtype=grad.dtype, device=grad.device)
+
+
+def _freeze_dropped_heads(model: nn.Module, spec: SubnetSpec, arch: Architecture, handle: SubnetHandle) -> None:
+    params = dict(model.named_parameters())
+    for name, sl in trainable_slices(model, spec, arch).items():
+        if sl.dim is not None:  # a tensor some dropped head owns part of
+            hook = _GradientMask(sl.mask(params[name].shape))
+            handle._hooks.append(params[name].register_hook(hook))
+
+
 def _identity_layer(*args: Any, **kwargs: Any) -> Any:
     return args[0] if args else kwargs["hidden_states"]
 
@@ -495,7 +520,8 @@ def apply_spec(model: nn.Module, spec: SubnetSpec, arch: Architecture | None = N
     - Dropped heads of selected layers: a forward pre-hook on the attention output projection multiplies the
       concatenated head outputs by a 0/1 mask per KV group, so their q/k/v rows, o columns, LoRA B rows of
       q/k/v and LoRA A columns of o get exactly zero gradient. (An optimizer with weight decay still moves
-      those coordinates; `extract` never sends them.)
+      those coordinates; `extract` never sends them.) With `spec.freeze_heads` they stay in the forward pass
+      and a gradient hook on each of those tensors zeroes the same coordinates instead.
     - `spec.train_outside=False` freezes the trainable tensors outside the layers as well.
     - A width spec (`spec.is_width`): in selected layers, forward hooks zero the dropped dims of every head at
       the q and k outputs and at the o input, and the dropped FFN hidden units at the FFN output projection's
@@ -521,11 +547,13 @@ def apply_spec(model: nn.Module, spec: SubnetSpec, arch: Architecture | None = N
                     handle._bypassed.append(layer_module)
                 continue
             kept = spec.heads_for(ref.index)
-            if kept is None:
+            if kept is None or spec.freeze_heads:
                 continue
             keep = torch.zeros(arch.num_groups)
             keep[list(kept)] = 1.0
             handle._hooks.append(model.get_submodule(ref.o).register_forward_pre_hook(_HeadMask(keep)))
+        if spec.freeze_heads and spec.heads is not None:
+            _freeze_dropped_heads(model, spec, arch, handle)
         if spec.is_width:
             _add_width_hooks(model, spec, arch, handle)
     except BaseException:
@@ -636,10 +664,11 @@ def read_slices(trained: Mapping[str, Slice], layers: Mapping[str, int], spec: S
     """The coordinates a subnetwork's forward pass reads, which is all a site has to download: what it trains
     (`trained`, from `trainable_slices` or the coordinator's layout), and every other federated tensor whole
     (`layers`: per name its layer, -1 outside the layers) except those of the layers `spec.bypass` skips.
-    Dropped heads and widths are outside it: `apply_spec` zeroes their outputs before anything uses them.
+    Dropped heads and widths are outside it: `apply_spec` zeroes their outputs before anything uses them
+    (unless `spec.freeze_heads` keeps them running: then every read tensor is whole).
     The coordinator and the site both compute it, so it depends on nothing but these arguments."""
     return {
-        name: trained.get(name, Slice(None))
+        name: Slice(None) if spec.freeze_heads else trained.get(name, Slice(None))
         for name, layer in layers.items()
         if name in trained or not (spec.bypass and layer >= 0 and layer not in spec.layers)
     }

@@ -117,14 +117,14 @@ class Hydra(DiLoCo):
     def __init__(  # outer_lr 1 without momentum: no outer optimizer
         self, *, tiers: Mapping[str, tuple[float, float]] = TIER_BUDGETS, untiered: tuple[float, float] = (1.0, 1.0),
         rescore_every: int = 0, timeout_s: float | None = None, local_steps: int = 1, bypass: bool = False,
-        lora_products: bool = True, outer_lr: float = 1.0, momentum: float = 0.0, **kwargs: Any,
+        lora_products: bool = True, freeze_heads: bool = False, outer_lr: float = 1.0, momentum: float = 0.0, **kwargs: Any,
     ) -> None:
         super().__init__(outer_lr=outer_lr, momentum=momentum, **kwargs)
         if rescore_every < 0 or not all(0 < f <= 1 for budget in (*tiers.values(), untiered) for f in budget):
             raise ValueError(f"Hydra needs rescore_every >= 0 and budget fractions in (0, 1], got {tiers=}, {untiered=}")
         self.tiers, self.untiered = dict(tiers), untiered
         self.rescore_every, self.timeout_s, self.local_steps = rescore_every, timeout_s, local_steps
-        self.bypass, self.lora_products = bypass, lora_products
+        self.bypass, self.lora_products, self.freeze_heads = bypass, lora_products, freeze_heads
         self.layout: dict[str, tuple[int, int, int]] = {}
         self.ranking: list[int] = []
         self.site_scores: dict[int, SiteScores] = {}
@@ -195,7 +195,9 @@ class Hydra(DiLoCo):
             except ValueError as error:
                 raise BudgetError(str(error)) from error
             num_layers, num_heads = min(num_layers, budget.layers), min(num_heads, budget.heads)
-        return build_spec(self.ranking, num_layers, scores.heads, num_heads, bypass=self.bypass)
+        return build_spec(
+            self.ranking, num_layers, scores.heads, num_heads, bypass=self.bypass, freeze_heads=self.freeze_heads
+        )
 
     count_once = False
     """True: a coordinate's update is the plain mean over the sites that trained it (each site weighs 1)."""

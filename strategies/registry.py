@@ -72,6 +72,7 @@ _BUILDERS: dict[str, Builder] = {
         rescore_every=cfg.rescore_every,
         bypass=cfg.hydra_bypass,
         lora_products=cfg.hydra_lora == "products",
+        freeze_heads=cfg.hydra_head_mode == "freeze",
         **(
             {"outer_lr": cfg.outer_lr, "momentum": cfg.outer_momentum, "nesterov": cfg.outer_nesterov}
             if cfg.outer == "nesterov"

@@ -140,8 +140,9 @@ def test_a_site_that_declares_little_memory_gets_a_hydra_net_that_fits_it():
         SubnetSpec(layers=(1,), heads=((0, 2),)),
         SubnetSpec(layers=(1,), heads=((0, 2),), bypass=True),
         SubnetSpec(layers=(0, 1), width_ratio=0.5, train_outside=False),
+        SubnetSpec(layers=(1,), heads=((0, 2),), freeze_heads=True),
     ],
-    ids=["frozen-layer", "bypassed-layer", "width-frozen-outside"],
+    ids=["frozen-layer", "bypassed-layer", "width-frozen-outside", "frozen-heads"],
 )
 def test_a_site_trains_the_same_from_only_what_its_subnetwork_reads(spec):
     """Whatever the coordinates outside the download hold at the site, even NaN, its delta is the same to the
@@ -166,7 +167,8 @@ def test_a_site_trains_the_same_from_only_what_its_subnetwork_reads(spec):
     assert sorted(part) == sorted(whole) and len(whole) > 0
     for name, delta in whole.items():
         torch.testing.assert_close(part[name], delta, rtol=0, atol=0)
-    assert sum(t.numel() for t in download.values()) < sum(math.prod(a.shape) for a in initial.values())
+    downloaded, everything = sum(t.numel() for t in download.values()), sum(math.prod(a.shape) for a in initial.values())
+    assert downloaded == everything if spec.freeze_heads else downloaded < everything  # frozen heads run: read whole
     assert any(".layer.0." in name for name in read) != spec.bypass  # a bypassed layer is not even downloaded
 
 
@@ -218,3 +220,18 @@ def test_hydra_over_lora_steps_the_products_of_trained_layers_and_keeps_the_rest
         else:  # the averaged product, factored back to rank 4: B = U S, A = V^T
             assert not torch.allclose(final[pair.b] @ final[pair.a], initial[pair.b] @ initial[pair.a])
             torch.testing.assert_close(final[pair.a] @ final[pair.a].T, torch.eye(4), atol=1e-5, rtol=0)
+
+
+def test_hydra_with_frozen_heads_trains_the_same_slices_and_sends_the_dropped_heads_down():
+    dropped, frozen = CFG, dataclasses.replace(CFG, hydra_head_mode="freeze", rounds=1)
+    runs = {}
+    for name, cfg in (("drop", dataclasses.replace(dropped, rounds=1)), ("freeze", frozen)):
+        strategy = build_strategy(cfg)
+        grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
+        runs[name] = (strategy, server_app.run_federation(grid, cfg, strategy=strategy).history[1])
+    (drop, drop_round), (freeze, freeze_round) = runs["drop"], runs["freeze"]
+    assert all(spec.freeze_heads for spec in freeze.specs.values())
+    assert {n: s.layers for n, s in freeze.specs.items()} == {n: s.layers for n, s in drop.specs.items()}
+    assert freeze_round["bytes_up_per_site"] == drop_round["bytes_up_per_site"]  # the same trained slices
+    small = str(next(node for node, tier in TIER_OF_NODE.items() if tier == "small"))
+    assert freeze_round["bytes_down_per_site"][small] > drop_round["bytes_down_per_site"][small]

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hydrafl.hydranet import SubnetSpec, apply_spec, find_architecture
+from hydrafl.hydranet import Slice, SubnetSpec, apply_spec, find_architecture, read_slices, trainable_slices
 from hydrafl.model_zoo import with_lora
 
 
@@ -216,3 +216,43 @@ def test_width_ratio_is_applied_not_ignored(llama):
     assert all(p.requires_grad for p in llama.parameters())
     with pytest.raises(SpecError, match="selects heads or a width"):
         SubnetSpec(layers=(0,), heads=((0,),), width_ratio=0.5)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_frozen_heads_keep_the_function_and_train_only_the_kept_heads_coordinates(llama, lm_batch, lm_loss, lora):
+    """freeze_heads: the forward pass is the whole model's, the gradient is the whole model's on the kept heads'
+    coordinates and exactly zero on the dropped heads' (the same coordinates masking zeroes)."""
+    model = with_lora(llama, rank=2, alpha=4, init_lora_weights=False) if lora else llama
+    x, y = lm_batch
+    whole = lm_loss(model, x, y)
+    whole.backward()
+    reference = {n: g.clone() for n, g in _grads(model).items() if g is not None}
+    model.zero_grad()
+    spec = SubnetSpec(layers=(1,), heads=((0,),), freeze_heads=True)  # group 0: query heads 0, 1
+    with apply_spec(model, spec) as handle:
+        frozen = lm_loss(model, x, y)
+        frozen.backward()
+        slices = trainable_slices(model, spec)
+        assert handle._hooks  # one gradient hook per tensor a dropped head owns part of
+    assert torch.equal(frozen, whole)
+    grads = _grads(model)
+    for name, sl in slices.items():
+        mask = sl.mask(grads[name].shape)
+        assert torch.count_nonzero(grads[name][~mask]) == 0, name
+        torch.testing.assert_close(grads[name][mask], reference[name][mask], rtol=0, atol=0)
+    prefix = "base_model.model.model" if lora else "model"
+    q_name = f"{prefix}.layers.1.self_attn.q_proj.{'lora_B.default.' if lora else ''}weight"
+    assert slices[q_name].dim == 0 and torch.count_nonzero(grads[q_name][16:]) == 0
+    assert torch.count_nonzero(reference[q_name][16:]) > 0  # the whole model does train them
+    assert not any(p._backward_hooks for p in model.parameters())  # remove() took the hooks off
+
+
+def test_frozen_heads_are_read_whole_and_round_trip_through_the_config():
+    spec = SubnetSpec(layers=(1,), heads=((0,),), freeze_heads=True)
+    assert SubnetSpec.from_config(spec.to_config()) == spec
+    dropped = SubnetSpec(layers=(1,), heads=((0,),))
+    assert SubnetSpec.from_config({k: v for k, v in dropped.to_config().items() if "freeze" not in k}) == dropped
+    trained = {"q": Slice(0, (0, 1)), "ffn": Slice(None)}
+    layers = {"q": 1, "ffn": 1, "k0": 0}
+    assert read_slices(trained, layers, spec) == {"q": Slice(None), "ffn": Slice(None), "k0": Slice(None)}
+    assert read_slices(trained, layers, dropped) == {"q": Slice(0, (0, 1)), "ffn": Slice(None), "k0": Slice(None)}

@@ -21,7 +21,9 @@ def test_spec_is_canonical_sorted_and_aligned():
 
 
 def test_config_round_trip_through_a_flower_config_record():
-    spec = SubnetSpec(layers=(0, 2, 5), heads=((1,), (0, 2, 3), (2,)), bypass=True, train_outside=False)
+    spec = SubnetSpec(
+        layers=(0, 2, 5), heads=((1,), (0, 2, 3), (2,)), bypass=True, train_outside=False, freeze_heads=True
+    )
     config = spec.to_config()
     assert config == {
         "hydra.layers": [0, 2, 5],
@@ -29,6 +31,7 @@ def test_config_round_trip_through_a_flower_config_record():
         "hydra.width-ratio": 1.0,
         "hydra.bypass": True,
         "hydra.train-outside": False,
+        "hydra.freeze-heads": True,
         "hydra.head-counts": [1, 3, 1],
         "hydra.heads": [1, 0, 2, 3, 2],
     }
@@ -37,7 +40,10 @@ def test_config_round_trip_through_a_flower_config_record():
 
     all_heads = SubnetSpec(layers=(3,), width_ratio=0.5)
     record = ConfigRecord(all_heads.to_config(prefix="site-4."))
-    assert sorted(record) == ["site-4.all-heads", "site-4.bypass", "site-4.layers", "site-4.train-outside", "site-4.width-ratio"]
+    assert sorted(record) == [
+        "site-4.all-heads", "site-4.bypass", "site-4.freeze-heads", "site-4.layers", "site-4.train-outside",
+        "site-4.width-ratio",
+    ]
     back = SubnetSpec.from_config(dict(record), prefix="site-4.")
     assert back == all_heads and back.heads is None and back.width_ratio == 0.5
 
