@@ -85,12 +85,17 @@ def test_every_train_reply_carries_the_data_hash_and_throughput(one_and_two_proc
         assert "mfu" not in metrics  # CPU: its peak FLOP/s is unknown, throughput only
 
 
-def test_a_two_process_hydra_subnetwork_sends_the_one_process_delta():
-    """Each spawned process applies the subnetwork spec itself: same masked delta, same tensors sent, also when
-    the site was sent only what its Hydra-net reads (layer 0 bypassed: not even downloaded)."""
-    spec = SubnetSpec(layers=(1,), heads=((0,),), bypass=True)
+@pytest.mark.parametrize(
+    "spec",
+    [SubnetSpec(layers=(1,), heads=((0,),), bypass=True), SubnetSpec(layers=(1,), heads=((0,),), freeze_heads=True)],
+    ids=["bypass", "frozen-heads"],
+)
+def test_a_two_process_hydra_subnetwork_sends_the_one_process_delta(spec):
+    """Each spawned process applies the subnetwork spec itself (head masks or gradient hooks): same delta, same
+    tensors sent, also when the site was sent only what its Hydra-net reads (a bypassed layer 0 is not even
+    downloaded)."""
     read = site_read_slices(CFG, spec)
-    assert not any(".layer.0." in name for name in read)
+    assert any(".layer.0." in name for name in read) != spec.bypass
     one, two = _train_reply(1, **spec.to_config()), _train_reply(2, read=read, **spec.to_config())
     d1, d2 = from_record(one.content["arrays"]), from_record(two.content["arrays"])
     assert sorted(d1) == sorted(d2) and not any(".layer.0." in name for name in d1)  # layer 0 not trained
