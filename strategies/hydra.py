@@ -117,7 +117,7 @@ class Hydra(DiLoCo):
     def __init__(  # outer_lr 1 without momentum: no outer optimizer
         self, *, tiers: Mapping[str, tuple[float, float]] = TIER_BUDGETS, untiered: tuple[float, float] = (1.0, 1.0),
         rescore_every: int = 0, timeout_s: float | None = None, local_steps: int = 1, bypass: bool = False,
-        lora_products: bool = True, freeze_heads: bool = False, outer_lr: float = 1.0, momentum: float = 0.0, **kwargs: Any,
+        lora_products: bool = True, freeze_heads: bool = True, outer_lr: float = 1.0, momentum: float = 0.0, **kwargs: Any,
     ) -> None:
         super().__init__(outer_lr=outer_lr, momentum=momentum, **kwargs)
         if rescore_every < 0 or not all(0 < f <= 1 for budget in (*tiers.values(), untiered) for f in budget):

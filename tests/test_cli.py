@@ -181,11 +181,12 @@ def test_a_site_with_an_unknown_tier_is_refused_before_it_connects():
 
 
 def test_simulate_hydra_bypass_sends_small_sites_less(tmp_path):
-    args = ["simulate", "--task", "tabular", "--strategies", "hydra", "--hydra-bypass", "--sites", "3", "--rounds", "1",
-            "--local-steps", "1", "--site-tiers", "small,medium,large", "--out", str(tmp_path), "--no-progress"]
+    args = ["simulate", "--task", "tabular", "--strategies", "hydra", "--hydra-bypass", "--hydra-head-mode", "drop",
+            "--sites", "3", "--rounds", "1", "--local-steps", "1", "--site-tiers", "small,medium,large",
+            "--out", str(tmp_path), "--no-progress"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["config"]["hydra_bypass"] is True
+    assert results["config"]["hydra_bypass"] is True and results["config"]["hydra_head_mode"] == "drop"
     down = sorted(results["strategies"]["hydra"]["rounds"][1]["bytes_down_per_site"].values())
-    assert down[0] < down[1] < down[2]  # a small site's net skips a layer: it is not even sent
+    assert down[0] < down[1] < down[2]  # a small site's net skips a layer, a medium one drops heads: not sent
