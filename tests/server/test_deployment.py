@@ -119,7 +119,7 @@ def test_hydra_nets_over_the_wire_match_the_simulation(deployment, tmp_path):
     """Compact downloads and uploads (each site only its Hydra-net's slices) through the real transport; each
     site declares its own tier (`hydrafl site --tier`), the simulation gets the same tiers from the run."""
     store, run_id, address, tokens, start_server, start_site = deployment
-    hydra = {"strategy": "hydra", "hydra-bypass": True, "score-samples": 16}
+    hydra = {"strategy": "hydra", "hydra-bypass": True, "hydra-head-mode": "drop", "score-samples": 16}
     with store.session() as session, session.begin():
         run = session.get(StoredRun, run_id)
         run.config = {**run.config, **hydra}
