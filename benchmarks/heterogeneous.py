@@ -1,6 +1,6 @@
 """Hydra vs the model-heterogeneous baselines at equal per-site budgets, over several seeds.
 
-    python -m hydrafl.benchmarks.heterogeneous [--out DIR] [--quick] [--seeds N] [--groups full,lora,...]
+    python -m hydrafl.benchmarks.heterogeneous [--out DIR] [--quick] [--seeds N] [--first-seed K] [--groups ...]
 
 Non-IID hospitals (the clinical-text cohort: per-site label prevalence and writing style) with three resource
 tiers (small, medium, large, cycling over the sites). Every heterogeneous method gives a site of a tier the
@@ -19,13 +19,20 @@ Reported per method: final accuracy (mean and standard deviation over seeds), by
 sites), per-tier trainable parameters (as the strategy assigned them) and per-tier peak training memory (as the
 sites measured it, `hydrafl.footprint`). Goals (from the issue): Hydra at or above the best heterogeneous
 baseline of its group; Hydra over LoRA at >= 10x fewer bytes per round than full-model FedAvg within 1 accuracy
-point of it (on MiniLM, where LoRA starts from pretrained features).
+point of it (on MiniLM, where LoRA starts from pretrained features). Since the spread over seeds is about the
+size of the gaps between methods, Hydra's gap to the best baseline is also given paired by seed (mean and
+standard error of the per-seed differences).
+
+Runs merge into an existing results file in `--out`: a group run again with the same scale keeps its other
+seeds (a seed run again is replaced), and groups not run stay. So seeds can be added later, or split over
+processes (each site runs on one core): `--seeds 3` in one, `--first-seed 3 --seeds 2` in another.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import tempfile
 from dataclasses import dataclass, field
@@ -141,11 +148,11 @@ def summarise(history: list[dict[str, Any]], assigned: dict[str, dict[str, int]]
     }
 
 
-def run(groups: dict[str, Group], quick: bool, seeds: int | None, work: Path) -> dict[str, Any]:
+def run(groups: dict[str, Group], quick: bool, seeds: int | None, work: Path, first_seed: int = 0) -> dict[str, Any]:
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {name: {} for name in groups}
     for name, group in groups.items():
         scale = group.quick if quick else group.full
-        for seed in range(seeds or scale.seeds):
+        for seed in range(first_seed, first_seed + (seeds or scale.seeds)):
             config = SimulationConfig(
                 run=run_config(group, scale, seed), strategies=group.strategies, out=str(work / f"{name}-seed{seed}")
             )
@@ -168,16 +175,22 @@ def method_stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def best_baseline(methods: dict[str, dict[str, Any]]) -> str | None:
+    """The heterogeneous baseline with the highest mean accuracy (FedAvg and FedIT are not heterogeneous);
+    None when the group has no Hydra to compare or no such baseline."""
+    baselines = [name for name in methods if name not in ("hydra", "fedavg", "fedit")]
+    if "hydra" not in methods or not baselines:
+        return None
+    return max(baselines, key=lambda name: methods[name]["accuracy_mean"])
+
+
 def goals(stats: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for group, methods in stats.items():
-        baselines = {name: s for name, s in methods.items() if name not in ("hydra", "fedavg", "fedit")}
-        if "hydra" not in methods or not baselines:
-            continue
-        best = max(baselines, key=lambda name: baselines[name]["accuracy_mean"])
-        out[f"{group}: hydra >= best baseline ({best})"] = (
-            methods["hydra"]["accuracy_mean"] >= baselines[best]["accuracy_mean"]
-        )
+        if (best := best_baseline(methods)) is not None:
+            out[f"{group}: hydra >= best baseline ({best})"] = (
+                methods["hydra"]["accuracy_mean"] >= methods[best]["accuracy_mean"]
+            )
     (ref_group, ref), (group, method) = BYTES_GOAL
     if ref in stats.get(ref_group, {}) and method in stats.get(group, {}):
         reference, hydra = stats[ref_group][ref], stats[group][method]
@@ -189,6 +202,47 @@ def goals(stats: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
             ratio >= GOAL_BYTES_RATIO and gap <= GOAL_ACCURACY_POINTS
         )
     return out
+
+
+def paired(runs: dict[str, dict[str, list[dict[str, Any]]]], stats: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Per group, Hydra minus the best baseline in accuracy points over the seeds both ran: mean and standard
+    error of the per-seed differences (the seed moves every method alike, so pairing removes most spread)."""
+    out: dict[str, Any] = {}
+    for group, methods in stats.items():
+        if (best := best_baseline(methods)) is None:
+            continue
+        hydra = {run["seed"]: run["accuracy"] for run in runs[group]["hydra"]}
+        other = {run["seed"]: run["accuracy"] for run in runs[group][best]}
+        differences = [100 * (hydra[seed] - other[seed]) for seed in sorted(hydra.keys() & other.keys())]
+        if len(differences) > 1:
+            out[f"{group}: hydra - {best}"] = {
+                "seeds": len(differences),
+                "mean_points": statistics.mean(differences),
+                "standard_error_points": statistics.stdev(differences) / math.sqrt(len(differences)),
+            }
+    return out
+
+
+def merged(previous: dict[str, Any] | None, runs: dict[str, Any], scales: dict[str, Any], quick: bool) -> tuple[dict, dict]:
+    """`runs` merged into a previous results file's runs: per group of the same scale and mode, by seed (this
+    run's seeds replace the previous ones); a group run at another scale starts afresh; other groups stay."""
+    if previous is None or previous.get("quick") != quick:
+        return runs, scales
+    all_runs, all_scales = dict(previous["runs"]), dict(previous["scales"])
+
+    def shape(scale: dict[str, Any]) -> dict[str, Any]:
+        return {key: value for key, value in scale.items() if key != "seeds"}
+
+    for group, methods in runs.items():
+        kept = all_runs.get(group, {}) if group in all_scales and shape(all_scales[group]) == shape(scales[group]) else {}
+        group_runs = {name: list(method_runs) for name, method_runs in kept.items()}
+        for name, method_runs in methods.items():
+            seeds = {run["seed"] for run in method_runs}
+            old = [run for run in group_runs.get(name, []) if run["seed"] not in seeds]
+            group_runs[name] = sorted(old + method_runs, key=lambda run: run["seed"])
+        all_runs[group] = group_runs
+        all_scales[group] = {**scales[group], "seeds": max(len(r) for r in group_runs.values())}
+    return all_runs, all_scales
 
 
 def print_tables(summary: dict[str, Any]) -> None:
@@ -208,6 +262,9 @@ def print_tables(summary: dict[str, Any]) -> None:
         console.print(table)
     for goal, value in summary["goals"].items():
         console.print(f"{goal}: {verdict(value) if isinstance(value, bool) else f'{value:.2f}'}")
+    for pair, value in summary["paired"].items():
+        console.print(f"{pair}, paired over {value['seeds']} seeds: {value['mean_points']:+.2f} ± "
+                      f"{value['standard_error_points']:.2f} points (standard error)")
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
@@ -230,6 +287,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 def main() -> None:
     parser = benchmark_parser(__doc__, "1 seed, 1-2 rounds, 3 sites")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per method (default: 3, quick: 1)")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first seed (seeds run from it upward)")
     parser.add_argument("--groups", default=",".join(GROUPS), help=f"which of {', '.join(GROUPS)} to run")
     args = parser.parse_args()
     names = [name.strip() for name in args.groups.split(",") if name.strip()]
@@ -239,12 +297,14 @@ def main() -> None:
     groups = {name: GROUPS[name] for name in names}
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="hydrafl-hetero-") as tmp:
-        runs = run(groups, args.quick, args.seeds, Path(tmp))
-    stats = {group: {name: method_stats(r) for name, r in methods.items()} for group, methods in runs.items()}
+        runs = run(groups, args.quick, args.seeds, Path(tmp), args.first_seed)
     scales = {name: dataclasses.asdict(group.quick if args.quick else group.full) for name, group in groups.items()}
+    path = args.out / f"{NAME}.json"
+    runs, scales = merged(json.loads(path.read_text()) if path.exists() else None, runs, scales, args.quick)
+    stats = {group: {name: method_stats(r) for name, r in methods.items()} for group, methods in runs.items()}
     summary = {"benchmark": NAME, "quick": args.quick, "scales": scales, "runs": runs, "stats": stats,
-               "goals": goals(stats)}
-    (args.out / f"{NAME}.json").write_text(json.dumps(summary, indent=1))
+               "goals": goals(stats), "paired": paired(runs, stats)}
+    path.write_text(json.dumps(summary, indent=1))
     plot(summary, args.out / f"{NAME}.png")
     print_tables(summary)
 

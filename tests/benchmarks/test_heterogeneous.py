@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers import run_quick
 
-from hydrafl.benchmarks.heterogeneous import goals, method_stats, summarise
+from hydrafl.benchmarks.heterogeneous import goals, merged, method_stats, paired, summarise
 from hydrafl.simulation.grid import FIRST_NODE_ID
 
 
@@ -71,3 +71,42 @@ def test_heterogeneous_quick(tmp_path):
     assert result["stats"]["lora"]["hydra"]["bytes_per_round"] < result["stats"]["full"]["fedavg"]["bytes_per_round"]
     lora = result["stats"]["lora"]["flexlora"]["params"]
     assert lora["small"] < lora["medium"] <= lora["large"]  # ranks sized by tier
+
+
+def _runs(accuracies: dict[int, float]) -> list[dict]:
+    return [{"seed": seed, "accuracy": accuracy} for seed, accuracy in accuracies.items()]
+
+
+def test_hydra_against_the_best_baseline_paired_by_seed():
+    runs = {"lora": {
+        "hydra": _runs({0: 0.70, 1: 0.80, 2: 0.76}),
+        "flora": _runs({0: 0.72, 1: 0.81, 2: 0.79}),
+        "hetlora": _runs({0: 0.60, 1: 0.99, 2: 0.40}),  # mean 0.663: not the best baseline
+        "fedit": _runs({0: 0.90, 1: 0.90, 2: 0.90}),  # FedIT is FedAvg on LoRA, not a heterogeneous baseline
+    }}
+    stats = {"lora": {name: {"accuracy_mean": sum(r["accuracy"] for r in v) / len(v)} for name, v in runs["lora"].items()}}
+    # differences -2, -1, -3 points: mean -2, sd 1, standard error 1 / sqrt(3)
+    assert paired(runs, stats) == {"lora: hydra - flora": {
+        "seeds": 3, "mean_points": pytest.approx(-2.0), "standard_error_points": pytest.approx(3 ** -0.5)}}
+    runs["lora"]["flora"] = _runs({2: 0.79, 7: 0.5})  # one seed in common: no spread to report
+    assert paired(runs, {"lora": {**stats["lora"], "flora": {"accuracy_mean": 0.9}}}) == {}
+
+
+def test_runs_merge_by_seed_into_a_previous_results_file():
+    scale = {"sites": 3, "rounds": 6, "local_steps": 8, "seeds": 3}
+    previous = {
+        "quick": False,
+        "scales": {"minilm-full": scale, "minilm-lora": scale},
+        "runs": {"minilm-full": {"fedavg": _runs({0: 0.8})},
+                 "minilm-lora": {"hydra": _runs({0: 0.1, 1: 0.2, 2: 0.3}), "fedit": _runs({0: 0.4})}},
+    }
+    new = {"minilm-lora": {"hydra": _runs({2: 0.9, 3: 0.95})}}
+    runs, scales = merged(previous, new, {"minilm-lora": {**scale, "seeds": 2}}, quick=False)
+    assert runs["minilm-full"] == previous["runs"]["minilm-full"]  # a group not run stays
+    assert runs["minilm-lora"]["hydra"] == _runs({0: 0.1, 1: 0.2, 2: 0.9, 3: 0.95})  # seed 2 replaced, 3 added
+    assert runs["minilm-lora"]["fedit"] == _runs({0: 0.4})
+    assert scales["minilm-lora"]["seeds"] == 4
+    longer = {**scale, "rounds": 12, "seeds": 2}  # another scale: the group starts afresh
+    runs, scales = merged(previous, new, {"minilm-lora": longer}, quick=False)
+    assert runs["minilm-lora"] == new["minilm-lora"] and scales["minilm-lora"] == {**longer, "seeds": 2}
+    assert merged(previous, new, {"minilm-lora": scale}, quick=True) == (new, {"minilm-lora": scale})
