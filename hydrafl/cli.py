@@ -361,6 +361,9 @@ def site(
     label_column: Annotated[str, typer.Option(help="Label column of a CSV/JSONL --data file.")] = "",
     policy: Annotated[Path | None, typer.Option(help="Site policy TOML: allowed runs, update clipping, noise.")] = None,
     nproc: Annotated[int, typer.Option(min=1, help="Training processes (one per GPU, or CPU ranks): DDP, same delta.")] = 1,
+    max_restarts: Annotated[
+        int, typer.Option(min=0, help="With --nproc > 1: restart the training processes this often when one dies.")
+    ] = 0,
     bf16: Annotated[bool, typer.Option("--bf16", help="Train under bfloat16 autocast.")] = False,
     memory_mb: Annotated[
         float, typer.Option(min=0, help="Training memory this site offers (MB); Hydra-nets are sized to fit. 0 = no limit.")
@@ -391,6 +394,8 @@ def site(
         _fail(f"invalid site policy, not starting: {error}", 2)
     node_config = {"data-path": str(data), "label-column": label_column} if data else {}
     node_config["nproc"] = nproc
+    if max_restarts:
+        node_config["max-restarts"] = max_restarts
     if memory_mb:
         node_config["memory-mb"] = memory_mb
     if tier:

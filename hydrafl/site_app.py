@@ -205,6 +205,7 @@ def train(message: Message, context: Context) -> Message:
         seed=site_seed(cfg.seed, _site_index(context)),
         server_round=int(config.get("server-round", 0)),
         bf16=bool(context.node_config.get("bf16", cfg.bf16)),
+        max_restarts=int(context.node_config.get("max-restarts", 0)),
     )
     frozen = {name: t for name, t in model.state_dict().items() if name not in start} if local.nproc > 1 else None
     lora = lora_spec(cfg, rank)
@@ -237,9 +238,12 @@ def train(message: Message, context: Context) -> Message:
             "train_loss": result.loss,
             "samples-per-s": result.samples_per_s,
             **({"mfu": result.mfu} if result.mfu is not None else {}),
+            **({"restarts": result.restarts} if result.restarts else {}),
         }
     )
     utilisation = f", MFU {result.mfu:.1%}" if result.mfu is not None else ""
+    if result.restarts:
+        log.warning("round %d: a training process died; restarted %d time(s)", local.server_round, result.restarts)
     log.info(
         "round %d: %d samples on %d process(es), %.0f samples/s%s, loss %.4f, data %s",
         local.server_round, result.num_examples, local.nproc, result.samples_per_s, utilisation, result.loss,

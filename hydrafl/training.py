@@ -50,11 +50,14 @@ class SiteTrainConfig:
     """Data-order seed; `site_seed` gives each site its own."""
     server_round: int = 0
     bf16: bool = False
+    max_restarts: int = 0
+    """With nproc > 1: how often the ranks are restarted (the round replayed) when one dies."""
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.batch_size < 1 or self.nproc < 1:
+        if self.steps < 1 or self.batch_size < 1 or self.nproc < 1 or self.max_restarts < 0:
             raise ValueError(
-                f"steps={self.steps}, batch_size={self.batch_size} and nproc={self.nproc} must all be >= 1"
+                f"steps={self.steps}, batch_size={self.batch_size} and nproc={self.nproc} must all be >= 1, "
+                f"max_restarts={self.max_restarts} >= 0"
             )
         if self.optimizer not in INNER_OPTIMIZERS:
             raise ValueError(f"unknown inner optimizer {self.optimizer!r}; choose one of {', '.join(INNER_OPTIMIZERS)}")
@@ -73,6 +76,8 @@ class SiteTrainResult:
     samples_per_s: float
     mfu: float | None
     """Model FLOPs utilisation; None where the device's peak FLOP/s is unknown (CPU, unlisted GPUs)."""
+    restarts: int = 0
+    """Times the ranks were restarted this round because one died (the delta is that of the last attempt)."""
 
 
 def site_seed(seed: int, site: int) -> int:
@@ -167,6 +172,7 @@ def train_site(
             bf16=config.bf16,
             device=device,
             loss_fn=loss_fn,
+            max_restarts=config.max_restarts,
         )
     finally:
         model.to(home)
@@ -183,6 +189,7 @@ def train_site(
         data_hash=result.data_hash,
         samples_per_s=result.samples_per_s,
         mfu=utilisation,
+        restarts=result.restarts,
     )
 
 

@@ -231,6 +231,10 @@ def test_site_cli_puts_nproc_in_the_node_config(monkeypatch):
     result = CliRunner().invoke(app, ["site", "--token", "t", "--nproc", "4"])
     assert result.exit_code == 0, result.output
     assert seen == {"nproc": 4}
+    seen.clear()
+    result = CliRunner().invoke(app, ["site", "--token", "t", "--nproc", "2", "--max-restarts", "3"])
+    assert result.exit_code == 0, result.output
+    assert seen == {"nproc": 2, "max-restarts": 3}
 
 
 def test_the_coordinator_keeps_data_hashes_in_the_run_history(tmp_path, monkeypatch):

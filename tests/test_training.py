@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from dying_rank import RankOneDiesOnFirstAttempt
 
 from hydrafl.data import load_cohort
 from hydrafl.kernels.elastic_loader import ElasticLoader
@@ -107,3 +110,22 @@ def test_lm_dual_refuses_several_processes(site):
             lambda: build_model(task, seed=0), {}, split.train_x, split.train_y, steps=1, global_batch_size=32,
             lr=1.0, optimizer="lm-dual", nproc=2, lanes=2,
         )
+
+
+def test_a_site_whose_training_process_dies_replays_the_round_when_restarts_are_allowed(site):
+    task, split = site
+    build = functools.partial(build_model, task, seed=0)
+    config = SiteTrainConfig(steps=3, batch_size=8, lr=1e-2, nproc=2, max_restarts=1)
+
+    def train(**kwargs):
+        model = build()
+        state = {k: v.clone() for k, v in federated_state(model).items()}
+        return train_site(model, state, split.train_x, split.train_y, config, rebuild=build, device="cpu", **kwargs)
+
+    undisturbed, restarted = train(), train(loss_fn=RankOneDiesOnFirstAttempt())
+    assert (undisturbed.restarts, restarted.restarts) == (0, 1)
+    assert restarted.data_hash == undisturbed.data_hash
+    for name, tensor in undisturbed.end_state.items():
+        torch.testing.assert_close(restarted.end_state[name], tensor, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="max_restarts=-1"):
+        SiteTrainConfig(steps=3, batch_size=8, lr=1e-2, max_restarts=-1)

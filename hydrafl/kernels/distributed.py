@@ -9,8 +9,12 @@ process, without a process group, and is the reference. A round with more steps 
 holds reads further passes (the loader's epochs 1, 2, ...), each a fresh permutation; the data hash covers
 every global batch of every pass, in order.
 
-Ranks talk through torch.distributed: gloo on CPU, nccl when the accelerator is CUDA (`pick_device`). Rank 0
-hands the end state back to the caller through a file in a temporary directory.
+Ranks are started as torchrun starts them: torch.distributed.elastic's agent (`elastic_launch`, one node,
+c10d rendezvous on loopback) sets RANK/WORLD_SIZE/MASTER_* and, when a rank dies, restarts the whole group up to
+`max_restarts` times. A restart replays the round from the start state on the same global batches (they are a
+pure function of seed and round), so it sends the delta an undisturbed run sends. Ranks talk through
+torch.distributed: gloo on CPU, nccl when the accelerator is CUDA (`pick_device`). Rank 0 hands the end state
+back to the caller through a file in a temporary directory.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import os
 import socket
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -29,8 +34,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel
 
 from hydrafl.kernels.elastic_loader import ElasticLoader, LoaderConfigError, hash_global_batches
@@ -38,7 +44,7 @@ from hydrafl.kernels.lm_dual import HeadLM
 from hydrafl.kernels.optimizers import build_inner_optimizer
 from hydrafl.losses import LossFn, classification_loss
 
-__all__ = ["DistributedResult", "pick_device", "process_group_backend", "train_distributed"]
+__all__ = ["DistributedResult", "DistributedTrainingError", "pick_device", "process_group_backend", "train_distributed"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,6 +65,12 @@ class DistributedResult:
     """Device type the ranks trained on ("cpu", "cuda", ...)."""
     device_name: str = ""
     """The accelerator's product name (e.g. "NVIDIA H100 80GB HBM3"); "" on CPU. Keys the peak-FLOP/s table."""
+    restarts: int = 0
+    """How many times the elastic agent restarted the ranks before this result (a rank had died)."""
+
+
+class DistributedTrainingError(RuntimeError):
+    """A rank died more often than the elastic agent may restart the group."""
 
 
 def pick_device() -> torch.device:
@@ -84,7 +96,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Job:
-    """Everything a rank needs, picklable for `torch.multiprocessing.spawn`."""
+    """Everything a rank needs, picklable for the spawned ranks."""
 
     build: Callable[[], nn.Module]
     state: dict[str, torch.Tensor]
@@ -124,6 +136,7 @@ def train_distributed(
     bf16: bool = False,
     device: str | torch.device | None = None,
     loss_fn: LossFn = classification_loss,
+    max_restarts: int = 0,
 ) -> DistributedResult:
     """Train `build()` loaded with `state` for `steps` global batches of (x, y) on `nproc` processes.
 
@@ -133,10 +146,11 @@ def train_distributed(
     the global batch (the batches themselves do not depend on it). `proximal_mu` adds FedProx's
     mu/2 ||w - w_start||^2 to the loss. `bf16` trains under bfloat16 autocast. `device` defaults to
     `pick_device()`. `loss_fn(model, x, y)` is the task's batch-mean loss (picklable for nproc > 1); it must
-    call the model's forward, which is all DDP sees.
+    call the model's forward, which is all DDP sees. `max_restarts`: how often the elastic agent restarts the
+    ranks when one dies (nproc > 1), before the round fails with `DistributedTrainingError`.
     """
-    if nproc < 1:
-        raise ValueError(f"nproc={nproc} must be >= 1")
+    if nproc < 1 or max_restarts < 0:
+        raise ValueError(f"nproc={nproc} must be >= 1 and max_restarts={max_restarts} >= 0")
     # Validates lanes, world size, batch size and dataset size before any process starts.
     probe = ElasticLoader(
         len(x), global_batch_size=global_batch_size, lanes=lanes, world_size=nproc, seed=seed, server_round=server_round
@@ -175,22 +189,39 @@ def train_distributed(
         return _run_rank(job, rank=0, model_wrapper=None)
     if device_type == "cuda" and nproc > torch.accelerator.device_count():
         raise ValueError(f"nproc={nproc} exceeds the {torch.accelerator.device_count()} CUDA devices")
+    launch = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"hydrafl-{uuid.uuid4().hex}",
+        rdzv_backend="c10d",  # torchrun --standalone: the agent hosts the rendezvous store on loopback
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
     with tempfile.TemporaryDirectory(prefix="hydrafl-ddp-") as tmp:
         out = Path(tmp) / "rank0.pt"
-        mp.spawn(_rank_main, args=(job, free_port(), str(out)), nprocs=nproc, join=True)
+        try:
+            elastic_launch(launch, _rank_main)(job, str(out))
+        except ChildFailedError as error:
+            raise DistributedTrainingError(
+                f"{nproc} training processes failed after {max_restarts} restart(s): {error.format_msg()}"
+            ) from error
         payload = torch.load(out, weights_only=True)
     return DistributedResult(**payload)
 
 
-def _rank_main(rank: int, job: _Job, port: int, out: str) -> None:
-    """Entry point of a spawned rank: join the process group, train, rank 0 writes the result."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def _rank_main(job: _Job, out: str) -> None:
+    """Entry point of a rank started by the elastic agent (RANK, WORLD_SIZE, MASTER_* in the environment): join
+    the process group, train, rank 0 writes the result."""
+    rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     # Share the host's cores between the ranks instead of oversubscribing them.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.nproc))
     device = _rank_device(job.device_type, rank)
     dist.init_process_group(
         process_group_backend(device),
+        store=_attempt_store(rank, job.nproc, attempt),
         rank=rank,
         world_size=job.nproc,
         **({"device_id": device} if device.type == "cuda" else {}),
@@ -216,12 +247,23 @@ def _rank_main(rank: int, job: _Job, port: int, out: str) -> None:
                     "nproc": result.nproc,
                     "device": result.device,
                     "device_name": result.device_name,
+                    "restarts": attempt,
                 },
                 out,
             )
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _attempt_store(rank: int, world_size: int, attempt: int) -> dist.Store:
+    """The process group's store, keyed by restart attempt. The agent keeps one store for all attempts, and a
+    restarted rank could otherwise read the address a dead rank of the last attempt published, and hang."""
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=not agent_hosts_it and rank == 0
+    )
+    return dist.PrefixStore(f"hydrafl/attempt-{attempt}", store)
 
 
 def _rank_device(device_type: str, rank: int) -> torch.device:

@@ -10,11 +10,18 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from dying_rank import RankOneDiesOnFirstAttempt
 from torch import nn
 
 from hydrafl.data import load_cohort
 from hydrafl.kernels import distributed
-from hydrafl.kernels.distributed import DistributedResult, pick_device, process_group_backend, train_distributed
+from hydrafl.kernels.distributed import (
+    DistributedResult,
+    DistributedTrainingError,
+    pick_device,
+    process_group_backend,
+    train_distributed,
+)
 from hydrafl.kernels.elastic_loader import (
     ElasticLoader,
     LoaderConfigError,
@@ -105,10 +112,10 @@ def test_one_process_runs_in_process_and_is_the_plain_loop(
 ) -> None:
     x, y, build = site
 
-    def no_spawn(*args: object, **kwargs: object) -> None:
-        raise AssertionError("nproc=1 must not spawn processes")
+    def no_launch(*args: object, **kwargs: object) -> None:
+        raise AssertionError("nproc=1 must not start processes")
 
-    monkeypatch.setattr(distributed.mp, "spawn", no_spawn)
+    monkeypatch.setattr(distributed, "elastic_launch", no_launch)
     result = _run(build, x, y, optimizer="adamw", steps=3)
 
     # The reference: a plain loop over the round's first three global batches, mean loss over each.
@@ -142,6 +149,21 @@ def test_two_gloo_processes_equal_one_process(mlp_runs: dict, optimizer: str) ->
     assert _relative_difference(_delta(one.end_state, start), _delta(two.end_state, start)) <= 1e-4
     assert _relative_difference(_delta(one.end_state, start), {k: torch.zeros_like(v) for k, v in start.items()}) > 0
     assert two.loss == pytest.approx(one.loss, rel=1e-5)
+
+
+def test_a_dead_rank_is_restarted_and_the_round_replayed_to_the_same_delta(
+    mlp_runs: dict, site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]]
+) -> None:
+    x, y, _ = site
+    build = _mlp_builder(x.shape[1], int(y.max()) + 1)
+    undisturbed = mlp_runs["sgd", 2]
+    restarted = _run(build, x, y, nproc=2, lr=0.05, loss_fn=RankOneDiesOnFirstAttempt(), max_restarts=1)
+    assert (undisturbed.restarts, restarted.restarts) == (0, 1)
+    for name, tensor in undisturbed.end_state.items():
+        torch.testing.assert_close(restarted.end_state[name], tensor, rtol=0, atol=0)
+    assert (restarted.loss, restarted.data_hash) == (undisturbed.loss, undisturbed.data_hash)
+    with pytest.raises(DistributedTrainingError, match="2 training processes failed after 0 restart"):
+        _run(build, x, y, nproc=2, lr=0.05, loss_fn=RankOneDiesOnFirstAttempt())
 
 
 def test_data_hash_is_the_same_for_any_nproc_and_changes_with_the_round(
@@ -193,7 +215,7 @@ def test_nproc_beyond_the_lanes_is_an_error_before_any_spawn(
     site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     x, y, build = site
-    monkeypatch.setattr(distributed.mp, "spawn", lambda *a, **k: pytest.fail("spawned despite a bad world size"))
+    monkeypatch.setattr(distributed, "elastic_launch", lambda *a, **k: pytest.fail("launched despite a bad world size"))
     with pytest.raises(WorldSizeError, match="between 1 and the number of lanes 4"):
         _run(build, x, y, nproc=5)
     with pytest.raises(WorldSizeError, match="do not divide evenly"):
