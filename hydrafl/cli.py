@@ -94,6 +94,9 @@ def simulate(
         str | None, typer.Option(help="Hydra over LoRA: average the products B A (products) or A and B apart (factors).")
     ] = None,
     rescore_every: Annotated[int | None, typer.Option(help="Hydra: rescore every N rounds (0 = once).")] = None,
+    layer_score: Annotated[str | None, typer.Option(help="Hydra: layer importance, fisher or taylor.")] = None,
+    head_score: Annotated[str | None, typer.Option(help="Hydra: head importance, taylor (gate gradient) or confidence.")] = None,
+    score_samples: Annotated[int | None, typer.Option(help="Hydra: samples a site scores on.")] = None,
     outer: Annotated[str | None, typer.Option(help="Hydra outer optimizer: none or nesterov.")] = None,
     nproc: Annotated[int | None, typer.Option(help="Training processes per simulated site (DDP; 1 = in process).")] = None,
     bf16: Annotated[bool | None, typer.Option("--bf16", help="Train under bfloat16 autocast.")] = None,

@@ -25,6 +25,8 @@ HYDRA_LORA = ("products", "factors")
 HEAD_MODES = ("freeze", "drop")
 HEAD_SCORES = ("taylor", "confidence")
 LORA_STRATEGIES = ("fedit", "flora", "hetlora", "flexlora")
+COMPARISON_LORA_RANK = 8
+"""The rank a LoRA-only strategy runs at in a comparison whose run has no LoRA (`lora_rank` 0)."""
 
 
 class ConfigError(ValueError):
@@ -91,8 +93,9 @@ class RunConfig:
     krum_malicious: int = 0
     """Krum: number of sites assumed malicious."""
     site_tiers: str = ""
-    """Hydra: comma-separated resource tier (small, medium, large) per simulated site, in partition order;
-    a site's own node_config `tier` wins. "" leaves sites untiered (budget `hydra_layers`/`hydra_heads`)."""
+    """Hydra: comma-separated resource tier (small, medium, large) per simulated site, in partition order,
+    cycling when there are fewer than sites ("small,large" over 4 sites: small, large, small, large); a site's
+    own node_config `tier` wins. "" leaves sites untiered (budget `hydra_layers`/`hydra_heads`)."""
     site_memory_mb: str = ""
     """Hydra: comma-separated training memory (MB) each simulated site declares, in partition order (a real
     site: `hydrafl site --memory-mb`); 0 or "" = no memory limit. A site's Hydra-net is sized to fit it."""
@@ -160,17 +163,17 @@ class RunConfig:
         _check(0 <= self.trimmed_beta < 0.5, "trimmed-beta", self.trimmed_beta, "0 <= beta < 0.5")
         tiers = self.tier_list
         _check(
-            all(t in SITE_TIERS for t in tiers) and len(tiers) in (0, self.sites),
+            all(t in SITE_TIERS for t in tiers) and len(tiers) <= self.sites,
             "site-tiers",
             self.site_tiers,
-            f"{self.sites} comma-separated names from {', '.join(SITE_TIERS)} (one per site), or empty",
+            f"at most {self.sites} comma-separated names from {', '.join(SITE_TIERS)} (cycled over the sites), or empty",
         )
         for key, values in (("site-memory-mb", self.memory_list), ("site-speeds", self.speed_list)):
             _check(
-                len(values) in (0, self.sites) and all(v >= 0 for v in values) and (key != "site-speeds" or 0 not in values),
+                len(values) <= self.sites and all(v >= 0 for v in values) and (key != "site-speeds" or 0 not in values),
                 key,
                 getattr(self, key.replace("-", "_")),
-                f"{self.sites} comma-separated numbers (one per site; speeds > 0, memory >= 0), or empty",
+                f"at most {self.sites} comma-separated numbers (cycled over the sites; speeds > 0, memory >= 0), or empty",
             )
         _check(0 < self.hydra_layers <= 1, "hydra-layers", self.hydra_layers, "a fraction in (0, 1]")
         _check(0 < self.hydra_heads <= 1, "hydra-heads", self.hydra_heads, "a fraction in (0, 1]")
@@ -260,10 +263,16 @@ class SimulationConfig:
         _check(self.backend in BACKENDS, "backend", self.backend, ", ".join(BACKENDS))
         _check(len(set(self.strategies)) == len(self.strategies), "strategies", self.strategies, "no repeats")
         for strategy in self.strategies:  # fail before the first strategy runs, not after it
-            dataclasses.replace(self.run, strategy=strategy)
+            self.run_config(strategy)
 
     def run_config(self, strategy: str) -> RunConfig:
-        return dataclasses.replace(self.run, strategy=strategy, run_dir=str(Path(self.out) / strategy))
+        """The run of one strategy. A LoRA-only strategy compared in a run without LoRA (say flora next to
+        hydra and fedavg on the full model) trains adapters of rank `COMPARISON_LORA_RANK`; every other
+        strategy keeps the run as configured."""
+        lora_rank = COMPARISON_LORA_RANK if strategy in LORA_STRATEGIES and not self.run.lora_rank else self.run.lora_rank
+        return dataclasses.replace(
+            self.run, strategy=strategy, run_dir=str(Path(self.out) / strategy), lora_rank=lora_rank
+        )
 
 
 _SIMULATION_KEYS = {"strategies", "backend", "out"}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -123,23 +123,29 @@ class LoraBaseline(Hydra):
         """Each reply back at the global shapes (zeros beyond its site's rank), one at a time, for the rule."""
         if self.current_arrays is None:
             return None, None
-        return self.aggregate_lora(server_round, (self._full_shape(reply) for reply in replies))
+        return self.aggregate_lora(server_round, self._full_shape(replies))
 
     def aggregate_lora(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The method's rule on full-shape replies."""
+        """The method's rule on full-shape replies, each consumed before the next is asked for."""
         raise NotImplementedError
 
-    def _full_shape(self, reply: Message) -> Message:
-        if reply.has_error():
-            return reply
-        key, record = next((k, r) for k, r in reply.content.items() if isinstance(r, ArrayRecord))
-        slices = rank_slices(record, self._rank_of(reply))
-        full = {}
-        for name, compact in from_record(record).items():
-            full[name] = torch.zeros(tuple(self.current_arrays[name].shape), dtype=compact.dtype)
-            slices[name].add_to(full[name], compact)
-        reply.content[key] = to_record(full)
-        return reply
+    def _full_shape(self, replies: Iterable[Message]) -> Iterator[Message]:
+        """Each reply with its arrays at the global shapes while the rule reads it, then back to the compact
+        arrays it arrived with: the caller keeps every reply of the round, and full-shape copies of all of them
+        would grow with the number of sites."""
+        for reply in replies:
+            if reply.has_error():
+                yield reply
+                continue
+            key, record = next((k, r) for k, r in reply.content.items() if isinstance(r, ArrayRecord))
+            slices = rank_slices(record, self._rank_of(reply))
+            full = {}
+            for name, compact in from_record(record).items():
+                full[name] = torch.zeros(tuple(self.current_arrays[name].shape), dtype=compact.dtype)
+                slices[name].add_to(full[name], compact)
+            reply.content[key] = to_record(full)
+            yield reply
+            reply.content[key] = record
 
     def _rank_of(self, reply: Message) -> int:
         if (node := reply.metadata.src_node_id) not in self.ranks:

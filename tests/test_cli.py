@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from hydrafl import site_app
 from hydrafl.cli import app
+from hydrafl.config import RunConfig
 from hydrafl.stability import OuterSetup, check
 
 SMALL = """
@@ -190,3 +191,22 @@ def test_simulate_hydra_bypass_sends_small_sites_less(tmp_path):
     assert results["config"]["hydra_bypass"] is True and results["config"]["hydra_head_mode"] == "drop"
     down = sorted(results["strategies"]["hydra"]["rounds"][1]["bytes_down_per_site"].values())
     assert down[0] < down[1] < down[2]  # a small site's net skips a layer, a medium one drops heads: not sent
+
+
+def test_the_issues_mixed_comparison_runs_with_tiers_cycling_over_the_sites(tmp_path):
+    args = ["simulate", "--task", "tabular", "--strategies", "hydra,heterofl,fjord,fedrolex,flora,fedavg",
+            "--site-tiers", "small,medium,large", "--rounds", "1", "--local-steps", "1", "--out", str(tmp_path),
+            "--no-progress"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["config"]["sites"] == 4 and results["config"]["lora_rank"] == 0
+    ranks = {name: s["lora_rank"] for name, s in results["strategies"].items()}
+    assert ranks == {"hydra": 0, "heterofl": 0, "fjord": 0, "fedrolex": 0, "flora": 8, "fedavg": 0}
+    nodes = sorted(results["strategies"]["hydra"]["trainable_params_per_site"]["1"], key=int)
+    for name in ("hydra", "heterofl"):
+        params = results["strategies"][name]["rounds"][1]["trainable_params_per_site"]
+        small, medium, large, fourth = (params[node] for node in nodes)
+        assert small < medium < large and fourth == small  # the fourth site cycles back to small
+    with pytest.raises(ValueError, match="at most 2 comma-separated names"):
+        RunConfig(sites=2, site_tiers="small,medium,large")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -14,8 +15,19 @@ from helpers import TIERED_RUN, TIER_OF_NODE, assert_resume_matches_a_straight_r
 from hydrafl import server_app, site_app
 from hydrafl.arrays import from_record, record_nbytes, to_record
 from hydrafl.config import SimulationConfig
-from hydrafl.hydranet import SubnetSpec, coordinate_masks, extract, merge, trainable_slices
-from hydrafl.models import build_model
+from hydrafl.hydranet import (
+    COST_FIELDS,
+    LayerCost,
+    SubnetSpec,
+    coordinate_masks,
+    extract,
+    head_importance,
+    layer_importance,
+    merge,
+    plan_budget,
+    trainable_slices,
+)
+from hydrafl.models import build_model, task_loss
 from hydrafl.simulation.compare import compare_strategies
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
 from hydrafl.strategies import Hydra, build_strategy, layout_slices
@@ -235,3 +247,81 @@ def test_hydra_with_frozen_heads_trains_the_same_slices_and_sends_the_frozen_hea
     assert freeze_round["bytes_up_per_site"] == drop_round["bytes_up_per_site"]  # the same trained slices
     small = str(next(node for node, tier in TIER_OF_NODE.items() if tier == "small"))
     assert freeze_round["bytes_down_per_site"][small] > drop_round["bytes_down_per_site"][small]
+
+
+class _CountingGrid(InProcessGrid):
+    """The in-process grid, counting what the ServerApp sends by message type."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sent = collections.Counter()
+
+    def send_and_receive(self, messages, *args, **kwargs):
+        messages = list(messages)
+        self.sent.update(message.metadata.message_type for message in messages)
+        return super().send_and_receive(messages, *args, **kwargs)
+
+
+@pytest.mark.parametrize(("rescore_every", "scoring_rounds"), [(0, 1), (2, 2), (1, 3)])
+def test_rescore_every_asks_the_sites_for_scores_again(rescore_every, scoring_rounds):
+    cfg = dataclasses.replace(CFG, rounds=3, local_steps=1, rescore_every=rescore_every)
+    grid = _CountingGrid(site_app.client_app, cfg.sites, cfg.to_flower())
+    server_app.run_federation(grid, cfg, strategy=build_strategy(cfg))
+    assert grid.sent["query.scores"] == scoring_rounds * cfg.sites  # rounds 1, 1+N, 1+2N, ... of 3
+
+
+@pytest.mark.parametrize(("layer_score", "head_score"), [("fisher", "taylor"), ("taylor", "confidence")])
+def test_a_site_scores_with_the_runs_methods_on_its_first_training_samples(layer_score, head_score):
+    cfg = dataclasses.replace(CFG, layer_score=layer_score, head_score=head_score, score_samples=20, batch_size=8)
+    grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
+    initial = server_app.request_initial_arrays(grid, cfg)
+    content = RecordDict({"arrays": initial, "config": ConfigRecord(cfg.to_flower())})
+    [reply] = grid.send_and_receive([Message(content, dst_node_id=FIRST_NODE_ID, message_type="query.scores")])
+    metrics = reply.content["metrics"]
+    cohort = site_app.run_cohort(cfg)
+    split = cohort.sites[0]
+    model = build_model(cohort.task, seed=cfg.seed)
+    model.load_state_dict(from_record(initial), strict=False)
+    batches = [(split.train_x[i : min(i + 8, 20)], split.train_y[i : min(i + 8, 20)]) for i in (0, 8, 16)]
+    layers = layer_importance(model, batches, task_loss(cohort.task), method=layer_score)
+    heads = head_importance(model, batches, task_loss(cohort.task), method=head_score)
+    assert [metrics[f"layer-{layer}"] for layer in range(len(layers))] == pytest.approx(layers, rel=1e-5)
+    for layer, row in enumerate(heads):
+        assert [metrics[f"head-{layer}-{g}"] for g in range(len(row))] == pytest.approx(row, rel=1e-5)
+
+
+def test_a_site_that_declares_itself_slow_sits_out_a_deadline_a_fast_site_meets_with_every_layer():
+    grid = InProcessGrid(site_app.client_app, CFG.sites, CFG.to_flower())
+    initial = server_app.request_initial_arrays(grid, CFG)
+    declared = {"site-tiers": "", "site-speeds": "0.02,1,1", "round-timeout-s": 3600.0}
+
+    def cost(node: int) -> LayerCost:
+        metrics = _ask(grid, "query.scores", node, initial, **declared).content["metrics"]
+        return LayerCost(**{field: float(metrics[f"cost.{field.replace('_', '-')}"]) for field in COST_FIELDS})
+
+    slow, fast = cost(FIRST_NODE_ID), cost(FIRST_NODE_ID + 1)
+    assert slow.fixed_s > 10 * fast.fixed_s and slow.per_layer_s > 10 * fast.per_layer_s  # declared 50x slower
+    assert slow.fixed_bytes == pytest.approx(fast.fixed_bytes, rel=0.2)  # speed is time, not memory
+    steps = CFG.local_steps
+    deadline = 1.5 * steps * (fast.fixed_s + 2 * fast.per_layer_s)  # every layer and head, with 50% to spare
+
+    def plan(cost: LayerCost):
+        return plan_budget(cost, num_layers=2, num_groups=4, memory_bytes=math.inf, speed=1.0, deadline_s=deadline,
+                           local_steps=steps)
+
+    assert (plan(fast).layers, plan(fast).heads) == (2, 4)
+    with pytest.raises(ValueError, match="no Hydra-net fits"):
+        plan(slow)
+
+
+def test_hydra_and_heterofl_size_tiered_nets_on_the_chest_xray_vit(tmp_path):
+    run = dataclasses.replace(CFG, task="chest-xray", rounds=1, local_steps=1)
+    results = compare_strategies(
+        SimulationConfig(run=run, strategies=("hydra", "heterofl"), out=str(tmp_path)), show_progress=False
+    )
+    for name in ("hydra", "heterofl"):
+        record = results["strategies"][name]["rounds"][1]
+        params = {TIER_OF_NODE[int(node)]: n for node, n in record["trainable_params_per_site"].items()}
+        assert params["small"] < params["medium"] < params["large"]
+        up = {TIER_OF_NODE[int(node)]: n for node, n in record["bytes_up_per_site"].items()}
+        assert up["small"] < up["large"] and math.isfinite(record["loss"]) and 0 <= record["accuracy"] <= 1

@@ -47,7 +47,9 @@ def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) 
             started = time.perf_counter()
             built = build_strategy(run_cfg) if config.backend == "inprocess" else None
             history = run_strategy(run_cfg, config.backend, on_round=on_round, strategy=built)
-            results["strategies"][strategy] = {"seconds": time.perf_counter() - started, "rounds": history}
+            results["strategies"][strategy] = {
+                "seconds": time.perf_counter() - started, "lora_rank": run_cfg.lora_rank, "rounds": history
+            }
             if isinstance(built, Hydra):  # per round, per site; bytes per site are in the round records
                 results["strategies"][strategy]["trainable_params_per_site"] = built.trainable_params
     write_report(out, results)

@@ -45,8 +45,13 @@ def _aggregate(strategy, arrays, replies, ranks):
         full = {name: torch.tensor(values, dtype=torch.float32) for name, values in delta.items()}
         compact = extract(full, rank_slices(full, ranks[i + 1]))
         messages.append(make_reply({name: t.numpy() for name, t in compact.items()}, n, node_id=i + 1))
+    def shapes() -> list[dict[str, tuple[int, ...]]]:
+        return [{name: tuple(a.shape) for name, a in m.content.array_records["arrays"].items()} for m in messages]
+
+    arrived = shapes()
     new, metrics = strategy.aggregate_train(1, iter(messages))
     assert metrics is not None
+    assert shapes() == arrived  # the replies the round keeps stay compact: no full-shape copy outlives its turn
     return {name: array.numpy() for name, array in new.items()}
 
 
@@ -130,8 +135,8 @@ def test_flexlora_svd_of_the_weighted_product_sum():
 def test_lora_strategies_need_a_lora_run():
     with pytest.raises(ConfigError, match="lora-rank"):
         RunConfig(strategy="flora")
-    with pytest.raises(ConfigError, match="lora-rank"):
-        SimulationConfig(strategies=("fedavg", "hetlora"))
+    compared = SimulationConfig(strategies=("fedavg", "hetlora"))  # a comparison gives LoRA-only ones a rank
+    assert (compared.run_config("fedavg").lora_rank, compared.run_config("hetlora").lora_rank) == (0, 8)
     with pytest.raises(AggregationError, match="lora-rank"):
         lora_pairs(["net.classifier.weight"])
 
