@@ -30,6 +30,8 @@ def test_flags_and_toml_keys_build_one_frozen_config(tmp_path):
         ({"outer-momentum": 1.0}, "outer-momentum"),
         ({"strategies": "fedavg,fedavg"}, "no repeats"),
         ({"hydra-lora": "stacked"}, "invalid hydra-lora='stacked'.*products, factors"),
+        ({"inner-optimizer": "lm-dual", "task": "clinical-notes-lm"}, "a classification task, nproc 1"),
+        ({"inner-optimizer": "lm-dual", "nproc": 2}, "a classification task, nproc 1"),
     ],
 )
 def test_invalid_values_name_the_key(values, message):

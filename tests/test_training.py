@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -14,7 +15,8 @@ from hydrafl.kernels.lm_dual import HeadLM
 from hydrafl.kernels.optimizers import build_inner_optimizer
 from hydrafl.models import build_model, federated_state
 from hydrafl.kernels.distributed import train_distributed
-from hydrafl.training import SiteTrainConfig, evaluate, site_seed, train_site
+from hydrafl import training
+from hydrafl.training import SiteTrainConfig, evaluate, site_seed, train_flops_per_sample, train_site
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,12 @@ def test_muon_takes_hidden_matrices_and_adamw_the_rest(site):
     model = build_model(task, seed=0)
     muon, adamw = build_inner_optimizer(model, "muon", lr=1e-3).optimizers
     assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
-    assert all(p.ndim == 2 for group in muon.param_groups for p in group["params"])
+    on_muon = {id(p) for group in muon.param_groups for p in group["params"]}
+    expected = {  # the hidden matrices of attention and FFN; embeddings, the feature map, head, 1-D on AdamW
+        name for name, p in model.named_parameters()
+        if p.ndim == 2 and name.split(".")[-2] in ("query", "key", "value", "dense") and "encoder.layer." in name
+    }
+    assert expected and {name for name, p in model.named_parameters() if id(p) in on_muon} == expected
     counted = sum(len(g["params"]) for o in (muon, adamw) for g in o.param_groups)
     assert counted == len(list(model.parameters()))
 
@@ -129,3 +136,17 @@ def test_a_site_whose_training_process_dies_replays_the_round_when_restarts_are_
         torch.testing.assert_close(restarted.end_state[name], tensor, rtol=0, atol=0)
     with pytest.raises(ValueError, match="max_restarts=-1"):
         SiteTrainConfig(steps=3, batch_size=8, lr=1e-2, max_restarts=-1)
+
+
+def test_a_site_on_a_listed_gpu_reports_its_mfu(site, monkeypatch):
+    """No GPU here: the trainer's result is relabelled as an H100 run, and the MFU must be the achieved FLOP/s
+    of that run over the H100's peak (fp32: 67 TFLOP/s)."""
+    def on_an_h100(*args, **kwargs):
+        return dataclasses.replace(train_distributed(*args, **kwargs), device_name="NVIDIA H100 80GB HBM3")
+
+    monkeypatch.setattr(training, "train_distributed", on_an_h100)
+    task, split = site
+    model = build_model(task, seed=0)
+    result = _train(model, split, SiteTrainConfig(steps=2, batch_size=16, lr=1e-3))
+    flops = train_flops_per_sample(model, split.train_x)
+    assert flops > 0 and result.mfu == pytest.approx(result.samples_per_s * flops / 67e12, rel=1e-12)
