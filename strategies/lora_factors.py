@@ -95,8 +95,9 @@ def product_slice(a: Slice | None, b: Slice | None) -> Slice:
 class MaskedProductAccumulator:
     """Per adapted module: sum_k w_k m_k B_k A_k and sum_k w_k m_k, where B_k A_k is the product site k ended
     with and m_k the rows (or columns) of its heads: a site's product says nothing about heads it did not run,
-    even though its shared A (or B) moved them. Two dense out x in sums per module, whatever the number of
-    sites (the mask is whole rows or columns, but one site's may be the whole module)."""
+    even though its shared A (or B) moved them. One dense out x in sum per module, whatever the number of
+    sites; the weights are whole rows (q/k/v) or columns (o), so their sum is a column or row vector (1 x 1
+    while every site trained the whole module)."""
 
     def __init__(self, pairs: Iterable[LoraPair], start: Mapping[str, torch.Tensor]) -> None:
         self.pairs, self.start = list(pairs), start
@@ -118,7 +119,7 @@ class MaskedProductAccumulator:
             trained = product_slice(slices.get(pair.a), slices.get(pair.b))
             if pair.module not in self.sums:
                 self.sums[pair.module] = torch.zeros(b.shape[0], a.shape[1])
-                self.weights[pair.module] = torch.zeros(b.shape[0], a.shape[1])
+                self.weights[pair.module] = torch.zeros(1, 1)
             if trained.dim == 0:  # only the trained rows of B_k A_k
                 end = trained.take(b) @ a
             elif trained.dim == 1:  # only its trained columns
@@ -126,7 +127,7 @@ class MaskedProductAccumulator:
             else:
                 end = b @ a
             trained.add_to(self.sums[pair.module], end, alpha=weight)
-            trained.add_to(self.weights[pair.module], torch.ones_like(end), alpha=weight)
+            self.weights[pair.module] = self.weights[pair.module] + _coverage(trained, self.sums[pair.module].shape, weight)
 
     def _end(self, name: str, deltas: Mapping[str, torch.Tensor], slices: Mapping[str, Slice]) -> torch.Tensor:
         """The factor the site ended with: its start minus its delta on the slice it trained."""
@@ -141,8 +142,20 @@ class MaskedProductAccumulator:
         out = {}
         for pair in self.pairs:
             if pair.module in self.sums:
-                covered = self.weights[pair.module] > 0
+                covered = (self.weights[pair.module] > 0).expand_as(self.sums[pair.module])
                 mean_end = self.sums[pair.module].div_(self.weights[pair.module].clamp_(min=1e-30))
                 self.start_products[pair.module] = start = self.start[pair.b].float() @ self.start[pair.a].float()
                 out[pair.module] = ((start - mean_end).mul_(covered), covered)
         return out
+
+
+def _coverage(trained: Slice, shape: torch.Size, weight: float) -> torch.Tensor:
+    """`weight` on the trained rows (as a column vector) or columns (as a row vector) of a module of `shape`,
+    0 elsewhere; `weight` as a 1 x 1 when the whole module trained."""
+    if trained.dim is None:
+        return torch.full((1, 1), weight)
+    size = [1, 1]
+    size[trained.dim] = shape[trained.dim]
+    coverage = torch.zeros(size)
+    trained.add_to(coverage, torch.ones(trained.taken_shape(size)), alpha=weight)
+    return coverage

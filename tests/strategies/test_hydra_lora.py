@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from flwr.app import Array, ArrayRecord
 from helpers import make_reply
 
 from hydrafl.config import RunConfig
 from hydrafl.hydranet import Slice, SubnetSpec
-from hydrafl.strategies import AggregationError, Hydra, build_strategy
-from hydrafl.strategies.lora_factors import product_slice
+from hydrafl.strategies import AggregationError, Hydra, build_strategy, layout_slices
+from hydrafl.strategies.lora_factors import MaskedProductAccumulator, lora_pairs, product_slice
 
 RANK = 4
 Q_A, Q_B = "l0.q.lora_A.default.weight", "l0.q.lora_B.default.weight"  # q-like: B's rows are cut by head
@@ -170,3 +171,18 @@ def test_product_slice_of_a_sites_factor_slices():
         product_slice(Slice(1, (0,)), Slice(0, (0,)))
     with pytest.raises(AggregationError, match="rank axis"):
         product_slice(Slice(0, (0,)), Slice(None))
+
+
+def test_the_product_weights_are_a_vector_per_module_not_a_dense_matrix():
+    """Sites mask whole rows (q) or columns (o), so the summed weights are a column (row) vector: the
+    coordinator holds one dense sum per module, not two."""
+    start = {name: torch.from_numpy(value) for name, value in START.items()}
+    products = MaskedProductAccumulator(lora_pairs(start), start)
+    for node, (spec, delta, n) in enumerate([(SMALL, SMALL_DELTA, N_SMALL), (LARGE, LARGE_DELTA, N_LARGE)], 1):
+        products.add(make_reply(delta, n, node_id=node), layout_slices(LAYOUT, spec), float(n))
+    torch.testing.assert_close(products.weights["l0.q"], torch.tensor([[40.0], [40.0], [30.0], [30.0]]))
+    torch.testing.assert_close(products.weights["l0.o"], torch.tensor([[40.0, 40.0, 30.0, 30.0]]))
+    assert "l1.q" not in products.weights
+    means = products.mean()
+    assert means["l0.q"][1].shape == (4, 3) and bool(means["l0.q"][1].all())
+    np.testing.assert_allclose(means["l0.q"][0].numpy(), _mean_q_step(START), rtol=1e-5, atol=1e-6)
