@@ -17,9 +17,9 @@ on them, so they carry no gradient, and autograd through the merge gives each sh
 full-vocabulary loss: softmax - onehot for cross-entropy, q - p for KL (divide the hidden states by a
 temperature T before the call for distillation at temperature T).
 
-A vocabulary-sharded run computes `*_shard_stats` on its own slice of the head weight, gathers the stats
-(a few floats per row per shard; `torch.distributed.nn.functional.all_gather` keeps the autograd graph) and
-merges them with `merge_*_stats`; the in-process `num_shards` argument does exactly that with tensor slices.
+A vocabulary-sharded run computes `*_shard_stats` on its own slice of the head weight, gathers every rank's
+stats with `gather_shard_stats` (a few floats per row per shard, differentiable) and merges them with
+`merge_*_stats`; the in-process `num_shards` argument does exactly that with tensor slices.
 The mean divides by the number of valid tokens; pass `num_valid` (the all-reduced count) when the rows are
 split over data-parallel ranks, so that every rank divides by the same global count.
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from itertools import pairwise
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -36,6 +36,9 @@ from torch import Tensor
 IGNORE_INDEX = -100
 DEFAULT_CHUNK_SIZE = 8192
 DEFAULT_WINDOW_SIZE = 1024
+
+
+StatsT = TypeVar("StatsT", "CrossEntropyStats", "KLStats")
 
 
 class CrossEntropyStats(NamedTuple):
@@ -222,6 +225,39 @@ def merge_cross_entropy_stats(shards: Sequence[CrossEntropyStats]) -> CrossEntro
     sumexp = sum((s.sumexp * torch.exp(s.max - row_max) for s in shards), torch.zeros_like(row_max))  # [N]
     target = sum((s.target for s in shards), torch.zeros_like(row_max))  # [N]
     return CrossEntropyStats(row_max, sumexp, target)
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; the gradient times `scale` backward."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def gather_shard_stats(stats: StatsT, group: Any = None) -> list[StatsT]:
+    """Every rank's stats of its vocabulary shard, in rank order, on every rank of `group`, keeping the graph.
+
+    Every rank then computes the same loss from the merged stats; all_gather's backward sums what each of
+    those identical losses sends a shard, so the shard's stats scale their gradient by 1 / world size to get
+    the gradient of one loss. A rank's head shard then gets exactly its part of the full head's gradient. Its
+    hidden states' gradient is its shard's share: sum it over the group (as a tensor-parallel input region
+    does) for the full-vocabulary gradient.
+    """
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as dist_nn
+
+    world = dist.get_world_size(group)
+    gathered = [
+        dist_nn.all_gather(_ScaleGradient.apply(field, 1.0 / world) if field.requires_grad else field, group=group)
+        for field in stats
+    ]
+    return [type(stats)(*(field[rank] for field in gathered)) for rank in range(world)]
 
 
 def _count(valid: Tensor, num_valid: int | Tensor | None) -> Tensor:
