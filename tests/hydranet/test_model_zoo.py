@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import LlamaForCausalLM, ViTConfig, ViTForImageClassification
 
+from hydrafl.data import load_cohort
 from hydrafl.hydranet import SubnetSpec
+from hydrafl.models import build_model
 from hydrafl.model_zoo import (
     TinyLlamaShape,
     build_causal_lm,
@@ -95,3 +97,33 @@ def test_load_pretrained_round_trip(tmp_path, llama, bert, lm_batch, text_batch)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="has no config.json"):
         load_pretrained(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("task_name", ["clinical-text", "chest-xray"])
+def test_a_site_builds_its_classifier_from_a_local_checkpoint_directory(tmp_path, task_name):
+    """`--model DIR` for the text (BERT) and image (ViT) tasks: the saved weights come back, offline."""
+    cohort = load_cohort(task_name, num_sites=1, samples_per_site=8)
+    saved = build_model(cohort.task, seed=3)
+    saved.net.save_pretrained(tmp_path / "checkpoint")
+    loaded = build_model(cohort.task, model=str(tmp_path / "checkpoint"), seed=0)
+    assert type(loaded.net) is type(saved.net)
+    for name, tensor in saved.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    x = cohort.sites[0].train_x[:4]
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(x), saved.eval()(x))
+    with pytest.raises(ValueError, match="neither 'tiny' nor a local checkpoint directory"):
+        build_model(cohort.task, model=str(tmp_path / "missing"))
+
+
+def test_forward_flops_of_a_vit_by_hand():
+    """ViT, hidden 16, 2 layers of 2 heads, FFN 32, 8x8 RGB images in 4x4 patches: 4 patches + CLS = 5 tokens."""
+    config = ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
+                       num_attention_heads=2, intermediate_size=32, num_labels=3)
+    vit = ViTForImageClassification(config)
+    S, layer = 5, 4 * 16 * 16 + 2 * 16 * 32  # q/k/v/o 1024 + FFN 1024 per layer
+    outside = 16 * 3 * 4 * 4 + 16 * 3  # patch projection (a conv) and classifier, counted per token
+    attention = 4 * S * S * 2 * 8  # QK^T and AV per layer
+    assert forward_flops(vit, S) == 2 * S * (2 * layer + outside) + 2 * attention == 52320
+    one_head = SubnetSpec(layers=(0, 1), heads=((0,), (1,)))  # half of q/k/v/o and of the attention per layer
+    assert forward_flops(vit, S, one_head, executed=False) == 2 * S * (2 * (layer - 512) + outside) + attention
