@@ -123,6 +123,18 @@ def test_outer_nesterov_with_lr_one_and_no_momentum_equals_plain_hydra():
             np.testing.assert_array_equal(a[name], b[name])
 
 
+def test_the_run_config_wires_the_outer_optimizer_into_hydra():
+    built = build_strategy(RunConfig(strategy="hydra", sites=2, outer="nesterov", outer_lr=0.7, outer_momentum=0.9))
+    assert (built.outer_lr, built.momentum, built.nesterov) == (0.7, 0.9, True)
+    assert (build_strategy(RunConfig(strategy="hydra", sites=2, outer_lr=0.7, outer_momentum=0.9)).outer_lr) == 1.0
+    by_hand = Hydra(outer_lr=0.7, momentum=0.9, nesterov=True)
+    for server_round in (1, 2):  # the momentum shows from the second round on
+        a = _step(built, START, [(DELTA_A, 10), (DELTA_B, 30)], server_round)
+        b = _step(by_hand, START, [(DELTA_A, 10), (DELTA_B, 30)], server_round)
+        for name in START:
+            np.testing.assert_array_equal(a[name], b[name])
+
+
 def test_state_dict_round_trip():
     first = Hydra(outer_lr=0.5, momentum=0.9)
     first.ranking, first.trainable_params = [1, 0], {1: {"1": 6}}
