@@ -213,6 +213,13 @@ def test_simulate_cli_nproc_and_diagnostics_end_to_end(tmp_path):
     assert "Pseudo-gradient diagnostics" in (out / "report.md").read_text()
     bad = CliRunner().invoke(app, [*args, "--nproc", "3"])
     assert bad.exit_code == 2 and "multiple of nproc=3" in " ".join(bad.output.split())
+    two = tmp_path / "two"  # every simulated site on two processes: the same batches, the same round
+    args[args.index("--out") + 1] = str(two)
+    result = CliRunner().invoke(app, [*args, "--nproc", "2"])
+    assert result.exit_code == 0, result.output
+    on_two = json.loads((two / "results.json").read_text())["strategies"]["fedavg"]["rounds"]
+    assert on_two[1]["data_hash_per_site"] == rounds[1]["data_hash_per_site"]
+    assert on_two[1]["loss"] == pytest.approx(rounds[1]["loss"], rel=1e-4)
 
 
 def test_site_cli_puts_nproc_in_the_node_config(monkeypatch):
