@@ -23,9 +23,11 @@ point of it (on MiniLM, where LoRA starts from pretrained features). Since the s
 size of the gaps between methods, Hydra's gap to the best baseline is also given paired by seed (mean and
 standard error of the per-seed differences).
 
-Runs merge into an existing results file in `--out`: a group run again with the same scale keeps its other
-seeds (a seed run again is replaced), and groups not run stay. So seeds can be added later, or split over
-processes (each site runs on one core): `--seeds 3` in one, `--first-seed 3 --seeds 2` in another.
+Runs merge into an existing results file of the same mode (full or `--quick`; one of the other mode is
+replaced) in `--out`: a group run again with the same scale keeps its other seeds (a seed run again is
+replaced), and groups not run stay. So seeds can be added later, or split over processes (each site runs on
+one core): `--seeds 3` in one, `--first-seed 3 --seeds 2` in another; each merges what is in the file when it
+finishes, so let them finish at different times.
 """
 
 from __future__ import annotations
@@ -304,7 +306,9 @@ def main() -> None:
     stats = {group: {name: method_stats(r) for name, r in methods.items()} for group, methods in runs.items()}
     summary = {"benchmark": NAME, "quick": args.quick, "scales": scales, "runs": runs, "stats": stats,
                "goals": goals(stats), "paired": paired(runs, stats)}
-    path.write_text(json.dumps(summary, indent=1))
+    partial = path.with_suffix(".json.partial")  # a reader never sees half a file
+    partial.write_text(json.dumps(summary, indent=1))
+    partial.replace(path)
     plot(summary, args.out / f"{NAME}.png")
     print_tables(summary)
 

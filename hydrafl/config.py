@@ -160,10 +160,12 @@ class RunConfig:
             ", ".join(INNER_OPTIMIZERS),
         )
         _check(
-            self.inner_optimizer != "lm-dual" or (self.task not in NEXT_TOKEN_TASKS and self.nproc == 1),
+            self.inner_optimizer != "lm-dual"
+            or (self.task not in NEXT_TOKEN_TASKS and self.nproc == 1 and self.strategy != "fedprox"),
             "inner-optimizer",
             self.inner_optimizer,
-            "not lm-dual here: it steps a classifier's head in one process (a classification task, nproc 1)",
+            "not lm-dual here: it steps a classifier's head in one process, without FedProx's proximal term "
+            "(a classification task, nproc 1)",
         )
         _check(0 <= self.outer_momentum < 1, "outer-momentum", self.outer_momentum, "0 <= mu < 1")
         _check(0 <= self.trimmed_beta < 0.5, "trimmed-beta", self.trimmed_beta, "0 <= beta < 0.5")

@@ -32,6 +32,7 @@ def test_flags_and_toml_keys_build_one_frozen_config(tmp_path):
         ({"hydra-lora": "stacked"}, "invalid hydra-lora='stacked'.*products, factors"),
         ({"inner-optimizer": "lm-dual", "task": "clinical-notes-lm"}, "a classification task, nproc 1"),
         ({"inner-optimizer": "lm-dual", "nproc": 2}, "a classification task, nproc 1"),
+        ({"inner-optimizer": "lm-dual", "strategies": "fedavg,fedprox"}, "without FedProx's proximal term"),
     ],
 )
 def test_invalid_values_name_the_key(values, message):

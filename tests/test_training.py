@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from dying_rank import RankOneDiesOnFirstAttempt
+from spawned_ranks import RankOneDiesOnFirstAttempt
 
 from hydrafl.data import load_cohort
 from hydrafl.kernels.elastic_loader import ElasticLoader

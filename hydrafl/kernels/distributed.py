@@ -22,12 +22,14 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import signal
 import socket
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel
@@ -189,27 +193,60 @@ def train_distributed(
         return _run_rank(job, rank=0, model_wrapper=None)
     if device_type == "cuda" and nproc > torch.accelerator.device_count():
         raise ValueError(f"nproc={nproc} exceeds the {torch.accelerator.device_count()} CUDA devices")
-    launch = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"hydrafl-{uuid.uuid4().hex}",
-        rdzv_backend="c10d",  # torchrun --standalone: the agent hosts the rendezvous store on loopback
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=max_restarts,
-        monitor_interval=0.1,
-        start_method="spawn",
-    )
     with tempfile.TemporaryDirectory(prefix="hydrafl-ddp-") as tmp:
+        launch = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nproc,
+            run_id=f"hydrafl-{uuid.uuid4().hex}",
+            rdzv_backend="c10d",  # torchrun --standalone: the agent hosts the rendezvous store on loopback
+            rdzv_endpoint=f"127.0.0.1:{free_port()}",
+            local_addr="127.0.0.1",  # the ranks' MASTER_ADDR; else the host name, which need not resolve
+            max_restarts=max_restarts,
+            monitor_interval=0.1,
+            start_method="spawn",
+            logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp) / "logs")),  # gone with the round
+        )
         out = Path(tmp) / "rank0.pt"
         try:
-            elastic_launch(launch, _rank_main)(job, str(out))
+            with _process_signal_handlers():
+                elastic_launch(launch, _rank_main)(job, str(out))
         except ChildFailedError as error:
             raise DistributedTrainingError(
                 f"{nproc} training processes failed after {max_restarts} restart(s): {error.format_msg()}"
             ) from error
         payload = torch.load(out, weights_only=True)
     return DistributedResult(**payload)
+
+
+_AGENT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, name))
+
+
+@contextmanager
+def _process_signal_handlers() -> Iterator[None]:
+    """The process's own signal handlers, back after the launch. The elastic agent installs handlers that raise
+    `SignalException` (an ordinary Exception) and leaves them in place: a site would then take Ctrl-C or a
+    container stop for a failed round and carry on. A signal during the launch is delivered as the process
+    would have had it: SIGINT as KeyboardInterrupt, others to the restored handler."""
+    if threading.current_thread() is not threading.main_thread():  # handlers can only change on the main thread
+        yield
+        return
+    saved = {sig: handler for sig in _AGENT_SIGNALS if (handler := signal.getsignal(sig)) is not None}
+
+    def restore() -> None:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+    try:
+        yield
+    except SignalException as error:
+        restore()
+        if error.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from error
+        signal.raise_signal(error.sigval)
+        raise
+    finally:
+        restore()
 
 
 def _rank_main(job: _Job, out: str) -> None:

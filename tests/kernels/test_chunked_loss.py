@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from spawned_ranks import vocab_sharded_rank
 
 from hydrafl.kernels.chunked_loss import (
     IGNORE_INDEX,
     chunked_cross_entropy,
     chunked_kl_divergence,
-    cross_entropy_from_stats,
     cross_entropy_shard_stats,
-    gather_shard_stats,
-    kl_from_stats,
-    kl_shard_stats,
     merge_cross_entropy_stats,
-    merge_kl_stats,
 )
 from hydrafl.kernels.distributed import free_port
 
@@ -190,30 +184,10 @@ def test_errors_name_the_bad_value() -> None:
 VOCAB_SPLIT = (0, 40, V)  # rank 0 holds ids [0, 40) of the head, rank 1 [40, 101)
 
 
-def _vocab_sharded_rank(rank: int, port: int, out: str) -> None:
-    """One of two gloo ranks, each with its slice of the student's and teacher's heads: CE + KL from the
-    gathered stats, gradients of its hidden states and of its head shard written to `out`."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        p = problem()
-        start, stop = VOCAB_SPLIT[rank], VOCAB_SPLIT[rank + 1]
-        weight = p["weight"].detach()[start:stop].clone().requires_grad_()
-        ce = cross_entropy_shard_stats(p["hidden"], weight, p["target"], vocab_start=start, chunk_size=16, window_size=8)
-        kl = kl_shard_stats(p["hidden"], weight, p["teacher_hidden"], p["teacher_weight"][start:stop], chunk_size=16)
-        loss = cross_entropy_from_stats(merge_cross_entropy_stats(gather_shard_stats(ce)), p["target"]) + kl_from_stats(
-            merge_kl_stats(gather_shard_stats(kl))
-        )
-        loss.backward()
-        torch.save({"loss": loss.detach(), "hidden": p["hidden"].grad, "weight": weight.grad}, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
 def test_vocabulary_shards_on_two_ranks_give_the_full_loss_and_gradients(tmp_path: Path) -> None:
-    mp.spawn(_vocab_sharded_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
     p = problem()
+    mp.spawn(vocab_sharded_rank, args=(free_port(), str(tmp_path), p, VOCAB_SPLIT), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
     full = F.cross_entropy(p["hidden"] @ p["weight"].T, p["target"]) + chunked_kl_divergence(
         p["hidden"], p["weight"], p["teacher_hidden"], p["teacher_weight"]
     )

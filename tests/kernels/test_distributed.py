@@ -5,12 +5,17 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import os
+import signal
+import tempfile
+import threading
+from pathlib import Path
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
-from dying_rank import RankOneDiesOnFirstAttempt
+from spawned_ranks import RankOneDiesOnFirstAttempt, SlowLoss
 from torch import nn
 
 from hydrafl.data import load_cohort
@@ -164,6 +169,31 @@ def test_a_dead_rank_is_restarted_and_the_round_replayed_to_the_same_delta(
     assert (restarted.loss, restarted.data_hash) == (undisturbed.loss, undisturbed.data_hash)
     with pytest.raises(DistributedTrainingError, match="2 training processes failed after 0 restart"):
         _run(build, x, y, nproc=2, lr=0.05, loss_fn=RankOneDiesOnFirstAttempt())
+
+
+def test_a_launch_leaves_the_process_its_signal_handlers_and_ctrl_c_stops_it(
+    site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The elastic agent installs its own handlers and leaves them: a site would take Ctrl-C for a failed round.
+    It also writes worker logs, which must go with the round."""
+    x, y, _ = site
+    build = _mlp_builder(x.shape[1], int(y.max()) + 1)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the launch and the agent put their files
+
+    def state() -> tuple[dict, list]:
+        return {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}, list(tmp_path.iterdir())
+
+    before = state()
+    _run(build, x, y, nproc=2, lr=0.05, steps=1)
+    assert state() == before
+    interrupt = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    interrupt.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _run(build, x, y, nproc=2, lr=0.05, steps=6, loss_fn=SlowLoss(5.0))  # 30 s: the signal comes first
+    finally:
+        interrupt.cancel()
+    assert state() == before
 
 
 def test_data_hash_is_the_same_for_any_nproc_and_changes_with_the_round(
