@@ -300,10 +300,14 @@ def test_a_site_that_declares_itself_slow_sits_out_a_deadline_a_fast_site_meets_
         return LayerCost(**{field: float(metrics[f"cost.{field.replace('_', '-')}"]) for field in COST_FIELDS})
 
     slow, fast = cost(FIRST_NODE_ID), cost(FIRST_NODE_ID + 1)
-    assert slow.fixed_s > 10 * fast.fixed_s and slow.per_layer_s > 10 * fast.per_layer_s  # declared 50x slower
+
+    def whole_net_s(cost: LayerCost) -> float:  # the measured total; its split into fixed and per layer is noisy
+        return cost.fixed_s + 2 * cost.per_layer_s
+
+    assert whole_net_s(slow) > 10 * whole_net_s(fast)  # declared 50x slower
     assert slow.fixed_bytes == pytest.approx(fast.fixed_bytes, rel=0.2)  # speed is time, not memory
     steps = CFG.local_steps
-    deadline = 1.5 * steps * (fast.fixed_s + 2 * fast.per_layer_s)  # every layer and head, with 50% to spare
+    deadline = 1.5 * steps * whole_net_s(fast)  # every layer and head, with 50% to spare
 
     def plan(cost: LayerCost):
         return plan_budget(cost, num_layers=2, num_groups=4, memory_bytes=math.inf, speed=1.0, deadline_s=deadline,
