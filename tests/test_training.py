@@ -25,9 +25,9 @@ def site():
     return cohort.task, cohort.sites[0]
 
 
-def _train(model, split, config):
+def _train(model, split, config, **kwargs):
     state = {k: v.clone() for k, v in federated_state(model).items()}
-    return train_site(model, state, split.train_x, split.train_y, config, device="cpu")
+    return train_site(model, state, split.train_x, split.train_y, config, device="cpu", **kwargs)
 
 
 def test_batches_are_a_pure_function_of_seed_round_and_site(site):
@@ -123,13 +123,8 @@ def test_a_site_whose_training_process_dies_replays_the_round_when_restarts_are_
     task, split = site
     build = functools.partial(build_model, task, seed=0)
     config = SiteTrainConfig(steps=3, batch_size=8, lr=1e-2, nproc=2, max_restarts=1)
-
-    def train(**kwargs):
-        model = build()
-        state = {k: v.clone() for k, v in federated_state(model).items()}
-        return train_site(model, state, split.train_x, split.train_y, config, rebuild=build, device="cpu", **kwargs)
-
-    undisturbed, restarted = train(), train(loss_fn=RankOneDiesOnFirstAttempt())
+    undisturbed = _train(build(), split, config, rebuild=build)
+    restarted = _train(build(), split, config, rebuild=build, loss_fn=RankOneDiesOnFirstAttempt())
     assert (undisturbed.restarts, restarted.restarts) == (0, 1)
     assert restarted.data_hash == undisturbed.data_hash
     for name, tensor in undisturbed.end_state.items():

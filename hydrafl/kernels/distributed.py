@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -273,21 +273,8 @@ def _rank_main(job: _Job, out: str) -> None:
 
         result = _run_rank(job, rank=rank, model_wrapper=wrap)
         if rank == 0:
-            torch.save(
-                {
-                    "end_state": result.end_state,
-                    "loss": result.loss,
-                    "samples": result.samples,
-                    "data_hash": result.data_hash,
-                    "samples_per_s": result.samples_per_s,
-                    "steps": result.steps,
-                    "nproc": result.nproc,
-                    "device": result.device,
-                    "device_name": result.device_name,
-                    "restarts": attempt,
-                },
-                out,
-            )
+            result = replace(result, restarts=attempt)
+            torch.save({field.name: getattr(result, field.name) for field in fields(result)}, out)
         dist.barrier()
     finally:
         dist.destroy_process_group()
