@@ -1,6 +1,14 @@
 """The site agent: connects outbound to the coordinator, pulls messages, runs the ClientApp in-process with a
 persistent Context per run, and pushes replies.
 
+The site trusts the coordinator no more than it must. Before fetching anything it checks the message's
+manifest (dtypes, shapes, sizes) and refuses arrays larger than it is willing to hold (`max_download_bytes`);
+it then asks only for the missing chunks the manifest lists and refuses any chunk it did not ask for, a
+repeat, one of another size than the manifest gives it or one failing its SHA-256. Whatever goes wrong with one message (its content, its
+chunks, the ClientApp) becomes an error reply for that message and the agent takes the next one. An error
+reply's reason says what kind of failure it was, never what local data or paths caused it (those go to the
+site's own log).
+
 Downloads fetch only the chunks the site lacks; uploads ask which chunks the coordinator already holds
 first, so a retried or interrupted upload resumes instead of starting over. A dropped connection is retried
 with exponential backoff; a refused token stops the agent (a revoked site must not keep knocking).
@@ -10,22 +18,36 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Context, Error, Message, Metadata, RecordDict
+from flwr.app.message.message import make_message
 from flwr.clientapp import ClientApp
-from flwr.common.constant import ErrorCode
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.common.serde_utils import metadata_from_proto
+from flwr.proto.message_pb2 import Metadata as ProtoMetadata  # pylint: disable=no-name-in-module
 
 from hydrafl.client.policy import SitePolicy
+from hydrafl.data import DataError
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
-from hydrafl.proto.envelope import EnvelopeError, chunk_hashes, join_message, sha256, split_message
+from hydrafl.proto.envelope import (
+    CHUNK_BYTES,
+    EnvelopeError,
+    check_manifest,
+    join_message,
+    sha256,
+    split_message,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +57,26 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
 ]
+MIN_IDLE_POLL_S = 0.05
 MAX_IDLE_POLL_S = 2.0
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+REFUSED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+MAX_REASON_CHARS = 300
+MAX_RUN_CONTEXTS = 4
+"""Contexts kept for the most recent runs; a coordinator runs one at a time, so older ones are finished."""
+DEFAULT_TTL_S = 3600.0
+FIXED_REASONS: tuple[tuple[type[BaseException], str], ...] = (
+    (DataError, "this site's data does not fit this run; see the site's log"),
+    (MemoryError, "this site ran out of memory handling the message; see the site's log"),
+)
+"""What an error reply says about a local failure: the message of a local exception may name files, columns
+or values of the site's data, so only its type and a fixed sentence leave the site."""
+GENERIC_REASON = "this site failed to handle the message; see the site's log"
+
+
+def default_max_download_bytes() -> int:
+    """Half this machine's physical memory: a message's arrays are held as chunks and once joined."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,6 +99,11 @@ class SiteRefused(RuntimeError):
     """The coordinator refused this site (unknown or revoked token, or a permission error)."""
 
 
+class MessageRefused(Exception):
+    """The site will not handle this message (too large, chunks it did not ask for, a garbage run config). The
+    text describes only the coordinator's message and this site's own limits, so it is sent back as the reason."""
+
+
 class SiteAgent:
     def __init__(
         self,
@@ -70,6 +115,7 @@ class SiteAgent:
         demo: bool = False,
         policy: SitePolicy = SitePolicy(),
         tls: SiteTls | None = None,
+        max_download_bytes: int | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.client_app = client_app
@@ -77,8 +123,11 @@ class SiteAgent:
         self.demo = demo
         self.policy = policy
         self.tls = tls
+        self.max_download_bytes = default_max_download_bytes() if max_download_bytes is None else max_download_bytes
+        if self.max_download_bytes <= 0:
+            raise ValueError(f"max_download_bytes must be positive, got {self.max_download_bytes}")
         self.metadata = (("authorization", f"Bearer {token}"),)
-        self.contexts: dict[int, Context] = {}
+        self.contexts: OrderedDict[int, Context] = OrderedDict()
         self.node_id = 0
         self.chunk_cache: dict[str, bytes] = {}
         """Chunks of the message in hand: a download cut by a dropped connection resumes with the rest."""
@@ -93,7 +142,7 @@ class SiteAgent:
                     self._serve(CoordinatorStub(channel), stop)
             except grpc.RpcError as error:
                 code = error.code()
-                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                if code in REFUSED:
                     raise SiteRefused(f"{code.name}: {error.details()}") from error
                 if code not in RETRYABLE:
                     raise
@@ -116,20 +165,11 @@ class SiteAgent:
         while not stop.is_set():
             pulled = stub.PullMessage(pb.PullMessageRequest(), metadata=self.metadata)
             if not pulled.has_message:  # back off while idle, so many waiting sites cost the coordinator little
-                idle_wait = min(max(pulled.poll_after_s, idle_wait * 1.5), MAX_IDLE_POLL_S)
+                idle_wait = _idle_wait(pulled.poll_after_s, idle_wait)
                 stop.wait(idle_wait)
                 continue
             idle_wait = 0.0
             envelope = pulled.envelope
-            if envelope.run_id not in self.contexts:
-                joined = stub.Join(pb.JoinRequest(), metadata=self.metadata)
-                self.contexts[envelope.run_id] = Context(
-                    run_id=envelope.run_id,
-                    node_id=self.node_id,
-                    node_config=self.node_config,
-                    state=RecordDict(),
-                    run_config=json.loads(joined.run_config or b"{}"),
-                )
             reply = self._handle(stub, envelope)
             try:
                 self._push(stub, reply, envelope.round)
@@ -141,26 +181,86 @@ class SiteAgent:
             self.chunk_cache.clear()
 
     def _handle(self, stub: CoordinatorStub, envelope: pb.Envelope) -> Message:
-        missing = [digest for digest in chunk_hashes(envelope) if digest not in self.chunk_cache]
-        for chunk in stub.GetChunks(pb.GetChunksRequest(sha256=missing), metadata=self.metadata):
-            if sha256(chunk.data) != chunk.sha256:
-                raise EnvelopeError(f"chunk {chunk.sha256[:12]} from the coordinator fails its SHA-256 check")
-            self.chunk_cache[chunk.sha256] = chunk.data
-        message = join_message(envelope, self.chunk_cache)
-        context = self.contexts[envelope.run_id]
-        refusal = self.policy.refusal(envelope.run_id, str(context.run_config.get("strategy", "")))
-        if refusal:
-            log.warning("declining a message of run %d: %s", envelope.run_id, refusal)
-            reply = Message(Error(ErrorCode.MOD_FAILED_PRECONDITION, refusal), reply_to=message)
-        else:
-            try:
-                reply = self.policy.apply(self.client_app(message=message, context=context))
-            except Exception as error:  # the site's failure becomes an error reply; the agent keeps serving
-                log.warning("ClientApp raised %s: %s", type(error).__name__, error)
-                reason = f"{type(error).__name__}: {error}"
-                reply = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=message)
+        """The reply to one message: the ClientApp's after the site policy, the policy's refusal, or an error
+        reply. Nothing in the message ends the agent; a lost connection or a refused token still reaches `run`."""
+        request = _request(envelope, self.node_id)
+        try:
+            reply = self._answer(stub, envelope, request)
+        except grpc.RpcError as error:
+            if error.code() in RETRYABLE | REFUSED:
+                raise
+            log.warning("message %s: fetching it failed: %s %s", envelope.message_id[:8], error.code().name,
+                        error.details())
+            reason = f"gRPC {error.code().name} while fetching the message"
+            reply = _error_reply(request, ErrorCode.MESSAGE_UNAVAILABLE, reason)
+        except (MessageRefused, EnvelopeError) as error:
+            reason = f"{type(error).__name__}: {error}"
+            log.warning("message %s refused: %s", envelope.message_id[:8], reason[:MAX_REASON_CHARS])
+            reply = _error_reply(request, ErrorCode.MOD_FAILED_PRECONDITION, reason)
+        except Exception as error:  # the site's own failure: the full story stays in its log
+            name = type(error).__name__
+            log.warning("message %s failed: %s: %s", envelope.message_id[:8], name, error, exc_info=True)
+            reply = _error_reply(request, ErrorCode.CLIENT_APP_RAISED_EXCEPTION, local_reason(error))
         reply.metadata.__dict__["_message_id"] = uuid.uuid4().hex
         return reply
+
+    def _answer(self, stub: CoordinatorStub, envelope: pb.Envelope, request: Message) -> Message:
+        context = self._context(stub, envelope.run_id)
+        refusal = self.policy.refusal(envelope.run_id, str(context.run_config.get("strategy", "")))
+        if refusal:  # checked before any download: a refused run costs the site nothing
+            log.warning("declining a message of run %d: %s", envelope.run_id, refusal)
+            return _error_reply(request, ErrorCode.MOD_FAILED_PRECONDITION, refusal)
+        message = self._receive(stub, envelope)
+        return self.policy.apply(self.client_app(message=message, context=context))
+
+    def _context(self, stub: CoordinatorStub, run_id: int) -> Context:
+        """The run's persistent Context, its run_config asked of the coordinator once per run."""
+        if run_id in self.contexts:
+            self.contexts.move_to_end(run_id)
+            return self.contexts[run_id]
+        joined = stub.Join(pb.JoinRequest(), metadata=self.metadata)
+        context = Context(
+            run_id=run_id,
+            node_id=self.node_id,
+            node_config=self.node_config,
+            state=RecordDict(),
+            run_config=parse_run_config(joined.run_config),
+        )
+        self.contexts[run_id] = context
+        while len(self.contexts) > MAX_RUN_CONTEXTS:
+            self.contexts.popitem(last=False)
+        return context
+
+    def _receive(self, stub: CoordinatorStub, envelope: pb.Envelope) -> Message:
+        """The message rebuilt from exactly the chunks its manifest lists, once its arrays are known to fit."""
+        declared = declared_bytes(envelope)
+        if declared > self.max_download_bytes:
+            raise MessageRefused(
+                f"message declares {_size(declared)} of arrays; this site accepts at most "
+                f"{_size(self.max_download_bytes)} (--max-download-mb)"
+            )
+        sizes = chunk_sizes(envelope)
+        self.chunk_cache = {digest: self.chunk_cache[digest] for digest in sizes if digest in self.chunk_cache}
+        self._fetch(stub, {digest: size for digest, size in sizes.items() if digest not in self.chunk_cache})
+        message = join_message(envelope, self.chunk_cache)
+        self.chunk_cache.clear()  # the arrays hold their own bytes; training need not hold the chunks as well
+        return message
+
+    def _fetch(self, stub: CoordinatorStub, wanted: dict[str, int]) -> None:
+        """Download the chunks `wanted` (digest -> size) into the chunk cache. A chunk not asked for (or sent
+        twice), of another size, or failing its SHA-256 refuses the message and ends the stream, so what is
+        downloaded never exceeds what the manifest declares."""
+        if not wanted:
+            return
+        pending = dict(wanted)
+        call = stub.GetChunks(pb.GetChunksRequest(sha256=list(wanted)), metadata=self.metadata)
+        try:
+            for chunk in call:
+                _check_chunk(chunk, pending)
+                del pending[chunk.sha256]
+                self.chunk_cache[chunk.sha256] = chunk.data
+        finally:
+            call.cancel()
 
     def _push(self, stub: CoordinatorStub, reply: Message, server_round: int) -> None:
         envelope, chunks = split_message(reply, server_round)
@@ -176,3 +276,87 @@ class SiteAgent:
         started = time.perf_counter()
         stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=self.metadata)
         log.info("pushed reply to %s in %.3f s", envelope.reply_to_message_id[:8], time.perf_counter() - started)
+
+
+def declared_bytes(envelope: pb.Envelope) -> int:
+    """The bytes a message's arrays declare, once `check_manifest` found every dtype, shape (no negative or
+    astronomical dimension, so no hostile product) and size consistent: nothing is allocated before."""
+    check_manifest(envelope)
+    return sum(tensor.nbytes for record in envelope.arrays for tensor in record.tensors)
+
+
+def chunk_sizes(envelope: pb.Envelope) -> dict[str, int]:
+    """Each listed chunk (in order, once) and the size it must have: CHUNK_BYTES, or the rest of its tensor
+    for a tensor's last chunk."""
+    sizes: dict[str, int] = {}
+    for record in envelope.arrays:
+        for tensor in record.tensors:
+            for index, digest in enumerate(tensor.chunk_sha256):
+                size = min(CHUNK_BYTES, tensor.nbytes - index * CHUNK_BYTES)
+                if sizes.setdefault(digest, size) != size:
+                    raise MessageRefused(f"chunk {digest[:12]} is listed with two different sizes")
+    return sizes
+
+
+def parse_run_config(raw: bytes) -> dict[str, str | int | float | bool]:
+    """A run's Flower run_config as the coordinator sent it: a flat JSON object of scalars, or refused."""
+    try:
+        values = json.loads(raw or b"{}")
+    except (ValueError, RecursionError) as error:
+        raise MessageRefused("the run config is not valid JSON") from error
+    if not isinstance(values, dict) or not all(isinstance(v, str | int | float | bool) for v in values.values()):
+        raise MessageRefused("the run config is not a flat JSON object of strings, numbers and booleans")
+    return values
+
+
+def local_reason(error: BaseException) -> str:
+    """The reason a local failure gives the coordinator: the exception's type and a fixed sentence."""
+    sentence = next((text for kind, text in FIXED_REASONS if isinstance(error, kind)), GENERIC_REASON)
+    return f"{type(error).__name__}: {sentence}"
+
+
+def _check_chunk(chunk: pb.Chunk, pending: dict[str, int]) -> None:
+    if chunk.sha256 not in pending:
+        raise MessageRefused(f"the coordinator sent chunk {chunk.sha256[:12]!r}, which this site did not ask for "
+                             "or already received")
+    if len(chunk.data) != pending[chunk.sha256]:
+        raise MessageRefused(
+            f"chunk {chunk.sha256[:12]} has {len(chunk.data)} bytes; its manifest makes it {pending[chunk.sha256]}"
+        )
+    if sha256(chunk.data) != chunk.sha256:
+        raise MessageRefused(f"chunk {chunk.sha256[:12]} from the coordinator fails its SHA-256 check")
+
+
+def _request(envelope: pb.Envelope, node_id: int) -> Message:
+    """What a reply needs of the message (ids, run, type): its metadata or, when those bytes are garbage, the
+    envelope's own fields, so even a malformed message gets its error reply."""
+    try:
+        metadata = metadata_from_proto(ProtoMetadata.FromString(envelope.metadata))
+    except Exception:  # protobuf raises several types for garbage bytes
+        metadata = Metadata(
+            run_id=envelope.run_id,
+            message_id=envelope.message_id,
+            src_node_id=SUPERLINK_NODE_ID,
+            dst_node_id=node_id,
+            reply_to_message_id="",
+            group_id=str(envelope.round),
+            created_at=time.time(),
+            ttl=DEFAULT_TTL_S,
+            message_type=envelope.message_type,
+        )
+    return make_message(metadata=metadata, content=RecordDict())
+
+
+def _error_reply(request: Message, code: int, reason: str) -> Message:
+    return Message(Error(code, reason[:MAX_REASON_CHARS]), reply_to=request)
+
+
+def _idle_wait(poll_after_s: float, previous: float) -> float:
+    """The next idle poll's wait: what the coordinator asks, growing while idle, kept within bounds whatever
+    it asks (a zero or NaN request must not make the site spin)."""
+    asked = poll_after_s if math.isfinite(poll_after_s) else MAX_IDLE_POLL_S
+    return min(max(asked, previous * 1.5, MIN_IDLE_POLL_S), MAX_IDLE_POLL_S)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"

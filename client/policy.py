@@ -79,6 +79,10 @@ def load_policy(path: str | Path) -> SitePolicy:
         values = load_toml(path, what="policy file")
     except ConfigError as error:
         raise PolicyError(str(error)) from error
+    except OSError as error:  # a directory, no permission: one line that says so, never a traceback
+        raise PolicyError(f"policy file {str(path)!r} cannot be read: {error.strerror or error}") from error
+    except UnicodeDecodeError as error:
+        raise PolicyError(f"policy file {str(path)!r} is not UTF-8 text") from error
     unknown = sorted(set(values) - KEYS)
     if unknown:
         raise PolicyError(f"unknown key {unknown[0]!r} in {path}; valid keys: {', '.join(sorted(KEYS))}")

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import signal
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from click.core import ParameterSource
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.table import Table
 
 import hydrafl  # noqa: F401  (sets the telemetry/offline environment before Flower is imported)
@@ -17,7 +21,11 @@ from hydrafl.checkpoint import CheckpointError
 from hydrafl.config import SITE_TIERS, ConfigError, build_simulation_config, load_toml
 from hydrafl.data import DataError
 from hydrafl.driver import RoundFailed
+from hydrafl.netaddr import is_loopback
 from hydrafl.stability import OuterSetup, check, plot_stable_region
+
+if TYPE_CHECKING:
+    from hydrafl.server.store import AuditEvent
 
 app = typer.Typer(
     help="hydrafl: federated fine-tuning for hospital consortia.", no_args_is_help=True, pretty_exceptions_show_locals=False
@@ -267,11 +275,13 @@ def run_status(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     db: DbOption = None,
 ) -> None:
-    """A run's state, rounds done and per-round metrics."""
+    """A run's state, rounds done, per-round metrics and the sites that declined or failed its messages."""
+    store = _store(db)
     try:
-        run = _store(db).run(run_id)
+        run = store.run(run_id)
     except ValueError as error:
         _fail(str(error), 2)
+    declines = [_decline(event) for event in store.run_events(run_id, DECLINE_KINDS)]
     summary = {
         "run": run.id,
         "status": run.status,
@@ -280,6 +290,7 @@ def run_status(
         "strategy": run.config.get("strategy"),
         "detail": run.detail,
         "history": run.history,
+        "declines": declines,
     }
     if as_json:
         print(json.dumps(summary))
@@ -291,6 +302,35 @@ def run_status(
             str(record["round"]), f"{record['loss'] or 0:.4f}", f"{record['accuracy'] or 0:.4f}",
             str(record["sites_ok"]), str(record["bytes_up"]), f"{record['seconds']:.2f}",
         )
+    Console().print(table)
+    if declines:
+        _print_declines(declines)
+
+
+DECLINE_KINDS = ("site-declined",)
+SHOWN_DECLINES = 20
+ROUND_PREFIX = re.compile(r"round (\d+)\s*(.*)", re.DOTALL)
+
+
+def _decline(event: AuditEvent) -> dict:
+    """A site-declined audit event as site, round (when its detail starts with "round N") and reason."""
+    parsed = ROUND_PREFIX.fullmatch(event.detail)
+    return {
+        "site": event.site_name,
+        "round": int(parsed.group(1)) if parsed else None,
+        "reason": parsed.group(2) if parsed else event.detail,
+        "at": f"{event.at:%Y-%m-%d %H:%M:%S}",
+    }
+
+
+def _print_declines(declines: list[dict]) -> None:
+    shown = declines[-SHOWN_DECLINES:]
+    earlier = f", the last {len(shown)} of {len(declines)}" if len(declines) > len(shown) else ""
+    table = Table("site", "round", "reason")
+    for decline in shown:
+        round_text = "" if decline["round"] is None else str(decline["round"])
+        table.add_row(escape(decline["site"]), round_text, escape(decline["reason"]))
+    Console().print(f"sites that declined or failed{earlier}:")
     Console().print(table)
 
 
@@ -306,7 +346,18 @@ def run_list(db: DbOption = None) -> None:
     Console().print(table)
 
 
-SERVER_KEYS = {"listen", "db", "blobs", "tls-cert", "tls-key", "tls-client-ca"}
+SERVER_KEYS = {"listen", "db", "blobs", "tls-cert", "tls-key", "tls-client-ca", "lease-stale-s"}
+
+
+def _fail_one_line(message: str, code: int) -> None:
+    """Not wrapped at the terminal's width: scripts and log collectors get the whole reason on one line."""
+    console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM (docker stop, systemd) stops the coordinator as Ctrl-C does: it releases its database lease."""
+    raise KeyboardInterrupt
 
 
 @app.command()
@@ -318,12 +369,17 @@ def server(
     tls_cert: Annotated[Path | None, typer.Option(help="Server certificate (PEM); enables TLS.")] = None,
     tls_key: Annotated[Path | None, typer.Option(help="Server private key (PEM).")] = None,
     tls_client_ca: Annotated[Path | None, typer.Option(help="CA of site certificates (PEM); enables mutual TLS.")] = None,
+    lease_stale_s: Annotated[
+        float | None,
+        typer.Option(help="Seconds without a heartbeat after which another coordinator may take over (default 30)."),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every round.")] = False,
 ) -> None:
     """Run the coordinator: serves sites over gRPC and drives queued runs."""
     flags = {k.replace("_", "-"): v for k, v in locals().items() if v is not None and k not in ("config", "verbose")}
-    from hydrafl.server.coordinator import Coordinator, ServerTls
+    from hydrafl.server.coordinator import LEASE_STALE_S, Coordinator, LeaseLost, ServerTls, plaintext_warning
     from hydrafl.server.paths import data_dir, default_blob_dir, default_db_url
+    from hydrafl.server.store import LeaseHeld
 
     _setup_logging(verbose)
     try:
@@ -346,23 +402,51 @@ def server(
     listen_on = values.get("listen", "127.0.0.1:9091")
     db_url = values.get("db") or default_db_url()
     blob_dir = Path(values.get("blobs") or default_blob_dir())
-    coordinator = Coordinator(listen=listen_on, db_url=db_url, blob_dir=blob_dir, runs_dir=data_dir() / "runs", tls=tls)
-    coordinator.start()
+    stale_s = values.get("lease-stale-s", LEASE_STALE_S)
+    if not isinstance(stale_s, int | float) or stale_s <= 0:
+        _fail(f"lease-stale-s must be a positive number of seconds, got {stale_s!r}", 2)
+    try:
+        coordinator = Coordinator(
+            listen=listen_on, db_url=db_url, blob_dir=blob_dir, runs_dir=data_dir() / "runs", tls=tls,
+            lease_stale_s=float(stale_s),
+        )
+        coordinator.start()
+    except (OSError, LeaseHeld) as error:
+        _fail_one_line(str(error), 2)
+    signal.signal(signal.SIGTERM, _interrupt)
     mode = "no TLS" if tls is None else ("mutual TLS" if tls.client_ca else "TLS")
-    console.print(f"coordinator on {listen_on} ({mode}); database {db_url}; blobs {blob_dir}; runs {data_dir() / 'runs'}")
+    if plaintext_warning(listen_on, tls):
+        mode = "[bold yellow]NO TLS, reachable from the network[/]"
+    console.print(
+        f"coordinator on {escape(listen_on)} ({mode}); database {escape(db_url)}; blobs {blob_dir}; "
+        f"runs {data_dir() / 'runs'}"
+    )
     try:
         coordinator.serve_forever()
     except KeyboardInterrupt:
+        pass
+    except LeaseLost as error:
+        _fail_one_line(str(error), 1)
+    finally:
         coordinator.stop()
 
 
 @app.command()
 def site(
+    ctx: typer.Context,
     coordinator: Annotated[str, typer.Option(help="Coordinator HOST:PORT.")] = "127.0.0.1:9091",
-    token: Annotated[str, typer.Option(envvar="HYDRAFL_SITE_TOKEN", help="Enrolment token (or $HYDRAFL_SITE_TOKEN).")] = "",
+    token: Annotated[
+        str, typer.Option(envvar="HYDRAFL_SITE_TOKEN", help="Enrolment token; prefer $HYDRAFL_SITE_TOKEN or --token-file.")
+    ] = "",
+    token_file: Annotated[
+        Path | None, typer.Option(help="File holding the enrolment token (kept out of `ps`, unlike --token).")
+    ] = None,
     data: Annotated[Path | None, typer.Option(help="This site's CSV/JSONL file or image folder.")] = None,
     label_column: Annotated[str, typer.Option(help="Label column of a CSV/JSONL --data file.")] = "",
     policy: Annotated[Path | None, typer.Option(help="Site policy TOML: allowed runs, update clipping, noise.")] = None,
+    max_download_mb: Annotated[
+        int | None, typer.Option(min=1, help="Largest message this site downloads (MB of arrays); default half its RAM.")
+    ] = None,
     nproc: Annotated[int, typer.Option(min=1, help="Training processes (one per GPU, or CPU ranks): DDP, same delta.")] = 1,
     max_restarts: Annotated[
         int, typer.Option(min=0, help="With --nproc > 1: restart the training processes this often when one dies.")
@@ -381,12 +465,13 @@ def site(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every message.")] = False,
 ) -> None:
     """Join a coordinator as a hospital site (outbound connection only) and train when asked."""
+    import grpc
+
     from hydrafl.client.agent import SiteAgent, SiteRefused, SiteTls
     from hydrafl.client.policy import PolicyError, SitePolicy, load_policy
 
     _setup_logging(verbose)
-    if not token:
-        _fail("a site needs --token (printed by `hydrafl admin site add NAME`)", 2)
+    site_token = _site_token(ctx.get_parameter_source("token"), token, token_file)
     if data is not None and not data.exists():
         _fail(f"--data {data} does not exist", 2)
     if tier and tier not in SITE_TIERS:
@@ -395,6 +480,8 @@ def site(
         site_policy = load_policy(policy) if policy else SitePolicy()
     except PolicyError as error:
         _fail(f"invalid site policy, not starting: {error}", 2)
+    if data is not None:
+        _check_own_data(data, label_column)
     node_config = {"data-path": str(data), "label-column": label_column} if data else {}
     node_config["nproc"] = nproc
     if max_restarts:
@@ -410,15 +497,69 @@ def site(
     if (tls_cert is None) != (tls_key is None) or (tls_cert and tls_ca is None):
         _fail("mutual TLS needs --tls-ca, --tls-cert and --tls-key together", 2)
     tls = SiteTls(ca=tls_ca, cert=tls_cert, key=tls_key) if tls_ca else None
+    if tls is None and not is_loopback(coordinator):
+        _warn(
+            f"connecting to {coordinator} without TLS: the token and every update cross the network in clear text "
+            "and the coordinator is not authenticated; pass --tls-ca with the CA of the coordinator's certificate"
+        )
     agent = SiteAgent(
-        coordinator, token, _load_app(client_app), node_config, demo=data is None, policy=site_policy, tls=tls
+        coordinator, site_token, _load_app(client_app), node_config, demo=data is None, policy=site_policy, tls=tls,
+        max_download_bytes=max_download_mb * 1_000_000 if max_download_mb else None,
     )
     try:
         agent.run()
     except SiteRefused as error:
         _fail(f"the coordinator refused this site: {error}", 3)
+    except grpc.RpcError as error:  # not a coordinator, or one that answers an error no retry will fix
+        _fail(f"{coordinator} answered {error.code().name}: {error.details()}", 1)
     except KeyboardInterrupt:
         pass
+
+
+def _warn(message: str) -> None:
+    console.print(f"[bold yellow]warning:[/] {escape(message)}")
+
+
+def _site_token(source: ParameterSource | None, token: str, token_file: Path | None) -> str:
+    """The enrolment token, from exactly one of --token-file, $HYDRAFL_SITE_TOKEN and --token. A token typed on
+    the command line still works, with a warning: every user of the machine can read it in `ps`."""
+    given = "--token" if source is ParameterSource.COMMANDLINE else "$HYDRAFL_SITE_TOKEN"
+    if token_file is not None:
+        if token:
+            _fail(f"give the token one way: --token-file or {given}, not both", 2)
+        return _read_token(token_file)
+    if not token:
+        _fail("a site needs its token (printed by `hydrafl admin site add NAME`): --token-file FILE or "
+              "$HYDRAFL_SITE_TOKEN", 2)
+    if source is ParameterSource.COMMANDLINE:
+        _warn("--token on the command line is visible to every user of this machine in `ps`; "
+              "use --token-file or $HYDRAFL_SITE_TOKEN")
+    return token
+
+
+def _read_token(path: Path) -> str:
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except OSError as error:
+        _fail(escape(f"cannot read --token-file {path}: {error.strerror or error}"), 2)
+    except UnicodeDecodeError:
+        _fail(escape(f"--token-file {path} is not a text file"), 2)
+    if not token:
+        _fail(escape(f"--token-file {path} is empty; put the token `hydrafl admin site add NAME` printed in it"), 2)
+    return token
+
+
+def _check_own_data(data: Path, label_column: str) -> None:
+    """Load the site's data as training will, so a wrong file or --label-column stops the site now instead of
+    failing the run once it has joined."""
+    from hydrafl.data import load_cohort
+
+    try:
+        load_cohort(
+            "", num_sites=1, partition="iid", data_path=data, label_column=label_column or None, samples_per_site=2
+        )
+    except DataError as error:
+        _fail(escape(str(error)), 2)
 
 
 def _load_app(reference: str):  # noqa: ANN202

@@ -29,7 +29,14 @@ from hydrafl.arrays import array_view, keep_dtypes, record_nbytes, weights_from_
 from hydrafl.checkpoint import Checkpoint, CheckpointError, load_checkpoint, restore_strategy_state, save_checkpoint
 from hydrafl.checkpoint import strategy_state
 from hydrafl.kernels.pseudo_gradients import DeltaMoments, ZeroDeltaError, cosine_to_reference
-from hydrafl.updates import InvalidUpdate, check_train_reply
+from hydrafl.updates import (
+    InvalidUpdate,
+    array_names,
+    check_evaluate_reply,
+    check_train_reply,
+    consistent_majority,
+    metric_layout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +194,8 @@ class RoundDriver:
                 if key in site_metrics:
                     per_site[node] = int(site_metrics[key])
             valid.append(reply)
+        if _flower_validates(self.strategy.aggregate_train):
+            valid = self._consistent(server_round, valid, with_arrays=True)
         record.sites_ok, record.sites_failed = len(valid), len(messages) - len(valid)
         if len(valid) < self.config.required_sites:
             raise RoundFailed(
@@ -237,7 +246,15 @@ class RoundDriver:
         messages = list(self.strategy.configure_evaluate(server_round, arrays, config, self.grid))
         record = RoundRecord(round=server_round)
         self._count_down(messages, record)
-        replies = [reply for reply in self._exchange(messages, server_round) if not reply.has_error()]
+        replies = []
+        for reply in self._exchange(messages, server_round):
+            reason = reply.error.reason if reply.has_error() else self._invalid_evaluation(reply)
+            if reason:
+                log.warning("round %d: site %d failed evaluation: %s", server_round, reply.metadata.src_node_id, reason)
+                continue
+            replies.append(reply)
+        if _flower_validates(self.strategy.aggregate_evaluate):
+            replies = self._consistent(server_round, replies, with_arrays=False)
         for reply in replies:
             self._count_up(reply, record)
         record.sites_ok = len(replies)
@@ -262,6 +279,28 @@ class RoundDriver:
         except InvalidUpdate as error:
             return f"invalid update: {error}"
         return ""
+
+    def _invalid_evaluation(self, reply: Message) -> str:
+        try:
+            check_evaluate_reply(reply, self.weighted_by_key)
+        except InvalidUpdate as error:
+            return f"invalid evaluation: {error}"
+        return ""
+
+    @staticmethod
+    def _consistent(server_round: int, replies: list[Message], *, with_arrays: bool) -> list[Message]:
+        """The replies whose metric names (and array names) agree with most others: Flower's own aggregation
+        refuses a whole round when any reply is laid out differently."""
+        def layout(reply: Message) -> tuple:
+            return (metric_layout(reply), array_names(reply) if with_arrays else ())
+
+        kept, dropped = consistent_majority(replies, layout)
+        for reply in dropped:
+            log.warning(
+                "round %d: site %d failed: its reply's metric or array names differ from the other sites'",
+                server_round, reply.metadata.src_node_id,
+            )
+        return kept
 
     @staticmethod
     def _count_down(messages: Sequence[Message], record: RoundRecord) -> None:
@@ -343,6 +382,11 @@ def _delta_record(reply: Message) -> ArrayRecord:
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(array, dtype=np.float64))  # a writable float64 copy of a wire view
+
+
+def _flower_validates(method: Callable) -> bool:
+    """Flower's built-in aggregation (FedAvg and its family) raises on replies of differing layouts."""
+    return getattr(method, "__func__", method).__module__.startswith("flwr.")
 
 
 def _metric(metrics: MetricRecord | None, key: str) -> float | None:

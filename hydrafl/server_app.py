@@ -96,11 +96,17 @@ def _query(cfg: RunConfig, node: int, action: str, arrays: ArrayRecord | None = 
 
 
 def request_initial_arrays(grid: Grid, cfg: RunConfig) -> ArrayRecord:
-    node = min(grid.get_node_ids())
-    [reply] = grid.send_and_receive([_query(cfg, node, "init")])
-    if reply.has_error():
-        raise RuntimeError(f"site {node} could not build the initial model: {reply.error.reason}")
-    return next(iter(reply.content.array_records.values()))
+    """The initial model from the first site, in node-id order, that builds it. A site whose data does not fit
+    the run (e.g. a wrong label column) declines and the next one is asked, so one misconfigured site cannot
+    fail the run; it fails only when every site declined, with each one's reason."""
+    declines = []
+    for node in sorted(grid.get_node_ids()):
+        [reply] = grid.send_and_receive([_query(cfg, node, "init")])
+        if not reply.has_error():
+            return next(iter(reply.content.array_records.values()))
+        log.warning("site %d declined to build the initial model: %s", node, reply.error.reason)
+        declines.append(f"site {node}: {reply.error.reason}")
+    raise RuntimeError(f"every site declined to build the initial model: {'; '.join(declines) or 'no site connected'}")
 
 
 def check_outer_stability(grid: Grid, cfg: RunConfig, arrays: ArrayRecord) -> None:

@@ -15,6 +15,7 @@ memory (`hydrafl.footprint`), its throughput and the round's data hash (`hydrafl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from contextlib import nullcontext
@@ -27,7 +28,7 @@ from flwr.clientapp import ClientApp
 
 from hydrafl.arrays import from_record, to_record
 from hydrafl.config import RunConfig
-from hydrafl.data import Cohort, SiteSplit, TaskSpec, load_cohort
+from hydrafl.data import NEXT_TOKEN_TASKS, TASKS, Cohort, DataError, SiteSplit, TaskSpec, load_cohort
 from hydrafl.footprint import training_footprint
 from hydrafl.hydranet import (
     COST_FIELDS,
@@ -61,6 +62,7 @@ from hydrafl.training import SiteTrainConfig, build_site_model, evaluate, site_s
 log = logging.getLogger(__name__)
 
 client_app = ClientApp()
+SYNTHETIC_TASKS = TASKS + NEXT_TOKEN_TASKS
 
 @lru_cache(maxsize=4)
 def _cohort(
@@ -88,8 +90,9 @@ def run_cohort(cfg: RunConfig) -> Cohort:
 
 def site_data(cfg: RunConfig, context: Context) -> tuple[Cohort, SiteSplit]:
     """This site's data. A hospital site names its own file (`data-path` in its node_config); a demo site
-    (`demo-site`) takes its share of the run's synthetic cohort; a simulated site its `partition-id`; the
-    simulation's full-data reference site (`pooled`) every site's training data together."""
+    (`demo-site`) takes its share of the run task's synthetic cohort; a simulated site its `partition-id`; the
+    simulation's full-data reference site (`pooled`) every site's training data together. Only the last two,
+    whose node_config the simulation sets, read the run's `data`: a site never opens a path the run names."""
     node = context.node_config
     if node.get("pooled"):
         cohort = run_cohort(cfg)
@@ -100,13 +103,26 @@ def site_data(cfg: RunConfig, context: Context) -> tuple[Cohort, SiteSplit]:
     if node.get("data-path"):
         cohort = _cohort("", str(node["data-path"]), str(node.get("label-column", "")), "iid", 1, 2, cfg.seed)
         return cohort, cohort.sites[0]
-    cohort = run_cohort(cfg)
     if "demo-site" in node:
+        cohort = demo_cohort(cfg)
         return cohort, cohort.sites[int(node["demo-site"]) % len(cohort.sites)]
+    cohort = run_cohort(cfg)
     partition_id = int(node["partition-id"])
     if not 0 <= partition_id < len(cohort.sites):
         raise ValueError(f"partition-id {partition_id} is outside the cohort's {len(cohort.sites)} sites")
     return cohort, cohort.sites[partition_id]
+
+
+def demo_cohort(cfg: RunConfig) -> Cohort:
+    """The synthetic cohort of the run's task, whatever file the run config names: the coordinator chooses
+    what a demo site simulates, never which local file it reads."""
+    if cfg.task not in SYNTHETIC_TASKS:
+        raise DataError(
+            f"this run's task {cfg.task!r} has no synthetic cohort (a run defined by a data file?), so a site "
+            f"without --data cannot join it; start the site with its own --data, or run one of "
+            f"{', '.join(SYNTHETIC_TASKS)}"
+        )
+    return run_cohort(dataclasses.replace(cfg, data="", label_column=""))
 
 
 @lru_cache(maxsize=8)

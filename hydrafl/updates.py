@@ -1,11 +1,18 @@
-"""Checks on a site's training reply, done once at the boundary before anything is aggregated."""
+"""Checks on a site's reply, done once at the boundary before anything is aggregated, in every runtime (the
+coordinator checks the wire form of a reply too, before it accepts it): one reply that Flower's aggregation
+would choke on must fail that site, never the round."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import numpy as np
-from flwr.app import ArrayRecord, Message
+from flwr.app import ArrayRecord, Message, MetricRecord
+
+MAX_WEIGHT = 1e15
+"""A reply's example count above this is not a count (and sums of such weights overflow)."""
 
 
 class InvalidUpdate(ValueError):
@@ -21,7 +28,7 @@ def check_train_reply(
 ) -> None:
     """Raise InvalidUpdate unless the reply holds one delta ArrayRecord over known coordinates with the
     global shapes (or, for a site that trained a subnetwork, the `shapes` of its slices) and dtypes, finite
-    values, and one MetricRecord with a positive weight."""
+    values, and one MetricRecord of finite numbers with a positive weight."""
     content = reply.content
     if len(content.array_records) != 1 or len(content.metric_records) != 1:
         raise InvalidUpdate(
@@ -29,10 +36,7 @@ def check_train_reply(
             f"{len(content.metric_records)}"
         )
     delta = next(iter(content.array_records.values()))
-    metrics = next(iter(content.metric_records.values()))
-    weight = metrics.get(weighted_by_key)
-    if not isinstance(weight, (int, float)) or weight <= 0:
-        raise InvalidUpdate(f"metric {weighted_by_key!r} must be a positive number, got {weight!r}")
+    check_metrics(next(iter(content.metric_records.values())), weighted_by_key)
     for name, array in delta.items():
         if name not in global_arrays:
             raise InvalidUpdate(f"array {name!r} is not a coordinate of the global model")
@@ -40,10 +44,62 @@ def check_train_reply(
         shape = tuple(expected.shape) if shapes is None else shapes.get(name)
         if shape is None:
             raise InvalidUpdate(f"array {name!r} is outside the subnetwork the site was assigned")
-        if tuple(array.shape) != tuple(shape) or array.dtype != expected.dtype:
+        values = array.numpy()  # the values' own shape: an Array's declared shape is not checked against its bytes
+        if tuple(values.shape) != tuple(shape) or tuple(array.shape) != tuple(shape) or values.dtype != expected.dtype:
             raise InvalidUpdate(
-                f"array {name!r} has shape {tuple(array.shape)} dtype {array.dtype}, expected "
+                f"array {name!r} has shape {tuple(values.shape)} dtype {values.dtype}, expected "
                 f"{tuple(shape)} dtype {expected.dtype}"
             )
-        if not np.isfinite(array.numpy()).all():
+        if not np.isfinite(values).all():
             raise InvalidUpdate(f"array {name!r} contains NaN or Inf")
+
+
+def check_evaluate_reply(reply: Message, weighted_by_key: str = "num-examples") -> None:
+    """Raise InvalidUpdate unless the reply holds exactly one MetricRecord of finite numbers with a positive
+    weight, and no arrays."""
+    content = reply.content
+    if content.array_records or len(content.metric_records) != 1:
+        raise InvalidUpdate(
+            f"expected one MetricRecord and no arrays, got {len(content.metric_records)} and "
+            f"{len(content.array_records)} ArrayRecords"
+        )
+    check_metrics(next(iter(content.metric_records.values())), weighted_by_key)
+
+
+def check_metrics(metrics: MetricRecord, weighted_by_key: str | None) -> None:
+    """Finite numbers only, and (unless `weighted_by_key` is None) a weight that is a positive count."""
+    for name, value in metrics.items():
+        values = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
+            raise InvalidUpdate(f"metric {name!r} is not a finite number")
+    if weighted_by_key is None:
+        return
+    weight = metrics.get(weighted_by_key)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= MAX_WEIGHT:
+        raise InvalidUpdate(f"metric {weighted_by_key!r} must be a number in (0, {MAX_WEIGHT:g}], got {weight!r}")
+
+
+def metric_layout(reply: Message) -> tuple[tuple[str, int], ...]:
+    """The names of a reply's metrics and the length of each list-valued one (-1 for a number)."""
+    metrics = next(iter(reply.content.metric_records.values()))
+    return tuple(sorted((name, len(v) if isinstance(v, list) else -1) for name, v in metrics.items()))
+
+
+def array_names(reply: Message) -> tuple[str, ...]:
+    return tuple(sorted(next(iter(reply.content.array_records.values())).keys()))
+
+
+def consistent_majority(
+    replies: Sequence[Message], layout: Callable[[Message], Hashable]
+) -> tuple[list[Message], list[Message]]:
+    """Flower's aggregation refuses a round whose replies differ in layout (metric keys, array names); keep the
+    largest group of replies that agree (ties: the group of the lowest node id), so one site with an odd reply
+    fails alone. Returns (kept, dropped), each in the order given."""
+    groups: dict[Hashable, list[Message]] = defaultdict(list)
+    for reply in replies:
+        groups[layout(reply)].append(reply)
+    if len(groups) <= 1:
+        return list(replies), []
+    best = max(groups.values(), key=lambda group: (len(group), -min(r.metadata.src_node_id for r in group)))
+    kept = set(map(id, best))
+    return best, [reply for reply in replies if id(reply) not in kept]

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Error, Message, RecordDict
+from flwr.app import Array, ArrayRecord, Error, Message, Metadata, RecordDict
 from flwr.common.constant import SType
 from flwr.app.message.message import make_message
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
@@ -25,6 +25,9 @@ from hydrafl.arrays import array_view
 from hydrafl.proto.coordinator_pb2 import Envelope, RecordManifest, TensorManifest
 
 CHUNK_BYTES = 1 << 20
+MAX_DIMENSION = 1 << 40
+"""No real tensor axis is longer; a larger one is a hostile manifest (even on a zero-size tensor)."""
+MAX_RANK = 8
 ALLOWED_DTYPES = frozenset({"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"})
 
 
@@ -88,49 +91,85 @@ def chunk_hashes(envelope: Envelope) -> list[str]:
 
 
 def check_manifest(envelope: Envelope) -> None:
-    """Reject manifests that cannot describe a real tensor, before any chunk is read."""
+    """Reject manifests that cannot describe a real tensor, before any chunk is read or any memory reserved."""
+    keys = set()
     for record in envelope.arrays:
+        if not record.key or record.key in keys:
+            raise EnvelopeError(f"array record key {record.key!r} is empty or repeated")
+        keys.add(record.key)
+        names = set()
         for tensor in record.tensors:
             where = f"array {record.key}/{tensor.name}"
+            if not tensor.name or tensor.name in names:
+                raise EnvelopeError(f"{where}: tensor name is empty or repeated in its record")
+            names.add(tensor.name)
             if tensor.dtype not in ALLOWED_DTYPES:
                 raise EnvelopeError(f"{where}: dtype {tensor.dtype!r} is not allowed ({', '.join(sorted(ALLOWED_DTYPES))})")
-            if any(dim < 0 for dim in tensor.shape):
-                raise EnvelopeError(f"{where}: negative dimension in shape {list(tensor.shape)}")
+            if len(tensor.shape) > MAX_RANK or any(not 0 <= dim <= MAX_DIMENSION for dim in tensor.shape):
+                raise EnvelopeError(f"{where}: shape {list(tensor.shape)} is not a tensor shape (rank <= {MAX_RANK}, "
+                                    f"0 <= dimension <= 2^40)")
             expected = math.prod(tensor.shape) * np.dtype(tensor.dtype).itemsize
             if tensor.nbytes != expected:
                 raise EnvelopeError(f"{where}: nbytes {tensor.nbytes} does not match shape {list(tensor.shape)} {tensor.dtype}")
             if len(tensor.chunk_sha256) != math.ceil(expected / CHUNK_BYTES):
                 raise EnvelopeError(f"{where}: {len(tensor.chunk_sha256)} chunks listed for {expected} bytes")
+            bad = next((d for d in tensor.chunk_sha256 if not is_digest(d)), None)
+            if bad is not None:
+                raise EnvelopeError(f"{where}: {bad[:80]!r} is not a SHA-256 hex digest")
+
+
+def is_digest(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
+def declared_nbytes(envelope: Envelope) -> int:
+    """Bytes of every array the manifest declares (repeated chunks counted each time they are listed)."""
+    return sum(tensor.nbytes for record in envelope.arrays for tensor in record.tensors)
 
 
 def parse_content(envelope: Envelope) -> RecordDict:
     """The envelope's non-array records (configs, metrics); garbage bytes are an EnvelopeError."""
     try:
-        return recorddict_from_proto(ProtoRecordDict.FromString(envelope.content))
+        content = recorddict_from_proto(ProtoRecordDict.FromString(envelope.content))
     except Exception as error:  # protobuf raises several types for garbage bytes
         raise EnvelopeError(f"message content is not a valid Flower RecordDict: {error}") from error
+    if content.array_records:  # an Array's declared shape is not checked against its bytes: only manifests count
+        raise EnvelopeError("arrays must travel through the manifest, not inside the message content")
+    clash = set(content) & {record.key for record in envelope.arrays}
+    if clash:
+        raise EnvelopeError(f"record key {sorted(clash)[0]!r} is both in the content and the manifest")
+    return content
 
 
-def join_message(envelope: Envelope, chunks: Mapping[str, bytes | memoryview]) -> Message:
-    """Rebuild the Flower Message; every chunk must be present and match its hash."""
+def join_message(
+    envelope: Envelope, chunks: Mapping[str, bytes | memoryview], *, metadata: Metadata | None = None
+) -> Message:
+    """Rebuild the Flower Message; every chunk must be present and match its hash. A receiver that knows who
+    sent the message and what it answers passes `metadata`, so the envelope's own metadata is never read."""
     check_manifest(envelope)
-    metadata = metadata_from_proto(ProtoMetadata.FromString(envelope.metadata))
+    if metadata is None:
+        try:
+            metadata = metadata_from_proto(ProtoMetadata.FromString(envelope.metadata))
+        except Exception as error:  # protobuf raises several types for garbage bytes
+            raise EnvelopeError(f"message metadata is not a valid Flower Metadata: {error}") from error
     if envelope.error_reason or envelope.error_code:
         return make_message(metadata=metadata, error=Error(int(envelope.error_code), envelope.error_reason))
     content = parse_content(envelope)
+    verified: set[str] = set()
     for record in envelope.arrays:
         arrays = {}
         for tensor in record.tensors:
             missing = [digest for digest in tensor.chunk_sha256 if digest not in chunks]
             if missing:
                 raise EnvelopeError(f"array {record.key}/{tensor.name}: chunk {missing[0][:12]} is missing")
-            pieces = [chunks[digest] for digest in tensor.chunk_sha256]
-            for digest, actual in zip(tensor.chunk_sha256, sha256_all(pieces), strict=True):
+            unverified = list(dict.fromkeys(d for d in tensor.chunk_sha256 if d not in verified))
+            for digest, actual in zip(unverified, sha256_all([chunks[d] for d in unverified]), strict=True):
                 if actual != digest:
                     raise EnvelopeError(f"array {record.key}/{tensor.name}: chunk {digest[:12]} fails its SHA-256 check")
-            raw = b"".join(pieces)
-            if len(raw) != tensor.nbytes:
-                raise EnvelopeError(f"array {record.key}/{tensor.name}: {len(raw)} bytes, manifest says {tensor.nbytes}")
+            verified.update(unverified)
+            if sum(len(chunks[digest]) for digest in tensor.chunk_sha256) != tensor.nbytes:
+                raise EnvelopeError(f"array {record.key}/{tensor.name}: chunk sizes do not add up to {tensor.nbytes} bytes")
+            raw = b"".join(chunks[digest] for digest in tensor.chunk_sha256)
             values = np.frombuffer(raw, dtype=tensor.dtype).reshape(tuple(tensor.shape))
             arrays[tensor.name] = Array(values)
         content[record.key] = ArrayRecord(arrays)

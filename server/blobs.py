@@ -1,5 +1,9 @@
 """Content-addressed array chunks on disk: `<root>/<first two hex digits>/<sha256>`.
 
+What the coordinator sends (the global model, shared by every site) lives at the root; what a site uploads
+lives in that site's own namespace, `<root>/sites/<node id>/`, so a site can only ever read back, count against
+its quota, or corrupt its own uploads, and its unreferenced uploads can be deleted without touching anyone else's.
+
 A chunk is verified against its name when it is written, written atomically and fsynced before it counts
 as stored, and never rewritten, so re-sending a chunk (a resumed upload, a retry) is free and cannot corrupt
 what is stored. Streams of chunks are verified and written by a pool of writer threads while the next
@@ -16,7 +20,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from hydrafl.proto.envelope import EnvelopeError, sha256
+from hydrafl.proto.envelope import EnvelopeError, is_digest, sha256
 
 WRITERS = 8
 CHUNKS_IN_FLIGHT = 16
@@ -24,17 +28,38 @@ CHUNKS_IN_FLIGHT = 16
 
 
 class BlobStore:
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, *, writers: ThreadPoolExecutor | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._writers = ThreadPoolExecutor(WRITERS, thread_name_prefix="blob-writer")
+        self._writers = writers or ThreadPoolExecutor(WRITERS, thread_name_prefix="blob-writer")
         self._folders: set[str] = set()
         """Fan-out folders known to exist (saves a mkdir call per chunk)."""
+        self._uploads: dict[int, BlobStore] = {}
+        self._lock = threading.Lock()
+
+    def uploads(self, node_id: int) -> BlobStore:
+        """The namespace of one site's uploads (same writer threads)."""
+        with self._lock:
+            if node_id not in self._uploads:
+                self._uploads[node_id] = BlobStore(self.root / "sites" / str(int(node_id)), writers=self._writers)
+            return self._uploads[node_id]
+
+    def upload_sites(self) -> list[int]:
+        """Node ids that have an upload namespace on disk."""
+        folder = self.root / "sites"
+        return sorted(int(entry.name) for entry in folder.iterdir() if entry.name.isdigit()) if folder.is_dir() else []
 
     def _path(self, digest: str) -> Path:
-        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        if not is_digest(digest):
             raise EnvelopeError(f"{digest[:80]!r} is not a SHA-256 hex digest")
         return self.root / digest[:2] / digest
+
+    def digests(self) -> list[str]:
+        """Every chunk stored in this namespace (not in nested namespaces)."""
+        return [path.name for path in self.root.glob("??/*") if is_digest(path.name)]
+
+    def delete(self, digest: str) -> None:
+        self._path(digest).unlink(missing_ok=True)
 
     def has(self, digest: str) -> bool:
         return self._path(digest).exists()

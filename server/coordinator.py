@@ -4,31 +4,46 @@ Runs are driven one at a time by the same round driver as the simulation. Every 
 round into its run folder and is always started with `resume`, so a coordinator restarted after a crash
 continues a running run from its last completed round with the strategy state (e.g. outer momentum) intact,
 and re-sends the round in progress under the same message ids: the replies already accepted are reused.
+
+One coordinator per port and per database, or two would drive the same runs: the port is bound without
+SO_REUSEPORT, and the database holds a lease that the coordinator takes at start, renews on a heartbeat thread
+and releases at stop. A second coordinator is refused while the lease is fresh and takes it over once stale;
+a coordinator that finds its lease taken over stops driving runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import socket
 import threading
+import uuid
+from collections.abc import Iterable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
+from flwr.app import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from hydrafl.server_app import run_federation
 from hydrafl.config import RunConfig
 from hydrafl.driver import RoundRecord
-from hydrafl.proto.coordinator_pb2_grpc import add_CoordinatorServicer_to_server
+from hydrafl.netaddr import is_loopback
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.grid import CoordinatorGrid
-from hydrafl.server.service import GRPC_OPTIONS, CoordinatorService
-from hydrafl.server.store import Run, Store
+from hydrafl.server.limits import SiteLimits
+from hydrafl.server.service import GRPC_OPTIONS, SERVICE_NAME, CoordinatorService, add_coordinator_service
+from hydrafl.server.store import LeaseClaim, Run, Store, describe_lease, lease_age_s
 
 log = logging.getLogger(__name__)
-SERVICE_NAME = "hydrafl.proto.Coordinator"
+LEASE_STALE_S = 30.0
+"""A coordinator whose lease went unrenewed this long is presumed dead; it renews every sixth of it."""
+SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
+"""gRPC sets SO_REUSEPORT by default, which lets a second coordinator bind the same port without an error."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,27 +63,151 @@ class ServerTls:
         )
 
 
+class LeaseLost(RuntimeError):
+    """Another coordinator took this one's lease over (its heartbeats had stopped): it must stop driving runs."""
+
+
+class LeaseKeeper:
+    """This process's coordinator lease on the database: taken at start, renewed on a daemon thread, released at
+    stop. Losing it sets `lost`; the run being driven stops at its next poll of the grid."""
+
+    def __init__(self, store: Store, *, listen: str, stale_s: float) -> None:
+        self.store = store
+        self.claim = LeaseClaim(
+            holder=uuid.uuid4().hex, host=socket.gethostname(), pid=os.getpid(), listen=listen, stale_s=stale_s
+        )
+        self.lost = threading.Event()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._heartbeat, name="coordinator-lease", daemon=True)
+
+    def acquire(self) -> None:
+        """Raises LeaseHeld while another coordinator's lease is fresh."""
+        previous = self.store.acquire_lease(self.claim)
+        if previous is not None:
+            log.warning("took over the stale coordinator lease of %s", describe_lease(previous, lease_age_s(previous)))
+        self._thread.start()
+
+    def check(self) -> None:
+        if self.lost.is_set():
+            raise LeaseLost("another coordinator took this database's lease over; this one stopped driving runs")
+
+    def release(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        try:
+            self.store.release_lease(self.claim.holder)
+        except Exception as error:  # noqa: BLE001  (the lease then goes stale on its own)
+            log.warning(
+                "could not release the coordinator lease (%s); it goes stale in %g s",
+                error,
+                self.claim.stale_s,
+            )
+
+    def _heartbeat(self) -> None:
+        interval_s = self.claim.stale_s / 6
+        while not self._stopped.wait(interval_s):
+            try:
+                held = self.store.renew_lease(self.claim.holder)
+            except Exception as error:  # noqa: BLE001  (any failure: keep beating, the database may come back)
+                log.warning("coordinator lease heartbeat failed (%s); retrying in %.1f s", error, interval_s)
+                continue
+            if not held:
+                self.lost.set()
+                log.error(
+                    "LEASE LOST: another coordinator took over this database (%s); this coordinator stops driving runs",
+                    self._holder(),
+                )
+                return
+
+    def _holder(self) -> str:
+        try:
+            lease = self.store.lease()
+        except Exception as error:  # noqa: BLE001  (only for the message)
+            return f"holder unknown: {error}"
+        return "lease released" if lease is None else describe_lease(lease, lease_age_s(lease))
+
+
+class LeasedGrid(CoordinatorGrid):
+    """The coordinator's grid, fenced by its lease: once lost, the next poll raises LeaseLost and the run stays
+    `running` for the coordinator that holds the lease now, which resumes it from its checkpoint."""
+
+    def __init__(self, *args: Any, lease: LeaseKeeper, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lease = lease
+
+    def get_node_ids(self) -> Iterable[int]:
+        self.lease.check()
+        return super().get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        self.lease.check()
+        return super().push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        self.lease.check()
+        return super().pull_messages(message_ids)
+
+
+def plaintext_warning(listen: str, tls: ServerTls | None) -> str | None:
+    """Why listening on `listen` is unsafe, or None: without TLS, only loopback keeps tokens and updates private."""
+    if tls is not None or is_loopback(listen):
+        return None
+    return (
+        f"listening on {listen} WITHOUT TLS: site tokens and model updates cross the network in clear text; "
+        "use --tls-cert/--tls-key, or listen on 127.0.0.1 behind a TLS-terminating proxy"
+    )
+
+
+def bind(server: grpc.Server, listen: str, tls: ServerTls | None) -> int:
+    """The bound port; a port another process holds is an OSError, not a silent second listener."""
+    try:
+        port = server.add_insecure_port(listen) if tls is None else server.add_secure_port(listen, tls.credentials())
+    except RuntimeError:  # recent grpc raises where older releases returned 0
+        port = 0
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}: the address is in use (another coordinator?)")
+    return port
+
+
 class Coordinator:
     def __init__(
-        self, *, listen: str, db_url: str, blob_dir: Path, runs_dir: Path, tls: ServerTls | None = None
+        self,
+        *,
+        listen: str,
+        db_url: str,
+        blob_dir: Path,
+        runs_dir: Path,
+        tls: ServerTls | None = None,
+        limits: SiteLimits = SiteLimits(),
+        lease_stale_s: float = LEASE_STALE_S,
     ) -> None:
+        self.listen = listen
+        self.tls = tls
         self.store = Store(db_url)
         self.blobs = BlobStore(blob_dir)
         self.runs_dir = runs_dir
-        self.service = CoordinatorService(self.store, self.blobs)
+        self.service = CoordinatorService(self.store, self.blobs, limits)
         self.health = health.HealthServicer()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=GRPC_OPTIONS)
-        add_CoordinatorServicer_to_server(self.service, self.server)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.handler_threads), options=SERVER_OPTIONS)
+        add_coordinator_service(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        if tls is None:
-            self.port = self.server.add_insecure_port(listen)
-        else:
-            self.port = self.server.add_secure_port(listen, tls.credentials())
-        if self.port == 0:
-            raise OSError(f"cannot listen on {listen}")
+        self.port = bind(self.server, listen, tls)
+        self.lease = LeaseKeeper(self.store, listen=listen, stale_s=lease_stale_s)
         self.stopping = threading.Event()
 
     def start(self) -> None:
+        """Take the database's lease, then serve. Raises LeaseHeld (and frees the port) while another coordinator
+        holds it."""
+        try:
+            self.lease.acquire()
+        except Exception:
+            self.server.stop(None)
+            self.service.stop()
+            raise
+        warning = plaintext_warning(self.listen, self.tls)
+        if warning:
+            log.warning(warning)
         self.server.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -76,10 +215,13 @@ class Coordinator:
     def stop(self) -> None:
         self.stopping.set()
         self.server.stop(grace=1).wait()
+        self.service.stop()
+        self.lease.release()
 
     def serve_forever(self, idle_poll_s: float = 0.5) -> None:
-        """Drive pending runs until stopped."""
+        """Drive pending runs until stopped; raises LeaseLost once another coordinator took the database over."""
         while not self.stopping.is_set():
+            self.lease.check()
             run = self.store.next_run()
             if run is None:
                 self.stopping.wait(idle_poll_s)
@@ -92,16 +234,20 @@ class Coordinator:
         )
         self.store.set_run_status(run.id, "running")
         self.service.latencies.clear()  # push_latency.tsv describes this run only
-        grid = CoordinatorGrid(self.store, self.blobs, self.service, run.id)
+        grid = LeasedGrid(self.store, self.blobs, self.service, run.id, lease=self.lease)
 
         history: list[dict] = list(run.history)
 
         def progress(record: RoundRecord) -> None:
+            self.lease.check()
             history[:] = [entry for entry in history if entry["round"] < record.round] + [dataclasses.asdict(record)]
             self.store.set_run_status(run.id, "running", rounds_done=record.round, history=history)
 
         try:
             run_federation(grid, cfg, on_round=progress)
+        except LeaseLost:
+            log.error("run %d: stopped driving it; the coordinator holding the lease resumes it", run.id)
+            raise
         except Exception as error:  # any failure ends this run, loudly, and the coordinator keeps serving
             log.error("run %d failed: %s", run.id, error)
             self.store.set_run_status(run.id, "failed", detail=f"{type(error).__name__}: {error}")

@@ -1,23 +1,32 @@
 """A Flower `Grid` over the coordinator's database and blob store, so the ServerApp and every strategy run
 unchanged: pushing a message stores its envelope and chunks for the site to pull; pulling returns the
-replies sites have pushed. Message ids are (run, round, type, site), so a round is never sent twice."""
+replies sites have pushed. Message ids are (run, round, type, site), so a round is never sent twice.
+
+A reply's metadata (who sent it, what it answers, its type) is rebuilt from the stored rows, never read from
+the site's envelope; a stored reply that cannot be decoded (its chunks lost from disk) becomes that site's
+error reply, so the round goes on with the other sites."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Iterable
 
-from flwr.app import Message, RecordDict
+from flwr.app import Error, Message, Metadata, RecordDict
+from flwr.app.message.message import make_message
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
 from hydrafl.identity import claim_server_identity
 from hydrafl.proto import coordinator_pb2 as pb
-from hydrafl.proto.envelope import chunk_hashes, join_message, split_message
+from hydrafl.proto.envelope import EnvelopeError, chunk_hashes, join_message, split_message
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.service import CoordinatorService
-from hydrafl.server.store import Store
+from hydrafl.server.store import Reply, Store
+
+log = logging.getLogger(__name__)
 
 
 class CoordinatorGrid(Grid):
@@ -31,6 +40,8 @@ class CoordinatorGrid(Grid):
         self.poll_interval_s = poll_interval_s
         self._pulled: set[str] = set()
         self._sent: Counter[tuple[int, str, int]] = Counter()
+        self._types: dict[str, str] = {}
+        """Message id -> type of each message pushed (what its reply's type is)."""
         claim_server_identity(run_id)
 
     def set_run(self, run: Run) -> None:
@@ -59,6 +70,7 @@ class CoordinatorGrid(Grid):
             message_id = f"{self._run.run_id}-{key[0]}-{key[1]}-{key[2]}-{self._sent[key]}"
             self._sent[key] += 1
             message.metadata.__dict__["_message_id"] = message_id
+            self._types[message_id] = message.metadata.message_type
             envelope, chunks = split_message(message, server_round)
             self.blobs.put_stream(chunks.items())
             self.store.add_outbound(
@@ -71,11 +83,31 @@ class CoordinatorGrid(Grid):
         wanted = [message_id for message_id in message_ids if message_id not in self._pulled]
         replies = []
         for reply in self.store.replies_to(wanted):
-            envelope = pb.Envelope.FromString(reply.envelope)
-            chunks = {digest: self.blobs.get(digest) for digest in chunk_hashes(envelope)}
-            replies.append(join_message(envelope, chunks))
+            replies.append(self._decode(reply))
             self._pulled.add(reply.reply_to_message_id)
         return replies
+
+    def _decode(self, reply: Reply) -> Message:
+        metadata = Metadata(
+            run_id=reply.run_id,
+            message_id=f"{reply.reply_to_message_id}.reply",
+            src_node_id=reply.node_id,
+            dst_node_id=SUPERLINK_NODE_ID,
+            reply_to_message_id=reply.reply_to_message_id,
+            group_id=str(reply.server_round),
+            created_at=reply.accepted_at.timestamp(),
+            ttl=0.0,
+            message_type=self._types[reply.reply_to_message_id],
+        )
+        uploads = self.blobs.uploads(reply.node_id)
+        try:
+            envelope = pb.Envelope.FromString(reply.envelope)
+            chunks = {digest: uploads.get(digest) for digest in chunk_hashes(envelope)}
+            return join_message(envelope, chunks, metadata=metadata)
+        except (EnvelopeError, KeyError, OSError, ValueError) as error:
+            log.error("the stored reply of node %d to %s cannot be decoded: %s", reply.node_id, metadata.reply_to_message_id, error)
+            reason = f"the coordinator could not decode this site's stored reply: {error}"
+            return make_message(metadata=metadata, error=Error(ErrorCode.UNKNOWN, reason))
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         pending = list(self.push_messages(messages))

@@ -1,9 +1,16 @@
 """The coordinator's gRPC service: every call authenticated, every bad input a clear status, state untouched.
 
-Status codes: wrong or revoked token -> UNAUTHENTICATED; a reply to another site's message ->
-PERMISSION_DENIED; a reply to a message of a finished run -> FAILED_PRECONDITION; malformed manifest,
-chunk hash mismatch, NaN/Inf, garbage bytes, a tensor larger than the one sent -> INVALID_ARGUMENT with the
-reason.
+The coordinator trusts a site's token for who it is and nothing else the site sends: which message a reply
+answers, from which node, of which type, all come from the message stored for that site; a reply is checked
+completely (`replies.check_reply`) before it is accepted; each site's calls, streams and unreferenced uploads
+are bounded (`limits`), so one site can neither fail a round for the others nor starve them.
+
+Status codes: wrong, missing or revoked token, or a client certificate of another site -> UNAUTHENTICATED; a
+reply to another site's message, a download of a chunk not addressed to this site -> PERMISSION_DENIED; a
+reply to a closed message or a finished run, an upload with nothing to answer -> FAILED_PRECONDITION;
+malformed request bytes, manifest, chunk hash mismatch, NaN/Inf, records a reply may not hold, a tensor the
+site was not sent -> INVALID_ARGUMENT with the reason; too many calls, streams, failed logins or unreferenced
+upload bytes -> RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -12,20 +19,28 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError, Message as ProtoMessage
 
 from hydrafl.proto import coordinator_pb2 as pb
-from hydrafl.proto.coordinator_pb2_grpc import CoordinatorServicer
-from hydrafl.proto.envelope import CHUNK_BYTES, EnvelopeError, check_manifest, chunk_hashes, parse_content
+from hydrafl.proto.envelope import CHUNK_BYTES, EnvelopeError, chunk_hashes
 from hydrafl.server.blobs import BlobStore
-from hydrafl.server.store import FIRST_NODE_ID, Site, Store
+from hydrafl.server.limits import AuthThrottle, CallGuard, LimitExceeded, SiteLimits, UploadLedger
+from hydrafl.server.replies import MAX_REASON_CHARS, allowed_reply_bytes, check_reply
+from hydrafl.server.store import FIRST_NODE_ID, OutboundMessage, Site, Store
 
 log = logging.getLogger(__name__)
 
 POLL_AFTER_S = 0.2
+WEIGHT_KEY = "num-examples"
+"""The metric every train and evaluate reply weights itself by (Flower's strategies' default)."""
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 8 << 20),
     ("grpc.max_receive_message_length", 8 << 20),
@@ -34,16 +49,26 @@ GRPC_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+Request = TypeVar("Request", bound=ProtoMessage)
 
 
-class CoordinatorService(CoordinatorServicer):
-    def __init__(self, store: Store, blobs: BlobStore) -> None:
+class CoordinatorService:
+    def __init__(self, store: Store, blobs: BlobStore, limits: SiteLimits = SiteLimits()) -> None:
         self.store = store
         self.blobs = blobs
+        self.limits = limits
+        self.guard = CallGuard(limits)
+        self.throttle = AuthThrottle(limits)
+        self.ledger = UploadLedger()
         self.last_seen: dict[int, float] = {}
         self.latencies: dict[tuple[str, str], list[float]] = {}
         """(site name, call) -> seconds the coordinator spent on each PutChunks stream / PushReply."""
         self._lock = threading.Lock()
+        self._message_chunks: OrderedDict[str, tuple[frozenset[str], int]] = OrderedDict()
+        """Outbound message id -> (its chunks, the array bytes a reply may carry), for the recent messages."""
+
+    def stop(self) -> None:
+        self.guard.stop()
 
     def connected_nodes(self, within_s: float = 30.0) -> list[int]:
         """Sites that called in recently and are still enrolled."""
@@ -52,50 +77,209 @@ class CoordinatorService(CoordinatorServicer):
         with self._lock:
             return sorted(node for node, seen in self.last_seen.items() if seen >= horizon and node in active)
 
+    # --- who is calling -------------------------------------------------------------------------------------
+
     def _site(self, context: grpc.ServicerContext) -> Site:
-        metadata = dict(context.invocation_metadata())
-        token = metadata.get("authorization", "").removeprefix("Bearer ").strip()
-        site = self.store.authenticate(token) if token else None
+        peer = _peer_address(context.peer())
+        wait_s = self.throttle.blocked_for(peer)
+        if wait_s:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many failed authentications from this address; try again in {wait_s:.0f} s",
+            )
+        headers = [value for key, value in context.invocation_metadata() if key == "authorization"]
+        if len(headers) != 1 or not headers[0].startswith("Bearer ") or not headers[0][7:].strip():
+            self._auth_failed(context, peer, "no 'authorization: Bearer <token>' header")
+        site = self.store.authenticate(headers[0][7:].strip())
         if site is None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "unknown or revoked site token")
+            self._auth_failed(context, peer, "unknown or revoked site token")
+        names = _certificate_names(context)
+        if names is not None and site.name not in names:
+            self._auth_failed(
+                context, peer, f"the client certificate ({', '.join(sorted(names))}) was not issued to site {site.name!r}"
+            )
         with self._lock:
             self.last_seen[site.node_id] = time.monotonic()
         return site
 
+    def _auth_failed(self, context: grpc.ServicerContext, peer: str, reason: str) -> None:
+        failures = self.throttle.failed(peer)
+        if failures <= self.limits.max_auth_failures:  # beyond it the address is refused without a record each time
+            log.warning("authentication failed from %s: %s", peer, reason)
+            kind = "auth-failed" if failures < self.limits.max_auth_failures else "auth-throttled"
+            self.store.audit(kind, detail=f"{peer}: {reason}")
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+    @contextmanager
+    def _bounded(self, site: Site, context: grpc.ServicerContext, *, stream: bool = False) -> Iterator[object]:
+        try:
+            with self.guard.stream(site.node_id, context) if stream else self.guard.call(site.node_id) as handle:
+                yield handle
+        except LimitExceeded as error:
+            log.warning("site %s: %s", site.name, error)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+
+    # --- the calls ------------------------------------------------------------------------------------------
+
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         site = self._site(context)
-        run = next((r for r in self.store.runs() if r.status == "running"), None)
-        return pb.JoinReply(
-            site_name=site.name,
-            node_id=site.node_id,
-            run_id=run.id if run else 0,
-            run_config=json.dumps(run.config if run else {}).encode(),
-            site_index=site.node_id - FIRST_NODE_ID,
-        )
+        with self._bounded(site, context):
+            run = next((r for r in self.store.runs() if r.status == "running"), None)
+            return pb.JoinReply(
+                site_name=site.name,
+                node_id=site.node_id,
+                run_id=run.id if run else 0,
+                run_config=json.dumps(run.config if run else {}).encode(),
+                site_index=site.node_id - FIRST_NODE_ID,
+            )
 
     def PullMessage(self, request: pb.PullMessageRequest, context: grpc.ServicerContext) -> pb.PullMessageReply:
         site = self._site(context)
-        outbound = self.store.next_message_for(site.node_id)
-        if outbound is None:
-            return pb.PullMessageReply(has_message=False, poll_after_s=POLL_AFTER_S)
-        return pb.PullMessageReply(has_message=True, envelope=pb.Envelope.FromString(outbound.envelope))
+        with self._bounded(site, context):
+            outbound = self.store.next_message_for(site.node_id)
+            if outbound is None:
+                if self.ledger.pending_bytes(site.node_id):  # nothing left to answer: its pending uploads expire
+                    self._free_uploads(site.node_id)
+                return pb.PullMessageReply(has_message=False, poll_after_s=POLL_AFTER_S)
+            return pb.PullMessageReply(has_message=True, envelope=pb.Envelope.FromString(outbound.envelope))
 
     def GetChunks(self, request: pb.GetChunksRequest, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
-        self._site(context)
-        for digest in request.sha256:
-            try:
-                data = self.blobs.get(digest)
-            except (KeyError, EnvelopeError) as error:
-                context.abort(grpc.StatusCode.NOT_FOUND, str(error))
-            yield pb.Chunk(sha256=digest, data=data)
+        site = self._site(context)
+        with self._bounded(site, context, stream=True) as stream:
+            wanted = list(dict.fromkeys(request.sha256))  # a repeated digest is sent once
+            downloadable = self._downloadable(site.node_id)
+            outside = next((digest for digest in wanted if digest not in downloadable), None)
+            if outside is not None:
+                log.warning("site %s asked for chunk %s, not part of a message addressed to it", site.name, outside[:12])
+                context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"chunk {outside[:12]} is not part of a message addressed to this site",
+                )
+            for digest in wanted:
+                try:
+                    data = self.blobs.get(digest)
+                except (KeyError, EnvelopeError) as error:
+                    context.abort(grpc.StatusCode.NOT_FOUND, str(error))
+                stream.touch()
+                yield pb.Chunk(sha256=digest, data=data)
 
     def HasChunks(self, request: pb.HasChunksRequest, context: grpc.ServicerContext) -> pb.HasChunksReply:
-        self._site(context)
-        try:
-            missing = set(self.blobs.missing(request.sha256))
-        except EnvelopeError as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        return pb.HasChunksReply(present=[digest for digest in request.sha256 if digest not in missing])
+        """Which of these chunks this site has already uploaded (its own namespace only)."""
+        site = self._site(context)
+        with self._bounded(site, context):
+            uploads = self.blobs.uploads(site.node_id)
+            wanted = list(dict.fromkeys(request.sha256))
+            try:
+                missing = set(uploads.missing(wanted))
+            except EnvelopeError as error:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            return pb.HasChunksReply(present=[digest for digest in wanted if digest not in missing])
+
+    def PutChunks(self, request_iterator: Iterator[pb.Chunk], context: grpc.ServicerContext) -> pb.PutChunksReply:
+        site = self._site(context)
+        started = time.perf_counter()
+        with self._bounded(site, context, stream=True) as stream:
+            quota = self._upload_quota(site.node_id)
+            if not quota:
+                self._free_uploads(site.node_id)
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION, "no message this site may answer takes an upload right now"
+                )
+            uploads = self.blobs.uploads(site.node_id)
+
+            def received() -> Iterator[tuple[str, bytes]]:
+                for chunk in request_iterator:
+                    stream.touch()
+                    if len(chunk.data) > CHUNK_BYTES:
+                        raise EnvelopeError(f"chunk {chunk.sha256[:12]} has {len(chunk.data)} bytes; at most {CHUNK_BYTES}")
+                    if not uploads.has(chunk.sha256):
+                        self.ledger.reserve(site.node_id, chunk.sha256, len(chunk.data), quota)
+                    yield chunk.sha256, chunk.data
+
+            try:
+                stored, present = uploads.put_stream(received())
+            except EnvelopeError as error:
+                self._free_uploads(site.node_id)
+                self._reject(context, site, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            except LimitExceeded as error:
+                self._free_uploads(site.node_id)
+                self._reject(context, site, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        self._timed(site, "put_chunks", started)
+        return pb.PutChunksReply(stored=stored, already_present=present)
+
+    def PushReply(self, request: pb.PushReplyRequest, context: grpc.ServicerContext) -> pb.PushReplyReply:
+        site = self._site(context)
+        started = time.perf_counter()
+        with self._bounded(site, context):
+            envelope = request.envelope
+            outbound = self.store.outbound(envelope.reply_to_message_id)
+            if outbound is None or outbound.node_id != site.node_id:
+                self._reject(context, site, grpc.StatusCode.PERMISSION_DENIED, "reply to a message not addressed to this site")
+            if outbound.closed:
+                self._reject(
+                    context, site, grpc.StatusCode.FAILED_PRECONDITION,
+                    f"round {outbound.server_round} closed at its deadline; late reply refused",
+                )
+            if self.store.run(outbound.run_id).status != "running":
+                self._reject(context, site, grpc.StatusCode.FAILED_PRECONDITION, f"run {outbound.run_id} is not running")
+            sent = pb.Envelope.FromString(outbound.envelope)
+            uploads = self.blobs.uploads(site.node_id)
+            try:
+                check_reply(
+                    envelope, sent, chunk_size=uploads.size, chunk_bytes=uploads.get, weighted_by_key=WEIGHT_KEY,
+                    max_model_bytes=self.limits.max_model_bytes,
+                )
+            except EnvelopeError as error:  # final: the site failed this message, the round need not wait for it
+                self._free_uploads(site.node_id)
+                refused = pb.Envelope(error_code=1, error_reason=f"the coordinator refused this reply: {error}")
+                self.store.add_reply(outbound, _as_stored(refused, outbound, sent).SerializeToString())
+                self._reject(context, site, grpc.StatusCode.INVALID_ARGUMENT, str(error), run_id=outbound.run_id)
+            stored = _as_stored(envelope, outbound, sent)
+            accepted = self.store.add_reply(outbound, stored.SerializeToString())
+            if accepted:
+                self.ledger.referenced(site.node_id, set(chunk_hashes(stored)))
+                self._audit_reply(site, outbound, stored)
+        self._timed(site, "push_reply", started)
+        return pb.PushReplyReply(duplicate=not accepted)
+
+    # --- bounds ---------------------------------------------------------------------------------------------
+
+    def _open_messages(self, node_id: int) -> list[tuple[frozenset[str], int]]:
+        """(chunks, allowed reply bytes) of each message this site may still answer."""
+        described = []
+        for message in self.store.open_messages_for(node_id):
+            with self._lock:
+                known = self._message_chunks.get(message.message_id)
+            if known is None:
+                sent = pb.Envelope.FromString(message.envelope)
+                known = frozenset(chunk_hashes(sent)), allowed_reply_bytes(sent, self.limits.max_model_bytes)
+                with self._lock:
+                    self._message_chunks[message.message_id] = known
+                    while len(self._message_chunks) > 4096:
+                        self._message_chunks.popitem(last=False)
+            described.append(known)
+        return described
+
+    def _downloadable(self, node_id: int) -> frozenset[str]:
+        return frozenset().union(*(chunks for chunks, _ in self._open_messages(node_id)))
+
+    def _upload_quota(self, node_id: int) -> int:
+        return sum(allowed for _, allowed in self._open_messages(node_id))
+
+    def _free_uploads(self, node_id: int) -> None:
+        """Delete the site's uploads that no accepted reply references (a failed or expired push)."""
+        uploads = self.blobs.uploads(node_id)
+        for digest in self.ledger.release(node_id):
+            uploads.delete(digest)
+
+    # --- records --------------------------------------------------------------------------------------------
+
+    def _audit_reply(self, site: Site, outbound: OutboundMessage, stored: pb.Envelope) -> None:
+        if stored.error_reason or stored.error_code:
+            detail = f"round {outbound.server_round} {stored.message_type}: {stored.error_reason}"
+            self.store.audit("site-declined", site_name=site.name, run_id=outbound.run_id, detail=detail)
+        else:
+            self.store.audit("update-accepted", site_name=site.name, run_id=outbound.run_id, detail=outbound.message_id)
 
     def _timed(self, site: Site, call: str, started: float) -> None:
         with self._lock:
@@ -110,98 +294,85 @@ class CoordinatorService(CoordinatorServicer):
                 rows.append(f"{name}\t{call}\t{len(seconds)}\t{p50:.2f}\t{p99:.2f}")
         return "\n".join(rows) + "\n"
 
-    def PutChunks(self, request_iterator: Iterator[pb.Chunk], context: grpc.ServicerContext) -> pb.PutChunksReply:
-        site = self._site(context)
-        started = time.perf_counter()
-
-        def received() -> Iterator[tuple[str, bytes]]:
-            for chunk in request_iterator:
-                if len(chunk.data) > CHUNK_BYTES:
-                    raise EnvelopeError(f"chunk {chunk.sha256[:12]} has {len(chunk.data)} bytes; at most {CHUNK_BYTES}")
-                yield chunk.sha256, chunk.data
-
-        try:
-            stored, present = self.blobs.put_stream(received())
-        except EnvelopeError as error:
-            self.store.audit("update-rejected", site_name=site.name, detail=str(error))
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        self._timed(site, "put_chunks", started)
-        return pb.PutChunksReply(stored=stored, already_present=present)
-
-    def PushReply(self, request: pb.PushReplyRequest, context: grpc.ServicerContext) -> pb.PushReplyReply:
-        site = self._site(context)
-        started = time.perf_counter()
-        envelope = request.envelope
-        outbound = self.store.outbound(envelope.reply_to_message_id)
-        if outbound is None or outbound.node_id != site.node_id:
-            self._reject(context, site, grpc.StatusCode.PERMISSION_DENIED, "reply to a message not addressed to this site")
-        if outbound.closed:
-            self._reject(
-                context, site, grpc.StatusCode.FAILED_PRECONDITION,
-                f"round {outbound.server_round} closed at its deadline; late reply refused",
-            )
-        if self.store.run(outbound.run_id).status != "running":
-            self._reject(context, site, grpc.StatusCode.FAILED_PRECONDITION, f"run {outbound.run_id} is not running")
-        try:
-            self.check_reply(envelope, sent=pb.Envelope.FromString(outbound.envelope))
-        except EnvelopeError as error:
-            self._reject(context, site, grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        accepted = self.store.add_reply(outbound, envelope.SerializeToString())
-        if accepted:
-            self.store.audit(
-                "update-accepted", site_name=site.name, run_id=outbound.run_id, detail=envelope.reply_to_message_id
-            )
-        self._timed(site, "push_reply", started)
-        return pb.PushReplyReply(duplicate=not accepted)
-
-    def check_reply(self, envelope: pb.Envelope, *, sent: pb.Envelope) -> None:
-        """Everything a reply must satisfy before it is stored; raises EnvelopeError saying what is wrong."""
-        missing = self.blobs.missing(chunk_hashes(envelope))
-        if missing:
-            raise EnvelopeError(f"{len(missing)} chunks were not uploaded (first {missing[0][:12]})")
-        _check_against_request(sent, envelope)
-        check_manifest(envelope)
-        parse_content(envelope)
-        self._check_chunks(envelope)
-
-    def _check_chunks(self, envelope: pb.Envelope) -> None:
-        """Sizes add up and float values are finite, read one stored chunk at a time: the coordinator never
-        holds a whole update to check it (chunks were verified against their hashes when stored)."""
-        for record in envelope.arrays:
-            for tensor in record.tensors:
-                where = f"array {record.key}/{tensor.name}"
-                floating = np.dtype(tensor.dtype).kind == "f"
-                total = 0
-                for digest in tensor.chunk_sha256:
-                    if floating:
-                        data = self.blobs.get(digest)
-                        total += len(data)
-                        if len(data) % np.dtype(tensor.dtype).itemsize or not np.isfinite(
-                            np.frombuffer(data, dtype=tensor.dtype)
-                        ).all():
-                            raise EnvelopeError(f"{where} contains NaN or Inf (or a misaligned chunk)")
-                    else:
-                        total += self.blobs.size(digest)
-                if total != tensor.nbytes:
-                    raise EnvelopeError(f"{where}: chunks hold {total} bytes, manifest says {tensor.nbytes}")
-
-    def _reject(self, context: grpc.ServicerContext, site: Site, code: grpc.StatusCode, reason: str) -> None:
-        self.store.audit("update-rejected", site_name=site.name, detail=f"{code.name}: {reason}")
+    def _reject(
+        self, context: grpc.ServicerContext, site: Site, code: grpc.StatusCode, reason: str, *, run_id: int | None = None
+    ) -> None:
+        log.warning("refused %s from site %s: %s", code.name, site.name, reason)
+        self.store.audit("update-rejected", site_name=site.name, run_id=run_id, detail=f"{code.name}: {reason}")
         context.abort(code, reason)
 
 
-def _check_against_request(request: pb.Envelope, reply: pb.Envelope) -> None:
-    """A reply's tensor that shares a name with one the site was sent keeps its dtype and rank and is no larger
-    along any axis: the whole tensor, or the slice a subnetwork trained (which slice is the strategy's check)."""
-    sent = {t.name: (t.dtype, list(t.shape)) for record in request.arrays for t in record.tensors}
-    for record in reply.arrays:
-        for tensor in record.tensors:
-            if tensor.name not in sent:
-                continue
-            dtype, shape = sent[tensor.name]
-            fits = len(tensor.shape) == len(shape) and all(0 <= n <= m for n, m in zip(tensor.shape, shape))
-            if tensor.dtype != dtype or not fits:
-                raise EnvelopeError(
-                    f"array {tensor.name}: shape {list(tensor.shape)} {tensor.dtype} does not fit in shape {shape} "
-                    f"{dtype} of the array sent"
-                )
+def _as_stored(reply: pb.Envelope, outbound: OutboundMessage, sent: pb.Envelope) -> pb.Envelope:
+    """The reply as the coordinator keeps it: identity from the message it answers, never from the site."""
+    stored = pb.Envelope(
+        message_id=f"{outbound.message_id}.reply",
+        reply_to_message_id=outbound.message_id,
+        message_type=sent.message_type,
+        run_id=outbound.run_id,
+        round=outbound.server_round,
+    )
+    if reply.error_code or reply.error_reason:
+        stored.error_code = reply.error_code or 1
+        stored.error_reason = reply.error_reason[:MAX_REASON_CHARS]
+    else:
+        stored.content = reply.content
+        stored.arrays.extend(reply.arrays)
+    return stored
+
+
+def _peer_address(peer: str) -> str:
+    """The client's address without its port: 'ipv4:10.0.0.5:51234' -> 'ipv4:10.0.0.5'."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return f"{kind}:{rest.rpartition(':')[0]}"
+    return peer
+
+
+def _certificate_names(context: grpc.ServicerContext) -> set[str] | None:
+    """The names on the client certificate (common name and subject alternative names), None when the client
+    presented none (no mutual TLS): with mutual TLS a certificate authenticates only the site it names."""
+    auth = context.auth_context()
+    names = auth.get("x509_common_name", []) + auth.get("x509_subject_alternative_name", [])
+    if "x509_pem_cert" not in auth and not names:
+        return None
+    return {name.decode(errors="replace") for name in names}
+
+
+def _parse(kind: type[Request], data: bytes, context: grpc.ServicerContext) -> Request:
+    try:
+        return kind.FromString(data)
+    except (DecodeError, ValueError, RuntimeError) as error:
+        log.warning("malformed %s from %s: %s", kind.__name__, context.peer(), error)
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {kind.__name__}: not a valid protobuf message")
+
+
+def add_coordinator_service(service: CoordinatorService, server: grpc.Server) -> None:
+    """Register the service with request bytes parsed by the service itself, so garbage bytes get
+    INVALID_ARGUMENT and one log line (gRPC's own deserializer answers INTERNAL with a traceback)."""
+
+    def unary(method: Callable, kind: type[ProtoMessage]) -> Callable:
+        return lambda data, context: method(_parse(kind, data, context), context)
+
+    def client_stream(method: Callable) -> Callable:
+        return lambda items, context: method((_parse(pb.Chunk, data, context) for data in items), context)
+
+    def serialize(message: ProtoMessage) -> bytes:
+        return message.SerializeToString()
+
+    handlers = {
+        "Join": grpc.unary_unary_rpc_method_handler(unary(service.Join, pb.JoinRequest), response_serializer=serialize),
+        "PullMessage": grpc.unary_unary_rpc_method_handler(
+            unary(service.PullMessage, pb.PullMessageRequest), response_serializer=serialize
+        ),
+        "GetChunks": grpc.unary_stream_rpc_method_handler(
+            unary(service.GetChunks, pb.GetChunksRequest), response_serializer=serialize
+        ),
+        "HasChunks": grpc.unary_unary_rpc_method_handler(
+            unary(service.HasChunks, pb.HasChunksRequest), response_serializer=serialize
+        ),
+        "PutChunks": grpc.stream_unary_rpc_method_handler(client_stream(service.PutChunks), response_serializer=serialize),
+        "PushReply": grpc.unary_unary_rpc_method_handler(
+            unary(service.PushReply, pb.PushReplyRequest), response_serializer=serialize
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -1,4 +1,5 @@
-"""The coordinator's persistent state (SQLAlchemy): sites, runs, messages, replies, metrics, audit events.
+"""The coordinator's persistent state (SQLAlchemy): sites, runs, messages, replies, metrics, audit events, and
+the lease that lets one coordinator at a time drive the runs of a database.
 
 SQLite file by default, any SQLAlchemy URL (PostgreSQL) by `--db`. Array bytes are not here: envelopes
 refer to chunks in the blob store by hash.
@@ -8,7 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
+import os
 import secrets
+from collections.abc import Collection
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from sqlalchemy import (
@@ -16,19 +21,27 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     DateTime,
+    Float,
     ForeignKey,
     Integer,
     LargeBinary,
     String,
     Text,
+    Select,
     UniqueConstraint,
     create_engine,
+    delete,
     select,
+    update,
 )
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 FIRST_NODE_ID = 10_001
+LEASE_ROW = 1
+"""The lease table's only row: a fixed primary key, so two coordinators can never both insert a lease."""
+LEASE_ATTEMPTS = 3
 
 
 def now() -> datetime:
@@ -96,10 +109,65 @@ class AuditEvent(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
     kind: Mapped[str] = mapped_column(String(32))
-    """enrolled, revoked, update-accepted, update-rejected, run-started, run-finished, run-failed"""
+    """enrolled, revoked, update-accepted, update-rejected, run-started, run-finished, run-failed, site-declined,
+    lease-taken-over"""
     site_name: Mapped[str] = mapped_column(String(128), default="")
     run_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     detail: Mapped[str] = mapped_column(Text, default="")
+
+
+class CoordinatorLease(Base):
+    """Which coordinator drives this database's runs. Its holder renews `heartbeat_at` every `stale_s` / 6 s;
+    `stale_s` after the last renewal another coordinator may take the lease over."""
+
+    __tablename__ = "coordinator_lease"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    holder: Mapped[str] = mapped_column(String(32))
+    """A uuid4 hex drawn by each coordinator process at start."""
+    host: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int] = mapped_column(Integer)
+    listen: Mapped[str] = mapped_column(String(255))
+    stale_s: Mapped[float] = mapped_column(Float)
+    acquired_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LeaseClaim:
+    """A coordinator asking for the lease; `stale_s` is its promise of how long it may go without a heartbeat."""
+
+    holder: str
+    host: str
+    pid: int
+    listen: str
+    stale_s: float
+
+
+def _utc(moment: datetime) -> datetime:
+    """SQLite returns naive datetimes; every stored one is UTC."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def lease_age_s(lease: CoordinatorLease) -> float:
+    """Seconds since the holder's last heartbeat."""
+    return (now() - _utc(lease.heartbeat_at)).total_seconds()
+
+
+def describe_lease(lease: CoordinatorLease, age_s: float) -> str:
+    return f"{lease.host} pid {lease.pid}, listening on {lease.listen}, last heartbeat {age_s:.1f} s ago"
+
+
+class LeaseHeld(RuntimeError):
+    """Another coordinator's lease on this database is fresh: a second one would drive the same runs."""
+
+    def __init__(self, lease: CoordinatorLease, age_s: float) -> None:
+        self.lease = lease
+        wait_s = math.ceil(max(0.0, lease.stale_s - age_s))
+        super().__init__(
+            f"another coordinator holds this database: {describe_lease(lease, age_s)}. "
+            f"Stop it, or wait {wait_s} s if it died "
+            f"(its lease goes stale {lease.stale_s:g} s after its last heartbeat)"
+        )
 
 
 def hash_token(token: str) -> str:
@@ -226,18 +294,12 @@ class Store:
     def next_message_for(self, node_id: int) -> OutboundMessage | None:
         """The oldest message to this site of a running run that it has not answered yet."""
         with self.session() as session:
-            answered = select(Reply.reply_to_message_id)
-            running = select(Run.id).where(Run.status == "running")
-            query = (
-                select(OutboundMessage)
-                .where(OutboundMessage.node_id == node_id)
-                .where(OutboundMessage.message_id.not_in(answered))
-                .where(OutboundMessage.closed.is_(False))
-                .where(OutboundMessage.run_id.in_(running))
-                .order_by(OutboundMessage.created_at, OutboundMessage.message_id)
-                .limit(1)
-            )
-            return session.scalar(query)
+            return session.scalar(_open_messages(node_id).limit(1))
+
+    def open_messages_for(self, node_id: int) -> list[OutboundMessage]:
+        """Every message this site may still answer (what it may download and upload for)."""
+        with self.session() as session:
+            return list(session.scalars(_open_messages(node_id)))
 
     def add_reply(self, outbound: OutboundMessage, envelope: bytes) -> bool:
         """Store a reply; False when this message was already answered (pushes are idempotent)."""
@@ -259,3 +321,114 @@ class Store:
     def replies_to(self, message_ids: list[str]) -> list[Reply]:
         with self.session() as session:
             return list(session.scalars(select(Reply).where(Reply.reply_to_message_id.in_(message_ids))))
+
+    def run_events(self, run_id: int, kinds: Collection[str]) -> list[AuditEvent]:
+        """A run's audit events of these kinds, oldest first (e.g. the sites that declined its messages)."""
+        with self.session() as session:
+            query = select(AuditEvent).where(AuditEvent.run_id == run_id, AuditEvent.kind.in_(list(kinds)))
+            return list(session.scalars(query.order_by(AuditEvent.id)))
+
+    def lease(self) -> CoordinatorLease | None:
+        with self.session() as session:
+            return session.get(CoordinatorLease, LEASE_ROW)
+
+    def acquire_lease(self, claim: LeaseClaim) -> CoordinatorLease | None:
+        """Take the database's coordinator lease; returns the stale lease taken over, None when it was free.
+
+        Raises LeaseHeld while another holder's heartbeat is fresher than its `stale_s`. Race-safe on SQLite and
+        PostgreSQL: a free lease is an insert of the one fixed primary key, and a takeover an UPDATE that matches
+        only the holder and heartbeat read before, so of coordinators starting together exactly one wins.
+        """
+        for _ in range(LEASE_ATTEMPTS):
+            if self._insert_lease(claim):
+                return None
+            current = self.lease()
+            if current is None:  # released between the insert and the read
+                continue
+            age_s = lease_age_s(current)
+            if current.holder != claim.holder and age_s < current.stale_s and not _holder_died(current, claim):
+                raise LeaseHeld(current, age_s)
+            if self._swap_lease(current, claim, age_s):
+                return current if current.holder != claim.holder else None
+        raise RuntimeError(f"the coordinator lease changed hands {LEASE_ATTEMPTS} times while taking it; start again")
+
+    def _insert_lease(self, claim: LeaseClaim) -> bool:
+        moment = now()
+        try:
+            with self.session() as session, session.begin():
+                if session.get(CoordinatorLease, LEASE_ROW) is not None:
+                    return False
+                session.add(
+                    CoordinatorLease(
+                        id=LEASE_ROW, holder=claim.holder, host=claim.host, pid=claim.pid, listen=claim.listen,
+                        stale_s=claim.stale_s, acquired_at=moment, heartbeat_at=moment,
+                    )
+                )
+        except IntegrityError:  # another coordinator inserted it first
+            return False
+        return True
+
+    def _swap_lease(self, seen: CoordinatorLease, claim: LeaseClaim, age_s: float) -> bool:
+        """Replace the lease read as `seen`, unless it changed since (renewed or taken by someone else)."""
+        moment = now()
+        with self.session() as session, session.begin():
+            swapped = session.execute(
+                update(CoordinatorLease)
+                .where(
+                    CoordinatorLease.id == LEASE_ROW,
+                    CoordinatorLease.holder == seen.holder,
+                    CoordinatorLease.heartbeat_at == seen.heartbeat_at,
+                )
+                .values(
+                    holder=claim.holder, host=claim.host, pid=claim.pid, listen=claim.listen, stale_s=claim.stale_s,
+                    acquired_at=moment, heartbeat_at=moment,
+                )
+            )
+            taken = swapped.rowcount == 1
+            if taken and seen.holder != claim.holder:
+                detail = f"from {describe_lease(seen, age_s)} (holder {seen.holder})"
+                session.add(AuditEvent(kind="lease-taken-over", detail=detail))
+        return taken
+
+    def renew_lease(self, holder: str) -> bool:
+        """Heartbeat; False when `holder` no longer holds the lease (another coordinator took it over)."""
+        with self.session() as session, session.begin():
+            renewed = session.execute(
+                update(CoordinatorLease)
+                .where(CoordinatorLease.id == LEASE_ROW, CoordinatorLease.holder == holder)
+                .values(heartbeat_at=now())
+            )
+            return renewed.rowcount == 1
+
+    def release_lease(self, holder: str) -> None:
+        """Give the lease up, so the next coordinator starts at once instead of waiting for it to go stale."""
+        with self.session() as session, session.begin():
+            session.execute(delete(CoordinatorLease).where(CoordinatorLease.holder == holder))
+
+
+def _open_messages(node_id: int) -> Select:
+    """Messages to this site of a running run, neither answered nor closed, oldest first."""
+    answered = select(Reply.reply_to_message_id)
+    running = select(Run.id).where(Run.status == "running")
+    return (
+        select(OutboundMessage)
+        .where(OutboundMessage.node_id == node_id)
+        .where(OutboundMessage.message_id.not_in(answered))
+        .where(OutboundMessage.closed.is_(False))
+        .where(OutboundMessage.run_id.in_(running))
+        .order_by(OutboundMessage.created_at, OutboundMessage.message_id)
+    )
+
+
+def _holder_died(lease: CoordinatorLease, claim: LeaseClaim) -> bool:
+    """A holder on this host whose process is gone (a coordinator killed with -9) holds nothing: a restart need
+    not wait for its lease to go stale."""
+    if lease.host != claim.host or lease.pid == claim.pid:
+        return False
+    try:
+        os.kill(lease.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False

@@ -2,84 +2,39 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
-import sys
-import time
-from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from deployment import enrol, start_hydrafl, wait_serving, wait_until
 from hydrafl.config import RunConfig
 from hydrafl.server.store import Run as StoredRun
-from hydrafl.server.store import Store
 from hydrafl.simulation.compare import run_strategy
 
 RUN = RunConfig(task="tabular", sites=3, samples_per_site=60, rounds=3, local_steps=3, batch_size=16, lr=3e-3,
                 strategy="diloco", outer_lr=0.5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(*args: str, env: dict, log: Path) -> subprocess.Popen:
-    with log.open("a") as handle:
-        return subprocess.Popen([sys.executable, "-m", "hydrafl", *args, "-v"], env=env, stdout=handle, stderr=handle)
-
-
-def _wait_serving(address: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(service="hydrafl.proto.Coordinator"), timeout=1).status == 1:
-                    return
-            except grpc.RpcError:
-                time.sleep(0.2)
-    raise TimeoutError(f"coordinator on {address} never reported SERVING")
-
-
-def _wait(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.3)
-    raise TimeoutError(what)
-
-
 @pytest.fixture
 def deployment(tmp_path):
-    env = {**os.environ, "HYDRAFL_HOME": str(tmp_path / "home")}
-    db = f"sqlite:///{tmp_path / 'coordinator.db'}"
-    store = Store(db)
-    tokens = [store.add_site(f"hospital-{i}")[1] for i in range(RUN.sites)]
-    run = store.create_run({k: v for k, v in RUN.to_flower().items() if k not in ("run-dir", "resume")})
-    address = f"127.0.0.1:{_free_port()}"
+    env, db, store, tokens, run_id, address = enrol(tmp_path, RUN)
     server_args = ("server", "--listen", address, "--db", db, "--blobs", str(tmp_path / "blobs"))
     processes: list[subprocess.Popen] = []
 
     def start_server() -> subprocess.Popen:
-        process = _start(*server_args, env=env, log=tmp_path / "coordinator.log")
+        process = start_hydrafl(*server_args, env=env, log=tmp_path / "coordinator.log")
         processes.append(process)
-        _wait_serving(address)
+        wait_serving(address)
         return process
 
     def start_site(token: str, *options: str) -> subprocess.Popen:
         log = tmp_path / f"site-{tokens.index(token)}.log"
-        process = _start("site", "--coordinator", address, "--token", token, *options, env=env, log=log)
+        process = start_hydrafl("site", "--coordinator", address, "--token", token, *options, env=env, log=log)
         processes.append(process)
         return process
 
-    yield store, run.id, address, tokens, start_server, start_site
+    yield store, run_id, address, tokens, start_server, start_site
     for process in processes:
         process.kill()
         process.wait()
@@ -95,7 +50,7 @@ def test_coordinator_and_three_sites_match_the_simulation(deployment, tmp_path):
     start_server()
     for token in tokens:
         start_site(token)
-    _wait(lambda: store.run(run_id).status in ("finished", "failed"), 240, "the run did not finish")
+    wait_until(lambda: store.run(run_id).status in ("finished", "failed"), 240, "the run did not finish")
     run = store.run(run_id)
     assert run.status == "finished", run.detail
     simulated = run_strategy(RunConfig.from_flower({**RUN.to_flower(), "run-dir": str(tmp_path / "sim")}), "inprocess")
@@ -126,7 +81,7 @@ def test_hydra_nets_over_the_wire_match_the_simulation(deployment, tmp_path):
     start_server()
     for token, tier in zip(tokens, ("small", "medium", "large"), strict=True):
         start_site(token, "--tier", tier)
-    _wait(lambda: store.run(run_id).status in ("finished", "failed"), 240, "the run did not finish")
+    wait_until(lambda: store.run(run_id).status in ("finished", "failed"), 240, "the run did not finish")
     run = store.run(run_id)
     assert run.status == "finished", run.detail
     cfg = RunConfig.from_flower(
@@ -147,12 +102,12 @@ def test_kill_9_of_the_coordinator_mid_run_then_restart_finishes_with_the_same_m
     server = start_server()
     for token in tokens:
         start_site(token)
-    _wait(lambda: store.run(run_id).rounds_done >= 1, 240, "round 1 never completed")
+    wait_until(lambda: store.run(run_id).rounds_done >= 1, 240, "round 1 never completed")
     server.send_signal(signal.SIGKILL)
     server.wait()
     assert store.run(run_id).status == "running"
     start_server()
-    _wait(lambda: store.run(run_id).status in ("finished", "failed"), 240, "the restarted run did not finish")
+    wait_until(lambda: store.run(run_id).status in ("finished", "failed"), 240, "the restarted run did not finish")
     run = store.run(run_id)
     assert run.status == "finished", run.detail
     simulated = run_strategy(RunConfig.from_flower({**RUN.to_flower(), "run-dir": str(tmp_path / "sim")}), "inprocess")
@@ -171,14 +126,14 @@ def test_a_site_killed_mid_round_is_left_out_at_the_deadline_and_rejoins(deploym
         run.config = {**run.config, "min-sites": 2, "round-timeout-s": 10.0, "strategy": "fedavg", "rounds": 16}
     start_server()
     sites = {token: start_site(token) for token in tokens}
-    _wait(lambda: store.run(run_id).rounds_done >= 1, 240, "round 1 never completed")
+    wait_until(lambda: store.run(run_id).rounds_done >= 1, 240, "round 1 never completed")
     victim = sites[tokens[-1]]
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     # the victim may have sent this round's update before it died: wait for the first round it misses
-    _wait(lambda: any(r.get("sites_failed") for r in store.run(run_id).history), 240, "no round missed the victim")
+    wait_until(lambda: any(r.get("sites_failed") for r in store.run(run_id).history), 240, "no round missed the victim")
     start_site(tokens[-1])  # rounds to spare: a loaded machine takes a while to start a site's process
-    _wait(lambda: store.run(run_id).status in ("finished", "failed"), 300, "the run did not finish")
+    wait_until(lambda: store.run(run_id).status in ("finished", "failed"), 300, "the run did not finish")
     run = store.run(run_id)
     assert run.status == "finished", run.detail
     missed = next(i for i, record in enumerate(run.history) if record.get("sites_failed"))

@@ -3,27 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from postgres_server import postgres_server
-from sqlalchemy import create_engine, select
+from sqlalchemy import select
 
 from hydrafl.proto.envelope import EnvelopeError, sha256
 from hydrafl.server.blobs import BlobStore
-from hydrafl.server.store import Base, Run, Site, Store, hash_token
-
-
-@pytest.fixture(scope="module")
-def postgres_url():
-    with postgres_server() as url:
-        yield url
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request, tmp_path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'coordinator.db'}"
-    url = request.getfixturevalue("postgres_url")
-    Base.metadata.drop_all(create_engine(url))  # each test starts from an empty database
-    return url
+from hydrafl.server.store import Run, Site, Store, hash_token
 
 
 @pytest.fixture

@@ -120,3 +120,22 @@ def test_mutual_tls_refuses_sites_without_a_valid_certificate(tmp_path, pki):
         assert agent.node_id == coordinator.store.sites()[0].node_id
     finally:
         coordinator.stop()
+
+
+def test_a_mutual_tls_certificate_authenticates_only_the_site_it_was_issued_to(tmp_path, pki):
+    """A valid certificate of st-marys with the token of another site is refused, and the refusal audited."""
+    coordinator = _coordinator(tmp_path, pki, mutual=True)
+    try:
+        _, token_marys = coordinator.store.add_site("st-marys")
+        _, token_other = coordinator.store.add_site("general")
+        site_cert, site_key = pki["site"]
+        credentials = grpc.ssl_channel_credentials(pki["ca"].read_bytes(), site_key.read_bytes(), site_cert.read_bytes())
+        assert _join(coordinator.port, token_marys, credentials) == "st-marys"
+        with pytest.raises(grpc.RpcError) as refused:
+            _join(coordinator.port, token_other, credentials)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "was not issued to site 'general'" in refused.value.details()
+        [event] = coordinator.store.audit_events("auth-failed")
+        assert "st-marys" in event.detail and "general" in event.detail
+    finally:
+        coordinator.stop()

@@ -1,0 +1,174 @@
+"""Per-site bounds on what one site can make the coordinator do: concurrent calls, idle streams, failed
+logins, and bytes uploaded that no reply references yet. One site's misbehaviour stays that site's problem:
+the health check and the other sites keep their threads, disk and bandwidth."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import grpc
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SiteLimits:
+    max_calls: int = 8
+    """Calls one site may have in flight at once (unary and streaming)."""
+    max_streams: int = 4
+    """Of those, chunk streams (uploads and downloads): each holds a handler thread while it lasts."""
+    stream_idle_s: float = 30.0
+    """A chunk stream that moves no chunk for this long is cancelled."""
+    max_model_bytes: int = 16 << 30
+    """Arrays a reply may carry when the message it answers carried none (the initial model)."""
+    max_auth_failures: int = 10
+    """Failed logins per client address within `auth_window_s`; beyond them the address is refused outright."""
+    auth_window_s: float = 60.0
+    handler_threads: int = 64
+
+
+class LimitExceeded(Exception):
+    """A per-site bound was reached; the call gets RESOURCE_EXHAUSTED with this reason."""
+
+
+class _Stream:
+    __slots__ = ("context", "last_active", "cancelled")
+
+    def __init__(self, context: grpc.ServicerContext) -> None:
+        self.context = context
+        self.last_active = time.monotonic()
+        self.cancelled = False
+
+    def touch(self) -> None:
+        self.last_active = time.monotonic()
+
+
+class CallGuard:
+    """Counts each site's calls in flight and cancels chunk streams that stay idle (a watchdog thread: a
+    synchronous gRPC handler blocked on a silent client cannot time itself out)."""
+
+    def __init__(self, limits: SiteLimits) -> None:
+        self.limits = limits
+        self._calls: dict[int, int] = defaultdict(int)
+        self._streams: dict[int, set[_Stream]] = defaultdict(set)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="stream-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @contextmanager
+    def call(self, node_id: int) -> Iterator[None]:
+        with self._lock:
+            if self._calls[node_id] >= self.limits.max_calls:
+                raise LimitExceeded(f"this site already has {self.limits.max_calls} calls in flight")
+            self._calls[node_id] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._calls[node_id] -= 1
+
+    @contextmanager
+    def stream(self, node_id: int, context: grpc.ServicerContext) -> Iterator[_Stream]:
+        """A chunk stream of this site; the caller touches it for every chunk that moves."""
+        stream = _Stream(context)
+        with self.call(node_id):
+            with self._lock:
+                if len(self._streams[node_id]) >= self.limits.max_streams:
+                    raise LimitExceeded(f"this site already has {self.limits.max_streams} chunk streams open")
+                self._streams[node_id].add(stream)
+            try:
+                yield stream
+            finally:
+                with self._lock:
+                    self._streams[node_id].discard(stream)
+
+    def _watch(self) -> None:
+        period = min(1.0, self.limits.stream_idle_s / 4)
+        while not self._stop.wait(period):
+            horizon = time.monotonic() - self.limits.stream_idle_s
+            with self._lock:
+                idle = [s for streams in self._streams.values() for s in streams if s.last_active < horizon]
+            for stream in idle:
+                stream.cancelled = True
+                stream.context.cancel()
+
+
+class AuthThrottle:
+    """Failed logins per client address in a sliding window; an address over the limit is refused before its
+    token is even looked up, so guessing tokens costs the coordinator (and its audit log) a bounded amount."""
+
+    def __init__(self, limits: SiteLimits) -> None:
+        self.limits = limits
+        self._failures: dict[str, deque[float]] = defaultdict(deque)
+        self._lock = threading.Lock()
+
+    def _recent(self, peer: str, now: float) -> deque[float]:
+        failures = self._failures[peer]
+        while failures and failures[0] < now - self.limits.auth_window_s:
+            failures.popleft()
+        return failures
+
+    def blocked_for(self, peer: str) -> float:
+        """Seconds until `peer` may try again; 0 when it may now."""
+        now = time.monotonic()
+        with self._lock:
+            failures = self._recent(peer, now)
+            if len(failures) < self.limits.max_auth_failures:
+                return 0.0
+            return failures[0] + self.limits.auth_window_s - now
+
+    def failed(self, peer: str) -> int:
+        """Record a failure; returns the failures in the window, this one included."""
+        now = time.monotonic()
+        with self._lock:
+            failures = self._recent(peer, now)
+            failures.append(now)
+            if len(self._failures) > 10_000:  # forget addresses with no recent failure
+                for stale in [p for p, f in self._failures.items() if not f or f[-1] < now - self.limits.auth_window_s]:
+                    del self._failures[stale]
+            return len(failures)
+
+
+class UploadLedger:
+    """Per site: the chunks it uploaded that no accepted reply references yet, and their bytes. The quota is
+    what the site's open messages allow it to answer with; chunks are freed when a push fails or the site has
+    nothing left to answer."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, dict[str, int]] = defaultdict(dict)
+        self._lock = threading.Lock()
+
+    def reserve(self, node_id: int, digest: str, nbytes: int, quota: int) -> None:
+        with self._lock:
+            pending = self._pending[node_id]
+            if digest in pending:
+                return
+            used = sum(pending.values())
+            if used + nbytes > quota:
+                raise LimitExceeded(
+                    f"upload quota exceeded: {used + nbytes} bytes would wait for a reply, and the messages this "
+                    f"site may answer allow {quota}"
+                )
+            pending[digest] = nbytes
+
+    def referenced(self, node_id: int, digests: set[str]) -> None:
+        with self._lock:
+            pending = self._pending[node_id]
+            for digest in digests & pending.keys():
+                del pending[digest]
+
+    def release(self, node_id: int) -> list[str]:
+        """Forget the site's unreferenced chunks; the caller deletes them."""
+        with self._lock:
+            return list(self._pending.pop(node_id, {}))
+
+    def pending_bytes(self, node_id: int) -> int:
+        with self._lock:
+            return sum(self._pending[node_id].values())

@@ -1,0 +1,125 @@
+"""What a site's reply may be, checked completely at the edge before it is accepted: everything accepted can be
+decoded and aggregated, so one site can never fail a round for the others.
+
+The reference is the message the coordinator stored for that site, never a field the site sends: the reply's
+type is the request's type; its arrays travel only through the manifest, each one a tensor the site was sent
+(same dtype and rank, no axis longer) or, in reply to a message that carried no arrays (the initial model), at
+most `SiteLimits.max_model_bytes`; its metrics are finite numbers with a positive weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from flwr.app import RecordDict
+
+from hydrafl.proto.coordinator_pb2 import Envelope
+from hydrafl.proto.envelope import CHUNK_BYTES, EnvelopeError, check_manifest, declared_nbytes, parse_content
+from hydrafl.updates import InvalidUpdate, check_metrics
+
+MAX_REASON_CHARS = 300
+"""An error reply's reason is cut to this length when stored."""
+
+
+def allowed_reply_bytes(sent: Envelope, max_model_bytes: int) -> int:
+    """The most array bytes a reply to `sent` may carry: what was sent, or, for a query that sent no arrays
+    (the initial model), the coordinator's model limit; evaluate replies carry none."""
+    kind = message_kind(sent.message_type)
+    if kind == "evaluate":
+        return 0
+    sent_bytes = declared_nbytes(sent)
+    if sent_bytes:
+        return sent_bytes
+    return max_model_bytes if kind == "query" else 0
+
+
+def message_kind(message_type: str) -> str:
+    """train, evaluate or query (Flower message types may carry an action: `query.init`)."""
+    return message_type.partition(".")[0]
+
+
+def check_reply(
+    reply: Envelope,
+    sent: Envelope,
+    *,
+    chunk_size: Callable[[str], int],
+    chunk_bytes: Callable[[str], bytes],
+    weighted_by_key: str,
+    max_model_bytes: int,
+) -> None:
+    """Raise EnvelopeError unless `reply` is a reply to `sent` that the round can decode and aggregate.
+    `chunk_size`/`chunk_bytes` read the replying site's own uploads (KeyError or OSError when absent)."""
+    if reply.error_code or reply.error_reason:
+        if reply.content or reply.arrays:
+            raise EnvelopeError("an error reply carries no content or arrays")
+        return
+    check_manifest(reply)
+    content = parse_content(reply)
+    _check_records(content, reply, sent.message_type, weighted_by_key)
+    _check_against_sent(reply, sent, max_model_bytes)
+    _check_chunks(reply, chunk_size, chunk_bytes)
+
+
+def _check_records(content: RecordDict, reply: Envelope, message_type: str, weighted_by_key: str) -> None:
+    """Only the records a reply of this type may hold: train one ArrayRecord and one MetricRecord, evaluate one
+    MetricRecord and no arrays, a query at most one ArrayRecord; ConfigRecords anywhere."""
+    arrays, metrics, kind = len(reply.arrays), content.metric_records, message_kind(message_type)
+    if kind == "train" and (arrays != 1 or len(metrics) != 1):
+        raise EnvelopeError(f"a train reply holds one ArrayRecord and one MetricRecord, not {arrays} and {len(metrics)}")
+    if kind == "evaluate" and (arrays or len(metrics) != 1):
+        raise EnvelopeError(f"an evaluate reply holds one MetricRecord and no arrays, not {len(metrics)} and {arrays}")
+    if kind == "query" and arrays > 1:
+        raise EnvelopeError(f"a query reply holds at most one ArrayRecord, not {arrays}")
+    try:
+        for record in metrics.values():
+            check_metrics(record, weighted_by_key if kind in ("train", "evaluate") else None)
+    except InvalidUpdate as error:
+        raise EnvelopeError(str(error)) from None
+
+
+def _check_against_sent(reply: Envelope, sent: Envelope, max_model_bytes: int) -> None:
+    """Each tensor is one the site was sent (dtype, rank, no longer along any axis: the whole tensor or the slice
+    a subnetwork trained; which slice is the strategy's check), and the reply is no larger than allowed."""
+    shapes = {t.name: (t.dtype, list(t.shape)) for record in sent.arrays for t in record.tensors}
+    for record in reply.arrays if shapes else ():
+        for tensor in record.tensors:
+            if tensor.name not in shapes:
+                raise EnvelopeError(f"array {tensor.name}: not a tensor this site was sent")
+            dtype, shape = shapes[tensor.name]
+            fits = len(tensor.shape) == len(shape) and all(0 <= n <= m for n, m in zip(tensor.shape, shape))
+            if tensor.dtype != dtype or not fits:
+                raise EnvelopeError(
+                    f"array {tensor.name}: shape {list(tensor.shape)} {tensor.dtype} does not fit in shape {shape} "
+                    f"{dtype} of the array sent"
+                )
+    limit = allowed_reply_bytes(sent, max_model_bytes)
+    total = declared_nbytes(reply)
+    if total > limit:  # e.g. one tensor listed in several records, or arrays where none may be
+        raise EnvelopeError(f"the reply declares {total} bytes of arrays; a reply to this message may carry {limit}")
+
+
+def _check_chunks(reply: Envelope, chunk_size: Callable[[str], int], chunk_bytes: Callable[[str], bytes]) -> None:
+    """Every chunk uploaded, sizes adding up, float values finite. Each distinct chunk is read once per dtype,
+    one at a time: the coordinator never holds a whole update to check it, and listing one chunk many times
+    costs nothing extra (chunks were verified against their hashes when stored)."""
+    sizes: dict[str, int] = {}
+    finite: set[tuple[str, str]] = set()
+    for record in reply.arrays:
+        for tensor in record.tensors:
+            where = f"array {record.key}/{tensor.name}"
+            dtype = np.dtype(tensor.dtype)
+            for digest in tensor.chunk_sha256:
+                if digest not in sizes:
+                    try:
+                        sizes[digest] = chunk_size(digest)
+                    except (KeyError, OSError):
+                        raise EnvelopeError(f"{where}: chunk {digest[:12]} was not uploaded") from None
+                if dtype.kind == "f" and (digest, tensor.dtype) not in finite:
+                    data = chunk_bytes(digest)
+                    if len(data) % dtype.itemsize or not np.isfinite(np.frombuffer(data, dtype=dtype)).all():
+                        raise EnvelopeError(f"{where} contains NaN or Inf (or a misaligned chunk)")
+                    finite.add((digest, tensor.dtype))
+            listed = [sizes[digest] for digest in tensor.chunk_sha256]
+            if sum(listed) != tensor.nbytes or any(size != CHUNK_BYTES for size in listed[:-1]):
+                raise EnvelopeError(f"{where}: chunks hold {sum(listed)} bytes, manifest says {tensor.nbytes}")

@@ -1,0 +1,61 @@
+"""Real coordinator and site processes for end-to-end tests: start them, wait for them."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hydrafl.config import RunConfig
+from hydrafl.server.store import Store
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_hydrafl(*args: str, env: dict, log: Path) -> subprocess.Popen:
+    with log.open("a") as handle:
+        return subprocess.Popen([sys.executable, "-m", "hydrafl", *args, "-v"], env=env, stdout=handle, stderr=handle)
+
+
+def wait_serving(address: str, timeout_s: float = 60, process: subprocess.Popen | None = None) -> None:
+    """Until the coordinator's health check says SERVING (or `process`, the coordinator, exits)."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline and (process is None or process.poll() is None):
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(service="hydrafl.proto.Coordinator"), timeout=1).status == 1:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.2)
+    raise TimeoutError(f"coordinator on {address} never reported SERVING" + (f" (exit {process.poll()})" if process else ""))
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.3)
+    raise TimeoutError(what)
+
+
+def enrol(tmp_path: Path, cfg: RunConfig) -> tuple[dict, str, Store, list[str], int, str]:
+    """A coordinator's database with `cfg.sites` sites and `cfg` queued: (env, db url, store, tokens, run id,
+    address to listen on)."""
+    env = {**os.environ, "HYDRAFL_HOME": str(tmp_path / "home")}
+    db = f"sqlite:///{tmp_path / 'coordinator.db'}"
+    store = Store(db)
+    tokens = [store.add_site(f"hospital-{i}")[1] for i in range(cfg.sites)]
+    run = store.create_run({k: v for k, v in cfg.to_flower().items() if k not in ("run-dir", "resume")})
+    return env, db, store, tokens, run.id, f"127.0.0.1:{free_port()}"

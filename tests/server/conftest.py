@@ -1,0 +1,24 @@
+"""The coordinator's database in both engines it supports: SQLite, and a real PostgreSQL server on loopback."""
+
+from __future__ import annotations
+
+import pytest
+from postgres_server import postgres_server
+from sqlalchemy import create_engine
+
+from hydrafl.server.store import Base
+
+
+@pytest.fixture(scope="module")
+def postgres_url():
+    with postgres_server() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'coordinator.db'}"
+    url = request.getfixturevalue("postgres_url")
+    Base.metadata.drop_all(create_engine(url))  # each test starts from an empty database
+    return url

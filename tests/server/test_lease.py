@@ -1,0 +1,212 @@
+"""One coordinator per database and per port: the database lease (fresh refused, stale taken over, racing
+acquisitions, heartbeat, loss), on SQLite and PostgreSQL, and real `hydrafl server` processes refused."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from deployment import free_port, wait_serving
+from sqlalchemy import create_engine
+
+from hydrafl.config import RunConfig
+from hydrafl.server.coordinator import Coordinator, LeaseLost
+from hydrafl.server.store import CoordinatorLease, LeaseClaim, LeaseHeld, Store, lease_age_s
+
+
+def _claim(holder: str, stale_s: float = 30.0, pid: int = 1) -> LeaseClaim:
+    return LeaseClaim(holder=holder, host="ward-7", pid=pid, listen=f"10.0.0.{pid}:9091", stale_s=stale_s)
+
+
+def test_a_fresh_lease_refuses_others_and_a_stale_one_is_taken_over_once(db_url):
+    store = Store(db_url)
+    assert store.acquire_lease(_claim("a" * 32, stale_s=0.5, pid=11)) is None
+    with pytest.raises(LeaseHeld, match=r"ward-7 pid 11, listening on 10\.0\.0\.11:9091, last heartbeat 0\.\d s ago"):
+        store.acquire_lease(_claim("b" * 32, pid=12))
+    time.sleep(0.6)
+    taken_from = store.acquire_lease(_claim("b" * 32, pid=12))
+    assert (taken_from.holder, taken_from.pid) == ("a" * 32, 11)
+    assert store.lease().holder == "b" * 32
+    [event] = store.audit_events("lease-taken-over")
+    assert "ward-7 pid 11, listening on 10.0.0.11:9091" in event.detail and "a" * 32 in event.detail
+    assert store.renew_lease("a" * 32) is False  # the old holder learns it lost the lease
+    assert store.renew_lease("b" * 32) is True
+    store.release_lease("a" * 32)  # only the holder's own release counts
+    assert store.lease().holder == "b" * 32
+    store.release_lease("b" * 32)
+    assert store.lease() is None
+    assert store.acquire_lease(_claim("c" * 32)) is None  # released: free at once, nothing taken over
+    assert len(store.audit_events("lease-taken-over")) == 1
+
+
+@pytest.mark.parametrize("stale_before", [False, True], ids=["free", "stale"])
+def test_coordinators_racing_for_the_lease_exactly_one_wins(db_url, stale_before):
+    """Separate engines, as separate processes would have, released together by a barrier; five times over."""
+    setup = Store(db_url)
+    for attempt in range(5):
+        if (previous := setup.lease()) is not None:
+            setup.release_lease(previous.holder)
+        if stale_before:
+            setup.acquire_lease(_claim(f"{attempt:032d}", stale_s=0.05))
+            time.sleep(0.1)
+        stores = [Store(db_url) for _ in range(4)]
+        barrier = threading.Barrier(len(stores))
+        outcomes: dict[int, str] = {}
+
+        def contend(index: int) -> None:
+            barrier.wait()
+            try:
+                stores[index].acquire_lease(_claim(f"{index:x}" * 32, pid=index))
+                outcomes[index] = "won"
+            except LeaseHeld as error:
+                outcomes[index] = str(error)
+
+        threads = [threading.Thread(target=contend, args=(i,)) for i in range(len(stores))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert sorted(outcomes) == list(range(len(stores)))  # each one either won or was told who did
+        winners = [index for index, outcome in outcomes.items() if outcome == "won"]
+        assert len(winners) == 1, outcomes
+        assert setup.lease().pid == winners[0]
+        for index, outcome in outcomes.items():
+            if index != winners[0]:
+                assert f"pid {winners[0]}, listening on 10.0.0.{winners[0]}:9091" in outcome
+    assert len(setup.audit_events("lease-taken-over")) == (5 if stale_before else 0)
+
+
+def test_a_running_coordinator_heartbeats_and_releases_at_stop(db_url, tmp_path):
+    coordinator = Coordinator(
+        listen="127.0.0.1:0", db_url=db_url, blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs", lease_stale_s=0.6
+    )
+    coordinator.start()
+    try:
+        time.sleep(1.0)  # past the stale threshold: only the heartbeats (every 0.1 s) keep the lease fresh
+        other = Store(db_url)
+        assert lease_age_s(other.lease()) < 0.4
+        with pytest.raises(LeaseHeld, match=f"pid {os.getpid()}, listening on 127.0.0.1:0"):
+            other.acquire_lease(_claim("e" * 32))
+    finally:
+        coordinator.stop()
+    assert Store(db_url).lease() is None
+
+
+def test_a_coordinator_whose_lease_was_taken_over_stops_driving_runs_loudly(tmp_path, caplog):
+    db_url = f"sqlite:///{tmp_path / 'coordinator.db'}"
+    store = Store(db_url)
+    config = RunConfig(task="tabular", sites=2, rounds=1).to_flower()
+    run = store.create_run({k: v for k, v in config.items() if k not in ("run-dir", "resume")})
+    coordinator = Coordinator(
+        listen="127.0.0.1:0", db_url=db_url, blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs", lease_stale_s=0.6
+    )
+    coordinator.start()
+    raised: list[BaseException] = []
+    driver = threading.Thread(target=lambda: _record_error(coordinator.serve_forever, raised))
+    driver.start()
+    deadline = time.monotonic() + 30
+    while store.run(run.id).status != "running" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.run(run.id).status == "running"  # waiting for its two sites
+    with store.session() as session, session.begin():
+        session.get(CoordinatorLease, 1).holder = "f" * 32  # another coordinator took it while this one stalled
+    driver.join(timeout=10)
+    coordinator.stop()
+    assert not driver.is_alive() and len(raised) == 1 and isinstance(raised[0], LeaseLost)
+    assert any(r.levelno == logging.ERROR and "LEASE LOST" in r.getMessage() for r in caplog.records)
+    assert store.run(run.id).status == "running"  # left for the new holder to resume, not failed
+    assert [e.kind for e in store.audit_events() if e.run_id == run.id] == ["run-running"]
+    assert store.lease().holder == "f" * 32  # stopping did not release the other coordinator's lease
+
+
+def test_a_failing_heartbeat_is_logged_and_retried_without_giving_the_run_up(tmp_path, caplog):
+    db_url = f"sqlite:///{tmp_path / 'coordinator.db'}"
+    coordinator = Coordinator(
+        listen="127.0.0.1:0", db_url=db_url, blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs", lease_stale_s=0.6
+    )
+    coordinator.start()
+    CoordinatorLease.__table__.drop(create_engine(db_url))  # every renewal now fails in the database
+    time.sleep(0.5)
+    assert not coordinator.lease.lost.is_set()
+    coordinator.lease.check()  # still driving: a failed renewal is not a lost lease
+    coordinator.stop()
+    failures = [r for r in caplog.records if "coordinator lease heartbeat failed" in r.getMessage()]
+    assert len(failures) >= 2 and all(r.levelno == logging.WARNING for r in failures)
+    assert "no such table: coordinator_lease" in failures[0].getMessage()
+    assert any("could not release the coordinator lease" in r.getMessage() for r in caplog.records)
+
+
+def _record_error(function, errors: list[BaseException]) -> None:
+    try:
+        function()
+    except BaseException as error:  # noqa: BLE001  (the test inspects it)
+        errors.append(error)
+
+
+def _server(tmp_path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "HYDRAFL_HOME": str(tmp_path / "home")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "hydrafl", "server", "--blobs", str(tmp_path / "blobs"), *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def _error_line(stderr: str) -> str:
+    [line] = [line for line in stderr.splitlines() if line.startswith("error:")]
+    return line
+
+
+def test_a_second_server_on_the_same_database_or_the_same_port_refuses_to_start(tmp_path):
+    db_url = f"sqlite:///{tmp_path / 'coordinator.db'}"
+    address = f"127.0.0.1:{free_port()}"
+    first = Coordinator(listen=address, db_url=db_url, blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs")
+    first.start()
+    try:
+        other_db = f"sqlite:///{tmp_path / 'other.db'}"
+        same_db = _server(tmp_path, "--db", db_url, "--listen", f"127.0.0.1:{free_port()}")
+        same_port = _server(tmp_path, "--db", other_db, "--listen", address)
+        same_db_err, same_port_err = same_db.communicate(timeout=60)[1], same_port.communicate(timeout=60)[1]
+    finally:
+        first.stop()
+    assert (same_db.returncode, same_port.returncode) == (2, 2)
+    refusal = _error_line(same_db_err)
+    assert f"another coordinator holds this database: {socket.gethostname()} pid {os.getpid()}, " in refusal
+    assert f"listening on {address}, last heartbeat " in refusal
+    wait_s = int(re.search(r"Stop it, or wait (\d+) s if it died", refusal).group(1))
+    assert 20 <= wait_s <= 30
+    assert _error_line(same_port_err) == f"error: cannot listen on {address}: the address is in use (another coordinator?)"
+    assert Store(other_db).lease() is None  # refused before it touched its database's lease
+
+
+def test_after_kill_9_a_new_server_takes_the_stale_lease_over_and_sigterm_releases_it(tmp_path):
+    db_url = f"sqlite:///{tmp_path / 'coordinator.db'}"
+    address = f"127.0.0.1:{free_port()}"
+    first = _server(tmp_path, "--db", db_url, "--listen", address, "--lease-stale-s", "2")
+    wait_serving(address, process=first)
+    store = Store(db_url)
+    assert store.lease().pid == first.pid
+    first.send_signal(signal.SIGKILL)
+    first.communicate()
+    deadline = time.monotonic() + 10
+    while lease_age_s(store.lease()) <= 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    second = _server(tmp_path, "--db", db_url, "--listen", address, "--lease-stale-s", "2")
+    try:
+        wait_serving(address, process=second)
+        assert store.lease().pid == second.pid
+        [event] = store.audit_events("lease-taken-over")
+        assert f"pid {first.pid}, listening on {address}, last heartbeat" in event.detail
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=30) == 0
+    finally:
+        second.kill()
+        second.communicate()
+    assert store.lease() is None
