@@ -68,6 +68,7 @@ DEFAULT_TTL_S = 3600.0
 FIXED_REASONS: tuple[tuple[type[BaseException], str], ...] = (
     (DataError, "this site's data does not fit this run; see the site's log"),
     (MemoryError, "this site ran out of memory handling the message; see the site's log"),
+    (PermissionError, "the run names a local checkpoint this site does not allow (--model-dir); see the site's log"),
 )
 """What an error reply says about a local failure: the message of a local exception may name files, columns
 or values of the site's data, so only its type and a fixed sentence leave the site."""

@@ -458,6 +458,9 @@ def site(
     tier: Annotated[
         str, typer.Option(help="Resource tier this site declares: small, medium or large (wins over the run's site-tiers).")
     ] = "",
+    model_dir: Annotated[
+        Path | None, typer.Option(help="Folder of local checkpoints a run may name as its model (none otherwise).")
+    ] = None,
     client_app: Annotated[str, typer.Option("--app", help="ClientApp to run, as module:attribute.")] = "hydrafl.apps:client_app",
     tls_ca: Annotated[Path | None, typer.Option(help="CA that signed the coordinator's certificate (PEM); enables TLS.")] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="This site's certificate (PEM), for mutual TLS.")] = None,
@@ -492,6 +495,8 @@ def site(
         node_config["tier"] = tier
     if bf16:
         node_config["bf16"] = True
+    if model_dir is not None:
+        node_config["model-dir"] = str(model_dir)
     if data is None:
         console.print("no --data: joining with a synthetic demo cohort of the run's task")
     if (tls_cert is None) != (tls_key is None) or (tls_cert and tls_ca is None):

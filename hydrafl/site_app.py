@@ -20,6 +20,7 @@ import logging
 from collections.abc import Mapping
 from contextlib import nullcontext
 from functools import lru_cache, partial
+from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -198,7 +199,23 @@ def _received_config(message: Message) -> ConfigRecord:
 def _run_config(message: Message, context: Context) -> RunConfig:
     """The run's settings: the site's own run_config, overridden by what the coordinator sent with the
     message (so runtimes that cannot set a site's run_config, like Flower's Ray engine, still work)."""
-    return RunConfig.from_flower({**context.run_config, **_received_config(message)})
+    cfg = RunConfig.from_flower({**context.run_config, **_received_config(message)})
+    check_checkpoint_paths(cfg, context.node_config)
+    return cfg
+
+
+def check_checkpoint_paths(cfg: RunConfig, node_config: Mapping) -> None:
+    """A deployed site (one with `data-path` or `demo-site`, set by `hydrafl site`) loads a checkpoint directory
+    the run names only from inside the directory its operator allowed (`hydrafl site --model-dir`): the
+    coordinator chooses which model, never which local files a site reads (and sends back as `query.init`)."""
+    if "data-path" not in node_config and "demo-site" not in node_config:
+        return  # a simulated site: the run config is the researcher's own
+    allowed = node_config.get("model-dir")
+    for key, value, built_in in (("model", cfg.model, ("tiny", MINILM)), ("distill-teacher", cfg.distill_teacher, ("", "init"))):
+        if value in built_in:
+            continue
+        if not allowed or not Path(value).resolve().is_relative_to(Path(str(allowed)).resolve()):
+            raise PermissionError(f"the run's {key} names a local directory outside this site's --model-dir")
 
 
 @client_app.train()

@@ -1,0 +1,25 @@
+"""A deployed site loads a checkpoint the run names only from inside its operator's --model-dir."""
+
+from __future__ import annotations
+
+import pytest
+
+from hydrafl.config import RunConfig
+from hydrafl.site_app import check_checkpoint_paths
+
+
+def test_a_run_cannot_make_a_deployed_site_read_a_directory_of_its_choosing(tmp_path):
+    allowed, elsewhere = tmp_path / "models", tmp_path / "private"
+    (allowed / "bert").mkdir(parents=True)
+    elsewhere.mkdir()
+    for node in ({"demo-site": 0}, {"data-path": "visits.csv"}):
+        check_checkpoint_paths(RunConfig(task="clinical-notes-lm", distill_teacher="init"), node)  # built-ins: nothing needed
+        with pytest.raises(PermissionError, match="outside this site's --model-dir"):
+            check_checkpoint_paths(RunConfig(model=str(allowed / "bert")), node)
+        check_checkpoint_paths(RunConfig(model=str(allowed / "bert")), {**node, "model-dir": str(allowed)})
+        for escape in (str(elsewhere), str(allowed / ".." / "private")):
+            with pytest.raises(PermissionError):
+                check_checkpoint_paths(RunConfig(model=escape), {**node, "model-dir": str(allowed)})
+        with pytest.raises(PermissionError, match="distill-teacher"):
+            check_checkpoint_paths(RunConfig(task="clinical-notes-lm", distill_teacher=str(elsewhere)), node)
+    check_checkpoint_paths(RunConfig(model=str(elsewhere)), {"partition-id": 0})  # simulation: the researcher's own
