@@ -67,7 +67,9 @@ from hydrafl.proto.envelope import CHUNK_BYTES, join_message, sha256, sha256_all
 from hydrafl.server.blobs import WRITERS  # noqa: E402
 from hydrafl.server.blobs import BlobStore  # noqa: E402
 from hydrafl.server.grid import CoordinatorGrid  # noqa: E402
-from hydrafl.server.service import CoordinatorService  # noqa: E402
+from hydrafl.server.limits import SiteLimits  # noqa: E402
+from hydrafl.server.replies import check_reply  # noqa: E402
+from hydrafl.server.service import WEIGHT_KEY, CoordinatorService  # noqa: E402
 from hydrafl.server.store import Store  # noqa: E402
 
 NAME = "wire"
@@ -117,11 +119,16 @@ def reply_to(request: Message, arrays: list[np.ndarray]) -> Message:
     return reply
 
 
+UPLOAD_REQUEST = "query.upload"
+"""The benchmark's requests carry no arrays (only the upload is measured); the coordinator lets a reply to such a
+query carry up to its model limit, where a train reply may carry no more than the arrays it was sent."""
+
+
 def send_request(grid: CoordinatorGrid, node_id: int, server_round: int) -> str:
-    """The coordinator's side: address a train message to the site (what the round driver does). A site gets
-    one message per round and type, so every request is a round of its own."""
+    """The coordinator's side: address a message to the site that its update answers. A site gets one message
+    per round and type, so every request is a round of its own."""
     config = ConfigRecord({"server-round": server_round})
-    request = Message(RecordDict({"config": config}), dst_node_id=node_id, message_type="train")
+    request = Message(RecordDict({"config": config}), dst_node_id=node_id, message_type=UPLOAD_REQUEST)
     request.metadata.group_id = str(server_round)
     [message_id] = grid.push_messages([request])
     return message_id
@@ -290,7 +297,7 @@ def components(scale: Scale, workdir: Path) -> dict[str, Any]:
     """The pieces of hydrafl's path, timed alone on one update's chunks (median of `component_reps`)."""
     arrays = make_update(scale.update_bytes, seed=2)
     claim_server_identity(1)
-    request = Message(RecordDict(), dst_node_id=1, message_type="train")
+    request = Message(RecordDict(), dst_node_id=1, message_type=UPLOAD_REQUEST)
     envelope, chunks = split_message(reply_to(request, arrays), 1)
     del arrays
     seconds: dict[str, list[float]] = {}
@@ -310,7 +317,8 @@ def components(scale: Scale, workdir: Path) -> dict[str, Any]:
     sent, _ = split_message(request, 1)
 
     def push_reply_work(blobs: BlobStore) -> None:  # CoordinatorService.PushReply between its two SQLite calls
-        CoordinatorService(store, blobs).check_reply(envelope, sent=sent)
+        check_reply(envelope, sent, chunk_size=blobs.size, chunk_bytes=blobs.get, weighted_by_key=WEIGHT_KEY,
+                    max_model_bytes=SiteLimits().max_model_bytes)
 
     store = Store(f"sqlite:///{workdir / 'components.db'}")
     site, token = store.add_site("site")
@@ -503,7 +511,7 @@ def print_tables(summary: dict[str, Any]) -> None:
         ("  durable floor", median["durable_floor_s"],
          f"write + fsync only, {WRITERS} threads: raw/floor = {tput['median_s']['raw'] / median['durable_floor_s']:.2f}"),
         ("  PushReply work", median["push_reply_work_s"],
-         f"CoordinatorService.check_reply, no RPC; holds {parts['push_reply_peak_updates']:.1f} updates"),
+         f"server.replies.check_reply, no RPC; holds {parts['push_reply_peak_updates']:.1f} updates"),
         ("  SQLite per push", median["sqlite_per_push_s"], "3 authenticates, outbound, run, add_reply, audit"),
     ]
     for step, seconds, what in rows:
