@@ -41,9 +41,11 @@ from hydrafl.data import DataError
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
 from hydrafl.proto.envelope import (
-    CHUNK_BYTES,
+    MAX_REASON_CHARS,
     EnvelopeError,
     check_manifest,
+    chunk_sizes,
+    declared_nbytes,
     join_message,
     sha256,
     split_message,
@@ -61,7 +63,6 @@ MIN_IDLE_POLL_S = 0.05
 MAX_IDLE_POLL_S = 2.0
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 REFUSED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
-MAX_REASON_CHARS = 300
 MAX_RUN_CONTEXTS = 4
 """Contexts kept for the most recent runs; a coordinator runs one at a time, so older ones are finished."""
 DEFAULT_TTL_S = 3600.0
@@ -234,7 +235,8 @@ class SiteAgent:
 
     def _receive(self, stub: CoordinatorStub, envelope: pb.Envelope) -> Message:
         """The message rebuilt from exactly the chunks its manifest lists, once its arrays are known to fit."""
-        declared = declared_bytes(envelope)
+        check_manifest(envelope)  # every dtype, shape and size consistent, no hostile product: nothing allocated yet
+        declared = declared_nbytes(envelope)
         if declared > self.max_download_bytes:
             raise MessageRefused(
                 f"message declares {_size(declared)} of arrays; this site accepts at most "
@@ -277,26 +279,6 @@ class SiteAgent:
         started = time.perf_counter()
         stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=self.metadata)
         log.info("pushed reply to %s in %.3f s", envelope.reply_to_message_id[:8], time.perf_counter() - started)
-
-
-def declared_bytes(envelope: pb.Envelope) -> int:
-    """The bytes a message's arrays declare, once `check_manifest` found every dtype, shape (no negative or
-    astronomical dimension, so no hostile product) and size consistent: nothing is allocated before."""
-    check_manifest(envelope)
-    return sum(tensor.nbytes for record in envelope.arrays for tensor in record.tensors)
-
-
-def chunk_sizes(envelope: pb.Envelope) -> dict[str, int]:
-    """Each listed chunk (in order, once) and the size it must have: CHUNK_BYTES, or the rest of its tensor
-    for a tensor's last chunk."""
-    sizes: dict[str, int] = {}
-    for record in envelope.arrays:
-        for tensor in record.tensors:
-            for index, digest in enumerate(tensor.chunk_sha256):
-                size = min(CHUNK_BYTES, tensor.nbytes - index * CHUNK_BYTES)
-                if sizes.setdefault(digest, size) != size:
-                    raise MessageRefused(f"chunk {digest[:12]} is listed with two different sizes")
-    return sizes
 
 
 def parse_run_config(raw: bytes) -> dict[str, str | int | float | bool]:

@@ -28,6 +28,8 @@ CHUNK_BYTES = 1 << 20
 MAX_DIMENSION = 1 << 40
 """No real tensor axis is longer; a larger one is a hostile manifest (even on a zero-size tensor)."""
 MAX_RANK = 8
+MAX_REASON_CHARS = 300
+"""An error reply's reason is cut to this length (by the site that sends it and the coordinator that stores it)."""
 ALLOWED_DTYPES = frozenset({"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"})
 
 
@@ -125,6 +127,20 @@ def is_digest(text: str) -> bool:
 def declared_nbytes(envelope: Envelope) -> int:
     """Bytes of every array the manifest declares (repeated chunks counted each time they are listed)."""
     return sum(tensor.nbytes for record in envelope.arrays for tensor in record.tensors)
+
+
+def chunk_sizes(envelope: Envelope) -> dict[str, int]:
+    """Each listed chunk (in order, once) and the size it must have: CHUNK_BYTES, or the rest of its tensor for
+    a tensor's last chunk. Whoever receives chunks holds each to this size, so what moves never exceeds what the
+    manifest declares."""
+    sizes: dict[str, int] = {}
+    for record in envelope.arrays:
+        for tensor in record.tensors:
+            for index, digest in enumerate(tensor.chunk_sha256):
+                size = min(CHUNK_BYTES, tensor.nbytes - index * CHUNK_BYTES)
+                if sizes.setdefault(digest, size) != size:
+                    raise EnvelopeError(f"chunk {digest[:12]} is listed with two different sizes")
+    return sizes
 
 
 def parse_content(envelope: Envelope) -> RecordDict:

@@ -44,11 +44,6 @@ class BlobStore:
                 self._uploads[node_id] = BlobStore(self.root / "sites" / str(int(node_id)), writers=self._writers)
             return self._uploads[node_id]
 
-    def upload_sites(self) -> list[int]:
-        """Node ids that have an upload namespace on disk."""
-        folder = self.root / "sites"
-        return sorted(int(entry.name) for entry in folder.iterdir() if entry.name.isdigit()) if folder.is_dir() else []
-
     def _path(self, digest: str) -> Path:
         if not is_digest(digest):
             raise EnvelopeError(f"{digest[:80]!r} is not a SHA-256 hex digest")

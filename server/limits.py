@@ -35,12 +35,11 @@ class LimitExceeded(Exception):
 
 
 class _Stream:
-    __slots__ = ("context", "last_active", "cancelled")
+    __slots__ = ("context", "last_active")
 
     def __init__(self, context: grpc.ServicerContext) -> None:
         self.context = context
         self.last_active = time.monotonic()
-        self.cancelled = False
 
     def touch(self) -> None:
         self.last_active = time.monotonic()
@@ -96,7 +95,6 @@ class CallGuard:
             with self._lock:
                 idle = [s for streams in self._streams.values() for s in streams if s.last_active < horizon]
             for stream in idle:
-                stream.cancelled = True
                 stream.context.cancel()
 
 

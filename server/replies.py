@@ -15,12 +15,8 @@ import numpy as np
 from flwr.app import RecordDict
 
 from hydrafl.proto.coordinator_pb2 import Envelope
-from hydrafl.proto.envelope import CHUNK_BYTES, EnvelopeError, check_manifest, declared_nbytes, parse_content
+from hydrafl.proto.envelope import EnvelopeError, check_manifest, chunk_sizes, declared_nbytes, parse_content
 from hydrafl.updates import InvalidUpdate, check_metrics
-
-MAX_REASON_CHARS = 300
-"""An error reply's reason is cut to this length when stored."""
-
 
 def allowed_reply_bytes(sent: Envelope, max_model_bytes: int) -> int:
     """The most array bytes a reply to `sent` may carry: what was sent, or, for a query that sent no arrays
@@ -100,26 +96,22 @@ def _check_against_sent(reply: Envelope, sent: Envelope, max_model_bytes: int) -
 
 
 def _check_chunks(reply: Envelope, chunk_size: Callable[[str], int], chunk_bytes: Callable[[str], bytes]) -> None:
-    """Every chunk uploaded, sizes adding up, float values finite. Each distinct chunk is read once per dtype,
-    one at a time: the coordinator never holds a whole update to check it, and listing one chunk many times
-    costs nothing extra (chunks were verified against their hashes when stored)."""
-    sizes: dict[str, int] = {}
+    """Every chunk uploaded with the size the manifest gives it, float values finite. Each distinct chunk is
+    read once per dtype, one at a time: the coordinator never holds a whole update to check it, and listing one
+    chunk many times costs nothing extra (chunks were verified against their hashes when stored)."""
+    for digest, size in chunk_sizes(reply).items():
+        try:
+            stored = chunk_size(digest)
+        except (KeyError, OSError):
+            raise EnvelopeError(f"chunk {digest[:12]} was not uploaded") from None
+        if stored != size:
+            raise EnvelopeError(f"chunk {digest[:12]} holds {stored} bytes; its manifest makes it {size}")
     finite: set[tuple[str, str]] = set()
     for record in reply.arrays:
         for tensor in record.tensors:
-            where = f"array {record.key}/{tensor.name}"
             dtype = np.dtype(tensor.dtype)
-            for digest in tensor.chunk_sha256:
-                if digest not in sizes:
-                    try:
-                        sizes[digest] = chunk_size(digest)
-                    except (KeyError, OSError):
-                        raise EnvelopeError(f"{where}: chunk {digest[:12]} was not uploaded") from None
-                if dtype.kind == "f" and (digest, tensor.dtype) not in finite:
-                    data = chunk_bytes(digest)
-                    if len(data) % dtype.itemsize or not np.isfinite(np.frombuffer(data, dtype=dtype)).all():
-                        raise EnvelopeError(f"{where} contains NaN or Inf (or a misaligned chunk)")
+            for digest in tensor.chunk_sha256 if dtype.kind == "f" else ():
+                if (digest, tensor.dtype) not in finite:
+                    if not np.isfinite(np.frombuffer(chunk_bytes(digest), dtype=dtype)).all():
+                        raise EnvelopeError(f"array {record.key}/{tensor.name} contains NaN or Inf")
                     finite.add((digest, tensor.dtype))
-            listed = [sizes[digest] for digest in tensor.chunk_sha256]
-            if sum(listed) != tensor.nbytes or any(size != CHUNK_BYTES for size in listed[:-1]):
-                raise EnvelopeError(f"{where}: chunks hold {sum(listed)} bytes, manifest says {tensor.nbytes}")

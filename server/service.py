@@ -29,10 +29,10 @@ import numpy as np
 from google.protobuf.message import DecodeError, Message as ProtoMessage
 
 from hydrafl.proto import coordinator_pb2 as pb
-from hydrafl.proto.envelope import CHUNK_BYTES, EnvelopeError, chunk_hashes
+from hydrafl.proto.envelope import CHUNK_BYTES, MAX_REASON_CHARS, EnvelopeError, chunk_hashes
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.limits import AuthThrottle, CallGuard, LimitExceeded, SiteLimits, UploadLedger
-from hydrafl.server.replies import MAX_REASON_CHARS, allowed_reply_bytes, check_reply
+from hydrafl.server.replies import allowed_reply_bytes, check_reply
 from hydrafl.server.store import FIRST_NODE_ID, OutboundMessage, Site, Store
 
 log = logging.getLogger(__name__)
