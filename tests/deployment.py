@@ -50,12 +50,15 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:
     raise TimeoutError(what)
 
 
-def enrol(tmp_path: Path, cfg: RunConfig) -> tuple[dict, str, Store, list[str], int, str]:
-    """A coordinator's database with `cfg.sites` sites and `cfg` queued: (env, db url, store, tokens, run id,
-    address to listen on)."""
+def enrol(tmp_path: Path, cfg: RunConfig) -> tuple[dict, str, Store, list[str], str]:
+    """A coordinator's database with `cfg.sites` sites: (env, db url, store, tokens, address to listen on)."""
     env = {**os.environ, "HYDRAFL_HOME": str(tmp_path / "home")}
     db = f"sqlite:///{tmp_path / 'coordinator.db'}"
     store = Store(db)
     tokens = [store.add_site(f"hospital-{i}")[1] for i in range(cfg.sites)]
-    run = store.create_run({k: v for k, v in cfg.to_flower().items() if k not in ("run-dir", "resume")})
-    return env, db, store, tokens, run.id, f"127.0.0.1:{free_port()}"
+    return env, db, store, tokens, f"127.0.0.1:{free_port()}"
+
+
+def queue_run(store: Store, cfg: RunConfig) -> int:
+    """Queue `cfg` as the coordinator's next run; returns its id."""
+    return store.create_run({k: v for k, v in cfg.to_flower().items() if k not in ("run-dir", "resume")}).id

@@ -4,6 +4,7 @@ coordinator answered (one JSON line per attack). Run as a process: python tests/
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -132,5 +133,6 @@ class HostileAgent(SiteAgent):
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # "joined as ..." tells the test it is connected
     address, token, log_path = sys.argv[1:4]
     HostileAgent(address, token, client_app, {}, demo=True, log_path=Path(log_path)).run()

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from deployment import enrol, start_hydrafl, wait_serving, wait_until
+from deployment import enrol, queue_run, start_hydrafl, wait_serving, wait_until
 from hydrafl.config import RunConfig
 from hydrafl.server.store import Run as StoredRun
 from hydrafl.simulation.compare import run_strategy
@@ -18,7 +18,8 @@ RUN = RunConfig(task="tabular", sites=3, samples_per_site=60, rounds=3, local_st
 
 @pytest.fixture
 def deployment(tmp_path):
-    env, db, store, tokens, run_id, address = enrol(tmp_path, RUN)
+    env, db, store, tokens, address = enrol(tmp_path, RUN)
+    run_id = queue_run(store, RUN)
     server_args = ("server", "--listen", address, "--db", db, "--blobs", str(tmp_path / "blobs"))
     processes: list[subprocess.Popen] = []
 

@@ -13,7 +13,7 @@ import pytest
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from deployment import enrol, start_hydrafl, wait_serving, wait_until
+from deployment import enrol, queue_run, start_hydrafl, wait_serving, wait_until
 from hostile_site import EVALUATE_ATTACKS, TRAIN_ATTACKS
 from hydrafl import server_app, site_app
 from hydrafl.config import RunConfig
@@ -46,7 +46,7 @@ def _failing_third_site() -> ClientApp:
 
 @pytest.mark.slow
 def test_a_hostile_site_changes_nothing_but_its_own_share(tmp_path):
-    env, db, store, tokens, run_id, address = enrol(tmp_path, RUN)
+    env, db, store, tokens, address = enrol(tmp_path, RUN)
     attacks = tmp_path / "attacks.jsonl"
     processes = [start_hydrafl("server", "--listen", address, "--db", db, "--blobs", str(tmp_path / "blobs"),
                                env=env, log=tmp_path / "coordinator.log")]
@@ -63,6 +63,9 @@ def test_a_hostile_site_changes_nothing_but_its_own_share(tmp_path):
                 env=env, stdout=log, stderr=log,
             )
         processes.append(hostile)
+        logs = [tmp_path / f"site-{i}.log" for i in range(HOSTILE)] + [tmp_path / "hostile.log"]
+        wait_until(lambda: all("joined as" in log.read_text() for log in logs), 120, "a site did not join")
+        run_id = queue_run(store, RUN)  # with min-sites 2, a run queued earlier could start before the third joined
         wait_until(lambda: store.run(run_id).status in ("finished", "failed"), 200, "the run did not finish")
         finished = store.run(run_id)
         assert finished.status == "finished", finished.detail
