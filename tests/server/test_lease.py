@@ -55,7 +55,7 @@ def test_coordinators_racing_for_the_lease_exactly_one_wins(db_url, stale_before
         if (previous := setup.lease()) is not None:
             setup.release_lease(previous.holder)
         if stale_before:
-            setup.acquire_lease(_claim(f"{attempt:032d}", stale_s=0.05))
+            setup.acquire_lease(_claim(f"stale{attempt:027d}", stale_s=0.05))  # never a contender's holder id
             time.sleep(0.1)
         stores = [Store(db_url) for _ in range(4)]
         barrier = threading.Barrier(len(stores))
