@@ -1,0 +1,83 @@
+"""Fixed numbers: `hydrafl simulate` with the default strategies, and a tiered run of Hydra, the width baselines
+and the LoRA baselines, at fixed seeds. A refactoring must leave every loss, accuracy and final weight as it was.
+
+`python tests/test_regression.py` rewrites the baseline; do that only for a change meant to alter the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hydrafl.config import RunConfig, SimulationConfig
+from hydrafl.simulation.compare import compare_strategies
+
+BASELINE = Path(__file__).parent / "assets" / "regression.json"
+
+DEFAULT_RUN = RunConfig(task="tabular", sites=3, samples_per_site=60, rounds=3, local_steps=3, batch_size=16, lr=3e-3)
+TIERED_RUN = RunConfig(
+    task="tabular", sites=3, samples_per_site=60, rounds=2, local_steps=3, batch_size=16, lr=1e-2,
+    site_tiers="small,medium,large", lora_rank=4, score_samples=16, outer="nesterov", outer_lr=0.7,
+)
+TIERED_STRATEGIES = ("hydra", "heterofl", "fjord", "fedrolex", "fedit", "flora", "hetlora", "flexlora")
+CASES = {
+    "default": (DEFAULT_RUN, None),
+    "tiered": (TIERED_RUN, TIERED_STRATEGIES),
+}
+
+
+def numbers(case: str, out: Path) -> dict[str, Any]:
+    """Per strategy: each round's loss, accuracy, train loss and bytes, and per final array its sum and norm."""
+    run, strategies = CASES[case]
+    config = SimulationConfig(run=run, out=str(out), **({"strategies": strategies} if strategies else {}))
+    results = compare_strategies(config, show_progress=False)
+    from hydrafl.checkpoint import load_checkpoint
+
+    summary = {}
+    for strategy, result in results["strategies"].items():
+        arrays = load_checkpoint(out / strategy).arrays
+        summary[strategy] = {
+            "rounds": [
+                {key: record[key] for key in ("loss", "accuracy", "train_loss", "bytes_up", "bytes_down")}
+                for record in result["rounds"]
+            ],
+            "arrays": {
+                name: [float(array.numpy().astype("float64").sum()), float((array.numpy().astype("float64") ** 2).sum())]
+                for name, array in arrays.items()
+            },
+        }
+    return summary
+
+
+def _close(expected: Any, actual: Any, where: str) -> None:
+    if isinstance(expected, dict):
+        assert set(actual) == set(expected), f"{where}: keys {sorted(actual)} != {sorted(expected)}"
+        for key in expected:
+            _close(expected[key], actual[key], f"{where}.{key}")
+    elif isinstance(expected, list):
+        assert len(actual) == len(expected), f"{where}: {len(actual)} entries, expected {len(expected)}"
+        for i, (e, a) in enumerate(zip(expected, actual)):
+            _close(e, a, f"{where}[{i}]")
+    elif isinstance(expected, float):
+        assert math.isclose(actual, expected, rel_tol=1e-5, abs_tol=1e-7), f"{where}: {actual} != {expected}"
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_numbers_are_unchanged(case, tmp_path):
+    expected = json.loads(BASELINE.read_text())[case]
+    _close(expected, numbers(case, tmp_path), case)
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        BASELINE.parent.mkdir(exist_ok=True)
+        BASELINE.write_text(json.dumps({case: numbers(case, Path(tmp) / case) for case in CASES}, indent=1) + "\n")
