@@ -22,6 +22,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore.task_identity import TaskIdentity
 
 from hydrafl.arrays import to_record
+from hydrafl.protocol import WEIGHT
 from hydrafl.strategies.accumulator import WeightedDeltaAccumulator
 
 ARRAYS_PER_MODEL = 10
@@ -45,7 +46,7 @@ def make_reply(site: int, params: int) -> Message:
     arrays = ArrayRecord(
         {f"layer{i}": Array(rng.standard_normal(size, dtype=np.float32)) for i in range(ARRAYS_PER_MODEL)}
     )
-    content = RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": num_examples(site)})})
+    content = RecordDict({"arrays": arrays, "metrics": MetricRecord({WEIGHT: num_examples(site)})})
     return Message(content, reply_to=request)
 
 

@@ -41,11 +41,11 @@ def _raw_put(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
 
 
 def _serve_raw() -> grpc.Server:
-    from hydrafl.server.service import GRPC_OPTIONS
+    from hydrafl.server.service import SERVER_OPTIONS
 
     service, method = RAW_METHOD.strip("/").split("/")
     handler = grpc.method_handlers_generic_handler(service, {method: grpc.stream_unary_rpc_method_handler(_raw_put)})
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=SERVER_WORKERS), options=GRPC_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=SERVER_WORKERS), options=SERVER_OPTIONS)
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
@@ -67,9 +67,11 @@ def main() -> None:
         sys.stdin.read()
         server.stop(grace=1).wait()
         return
+    from hydrafl.server.config import CoordinatorConfig
     from hydrafl.server.coordinator import Coordinator
 
-    coordinator = Coordinator(listen="127.0.0.1:0", db_url=args.db, blob_dir=args.blobs, runs_dir=args.runs)
+    config = CoordinatorConfig(listen="127.0.0.1:0", db_url=args.db, blob_dir=args.blobs, runs_dir=args.runs)
+    coordinator = Coordinator(config)
     coordinator.start()
     if args.serve:
         threading.Thread(target=coordinator.serve_forever, name="serve_forever", daemon=True).start()
@@ -179,3 +181,28 @@ class ServerProcess:
 
 if __name__ == "__main__":
     main()
+
+
+def durable_writes(chunks: dict[str, memoryview], folder: Path) -> None:
+    """Write and fsync every chunk on the blob store's pool size of threads, nothing else: the disk's part."""
+    folder.mkdir()
+
+    def write(item: tuple[int, memoryview]) -> None:
+        descriptor = os.open(folder / str(item[0]), os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.write(descriptor, item[1])
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+    from hydrafl.server.blobs import WRITERS
+
+    with futures.ThreadPoolExecutor(WRITERS) as pool:
+        list(pool.map(write, enumerate(chunks.values())))
+
+
+def filesystem(path: Path) -> str:
+    """The filesystem holding the blobs (fsync costs depend on it)."""
+    mounts = [part for part in psutil.disk_partitions(all=True) if str(path.resolve()).startswith(part.mountpoint)]
+    best = max(mounts, key=lambda part: len(part.mountpoint))
+    return f"{best.fstype} on {best.device} ({best.mountpoint})"

@@ -13,7 +13,7 @@ Each aggregator runs alone in a fresh process (`_aggregation_worker`) that repor
 process that only imports and builds one reply is subtracted, so "extra" is what aggregating costs beyond
 the one model-sized reply any aggregator must hold, in multiples of one model.
 
-Goals (from the issue): throughput ratio >= 3x; hydrafl's extra memory flat in the number of sites and under
+Goals: throughput ratio >= 3x; hydrafl's extra memory flat in the number of sites and under
 3 models, while Flower's grows.
 """
 

@@ -17,7 +17,7 @@ Groups, each on the coordinates its methods share:
 
 Reported per method: final accuracy (mean and standard deviation over seeds), bytes per round (up + down, all
 sites), per-tier trainable parameters (as the strategy assigned them) and per-tier peak training memory (as the
-sites measured it, `hydrafl.footprint`). Goals (from the issue): Hydra at or above the best heterogeneous
+sites measured it, `hydrafl.footprint`). Goals: Hydra at or above the best heterogeneous
 baseline of its group; Hydra over LoRA at >= 10x fewer bytes per round than full-model FedAvg within 1 accuracy
 point of it (on MiniLM, where LoRA starts from pretrained features). Since the spread over seeds is about the
 size of the gaps between methods, Hydra's gap to the best baseline is also given paired by seed (mean and

@@ -10,7 +10,7 @@ worker are still counted. Summed RSS counts shared pages (libraries, Ray's share
 process that maps them, so the summed anonymous memory ("private": RSS minus file-backed and shared-memory
 pages) is reported too, as a lower bound.
 
-Goal (from the issue): in-process at least 3x faster and at most 1/3 of the memory of Ray.
+Goal: in-process at least 3x faster and at most 1/3 of the memory of Ray.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ one connection each, chunks split beforehand so that the uploads really overlap)
 multiples of one update. The kernel's high-water mark (VmHWM) is read too, and the RSS 1 s after the pushes
 (what the process kept).
 
-Goals (from the issue): throughput ratio hydrafl/raw >= 0.7; coordinator peak extra RSS < 3 updates.
+Goals: throughput ratio hydrafl/raw >= 0.7; coordinator peak extra RSS < 3 updates.
 """
 
 from __future__ import annotations
@@ -40,43 +40,34 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
-import matplotlib
+import grpc
+import numpy as np
+import psutil
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-matplotlib.use("Agg")
-import grpc  # noqa: E402
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from hydrafl.benchmarks._common import benchmark_parser
+from hydrafl.benchmarks._wire_server import RAW_METHOD, RssSampler, ServerProcess, durable_writes, filesystem
+from hydrafl.identity import claim_server_identity
+from hydrafl.proto import coordinator_pb2 as pb
+from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
+from hydrafl.proto.envelope import CHUNK_BYTES, join_message, sha256, sha256_all, split_message
+from hydrafl.protocol import GRPC_OPTIONS, WEIGHT
+from hydrafl.server.blobs import BlobStore
+from hydrafl.server.grid import CoordinatorGrid
+from hydrafl.server.limits import SiteLimits
+from hydrafl.server.replies import check_reply
+from hydrafl.server.service import CoordinatorService
+from hydrafl.server.store import Store
 
-from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
-from hydrafl.benchmarks._wire_server import RAW_METHOD, RssSampler, ServerProcess  # noqa: E402
-from hydrafl.client.agent import CHANNEL_OPTIONS  # noqa: E402
-from hydrafl.identity import claim_server_identity  # noqa: E402
-from hydrafl.proto import coordinator_pb2 as pb  # noqa: E402
-from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub  # noqa: E402
-from hydrafl.proto.envelope import CHUNK_BYTES, join_message, sha256, sha256_all, split_message  # noqa: E402
-from hydrafl.server.blobs import WRITERS  # noqa: E402
-from hydrafl.server.blobs import BlobStore  # noqa: E402
-from hydrafl.server.grid import CoordinatorGrid  # noqa: E402
-from hydrafl.server.limits import SiteLimits  # noqa: E402
-from hydrafl.server.replies import check_reply  # noqa: E402
-from hydrafl.server.service import WEIGHT_KEY, CoordinatorService  # noqa: E402
-from hydrafl.server.store import Store  # noqa: E402
+from hydrafl.benchmarks._wire_report import GIB, GOAL_EXTRA_UPDATES, GOAL_RATIO, plot, print_tables
 
 NAME = "wire"
 ARRAYS = 16
-GOAL_RATIO = 0.7
-GOAL_EXTRA_UPDATES = 3.0
-GIB = 1 << 30
 MB = 1e6  # decimal megabytes, as in "200 MB per site"
 PHASES = ("split_s", "has_s", "put_s", "push_s")
 MEMORY_ROUND, THROUGHPUT_ROUND = 1, 2  # the rounds the requests belong to (the throughput reps take 2, 3, ...)
@@ -114,7 +105,7 @@ def mark(arrays: list[np.ndarray], value: float) -> None:
 def reply_to(request: Message, arrays: list[np.ndarray]) -> Message:
     """The ClientApp's reply carrying `arrays`; building it is the app's work, so it happens before any clock."""
     record = ArrayRecord({f"w{i:02d}": Array(array) for i, array in enumerate(arrays)})
-    reply = Message(RecordDict({"arrays": record, "metrics": MetricRecord({"num-examples": 1})}), reply_to=request)
+    reply = Message(RecordDict({"arrays": record, "metrics": MetricRecord({WEIGHT: 1})}), reply_to=request)
     reply.metadata.__dict__["_message_id"] = f"bench-{request.metadata.message_id}"
     return reply
 
@@ -195,7 +186,7 @@ def coordinator_args(workdir: Path) -> tuple[str, ...]:
 
 def channel(address: str) -> grpc.Channel:
     """One connection per channel, as separate sites have (channels in one process share one by default)."""
-    return grpc.insecure_channel(address, options=[*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])
+    return grpc.insecure_channel(address, options=[*GRPC_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])
 
 
 # ---- throughput -----------------------------------------------------------------------------------------
@@ -277,22 +268,6 @@ def throughput(scale: Scale, federation: Federation, coordinator: ServerProcess,
     }
 
 
-def durable_writes(chunks: dict[str, memoryview], folder: Path) -> None:
-    """Write and fsync every chunk on the blob store's pool size of threads, nothing else: the disk's part."""
-    folder.mkdir()
-
-    def write(item: tuple[int, memoryview]) -> None:
-        descriptor = os.open(folder / str(item[0]), os.O_WRONLY | os.O_CREAT, 0o644)
-        try:
-            os.write(descriptor, item[1])
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
-
-    with ThreadPoolExecutor(WRITERS) as pool:
-        list(pool.map(write, enumerate(chunks.values())))
-
-
 def components(scale: Scale, workdir: Path) -> dict[str, Any]:
     """The pieces of hydrafl's path, timed alone on one update's chunks (median of `component_reps`)."""
     arrays = make_update(scale.update_bytes, seed=2)
@@ -317,7 +292,7 @@ def components(scale: Scale, workdir: Path) -> dict[str, Any]:
     sent, _ = split_message(request, 1)
 
     def push_reply_work(blobs: BlobStore) -> None:  # CoordinatorService.PushReply between its two SQLite calls
-        check_reply(envelope, sent, chunk_size=blobs.size, chunk_bytes=blobs.get, weighted_by_key=WEIGHT_KEY,
+        check_reply(envelope, sent, chunk_size=blobs.size, chunk_bytes=blobs.get, weighted_by_key=WEIGHT,
                     max_model_bytes=SiteLimits().max_model_bytes)
 
     store = Store(f"sqlite:///{workdir / 'components.db'}")
@@ -361,16 +336,6 @@ def components(scale: Scale, workdir: Path) -> dict[str, Any]:
         "push_reply_peak_updates": push_reply_peak / scale.update_bytes,
         "filesystem": filesystem(workdir),
     }
-
-
-def filesystem(path: Path) -> str:
-    """The filesystem holding the blobs (fsync costs depend on it)."""
-    mounts = [part for part in psutil.disk_partitions(all=True) if str(path.resolve()).startswith(part.mountpoint)]
-    best = max(mounts, key=lambda part: len(part.mountpoint))
-    return f"{best.fstype} on {best.device} ({best.mountpoint})"
-
-
-# ---- memory ---------------------------------------------------------------------------------------------
 
 
 def concurrent_memory(scale: Scale, federation: Federation, coordinator: ServerProcess) -> dict[str, Any]:
@@ -469,103 +434,6 @@ def max_overlap(windows: list[tuple[float, float]]) -> int:
 
 
 # ---- report ---------------------------------------------------------------------------------------------
-
-
-def print_tables(summary: dict[str, Any]) -> None:
-    tput, parts, mem = summary["throughput"], summary["components"], summary["memory"]
-    console = Console()
-    size = tput["update_bytes"] / GIB
-    table = Table(title=f"one {size:g} GiB update over loopback ({tput['chunks']} chunks), median of {tput['reps']}")
-    for column in ("path", "median s", "GiB/s", "runs s"):
-        table.add_column(column, justify="right")
-    for name in ("hydrafl", "raw"):
-        runs = " ".join(f"{run['seconds']:.2f}" for run in tput["runs"][name])
-        table.add_row(name, f"{tput['median_s'][name]:.2f}", f"{tput['gib_per_s'][name]:.3f}", runs)
-    console.print(table)
-    checks = tput["checks"]
-    console.print(
-        f"hydrafl/raw throughput {tput['ratio_hydrafl_over_raw']:.2f}: {verdict(tput['goal_met'])} (goal >= "
-        f"{GOAL_RATIO:g}); accepted and byte-exact: {verdict(checks['passed'], 'PASS', 'FAIL')}"
-    )
-    if summary.get("throughput_tmpfs"):
-        shm = summary["throughput_tmpfs"]
-        console.print(
-            f"with the coordinator's database and blobs on tmpfs: hydrafl {shm['gib_per_s']['hydrafl']:.3f} GiB/s, "
-            f"raw {shm['gib_per_s']['raw']:.3f} GiB/s, ratio {shm['ratio_hydrafl_over_raw']:.2f} "
-            f"({verdict(shm['goal_met'])}); accepted and byte-exact: {verdict(shm['checks']['passed'], 'PASS', 'FAIL')}"
-        )
-    table = Table(title=f"where hydrafl's time goes ({size:g} GiB; phases median, components timed alone)")
-    table.add_column("step")
-    table.add_column("seconds", justify="right")
-    table.add_column("what", justify="left")
-    phases, median = tput["hydrafl_phases_median_s"], parts["median_s"]
-    rows = [
-        ("split_message", phases["split_s"], "site: views of the bytes, SHA-256 of each chunk on a pool"),
-        ("HasChunks", phases["has_s"], "one call with every chunk hash"),
-        ("PutChunks", phases["put_s"], "stream; writer threads re-hash, write + fsync each blob"),
-        ("PushReply", phases["push_s"], "coordinator re-reads each chunk, checks finite, records"),
-        ("  sha256, 1 thread", median["sha256_s"], "one pass over the bytes (done 2x on the path)"),
-        ("  sha256, pool", median["sha256_pool_s"], "the same on split_message's thread pool"),
-        ("  blob put_stream", median["blob_put_s"], f"BlobStore.put_stream of every chunk ({parts['filesystem']})"),
-        ("  of which fsync", median["fsync_s"], "put_stream minus put_stream with fsync a no-op"),
-        ("  durable floor", median["durable_floor_s"],
-         f"write + fsync only, {WRITERS} threads: raw/floor = {tput['median_s']['raw'] / median['durable_floor_s']:.2f}"),
-        ("  PushReply work", median["push_reply_work_s"],
-         f"server.replies.check_reply, no RPC; holds {parts['push_reply_peak_updates']:.1f} updates"),
-        ("  SQLite per push", median["sqlite_per_push_s"], "3 authenticates, outbound, run, add_reply, audit"),
-    ]
-    for step, seconds, what in rows:
-        table.add_row(step, f"{seconds:.3f}", what)
-    console.print(table)
-    table = Table(title=f"coordinator RSS while {mem['sites']} sites push {mem['update_mb']:.0f} MB each at once")
-    for column in ("idle MB", "peak MB", "extra MB", "extra updates", "VmHWM MB", "1 s after MB",
-                   "PushReply at once", "wall s"):
-        table.add_column(column, justify="right")
-    table.add_row(
-        f"{mem['idle_mb']:.0f}", f"{mem['peak_mb']:.0f}", f"{mem['peak_extra_mb']:.0f}",
-        f"{mem['peak_extra_updates']:.2f}", f"{mem['vmhwm_mb']:.0f}", f"{mem['after_mb']:.0f}",
-        str(mem["max_concurrent"]["PushReply"]), f"{mem['wall_s']:.1f}",
-    )
-    console.print(table)
-    console.print(
-        f"peak extra {mem['peak_extra_updates']:.2f} updates: {verdict(mem['goal_met'])} (goal < "
-        f"{GOAL_EXTRA_UPDATES:g}); all accepted: {verdict(mem['checks']['passed'], 'PASS', 'FAIL')}"
-    )
-
-
-def plot(summary: dict[str, Any], path: Path) -> None:
-    tput, parts, mem = summary["throughput"], summary["components"], summary["memory"]
-    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.5))
-    left.bar([0, 1], [tput["gib_per_s"]["hydrafl"], tput["gib_per_s"]["raw"]], color=["tab:blue", "tab:gray"])
-    left.set_xticks([0, 1], ["hydrafl", "raw gRPC"])
-    left.set_ylabel("GiB/s (site side, loopback)")
-    left.set_title(f"hydrafl/raw = {tput['ratio_hydrafl_over_raw']:.2f} (goal >= {GOAL_RATIO:g})")
-    phases, median = tput["hydrafl_phases_median_s"], parts["median_s"]
-    names = ["split", "HasChunks", "PutChunks", "PushReply", "sha256", "blob puts", "fsync", "PushReply\nwork"]
-    values = [phases["split_s"], phases["has_s"], phases["put_s"], phases["push_s"], median["sha256_s"],
-              median["blob_put_s"], median["fsync_s"], median["push_reply_work_s"]]
-    middle.barh(names[::-1], values[::-1], color=["tab:orange"] * 4 + ["tab:blue"] * 4)
-    middle.axvline(tput["median_s"]["raw"], color="gray", linestyle=":", label="raw stream, whole update")
-    middle.set_xlabel("seconds")
-    middle.set_title(f"hydrafl phases (blue) and components (orange), {tput['update_bytes'] / GIB:g} GiB")
-    middle.legend()
-    trace = np.array(mem["rss_trace"])
-    right.plot(trace[:, 0], trace[:, 1], color="tab:blue", label="coordinator RSS")
-    for k, style in ((1, "--"), (GOAL_EXTRA_UPDATES, ":")):
-        level = mem["idle_mb"] + k * mem["update_mb"]
-        right.axhline(level, color="gray", linestyle=style, label=f"idle + {k:g} updates")
-    for start, end in mem["push_windows"]:
-        right.axvspan(start, end, color="tab:orange", alpha=0.08)
-    right.set_xlim(left=min(-1.0, trace[0, 0]))
-    right.set_xlabel("seconds since the pushes started (orange: PushReply calls)")
-    right.set_ylabel("MB")
-    right.set_title(
-        f"{mem['sites']} sites x {mem['update_mb']:.0f} MB: peak extra {mem['peak_extra_updates']:.1f} updates"
-    )
-    right.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def throughput_on_tmpfs(scale: Scale, raw: ServerProcess) -> dict[str, Any] | None:

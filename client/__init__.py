@@ -1,1 +1,1 @@
-"""Site agent: enrolment, connection, runs the ClientApp in-process (see issue 4)."""
+"""Site agent: enrolment, connection, runs the ClientApp in-process, site policy, TLS."""

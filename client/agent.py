@@ -25,8 +25,6 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 from flwr.app import Context, Error, Message, Metadata, RecordDict
@@ -37,6 +35,7 @@ from flwr.common.serde_utils import metadata_from_proto
 from flwr.proto.message_pb2 import Metadata as ProtoMetadata  # pylint: disable=no-name-in-module
 
 from hydrafl.client.policy import SitePolicy
+from hydrafl.client.tls import SiteTls
 from hydrafl.data import DataError
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
@@ -50,15 +49,10 @@ from hydrafl.proto.envelope import (
     sha256,
     split_message,
 )
+from hydrafl.protocol import GRPC_OPTIONS
 
 log = logging.getLogger(__name__)
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 8 << 20),
-    ("grpc.max_receive_message_length", 8 << 20),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-]
 MIN_IDLE_POLL_S = 0.05
 MAX_IDLE_POLL_S = 2.0
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -79,22 +73,6 @@ GENERIC_REASON = "this site failed to handle the message; see the site's log"
 def default_max_download_bytes() -> int:
     """Half this machine's physical memory: a message's arrays are held as chunks and once joined."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SiteTls:
-    """PEM files: the CA that signed the coordinator's certificate, and this site's own pair for mutual TLS."""
-
-    ca: Path
-    cert: Path | None = None
-    key: Path | None = None
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(
-            root_certificates=self.ca.read_bytes(),
-            private_key=self.key.read_bytes() if self.key else None,
-            certificate_chain=self.cert.read_bytes() if self.cert else None,
-        )
 
 
 class SiteRefused(RuntimeError):
@@ -154,8 +132,8 @@ class SiteAgent:
 
     def _channel(self) -> grpc.Channel:
         if self.tls is None:
-            return grpc.insecure_channel(self.coordinator, options=CHANNEL_OPTIONS)
-        return grpc.secure_channel(self.coordinator, self.tls.credentials(), options=CHANNEL_OPTIONS)
+            return grpc.insecure_channel(self.coordinator, options=GRPC_OPTIONS)
+        return grpc.secure_channel(self.coordinator, self.tls.credentials(), options=GRPC_OPTIONS)
 
     def _serve(self, stub: CoordinatorStub, stop: threading.Event) -> None:
         joined = stub.Join(pb.JoinRequest(), metadata=self.metadata)

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message
 
-from hydrafl.config import ConfigError, load_toml
+from hydrafl.configfile import load_toml
+from hydrafl.validation import ConfigError
 
 KEYS = {"allowed-runs", "allowed-strategies", "max-update-norm", "noise-multiplier"}
 

@@ -16,7 +16,7 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 if TYPE_CHECKING:
-    from hydrafl.hydranet import Slice
+    from hydrafl.subnet.slices import Slice
 
 
 def to_record(tensors: Mapping[str, torch.Tensor | np.ndarray]) -> ArrayRecord:

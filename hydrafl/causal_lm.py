@@ -1,4 +1,4 @@
-"""The causal LM behind next-token tasks: the Llama-style model of `model_zoo`, trained through the chunked
+"""The causal LM behind next-token tasks: the Llama-style model of `backbones`, trained through the chunked
 vocabulary loss kernel so that [B, T, V] logits never exist, in training or in evaluation.
 
 `CausalLM.forward(x)` returns the final hidden states; `forward(x, labels=y)` returns the mean next-token
@@ -8,13 +8,14 @@ given). The loss lives in `forward` because DistributedDataParallel only syncs g
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from hydrafl.backbones import LoraSpec, TinyShape, build_causal_lm, load_pretrained, with_lora
 from hydrafl.data import TaskSpec
 from hydrafl.data.notes_lm_cohort import IGNORE_INDEX
 from hydrafl.kernels.chunked_loss import (
@@ -24,15 +25,6 @@ from hydrafl.kernels.chunked_loss import (
     chunked_cross_entropy,
     chunked_kl_divergence,
 )
-from hydrafl.model_zoo import (
-    TinyLlamaShape,
-    build_causal_lm,
-    load_pretrained,
-    with_lora,
-)
-
-if TYPE_CHECKING:
-    from hydrafl.models import LoraSpec, TinyShape
 
 __all__ = ["CausalLM", "DistillationError", "build_lm", "build_teacher"]
 
@@ -143,15 +135,7 @@ def build_lm(task: TaskSpec, model: str, shape: TinyShape, seed: int, lora: Lora
     """The next-token task's model: "tiny" (the seeded Llama-style LM, vocabulary from the task's tokenizer)
     or a local causal-LM checkpoint; with `lora` only the LoRA factors train (the LM head stays frozen)."""
     if model == "tiny":
-        kv_heads = shape.heads // 2 if shape.heads % 2 == 0 else shape.heads
-        llama = TinyLlamaShape(
-            hidden=shape.hidden,
-            layers=shape.layers,
-            heads=shape.heads,
-            kv_heads=kv_heads,
-            intermediate=shape.intermediate,
-            max_positions=max(256, task.seq_len),
-        )
+        llama = replace(shape, max_positions=max(shape.max_positions, task.seq_len))
         net: nn.Module = build_causal_lm(task.vocab_size, shape=llama, seed=seed)
     elif Path(model).is_dir():
         net = load_pretrained(model)

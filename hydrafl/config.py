@@ -1,36 +1,39 @@
-"""Run configuration: one frozen dataclass per concern, validated once at the edge.
+"""Run configuration: the run-wide settings and the chosen strategy's own knobs, validated once at the edge.
 
 `RunConfig` is everything the ServerApp and ClientApp of one federated run need; it travels as Flower's
-flat `run_config` (str/int/float/bool only, so "" means "not set"). `SimulationConfig` adds what the
-`hydrafl simulate` runner needs to compare several strategies. TOML files use the CLI flag names.
+flat `run_config` (str/int/float/bool only, so "" means "not set"): the run-wide keys and the strategy's knobs
+side by side, every key kebab-case. The knobs belong to the strategy's `StrategyConfig` (`hydrafl.strategies`),
+so this module knows no strategy by name. `SimulationConfig` adds what `hydrafl simulate` needs to compare
+several strategies. TOML files use the CLI flag names. Nothing here imports torch, the cohorts or the kernels.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import tomllib
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hydrafl.data import NEXT_TOKEN_TASKS
-from hydrafl.kernels.optimizers import INNER_OPTIMIZERS
+from hydrafl.catalog import INNER_OPTIMIZERS, NEXT_TOKEN_TASKS, SITE_TIERS
+from hydrafl.strategies.registry import (
+    StrategyConfig,
+    UnknownStrategy,
+    config_class,
+    knob_names,
+    strategies_with,
+    strategy_names,
+)
+from hydrafl.field_docs import field_docs
+from hydrafl.validation import ConfigError
+from hydrafl.validation import check as _check
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("inprocess", "ray")
 DEFAULT_STRATEGIES = ("fedavg", "fedprox", "fedadam", "diloco")
-SITE_TIERS = ("small", "medium", "large")
-OUTER_OPTIMIZERS = ("none", "nesterov")
-LAYER_SCORES = ("fisher", "taylor")
-HYDRA_LORA = ("products", "factors")
-HEAD_MODES = ("freeze", "drop")
-HEAD_SCORES = ("taylor", "confidence")
-LORA_STRATEGIES = ("fedit", "flora", "hetlora", "flexlora")
 COMPARISON_LORA_RANK = 8
 """The rank a LoRA-only strategy runs at in a comparison whose run has no LoRA (`lora_rank` 0)."""
-
-
-class ConfigError(ValueError):
-    """A configuration value or key is invalid; the message names it and the valid choices."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,8 +50,11 @@ class RunConfig:
     partition: str = ""
     """natural (synthetic: one hospital per site), iid, dirichlet:ALPHA or pathological:K."""
     sites: int = 4
+    """Number of (simulated) hospital sites."""
     samples_per_site: int = 400
+    """Synthetic cohort size per site."""
     seed: int = 0
+    """Same seed, same numbers."""
     model: str = "tiny"
     """"tiny" (seeded from-scratch transformer), "minilm" (pretrained MiniLM-L6 encoder, text tasks; needs
     hydrafl[minilm]) or a local checkpoint directory."""
@@ -59,13 +65,12 @@ class RunConfig:
     """LoRA scaling numerator (the update is alpha / lora_rank * B A)."""
     lora_targets: str = ""
     """Comma-separated module-name suffixes LoRA adapts (e.g. query,value); "" = the q/k/v/o projections."""
-    hetlora_prune: float = 0.1
-    """HetLoRA rank self-pruning: the fraction of a site's rank dropped when its tail shrinks in training."""
-    hetlora_tail_penalty: float = 1e-3
-    """HetLoRA: lambda of the sites' local regulariser lambda * ||B_tail A_tail||_F on the rank components a
-    self-pruning step would drop (0 = none); their reported train loss includes it."""
     strategy: str = "fedavg"
+    """The strategy (`hydrafl strategies` lists them and their knobs); "" in a site's view of the run."""
+    options: StrategyConfig | None = None
+    """The strategy's knobs; None takes its defaults."""
     rounds: int = 15
+    """Federated rounds."""
     min_sites: int = 0
     """A round with fewer successful replies fails the run; 0 means every site must answer."""
     round_timeout_s: float = 0.0
@@ -73,25 +78,15 @@ class RunConfig:
     site_wait_s: float = 120.0
     """How long the run waits at start for `min_sites` sites to connect."""
     local_steps: int = 10
+    """Optimizer steps per site per round."""
     batch_size: int = 32
+    """Site batch size."""
     lr: float = 2e-3
     """Inner (site) learning rate."""
     inner_optimizer: str = "adamw"
+    """adamw, sgd, muon, or lm-dual (head-only Levenberg-Marquardt)."""
     weight_decay: float = 0.0
-    fedprox_mu: float = 0.01
-    """FedProx proximal term weight (sent to sites by FedProx itself as "proximal-mu")."""
-    server_lr: float = 0.03
-    """Server learning rate (eta) of FedAdam, FedYogi and FedAdagrad."""
-    server_momentum: float = 0.9
-    """FedAvgM server momentum."""
-    outer_lr: float = 0.7
-    """DiLoCo outer learning rate."""
-    outer_momentum: float = 0.9
-    outer_nesterov: bool = True
-    trimmed_beta: float = 0.2
-    """FedTrimmedAvg: fraction cut at each end."""
-    krum_malicious: int = 0
-    """Krum: number of sites assumed malicious."""
+    """Inner optimizer weight decay."""
     site_tiers: str = ""
     """Hydra: comma-separated resource tier (small, medium, large) per simulated site, in partition order,
     cycling when there are fewer than sites ("small,large" over 4 sites: small, large, small, large); a site's
@@ -102,30 +97,6 @@ class RunConfig:
     site_speeds: str = ""
     """Hydra: comma-separated relative speed per simulated site (1.0 = this machine; 0.25 = four times slower),
     used with `round_timeout_s` to size each Hydra-net so its local steps fit the round deadline."""
-    hydra_layers: float = 1.0
-    """Hydra: fraction of the layers an untiered site trains."""
-    hydra_heads: float = 1.0
-    """Hydra: fraction of the heads (KV groups) per trained layer an untiered site keeps."""
-    hydra_bypass: bool = False
-    """Hydra: a site skips the layers outside its Hydra-net (identity) instead of running them frozen: less
-    compute and memory, and it downloads only its Hydra-net; the sites then train a shallower network."""
-    hydra_head_mode: str = "freeze"
-    """Hydra: the heads outside a site's net are frozen (they run, untrained, so the site trains the global
-    model's own function; it downloads them too) or dropped (masked out of its forward pass). Freezing measured
-    better on every benchmark group (`benchmarks/heterogeneous.py`), at the same compute."""
-    hydra_lora: str = "products"
-    """Hydra over LoRA: average each module's product B A over the heads each site ran and factor it back to the
-    run's rank (products), or average A and B apart as FedIT does (factors; its cross terms are noise)."""
-    rescore_every: int = 0
-    """Hydra: sites recompute layer/head scores every this many rounds; 0 scores once, before round 1."""
-    layer_score: str = "fisher"
-    """Hydra layer importance at the sites: fisher or taylor."""
-    head_score: str = "taylor"
-    """Hydra head importance at the sites: taylor (gate gradient) or confidence."""
-    score_samples: int = 64
-    """Hydra: training samples a site scores on."""
-    outer: str = "none"
-    """Hydra outer optimizer over the masked mean delta: none (lr 1) or nesterov (`outer_lr`, `outer_momentum`)."""
     run_dir: str = ""
     """Where the run checkpoints every round; "" disables checkpoints."""
     resume: bool = False
@@ -144,7 +115,18 @@ class RunConfig:
     """Per round, the pseudo-gradient noise scale B_pg of the sites' deltas and (simulation) the cosine between
     the averaged delta and a full-data delta, which costs one extra training run per round."""
 
+
     def __post_init__(self) -> None:
+        if self.strategy:  # "" is a site's view of the run: which strategy runs is the coordinator's business
+            options_class = _options_class(self.strategy)
+            if self.options is None:
+                object.__setattr__(self, "options", options_class())
+            _check(
+                type(self.options) is options_class,
+                "strategy",
+                self.strategy,
+                f"a strategy whose knobs are {type(self.options).__name__} (got them for another strategy)",
+            )
         _check(self.sites >= 1, "sites", self.sites, "an integer >= 1")
         _check(self.rounds >= 1, "rounds", self.rounds, "an integer >= 1")
         _check(self.local_steps >= 1, "local-steps", self.local_steps, "an integer >= 1")
@@ -161,14 +143,12 @@ class RunConfig:
         )
         _check(
             self.inner_optimizer != "lm-dual"
-            or (self.task not in NEXT_TOKEN_TASKS and self.nproc == 1 and self.strategy != "fedprox"),
+            or (self.task not in NEXT_TOKEN_TASKS and self.nproc == 1 and not self._knob_class.site_proximal_term),
             "inner-optimizer",
             self.inner_optimizer,
-            "not lm-dual here: it steps a classifier's head in one process, without FedProx's proximal term "
-            "(a classification task, nproc 1)",
+            "not lm-dual here: it steps a classifier's head in one process, without a proximal term "
+            "(a classification task, nproc 1, not FedProx)",
         )
-        _check(0 <= self.outer_momentum < 1, "outer-momentum", self.outer_momentum, "0 <= mu < 1")
-        _check(0 <= self.trimmed_beta < 0.5, "trimmed-beta", self.trimmed_beta, "0 <= beta < 0.5")
         tiers = self.tier_list
         _check(
             all(t in SITE_TIERS for t in tiers) and len(tiers) <= self.sites,
@@ -183,15 +163,6 @@ class RunConfig:
                 getattr(self, key.replace("-", "_")),
                 f"at most {self.sites} comma-separated numbers (cycled over the sites; speeds > 0, memory >= 0), or empty",
             )
-        _check(0 < self.hydra_layers <= 1, "hydra-layers", self.hydra_layers, "a fraction in (0, 1]")
-        _check(0 < self.hydra_heads <= 1, "hydra-heads", self.hydra_heads, "a fraction in (0, 1]")
-        _check(self.rescore_every >= 0, "rescore-every", self.rescore_every, "an integer >= 0 (0 = score once)")
-        _check(self.hydra_head_mode in HEAD_MODES, "hydra-head-mode", self.hydra_head_mode, ", ".join(HEAD_MODES))
-        _check(self.hydra_lora in HYDRA_LORA, "hydra-lora", self.hydra_lora, ", ".join(HYDRA_LORA))
-        _check(self.layer_score in LAYER_SCORES, "layer-score", self.layer_score, ", ".join(LAYER_SCORES))
-        _check(self.head_score in HEAD_SCORES, "head-score", self.head_score, ", ".join(HEAD_SCORES))
-        _check(self.score_samples >= 1, "score-samples", self.score_samples, "an integer >= 1")
-        _check(self.outer in OUTER_OPTIMIZERS, "outer", self.outer, ", ".join(OUTER_OPTIMIZERS))
         _check(self.nproc >= 1, "nproc", self.nproc, "an integer >= 1")
         _check(
             self.batch_size % self.nproc == 0,
@@ -208,14 +179,42 @@ class RunConfig:
             f"empty unless the task is a synthetic next-token task ({', '.join(NEXT_TOKEN_TASKS)})",
         )
         _check(self.lora_alpha > 0, "lora-alpha", self.lora_alpha, "a float > 0")
-        _check(0 <= self.hetlora_prune < 1, "hetlora-prune", self.hetlora_prune, "a fraction in [0, 1)")
-        _check(self.hetlora_tail_penalty >= 0, "hetlora-tail-penalty", self.hetlora_tail_penalty, "a float >= 0")
         _check(
-            self.strategy not in LORA_STRATEGIES or self.lora_rank > 0,
+            not self._knob_class.federates_lora or self.lora_rank > 0,
             "lora-rank",
             self.lora_rank,
             f"an integer >= 1: strategy {self.strategy} federates LoRA adapters",
         )
+        if self.options is not None and (reason := self.options.check_run(self)):
+            raise ConfigError(f"invalid strategy={self.strategy!r} for this run: {reason}")
+
+    @classmethod
+    def build(cls, **values: Any) -> RunConfig:
+        """A run from flat snake_case keys: the run-wide ones and the strategy's knobs side by side. A key
+        that is neither is refused, naming it and the strategies that have such a knob."""
+        run, knobs = _split(values, str(values.get("strategy", "fedavg")), "arguments")
+        try:
+            options = config_class(run.get("strategy", "fedavg"))(**knobs)
+        except UnknownStrategy as error:
+            raise ConfigError(str(error)) from None
+        return cls(**run, options=options)
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A copy with some run-wide keys or knobs changed; a new strategy keeps the knobs it shares."""
+        flat = {**self.flat(), **changes}
+        if "strategy" in changes:
+            keep = set(knob_names(config_class(changes["strategy"]))) | set(changes)
+            flat = {key: value for key, value in flat.items() if key in _RUN_KEYS or key in keep}
+        return RunConfig.build(**flat)
+
+    def flat(self) -> dict[str, Any]:
+        """Run-wide keys and knobs in one snake_case mapping."""
+        run = {name: getattr(self, name) for name in _RUN_KEYS}
+        return {**run, **(dataclasses.asdict(self.options) if self.options is not None else {})}
+
+    @property
+    def _knob_class(self) -> type[StrategyConfig]:
+        return type(self.options) if self.options is not None else StrategyConfig
 
     @property
     def tier_list(self) -> tuple[str, ...]:
@@ -233,11 +232,6 @@ class RunConfig:
         return _numbers(self.site_speeds, "site-speeds")
 
     @property
-    def federates_lora_bases(self) -> bool:
-        """FLoRA merges every round's adapters into the frozen base weights, which therefore travel too."""
-        return self.strategy == "flora"
-
-    @property
     def lora_target_list(self) -> tuple[str, ...]:
         """`lora_targets` split (empty: the attention projections)."""
         return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
@@ -248,13 +242,43 @@ class RunConfig:
 
     def to_flower(self) -> dict[str, bool | int | float | str]:
         """Flower's `run_config` form (flat scalars, kebab-case keys)."""
-        return {f.name.replace("_", "-"): getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name.replace("_", "-"): value for name, value in self.flat().items()}
 
     @classmethod
-    def from_flower(cls, run_config: dict[str, Any]) -> RunConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
+    def from_flower(
+        cls, run_config: dict[str, Any], *, source: str = "the run config", other_knobs: bool = False
+    ) -> RunConfig:
+        """Inverse of `to_flower`; a key that is neither run-wide nor one of the strategy's knobs is refused.
+        With `other_knobs`, other strategies' knobs are dropped with a warning instead: a run stored by an
+        older hydrafl, which kept every strategy's knobs in every run, still starts."""
         values = {key.replace("-", "_"): value for key, value in run_config.items()}
-        return cls(**{name: value for name, value in values.items() if name in names})
+        strategy = str(values.get("strategy", "fedavg"))
+        if other_knobs:
+            own = set(knob_names(_options_class(strategy)))
+            dropped = sorted(k for k in values if k not in _RUN_KEYS and k not in own and strategies_with(k))
+            if dropped:
+                log.warning("%s: ignoring knobs of other strategies: %s", source, ", ".join(dropped))
+            values = {k: v for k, v in values.items() if k not in dropped}
+        run, knobs = _split(values, strategy, source)
+        options_class = _options_class(strategy)
+        knobs = {name: _coerce(options_class, name, name.replace("_", "-"), value, source) for name, value in knobs.items()}
+        return cls(**{name: _coerce(cls, name, name.replace("_", "-"), value, source) for name, value in run.items()},
+                   options=options_class(**knobs))
+
+    @staticmethod
+    def flower_defaults(strategy: str) -> dict[str, bool | int | float | str]:
+        """Each key's default for a run of `strategy`, in `to_flower` form (not a valid run by itself: a
+        LoRA-only strategy has no default rank)."""
+        run = {f.name: f.default for f in dataclasses.fields(RunConfig) if f.name != "options"}
+        knobs = {f.name: f.default for f in dataclasses.fields(_options_class(strategy))}
+        return {name.replace("_", "-"): value for name, value in {**run, "strategy": strategy, **knobs}.items()}
+
+    @classmethod
+    def site_view(cls, config: dict[str, Any]) -> RunConfig:
+        """The run as a site reads it from a message's config: the run-wide keys only. The message also
+        carries the strategy's knobs and the protocol's keys, which are the coordinator's business."""
+        values = {key.replace("-", "_"): value for key, value in config.items()}
+        return cls(**{name: values[name] for name in RUN_WIDE_KEYS if name in values}, strategy="")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -262,14 +286,26 @@ class SimulationConfig:
     """`hydrafl simulate`: the same federation run once per strategy."""
 
     run: RunConfig = field(default_factory=RunConfig)
+    """The run-wide settings; its strategy's knobs apply to every compared strategy that shares them."""
     strategies: tuple[str, ...] = DEFAULT_STRATEGIES
+    """Comma-separated strategy names."""
+    knobs: dict[str, Any] = field(default_factory=dict)
+    """Strategy knobs (snake_case); each applies to every compared strategy that has it."""
     backend: str = "inprocess"
+    """inprocess (default) or ray (needs hydrafl[ray])."""
     out: str = "hydrafl-runs/latest"
+    """Output directory."""
 
     def __post_init__(self) -> None:
         _check(len(self.strategies) >= 1, "strategies", self.strategies, "at least one strategy name")
         _check(self.backend in BACKENDS, "backend", self.backend, ", ".join(BACKENDS))
         _check(len(set(self.strategies)) == len(self.strategies), "strategies", self.strategies, "no repeats")
+        for strategy in self.strategies:
+            _options_class(strategy)
+        for knob in self.knobs:
+            owners = [s for s in self.strategies if knob in knob_names(config_class(s))]
+            if not owners:
+                raise ConfigError(_unknown_key(knob.replace("_", "-"), "options", self.strategies, simulation=True))
         for strategy in self.strategies:  # fail before the first strategy runs, not after it
             self.run_config(strategy)
 
@@ -277,14 +313,51 @@ class SimulationConfig:
         """The run of one strategy. A LoRA-only strategy compared in a run without LoRA (say flora next to
         hydra and fedavg on the full model) trains adapters of rank `COMPARISON_LORA_RANK`; every other
         strategy keeps the run as configured."""
-        lora_rank = COMPARISON_LORA_RANK if strategy in LORA_STRATEGIES and not self.run.lora_rank else self.run.lora_rank
+        options_class = config_class(strategy)
+        lora_rank = COMPARISON_LORA_RANK if options_class.federates_lora and not self.run.lora_rank else self.run.lora_rank
+        run_knobs = dataclasses.asdict(self.run.options)  # the run's own strategy's knobs, where they are shared
+        knobs = {name: value for name, value in {**run_knobs, **self.knobs}.items() if name in knob_names(options_class)}
         return dataclasses.replace(
-            self.run, strategy=strategy, run_dir=str(Path(self.out) / strategy), lora_rank=lora_rank
+            self.run, strategy=strategy, options=options_class(**knobs), run_dir=str(Path(self.out) / strategy),
+            lora_rank=lora_rank,
         )
 
 
 _SIMULATION_KEYS = {"strategies", "backend", "out"}
-_RUN_KEYS = {f.name for f in dataclasses.fields(RunConfig)} - {"strategy", "run_dir"}
+RUN_WIDE_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name not in ("options", "strategy"))
+"""RunConfig's keys that are the same whichever strategy runs (snake_case)."""
+_RUN_KEYS = (*RUN_WIDE_KEYS, "strategy")
+
+
+def _options_class(strategy: str) -> type[StrategyConfig]:
+    try:
+        return config_class(strategy)
+    except UnknownStrategy as error:
+        raise ConfigError(f"invalid strategy={strategy!r}: {error}") from None
+
+
+def _split(values: dict[str, Any], strategy: str, source: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Snake_case `values` as (run-wide keys, the strategy's knobs); anything else names the key."""
+    knobs_of_strategy = set(knob_names(_options_class(strategy)))
+    run, knobs = {}, {}
+    for name, value in values.items():
+        if name in _RUN_KEYS:
+            run[name] = value
+        elif name in knobs_of_strategy:
+            knobs[name] = value
+        else:
+            raise ConfigError(_unknown_key(name.replace("_", "-"), source, (strategy,)))
+    return run, knobs
+
+
+def _unknown_key(key: str, source: str, strategies: tuple[str, ...], *, simulation: bool = False) -> str:
+    owners = strategies_with(key.replace("-", "_"))
+    where = (
+        f"it is a knob of {', '.join(owners)}, not of {', '.join(strategies)}"
+        if owners
+        else f"valid keys: {', '.join(valid_keys(strategies, simulation=simulation))}"
+    )
+    return f"unknown key {key!r} in {source}; {where}"
 
 
 def _numbers(text: str, key: str) -> tuple[float, ...]:
@@ -294,45 +367,71 @@ def _numbers(text: str, key: str) -> tuple[float, ...]:
         raise ConfigError(f"{key} must be comma-separated numbers, got {text!r}") from None
 
 
-def valid_keys() -> list[str]:
-    return sorted(key.replace("_", "-") for key in _SIMULATION_KEYS | _RUN_KEYS)
+def valid_keys(strategies: tuple[str, ...] = (), *, simulation: bool = False) -> list[str]:
+    """Run-wide keys (and with `simulation` the comparison's), and the knobs of `strategies` (all if none)."""
+    knobs = {k for s in strategies or strategy_names() for k in knob_names(config_class(s))}
+    keys = set(RUN_WIDE_KEYS) | knobs | (_SIMULATION_KEYS if simulation else {"strategy"})
+    return sorted(key.replace("_", "-") for key in keys)
+
+
+def key_type(key: str) -> str | None:
+    """The type name (bool, int, float or str) of a run-wide, simulation or strategy key; None if unknown."""
+    name = key.replace("-", "_")
+    for cls in (SimulationConfig, RunConfig):
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        if name in types and types[name] in ("bool", "int", "float", "str"):
+            return types[name]
+    if name == "strategies":
+        return "str"
+    for strategy in strategies_with(name):
+        return {f.name: f.type for f in dataclasses.fields(config_class(strategy))}[name]
+    return None
+
+
+def describe_keys() -> list[tuple[str, str, str]]:
+    """(flag, default, doc) of every run-wide and simulation key, in declaration order."""
+    rows = []
+    for cls in (SimulationConfig, RunConfig):
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in ("run", "knobs", "options", "strategy"):
+                continue
+            default = DEFAULT_STRATEGIES if f.name == "strategies" else f.default
+            rows.append((f.name.replace("_", "-"), ",".join(default) if f.name == "strategies" else repr(default),
+                         docs.get(f.name, "")))
+    return rows
 
 
 def build_simulation_config(values: dict[str, Any], *, source: str = "options") -> SimulationConfig:
     """Build a config from flat key/values (TOML file and CLI flags merged); unknown keys are an error."""
     run_values: dict[str, Any] = {}
     sim_values: dict[str, Any] = {}
+    knob_values: dict[str, Any] = {}
     for key, value in values.items():
         name = key.replace("-", "_")
-        if name in _RUN_KEYS:
+        if name in _RUN_KEYS and name != "strategy":
             run_values[name] = _coerce(RunConfig, name, key, value, source)
         elif name in _SIMULATION_KEYS:
             sim_values[name] = value
         else:
-            raise ConfigError(f"unknown key {key!r} in {source}; valid keys: {', '.join(valid_keys())}")
+            knob_values[name] = (key, value)
     if isinstance(sim_values.get("strategies"), str):
         sim_values["strategies"] = tuple(s.strip() for s in sim_values["strategies"].split(",") if s.strip())
     elif "strategies" in sim_values:
         sim_values["strategies"] = tuple(sim_values["strategies"])
+    strategies = sim_values.get("strategies", DEFAULT_STRATEGIES)
+    for strategy in strategies:
+        _options_class(strategy)
+    knobs = {}
+    for name, (key, value) in knob_values.items():
+        owners = [s for s in strategies if name in knob_names(config_class(s))]
+        if not owners:
+            raise ConfigError(_unknown_key(key, source, tuple(strategies), simulation=True))
+        knobs[name] = _coerce(config_class(owners[0]), name, key, value, source)
     try:
-        return SimulationConfig(run=RunConfig(**run_values), **sim_values)
+        return SimulationConfig(run=RunConfig(**run_values), knobs=knobs, **sim_values)
     except TypeError as error:
         raise ConfigError(f"invalid configuration in {source}: {error}") from error
-
-
-def load_toml(path: str | Path, *, what: str = "config file") -> dict[str, Any]:
-    """Read a flat TOML file (nested tables are an error: every key is a flag); `what` names it in errors."""
-    path = Path(path)
-    try:
-        values = tomllib.loads(path.read_text())
-    except FileNotFoundError as error:
-        raise ConfigError(f"{what} {str(path)!r} does not exist") from error
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"{what} {str(path)!r} is not valid TOML: {error}") from error
-    for key, value in values.items():
-        if isinstance(value, dict):
-            raise ConfigError(f"unknown key {key!r} in {path}: tables are not supported, use flat keys")
-    return values
 
 
 def _coerce(cls: type, name: str, key: str, value: Any, source: str) -> Any:
@@ -344,8 +443,3 @@ def _coerce(cls: type, name: str, key: str, value: Any, source: str) -> Any:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ConfigError(f"key {key!r} in {source} must be {expected}, got {value!r}")
     return value
-
-
-def _check(ok: bool, key: str, value: Any, expected: str) -> None:
-    if not ok:
-        raise ConfigError(f"invalid {key}={value!r}: expected {expected}")

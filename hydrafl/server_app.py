@@ -17,6 +17,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
+from hydrafl import protocol
 from hydrafl.config import RunConfig
 from hydrafl.driver import DriverConfig, RoundDriver, RoundRecord, RunResult
 from hydrafl.stability import OuterSetup, check_spectrum
@@ -56,7 +57,7 @@ def run_federation(
     strategy = strategy or build_strategy(cfg)
     wait_for_sites(grid, cfg.required_sites, cfg.site_wait_s)
     initial = request_initial_arrays(grid, cfg)
-    if cfg.strategy == "diloco":
+    if cfg.options.probes_curvature:
         check_outer_stability(grid, cfg, initial)
     driver = RoundDriver(
         grid,
@@ -70,7 +71,7 @@ def run_federation(
             evaluate_config=cfg.to_flower(),
             run_dir=Path(cfg.run_dir) if cfg.run_dir else None,
             run_config=cfg.to_flower(),
-            run_config_defaults=RunConfig().to_flower(),
+            run_config_defaults=RunConfig.flower_defaults(cfg.strategy),
             diagnostics=cfg.diagnostics,
             reference_node=reference_node if cfg.diagnostics else None,
         ),
@@ -88,11 +89,11 @@ def wait_for_sites(grid: Grid, required: int, timeout_s: float) -> list[int]:
     return nodes
 
 
-def _query(cfg: RunConfig, node: int, action: str, arrays: ArrayRecord | None = None) -> Message:
-    content = RecordDict({"config": ConfigRecord(cfg.to_flower())})
+def _query(cfg: RunConfig, node: int, message_type: str, arrays: ArrayRecord | None = None, **keys: bool) -> Message:
+    content = RecordDict({"config": ConfigRecord({**cfg.to_flower(), **keys})})
     if arrays is not None:
         content["arrays"] = arrays
-    return Message(content, dst_node_id=node, message_type=f"query.{action}")
+    return Message(content, dst_node_id=node, message_type=message_type)
 
 
 def request_initial_arrays(grid: Grid, cfg: RunConfig) -> ArrayRecord:
@@ -101,7 +102,8 @@ def request_initial_arrays(grid: Grid, cfg: RunConfig) -> ArrayRecord:
     fail the run; it fails only when every site declined, with each one's reason."""
     declines = []
     for node in sorted(grid.get_node_ids()):
-        [reply] = grid.send_and_receive([_query(cfg, node, "init")])
+        query = _query(cfg, node, protocol.QUERY_INIT, **{protocol.LORA_BASES: cfg.options.lora_bases_travel})
+        [reply] = grid.send_and_receive([query])
         if not reply.has_error():
             return next(iter(reply.content.array_records.values()))
         log.warning("site %d declined to build the initial model: %s", node, reply.error.reason)
@@ -112,7 +114,7 @@ def request_initial_arrays(grid: Grid, cfg: RunConfig) -> ArrayRecord:
 def check_outer_stability(grid: Grid, cfg: RunConfig, arrays: ArrayRecord) -> None:
     """Probe each site's curvature and warn before training when the outer optimizer is predicted unstable
     (exact mean-square criterion on the quadratic model; exact for SGD inner steps, indicative otherwise)."""
-    messages = [_query(cfg, node, "curvature", arrays) for node in sorted(grid.get_node_ids())]
+    messages = [_query(cfg, node, protocol.QUERY_CURVATURE, arrays) for node in sorted(grid.get_node_ids())]
     probes = [reply.content["metrics"] for reply in grid.send_and_receive(messages) if not reply.has_error()]
     if not probes:
         log.warning("diloco: no site answered the curvature probe; stability not checked")
@@ -125,9 +127,9 @@ def check_outer_stability(grid: Grid, cfg: RunConfig, arrays: ArrayRecord) -> No
             batch_size=cfg.batch_size,
             local_steps=cfg.local_steps,
             sites=cfg.sites,
-            outer_lr=cfg.outer_lr,
-            momentum=cfg.outer_momentum,
-            nesterov=cfg.outer_nesterov,
+            outer_lr=cfg.options.outer_lr,
+            momentum=cfg.options.outer_momentum,
+            nesterov=cfg.options.outer_nesterov,
         )
         for probe in probes
     ]
@@ -139,7 +141,7 @@ def check_outer_stability(grid: Grid, cfg: RunConfig, arrays: ArrayRecord) -> No
         log.warning(
             "diloco: outer lr %.3g with momentum %.2g is predicted UNSTABLE on the probed curvature "
             "(largest stable outer lr %.3g); lower --outer-lr or --lr, or add sites",
-            cfg.outer_lr,
-            cfg.outer_momentum,
+            cfg.options.outer_lr,
+            cfg.options.outer_momentum,
             verdict.max_stable_outer_lr,
         )

@@ -7,7 +7,7 @@ and its per-sample variance) for the DiLoCo stability check.
 
 Hydra-nets: `query.scores` replies with the site's layer and head importance on its own data, its declared
 resource tier and the model's slice layout; a `train` message whose config carries a SubnetSpec (`hydra.*`
-keys) trains only that subnetwork and replies with the deltas of exactly its slices, compact (`hydranet.extract`:
+keys) trains only that subnetwork and replies with the deltas of exactly its slices, compact (`subnet.slices.extract`:
 rows/columns of the kept heads or widths, tensors it does not touch omitted); the strategy knows the spec it
 assigned and folds them back. Every train reply reports the site's trainable parameters and peak training
 memory (`hydrafl.footprint`), its throughput and the round's data hash (`hydrafl.training`).
@@ -27,28 +27,21 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from hydrafl import protocol
 from hydrafl.arrays import from_record, to_record
 from hydrafl.config import RunConfig
 from hydrafl.data import NEXT_TOKEN_TASKS, TASKS, Cohort, DataError, SiteSplit, TaskSpec, load_cohort
 from hydrafl.footprint import training_footprint
-from hydrafl.hydranet import (
-    COST_FIELDS,
-    Slice,
-    SubnetSpec,
-    apply_spec,
-    extract,
-    find_architecture,
-    head_axis_of,
-    head_importance,
-    layer_importance,
-    measure_layer_cost,
-    read_slices,
-    trainable_slices,
-)
+from hydrafl.site_config import SiteConfig
+from hydrafl.subnet.apply import apply_spec, trainable_slices
+from hydrafl.subnet.architecture import find_architecture, head_axis_of
+from hydrafl.subnet.measure import measure_layer_cost
+from hydrafl.subnet.planning import COST_FIELDS
+from hydrafl.subnet.scoring import head_importance, layer_importance
+from hydrafl.subnet.slices import Slice, extract, read_slices
+from hydrafl.subnet.spec import SubnetSpec
 from hydrafl.data.text_cohort import MINILM
-from hydrafl.losses import LossFn, classification_loss
-from hydrafl.strategies.hetlora import PRUNE_KEY, TAIL_PENALTY_KEY, TailPenalised
-from hydrafl.strategies.lora import SITE_RANK_KEY
+from hydrafl.losses import LossFn, TailPenalised, classification_loss
 from hydrafl.models import (
     Classifier,
     LoraSpec,
@@ -94,24 +87,30 @@ def site_data(cfg: RunConfig, context: Context) -> tuple[Cohort, SiteSplit]:
     (`demo-site`) takes its share of the run task's synthetic cohort; a simulated site its `partition-id`; the
     simulation's full-data reference site (`pooled`) every site's training data together. Only the last two,
     whose node_config the simulation sets, read the run's `data`: a site never opens a path the run names."""
-    node = context.node_config
-    if node.get("pooled"):
+    site = _site(context)
+    if site.pooled:
         cohort = run_cohort(cfg)
         empty = cohort.sites[0].test_x[:0], cohort.sites[0].test_y[:0]
-        pooled_x = torch.cat([site.train_x for site in cohort.sites])
-        pooled_y = torch.cat([site.train_y for site in cohort.sites])
+        pooled_x = torch.cat([each.train_x for each in cohort.sites])
+        pooled_y = torch.cat([each.train_y for each in cohort.sites])
         return cohort, SiteSplit(train_x=pooled_x, train_y=pooled_y, test_x=empty[0], test_y=empty[1])
-    if node.get("data-path"):
-        cohort = _cohort("", str(node["data-path"]), str(node.get("label-column", "")), "iid", 1, 2, cfg.seed)
+    if site.data_path is not None:
+        cohort = _cohort("", str(site.data_path), site.label_column, "iid", 1, 2, cfg.seed)
         return cohort, cohort.sites[0]
-    if "demo-site" in node:
+    if site.demo_site is not None:
         cohort = demo_cohort(cfg)
-        return cohort, cohort.sites[int(node["demo-site"]) % len(cohort.sites)]
+        return cohort, cohort.sites[site.demo_site % len(cohort.sites)]
+    if site.partition_id is None:
+        raise ValueError("this site's node_config names no data: data-path, demo-site or partition-id")
     cohort = run_cohort(cfg)
-    partition_id = int(node["partition-id"])
-    if not 0 <= partition_id < len(cohort.sites):
-        raise ValueError(f"partition-id {partition_id} is outside the cohort's {len(cohort.sites)} sites")
-    return cohort, cohort.sites[partition_id]
+    if not site.partition_id < len(cohort.sites):
+        raise ValueError(f"partition-id {site.partition_id} is outside the cohort's {len(cohort.sites)} sites")
+    return cohort, cohort.sites[site.partition_id]
+
+
+def _site(context: Context) -> SiteConfig:
+    """The site's own settings (`hydrafl site`'s flags, or what the simulation set), typed and checked."""
+    return SiteConfig.from_node_config(context.node_config)
 
 
 def demo_cohort(cfg: RunConfig) -> Cohort:
@@ -152,7 +151,7 @@ def _site_model(
     task: TaskSpec, cfg: RunConfig, arrays: ArrayRecord, spec: SubnetSpec | None = None, rank: int | None = None
 ) -> Classifier:
     """The working model loaded with `arrays`: the whole model; with a subnetwork `spec` only what its forward
-    pass reads (`hydranet.read_slices`; see `_load`); with a LoRA baseline's `rank` a rank-`rank` adapter
+    pass reads (`subnet.slices.read_slices`; see `_load`); with a LoRA baseline's `rank` a rank-`rank` adapter
     (`lora_spec`), sent exactly its factors."""
     own_bases = any(name.endswith(".base_layer.weight") for name in arrays)
     model = _working_model(task, cfg.model, cfg.seed, lora_spec(cfg, rank), own_bases)
@@ -199,32 +198,32 @@ def _received_config(message: Message) -> ConfigRecord:
 def _run_config(message: Message, context: Context) -> RunConfig:
     """The run's settings: the site's own run_config, overridden by what the coordinator sent with the
     message (so runtimes that cannot set a site's run_config, like Flower's Ray engine, still work)."""
-    cfg = RunConfig.from_flower({**context.run_config, **_received_config(message)})
-    check_checkpoint_paths(cfg, context.node_config)
+    cfg = RunConfig.site_view({**context.run_config, **_received_config(message)})
+    check_checkpoint_paths(cfg, _site(context))
     return cfg
 
 
-def check_checkpoint_paths(cfg: RunConfig, node_config: Mapping) -> None:
-    """A deployed site (one with `data-path` or `demo-site`, set by `hydrafl site`) loads a checkpoint directory
-    the run names only from inside the directory its operator allowed (`hydrafl site --model-dir`): the
-    coordinator chooses which model, never which local files a site reads (and sends back as `query.init`)."""
-    if "data-path" not in node_config and "demo-site" not in node_config:
+def check_checkpoint_paths(cfg: RunConfig, site: SiteConfig) -> None:
+    """A deployed site (`SiteConfig.deployed`, started by `hydrafl site`) loads a checkpoint directory the run
+    names only from inside the directory its operator allowed (`hydrafl site --model-dir`): the coordinator
+    chooses which model, never which local files a site reads (and sends back as `query.init`)."""
+    if not site.deployed:
         return  # a simulated site: the run config is the researcher's own
-    allowed = node_config.get("model-dir")
+    allowed = site.model_dir
     for key, value, built_in in (("model", cfg.model, ("tiny", MINILM)), ("distill-teacher", cfg.distill_teacher, ("", "init"))):
         if value in built_in:
             continue
-        if not allowed or not Path(value).resolve().is_relative_to(Path(str(allowed)).resolve()):
+        if allowed is None or not Path(value).resolve().is_relative_to(allowed.resolve()):
             raise PermissionError(f"the run's {key} names a local directory outside this site's --model-dir")
 
 
 @client_app.train()
 def train(message: Message, context: Context) -> Message:
-    cfg = _run_config(message, context)
+    cfg, site = _run_config(message, context), _site(context)
     cohort, split = site_data(cfg, context)
     arrays, config = _received_arrays(message), _received_config(message)
     spec = SubnetSpec.from_config(config) if "hydra.layers" in config else None
-    rank = int(config[SITE_RANK_KEY]) if SITE_RANK_KEY in config else None  # a LoRA baseline's site
+    rank = int(config[protocol.SITE_RANK]) if protocol.SITE_RANK in config else None  # a LoRA baseline's site
     model = _site_model(cohort.task, cfg, arrays, spec, rank)
     start = {name: p.clone() for name, p in federated_state(model).items() if name in arrays}
     local = SiteTrainConfig(
@@ -234,20 +233,19 @@ def train(message: Message, context: Context) -> Message:
         optimizer=cfg.inner_optimizer,
         weight_decay=cfg.weight_decay,
         proximal_mu=float(config.get("proximal-mu", 0.0)),
-        nproc=int(context.node_config.get("nproc", cfg.nproc)),  # the site's own hardware wins
-        seed=site_seed(cfg.seed, _site_index(context)),
-        server_round=int(config.get("server-round", 0)),
-        bf16=bool(context.node_config.get("bf16", cfg.bf16)),
-        max_restarts=int(context.node_config.get("max-restarts", 0)),
+        nproc=cfg.nproc if site.nproc is None else site.nproc,  # the site's own hardware wins
+        seed=site_seed(cfg.seed, site.index),
+        server_round=int(config.get(protocol.SERVER_ROUND, 0)),
+        bf16=cfg.bf16 if site.bf16 is None else site.bf16,
+        max_restarts=site.max_restarts,
     )
     frozen = {name: t for name, t in model.state_dict().items() if name not in start} if local.nproc > 1 else None
     lora = lora_spec(cfg, rank)
     rebuild = partial(build_site_model, cohort.task, cfg.model, cfg.seed, spec, lora=lora, frozen=frozen)
     teacher = {"distill_teacher": cfg.distill_teacher, "distill_weight": cfg.distill_weight}
     loss_fn = training_loss(cohort.task, model=cfg.model, seed=cfg.seed, **teacher)
-    if rank is not None and TAIL_PENALTY_KEY in config:  # a HetLoRA site's local regulariser
-        prune = float(config.get(PRUNE_KEY, cfg.hetlora_prune))
-        loss_fn = TailPenalised(loss_fn, float(config[TAIL_PENALTY_KEY]), rank, prune)
+    if rank is not None and protocol.TAIL_PENALTY in config:  # a HetLoRA site's local regulariser
+        loss_fn = TailPenalised(loss_fn, float(config[protocol.TAIL_PENALTY]), rank, float(config[protocol.TAIL_PRUNE]))
     with apply_spec(model, spec) if spec else nullcontext():
         sample = slice(0, min(cfg.batch_size, len(split.train_y)))
         footprint = training_footprint(
@@ -265,9 +263,9 @@ def train(message: Message, context: Context) -> Message:
     delta = extract({name: start[name] - end[name] for name in slices}, slices)
     metrics = MetricRecord(
         {
-            "num-examples": len(split.train_y),
-            "trainable-params": sum(sl.numel(start[name].shape) for name, sl in slices.items()),
-            "peak-memory-bytes": footprint.peak_bytes,
+            protocol.WEIGHT: len(split.train_y),
+            protocol.TRAINABLE_PARAMS: sum(sl.numel(start[name].shape) for name, sl in slices.items()),
+            protocol.PEAK_MEMORY: footprint.peak_bytes,
             "train_loss": result.loss,
             "samples-per-s": result.samples_per_s,
             **({"mfu": result.mfu} if result.mfu is not None else {}),
@@ -282,13 +280,9 @@ def train(message: Message, context: Context) -> Message:
         local.server_round, result.num_examples, local.nproc, result.samples_per_s, utilisation, result.loss,
         result.data_hash[:12],
     )
-    info = ConfigRecord({"data-hash": result.data_hash})  # a string: MetricRecords hold numbers only
+    info = ConfigRecord({protocol.DATA_HASH: result.data_hash})  # a string: MetricRecords hold numbers only
     content = RecordDict({"arrays": to_record(delta), "metrics": metrics, "train-info": info})
     return Message(content, reply_to=message)
-
-
-def _site_index(context: Context) -> int:
-    return int(context.node_config.get("partition-id", context.node_config.get("demo-site", 0)))
 
 
 @client_app.evaluate()
@@ -297,7 +291,7 @@ def evaluate_site(message: Message, context: Context) -> Message:
     cohort, split = site_data(cfg, context)
     model = _site_model(cohort.task, cfg, _received_arrays(message))
     loss, accuracy = evaluate(model, split.test_x, split.test_y)
-    metrics = MetricRecord({"num-examples": len(split.test_y), "loss": loss, "accuracy": accuracy})
+    metrics = MetricRecord({protocol.WEIGHT: len(split.test_y), "loss": loss, "accuracy": accuracy})
     return Message(RecordDict({"metrics": metrics}), reply_to=message)
 
 
@@ -307,7 +301,7 @@ def initial_model(message: Message, context: Context) -> Message:
     cohort, _ = site_data(cfg, context)
     model = build_model(cohort.task, model=cfg.model, seed=cfg.seed, lora=lora_spec(cfg))
     state = federated_state(model)
-    if cfg.federates_lora_bases:
+    if _received_config(message).get(protocol.LORA_BASES, False):
         state |= lora_base_state(model)
     return Message(RecordDict({"arrays": to_record(state)}), reply_to=message)
 
@@ -321,24 +315,24 @@ def curvature(message: Message, context: Context) -> Message:
         h, v = estimate_curvature(
             model, split.train_x[:16], split.train_y[:16], seed=cfg.seed, loss_fn=task_loss(cohort.task)
         )
-    metrics = MetricRecord({"curvature": h, "curvature-var": v, "num-examples": len(split.train_y)})
+    metrics = MetricRecord({"curvature": h, "curvature-var": v, protocol.WEIGHT: len(split.train_y)})
     return Message(RecordDict({"metrics": metrics}), reply_to=message)
 
 
 @client_app.query("scores")
 def scores(message: Message, context: Context) -> Message:
     """Layer importance (`layer-L`) and head importance (`head-L-G`, per KV group) on a few of the site's
-    training batches, with the site's tier, its measured step cost (`hydranet.measure_layer_cost`) and declared
+    training batches, with the site's tier, its measured step cost (`subnet.measure.measure_layer_cost`) and declared
 memory, and the model's slice layout (see `slice_layout`)."""
-    cfg = _run_config(message, context)
+    cfg, request = _run_config(message, context), _received_config(message)
     cohort, split = site_data(cfg, context)
     model = _site_model(cohort.task, cfg, _received_arrays(message))
-    n = min(cfg.score_samples, len(split.train_y))
+    n = min(int(request[protocol.SCORE_SAMPLES]), len(split.train_y))
     size = cfg.batch_size
     batches = [(split.train_x[i : min(i + size, n)], split.train_y[i : min(i + size, n)]) for i in range(0, n, size)]
-    layers = layer_importance(model, batches, task_loss(cohort.task), method=cfg.layer_score)
-    heads = head_importance(model, batches, task_loss(cohort.task), method=cfg.head_score)
-    memory_bytes = site_resource(cfg, context, "memory-mb") * 1e6
+    layers = layer_importance(model, batches, task_loss(cohort.task), method=str(request[protocol.LAYER_SCORE]))
+    heads = head_importance(model, batches, task_loss(cohort.task), method=str(request[protocol.HEAD_SCORE]))
+    memory_bytes = site_memory_mb(cfg, context) * 1e6
     metrics = MetricRecord(
         {
             "num-examples": len(split.train_y),
@@ -349,9 +343,9 @@ memory, and the model's slice layout (see `slice_layout`)."""
     )
     if memory_bytes or cfg.round_timeout_s:  # the cost only sizes a Hydra-net against memory or a deadline
         x, y = batches[0]
-        speed = site_resource(cfg, context, "speed")
+        speed = site_speed(cfg, context)
         cost = measure_layer_cost(
-            model, lambda: task_loss(cohort.task)(model, x, y), cfg.inner_optimizer, speed=speed, bypass=cfg.hydra_bypass
+            model, lambda: task_loss(cohort.task)(model, x, y), cfg.inner_optimizer, speed=speed, bypass=bool(request.get(protocol.SCORE_BYPASS, False))
         )
         metrics.update({f"cost.{field.replace('_', '-')}": getattr(cost, field) for field in COST_FIELDS})
     site = ConfigRecord({"tier": site_tier(cfg, context), **slice_layout(model)})
@@ -361,28 +355,41 @@ memory, and the model's slice layout (see `slice_layout`)."""
 def site_tier(cfg: RunConfig, context: Context) -> str:
     """The resource tier a site declares: its node_config `tier`, else its entry of the run's `site_tiers`
     (simulation), else "" (untiered)."""
-    if context.node_config.get("tier"):
-        return str(context.node_config["tier"])
+    site = _site(context)
+    if site.tier:
+        return site.tier
     tiers = cfg.tier_list
-    return tiers[_site_index(context) % len(tiers)] if tiers else ""
+    return tiers[site.index % len(tiers)] if tiers else ""
 
 
-def site_resource(cfg: RunConfig, context: Context, key: str) -> float:
-    """What a site declares about its hardware: `memory-mb` (0 = no limit) or `speed` (relative, 1.0 = as
-    measured): its node_config (`hydrafl site --memory-mb/--speed`), else its entry of the run's
-    `site_memory_mb` / `site_speeds` (simulation), else no limit / 1.0."""
-    if key in context.node_config:
-        return float(context.node_config[key])
-    values = cfg.memory_list if key == "memory-mb" else cfg.speed_list
-    default = 0.0 if key == "memory-mb" else 1.0
-    return values[_site_index(context) % len(values)] if values else default
+def site_memory_mb(cfg: RunConfig, context: Context) -> float:
+    """The training memory a site declares (0 = no limit): its own (`hydrafl site --memory-mb`), else its entry
+    of the run's `site_memory_mb` (simulation), else no limit."""
+    site = _site(context)
+    if site.memory_mb is not None:
+        return site.memory_mb
+    return _entry(cfg.memory_list, site.index, 0.0)
+
+
+def site_speed(cfg: RunConfig, context: Context) -> float:
+    """A site's relative speed (1.0 = as measured): its node_config `speed`, else its entry of the run's
+    `site_speeds` (simulation), else 1.0."""
+    site = _site(context)
+    if site.speed is not None:
+        return site.speed
+    return _entry(cfg.speed_list, site.index, 1.0)
+
+
+def _entry(values: tuple[float, ...], index: int, default: float) -> float:
+    """Site `index`'s entry of a per-site run setting, cycled over the sites; `default` when it is empty."""
+    return values[index % len(values)] if values else default
 
 
 def slice_layout(model: torch.nn.Module) -> dict[str, list[str] | list[int]]:
     """How each federated tensor splits over heads, as flat lists for a ConfigRecord: per name its layer
     (-1 outside the layers), head axis (-1 when every element serves every head) and the run of indices
     along that axis one head group owns (query heads of a KV group for q and o, one KV head for k and v).
-    With it the coordinator rebuilds any spec's slices (`hydra.layout_slices`) without the model."""
+    With it the coordinator rebuilds any spec's slices (`subnet.slices.layout_slices`) without the model."""
     arch = find_architecture(model)
     names = list(federated_state(model))
     layers, axes, units = [], [], []

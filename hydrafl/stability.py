@@ -19,8 +19,6 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 __all__ = [
     "OuterSetup",
@@ -293,6 +291,9 @@ def plot_stable_region(
     own = curves[setup.sites] if setup.sites in curves else edge(setup.sites)
     verdict, colour = marker_style(setup)
     gamma_max = 1.1 * max([setup.outer_lr, float(own.max()), *(float(c.max()) for c in curves.values())])
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # only plotting needs it, not the coordinator
+    from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7.0, 5.0), dpi=110)
     FigureCanvasAgg(fig)

@@ -15,13 +15,15 @@ import torch
 from torch import nn
 
 from hydrafl.data import TaskSpec
-from hydrafl.hydranet import SubnetSpec, apply_spec, find_architecture
 from hydrafl.kernels.distributed import train_distributed
 from hydrafl.kernels.optimizers import INNER_OPTIMIZERS
 from hydrafl.kernels.peak_flops import mfu
 from hydrafl.losses import LossFn, classification_loss
-from hydrafl.model_zoo import forward_flops
 from hydrafl.models import LoraSpec, build_model
+from hydrafl.subnet.apply import apply_spec
+from hydrafl.subnet.architecture import find_architecture
+from hydrafl.subnet.counts import forward_flops
+from hydrafl.subnet.spec import SubnetSpec
 
 __all__ = [
     "SiteTrainConfig",
@@ -109,7 +111,7 @@ def build_site_model(
 
 
 def train_flops_per_sample(model: nn.Module, x: torch.Tensor, spec: SubnetSpec | None = None) -> float:
-    """Training FLOPs of one sample: 3x the forward the model executes (`model_zoo.forward_flops`; the layers a
+    """Training FLOPs of one sample: 3x the forward the model executes (`subnet.counts.forward_flops`; the layers a
     bypassing `spec` skips cost nothing), at the token count the first executed transformer layer sees for one
     row of `x`."""
     layer = min(spec.layers) if spec is not None and spec.bypass else 0

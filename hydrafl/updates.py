@@ -7,12 +7,22 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import TypeVar
 
 import numpy as np
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 MAX_WEIGHT = 1e15
 """A reply's example count above this is not a count (and sums of such weights overflow)."""
+
+R = TypeVar("R", ArrayRecord, MetricRecord, ConfigRecord)
+
+
+def records(content: RecordDict, kind: type[R]) -> list[R]:
+    """The records of one type in a message's content, picked from `content.values()`. Flower's typed views
+    (`content.array_records` and the like) form a reference cycle that keeps the whole content, arrays included,
+    alive until the cycle collector runs: a server reading them would hold every reply it has seen."""
+    return [record for record in content.values() if isinstance(record, kind)]
 
 
 class InvalidUpdate(ValueError):
@@ -29,14 +39,11 @@ def check_train_reply(
     """Raise InvalidUpdate unless the reply holds one delta ArrayRecord over known coordinates with the
     global shapes (or, for a site that trained a subnetwork, the `shapes` of its slices) and dtypes, finite
     values, and one MetricRecord of finite numbers with a positive weight."""
-    content = reply.content
-    if len(content.array_records) != 1 or len(content.metric_records) != 1:
-        raise InvalidUpdate(
-            f"expected one ArrayRecord and one MetricRecord, got {len(content.array_records)} and "
-            f"{len(content.metric_records)}"
-        )
-    delta = next(iter(content.array_records.values()))
-    check_metrics(next(iter(content.metric_records.values())), weighted_by_key)
+    arrays, metrics = records(reply.content, ArrayRecord), records(reply.content, MetricRecord)
+    if len(arrays) != 1 or len(metrics) != 1:
+        raise InvalidUpdate(f"expected one ArrayRecord and one MetricRecord, got {len(arrays)} and {len(metrics)}")
+    [delta], [metric_record] = arrays, metrics
+    check_metrics(metric_record, weighted_by_key)
     for name, array in delta.items():
         if name not in global_arrays:
             raise InvalidUpdate(f"array {name!r} is not a coordinate of the global model")
@@ -57,13 +64,12 @@ def check_train_reply(
 def check_evaluate_reply(reply: Message, weighted_by_key: str = "num-examples") -> None:
     """Raise InvalidUpdate unless the reply holds exactly one MetricRecord of finite numbers with a positive
     weight, and no arrays."""
-    content = reply.content
-    if content.array_records or len(content.metric_records) != 1:
+    arrays, metrics = records(reply.content, ArrayRecord), records(reply.content, MetricRecord)
+    if arrays or len(metrics) != 1:
         raise InvalidUpdate(
-            f"expected one MetricRecord and no arrays, got {len(content.metric_records)} and "
-            f"{len(content.array_records)} ArrayRecords"
+            f"expected one MetricRecord and no arrays, got {len(metrics)} and {len(arrays)} ArrayRecords"
         )
-    check_metrics(next(iter(content.metric_records.values())), weighted_by_key)
+    check_metrics(metrics[0], weighted_by_key)
 
 
 def check_metrics(metrics: MetricRecord, weighted_by_key: str | None) -> None:
@@ -81,12 +87,12 @@ def check_metrics(metrics: MetricRecord, weighted_by_key: str | None) -> None:
 
 def metric_layout(reply: Message) -> tuple[tuple[str, int], ...]:
     """The names of a reply's metrics and the length of each list-valued one (-1 for a number)."""
-    metrics = next(iter(reply.content.metric_records.values()))
+    metrics = records(reply.content, MetricRecord)[0]
     return tuple(sorted((name, len(v) if isinstance(v, list) else -1) for name, v in metrics.items()))
 
 
 def array_names(reply: Message) -> tuple[str, ...]:
-    return tuple(sorted(next(iter(reply.content.array_records.values())).keys()))
+    return tuple(sorted(records(reply.content, ArrayRecord)[0].keys()))
 
 
 def consistent_majority(

@@ -1,1 +1,1 @@
-"""hydrafl.proto: coordinator <-> site protocol and generated stubs (see issue 4)."""
+"""hydrafl.proto: the coordinator <-> site wire format and its generated stubs."""

@@ -149,7 +149,9 @@ def parse_content(envelope: Envelope) -> RecordDict:
         content = recorddict_from_proto(ProtoRecordDict.FromString(envelope.content))
     except Exception as error:  # protobuf raises several types for garbage bytes
         raise EnvelopeError(f"message content is not a valid Flower RecordDict: {error}") from error
-    if content.array_records:  # an Array's declared shape is not checked against its bytes: only manifests count
+    # an Array's declared shape is not checked against its bytes: only manifests count. Read from values(), not
+    # the `array_records` view, whose reference cycle would keep the arrays joined in later alive after use.
+    if any(isinstance(record, ArrayRecord) for record in content.values()):
         raise EnvelopeError("arrays must travel through the manifest, not inside the message content")
     clash = set(content) & {record.key for record in envelope.arrays}
     if clash:

@@ -1,1 +1,1 @@
-"""Coordinator: gRPC service, Grid over it, SQLAlchemy store (see issue 4)."""
+"""Coordinator: gRPC service, the Grid over it, SQLAlchemy store, blob store, limits, TLS."""

@@ -21,7 +21,6 @@ import threading
 import uuid
 from collections.abc import Iterable
 from concurrent import futures
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,37 +29,16 @@ from flwr.app import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from hydrafl.server_app import run_federation
-from hydrafl.config import RunConfig
+from hydrafl.config import ConfigError, RunConfig
 from hydrafl.driver import RoundRecord
-from hydrafl.netaddr import is_loopback
 from hydrafl.server.blobs import BlobStore
+from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.grid import CoordinatorGrid
-from hydrafl.server.limits import SiteLimits
-from hydrafl.server.service import GRPC_OPTIONS, SERVICE_NAME, CoordinatorService, add_coordinator_service
+from hydrafl.server.service import SERVER_OPTIONS, SERVICE_NAME, CoordinatorService, add_coordinator_service
 from hydrafl.server.store import LeaseClaim, Run, Store, describe_lease, lease_age_s
+from hydrafl.server.tls import ServerTls, plaintext_warning
 
 log = logging.getLogger(__name__)
-LEASE_STALE_S = 30.0
-"""A coordinator whose lease went unrenewed this long is presumed dead; it renews every sixth of it."""
-SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
-"""gRPC sets SO_REUSEPORT by default, which lets a second coordinator bind the same port without an error."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ServerTls:
-    """PEM files. With `client_ca`, every site must present a certificate signed by it (mutual TLS)."""
-
-    cert: Path
-    key: Path
-    client_ca: Path | None = None
-
-    def credentials(self) -> grpc.ServerCredentials:
-        root = self.client_ca.read_bytes() if self.client_ca else None
-        return grpc.ssl_server_credentials(
-            [(self.key.read_bytes(), self.cert.read_bytes())],
-            root_certificates=root,
-            require_client_auth=root is not None,
-        )
 
 
 class LeaseLost(RuntimeError):
@@ -149,16 +127,6 @@ class LeasedGrid(CoordinatorGrid):
         return super().pull_messages(message_ids)
 
 
-def plaintext_warning(listen: str, tls: ServerTls | None) -> str | None:
-    """Why listening on `listen` is unsafe, or None: without TLS, only loopback keeps tokens and updates private."""
-    if tls is not None or is_loopback(listen):
-        return None
-    return (
-        f"listening on {listen} WITHOUT TLS: site tokens and model updates cross the network in clear text; "
-        "use --tls-cert/--tls-key, or listen on 127.0.0.1 behind a TLS-terminating proxy"
-    )
-
-
 def bind(server: grpc.Server, listen: str, tls: ServerTls | None) -> int:
     """The bound port; a port another process holds is an OSError, not a silent second listener."""
     try:
@@ -171,29 +139,21 @@ def bind(server: grpc.Server, listen: str, tls: ServerTls | None) -> int:
 
 
 class Coordinator:
-    def __init__(
-        self,
-        *,
-        listen: str,
-        db_url: str,
-        blob_dir: Path,
-        runs_dir: Path,
-        tls: ServerTls | None = None,
-        limits: SiteLimits = SiteLimits(),
-        lease_stale_s: float = LEASE_STALE_S,
-    ) -> None:
-        self.listen = listen
-        self.tls = tls
-        self.store = Store(db_url)
-        self.blobs = BlobStore(blob_dir)
-        self.runs_dir = runs_dir
-        self.service = CoordinatorService(self.store, self.blobs, limits)
+    """One coordinator process as its CoordinatorConfig describes it; binding the port in the constructor makes a
+    port in use an error before the database lease is touched."""
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.store = Store(config.db_url)
+        self.blobs = BlobStore(config.blob_dir)
+        self.service = CoordinatorService(self.store, self.blobs, config.limits)
         self.health = health.HealthServicer()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.handler_threads), options=SERVER_OPTIONS)
+        workers = futures.ThreadPoolExecutor(max_workers=config.limits.handler_threads)
+        self.server = grpc.server(workers, options=SERVER_OPTIONS)
         add_coordinator_service(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = bind(self.server, listen, tls)
-        self.lease = LeaseKeeper(self.store, listen=listen, stale_s=lease_stale_s)
+        self.port = bind(self.server, config.listen, config.tls)
+        self.lease = LeaseKeeper(self.store, listen=config.listen, stale_s=config.lease_stale_s)
         self.stopping = threading.Event()
 
     def start(self) -> None:
@@ -205,7 +165,7 @@ class Coordinator:
             self.server.stop(None)
             self.service.stop()
             raise
-        warning = plaintext_warning(self.listen, self.tls)
+        warning = plaintext_warning(self.config.listen, self.config.tls)
         if warning:
             log.warning(warning)
         self.server.start()
@@ -229,9 +189,13 @@ class Coordinator:
             self.drive(run)
 
     def drive(self, run: Run) -> None:
-        cfg = dataclasses.replace(
-            RunConfig.from_flower(run.config), run_dir=str(self.runs_dir / str(run.id)), resume=True
-        )
+        try:
+            stored = RunConfig.from_flower(run.config, source=f"run {run.id}", other_knobs=True)
+        except ConfigError as error:  # a run this hydrafl cannot read fails alone; the coordinator keeps serving
+            log.error("run %d failed: %s", run.id, error)
+            self.store.set_run_status(run.id, "failed", detail=f"ConfigError: {error}")
+            return
+        cfg = dataclasses.replace(stored, run_dir=str(self.config.runs_dir / str(run.id)), resume=True)
         self.store.set_run_status(run.id, "running")
         self.service.latencies.clear()  # push_latency.tsv describes this run only
         grid = LeasedGrid(self.store, self.blobs, self.service, run.id, lease=self.lease)

@@ -1,6 +1,8 @@
 """A Flower `Grid` over the coordinator's database and blob store, so the ServerApp and every strategy run
 unchanged: pushing a message stores its envelope and chunks for the site to pull; pulling returns the
 replies sites have pushed. Message ids are (run, round, type, site), so a round is never sent twice.
+`send_and_receive` yields each reply as sites store it, decoded from the blob store only when the caller asks
+for it and not kept afterwards: the coordinator holds one decoded reply at a time, however many sites answer.
 
 A reply's metadata (who sent it, what it answers, its type) is rebuilt from the stored rows, never read from
 the site's envelope; a stored reply that cannot be decoded (its chunks lost from disk) becomes that site's
@@ -11,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from flwr.app import Error, Message, Metadata, RecordDict
 from flwr.app.message.message import make_message
@@ -79,13 +81,16 @@ class CoordinatorGrid(Grid):
             message_ids.append(message_id)
         return message_ids
 
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterator[Message]:
+        """The stored replies to these messages not pulled before: read from the database now, each decoded
+        only when the caller asks for it, so the replies are never all decoded at once."""
         wanted = [message_id for message_id in message_ids if message_id not in self._pulled]
-        replies = []
-        for reply in self.store.replies_to(wanted):
-            replies.append(self._decode(reply))
+        return self._decoded(self.store.replies_to(wanted))
+
+    def _decoded(self, replies: list[Reply]) -> Iterator[Message]:
+        for reply in replies:
             self._pulled.add(reply.reply_to_message_id)
-        return replies
+            yield self._decode(reply)
 
     def _decode(self, reply: Reply) -> Message:
         metadata = Metadata(
@@ -109,17 +114,21 @@ class CoordinatorGrid(Grid):
             reason = f"the coordinator could not decode this site's stored reply: {error}"
             return make_message(metadata=metadata, error=Error(ErrorCode.UNKNOWN, reason))
 
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterator[Message]:
+        """Pushes the messages now and starts the deadline; the replies follow as sites store them."""
         pending = list(self.push_messages(messages))
         deadline = None if timeout is None else time.monotonic() + timeout
-        replies: list[Message] = []
+        return self._receive(pending, deadline)
+
+    def _receive(self, pending: list[str], deadline: float | None) -> Iterator[Message]:
+        """Polls until every message is answered or the deadline passes. Then the unanswered messages close (their
+        sites are stragglers, and late replies are refused) and what was stored before they closed still comes: time
+        the caller spends on each reply counts against the deadline, and must not cost a site its on-time reply."""
         while pending and (deadline is None or time.monotonic() < deadline):
-            arrived = list(self.pull_messages(pending))
-            replies.extend(arrived)
-            answered = {reply.metadata.reply_to_message_id for reply in arrived}
-            pending = [message_id for message_id in pending if message_id not in answered]
+            yield from self.pull_messages(pending)
+            pending = [message_id for message_id in pending if message_id not in self._pulled]
             if pending:
                 time.sleep(self.poll_interval_s)
-        if pending:  # the deadline passed: these sites are stragglers and their late replies will be refused
+        if pending:
             self.store.close_messages(pending)
-        return replies
+            yield from self.pull_messages(pending)

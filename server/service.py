@@ -29,6 +29,7 @@ import numpy as np
 from google.protobuf.message import DecodeError, Message as ProtoMessage
 
 from hydrafl.proto import coordinator_pb2 as pb
+from hydrafl.protocol import GRPC_OPTIONS, WEIGHT
 from hydrafl.proto.envelope import CHUNK_BYTES, MAX_REASON_CHARS, EnvelopeError, chunk_hashes
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.limits import AuthThrottle, CallGuard, LimitExceeded, SiteLimits, UploadLedger
@@ -38,17 +39,15 @@ from hydrafl.server.store import FIRST_NODE_ID, OutboundMessage, Site, Store
 log = logging.getLogger(__name__)
 
 POLL_AFTER_S = 0.2
-WEIGHT_KEY = "num-examples"
-"""The metric every train and evaluate reply weights itself by (Flower's strategies' default)."""
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 8 << 20),
-    ("grpc.max_receive_message_length", 8 << 20),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    *GRPC_OPTIONS,
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
-]
+    ("grpc.so_reuseport", 0),
+)
+"""The sites' channel options, plus: idle sites may keep their connections alive, and no SO_REUSEPORT (gRPC's
+default, which lets a second coordinator bind the same port without an error)."""
 Request = TypeVar("Request", bound=ProtoMessage)
 
 
@@ -226,7 +225,7 @@ class CoordinatorService:
             uploads = self.blobs.uploads(site.node_id)
             try:
                 check_reply(
-                    envelope, sent, chunk_size=uploads.size, chunk_bytes=uploads.get, weighted_by_key=WEIGHT_KEY,
+                    envelope, sent, chunk_size=uploads.size, chunk_bytes=uploads.get, weighted_by_key=WEIGHT,
                     max_model_bytes=self.limits.max_model_bytes,
                 )
             except EnvelopeError as error:  # final: the site failed this message, the round need not wait for it

@@ -1,34 +1,38 @@
-"""Flower strategies hydrafl adds, and a registry that also names Flower's built-ins."""
+"""Flower strategies hydrafl adds, and Flower's built-ins, each registered under its name with its knobs.
 
-from hydrafl.strategies.accumulator import AggregationError, MaskedDeltaAccumulator, WeightedDeltaAccumulator
-from hydrafl.strategies.diloco import DiLoCo
-from hydrafl.strategies.fedit import FedIT
-from hydrafl.strategies.flexlora import FlexLoRA
-from hydrafl.strategies.flora import FLoRA
-from hydrafl.strategies.hetlora import HetLoRA
-from hydrafl.strategies.fedrolex import FedRolex
-from hydrafl.strategies.fjord import FjORD
-from hydrafl.strategies.heterofl import HeteroFL
-from hydrafl.strategies.hydra import TIER_BUDGETS, Hydra, ScoringError, layout_slices
-from hydrafl.strategies.registry import STRATEGIES, build_strategy, consumes_deltas
+Nothing is imported until it is used: reading a run's configuration (the coordinator's CLI, a site) touches
+only `registry`, and a strategy's module, with torch and Flower, loads when the strategy is first named.
+"""
 
-__all__ = [
-    "STRATEGIES",
-    "TIER_BUDGETS",
-    "AggregationError",
-    "DiLoCo",
-    "FLoRA",
-    "FedIT",
-    "FedRolex",
-    "FjORD",
-    "FlexLoRA",
-    "HetLoRA",
-    "HeteroFL",
-    "Hydra",
-    "MaskedDeltaAccumulator",
-    "ScoringError",
-    "WeightedDeltaAccumulator",
-    "build_strategy",
-    "consumes_deltas",
-    "layout_slices",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {
+    "AggregationError": "accumulator",
+    "MaskedDeltaAccumulator": "accumulator",
+    "WeightedDeltaAccumulator": "accumulator",
+    "DiLoCo": "diloco",
+    "FedIT": "fedit",
+    "FedRolex": "fedrolex",
+    "FjORD": "fjord",
+    "FlexLoRA": "flexlora",
+    "FLoRA": "flora",
+    "HeteroFL": "heterofl",
+    "HetLoRA": "hetlora",
+    "Hydra": "hydra",
+    "ScoringError": "planner",
+    "TIER_BUDGETS": "planner",
+    "StrategyConfig": "registry",
+    "build_strategy": "registry",
+    "register": "registry",
+    "strategy_names": "registry",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)

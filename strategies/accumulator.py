@@ -13,7 +13,7 @@ import torch
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
 from hydrafl.arrays import array_view
-from hydrafl.hydranet import Slice
+from hydrafl.subnet.slices import Slice
 
 
 class AggregationError(ValueError):

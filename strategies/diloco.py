@@ -7,15 +7,21 @@ Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Mo
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from hydrafl.arrays import from_record, to_record
 from hydrafl.strategies.accumulator import WeightedDeltaAccumulator
+from hydrafl.strategies.outer import OuterOptimizer
+from hydrafl.strategies.registry import StrategyConfig, register
+from hydrafl.validation import check
+
+if TYPE_CHECKING:
+    from hydrafl.config import RunConfig
 
 
 class DiLoCo(FedAvg):
@@ -29,13 +35,8 @@ class DiLoCo(FedAvg):
 
     def __init__(self, *, outer_lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if outer_lr <= 0 or not 0 <= momentum < 1:
-            raise ValueError(f"DiLoCo needs outer_lr > 0 and 0 <= momentum < 1, got {outer_lr=}, {momentum=}")
-        self.outer_lr = outer_lr
-        self.momentum = momentum
-        self.nesterov = nesterov
+        self.outer = OuterOptimizer(lr=outer_lr, momentum=momentum, nesterov=nesterov)
         self.current_arrays: ArrayRecord | None = None
-        self.momentum_buffer: dict[str, torch.Tensor] = {}
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -52,29 +53,41 @@ class DiLoCo(FedAvg):
             return None, None
         pseudo_gradient = accumulator.mean()
         updated = {
-            name: weights - self.outer_lr * self._direction(name, pseudo_gradient[name])
-            if name in pseudo_gradient
-            else weights
+            name: self.outer.step(name, weights, pseudo_gradient[name]) if name in pseudo_gradient else weights
             for name, weights in from_record(self.current_arrays).items()
         }
         metrics = self.train_metrics_aggr_fn(accumulator.metric_records, self.weighted_by_key)
         return to_record(updated), metrics
 
-    def _direction(self, name: str, delta: torch.Tensor) -> torch.Tensor:
-        """torch.optim.SGD: b = mu b + d; step along d + mu b (Nesterov) or b (heavy ball)."""
-        if not self.momentum:
-            return delta
-        buffer = self.momentum_buffer.get(name)
-        buffer = delta.clone() if buffer is None else buffer.mul_(self.momentum).add_(delta)
-        self.momentum_buffer[name] = buffer
-        return delta + self.momentum * buffer if self.nesterov else buffer
-
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "momentum_buffer": {name: t.clone() for name, t in self.momentum_buffer.items()},
-            "current_arrays": self.current_arrays,
-        }
+        return {**self.outer.state_dict(), "current_arrays": self.current_arrays}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.momentum_buffer = {name: t.clone() for name, t in state["momentum_buffer"].items()}
+        self.outer.load_state_dict(state)
         self.current_arrays = state["current_arrays"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OuterConfig(StrategyConfig):
+    """The outer optimizer's knobs: SGD with (Nesterov) momentum over the mean pseudo-gradient."""
+
+    outer_lr: float = 0.7
+    """Outer learning rate."""
+    outer_momentum: float = 0.9
+    """Outer momentum."""
+    outer_nesterov: bool = True
+    """Nesterov momentum (else heavy ball)."""
+
+    def __post_init__(self) -> None:
+        check(0 <= self.outer_momentum < 1, "outer-momentum", self.outer_momentum, "0 <= mu < 1")
+
+
+@register("diloco")
+@dataclass(frozen=True, kw_only=True)
+class DiLoCoConfig(OuterConfig):
+    """DiLoCo: the mean pseudo-gradient takes an outer SGD step with Nesterov momentum (Douillard et al., 2023)."""
+
+    probes_curvature: ClassVar[bool] = True
+
+    def build(self, run: RunConfig, **common: Any) -> DiLoCo:
+        return DiLoCo(outer_lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_nesterov, **common)

@@ -8,30 +8,47 @@ Zhang et al., "Towards Building the Federated GPT: Federated Instruction Tuning"
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import Message
 
-from hydrafl.arrays import from_record, to_record
-from hydrafl.hydranet import coordinate_masks
+from hydrafl.lora_pairs import LoraPair
 from hydrafl.strategies.accumulator import MaskedDeltaAccumulator
-from hydrafl.strategies.lora import LoraBaseline, rank_slices, trainable_names
-from hydrafl.strategies.lora_factors import lora_pairs
+from hydrafl.strategies.lora import LoraBaseline, LoraBaselineConfig, LoraFold, rank_slices, trainable_names
+from hydrafl.strategies.registry import register
+from hydrafl.subnet.slices import coordinate_masks
+
+if TYPE_CHECKING:
+    from hydrafl.config import RunConfig
 
 
 class FedIT(LoraBaseline):
     """Per-coordinate sample-weighted mean of the factor deltas over the sites whose rank covers them."""
 
-    def aggregate_lora(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        weights = from_record(self.current_arrays)
-        names = trainable_names(weights, lora_pairs(weights))
-        accumulator = MaskedDeltaAccumulator(self.weighted_by_key)
-        for reply in replies:
-            if not reply.has_error():
-                accumulator.add(reply, coordinate_masks(rank_slices(names, self._rank_of(reply)), weights))
-        if not accumulator.metric_records:
-            return None, None
-        for name, (delta, trained) in accumulator.mean().items():
-            weights[name] = torch.where(trained, weights[name] - delta, weights[name])
-        return to_record(weights), self.train_metrics_aggr_fn(accumulator.metric_records, self.weighted_by_key)
+    def fold(self, weights: dict[str, torch.Tensor], pairs: list[LoraPair]) -> LoraFold:
+        return _MaskedFactors(weights, pairs, self.weighted_by_key)
+
+
+class _MaskedFactors:
+    def __init__(self, weights: dict[str, torch.Tensor], pairs: list[LoraPair], weighted_by_key: str) -> None:
+        self.start, self.names = weights, trainable_names(weights, pairs)
+        self.factors = {name for pair in pairs for name in (pair.a, pair.b)}
+        self.accumulator = MaskedDeltaAccumulator(weighted_by_key)
+
+    def add(self, reply: Message, rank: int) -> None:
+        self.accumulator.add(reply, coordinate_masks(rank_slices(self.names, rank), self.start))
+
+    def finish(self, weights: dict[str, torch.Tensor], total_weight: float) -> None:
+        for name, (delta, trained) in self.accumulator.mean().items():
+            if name in self.factors:
+                weights[name] = torch.where(trained, weights[name] - delta, weights[name])
+
+@register("fedit")
+@dataclass(frozen=True, kw_only=True)
+class FedITConfig(LoraBaselineConfig):
+    """FedIT: FedAvg of the LoRA factors A and B, each on its own (Zhang et al., 2024)."""
+
+    def build(self, run: RunConfig, **common: Any) -> FedIT:
+        return FedIT(planner=self.planner(run), **common)

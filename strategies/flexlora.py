@@ -13,37 +13,51 @@ Client Resources", NeurIPS 2024.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import Message
 
-from hydrafl.arrays import from_record, to_record
-from hydrafl.strategies.accumulator import WeightedDeltaAccumulator
-from hydrafl.strategies.lora import LoraBaseline, step_outside_factors, truncate
-from hydrafl.strategies.lora_factors import lora_pairs, reply_delta, reply_weight, svd_factors
+from hydrafl.lora_pairs import LoraPair
+from hydrafl.strategies.lora import LoraBaseline, LoraBaselineConfig, LoraFold, truncate
+from hydrafl.strategies.lora_factors import reply_delta, reply_weight, svd_factors
+from hydrafl.strategies.registry import register
+
+if TYPE_CHECKING:
+    from hydrafl.config import RunConfig
 
 
 class FlexLoRA(LoraBaseline):
     """Sample-weighted mean of the products B_k A_k, SVD-truncated back to the global rank."""
 
-    def aggregate_lora(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        weights = from_record(self.current_arrays)
-        pairs = lora_pairs(weights)
-        head = WeightedDeltaAccumulator(self.weighted_by_key)  # sums every array; only non-factors are used
-        products = {pair.module: torch.zeros(weights[pair.b].shape[0], weights[pair.a].shape[1]) for pair in pairs}
-        for reply in replies:
-            if reply.has_error():
-                continue
-            head.add(reply)
-            rank, delta, n = self._rank_of(reply), reply_delta(reply), reply_weight(reply, self.weighted_by_key)
-            for pair in pairs:
-                a0, b0 = truncate(weights[pair.a], weights[pair.b], rank)  # what the site started from
-                products[pair.module].addmm_(b0 - delta[pair.b], a0 - delta[pair.a], alpha=n)
-        if not head.metric_records:
-            return None, None
-        step_outside_factors(weights, head, pairs)
-        for pair in pairs:
-            weights[pair.b], weights[pair.a] = svd_factors(products[pair.module].div_(head.total_weight), weights[pair.a].shape[0])
-        return to_record(weights), self.train_metrics_aggr_fn(head.metric_records, self.weighted_by_key)
+    def fold(self, weights: dict[str, torch.Tensor], pairs: list[LoraPair]) -> LoraFold:
+        return _ProductMean(weights, pairs, self.weighted_by_key)
 
+
+class _ProductMean:
+    """Streams sum_k n_k B_k A_k per module from the factors each site ends with, then the SVD truncation."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], pairs: list[LoraPair], weighted_by_key: str) -> None:
+        self.start, self.pairs, self.weighted_by_key = weights, pairs, weighted_by_key
+        self.products = {pair.module: torch.zeros(weights[pair.b].shape[0], weights[pair.a].shape[1]) for pair in pairs}
+
+    def add(self, reply: Message, rank: int) -> None:
+        delta, n = reply_delta(reply), reply_weight(reply, self.weighted_by_key)
+        for pair in self.pairs:
+            a0, b0 = truncate(self.start[pair.a], self.start[pair.b], rank)  # what the site started from
+            self.products[pair.module].addmm_(b0 - delta[pair.b], a0 - delta[pair.a], alpha=n)
+
+    def finish(self, weights: dict[str, torch.Tensor], total_weight: float) -> None:
+        for pair in self.pairs:
+            mean = self.products[pair.module].div_(total_weight)
+            weights[pair.b], weights[pair.a] = svd_factors(mean, weights[pair.a].shape[0])
+
+
+@register("flexlora")
+@dataclass(frozen=True, kw_only=True)
+class FlexLoRAConfig(LoraBaselineConfig):
+    """FlexLoRA: the mean product B A, SVD-truncated to each site's rank (Bai et al., 2024)."""
+
+    def build(self, run: RunConfig, **common: Any) -> FlexLoRA:
+        return FlexLoRA(planner=self.planner(run), **common)

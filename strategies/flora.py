@@ -14,16 +14,22 @@ Adaptations", NeurIPS 2024.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, Message
 
-from hydrafl.arrays import from_record, to_record
-from hydrafl.strategies.accumulator import AggregationError, WeightedDeltaAccumulator
-from hydrafl.strategies.lora import LoraBaseline, step_outside_factors, truncate
-from hydrafl.strategies.lora_factors import LoraPair, lora_pairs, reply_delta, reply_weight
+from hydrafl.arrays import to_record
+from hydrafl.lora_pairs import LoraPair
+from hydrafl.strategies.accumulator import AggregationError
+from hydrafl.strategies.lora import LoraBaseline, LoraBaselineConfig, LoraFold, truncate
+from hydrafl.strategies.lora_factors import reply_delta, reply_weight
+from hydrafl.strategies.registry import register
+
+if TYPE_CHECKING:
+    from hydrafl.config import RunConfig
 
 
 class FLoRA(LoraBaseline):
@@ -39,10 +45,12 @@ class FLoRA(LoraBaseline):
         missing = [pair.base for pair in pairs if pair.base not in arrays]
         if missing:
             raise AggregationError(f"FLoRA merges into the base weights, but the global arrays lack {missing[:2]}")
-        factors = self._fresh_factors(node, rank, arrays, pairs)
+        factors = self.fresh_factors(node, rank, arrays, pairs)
         return ArrayRecord({**{name: arrays[name] for name in arrays}, **to_record(factors)})
 
-    def _fresh_factors(self, node: int, rank: int, arrays: ArrayRecord, pairs: list[LoraPair]) -> dict[str, torch.Tensor]:
+    def fresh_factors(
+        self, node: int, rank: int, arrays: Mapping[str, Any], pairs: list[LoraPair]
+    ) -> dict[str, torch.Tensor]:
         """A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming-uniform) in the first `rank` rows, B = 0; a pure
         function of (seed, round, node), so aggregation regenerates it instead of keeping one copy per site."""
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.server_round * 10_007 + node) % 2**63)
@@ -53,24 +61,38 @@ class FLoRA(LoraBaseline):
             factors[pair.a], factors[pair.b] = truncate(a, torch.zeros(out, r), rank)
         return factors
 
-    def aggregate_lora(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        pairs = lora_pairs(self.current_arrays)
-        head = WeightedDeltaAccumulator(self.weighted_by_key)  # sums every array; only non-factors are used
-        products: dict[str, torch.Tensor] = {}
-        for reply in replies:
-            if reply.has_error():
-                continue
-            head.add(reply)
-            node, delta, n = reply.metadata.src_node_id, reply_delta(reply), reply_weight(reply, self.weighted_by_key)
-            start = self._fresh_factors(node, self._rank_of(reply), self.current_arrays, pairs)
-            for pair in pairs:
-                b, a = start[pair.b] - delta[pair.b], start[pair.a] - delta[pair.a]
-                products[pair.module] = torch.addmm(products.get(pair.module, torch.zeros(b.shape[0], a.shape[1])), b, a, alpha=n)
-        if not head.metric_records:
-            return None, None
-        weights = from_record(self.current_arrays)
-        step_outside_factors(weights, head, pairs)
-        for pair in pairs:
-            scale = self.alpha / weights[pair.a].shape[0] / head.total_weight  # PEFT's alpha / R, and 1 / N
-            weights[pair.base] = weights[pair.base] + scale * products[pair.module]
-        return to_record(weights), self.train_metrics_aggr_fn(head.metric_records, self.weighted_by_key)
+    def fold(self, weights: dict[str, torch.Tensor], pairs: list[LoraPair]) -> LoraFold:
+        return _MergedProducts(self, weights, pairs)
+
+
+class _MergedProducts:
+    """Streams sum_k n_k B_k A_k per module (one dense sum whatever the number of sites), then merges
+    (alpha / R) / N times it into the base weights."""
+
+    def __init__(self, strategy: FLoRA, weights: dict[str, torch.Tensor], pairs: list[LoraPair]) -> None:
+        self.strategy, self.start, self.pairs = strategy, weights, pairs
+        self.products: dict[str, torch.Tensor] = {}
+
+    def add(self, reply: Message, rank: int) -> None:
+        delta, n = reply_delta(reply), reply_weight(reply, self.strategy.weighted_by_key)
+        start = self.strategy.fresh_factors(reply.metadata.src_node_id, rank, self.start, self.pairs)
+        for pair in self.pairs:
+            b, a = start[pair.b] - delta[pair.b], start[pair.a] - delta[pair.a]
+            previous = self.products.get(pair.module, torch.zeros(b.shape[0], a.shape[1]))
+            self.products[pair.module] = torch.addmm(previous, b, a, alpha=n)
+
+    def finish(self, weights: dict[str, torch.Tensor], total_weight: float) -> None:
+        for pair in self.pairs:
+            scale = self.strategy.alpha / weights[pair.a].shape[0] / total_weight  # PEFT's alpha / R, and 1 / N
+            weights[pair.base] = weights[pair.base] + scale * self.products[pair.module]
+
+
+@register("flora")
+@dataclass(frozen=True, kw_only=True)
+class FLoRAConfig(LoraBaselineConfig):
+    """FLoRA: stacked heterogeneous-rank adapters merged into the base weights (Wang et al., 2024)."""
+
+    lora_bases_travel: ClassVar[bool] = True
+
+    def build(self, run: RunConfig, **common: Any) -> FLoRA:
+        return FLoRA(planner=self.planner(run), alpha=run.lora_alpha, seed=run.seed, **common)

@@ -13,50 +13,21 @@ Cho, Manoel, Joshi, Sahu, "Heterogeneous LoRA for Federated Fine-tuning of On-De
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from flwr.app import ArrayRecord, Message, MetricRecord
-from torch import nn
+from flwr.app import Message
 
-from hydrafl.arrays import from_record, to_record
-from hydrafl.losses import LossFn
-from hydrafl.strategies.accumulator import WeightedDeltaAccumulator
-from hydrafl.strategies.lora import LoraBaseline, step_outside_factors, truncate
-from hydrafl.strategies.lora_factors import lora_pairs, reply_delta
+from hydrafl import protocol
+from hydrafl.lora_pairs import LoraPair, pruned_rank
+from hydrafl.strategies.lora import LoraBaseline, LoraBaselineConfig, LoraFold, truncate
+from hydrafl.strategies.lora_factors import reply_delta
+from hydrafl.strategies.registry import register
+from hydrafl.validation import check
 
-
-TAIL_PENALTY_KEY = "hetlora.tail-penalty"
-PRUNE_KEY = "hetlora.prune"
-"""Train config keys of a HetLoRA site's local regulariser: lambda, and the rank fraction that is the tail."""
-
-
-@dataclass(frozen=True, slots=True)
-class TailPenalised:
-    """A HetLoRA site's loss: its task loss plus lambda * sum over adapted modules of ||B_tail A_tail||_F, the
-    components of its rank a self-pruning step would drop. Picklable, so multi-process sites use it too."""
-
-    loss: LossFn
-    weight: float
-    rank: int
-    prune: float
-
-    def __call__(self, model: nn.Module, x: Any, y: torch.Tensor) -> torch.Tensor:
-        value = self.loss(model, x, y)
-        keep = _pruned(self.rank, self.prune)
-        if keep >= self.rank or not self.weight:
-            return value
-        params = dict(model.named_parameters())
-        tail = sum(_smooth_norm(params[p.b][:, keep : self.rank] @ params[p.a][keep : self.rank]) for p in lora_pairs(params))
-        return value + self.weight * tail
-
-
-def _smooth_norm(matrix: torch.Tensor) -> torch.Tensor:
-    """||matrix||_F with a finite (zero) gradient at 0, where the tail of fresh adapters starts."""
-    return torch.sqrt(matrix.square().sum() + 1e-12)
+if TYPE_CHECKING:
+    from hydrafl.config import RunConfig
 
 
 class HetLoRA(LoraBaseline):
@@ -69,46 +40,62 @@ class HetLoRA(LoraBaseline):
         self.prune, self.tail_penalty = prune, tail_penalty
 
     def site_config(self) -> dict[str, float]:
-        return {TAIL_PENALTY_KEY: self.tail_penalty, PRUNE_KEY: self.prune} if self.tail_penalty else {}
+        return {protocol.TAIL_PENALTY: self.tail_penalty, protocol.TAIL_PRUNE: self.prune} if self.tail_penalty else {}
 
-    def aggregate_lora(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        weights = from_record(self.current_arrays)
-        pairs = lora_pairs(weights)
-        head = WeightedDeltaAccumulator(self.weighted_by_key)  # sums every array; only non-factors are used
-        sums = {name: torch.zeros_like(weights[name]) for pair in pairs for name in (pair.a, pair.b)}
-        norms = {pair.module: 0.0 for pair in pairs}
-        for reply in replies:
-            if reply.has_error():
-                continue
-            head.add(reply)
-            node, rank = reply.metadata.src_node_id, self._rank_of(reply)
-            delta, tail = reply_delta(reply), [0.0, 0.0]
-            for pair in pairs:
-                a0, b0 = truncate(weights[pair.a], weights[pair.b], rank)  # what the site started from
-                a, b = a0 - delta.get(pair.a, 0.0), b0 - delta.get(pair.b, 0.0)
-                norm = float(torch.linalg.matrix_norm(b @ a))
-                sums[pair.a].add_(a, alpha=norm)
-                sums[pair.b].add_(b, alpha=norm)
-                norms[pair.module] += norm
-                tail[0] += _tail_norm(a0, b0, rank, self.prune)
-                tail[1] += _tail_norm(a, b, rank, self.prune)
-            if tail[1] < tail[0]:
-                self.ranks[node] = _pruned(rank, self.prune)
-        if not head.metric_records:
-            return None, None
-        step_outside_factors(weights, head, pairs)
-        for pair in pairs:
-            if norms[pair.module] > 0:  # all-zero updates (nothing trained) keep the module as it was
-                weights[pair.a] = sums[pair.a].div_(norms[pair.module])
-                weights[pair.b] = sums[pair.b].div_(norms[pair.module])
-        return to_record(weights), self.train_metrics_aggr_fn(head.metric_records, self.weighted_by_key)
+    def fold(self, weights: dict[str, torch.Tensor], pairs: list[LoraPair]) -> LoraFold:
+        return _SparsityWeighted(self, weights, pairs)
 
 
-def _pruned(rank: int, prune: float) -> int:
-    return max(1, math.floor((1 - prune) * rank))
+class _SparsityWeighted:
+    """Streams the factors weighted by ||B_k A_k||_F and each site's tail norms (its pruning decision)."""
+
+    def __init__(self, strategy: HetLoRA, weights: dict[str, torch.Tensor], pairs: list[LoraPair]) -> None:
+        self.strategy, self.start, self.pairs = strategy, weights, pairs
+        self.sums = {name: torch.zeros_like(weights[name]) for pair in pairs for name in (pair.a, pair.b)}
+        self.norms = {pair.module: 0.0 for pair in pairs}
+
+    def add(self, reply: Message, rank: int) -> None:
+        prune, delta, tail = self.strategy.prune, reply_delta(reply), [0.0, 0.0]
+        for pair in self.pairs:
+            a0, b0 = truncate(self.start[pair.a], self.start[pair.b], rank)  # what the site started from
+            a, b = a0 - delta.get(pair.a, 0.0), b0 - delta.get(pair.b, 0.0)
+            norm = float(torch.linalg.matrix_norm(b @ a))
+            self.sums[pair.a].add_(a, alpha=norm)
+            self.sums[pair.b].add_(b, alpha=norm)
+            self.norms[pair.module] += norm
+            tail[0] += _tail_norm(a0, b0, rank, prune)
+            tail[1] += _tail_norm(a, b, rank, prune)
+        if tail[1] < tail[0]:
+            self.strategy.ranks[reply.metadata.src_node_id] = pruned_rank(rank, prune)
+
+    def finish(self, weights: dict[str, torch.Tensor], total_weight: float) -> None:
+        for pair in self.pairs:
+            if self.norms[pair.module] > 0:  # all-zero updates (nothing trained) keep the module as it was
+                weights[pair.a] = self.sums[pair.a].div_(self.norms[pair.module])
+                weights[pair.b] = self.sums[pair.b].div_(self.norms[pair.module])
 
 
 def _tail_norm(a: torch.Tensor, b: torch.Tensor, rank: int, prune: float) -> float:
     """||B_tail A_tail||_F over the components a pruning step would drop (none when it would drop none)."""
-    keep = _pruned(rank, prune)
+    keep = pruned_rank(rank, prune)
     return float(torch.linalg.matrix_norm(b[:, keep:rank] @ a[keep:rank])) if keep < rank else 0.0
+
+
+@register("hetlora")
+@dataclass(frozen=True, kw_only=True)
+class HetLoRAConfig(LoraBaselineConfig):
+    """HetLoRA: sparsity-weighted zero-padded factors with rank self-pruning (Cho et al., 2024)."""
+
+    hetlora_prune: float = 0.1
+    """Rank self-pruning: the fraction of a site's rank dropped when its tail shrinks in training."""
+    hetlora_tail_penalty: float = 1e-3
+    """lambda of the sites' local regulariser lambda * ||B_tail A_tail||_F on the rank components a
+    self-pruning step would drop (0 = none); their reported train loss includes it."""
+
+    def __post_init__(self) -> None:
+        LoraBaselineConfig.__post_init__(self)
+        check(0 <= self.hetlora_prune < 1, "hetlora-prune", self.hetlora_prune, "a fraction in [0, 1)")
+        check(self.hetlora_tail_penalty >= 0, "hetlora-tail-penalty", self.hetlora_tail_penalty, "a float >= 0")
+
+    def build(self, run: RunConfig, **common: Any) -> HetLoRA:
+        return HetLoRA(planner=self.planner(run), prune=self.hetlora_prune, tail_penalty=self.hetlora_tail_penalty, **common)

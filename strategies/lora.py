@@ -9,27 +9,29 @@ function; `site_app.lora_spec`), so its compute and memory are rank r_k's, and u
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Iterable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import MessageType
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
 
+from hydrafl import protocol
 from hydrafl.arrays import from_record, sliced_record, to_record
 from hydrafl.strategies.accumulator import AggregationError, WeightedDeltaAccumulator
-from hydrafl.strategies.diloco import DiLoCo
-from hydrafl.hydranet import Slice
-from hydrafl.strategies.hydra import BudgetError, Hydra, layout_slices
-from hydrafl.strategies.lora_factors import LoraPair, lora_pairs
+from hydrafl.strategies.planner import BudgetError, SitePlanner
+from hydrafl.subnet.slices import Slice
+from hydrafl.lora_pairs import LoraPair, lora_pairs
+from hydrafl.strategies.budgets import BudgetConfig
 
 log = logging.getLogger(__name__)
 
-SITE_RANK_KEY = "lora.site-rank"
-"""Train config key: the LoRA rank a site trains and uploads (`rank_slices`)."""
 
 def truncate(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of A and B keeping their first `rank` components (rows of A, columns of B), zeros elsewhere."""
@@ -55,36 +57,60 @@ def rank_slices(names: Iterable[str], rank: int) -> dict[str, Slice]:
     return {name: Slice(axis[name], range(rank)) if name in axis else Slice(None) for name in names}
 
 
-class LoraBaseline(Hydra):
-    """Hydra's tier-and-layout query (on one sample, only the tier and layout are used), then one LoRA rank per
-    site: the rank whose trainable parameters come closest to what a Hydra-net of the site's tier trains."""
+class LoraFold(Protocol):
+    """One round of a LoRA baseline's rule: each full-shape reply folded in as it comes, then the factors set."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def add(self, reply: Message, rank: int) -> None: ...
+
+    def finish(self, weights: dict[str, torch.Tensor], total_weight: float) -> None: ...
+
+
+class LoraBaseline(FedAvg):
+    """The planning round (on one sample: only the tiers and the layout are used), then one LoRA rank per
+    site: the rank whose trainable parameters come closest to what a Hydra-net of the site's tier trains.
+    Subclasses give their aggregation rule as a `LoraFold`; the loop over the replies is this one."""
+
+    consumes_deltas = True
+
+    def __init__(self, *, planner: SitePlanner | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.planner = planner or SitePlanner()
+        self.planner.scoring[protocol.SCORE_SAMPLES] = 1
+        self.current_arrays: ArrayRecord | None = None
         self.ranks: dict[int, int] = {}
         self.server_round = 0
+        self.trainable_params: dict[int, dict[str, int]] = {}
+        """Per round, per site (node id as a string): the coordinates of its rank."""
+
+    def fold(self, weights: dict[str, torch.Tensor], pairs: list[LoraPair]) -> LoraFold:
+        """This round's rule, starting from the global `weights`."""
+        raise NotImplementedError
+
+    def configure_query(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        if self.planner.ranking:
+            return []
+        trainable = ArrayRecord({name: arrays[name] for name in trainable_names(arrays, lora_pairs(arrays))})
+        return self.planner.queries(trainable, config, grid.get_node_ids())
+
+    def aggregate_query(self, server_round: int, replies: Iterable[Message]) -> None:
+        self.planner.take_replies(replies, self.weighted_by_key)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         pairs = lora_pairs(arrays)
         trainable = ArrayRecord({name: arrays[name] for name in trainable_names(arrays, pairs)})
-        if not self.ranking:
-            self._score(trainable, ConfigRecord({**config, "score-samples": 1}), grid)
-        self.server_round, messages, counts = server_round, [], {}
-        # DiLoCo's sampling and bookkeeping; Hydra's own would send subnetwork specs the sites must not apply.
-        for sampled in DiLoCo.configure_train(self, server_round, arrays, config, grid):
+        self.current_arrays, self.server_round, messages, counts = arrays, server_round, [], {}
+        name = type(self).__name__
+        for sampled in self.planner.planned(super().configure_train(server_round, arrays, config, grid), name):
             node = sampled.metadata.dst_node_id
-            if node not in self.site_scores:
-                log.warning("%s: site %d missed the tier query; not training it", type(self).__name__, node)
-                continue
             if node not in self.ranks:
                 try:
                     self.ranks[node] = self._rank(node, trainable, pairs)
                 except BudgetError as error:
-                    log.warning("%s: site %d cannot train this round: %s", type(self).__name__, node, error)
+                    log.warning("%s: site %d cannot train this round: %s", name, node, error)
                     continue
             rank = self.ranks[node]
             counts[str(node)] = _count(trainable, pairs, rank)
-            config = ConfigRecord({**sampled.content["config"], **self.site_config(), SITE_RANK_KEY: rank})
+            config = ConfigRecord({**sampled.content["config"], **self.site_config(), protocol.SITE_RANK: rank})
             site_arrays = self._site_arrays(node, rank, arrays, pairs)
             download = sliced_record(site_arrays, rank_slices(site_arrays, rank))  # a rank-r adapter's factors
             content = RecordDict({"arrays": download, "config": config})
@@ -98,8 +124,7 @@ class LoraBaseline(Hydra):
 
     def _rank(self, node: int, trainable: ArrayRecord, pairs: list[LoraPair]) -> int:
         """Closest rank to the Hydra-net budget of the node's tier; ties go to the smaller rank."""
-        hydra = self._spec(self.site_scores[node])
-        budget = sum(sl.numel(tuple(trainable[name].shape)) for name, sl in layout_slices(self.layout, hydra).items())
+        budget = self.planner.budget(node, {name: tuple(trainable[name].shape) for name in trainable})
         max_rank = int(trainable[pairs[0].a].shape[0])
         return min(range(1, max_rank + 1), key=lambda r: (abs(_count(trainable, pairs, r) - budget), r))
 
@@ -120,14 +145,26 @@ class LoraBaseline(Hydra):
         return {name: sl.taken_shape(arrays[name].shape) for name, sl in slices.items()}
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Each reply back at the global shapes (zeros beyond its site's rank), one at a time, for the rule."""
+        """Each reply back at the global shapes (zeros beyond its site's rank), folded in one at a time; the
+        arrays that are not LoRA factors (the classifier head, ...) take FedAvg's step."""
         if self.current_arrays is None:
             return None, None
-        return self.aggregate_lora(server_round, self._full_shape(replies))
-
-    def aggregate_lora(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The method's rule on full-shape replies, each consumed before the next is asked for."""
-        raise NotImplementedError
+        weights = from_record(self.current_arrays)
+        pairs = lora_pairs(weights)
+        head = WeightedDeltaAccumulator(self.weighted_by_key)  # sums every array; only non-factors are used
+        fold = self.fold(weights, pairs)
+        for reply in self._full_shape(replies):
+            if not reply.has_error():
+                head.add(reply)
+                fold.add(reply, self._rank_of(reply))
+        if not head.metric_records:
+            return None, None
+        factors = {name for pair in pairs for name in (pair.a, pair.b)}
+        for name, delta in head.mean().items():
+            if name not in factors:
+                weights[name] = weights[name] - delta
+        fold.finish(weights, head.total_weight)
+        return to_record(weights), self.train_metrics_aggr_fn(head.metric_records, self.weighted_by_key)
 
     def _full_shape(self, replies: Iterable[Message]) -> Iterator[Message]:
         """Each reply with its arrays at the global shapes while the rule reads it, then back to the compact
@@ -153,11 +190,18 @@ class LoraBaseline(Hydra):
         return self.ranks[node]
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "ranks": dict(self.ranks)}
+        return {
+            **self.planner.state_dict(),
+            "current_arrays": self.current_arrays,
+            "ranks": dict(self.ranks),
+            "trainable_params": copy.deepcopy(self.trainable_params),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+        self.planner.load_state_dict(state)
+        self.current_arrays = state["current_arrays"]
         self.ranks = dict(state["ranks"])
+        self.trainable_params = copy.deepcopy(state["trainable_params"])
 
 
 def _count(trainable: ArrayRecord, pairs: list[LoraPair], rank: int) -> int:
@@ -167,9 +211,8 @@ def _count(trainable: ArrayRecord, pairs: list[LoraPair], rank: int) -> int:
     return fixed + sum(rank * (trainable[p.a].shape[1] + trainable[p.b].shape[0]) for p in pairs)
 
 
-def step_outside_factors(weights: dict[str, torch.Tensor], head: WeightedDeltaAccumulator, pairs: Iterable[LoraPair]) -> None:
-    """The arrays that are not LoRA factors (the classifier head, ...) take the FedAvg step of their mean delta."""
-    factors = {name for pair in pairs for name in (pair.a, pair.b)}
-    for name, delta in head.mean().items():
-        if name not in factors:
-            weights[name] = weights[name] - delta
+@dataclass(frozen=True, kw_only=True)
+class LoraBaselineConfig(BudgetConfig):
+    """A LoRA baseline: each site trains the LoRA rank closest to Hydra's budget for its tier."""
+
+    federates_lora: ClassVar[bool] = True

@@ -7,49 +7,15 @@ factors the result back to the run's rank (`MaskedProductAccumulator`, `svd_fact
 
 from __future__ import annotations
 
-import re
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
 
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord
 
 from hydrafl.arrays import from_record
-from hydrafl.hydranet import Slice
+from hydrafl.lora_pairs import LoraPair
+from hydrafl.subnet.slices import Slice
 from hydrafl.strategies.accumulator import AggregationError
-
-_LORA_A = re.compile(r"^(?P<module>.+)\.lora_A\.(?P<adapter>[^.]+)\.weight$")
-
-
-@dataclass(frozen=True, slots=True)
-class LoraPair:
-    """One adapted module: A [R, in] and B [out, R] by array name; the update is B A (times alpha / R)."""
-
-    module: str
-    a: str
-    b: str
-
-    @property
-    def base(self) -> str:
-        """The module's frozen base weight (PEFT's `base_layer`)."""
-        return f"{self.module}.base_layer.weight"
-
-
-def lora_pairs(names: Iterable[str], *, required: bool = True) -> list[LoraPair]:
-    """Every (A, B) pair among `names`. AggregationError when an A has no B, or, if `required`, when there is
-    no pair at all (the run has no LoRA)."""
-    names = set(names)
-    pairs = []
-    for name in sorted(names):
-        if match := _LORA_A.match(name):
-            b = f"{match['module']}.lora_B.{match['adapter']}.weight"
-            if b not in names:
-                raise AggregationError(f"LoRA factor {name!r} has no matching {b!r} among the global arrays")
-            pairs.append(LoraPair(match["module"], name, b))
-    if required and not pairs:
-        raise AggregationError("no LoRA factors among the global arrays: the LoRA baselines need --lora-rank R >= 1")
-    return pairs
-
 
 def svd_factors(product: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B [out, rank], A [rank, in]) with B A the best rank-`rank` approximation of `product` (Eckart-Young),

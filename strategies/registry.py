@@ -1,111 +1,124 @@
-"""Strategy names a run can ask for: Flower's built-ins (reused as they are) and hydrafl's own."""
+"""The strategies a run can name, each registered by its own module together with its knobs.
+
+A strategy module declares a frozen `StrategyConfig` subclass for its knobs (attribute docstrings are their
+help) whose `build` makes the Flower strategy, and decorates it with `@register("name")`. The first lookup
+of a name no module registered yet imports every module of `hydrafl.strategies`, so a module dropped there
+registers itself; a strategy defined anywhere else registers when its module is imported. This module imports
+neither torch nor Flower, so configuration can be read and checked without loading the strategies' code.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import dataclasses
+import importlib
+import pkgutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from flwr.serverapp.strategy import (
-    FedAdagrad,
-    FedAdam,
-    FedAvg,
-    FedAvgM,
-    FedMedian,
-    FedProx,
-    FedTrimmedAvg,
-    FedYogi,
-    Krum,
-    Strategy,
-)
+from hydrafl.field_docs import field_docs
 
-from hydrafl.config import RunConfig
-from hydrafl.strategies.diloco import DiLoCo
-from hydrafl.strategies.fedit import FedIT
-from hydrafl.strategies.flexlora import FlexLoRA
-from hydrafl.strategies.flora import FLoRA
-from hydrafl.strategies.hetlora import HetLoRA
-from hydrafl.strategies.fedrolex import FedRolex
-from hydrafl.strategies.fjord import FjORD
-from hydrafl.strategies.heterofl import HeteroFL
-from hydrafl.strategies.hydra import Hydra
+if TYPE_CHECKING:
+    from flwr.serverapp.strategy import Strategy
 
-Builder = Callable[[RunConfig, dict[str, Any]], Strategy]
+    from hydrafl.config import RunConfig
 
 
-def _budget(cfg: RunConfig) -> dict[str, Any]:
-    """What sizes a site's Hydra-net: its tier (or the untiered fractions), and with the round deadline and
-    local steps, its measured step cost against its declared memory and speed."""
-    return {
-        "untiered": (cfg.hydra_layers, cfg.hydra_heads),
-        "timeout_s": cfg.round_timeout_s or None,
-        "local_steps": cfg.local_steps,
-    }
+class UnknownStrategy(ValueError):
+    """A run names a strategy no module registered."""
 
 
-def _width_baseline(cls: type[HeteroFL]) -> Builder:
-    """HeteroFL / FjORD / FedRolex get the budget Hydra gives a site of the same tier (or the untiered one)."""
-    return lambda cfg, common: cls(**_budget(cfg), **common)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StrategyConfig:
+    """A strategy's own knobs. Subclasses add fields (with attribute docstrings) and check them in
+    `__post_init__`; `build` turns them, with the run-wide settings, into the Flower strategy."""
+
+    federates_lora: ClassVar[bool] = False
+    """The strategy federates LoRA adapters only: a run without LoRA cannot use it (a comparison gives it
+    `COMPARISON_LORA_RANK`)."""
+    lora_bases_travel: ClassVar[bool] = False
+    """The frozen base weights of the LoRA modules are global arrays too (the strategy merges into them)."""
+    site_proximal_term: ClassVar[bool] = False
+    """Sites add a proximal term to their loss (it does not combine with the lm-dual inner optimizer)."""
+    probes_curvature: ClassVar[bool] = False
+    """Before training, sites' curvature is probed to predict whether the outer optimizer is stable."""
+
+    def build(self, run: RunConfig, **common: Any) -> Strategy:
+        """The strategy for `run`; `common` are Flower's sampling arguments (fractions, minimum nodes)."""
+        raise NotImplementedError
+
+    def check_run(self, run: RunConfig) -> str:
+        """Why this strategy cannot serve `run` ("" if it can): checks that need the run-wide settings."""
+        return ""
 
 
-def _lora_baseline(cls: type[FedIT | FLoRA | HetLoRA | FlexLoRA], **options: Any) -> Builder:
-    """FedIT / FLoRA / HetLoRA / FlexLoRA give each site the LoRA rank closest to Hydra's budget for its tier."""
-    return lambda cfg, common: cls(
-        **_budget(cfg), **{name: getattr(cfg, field) for name, field in options.items()}, **common
+C = TypeVar("C", bound=type[StrategyConfig])
+
+_REGISTRY: dict[str, type[StrategyConfig]] = {}
+
+
+def register(name: str) -> Callable[[C], C]:
+    """Class decorator: `name` is served by this config class and its `build`."""
+
+    def decorate(config: C) -> C:
+        if name in _REGISTRY and _REGISTRY[name] is not config:
+            raise ValueError(f"strategy {name!r} is registered twice: {_REGISTRY[name].__qualname__} and {config.__qualname__}")
+        _REGISTRY[name] = config
+        return config
+
+    return decorate
+
+
+def _load_builtins() -> None:
+    """Import every module of the strategies package, so each registers what it defines."""
+    package = importlib.import_module("hydrafl.strategies")
+    for module in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{module.name}")
+
+
+def config_class(name: str) -> type[StrategyConfig]:
+    """The config class of strategy `name`; UnknownStrategy lists the registered names."""
+    if name not in _REGISTRY:
+        _load_builtins()
+    if name not in _REGISTRY:
+        raise UnknownStrategy(f"unknown strategy {name!r}; choose one of {', '.join(strategy_names())}")
+    return _REGISTRY[name]
+
+
+def strategy_names() -> tuple[str, ...]:
+    _load_builtins()
+    return tuple(_REGISTRY)
+
+
+def knob_names(config: type[StrategyConfig]) -> tuple[str, ...]:
+    """The config's fields, by their snake_case names."""
+    return tuple(field.name for field in dataclasses.fields(config))
+
+
+def strategies_with(knob: str) -> list[str]:
+    """The registered strategies that have the snake_case `knob`."""
+    return [name for name in strategy_names() if knob in knob_names(_REGISTRY[name])]
+
+
+def describe() -> Iterator[tuple[str, str, list[tuple[str, str, str]]]]:
+    """Per strategy: its name, the first line of its build's strategy docstring, and (knob, default, doc)."""
+    for name in strategy_names():
+        config = _REGISTRY[name]
+        docs = field_docs(config)
+        knobs = [
+            (field.name.replace("_", "-"), repr(field.default), docs.get(field.name, ""))
+            for field in dataclasses.fields(config)
+        ]
+        yield name, (config.__doc__ or "").strip().splitlines()[0], knobs
+
+
+def build_strategy(run: RunConfig) -> Strategy:
+    """The strategy of `run`, sampling every site each round and needing `run.required_sites` replies."""
+    return run.options.build(
+        run,
+        fraction_train=1.0,
+        fraction_evaluate=1.0,
+        min_train_nodes=run.required_sites,
+        min_evaluate_nodes=run.required_sites,
+        min_available_nodes=run.required_sites,
     )
-
-
-_BUILDERS: dict[str, Builder] = {
-    "fedavg": lambda cfg, common: FedAvg(**common),
-    "fedprox": lambda cfg, common: FedProx(proximal_mu=cfg.fedprox_mu, **common),
-    "fedavgm": lambda cfg, common: FedAvgM(server_momentum=cfg.server_momentum, **common),
-    "fedadam": lambda cfg, common: FedAdam(eta=cfg.server_lr, eta_l=cfg.lr, **common),
-    "fedyogi": lambda cfg, common: FedYogi(eta=cfg.server_lr, eta_l=cfg.lr, **common),
-    "fedadagrad": lambda cfg, common: FedAdagrad(eta=cfg.server_lr, eta_l=cfg.lr, **common),
-    "fedmedian": lambda cfg, common: FedMedian(**common),
-    "fedtrimmedavg": lambda cfg, common: FedTrimmedAvg(beta=cfg.trimmed_beta, **common),
-    "krum": lambda cfg, common: Krum(num_malicious_nodes=cfg.krum_malicious, **common),
-    "diloco": lambda cfg, common: DiLoCo(
-        outer_lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_nesterov, **common
-    ),
-    "hydra": lambda cfg, common: Hydra(
-        **_budget(cfg),
-        rescore_every=cfg.rescore_every,
-        bypass=cfg.hydra_bypass,
-        lora_products=cfg.hydra_lora == "products",
-        freeze_heads=cfg.hydra_head_mode == "freeze",
-        **(
-            {"outer_lr": cfg.outer_lr, "momentum": cfg.outer_momentum, "nesterov": cfg.outer_nesterov}
-            if cfg.outer == "nesterov"
-            else {}
-        ),
-        **common,
-    ),
-    "heterofl": _width_baseline(HeteroFL),
-    "fjord": _width_baseline(FjORD),
-    "fedrolex": _width_baseline(FedRolex),
-    "fedit": _lora_baseline(FedIT),
-    "flora": _lora_baseline(FLoRA, alpha="lora_alpha", seed="seed"),
-    "hetlora": _lora_baseline(HetLoRA, prune="hetlora_prune", tail_penalty="hetlora_tail_penalty"),
-    "flexlora": _lora_baseline(FlexLoRA),
-}
-
-STRATEGIES: tuple[str, ...] = tuple(_BUILDERS)
-
-
-def build_strategy(cfg: RunConfig) -> Strategy:
-    """The strategy `cfg.strategy`, sampling every site each round and needing `cfg.required_sites` replies."""
-    if cfg.strategy not in _BUILDERS:
-        raise ValueError(f"unknown strategy {cfg.strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    common = {
-        "fraction_train": 1.0,
-        "fraction_evaluate": 1.0,
-        "min_train_nodes": cfg.required_sites,
-        "min_evaluate_nodes": cfg.required_sites,
-        "min_available_nodes": cfg.required_sites,
-    }
-    return _BUILDERS[cfg.strategy](cfg, common)
-
-
-def consumes_deltas(strategy: Strategy) -> bool:
-    """hydrafl strategies aggregate deltas directly; Flower's built-ins get weights reconstructed."""
-    return bool(getattr(strategy, "consumes_deltas", False))

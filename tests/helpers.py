@@ -1,27 +1,34 @@
-"""What tests share: builders for real Flower messages, a tiered run, a resume check, what a Hydra-net site
+"""What tests share: builders for real Flower messages (a training reply, a scoring reply), a grid of node ids
+and a round configured through a strategy's own hooks, a tiered run, a resume check, what a Hydra-net site
 reads, and a runner for the benchmarks' --quick modes."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
-from hydrafl import server_app, site_app
+from hydrafl import protocol, server_app, site_app
 from hydrafl.config import RunConfig
-from hydrafl.hydranet import Slice, SubnetSpec, read_slices, trainable_slices
+from hydrafl.identity import claim_server_identity
 from hydrafl.models import build_model
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
+from hydrafl.strategies.hooks import QueriesSites
+from hydrafl.subnet.apply import trainable_slices
+from hydrafl.subnet.planning import COST_FIELDS, LayerCost
+from hydrafl.subnet.slices import Slice, read_slices
+from hydrafl.subnet.spec import SubnetSpec
 
-TIERED_RUN = RunConfig(
+TIERED_RUN = RunConfig.build(
+    strategy="hydra",
     task="tabular",
     sites=3,
     samples_per_site=60,
@@ -32,22 +39,110 @@ TIERED_RUN = RunConfig(
     site_tiers="small,medium,large",
     score_samples=16,
 )
-"""Three small tabular sites, one per resource tier: the shared setting of the subnetwork strategies' tests."""
+"""Three small tabular sites, one per resource tier, under Hydra: the shared setting of the subnetwork
+strategies' tests (`TIERED_RUN.replace(strategy=...)` keeps the budget knobs the strategies share)."""
 TIER_OF_NODE = {FIRST_NODE_ID + i: tier for i, tier in enumerate(TIERED_RUN.tier_list)}
+
+
+def _reply(content: RecordDict, node_id: int, message_type: str) -> Message:
+    """`content` as node `node_id`'s reply to a `message_type` message."""
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SUPERLINK_NODE_ID, 1
+    request = Message(RecordDict(), dst_node_id=node_id, message_type=message_type)
+    request.metadata.__dict__["_message_id"] = f"request-{node_id}"
+    return Message(content, reply_to=request)
 
 
 def make_reply(arrays: dict[str, np.ndarray], num_examples: float, node_id: int = 1) -> Message:
     """A site's training reply as the strategy sees it (one ArrayRecord, one MetricRecord)."""
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SUPERLINK_NODE_ID, 1
-    request = Message(RecordDict(), dst_node_id=node_id, message_type="train")
-    request.metadata.__dict__["_message_id"] = f"request-{node_id}"
     content = RecordDict(
         {
             "arrays": ArrayRecord({k: Array(np.asarray(v, dtype=np.float32)) for k, v in arrays.items()}),
             "metrics": MetricRecord({"num-examples": num_examples}),
         }
     )
-    return Message(content, reply_to=request)
+    return _reply(content, node_id, "train")
+
+
+def make_scores_reply(
+    node_id: int,
+    layout: Mapping[str, tuple[int, int, int]],
+    *,
+    layers: Sequence[float],
+    heads: Sequence[Sequence[float]],
+    tier: str = "",
+    num_examples: float = 1.0,
+    cost: LayerCost | None = None,
+    memory_bytes: float | None = None,
+) -> Message:
+    """A site's reply to the planning round's scoring query (`strategies.planner.read_scores`): metrics
+    `layer-L` and `head-L-G` (one row of head-group scores per layer), `num-examples`, the step cost it measured
+    (`cost.*`: the `COST_FIELDS`; a site sends no head fraction) and the memory it declares when given; ConfigRecord `site` with its tier and its slice layout
+    (per federated array: layer or -1, head axis or -1, indices one head group owns along it)."""
+    metrics = {f"{protocol.LAYER_PREFIX}{layer}": float(score) for layer, score in enumerate(layers)}
+    for layer, row in enumerate(heads):
+        metrics.update({f"{protocol.HEAD_PREFIX}{layer}-{g}": float(score) for g, score in enumerate(row)})
+    metrics[protocol.WEIGHT] = float(num_examples)
+    if cost is not None:
+        metrics.update({f"{protocol.COST_PREFIX}{f.replace('_', '-')}": float(getattr(cost, f)) for f in COST_FIELDS})
+    if memory_bytes is not None:
+        metrics[protocol.MEMORY_BYTES] = float(memory_bytes)
+    names = list(layout)
+    site = ConfigRecord(
+        {
+            protocol.TIER: tier,
+            protocol.LAYOUT_NAMES: names,
+            protocol.LAYOUT_LAYERS: [layout[name][0] for name in names],
+            protocol.LAYOUT_AXES: [layout[name][1] for name in names],
+            protocol.LAYOUT_UNITS: [layout[name][2] for name in names],
+        }
+    )
+    content = RecordDict({"metrics": MetricRecord(metrics), protocol.SITE_RECORD: site})
+    return _reply(content, node_id, protocol.QUERY_SCORES)
+
+
+def reply_layout(reply: Message) -> dict[str, tuple[int, int, int]]:
+    """The slice layout a site reported in its scoring reply, per array name."""
+    site = reply.content[protocol.SITE_RECORD]
+    keys = (protocol.LAYOUT_NAMES, protocol.LAYOUT_LAYERS, protocol.LAYOUT_AXES, protocol.LAYOUT_UNITS)
+    names, layers, axes, units = (list(site[key]) for key in keys)
+    return dict(zip(names, zip(layers, axes, units)))
+
+
+class FakeGrid:
+    """What a strategy's configure_* hooks ask of a Flower Grid: the ids of the connected nodes. Like a
+    server-side runtime it owns the task identity Flower builds new messages from."""
+
+    def __init__(self, node_ids: Iterable[int]) -> None:
+        claim_server_identity(1)
+        self.node_ids = list(node_ids)
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.node_ids)
+
+
+def configure_round(
+    strategy: Any,
+    server_round: int,
+    arrays: ArrayRecord,
+    scores: Mapping[int, Message],
+    config: Mapping[str, Any] | None = None,
+) -> dict[int, Message]:
+    """One round set up through `strategy`'s own hooks on a grid of the nodes `scores` has a key for, as the round
+    driver does: a strategy that queries sites gets its planning queries, when it asks any, answered with
+    `scores[node]` (`aggregate_query`); then its train messages (`configure_train`), by destination node."""
+    grid, config = FakeGrid(sorted(scores)), dict(config or {})
+    if isinstance(strategy, QueriesSites):
+        queries = list(strategy.configure_query(server_round, arrays, ConfigRecord(config), grid))
+        if queries:
+            strategy.aggregate_query(server_round, [scores[query.metadata.dst_node_id] for query in queries])
+    messages = strategy.configure_train(server_round, arrays, ConfigRecord(config), grid)
+    return {message.metadata.dst_node_id: message for message in messages}
+
+
+def sent_specs(messages: Mapping[int, Message] | Iterable[Message]) -> dict[int, SubnetSpec]:
+    """The SubnetSpec each train message assigns its node."""
+    messages = messages.values() if isinstance(messages, Mapping) else messages
+    return {m.metadata.dst_node_id: SubnetSpec.from_config(dict(m.content["config"])) for m in messages}
 
 
 def run_quick(name: str, out: Path, timeout_s: float) -> dict[str, Any]:
@@ -63,15 +158,15 @@ def assert_resume_matches_a_straight_run(cfg: RunConfig, tmp_path: Path) -> None
     def run(cfg: RunConfig):
         return server_app.run_federation(InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower()), cfg)
 
-    straight = run(dataclasses.replace(cfg, run_dir=str(tmp_path / "straight")))
-    run(dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"), rounds=cfg.rounds - 1))
-    resumed = run(dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"), resume=True))
+    straight = run(cfg.replace(run_dir=str(tmp_path / "straight")))
+    run(cfg.replace(run_dir=str(tmp_path / "resumed"), rounds=cfg.rounds - 1))
+    resumed = run(cfg.replace(run_dir=str(tmp_path / "resumed"), resume=True))
     for name, array in straight.arrays.items():
         np.testing.assert_array_equal(array.numpy(), resumed.arrays[name].numpy())
 
 
 def site_read_slices(cfg: RunConfig, spec: SubnetSpec) -> dict[str, Slice]:
-    """What a site's forward pass reads under `spec` (`hydranet.read_slices`), from a live model as the site
+    """What a site's forward pass reads under `spec` (`subnet.slices.read_slices`), from a live model as the site
     computes it: all a Hydra-net site is sent."""
     model = build_model(site_app.run_cohort(cfg).task, model=cfg.model, seed=cfg.seed, lora=site_app.lora_spec(cfg))
     layout = site_app.slice_layout(model)

@@ -3,7 +3,6 @@ and a short federated run on it."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -13,6 +12,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 
 from helpers import TIERED_RUN
 from hydrafl import server_app, site_app
+from hydrafl.backbones import TinyShape, build_causal_lm
 from hydrafl.causal_lm import CausalLM, DistillationError
 from hydrafl.config import (
     ConfigError,
@@ -22,8 +22,6 @@ from hydrafl.config import (
 )
 from hydrafl.data import DataError, load_cohort
 from hydrafl.data.notes_lm_cohort import IGNORE_INDEX
-from hydrafl.hydranet import head_importance, layer_importance
-from hydrafl.model_zoo import TinyLlamaShape, build_causal_lm
 from hydrafl.models import (
     LoraSpec,
     build_model,
@@ -33,6 +31,7 @@ from hydrafl.models import (
 )
 from hydrafl.simulation.compare import compare_strategies
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
+from hydrafl.subnet.scoring import head_importance, layer_importance
 from hydrafl.training import SiteTrainConfig, evaluate, train_site
 
 TASK = "clinical-notes-lm"
@@ -91,7 +90,7 @@ def test_distillation_loss_equals_cross_entropy_plus_weighted_kl(cohort, batch, 
     """A teacher from a local checkpoint with another hidden size; its signal is hidden states + LM head."""
     x, y = batch
     teacher_dir = tmp_path / "teacher"
-    narrow = TinyLlamaShape(hidden=32, heads=2, kv_heads=1)
+    narrow = TinyShape(hidden=32, heads=2, kv_heads=1)
     build_causal_lm(cohort.task.vocab_size, shape=narrow, seed=7).save_pretrained(teacher_dir)
     loss_fn = training_loss(cohort.task, distill_teacher=str(teacher_dir), distill_weight=0.3)
     student = build_model(cohort.task, seed=1).train()
@@ -199,7 +198,7 @@ def test_site_trains_with_distillation_and_reports_the_lm_footprint():
 
 
 def test_two_rounds_of_fedavg_and_hydra_lower_the_next_token_loss(tmp_path):
-    run = dataclasses.replace(TIERED_RUN, task=TASK, local_steps=6)
+    run = TIERED_RUN.replace(task=TASK, local_steps=6)
     config = SimulationConfig(run=run, strategies=("fedavg", "hydra"), out=str(tmp_path))
     compare_strategies(config, show_progress=False)
     results = json.loads((tmp_path / "results.json").read_text())

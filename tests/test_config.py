@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hydrafl.config import ConfigError, RunConfig, build_simulation_config, load_toml
+from hydrafl.config import ConfigError, RunConfig, build_simulation_config
+from hydrafl.configfile import load_toml
 
 
 def test_flags_and_toml_keys_build_one_frozen_config(tmp_path):
@@ -29,10 +30,13 @@ def test_flags_and_toml_keys_build_one_frozen_config(tmp_path):
         ({"sites": 2, "min-sites": 3}, "invalid min-sites=3"),
         ({"outer-momentum": 1.0}, "outer-momentum"),
         ({"strategies": "fedavg,fedavg"}, "no repeats"),
-        ({"hydra-lora": "stacked"}, "invalid hydra-lora='stacked'.*products, factors"),
+        ({"hydra-lora": "stacked", "strategies": "hydra"}, "invalid hydra-lora='stacked'.*products, factors"),
+        ({"hydra-lora": "products"}, "unknown key 'hydra-lora' in options; it is a knob of hydra, not of fedavg"),
+        ({"outer-lr": 0.5, "strategies": "fedavg,fedprox"}, "it is a knob of diloco, hydra, not of fedavg, fedprox"),
+        ({"strategies": "fedavg,fedsgdx"}, "unknown strategy 'fedsgdx'; choose one of .*fedavg, fedprox"),
         ({"inner-optimizer": "lm-dual", "task": "clinical-notes-lm"}, "a classification task, nproc 1"),
         ({"inner-optimizer": "lm-dual", "nproc": 2}, "a classification task, nproc 1"),
-        ({"inner-optimizer": "lm-dual", "strategies": "fedavg,fedprox"}, "without FedProx's proximal term"),
+        ({"inner-optimizer": "lm-dual", "strategies": "fedavg,fedprox"}, "without a proximal term"),
     ],
 )
 def test_invalid_values_name_the_key(values, message):
@@ -54,9 +58,9 @@ def test_toml_errors_name_the_file(tmp_path):
 
 
 def test_unknown_strategy_lists_the_registry():
-    from hydrafl.strategies import STRATEGIES, build_strategy
+    from hydrafl.strategies import strategy_names
 
-    with pytest.raises(ValueError, match="fedavg, fedprox"):
-        build_strategy(RunConfig(strategy="fedsgdx"))
+    with pytest.raises(ConfigError, match="fedavg, fedprox"):
+        RunConfig(strategy="fedsgdx")
     assert {"fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedmedian", "fedtrimmedavg",
-            "krum", "diloco"} <= set(STRATEGIES)
+            "krum", "diloco"} <= set(strategy_names())

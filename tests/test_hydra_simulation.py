@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import json
 import math
 
@@ -11,36 +9,79 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from helpers import TIERED_RUN, TIER_OF_NODE, assert_resume_matches_a_straight_run, site_read_slices
+from helpers import (
+    TIERED_RUN,
+    TIER_OF_NODE,
+    assert_resume_matches_a_straight_run,
+    reply_layout,
+    sent_specs,
+    site_read_slices,
+)
 from hydrafl import server_app, site_app
 from hydrafl.arrays import from_record, record_nbytes, to_record
 from hydrafl.config import SimulationConfig
-from hydrafl.hydranet import (
-    COST_FIELDS,
-    LayerCost,
-    SubnetSpec,
-    coordinate_masks,
-    extract,
-    head_importance,
-    layer_importance,
-    merge,
-    plan_budget,
-    trainable_slices,
-)
 from hydrafl.models import build_model, task_loss
 from hydrafl.simulation.compare import compare_strategies
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
-from hydrafl.strategies import Hydra, build_strategy, layout_slices
-from hydrafl.strategies.lora_factors import lora_pairs
+from hydrafl.strategies import Hydra, build_strategy
+from hydrafl.lora_pairs import lora_pairs
+from hydrafl.subnet.apply import trainable_slices
+from hydrafl.subnet.planning import COST_FIELDS, LayerCost, plan_budget
+from hydrafl.subnet.scoring import head_importance, layer_importance
+from hydrafl.subnet.slices import coordinate_masks, extract, layout_slices, merge
+from hydrafl.subnet.spec import SubnetSpec
 
-CFG = dataclasses.replace(TIERED_RUN, strategy="hydra")
+CFG = TIERED_RUN.replace(strategy="hydra")
+
+
+def _query(cfg, grid, node, arrays) -> Message:
+    """The scoring query Hydra sends `node` before round 1 (`configure_query`, on the run's config)."""
+    queries = build_strategy(cfg).configure_query(1, arrays, ConfigRecord(cfg.to_flower()), grid)
+    return next(query for query in queries if query.metadata.dst_node_id == node)
 
 
 def _ask(grid, message_type, node, arrays, **config):
-    content = RecordDict({"arrays": arrays, "config": ConfigRecord({**CFG.to_flower(), **config})})
+    """`node`'s reply to a message on `arrays` as the coordinator sends it: a scoring query is Hydra's own, a
+    train message carries the run's config; `config` adds keys or overrides them."""
+    sent = _query(CFG, grid, node, arrays).content["config"] if message_type == "query.scores" else CFG.to_flower()
+    content = RecordDict({"arrays": arrays, "config": ConfigRecord({**sent, **config})})
     [reply] = grid.send_and_receive([Message(content, dst_node_id=node, message_type=message_type)])
     assert not reply.has_error(), reply.error.reason
     return reply
+
+
+class _RecordingGrid(InProcessGrid):
+    """The in-process grid, keeping every message the ServerApp sends and every reply it gets."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sent: list[Message] = []
+        self.replies: list[Message] = []
+
+    def send_and_receive(self, messages, *args, **kwargs):
+        messages = list(messages)
+        self.sent.extend(messages)
+        for reply in super().send_and_receive(messages, *args, **kwargs):
+            self.replies.append(reply)
+            yield reply
+
+    def count(self, message_type: str) -> int:
+        return sum(message.metadata.message_type == message_type for message in self.sent)
+
+    def train_messages(self, server_round: int) -> list[Message]:
+        return [
+            message
+            for message in self.sent
+            if message.metadata.message_type == "train" and message.content["config"]["server-round"] == server_round
+        ]
+
+    def specs(self, server_round: int) -> dict[int, SubnetSpec]:
+        """The Hydra-net each train message of `server_round` assigned its site."""
+        return sent_specs(self.train_messages(server_round))
+
+    def scores(self) -> list[Message]:
+        """The replies to the planning round's scoring queries."""
+        return [reply for reply in self.replies if reply.metadata.message_type == "query.scores"]
 
 
 def test_site_scores_and_partial_train_reply():
@@ -74,26 +115,30 @@ def test_site_scores_and_partial_train_reply():
 
 
 def test_hydra_two_rounds_changes_only_trained_coordinates_and_small_sites_send_less():
-    cfg = dataclasses.replace(CFG, site_tiers="small,medium,small")  # a head of the second layer stays untrained
+    cfg = CFG.replace(site_tiers="small,medium,small")  # a head of the second layer stays untrained
     tier_of_node = {FIRST_NODE_ID + i: tier for i, tier in enumerate(cfg.tier_list)}
     strategy = build_strategy(cfg)
-    grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
+    grid = _RecordingGrid(site_app.client_app, cfg.sites, cfg.to_flower())
     initial = from_record(server_app.request_initial_arrays(grid, cfg))
     result = server_app.run_federation(grid, cfg, strategy=strategy)
     final = from_record(result.arrays)
 
-    assert isinstance(strategy, Hydra) and sorted(strategy.site_scores) == sorted(tier_of_node)
+    assert isinstance(strategy, Hydra)
+    scores = grid.scores()
+    assert sorted(reply.metadata.src_node_id for reply in scores if not reply.has_error()) == sorted(tier_of_node)
+    specs = grid.specs(1)
+    assert grid.specs(2) == specs  # scored once: the same subnetworks in both rounds
     trained = {name: torch.zeros(t.shape, dtype=torch.bool) for name, t in initial.items()}
-    for spec in strategy.specs.values():  # scored once: the same subnetworks in both rounds
-        for name, mask in coordinate_masks(layout_slices(strategy.layout, spec), initial).items():
+    for spec in specs.values():
+        for name, mask in coordinate_masks(layout_slices(reply_layout(scores[0]), spec), initial).items():
             trained[name] |= mask
     assert not all(mask.all() for mask in trained.values())  # some coordinates nobody trained
     for name, mask in trained.items():
         torch.testing.assert_close(final[name][~mask], initial[name][~mask], rtol=0, atol=0)
     assert sum(int((final[name] != initial[name]).sum()) for name in initial) > 0
 
-    specs = {node: (len(spec.layers), [len(h) for h in spec.heads]) for node, spec in strategy.specs.items()}
-    assert specs == {FIRST_NODE_ID: (1, [2]), FIRST_NODE_ID + 1: (2, [3, 3]), FIRST_NODE_ID + 2: (1, [2])}
+    sizes = {node: (len(spec.layers), [len(h) for h in spec.heads]) for node, spec in specs.items()}
+    assert sizes == {FIRST_NODE_ID: (1, [2]), FIRST_NODE_ID + 1: (2, [3, 3]), FIRST_NODE_ID + 2: (1, [2])}
     for record in result.history[1:]:
         up = {int(node): n for node, n in record["bytes_up_per_site"].items()}
         params = {int(node): n for node, n in strategy.trainable_params[record["round"]].items()}
@@ -105,7 +150,7 @@ def test_hydra_two_rounds_changes_only_trained_coordinates_and_small_sites_send_
 
 
 def test_simulate_hydra_and_fedavg_writes_per_site_counts(tmp_path):
-    config = SimulationConfig(run=dataclasses.replace(CFG, rounds=1), strategies=("hydra", "fedavg"), out=str(tmp_path))
+    config = SimulationConfig(run=CFG.replace(rounds=1), strategies=("hydra", "fedavg"), out=str(tmp_path))
     compare_strategies(config, show_progress=False)
     results = json.loads((tmp_path / "results.json").read_text())
     hydra = results["strategies"]["hydra"]
@@ -118,17 +163,17 @@ def test_simulate_hydra_and_fedavg_writes_per_site_counts(tmp_path):
 
 
 def test_resume_with_outer_nesterov_ends_with_the_same_numbers(tmp_path):
-    cfg = dataclasses.replace(CFG, outer="nesterov", outer_lr=0.7, outer_momentum=0.9, rescore_every=2, rounds=3)
+    cfg = CFG.replace(outer="nesterov", outer_lr=0.7, outer_momentum=0.9, rescore_every=2, rounds=3)
     assert_resume_matches_a_straight_run(cfg, tmp_path)
 
 
 def test_unknown_site_tier_is_refused():
     with pytest.raises(ValueError, match="site-tiers"):
-        dataclasses.replace(CFG, site_tiers="small,huge,large")
+        CFG.replace(site_tiers="small,huge,large")
 
 
 def test_a_site_that_declares_little_memory_gets_a_hydra_net_that_fits_it():
-    cfg = dataclasses.replace(CFG, site_tiers="", rounds=1)
+    cfg = CFG.replace(site_tiers="", rounds=1)
     grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
     initial = server_app.request_initial_arrays(grid, cfg)
     undeclared = _ask(grid, "query.scores", FIRST_NODE_ID, initial).content["metrics"]
@@ -137,10 +182,10 @@ def test_a_site_that_declares_little_memory_gets_a_hydra_net_that_fits_it():
     fixed, per_layer = metrics["cost.fixed-bytes"], metrics["cost.per-layer-bytes"]
     assert fixed > 0 and per_layer > 0 and metrics["memory-bytes"] == 0  # measured for the deadline; no memory
     limit_mb = (fixed + 1.2 * per_layer) / 1e6  # room for one trained layer, not two
-    cfg = dataclasses.replace(cfg, site_memory_mb=f"{limit_mb},0,0")
-    strategy = build_strategy(cfg)
-    result = server_app.run_federation(InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower()), cfg, strategy=strategy)
-    layers = {node: len(spec.layers) for node, spec in strategy.specs.items()}
+    cfg = cfg.replace(site_memory_mb=f"{limit_mb},0,0")
+    grid = _RecordingGrid(site_app.client_app, cfg.sites, cfg.to_flower())
+    result = server_app.run_federation(grid, cfg, strategy=build_strategy(cfg))
+    layers = {node: len(spec.layers) for node, spec in grid.specs(1).items()}
     assert layers == {FIRST_NODE_ID: 1, FIRST_NODE_ID + 1: 2, FIRST_NODE_ID + 2: 2}
     peak = result.history[1]["peak_memory_per_site"]
     assert peak[str(FIRST_NODE_ID)] <= limit_mb * 1e6 < peak[str(FIRST_NODE_ID + 1)]  # measured while training
@@ -197,18 +242,25 @@ def test_a_site_refuses_a_download_that_lacks_what_its_subnetwork_reads():
 
 
 def test_hydra_sends_each_site_only_what_its_hydra_net_reads():
-    cfg = dataclasses.replace(CFG, hydra_bypass=True, hydra_head_mode="drop")  # dropped heads are not sent either
-    strategy = build_strategy(cfg)
-    grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
+    cfg = CFG.replace(hydra_bypass=True, hydra_head_mode="drop")  # dropped heads are not sent either
+    grid = _RecordingGrid(site_app.client_app, cfg.sites, cfg.to_flower())
     initial = server_app.request_initial_arrays(grid, cfg)
-    result = server_app.run_federation(grid, cfg, strategy=strategy)
+    result = server_app.run_federation(grid, cfg, strategy=build_strategy(cfg))
+    specs = grid.specs(1)
+    assert grid.specs(2) == specs  # scored once: the same Hydra-nets in every round
     expected = {}
-    for node, spec in strategy.specs.items():  # scored once: the same Hydra-nets in every round
+    for node, spec in specs.items():
         assert spec.bypass
         read = site_read_slices(CFG, spec)
         shapes = {name: sl.taken_shape(a.shape) for name, a in initial.items() if (sl := read.get(name))}
         expected[str(node)] = record_nbytes(to_record({name: torch.zeros(shape) for name, shape in shapes.items()}))
-    for record in result.history[1:]:
+    for server_round in (1, 2):  # what the train messages carry
+        messages = grid.train_messages(server_round)
+        assert {str(m.metadata.dst_node_id): record_nbytes(m.content["arrays"]) for m in messages} == expected
+    # round 1's download holds the planning query too: the whole model, to every site
+    query = record_nbytes(initial)
+    assert result.history[1]["bytes_down_per_site"] == {node: query + n for node, n in expected.items()}
+    for record in result.history[2:]:
         assert record["bytes_down_per_site"] == expected
     down = {TIER_OF_NODE[int(node)]: n for node, n in expected.items()}
     assert down["small"] < down["medium"] < down["large"] == record_nbytes(initial)  # large: the whole model
@@ -216,15 +268,15 @@ def test_hydra_sends_each_site_only_what_its_hydra_net_reads():
 
 @pytest.mark.parametrize("task", ["clinical-text", "clinical-notes-lm"])  # BERT (q/k/v/o) and Llama (GQA) layouts
 def test_hydra_over_lora_steps_the_products_of_trained_layers_and_keeps_the_rest(task):
-    cfg = dataclasses.replace(CFG, task=task, lora_rank=4, site_tiers="small,small,small", rounds=1)  # one layer of two
-    strategy = build_strategy(cfg)
-    grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
+    cfg = CFG.replace(task=task, lora_rank=4, site_tiers="small,small,small", rounds=1)  # one layer of two
+    grid = _RecordingGrid(site_app.client_app, cfg.sites, cfg.to_flower())
     initial = from_record(server_app.request_initial_arrays(grid, cfg))
-    final = from_record(server_app.run_federation(grid, cfg, strategy=strategy).arrays)
+    final = from_record(server_app.run_federation(grid, cfg, strategy=build_strategy(cfg)).arrays)
 
-    trained_layers = {layer for spec in strategy.specs.values() for layer in spec.layers}
+    trained_layers = {layer for spec in grid.specs(1).values() for layer in spec.layers}
+    layout = reply_layout(grid.scores()[0])
     pairs = lora_pairs(initial)
-    untrained = [pair for pair in pairs if strategy.layout[pair.a][0] not in trained_layers]
+    untrained = [pair for pair in pairs if layout[pair.a][0] not in trained_layers]
     assert untrained and len(untrained) < len(pairs)
     for pair in pairs:
         if pair in untrained:  # factors bit for bit
@@ -237,46 +289,32 @@ def test_hydra_over_lora_steps_the_products_of_trained_layers_and_keeps_the_rest
 def test_hydra_with_frozen_heads_trains_the_same_slices_and_sends_the_frozen_heads_down():
     runs = {}
     for name in ("drop", "freeze"):
-        cfg = dataclasses.replace(CFG, hydra_head_mode=name, rounds=1)
-        strategy = build_strategy(cfg)
-        grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
-        runs[name] = (strategy, server_app.run_federation(grid, cfg, strategy=strategy).history[1])
+        cfg = CFG.replace(hydra_head_mode=name, rounds=1)
+        grid = _RecordingGrid(site_app.client_app, cfg.sites, cfg.to_flower())
+        history = server_app.run_federation(grid, cfg, strategy=build_strategy(cfg)).history
+        runs[name] = (grid.specs(1), history[1])
     (drop, drop_round), (freeze, freeze_round) = runs["drop"], runs["freeze"]
-    assert all(spec.freeze_heads for spec in freeze.specs.values())
-    assert {n: s.layers for n, s in freeze.specs.items()} == {n: s.layers for n, s in drop.specs.items()}
+    assert all(spec.freeze_heads for spec in freeze.values()) and not any(spec.freeze_heads for spec in drop.values())
+    assert {n: s.layers for n, s in freeze.items()} == {n: s.layers for n, s in drop.items()}
     assert freeze_round["bytes_up_per_site"] == drop_round["bytes_up_per_site"]  # the same trained slices
     small = str(next(node for node, tier in TIER_OF_NODE.items() if tier == "small"))
     assert freeze_round["bytes_down_per_site"][small] > drop_round["bytes_down_per_site"][small]
 
 
-class _CountingGrid(InProcessGrid):
-    """The in-process grid, counting what the ServerApp sends by message type."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.sent = collections.Counter()
-
-    def send_and_receive(self, messages, *args, **kwargs):
-        messages = list(messages)
-        self.sent.update(message.metadata.message_type for message in messages)
-        return super().send_and_receive(messages, *args, **kwargs)
-
-
 @pytest.mark.parametrize(("rescore_every", "scoring_rounds"), [(0, 1), (2, 2), (1, 3)])
 def test_rescore_every_asks_the_sites_for_scores_again(rescore_every, scoring_rounds):
-    cfg = dataclasses.replace(CFG, rounds=3, local_steps=1, rescore_every=rescore_every)
-    grid = _CountingGrid(site_app.client_app, cfg.sites, cfg.to_flower())
+    cfg = CFG.replace(rounds=3, local_steps=1, rescore_every=rescore_every)
+    grid = _RecordingGrid(site_app.client_app, cfg.sites, cfg.to_flower())
     server_app.run_federation(grid, cfg, strategy=build_strategy(cfg))
-    assert grid.sent["query.scores"] == scoring_rounds * cfg.sites  # rounds 1, 1+N, 1+2N, ... of 3
+    assert grid.count("query.scores") == scoring_rounds * cfg.sites  # rounds 1, 1+N, 1+2N, ... of 3
 
 
 @pytest.mark.parametrize(("layer_score", "head_score"), [("fisher", "taylor"), ("taylor", "confidence")])
 def test_a_site_scores_with_the_runs_methods_on_its_first_training_samples(layer_score, head_score):
-    cfg = dataclasses.replace(CFG, layer_score=layer_score, head_score=head_score, score_samples=20, batch_size=8)
+    cfg = CFG.replace(layer_score=layer_score, head_score=head_score, score_samples=20, batch_size=8)
     grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
     initial = server_app.request_initial_arrays(grid, cfg)
-    content = RecordDict({"arrays": initial, "config": ConfigRecord(cfg.to_flower())})
-    [reply] = grid.send_and_receive([Message(content, dst_node_id=FIRST_NODE_ID, message_type="query.scores")])
+    [reply] = grid.send_and_receive([_query(cfg, grid, FIRST_NODE_ID, initial)])
     metrics = reply.content["metrics"]
     cohort = site_app.run_cohort(cfg)
     split = cohort.sites[0]
@@ -319,7 +357,7 @@ def test_a_site_that_declares_itself_slow_sits_out_a_deadline_a_fast_site_meets_
 
 
 def test_hydra_and_heterofl_size_tiered_nets_on_the_chest_xray_vit(tmp_path):
-    run = dataclasses.replace(CFG, task="chest-xray", rounds=1, local_steps=1)
+    run = CFG.replace(task="chest-xray", rounds=1, local_steps=1)
     results = compare_strategies(
         SimulationConfig(run=run, strategies=("hydra", "heterofl"), out=str(tmp_path)), show_progress=False
     )

@@ -1,4 +1,5 @@
-"""Imports point one way: strategies and the shared core never reach into the coordinator or the site agent."""
+"""Imports point one way: strategies and the shared core never reach into the coordinator or the site agent,
+the coordinator loads no model code, no module imports itself back through others, and files stay small."""
 
 from __future__ import annotations
 
@@ -8,15 +9,42 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"hydrafl": "hydrafl", "strategies": "hydrafl.strategies", "server": "hydrafl.server",
+            "client": "hydrafl.client", "proto": "hydrafl.proto", "benchmarks": "hydrafl.benchmarks"}
+GENERATED = ("_pb2.py", "_pb2_grpc.py")
+
+MODEL_CODE = (
+    "transformers", "peft", "matplotlib", "hydrafl.models", "hydrafl.causal_lm", "hydrafl.backbones",
+    "hydrafl.site_app", "hydrafl.training", "hydrafl.footprint", "hydrafl.losses", "hydrafl.data",
+    "hydrafl.kernels", "hydrafl.subnet.apply", "hydrafl.subnet.architecture", "hydrafl.subnet.scoring",
+    "hydrafl.subnet.measure",
+)
+"""Site-side code: nn.Module models and what trains, scores or measures them, the cohorts, the kernels, plots."""
 
 
-def _imports(path: Path) -> set[str]:
+def _module_name(path: Path) -> str:
+    relative = path.relative_to(ROOT)
+    parts = [PACKAGES[relative.parts[0]], *relative.with_suffix("").parts[1:]]
+    return ".".join(part for part in parts if part != "__init__")
+
+
+def _sources() -> list[Path]:
+    return [path for folder in PACKAGES for path in ROOT.joinpath(folder).rglob("*.py")
+            if not path.name.endswith(GENERATED)]
+
+
+def _imports(path: Path, *, top_level_only: bool = False) -> set[str]:
+    """Imported module names; with `top_level_only`, those a module runs when it is imported (not the ones
+    inside functions or under `if TYPE_CHECKING:`)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in nodes:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
 
 
@@ -26,24 +54,66 @@ def test_strategies_and_core_do_not_import_server_or_client():
     offenders = {
         str(path.relative_to(ROOT)): sorted(name for name in _imports(path) if f"{name}.".startswith(runtime))
         for path in checked
-        if path.name != "cli.py"  # the command line is the one place that wires every runtime together
+        if path.parent.name != "cli"  # the command line is the one place that wires every runtime together
     }
     assert {path: names for path, names in offenders.items() if names} == {}
     assert len(checked) > 20
 
 
-def test_the_site_agent_does_not_import_the_coordinator():
+def test_strategies_import_no_site_or_model_code():
+    forbidden = ("hydrafl.server", "hydrafl.client", "hydrafl.site_app", *MODEL_CODE)
+    offenders = {
+        path.name: sorted(name for name in _imports(path) if name.startswith(forbidden))
+        for path in ROOT.joinpath("strategies").glob("*.py")
+    }
+    assert {name: names for name, names in offenders.items() if names} == {}
+
+
+def test_the_site_app_imports_no_strategy_and_the_agent_not_the_coordinator():
+    assert not [name for name in _imports(ROOT / "hydrafl" / "site_app.py") if name.startswith("hydrafl.strategies")]
+    probe = "import sys, hydrafl.site_app, hydrafl.client.agent\nprint(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert [name for name in loaded if name.startswith("hydrafl.strategies.")] == ["hydrafl.strategies.registry"]
     for path in ROOT.joinpath("client").glob("*.py"):
         assert not [name for name in _imports(path) if f"{name}.".startswith("hydrafl.server.")], path
 
 
+def test_no_import_cycle_among_the_modules_loaded_at_import_time():
+    modules = {_module_name(path): path for path in _sources()}
+    graph = {
+        name: {imported for imported in _imports(path, top_level_only=True) if imported in modules and imported != name}
+        for name, path in modules.items()
+    }
+    state: dict[str, str] = {}
+
+    def visit(name: str, trail: list[str]) -> list[str]:
+        state[name] = "open"
+        for child in sorted(graph[name]):
+            if state.get(child) == "open":
+                return [*trail, name, child]
+            if child not in state and (cycle := visit(child, [*trail, name])):
+                return cycle
+        state[name] = "done"
+        return []
+
+    cycles = [cycle for name in sorted(graph) if name not in state and (cycle := visit(name, []))]
+    assert cycles == []
+
+
+def test_no_source_file_is_over_500_lines():
+    long = {str(path.relative_to(ROOT)): n for path in _sources() if (n := len(path.read_text().splitlines())) > 500}
+    assert long == {}
+
+
 def test_the_coordinator_process_loads_no_model_code():
-    """DESIGN.md: the coordinator handles named arrays only. Checked on what a real import pulls in."""
+    """DESIGN.md: the coordinator handles named arrays only. Checked on what a real import pulls in: the
+    coordinator, the ServerApp it runs with every strategy loaded, and the CLI's server and admin commands."""
     probe = (
-        "import sys, hydrafl.server.coordinator, hydrafl.cli\n"
+        "import sys, hydrafl.server.coordinator, hydrafl.server_app, hydrafl.cli.server, hydrafl.cli.admin\n"
+        "from hydrafl.strategies.registry import strategy_names\n"
+        "strategy_names()\n"
         "print(' '.join(sorted(sys.modules)))"
     )
     loaded = set(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split())
-    model_code = ("transformers", "peft", "hydrafl.models", "hydrafl.model_zoo", "hydrafl.site_app", "hydrafl.training")
-    assert "hydrafl.server_app" in loaded and "hydrafl.strategies.hydra" in loaded
-    assert sorted(name for name in loaded if name.startswith(model_code)) == []
+    assert {"hydrafl.server_app", "hydrafl.strategies.hydra", "hydrafl.strategies.flora"} <= loaded
+    assert sorted(name for name in loaded if name.startswith(MODEL_CODE)) == []

@@ -23,7 +23,8 @@ def test_wheel_installs_every_subpackage_under_hydrafl(tmp_path):
     [wheel] = tmp_path.glob("hydrafl-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for module in ("hydrafl/server/__init__.py", "hydrafl/client/__init__.py", "hydrafl/proto/__init__.py",
-                   "hydrafl/strategies/diloco.py", "hydrafl/benchmarks/__init__.py", "hydrafl/data/__init__.py"):
+                   "hydrafl/strategies/diloco.py", "hydrafl/benchmarks/__init__.py", "hydrafl/data/__init__.py",
+                   "hydrafl/cli/admin.py"):
         assert module in names
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],

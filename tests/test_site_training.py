@@ -3,7 +3,6 @@ deltas, the per-round data hash in replies and round records, and the pseudo-gra
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
@@ -20,13 +19,15 @@ from hydrafl.arrays import from_record, sliced_record, to_record
 from hydrafl.cli import app
 from hydrafl.config import ConfigError, RunConfig
 from hydrafl.driver import DriverConfig, RoundDriver, RoundRecord
-from hydrafl.hydranet import Slice, SubnetSpec, apply_spec
 from hydrafl.kernels.elastic_loader import hash_global_batches, round_order
-from hydrafl.kernels.pseudo_gradients import cosine_to_reference, noise_scale
-from hydrafl.model_zoo import forward_flops
+from hydrafl.pseudo_gradients import cosine_to_reference, noise_scale
 from hydrafl.models import build_model
 from hydrafl.simulation.compare import run_strategy
 from hydrafl.simulation.grid import POOLED_NODE_ID, InProcessGrid
+from hydrafl.subnet.apply import apply_spec
+from hydrafl.subnet.counts import forward_flops
+from hydrafl.subnet.slices import Slice
+from hydrafl.subnet.spec import SubnetSpec
 from hydrafl.training import train_flops_per_sample
 
 CFG = RunConfig(task="tabular", sites=2, samples_per_site=50, local_steps=6, batch_size=8, lr=3e-3)
@@ -105,7 +106,7 @@ def test_a_two_process_hydra_subnetwork_sends_the_one_process_delta(spec):
 
 def test_a_two_process_lora_site_sends_the_one_process_delta():
     """The spawned processes rebuild the LoRA-wrapped model: the LoRA factors and head train identically."""
-    cfg = dataclasses.replace(CFG, lora_rank=4)
+    cfg = CFG.replace(lora_rank=4)
     one, two = (_train_reply(nproc, cfg) for nproc in (1, 2))
     assert any("lora_" in name for name in one.content["arrays"])
     f1, f2 = _flat(one.content["arrays"]), _flat(two.content["arrays"])
@@ -134,7 +135,7 @@ def test_training_flops_per_sample_are_three_forwards_at_the_models_token_count(
 
 
 def test_round_records_keep_each_sites_data_hash(tmp_path):
-    cfg = dataclasses.replace(CFG, rounds=2, local_steps=2, run_dir=str(tmp_path / "run"))
+    cfg = CFG.replace(rounds=2, local_steps=2, run_dir=str(tmp_path / "run"))
     grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
     history = server_app.run_federation(grid, cfg).history
     for record in history[1:]:
@@ -193,12 +194,12 @@ def test_diagnostics_stream_the_noise_scale_and_compare_with_the_full_data_delta
 
 
 def test_simulation_diagnostics_on_the_real_app_and_in_the_report(tmp_path):
-    cfg = dataclasses.replace(CFG, sites=3, rounds=2, local_steps=3, diagnostics=True, run_dir="")
+    cfg = CFG.replace(sites=3, rounds=2, local_steps=3, diagnostics=True, run_dir="")
     history = run_strategy(cfg, "inprocess")
     for record in history[1:]:
         assert 0 < record["noise_scale"] < math.inf
         assert -1.0 <= record["full_data_cosine"] <= 1.0 and record["full_data_cosine"] > 0.3
-    plain = run_strategy(dataclasses.replace(cfg, diagnostics=False), "inprocess")
+    plain = run_strategy(cfg.replace(diagnostics=False), "inprocess")
     assert [r["loss"] for r in plain] == [r["loss"] for r in history]  # the extra run changes no numbers
 
 
@@ -246,10 +247,11 @@ def test_site_cli_puts_nproc_in_the_node_config(monkeypatch):
 
 def test_the_coordinator_keeps_data_hashes_in_the_run_history(tmp_path, monkeypatch):
     from hydrafl.server import coordinator as coordinator_module
+    from hydrafl.server.config import CoordinatorConfig
 
     db = f"sqlite:///{tmp_path / 'c.db'}"
     coordinator = coordinator_module.Coordinator(
-        listen="127.0.0.1:0", db_url=db, blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs"
+        CoordinatorConfig(listen="127.0.0.1:0", db_url=db, blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs")
     )
 
     def fake_federation(grid, cfg, *, on_round):
@@ -266,7 +268,7 @@ def test_the_coordinator_keeps_data_hashes_in_the_run_history(tmp_path, monkeypa
 
 def test_bf16_autocast_trains_close_to_fp32_but_not_identically(one_and_two_process_replies):
     fp32 = _flat(one_and_two_process_replies[1].content["arrays"])
-    bf16 = _flat(_train_reply(1, dataclasses.replace(CFG, bf16=True)).content["arrays"])
+    bf16 = _flat(_train_reply(1, CFG.replace(bf16=True)).content["arrays"])
     relative = float((bf16 - fp32).norm() / fp32.norm())
     assert 0.0 < relative < 0.5  # bfloat16 matmuls round (8-bit mantissa), yet the update points the same way
     assert float(torch.nn.functional.cosine_similarity(bf16, fp32, dim=0)) > 0.9

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hydrafl.catalog import NEXT_TOKEN_TASKS, TASKS
 from hydrafl.data import image_cohort, notes_lm_cohort, tabular_cohort, text_cohort
 from hydrafl.data.files import read_dataset
 from hydrafl.data.partition import parse_partition, split_by_label, train_test_indices
@@ -19,10 +20,6 @@ from hydrafl.data.tokenizer import tokenize
 
 __all__ = ["NEXT_TOKEN_TASKS", "TASKS", "Cohort", "DataError", "SiteSplit", "TaskSpec", "load_cohort", "tokenize"]
 
-TASKS: tuple[str, ...] = ("clinical-text", "chest-xray", "tabular")
-"""The classification tasks: one label per row."""
-NEXT_TOKEN_TASKS: tuple[str, ...] = (notes_lm_cohort.TASK,)
-"""Causal-LM tasks: a next-token target per position (`TaskSpec.objective` "next-token")."""
 _GENERATORS = {
     "clinical-text": text_cohort,
     "chest-xray": image_cohort,

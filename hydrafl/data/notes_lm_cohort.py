@@ -12,11 +12,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hydrafl.catalog import NEXT_TOKEN_TASKS
 from hydrafl.data.schema import TaskSpec
 from hydrafl.data.text_cohort import site_notes
 from hydrafl.data.tokenizer import PAD_ID, SEQ_LEN, VOCAB_SIZE, tokenize
 
-TASK = "clinical-notes-lm"
+TASK = NEXT_TOKEN_TASKS[0]
 NEXT_TOKEN = "next-token"
 IGNORE_INDEX = -100
 """Target of positions without a next token (the `ignore_index` of the loss kernels)."""

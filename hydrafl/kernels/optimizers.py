@@ -18,8 +18,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-INNER_OPTIMIZERS = ("adamw", "sgd", "muon", "lm-dual")
-"""lm-dual (Levenberg-Marquardt, dual form) trains only the classification head: `kernels.lm_dual.HeadLM`."""
+from hydrafl.catalog import INNER_OPTIMIZERS
 
 
 class InnerOptimizer:

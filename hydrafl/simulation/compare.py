@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -16,10 +15,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from hydrafl.server_app import build_server_app, run_federation
 from hydrafl.site_app import client_app, run_cohort
-from hydrafl.config import RunConfig, SimulationConfig
+from hydrafl.config import RUN_WIDE_KEYS, RunConfig, SimulationConfig
 from hydrafl.driver import RoundRecord
 from hydrafl.simulation.grid import InProcessGrid
-from hydrafl.strategies import Hydra, build_strategy
+from hydrafl.strategies import build_strategy
+from hydrafl.strategies.hooks import PlansSubnetworks
 from hydrafl.simulation.report import write_report
 
 OnRound = Callable[[RoundRecord], None]
@@ -31,7 +31,12 @@ def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) 
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
-        "config": {**dataclasses.asdict(config.run), "strategies": list(config.strategies), "backend": config.backend},
+        "config": {
+            **{key: value for key, value in config.run.flat().items() if key in RUN_WIDE_KEYS},
+            "strategies": list(config.strategies),
+            "knobs": dict(config.knobs),
+            "backend": config.backend,
+        },
         "strategies": {},
     }
     columns = (TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"))
@@ -50,7 +55,7 @@ def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) 
             results["strategies"][strategy] = {
                 "seconds": time.perf_counter() - started, "lora_rank": run_cfg.lora_rank, "rounds": history
             }
-            if isinstance(built, Hydra):  # per round, per site; bytes per site are in the round records
+            if isinstance(built, PlansSubnetworks):  # per round, per site; bytes per site are in the round records
                 results["strategies"][strategy]["trainable_params_per_site"] = built.trainable_params
     write_report(out, results)
     return results

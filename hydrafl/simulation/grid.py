@@ -2,16 +2,17 @@
 
 No Ray, no sockets. Every message still crosses a serialisation boundary (Flower's own protobuf form), so a
 ClientApp can never mutate the server's arrays and what runs here behaves as it would on a real wire.
-Replies come back in the order the messages were pushed, which keeps aggregation order (and therefore
-floating-point sums) deterministic. With `pooled_site`, one more site (`reference_node`, never listed by
-`get_node_ids`, so strategies never sample it) holds every site's training data: the full-data reference
-of the pseudo-gradient diagnostics.
+`send_and_receive` runs the sites one after another in node order and yields each reply as soon as its site
+finishes: the round driver aggregates it before the next site runs (the server holds one reply at a time), and
+the fixed order keeps aggregation order (and therefore floating-point sums) deterministic. With `pooled_site`,
+one more site (`reference_node`, never listed by `get_node_ids`, so strategies never sample it) holds every
+site's training data: the full-data reference of the pseudo-gradient diagnostics.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -88,8 +89,7 @@ class InProcessGrid(Grid):
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         message_ids = []
         for message in messages:
-            message_id = self._new_message_id()
-            message.metadata.__dict__["_message_id"] = message_id
+            message_id = self._stamp(message)
             self._replies[message_id] = self._deliver(message)
             message_ids.append(message_id)
         return message_ids
@@ -97,8 +97,18 @@ class InProcessGrid(Grid):
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         return [self._replies.pop(message_id) for message_id in message_ids if message_id in self._replies]
 
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        return self.pull_messages(self.push_messages(messages))
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterator[Message]:
+        """Each site's reply as soon as its site has run, sites in node order. Lazy: a site runs when its reply
+        is asked for, so only the reply being consumed is held. Every site answers, so `timeout` never applies."""
+        for message in sorted(messages, key=lambda message: message.metadata.dst_node_id):
+            self._stamp(message)
+            yield self._deliver(message)
+
+    def _stamp(self, message: Message) -> str:
+        """Give a pushed message its id, as a real grid does."""
+        message_id = self._new_message_id()
+        message.metadata.__dict__["_message_id"] = message_id
+        return message_id
 
     def _new_message_id(self) -> str:
         self._next_message_id += 1

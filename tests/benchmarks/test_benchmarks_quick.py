@@ -1,4 +1,5 @@
-"""The benchmarks' --quick modes run end to end and their numerical checks pass (no timing is asserted)."""
+"""The benchmarks' --quick modes run end to end and their numerical checks pass; the one timing asserted is a
+ratio of several seconds (the command line against the imports it does not make)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ def test_aggregation_quick(tmp_path):
         assert set(entry) == {"hydrafl", "flower"}
         assert {"peak_mb", "extra_mb", "extra_models"} <= set(entry["flower"])
     assert {"hydrafl_under_goal", "hydrafl_spread_models", "flower_growth_models"} <= set(memory)
+
+
+def test_cli_startup_quick(tmp_path):
+    result = run_quick("cli_startup", tmp_path, timeout_s=300)
+    assert result["quick"] is True
+    commands = result["commands"]
+    assert set(commands) == {"hydrafl --help", "hydrafl admin site list", "baseline: import torch, flwr, matplotlib",
+                             "python -c pass"}
+    assert all(len(entry["seconds"]) == result["reps"] for entry in commands.values())
+    assert result["help_faster_than_baseline"], commands
 
 
 @pytest.mark.slow

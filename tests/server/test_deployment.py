@@ -1,4 +1,8 @@
-"""A real coordinator process and real site processes on loopback, against the in-process simulation."""
+"""A real coordinator process and real site processes on loopback, against the in-process simulation.
+
+The coordinator streams each reply to DiLoCo and Hydra as it arrives, in whatever order the sites finish; the
+simulation's order is node order. Float sums in a different order may differ in their last bits, and so may the
+numbers after them: losses compare with a relative tolerance, not bit for bit."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from hydrafl.config import RunConfig
 from hydrafl.server.store import Run as StoredRun
 from hydrafl.simulation.compare import run_strategy
 
-RUN = RunConfig(task="tabular", sites=3, samples_per_site=60, rounds=3, local_steps=3, batch_size=16, lr=3e-3,
+RUN = RunConfig.build(task="tabular", sites=3, samples_per_site=60, rounds=3, local_steps=3, batch_size=16, lr=3e-3,
                 strategy="diloco", outer_lr=0.5)
 
 

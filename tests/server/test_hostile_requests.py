@@ -19,6 +19,7 @@ from sqlalchemy import delete, select
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
 from hydrafl.proto.envelope import CHUNK_BYTES, sha256, split_message
+from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.grid import CoordinatorGrid
 from hydrafl.server.limits import SiteLimits
@@ -37,8 +38,10 @@ class Live:
     """A coordinator with sites a and b, one running run, and a train message to each."""
 
     def __init__(self, tmp_path, limits: SiteLimits) -> None:
-        self.coordinator = Coordinator(listen="127.0.0.1:0", db_url=f"sqlite:///{tmp_path / 'c.db'}",
-                                       blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs", limits=limits)
+        self.coordinator = Coordinator(CoordinatorConfig(
+            listen="127.0.0.1:0", db_url=f"sqlite:///{tmp_path / 'c.db'}", blob_dir=tmp_path / "blobs",
+            runs_dir=tmp_path / "runs", limits=limits,
+        ))
         self.coordinator.start()
         self.store = self.coordinator.store
         (site_a, self.token_a), (site_b, self.token_b) = self.store.add_site("a"), self.store.add_site("b")

@@ -18,21 +18,23 @@ from deployment import free_port, wait_serving
 from sqlalchemy import create_engine
 
 from hydrafl.config import RunConfig
+from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator, LeaseLost
 from hydrafl.server.store import CoordinatorLease, LeaseClaim, LeaseHeld, Store, lease_age_s
 
 
-def _claim(holder: str, stale_s: float = 30.0, pid: int = 1) -> LeaseClaim:
-    return LeaseClaim(holder=holder, host="ward-7", pid=pid, listen=f"10.0.0.{pid}:9091", stale_s=stale_s)
+def _claim(holder: str, stale_s: float = 30.0, pid: int = 1, host: str = "ward-7") -> LeaseClaim:
+    return LeaseClaim(holder=holder, host=host, pid=pid, listen=f"10.0.0.{pid}:9091", stale_s=stale_s)
 
 
 def test_a_fresh_lease_refuses_others_and_a_stale_one_is_taken_over_once(db_url):
     store = Store(db_url)
     assert store.acquire_lease(_claim("a" * 32, stale_s=0.5, pid=11)) is None
+    # from another host, so whether a pid 11 runs here says nothing about the holder: only staleness counts
     with pytest.raises(LeaseHeld, match=r"ward-7 pid 11, listening on 10\.0\.0\.11:9091, last heartbeat 0\.\d s ago"):
-        store.acquire_lease(_claim("b" * 32, pid=12))
+        store.acquire_lease(_claim("b" * 32, pid=12, host="ward-8"))
     time.sleep(0.6)
-    taken_from = store.acquire_lease(_claim("b" * 32, pid=12))
+    taken_from = store.acquire_lease(_claim("b" * 32, pid=12, host="ward-8"))
     assert (taken_from.holder, taken_from.pid) == ("a" * 32, 11)
     assert store.lease().holder == "b" * 32
     [event] = store.audit_events("lease-taken-over")
@@ -85,9 +87,9 @@ def test_coordinators_racing_for_the_lease_exactly_one_wins(db_url, stale_before
 
 
 def test_a_running_coordinator_heartbeats_and_releases_at_stop(db_url, tmp_path):
-    coordinator = Coordinator(
+    coordinator = Coordinator(CoordinatorConfig(
         listen="127.0.0.1:0", db_url=db_url, blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs", lease_stale_s=0.6
-    )
+    ))
     coordinator.start()
     try:
         time.sleep(1.0)  # past the stale threshold: only the heartbeats (every 0.1 s) keep the lease fresh
@@ -105,9 +107,9 @@ def test_a_coordinator_whose_lease_was_taken_over_stops_driving_runs_loudly(tmp_
     store = Store(db_url)
     config = RunConfig(task="tabular", sites=2, rounds=1).to_flower()
     run = store.create_run({k: v for k, v in config.items() if k not in ("run-dir", "resume")})
-    coordinator = Coordinator(
+    coordinator = Coordinator(CoordinatorConfig(
         listen="127.0.0.1:0", db_url=db_url, blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs", lease_stale_s=0.6
-    )
+    ))
     coordinator.start()
     raised: list[BaseException] = []
     driver = threading.Thread(target=lambda: _record_error(coordinator.serve_forever, raised))
@@ -129,9 +131,9 @@ def test_a_coordinator_whose_lease_was_taken_over_stops_driving_runs_loudly(tmp_
 
 def test_a_failing_heartbeat_is_logged_and_retried_without_giving_the_run_up(tmp_path, caplog):
     db_url = f"sqlite:///{tmp_path / 'coordinator.db'}"
-    coordinator = Coordinator(
+    coordinator = Coordinator(CoordinatorConfig(
         listen="127.0.0.1:0", db_url=db_url, blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs", lease_stale_s=0.6
-    )
+    ))
     coordinator.start()
     CoordinatorLease.__table__.drop(create_engine(db_url))  # every renewal now fails in the database
     time.sleep(0.5)
@@ -167,7 +169,8 @@ def _error_line(stderr: str) -> str:
 def test_a_second_server_on_the_same_database_or_the_same_port_refuses_to_start(tmp_path):
     db_url = f"sqlite:///{tmp_path / 'coordinator.db'}"
     address = f"127.0.0.1:{free_port()}"
-    first = Coordinator(listen=address, db_url=db_url, blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs")
+    first = Coordinator(CoordinatorConfig(listen=address, db_url=db_url, blob_dir=tmp_path / "blobs",
+                                          runs_dir=tmp_path / "runs"))
     first.start()
     try:
         other_db = f"sqlite:///{tmp_path / 'other.db'}"

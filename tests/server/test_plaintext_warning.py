@@ -7,6 +7,7 @@ import logging
 import pytest
 
 from hydrafl.netaddr import is_loopback
+from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
 
 
@@ -32,9 +33,9 @@ def test_only_loopback_addresses_are_loopback(address, loopback):
 
 @pytest.mark.parametrize(("listen", "warns"), [("0.0.0.0:0", True), ("127.0.0.1:0", False)])
 def test_a_plaintext_coordinator_on_the_network_warns(tmp_path, caplog, listen, warns):
-    coordinator = Coordinator(
+    coordinator = Coordinator(CoordinatorConfig(
         listen=listen, db_url=f"sqlite:///{tmp_path / 'c.db'}", blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs"
-    )
+    ))
     with caplog.at_level(logging.WARNING, logger="hydrafl.server.coordinator"):
         coordinator.start()
     coordinator.stop()

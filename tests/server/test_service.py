@@ -11,6 +11,7 @@ from sqlalchemy import func, select
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
 from hydrafl.proto.envelope import CHUNK_BYTES, sha256, split_message
+from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.grid import CoordinatorGrid
 from hydrafl.server.store import Reply
@@ -18,8 +19,8 @@ from hydrafl.server.store import Reply
 
 @pytest.fixture
 def live(tmp_path):
-    coordinator = Coordinator(listen="127.0.0.1:0", db_url=f"sqlite:///{tmp_path / 'c.db'}",
-                              blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs")
+    coordinator = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", db_url=f"sqlite:///{tmp_path / 'c.db'}",
+                                                blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs"))
     coordinator.start()
     store = coordinator.store
     (site_a, token_a), (_, token_b) = store.add_site("a"), store.add_site("b")

@@ -14,6 +14,7 @@ from flwr.app import Array, ArrayRecord, Context, RecordDict
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
+from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.grid import CoordinatorGrid
 
@@ -22,8 +23,8 @@ TESTS = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_stock_flower_apps_behind_hydrafl_site(tmp_path):
-    coordinator = Coordinator(listen="127.0.0.1:0", db_url=f"sqlite:///{tmp_path / 'c.db'}",
-                              blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs")
+    coordinator = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", db_url=f"sqlite:///{tmp_path / 'c.db'}",
+                                                blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs"))
     coordinator.start()
     tokens = [coordinator.store.add_site(name)[1] for name in ("a", "b")]
     run = coordinator.store.create_run({"strategy": "fedavg"})

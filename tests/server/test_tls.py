@@ -14,10 +14,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from hydrafl.site_app import client_app
-from hydrafl.client.agent import SiteAgent, SiteTls
+from hydrafl.client.agent import SiteAgent
+from hydrafl.client.tls import SiteTls
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
-from hydrafl.server.coordinator import Coordinator, ServerTls
+from hydrafl.server.config import CoordinatorConfig
+from hydrafl.server.coordinator import Coordinator
+from hydrafl.server.tls import ServerTls
 
 
 def _certificate(name: str, issuer_key, issuer_name, *, ca: bool, san: bool):
@@ -63,8 +66,8 @@ def pki(tmp_path):
 def _coordinator(tmp_path, pki, mutual: bool) -> Coordinator:
     cert, key = pki["server"]
     tls = ServerTls(cert=cert, key=key, client_ca=pki["ca"] if mutual else None)
-    coordinator = Coordinator(listen="127.0.0.1:0", db_url=f"sqlite:///{tmp_path / 'c.db'}",
-                              blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs", tls=tls)
+    coordinator = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", db_url=f"sqlite:///{tmp_path / 'c.db'}",
+                                                blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs", tls=tls))
     coordinator.start()
     return coordinator
 

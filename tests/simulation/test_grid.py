@@ -110,5 +110,24 @@ def test_server_arrays_are_isolated_from_site_mutation():
     grid = InProcessGrid(app, num_sites=1)
     arrays = ArrayRecord({"w": Array(START)})
     node = min(grid.get_node_ids())
-    grid.send_and_receive([Message(RecordDict({"arrays": arrays}), dst_node_id=node, message_type="train")])
+    [reply] = grid.send_and_receive([Message(RecordDict({"arrays": arrays}), dst_node_id=node, message_type="train")])
+    assert not reply.has_error()
     np.testing.assert_array_equal(arrays["w"].numpy(), START)
+
+
+def test_replies_stream_in_node_order_each_site_running_when_its_reply_is_asked_for():
+    ran = []
+    app = ClientApp()
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        ran.append(context.node_id)
+        return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1})}), reply_to=message)
+
+    grid = InProcessGrid(app, num_sites=3)
+    nodes = sorted(grid.get_node_ids())
+    replies = grid.send_and_receive([Message(RecordDict(), dst_node_id=n, message_type="train") for n in reversed(nodes)])
+    assert ran == []
+    assert (next(replies).metadata.src_node_id, ran) == (nodes[0], nodes[:1])
+    assert [reply.metadata.src_node_id for reply in replies] == nodes[1:]
+    assert ran == nodes

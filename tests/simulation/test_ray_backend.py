@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
@@ -15,9 +14,9 @@ pytest.importorskip("ray")
 @pytest.mark.ray
 def test_ray_backend_matches_inprocess(small_run, tmp_path):
     for strategy in ("fedavg", "diloco"):
-        cfg = dataclasses.replace(small_run, strategy=strategy, rounds=2)
-        inprocess = run_strategy(dataclasses.replace(cfg, run_dir=str(tmp_path / f"{strategy}-inprocess")), "inprocess")
-        on_ray = run_strategy(dataclasses.replace(cfg, run_dir=str(tmp_path / f"{strategy}-ray")), "ray")
+        cfg = small_run.replace(strategy=strategy, rounds=2)
+        inprocess = run_strategy(cfg.replace(run_dir=str(tmp_path / f"{strategy}-inprocess")), "inprocess")
+        on_ray = run_strategy(cfg.replace(run_dir=str(tmp_path / f"{strategy}-ray")), "ray")
         assert len(on_ray) == len(inprocess) == 3
         for a, b in zip(inprocess, on_ray):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from helpers import make_reply
 
-from hydrafl.hydranet import Slice
 from hydrafl.strategies import AggregationError, MaskedDeltaAccumulator, WeightedDeltaAccumulator
+from hydrafl.subnet.slices import Slice
 
 
 def test_streamed_mean_equals_weighted_mean():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import make_reply
-from flwr.app import Array, ArrayRecord
+from helpers import FakeGrid, make_reply
+from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from hydrafl.strategies import DiLoCo
 
@@ -23,7 +23,10 @@ def _record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
 
 
 def _outer_step(strategy: DiLoCo, arrays: dict[str, np.ndarray], deltas, server_round: int) -> dict[str, np.ndarray]:
-    strategy.current_arrays = _record(arrays)
+    """One round: `arrays` sent to nodes 1, 2, ... (`configure_train`), which reply with `deltas`."""
+    grid = FakeGrid(range(1, len(deltas) + 1))
+    messages = list(strategy.configure_train(server_round, _record(arrays), ConfigRecord(), grid))
+    assert sorted(m.metadata.dst_node_id for m in messages) == grid.node_ids
     replies = [make_reply(delta, n, node_id=i + 1) for i, (delta, n) in enumerate(deltas)]
     new, metrics = strategy.aggregate_train(server_round, iter(replies))
     assert metrics is not None
@@ -71,7 +74,7 @@ def test_momentum_state_round_trips_through_state_dict():
 
 
 def test_rejects_invalid_outer_hyperparameters():
-    with pytest.raises(ValueError, match="momentum"):
+    with pytest.raises(ValueError, match=r"0 <= momentum < 1, got lr=0.7, momentum=1.0"):
         DiLoCo(outer_lr=0.7, momentum=1.0)
-    with pytest.raises(ValueError, match="outer_lr"):
+    with pytest.raises(ValueError, match=r"lr > 0 .*, got lr=0.0"):
         DiLoCo(outer_lr=0.0)

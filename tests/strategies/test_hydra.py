@@ -1,24 +1,29 @@
-"""Hydra's masked aggregation against hand-computed numbers, its outer step, state, and slice layout."""
+"""Hydra's masked aggregation against hand-computed numbers, its outer step, state, and slice layout, each
+set up through the strategy's own hooks: the planning round answered with crafted scoring replies, then the
+train messages it sends and the replies it aggregates."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
 import torch
-from helpers import make_reply
-from flwr.app import Array, ArrayRecord
+from helpers import FakeGrid, configure_round, make_reply, make_scores_reply, sent_specs
+from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from hydrafl.site_app import slice_layout
 from hydrafl.config import RunConfig
 from hydrafl.data import TaskSpec
-from hydrafl.hydranet import SubnetSpec, trainable_slices
-from hydrafl.model_zoo import TinyLlamaShape, build_causal_lm
-from hydrafl.models import TinyShape, build_model
-from hydrafl.hydranet import LayerCost
-from hydrafl.strategies import AggregationError, Hydra, MaskedDeltaAccumulator, build_strategy, layout_slices
-from hydrafl.strategies.hydra import BudgetError, SiteScores
+from hydrafl.backbones import TinyShape, build_causal_lm
+from hydrafl.models import build_model
+from hydrafl.strategies import AggregationError, Hydra, MaskedDeltaAccumulator, build_strategy
+from hydrafl.strategies.planner import SitePlanner
+from hydrafl.subnet.apply import trainable_slices
+from hydrafl.subnet.planning import LayerCost
+from hydrafl.subnet.slices import layout_slices
+from hydrafl.subnet.spec import SubnetSpec
 
 # A toy "model": w is layer 0's q-like tensor, 4 head groups of one row each (axis 0, unit 1); v is layer 1,
 # shared by its heads; o lies outside the layers.
@@ -28,8 +33,9 @@ START = {
     "v": np.array([0.5, -0.5, 1.0], dtype=np.float32),
     "o": np.array([2.0, -2.0], dtype=np.float32),
 }
-SPEC_A = SubnetSpec(layers=(0,), heads=((0, 1),))  # w rows 0-1, o
-SPEC_B = SubnetSpec(layers=(0, 1), heads=((1, 2), (0,)))  # w rows 1-2, v, o
+# What the planning round assigns (`_scores`); Hydra keeps the other heads running, frozen.
+SPEC_A = SubnetSpec(layers=(0,), heads=((0, 1),), freeze_heads=True)  # w rows 0-1, o
+SPEC_B = SubnetSpec(layers=(0, 1), heads=((1, 2), (0, 1)), freeze_heads=True)  # w rows 1-2, v (shared by its heads), o
 DELTA_A = {  # sites send only their slices: A's rows 0-1 of w, and o
     "w": np.array([[0.1, 0.2], [0.4, 0.4]]),
     "o": np.array([1.0, 0.0]),
@@ -45,18 +51,43 @@ def _record(arrays):
     return ArrayRecord({k: Array(np.asarray(v, dtype=np.float32)) for k, v in arrays.items()})
 
 
+def _scores():
+    """The planning round's replies: both sites rank layer 0 first. A (node 1) is tier small: one layer of two
+    and two heads of four, its best (0, 1). B (node 2) is untiered, so its budget is the strategy's untiered one
+    (`_hydra`, `_built`: both layers, half the heads), and in layer 0 it scores heads 1 and 2 highest."""
+    return {
+        1: make_scores_reply(
+            1, LAYOUT, layers=[2.0, 1.0], heads=[[4.0, 3.0, 2.0, 1.0]] * 2, tier="small", num_examples=10
+        ),
+        2: make_scores_reply(
+            2, LAYOUT, layers=[2.0, 1.0], heads=[[1.0, 4.0, 3.0, 0.0], [4.0, 3.0, 2.0, 1.0]], num_examples=30
+        ),
+    }
+
+
+def _hydra(**kwargs) -> Hydra:
+    """Hydra whose untiered sites train every layer and half the heads of each."""
+    return Hydra(planner=SitePlanner(untiered=(1.0, 0.5)), **kwargs)
+
+
+def _built(**knobs) -> Hydra:
+    """Hydra as a run configures it, untiered sites training every layer and half the heads of each."""
+    return build_strategy(RunConfig.build(strategy="hydra", sites=2, hydra_heads=0.5, **knobs))
+
+
 def _step(strategy: Hydra, arrays, replies, server_round=1):
-    """One aggregation with A (node 1, 10 examples) and B (node 2, 30 examples) assigned SPEC_A / SPEC_B."""
-    strategy.layout, strategy.specs = dict(LAYOUT), {1: SPEC_A, 2: SPEC_B}
-    strategy.current_arrays = _record(arrays)
-    messages = [make_reply(delta, n, node_id=i + 1) for i, (delta, n) in enumerate(replies)]
-    new, metrics = strategy.aggregate_train(server_round, iter(messages))
+    """One round: `arrays` go out (after the planning round, when the strategy has not planned yet) as SPEC_A to
+    node 1 and SPEC_B to node 2; A (10 examples) and B (30 examples) reply with `replies`."""
+    messages = configure_round(strategy, server_round, _record(arrays), _scores())
+    assert sent_specs(messages) == {1: SPEC_A, 2: SPEC_B}
+    replies = [make_reply(delta, n, node_id=i + 1) for i, (delta, n) in enumerate(replies)]
+    new, metrics = strategy.aggregate_train(server_round, iter(replies))
     assert metrics is not None
     return {name: array.numpy() for name, array in new.items()}
 
 
 def test_masked_mean_by_hand():
-    new = _step(Hydra(), START, [(DELTA_A, 10), (DELTA_B, 30)])
+    new = _step(_hydra(), START, [(DELTA_A, 10), (DELTA_B, 30)])
     expected_w = np.array(
         [
             [1.0 - 0.1, 2.0 - 0.2],  # only A trained row 0
@@ -74,11 +105,12 @@ def test_masked_mean_by_hand():
 def test_a_reply_that_is_not_its_sites_slice_is_refused():
     full_shape = {"w": np.zeros((4, 2)), "o": np.zeros(2)}  # A's w must be its two rows, not the whole tensor
     with pytest.raises(AggregationError, match=r"array 'w' has shape \(4, 2\), its slice is \(2, 2\)"):
-        _step(Hydra(), START, [(full_shape, 10), (DELTA_B, 30)])
-    strategy = Hydra()
-    strategy.layout, strategy.specs = dict(LAYOUT), {1: SPEC_A, 2: SPEC_B}
+        _step(_hydra(), START, [(full_shape, 10), (DELTA_B, 30)])
+    strategy = _hydra()
+    configure_round(strategy, 1, _record(START), _scores())
     assert strategy.reply_shapes(1, _record(START)) == {"w": (2, 2), "o": (2,)}
     assert strategy.reply_shapes(2, _record(START)) == {"w": (2, 2), "v": (3,), "o": (2,)}
+    assert strategy.reply_shapes(3, _record(START)) is None  # sent nothing
 
 
 def test_accumulator_coverage_and_refusals():
@@ -99,7 +131,7 @@ def test_accumulator_coverage_and_refusals():
 
 def test_nesterov_steps_trained_coordinates_like_torch_sgd_and_freezes_the_rest():
     lr, momentum = 0.5, 0.9
-    strategy = Hydra(outer_lr=lr, momentum=momentum, nesterov=True)
+    strategy = _hydra(outer_lr=lr, momentum=momentum, nesterov=True)
     arrays = {k: v.copy() for k, v in START.items()}
     reference = torch.tensor(START["v"], requires_grad=True)  # only B trains v: its pseudo-gradient is B's delta
     optimizer = torch.optim.SGD([reference], lr=lr, momentum=momentum, nesterov=True)
@@ -109,45 +141,49 @@ def test_nesterov_steps_trained_coordinates_like_torch_sgd_and_freezes_the_rest(
         optimizer.step()
         np.testing.assert_allclose(arrays["v"], reference.detach().numpy(), rtol=1e-5)
         np.testing.assert_array_equal(arrays["w"][3], START["w"][3])
-    assert float(strategy.momentum_buffer["w"][3].abs().sum()) == 0.0
+    assert float(strategy.state_dict()["momentum_buffer"]["w"][3].abs().sum()) == 0.0
 
 
 def test_outer_nesterov_with_lr_one_and_no_momentum_equals_plain_hydra():
-    plain = build_strategy(RunConfig(strategy="hydra", sites=2))
-    outer = build_strategy(RunConfig(strategy="hydra", sites=2, outer="nesterov", outer_lr=1.0, outer_momentum=0.0))
-    assert (outer.outer_lr, outer.momentum) == (1.0, 0.0)
+    plain = _built()
+    outer = _built(outer="nesterov", outer_lr=1.0, outer_momentum=0.0)
     for server_round in (1, 2):
         a = _step(plain, START, [(DELTA_A, 10), (DELTA_B, 30)], server_round)
         b = _step(outer, START, [(DELTA_A, 10), (DELTA_B, 30)], server_round)
         for name in START:
             np.testing.assert_array_equal(a[name], b[name])
+    assert outer.state_dict()["momentum_buffer"] == {}  # no momentum: nothing kept between rounds
 
 
 def test_the_run_config_wires_the_outer_optimizer_into_hydra():
-    built = build_strategy(RunConfig(strategy="hydra", sites=2, outer="nesterov", outer_lr=0.7, outer_momentum=0.9))
-    assert (built.outer_lr, built.momentum, built.nesterov) == (0.7, 0.9, True)
-    assert (build_strategy(RunConfig(strategy="hydra", sites=2, outer_lr=0.7, outer_momentum=0.9)).outer_lr) == 1.0
-    by_hand = Hydra(outer_lr=0.7, momentum=0.9, nesterov=True)
+    built = _built(outer="nesterov", outer_lr=0.7, outer_momentum=0.9)
+    by_hand = _hydra(outer_lr=0.7, momentum=0.9, nesterov=True)
+    unused = _built(outer_lr=0.7, outer_momentum=0.9)  # without outer = nesterov these knobs take no effect
+    plain = _hydra()
     for server_round in (1, 2):  # the momentum shows from the second round on
         a = _step(built, START, [(DELTA_A, 10), (DELTA_B, 30)], server_round)
         b = _step(by_hand, START, [(DELTA_A, 10), (DELTA_B, 30)], server_round)
+        c = _step(unused, START, [(DELTA_A, 10), (DELTA_B, 30)], server_round)
+        d = _step(plain, START, [(DELTA_A, 10), (DELTA_B, 30)], server_round)
         for name in START:
             np.testing.assert_array_equal(a[name], b[name])
+            np.testing.assert_array_equal(c[name], d[name])
+        assert not np.array_equal(a["v"], c["v"])  # the outer step is not the plain mean
 
 
 def test_state_dict_round_trip():
-    first = Hydra(outer_lr=0.5, momentum=0.9)
-    first.ranking, first.trainable_params = [1, 0], {1: {"1": 6}}
+    first = _hydra(outer_lr=0.5, momentum=0.9)
     _step(first, START, [(DELTA_A, 10), (DELTA_B, 30)], 1)
-    second = Hydra(outer_lr=0.5, momentum=0.9)
+    second = _hydra(outer_lr=0.5, momentum=0.9)
     second.load_state_dict(first.state_dict())
-    assert second.ranking == [1, 0] and second.specs == {1: SPEC_A, 2: SPEC_B} and second.layout == LAYOUT
+    assert second.trainable_params == {1: {"1": 2 * 2 + 2, "2": 2 * 2 + 3 + 2}}  # w rows, v, o
+    assert list(second.configure_query(2, _record(START), ConfigRecord(), FakeGrid([1, 2]))) == []  # planned
     a = _step(first, START, [(DELTA_A, 10), (DELTA_B, 30)], 2)
-    b = _step(second, START, [(DELTA_A, 10), (DELTA_B, 30)], 2)
+    b = _step(second, START, [(DELTA_A, 10), (DELTA_B, 30)], 2)  # the same specs, from the restored planning round
     for name in START:
         np.testing.assert_array_equal(a[name], b[name])
-    first.trainable_params[2] = {}
-    assert 2 not in second.trainable_params  # state is a copy, not a view
+    first.trainable_params[1]["1"] = 0
+    assert second.trainable_params[1]["1"] == 6  # state is a copy, not a view
 
 
 TEXT = TaskSpec(name="text", modality="text", num_classes=3, class_names=("a", "b", "c"), vocab_size=40, seq_len=8)
@@ -160,7 +196,7 @@ def test_layout_slices_equal_trainable_slices_of_the_live_model(family):
     model = {
         "bert": lambda: build_model(TEXT, shape=SHAPE),
         "vit": lambda: build_model(IMAGE, shape=SHAPE),
-        "llama": lambda: build_causal_lm(40, shape=TinyLlamaShape(hidden=32, layers=3, heads=4, kv_heads=2)),
+        "llama": lambda: build_causal_lm(40, shape=TinyShape(hidden=32, layers=3, heads=4, kv_heads=2)),
     }[family]()
     layout = slice_layout(model)
     layout = dict(zip(layout["layout.names"], zip(layout["layout.layers"], layout["layout.axes"], layout["layout.units"])))
@@ -174,23 +210,35 @@ def test_layout_slices_equal_trainable_slices_of_the_live_model(family):
         assert layout_slices(layout, spec) == trainable_slices(model, spec)
 
 
-def _scores(**resources) -> SiteScores:
-    """Four layers of four head groups (descending scores), untiered, with the given measured cost/memory."""
-    heads = [[4.0, 3.0, 2.0, 1.0]] * 4
-    return SiteScores(layers=[4.0, 3.0, 2.0, 1.0], heads=heads, weight=1.0, tier="", **resources)
+# Four layers, each one tensor of four head groups (a row each).
+FOUR_LAYERS = {f"l{layer}": (layer, 0, 1) for layer in range(4)}
 
 
-def test_declared_memory_and_the_round_deadline_shrink_a_sites_hydra_net_by_hand():
+def _sized(strategy: Hydra, resources: dict[int, dict]) -> dict[int, SubnetSpec]:
+    """What `strategy` assigns sites that score four layers of four head groups (descending scores), untiered,
+    each with the measured cost / declared memory in `resources`."""
+    descending = [4.0, 3.0, 2.0, 1.0]
+    scores = {
+        node: make_scores_reply(node, FOUR_LAYERS, layers=descending, heads=[descending] * 4, **given)
+        for node, given in resources.items()
+    }
+    arrays = _record({name: np.zeros((4, 1)) for name in FOUR_LAYERS})
+    return sent_specs(configure_round(strategy, 1, arrays, scores))
+
+
+def test_declared_memory_and_the_round_deadline_shrink_a_sites_hydra_net_by_hand(caplog):
     cost = LayerCost(fixed_s=0.1, per_layer_s=0.1, fixed_bytes=100.0, per_layer_bytes=50.0, head_fraction=0.35)
-    strategy = Hydra(local_steps=10)
-    strategy.ranking = [0, 1, 2, 3]
-    assert strategy._spec(_scores()).layers == (0, 1, 2, 3)  # nothing declared: the tier (untiered: all)
+    with caplog.at_level(logging.WARNING):
+        specs = _sized(
+            Hydra(planner=SitePlanner(local_steps=10)),
+            {1: {}, 2: {"cost": cost, "memory_bytes": 200.0}, 3: {"cost": cost, "memory_bytes": 120.0}},
+        )
+    assert specs[1].layers == (0, 1, 2, 3)  # nothing declared: the tier (untiered: all)
     # memory 200 = 100 + w * 50 -> at most w = 2 trained-layer equivalents: 2 layers with all 4 heads
-    spec = strategy._spec(_scores(cost=cost, memory_bytes=200.0))
-    assert spec.layers == (0, 1) and spec.heads_for(0) in (None, (0, 1, 2, 3))
+    assert specs[2].layers == (0, 1) and specs[2].heads_for(0) in (None, (0, 1, 2, 3))
+    # 1 layer, 1 head needs 100 + 0.7375 * 50 > 120: the site is sent nothing to train
+    assert 3 not in specs and "site 3 cannot train this round: no Hydra-net fits" in caplog.text
     # deadline 2.5 s for 10 steps of (0.1 + 0.1 w) s -> w <= 1.5; 2 layers x 1 head: w = 2 (0.65 + 0.35 / 4) = 1.475
-    strategy.timeout_s = 2.5
-    spec = strategy._spec(_scores(cost=cost))
-    assert spec.layers == (0, 1) and spec.heads_for(0) == (0,) and spec.heads_for(1) == (0,)
-    with pytest.raises(BudgetError, match="no Hydra-net fits"):
-        strategy._spec(_scores(cost=cost, memory_bytes=120.0))  # 1 layer, 1 head needs 100 + 0.7375 * 50
+    specs = _sized(Hydra(planner=SitePlanner(local_steps=10, timeout_s=2.5)), {1: {"cost": cost}, 2: {}})
+    assert specs[1].layers == (0, 1) and specs[1].heads_for(0) == (0,) and specs[1].heads_for(1) == (0,)
+    assert specs[2].layers == (0, 1, 2, 3)  # measured nothing: nothing to size against the deadline

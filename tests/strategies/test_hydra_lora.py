@@ -1,4 +1,5 @@
-"""Hydra over LoRA: the masked mean of the products B A, factored back to the run's rank, by hand."""
+"""Hydra over LoRA: the masked mean of the products B A, factored back to the run's rank, by hand; each round set
+up through the strategy's hooks (a planning round of crafted scoring replies, then its train messages)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,15 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord
-from helpers import make_reply
+from helpers import configure_round, make_reply, make_scores_reply, sent_specs
 
 from hydrafl.config import RunConfig
-from hydrafl.hydranet import Slice, SubnetSpec
-from hydrafl.strategies import AggregationError, Hydra, build_strategy, layout_slices
-from hydrafl.strategies.lora_factors import MaskedProductAccumulator, lora_pairs, product_slice
+from hydrafl.strategies import AggregationError, Hydra, build_strategy
+from hydrafl.lora_pairs import lora_pairs
+from hydrafl.strategies.lora_factors import MaskedProductAccumulator, product_slice
+from hydrafl.strategies.planner import SitePlanner
+from hydrafl.subnet.slices import Slice, layout_slices
+from hydrafl.subnet.spec import SubnetSpec
 
 RANK = 4
 Q_A, Q_B = "l0.q.lora_A.default.weight", "l0.q.lora_B.default.weight"  # q-like: B's rows are cut by head
@@ -31,8 +35,11 @@ START = {
     HEAD: rng.normal(size=(2, 4)),
 }
 START = {name: value.astype(np.float32) for name, value in START.items()}
-SMALL = SubnetSpec(layers=(0,), heads=((0,),))  # head 0 of layer 0: q's B rows 0-1, o's A columns 0-1
-LARGE = SubnetSpec(layers=(0,), heads=((0, 1),))  # all of layer 0
+# What the planning round assigns (`_scores`); Hydra keeps the other heads running, frozen.
+SMALL = SubnetSpec(layers=(0,), heads=((0,),), freeze_heads=True)  # head 0 of layer 0: q's B rows 0-1, o's A cols 0-1
+LARGE = SubnetSpec(layers=(0,), heads=((0, 1),), freeze_heads=True)  # all of layer 0
+TIERS = {"one-head": (0.5, 0.5), "two-heads": (0.5, 1.0)}
+"""The budgets of the sites here: the top layer and one, or both, of its heads."""
 SMALL_DELTA = {
     Q_A: rng.normal(size=(RANK, 3)), Q_B: rng.normal(size=(2, RANK)),
     O_A: rng.normal(size=(RANK, 2)), O_B: rng.normal(size=(4, RANK)), HEAD: rng.normal(size=(2, 4)),
@@ -44,9 +51,25 @@ LARGE_DELTA = {
 N_SMALL, N_LARGE = 10, 30
 
 
+def _hydra(**kwargs) -> Hydra:
+    return Hydra(planner=SitePlanner(tiers=TIERS), **kwargs)
+
+
+def _scores(layout, num_layers: int, tiers=("one-head", "two-heads")) -> dict:
+    """Nodes 1, 2, ... of `tiers` (by default node 1 affords one head, node 2 both); all rank layer 0 and head 0
+    first."""
+    layers, heads = [float(num_layers - layer) for layer in range(num_layers)], [[2.0, 1.0]] * num_layers
+    return {
+        node: make_scores_reply(node, layout, layers=layers, heads=heads, tier=tier)
+        for node, tier in enumerate(tiers, start=1)
+    }
+
+
 def _aggregate(strategy: Hydra, start: dict[str, np.ndarray] = START, server_round: int = 1) -> dict[str, np.ndarray]:
-    strategy.layout, strategy.specs = dict(LAYOUT), {1: SMALL, 2: LARGE}
-    strategy.current_arrays = ArrayRecord({k: Array(v) for k, v in start.items()})
+    """One round: node 1 is sent SMALL, node 2 LARGE, and they reply with SMALL_DELTA and LARGE_DELTA."""
+    arrays = ArrayRecord({k: Array(v) for k, v in start.items()})
+    messages = configure_round(strategy, server_round, arrays, _scores(LAYOUT, 2))
+    assert sent_specs(messages) == {1: SMALL, 2: LARGE}
     replies = [make_reply(SMALL_DELTA, N_SMALL, node_id=1), make_reply(LARGE_DELTA, N_LARGE, node_id=2)]
     new, _ = strategy.aggregate_train(server_round, iter(replies))
     return {name: array.numpy() for name, array in new.items()}
@@ -70,7 +93,7 @@ def _mean_q_step(start: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def test_products_are_averaged_over_the_heads_each_site_ran_and_factored_back_to_the_rank():
-    new = _aggregate(Hydra())
+    new = _aggregate(_hydra())
 
     # q: the small site's product counts on head 0's rows only, the large site's everywhere
     start_q = START[Q_B].astype(np.float64) @ START[Q_A]
@@ -100,7 +123,7 @@ def test_products_are_averaged_over_the_heads_each_site_ran_and_factored_back_to
 
 def test_averaging_the_factors_apart_is_what_products_avoid():
     """With factors, B A is mean(B) mean(A): the cross terms move it off the mean product."""
-    factors, products = _aggregate(Hydra(lora_products=False)), _aggregate(Hydra())
+    factors, products = _aggregate(_hydra(lora_products=False)), _aggregate(_hydra())
     gap = np.abs(factors[Q_B] @ factors[Q_A] - products[Q_B] @ products[Q_A]).max()
     assert gap > 0.1
 
@@ -113,10 +136,10 @@ def test_a_product_of_higher_rank_is_cut_to_its_best_rank_r_approximation():
     deltas = [
         {q_a: rng.normal(size=(rank, 8)), q_b: rng.normal(size=(4, rank))} for _ in range(2)  # head 0: rows 0-3
     ]
-    strategy = Hydra()
-    strategy.layout = {q_a: (0, -1, 4), q_b: (0, 0, 4)}
-    strategy.specs = {1: SubnetSpec(layers=(0,), heads=((0,),)), 2: SubnetSpec(layers=(0,), heads=((0,),))}
-    strategy.current_arrays = ArrayRecord({k: Array(v) for k, v in start.items()})
+    strategy = _hydra()
+    scores = _scores({q_a: (0, -1, 4), q_b: (0, 0, 4)}, 1, tiers=("one-head", "one-head"))
+    messages = configure_round(strategy, 1, ArrayRecord({k: Array(v) for k, v in start.items()}), scores)
+    assert sent_specs(messages) == {1: SMALL, 2: SMALL}
     new, _ = strategy.aggregate_train(1, iter([make_reply(d, n, node_id=i + 1) for i, (d, n) in enumerate(zip(deltas, (1, 3)))]))
     new = {name: array.numpy() for name, array in new.items()}
 
@@ -133,14 +156,14 @@ def test_a_product_of_higher_rank_is_cut_to_its_best_rank_r_approximation():
 
 def test_outer_nesterov_runs_on_the_products_across_rounds_and_resumes():
     lr, momentum = 0.7, 0.9
-    strategy = Hydra(outer_lr=lr, momentum=momentum, nesterov=True)
+    strategy = _hydra(outer_lr=lr, momentum=momentum, nesterov=True)
     after_1 = _aggregate(strategy)
     d1 = _mean_q_step(START)
     p1 = START[Q_B].astype(np.float64) @ START[Q_A] - lr * (d1 + momentum * d1)  # buffer b1 = d1
     np.testing.assert_allclose(after_1[Q_B] @ after_1[Q_A], p1, atol=1e-4)  # rank 3 < 4: no cut
-    assert sorted(strategy.momentum_buffer) == [HEAD, "l0.o.lora-product", "l0.q.lora-product"]
+    assert sorted(strategy.state_dict()["momentum_buffer"]) == [HEAD, "l0.o.lora-product", "l0.q.lora-product"]
 
-    resumed = Hydra(outer_lr=lr, momentum=momentum, nesterov=True)
+    resumed = _hydra(outer_lr=lr, momentum=momentum, nesterov=True)
     resumed.load_state_dict(strategy.state_dict())
     after_2 = _aggregate(resumed, start=after_1, server_round=2)
     d2 = _mean_q_step(after_1)
@@ -154,13 +177,13 @@ def test_outer_nesterov_runs_on_the_products_across_rounds_and_resumes():
 def test_width_baselines_keep_their_papers_coordinate_rule_over_lora(name):
     assert build_strategy(RunConfig(strategy=name, lora_rank=4)).lora_products is False
     assert build_strategy(RunConfig(strategy="hydra", lora_rank=4)).lora_products is True
-    assert build_strategy(RunConfig(strategy="hydra", lora_rank=4, hydra_lora="factors")).lora_products is False
+    assert build_strategy(RunConfig.build(strategy="hydra", lora_rank=4, hydra_lora="factors")).lora_products is False
 
 
 def test_a_product_that_overflows_is_refused_by_name():
     start = {**START, Q_A: np.full((RANK, 3), 1e30, np.float32), Q_B: np.full((4, RANK), 1e30, np.float32)}
     with pytest.raises(AggregationError, match="product B A of 'l0.q' is not finite"):
-        _aggregate(Hydra(), start=start)
+        _aggregate(_hydra(), start=start)
 
 
 def test_product_slice_of_a_sites_factor_slices():

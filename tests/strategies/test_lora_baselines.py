@@ -1,4 +1,5 @@
-"""The LoRA-family baselines (FedIT, FLoRA, HetLoRA, FlexLoRA) against hand-computed numbers, LoRA models'
+"""The LoRA-family baselines (FedIT, FLoRA, HetLoRA, FlexLoRA) against hand-computed numbers (each round set up
+through the strategy's hooks: a planning round of crafted scoring replies, then its train messages), LoRA models'
 federated coordinates, short tiered simulations, and the pretrained MiniLM encoder."""
 
 from __future__ import annotations
@@ -11,35 +12,67 @@ import pytest
 import torch
 import torch.nn.functional as F
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
-from helpers import make_reply
+from helpers import configure_round, make_reply, make_scores_reply
 
 from hydrafl import server_app, site_app
 from hydrafl.arrays import from_record, to_record
 from hydrafl.config import ConfigError, RunConfig, SimulationConfig
 from hydrafl.data import load_cohort
-from hydrafl.hydranet import SubnetSpec, apply_spec, find_architecture
 from hydrafl.models import LoraSpec, build_model, federated_state, lora_base_state
 from hydrafl.simulation.compare import compare_strategies
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
 from hydrafl.strategies import AggregationError, build_strategy, FedIT, FlexLoRA, FLoRA, HetLoRA
-from hydrafl.hydranet import extract
-from hydrafl.strategies.hetlora import PRUNE_KEY, TAIL_PENALTY_KEY, TailPenalised
-from hydrafl.strategies.lora import SITE_RANK_KEY, rank_slices, truncate
-from hydrafl.strategies.lora_factors import lora_pairs
+from hydrafl.losses import TailPenalised
+from hydrafl.strategies.lora import rank_slices, truncate
+from hydrafl.protocol import SITE_RANK as SITE_RANK_KEY, TAIL_PENALTY as TAIL_PENALTY_KEY, TAIL_PRUNE as PRUNE_KEY
+from hydrafl.lora_pairs import LoraPairError, lora_pairs
+from hydrafl.subnet.apply import apply_spec
+from hydrafl.subnet.architecture import find_architecture
+from hydrafl.subnet.slices import extract
+from hydrafl.subnet.spec import SubnetSpec
 
 # A toy adapted module "m": A [R=2, in=2], B [out=2, R=2]; "head" stands for the classification head.
 A, B = "m.lora_A.default.weight", "m.lora_B.default.weight"
 BASE = "m.base_layer.weight"
+TIER_OF_RANK = {1: "small", 2: "large"}
+"""The tier whose Hydra budget is each rank here: the toy is one layer of two heads, each owning a column of A
+and a row of B (`_layout`), so a Hydra-net of one head (tier small) trains 2 + 2 of their coordinates, as rank 1
+does, and one of both heads (tier large) 4 + 4, as rank 2 does."""
 
 
 def _record(arrays):
     return ArrayRecord({k: Array(np.asarray(v, dtype=np.float32)) for k, v in arrays.items()})
 
 
+def _layout(names):
+    return {name: (0, 1, 1) if name == A else (0, 0, 1) if name == B else (-1, -1, 1) for name in names}
+
+
+def _configure(strategy, arrays, ranks, server_round=1):
+    """The train messages of a round, by node; before the strategy's first, the planning round, in which node k
+    declares the tier of rank `ranks[k]` (the strategy asks the sites about the arrays they train: not FLoRA's
+    base weights)."""
+    trainable = [name for name in arrays if name != BASE]
+    scores = {
+        node: make_scores_reply(node, _layout(trainable), layers=[1.0], heads=[[2.0, 1.0]], tier=TIER_OF_RANK[rank])
+        for node, rank in ranks.items()
+    }
+    return configure_round(strategy, server_round, _record(arrays), scores)
+
+
+def _sent_ranks(messages):
+    return {node: message.content["config"][SITE_RANK_KEY] for node, message in messages.items()}
+
+
 def _aggregate(strategy, arrays, replies, ranks):
-    """One aggregation of replies (delta, n) from nodes 1, 2, ... with the given LoRA ranks. Each site sends
-    what `site_app.train` sends: its rank's components only (anything written beyond its rank never travels)."""
-    strategy.current_arrays, strategy.ranks = _record(arrays), dict(ranks)
+    """One round: the planning round gives node k rank `ranks[k]`, then nodes 1, 2, ... reply (delta, n)."""
+    assert _sent_ranks(_configure(strategy, arrays, ranks)) == ranks
+    return _aggregate_replies(strategy, replies, ranks)
+
+
+def _aggregate_replies(strategy, replies, ranks):
+    """The aggregation of replies (delta, n) from nodes 1, 2, ... of the given LoRA ranks. Each site sends what
+    `site_app.train` sends: its rank's components only (anything written beyond its rank never travels)."""
     messages = []
     for i, (delta, n) in enumerate(replies):
         full = {name: torch.tensor(values, dtype=torch.float32) for name, values in delta.items()}
@@ -69,19 +102,22 @@ def test_fedit_averages_each_rank_component_over_the_sites_that_trained_it():
 def test_flora_product_equals_the_weighted_sum_of_products():
     start = {A: [[0.3, -0.3], [0.1, 0.2]], B: [[0.0, 0.0], [0.0, 0.0]], BASE: [[1.0, 2.0], [3.0, 4.0]], "head": [1.0]}
     strategy = FLoRA(alpha=2.0)  # PEFT scaling alpha / R = 1
-    strategy.server_round, strategy.ranks = 1, {1: 1, 2: 2}
-    pairs = lora_pairs(start)
+    ranks = {1: 1, 2: 2}
+    messages = _configure(strategy, start, ranks)
+    assert _sent_ranks(messages) == ranks
     ends = {  # the factors each site ends its local training with (rank 1: only component 0)
         1: (np.array([[1.0, 0.0], [0.0, 0.0]]), np.array([[2.0, 0.0], [0.0, 0.0]])),  # B1 A1 = [[2, 0], [0, 0]]
         2: (np.array([[0.0, 1.0], [1.0, 0.0]]), np.array([[1.0, 0.0], [0.0, 1.0]])),  # B2 A2 = [[0, 1], [1, 0]]
     }
     replies = []
     for node, (a_end, b_end) in ends.items():
-        sent = strategy._site_arrays(node, strategy.ranks[node], _record(start), pairs)
-        assert not sent[B].numpy().any() and not sent[A].numpy()[strategy.ranks[node] :].any()  # fresh: B = 0
-        delta = {A: sent[A].numpy() - a_end, B: sent[B].numpy() - b_end, "head": [0.4 * node]}
+        rank, sent = ranks[node], from_record(messages[node].content["arrays"])  # what the site starts from
+        assert sent[A].shape == (rank, 2) and sent[B].shape == (2, rank)  # a rank-r adapter
+        assert sent[A].any() and not sent[B].any()  # fresh: A random, B = 0
+        np.testing.assert_array_equal(sent[BASE].numpy(), start[BASE])  # with the base weights it merges into
+        delta = {A: sent[A].numpy() - a_end[:rank], B: sent[B].numpy() - b_end[:, :rank], "head": [0.4 * node]}
         replies.append((delta, {1: 10, 2: 30}[node]))
-    new = _aggregate(strategy, start, replies, strategy.ranks)
+    new = _aggregate_replies(strategy, replies, ranks)
     update = np.array([[0.5, 0.75], [0.75, 0.0]])  # 0.25 * [[2, 0], [0, 0]] + 0.75 * [[0, 1], [1, 0]]
     np.testing.assert_allclose(new[BASE], np.array(start[BASE]) + update, rtol=1e-6)
     stacked_a = np.vstack([0.25 * ends[1][0][:1], 0.75 * ends[2][0]])  # [p1 A1; p2 A2], 3 x 2
@@ -94,7 +130,7 @@ def test_flora_product_equals_the_weighted_sum_of_products():
 def test_flora_refuses_global_arrays_without_the_base_weights():
     start = {A: [[0.3, -0.3], [0.1, 0.2]], B: [[0.0, 0.0], [0.0, 0.0]], "head": [1.0]}
     with pytest.raises(AggregationError, match="base weights"):
-        FLoRA()._site_arrays(1, 1, _record(start), lora_pairs(start))
+        _configure(FLoRA(), start, {1: 1, 2: 2})
 
 
 def test_hetlora_zero_pads_and_weights_by_the_product_norm():
@@ -108,7 +144,8 @@ def test_hetlora_zero_pads_and_weights_by_the_product_norm():
     np.testing.assert_allclose(new[A], [[9 / 7, 0.0], [0.0, 5 / 7]], rtol=1e-6)  # (2 A1 + 5 A2) / 7
     np.testing.assert_allclose(new[B], [[17 / 7, 0.0], [0.0, 20 / 7]], rtol=1e-6)  # (2 B1 + 5 B2) / 7
     np.testing.assert_allclose(new["head"], [1 - 0.1, 1 - 0.6], rtol=1e-6)  # sample-weighted
-    assert strategy.ranks == {1: 1, 2: 2}  # node 2's tail (component 1) grew from 0 to 4: no pruning
+    after = _configure(strategy, start, {1: 1, 2: 2}, server_round=2)
+    assert _sent_ranks(after) == {1: 1, 2: 2}  # node 2's tail (component 1) grew from 0 to 4: no pruning
 
 
 def test_hetlora_prunes_a_site_whose_tail_shrinks():
@@ -117,7 +154,7 @@ def test_hetlora_prunes_a_site_whose_tail_shrinks():
     grows = {A: [[0.0, 0.0], [0.0, 0.0]], B: [[0.0, 0.0], [0.0, -0.5]], "head": [0.0]}  # tail norm 1 -> 1.5
     strategy = HetLoRA(prune=0.5)
     _aggregate(strategy, start, [(shrinks, 10), (grows, 10)], {1: 2, 2: 2})
-    assert strategy.ranks == {1: 1, 2: 2}
+    assert _sent_ranks(_configure(strategy, start, {1: 2, 2: 2}, server_round=2)) == {1: 1, 2: 2}
 
 
 def test_flexlora_svd_of_the_weighted_product_sum():
@@ -137,17 +174,17 @@ def test_lora_strategies_need_a_lora_run():
         RunConfig(strategy="flora")
     compared = SimulationConfig(strategies=("fedavg", "hetlora"))  # a comparison gives LoRA-only ones a rank
     assert (compared.run_config("fedavg").lora_rank, compared.run_config("hetlora").lora_rank) == (0, 8)
-    with pytest.raises(AggregationError, match="lora-rank"):
+    with pytest.raises(LoraPairError, match="lora-rank"):
         lora_pairs(["net.classifier.weight"])
 
 
 def test_hetlora_tells_its_sites_the_tail_penalty_the_run_asks_for():
-    strategy = build_strategy(RunConfig(strategy="hetlora", lora_rank=4, hetlora_tail_penalty=0.5, hetlora_prune=0.25))
+    strategy = build_strategy(RunConfig.build(strategy="hetlora", lora_rank=4, hetlora_tail_penalty=0.5, hetlora_prune=0.25))
     assert strategy.site_config() == {TAIL_PENALTY_KEY: 0.5, PRUNE_KEY: 0.25}
-    assert build_strategy(RunConfig(strategy="hetlora", lora_rank=4, hetlora_tail_penalty=0)).site_config() == {}
+    assert build_strategy(RunConfig.build(strategy="hetlora", lora_rank=4, hetlora_tail_penalty=0)).site_config() == {}
     assert build_strategy(RunConfig(strategy="fedit", lora_rank=4)).site_config() == {}
     with pytest.raises(ConfigError, match="hetlora-tail-penalty"):
-        RunConfig(hetlora_tail_penalty=-1.0)
+        RunConfig.build(hetlora_tail_penalty=-1.0)
 
 
 TEXT = load_cohort("clinical-text", num_sites=1, samples_per_site=8).task
@@ -213,11 +250,16 @@ def test_tiered_simulation_trains_with_hydra_sized_ranks(strategy, tmp_path):
     assert {TIER_OF_NODE[node]: n for node, n in trained.items()} == params
     up = {TIER_OF_NODE[node]: n for node, n in result["rounds"][1]["bytes_up_per_site"].items()}
     assert up["small"] < up["medium"] < up["large"]  # a site uploads its rank's components only
+    # Round 1's download holds the planning query too, the same for every site: every trainable array, which is
+    # what the large tier (the run's rank) uploads. Besides it, a site downloads its rank's components (FLoRA: and
+    # the dense base weights it merges into).
     down = {TIER_OF_NODE[node]: n for node, n in result["rounds"][1]["bytes_down_per_site"].items()}
-    if strategy == "flora":  # and downloads them too (FLoRA: plus the dense base weights it merges into)
-        assert all(down[tier] > up[tier] for tier in up) and down["large"] - down["small"] == up["large"] - up["small"]
+    train_down = {tier: n - up["large"] for tier, n in down.items()}
+    if strategy == "flora":
+        assert all(train_down[tier] > up[tier] for tier in up)
+        assert train_down["large"] - train_down["small"] == up["large"] - up["small"]
     else:
-        assert down == up
+        assert train_down == up
     if strategy == "flora":  # sites trained on merged bases, which stay out of the model other runs share
         task, lora = site_app.run_cohort(CFG).task, site_app.lora_spec(CFG)
         fresh = lora_base_state(build_model(task, lora=lora))

@@ -3,40 +3,40 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TIERED_RUN, TIER_OF_NODE, assert_resume_matches_a_straight_run, make_reply
+from helpers import (
+    TIERED_RUN,
+    TIER_OF_NODE,
+    assert_resume_matches_a_straight_run,
+    configure_round,
+    make_reply,
+    make_scores_reply,
+    reply_layout,
+    sent_specs,
+)
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from hydrafl import server_app, site_app
 from hydrafl.config import SimulationConfig
 from hydrafl.data import TaskSpec
-from hydrafl.hydranet import (
-    SpecError,
-    SubnetSpec,
-    WidthAxis,
-    apply_spec,
-    extract,
-    trainable_slices,
-    width_layout,
-    width_layout_from_heads,
-    width_slices,
-    width_window,
-)
-from hydrafl.model_zoo import TinyLlamaShape, build_causal_lm, with_lora
-from hydrafl.models import TinyShape, build_model
+from hydrafl.backbones import TinyShape, build_causal_lm, with_lora
+from hydrafl.models import build_model
 from hydrafl.simulation.compare import compare_strategies
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
 from hydrafl.strategies import FedRolex, FjORD, HeteroFL, build_strategy
+from hydrafl.subnet.apply import apply_spec, trainable_slices, width_layout
+from hydrafl.subnet.slices import extract
+from hydrafl.subnet.spec import SpecError, SubnetSpec
+from hydrafl.subnet.width import WidthAxis, width_layout_from_heads, width_slices, width_window
 
 TEXT = TaskSpec(name="text", modality="text", num_classes=3, class_names=("a", "b", "c"), vocab_size=40, seq_len=8)
 SHAPE = TinyShape(hidden=32, layers=2, heads=4, intermediate=48)  # head dim 8
-LLAMA = TinyLlamaShape(hidden=32, layers=2, heads=4, kv_heads=2, intermediate=48, max_positions=32)
+LLAMA = TinyShape(hidden=32, layers=2, heads=4, kv_heads=2, intermediate=48, max_positions=32)
 
 
 def test_width_window_keeps_leading_channels_or_rolls_and_wraps():
@@ -157,66 +157,104 @@ def test_site_and_coordinator_agree_on_the_width_layout():
 # Aggregation rules against hand-computed numbers
 # --------------------------------------------------------------------------------------------------------------
 
-# A toy model: "q" is layer 0's query (2 heads of head dim 2: rows 0-1 and 2-3), "f" its FFN output projection
-# (4 hidden units: columns), "n" a layer-0 norm (not width-sliced), "e" an embedding outside the layers.
+# A toy model: "q" is layer 0's query (2 heads of head dim 2: rows 0-1 and 2-3), FF_OUT its FFN output projection
+# (4 hidden units: columns), "n" a layer-0 norm (not width-sliced), "e" an embedding outside the layers. Layers 1
+# and 2 hold one whole tensor each ("m1", "m2"): every width trains them, so a Hydra-net of fewer layers trains
+# less than a width does, and the tiers' Hydra budgets come out as widths 0.5 (tier medium) and 0.25 (small).
+FF_OUT = "0.output.dense.weight"  # named as in BERT, so the coordinator finds its width axis from the name
 LAYOUT = {
     "q": WidthAxis(0, 0, 2, (4, 1)),
-    "f": WidthAxis(0, 1, 4, (1, 4)),
+    FF_OUT: WidthAxis(0, 1, 4, (1, 4)),
     "n": WidthAxis(0, -1, 0, (2,)),
     "e": WidthAxis(-1, -1, 0, (2,)),
+    "m1": WidthAxis(1, -1, 0, (1,)),
+    "m2": WidthAxis(2, -1, 0, (3,)),
 }
-START = {"q": [[1.0], [2.0], [3.0], [4.0]], "f": [[1.0, 1.0, 1.0, 1.0]], "n": [1.0, 1.0], "e": [0.0, 0.0]}
-# Site A (10 examples, width 0.5) and site C (30 examples, width 0.25); junk (100) outside their slices never travels.
-DELTA_A = {"q": [[0.2], [100.0], [0.4], [100.0]], "f": [[0.1, 0.3, 100.0, 100.0]], "n": [0.2, 0.2], "e": [1.0, 1.0]}
-DELTA_C = {"q": [[0.6], [100.0], [0.8], [100.0]], "f": [[0.5, 100.0, 100.0, 100.0]], "n": [0.6, -0.2], "e": [3.0, 1.0]}
+HEAD_LAYOUT = {
+    "q": (0, 0, 2), FF_OUT: (0, -1, 2), "n": (0, -1, 2), "e": (-1, -1, 2), "m1": (1, -1, 2), "m2": (2, -1, 2),
+}
+"""What the sites report in the planning round (`site_app.slice_layout`): per tensor its layer, head axis, head dim."""
+START = {
+    "q": [[1.0], [2.0], [3.0], [4.0]], FF_OUT: [[1.0, 1.0, 1.0, 1.0]], "n": [1.0, 1.0], "e": [0.0, 0.0],
+    "m1": [1.0], "m2": [1.0, 1.0, 1.0],
+}
+# Site A (node 1, 10 examples, width 0.5) and site C (node 2, 30 examples, width 0.25); junk (100) outside their
+# slices never travels. Neither moves "m1" or "m2".
+DELTA_A = {
+    "q": [[0.2], [100.0], [0.4], [100.0]], FF_OUT: [[0.1, 0.3, 100.0, 100.0]], "n": [0.2, 0.2], "e": [1.0, 1.0],
+    "m1": [0.0], "m2": [0.0, 0.0, 0.0],
+}
+DELTA_C = {
+    "q": [[0.6], [100.0], [0.8], [100.0]], FF_OUT: [[0.5, 100.0, 100.0, 100.0]], "n": [0.6, -0.2], "e": [3.0, 1.0],
+    "m1": [0.0], "m2": [0.0, 0.0, 0.0],
+}
 
 
-def _aggregate(strategy, specs, deltas):
-    """Each site sends what `site_app.train` sends: its slices of the delta, compact (the junk is cut off)."""
-    strategy.width_layout, strategy.specs = dict(LAYOUT), dict(enumerate(specs, start=1))
-    strategy.current_arrays = ArrayRecord({k: Array(np.asarray(v, dtype=np.float32)) for k, v in START.items()})
+def _scores():
+    """Both sites rank layer 0, then 1, then 2. A is tier medium: a Hydra-net of layers 0-1 with both heads,
+    4 + 4 + 2 + 1 + 2 = 13 coordinates; C is tier small: layer 0 with one head, 2 + 4 + 2 + 2 = 10. The widths
+    train 11 (0.25), 12 (0.5), 15 (0.75) or 16 (1.0) coordinates: the closest are 0.5 and 0.25."""
+    return {
+        node: make_scores_reply(node, HEAD_LAYOUT, layers=[3.0, 2.0, 1.0], heads=[[2.0, 1.0]] * 3, tier=tier)
+        for node, tier in ((1, "medium"), (2, "small"))
+    }
+
+
+def test_the_coordinator_reads_the_toys_width_layout_from_the_reported_heads():
+    shapes = {name: axis.shape for name, axis in LAYOUT.items()}
+    assert width_layout_from_heads(HEAD_LAYOUT, shapes) == LAYOUT
+
+
+def _aggregate(strategy, deltas, server_round=1):
+    """One round: the planning round (before the strategy's first) sizes A at width 0.5 and C at width 0.25
+    over every layer, and the train messages say so (FedRolex: from channel `server_round - 1` on). Each site
+    sends what `site_app.train` sends: its slices of the delta under the spec it was sent, compact (the junk is
+    cut off)."""
+    records = ArrayRecord({k: Array(np.asarray(v, dtype=np.float32)) for k, v in START.items()})
+    specs = sent_specs(configure_round(strategy, server_round, records, _scores()))
+    offset = server_round - 1 if isinstance(strategy, FedRolex) else 0
+    assert {node: (s.layers, s.width_ratio, s.width_offset) for node, s in specs.items()} == {
+        1: ((0, 1, 2), 0.5, offset),
+        2: ((0, 1, 2), 0.25, offset),
+    }
     replies = []
-    for i, (delta, n) in enumerate(deltas, start=1):
+    for node, (delta, n) in enumerate(deltas, start=1):
         full = {name: torch.tensor(values, dtype=torch.float32) for name, values in delta.items()}
-        slices = {name: sl for name, sl in width_slices(LAYOUT, specs[i - 1]).items() if name in full}
+        slices = {name: sl for name, sl in width_slices(LAYOUT, specs[node]).items() if name in full}
         compact = extract(full, slices)
-        replies.append(make_reply({name: t.numpy() for name, t in compact.items()}, n, node_id=i))
-    new, metrics = strategy.aggregate_train(1, iter(replies))
+        replies.append(make_reply({name: t.numpy() for name, t in compact.items()}, n, node_id=node))
+    new, metrics = strategy.aggregate_train(server_round, iter(replies))
     assert metrics is not None
     return {name: array.numpy() for name, array in new.items()}
 
 
-def _specs(offset=0):
-    return [SubnetSpec(layers=(0,), width_ratio=r, width_offset=offset) for r in (0.5, 0.25)]
-
-
 def test_heterofl_is_the_plain_mean_over_the_sites_that_trained_each_coordinate():
-    new = _aggregate(HeteroFL(), _specs(), [(DELTA_A, 10), (DELTA_C, 30)])
+    new = _aggregate(HeteroFL(), [(DELTA_A, 10), (DELTA_C, 30)])
     # q keeps dim 0 of each head for both sites (ceil(0.5 * 2) = ceil(0.25 * 2) = 1): rows 0 and 2.
     np.testing.assert_allclose(new["q"], [[1 - 0.4], [2.0], [3 - 0.6], [4.0]], rtol=1e-6)  # (0.2+0.6)/2, (0.4+0.8)/2
-    # f: A keeps units 0-1, C unit 0: unit 0 by both, unit 1 by A only, units 2-3 by nobody.
-    np.testing.assert_allclose(new["f"], [[1 - 0.3, 1 - 0.3, 1.0, 1.0]], rtol=1e-6)
+    # FF_OUT: A keeps units 0-1, C unit 0: unit 0 by both, unit 1 by A only, units 2-3 by nobody.
+    np.testing.assert_allclose(new[FF_OUT], [[1 - 0.3, 1 - 0.3, 1.0, 1.0]], rtol=1e-6)
     np.testing.assert_allclose(new["n"], [1 - 0.4, 1 - 0.0], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(new["e"], [0 - 2.0, 0 - 1.0], rtol=1e-6)
 
 
 def test_fjord_weights_the_nested_blocks_by_samples():
-    new = _aggregate(FjORD(), _specs(), [(DELTA_A, 10), (DELTA_C, 30)])
+    new = _aggregate(FjORD(), [(DELTA_A, 10), (DELTA_C, 30)])
     np.testing.assert_allclose(new["q"], [[1 - 0.5], [2.0], [3 - 0.7], [4.0]], rtol=1e-6)  # (2 + 18) / 40, (4 + 24) / 40
-    np.testing.assert_allclose(new["f"], [[1 - 0.4, 1 - 0.3, 1.0, 1.0]], rtol=1e-6)  # (1 + 15) / 40; A alone
+    np.testing.assert_allclose(new[FF_OUT], [[1 - 0.4, 1 - 0.3, 1.0, 1.0]], rtol=1e-6)  # (1 + 15) / 40; A alone
     np.testing.assert_allclose(new["n"], [1 - 0.5, 1 + 0.1], rtol=1e-6)  # (2 + 18) / 40, (2 - 6) / 40
     np.testing.assert_allclose(new["e"], [0 - 2.5, 0 - 1.0], rtol=1e-6)
 
 
 def test_fedrolex_rolls_the_window_and_averages_plainly():
-    delta_a = {"q": [[100.0], [0.2], [100.0], [0.4]], "f": [[100.0, 0.1, 0.3, 100.0]], "n": [0.2, 0.2], "e": [1.0, 1.0]}
-    delta_c = {"q": [[100.0], [0.6], [100.0], [0.8]], "f": [[100.0, 0.5, 100.0, 100.0]], "n": [0.6, -0.2], "e": [3.0, 1.0]}
-    new = _aggregate(FedRolex(), _specs(offset=1), [(delta_a, 10), (delta_c, 30)])
+    delta_a = {**DELTA_A, "q": [[100.0], [0.2], [100.0], [0.4]], FF_OUT: [[100.0, 0.1, 0.3, 100.0]]}
+    delta_c = {**DELTA_C, "q": [[100.0], [0.6], [100.0], [0.8]], FF_OUT: [[100.0, 0.5, 100.0, 100.0]]}
+    new = _aggregate(FedRolex(), [(delta_a, 10), (delta_c, 30)], server_round=2)  # the window from channel 1 on
     np.testing.assert_allclose(new["q"], [[1.0], [2 - 0.4], [3.0], [4 - 0.6]], rtol=1e-6)  # dim 1 of each head
-    np.testing.assert_allclose(new["f"], [[1.0, 1 - 0.3, 1 - 0.3, 1.0]], rtol=1e-6)  # units 1-2 and 1
-    specs = [SubnetSpec(layers=(0,), width_ratio=0.5, width_offset=3)]
-    new = _aggregate(FedRolex(), specs, [({"q": START["q"], "f": [[0.5, 100.0, 100.0, 0.5]]}, 10)])
-    np.testing.assert_allclose(new["f"], [[0.5, 1.0, 1.0, 0.5]], rtol=1e-6)  # units 3, then 0: wrapped
+    np.testing.assert_allclose(new[FF_OUT], [[1.0, 1 - 0.3, 1 - 0.3, 1.0]], rtol=1e-6)  # units 1-2 and 1
+    only_a = [({"q": START["q"], FF_OUT: [[0.5, 100.0, 100.0, 0.5]]}, 10)]  # C sends nothing this round
+    new = _aggregate(FedRolex(), only_a, server_round=4)  # A's width 0.5 from channel 3 on
+    np.testing.assert_allclose(new[FF_OUT], [[0.5, 1.0, 1.0, 0.5]], rtol=1e-6)  # units 3, then 0: wrapped
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -229,18 +267,22 @@ FFN_IN = "net.encoder.encoder.layer.0.intermediate.dense.weight"  # 128 hidden u
 
 
 def test_fedrolex_window_advances_each_round_and_wraps():
-    cfg = dataclasses.replace(CFG, strategy="fedrolex")
+    cfg = CFG.replace(strategy="fedrolex")
     strategy = build_strategy(cfg)
     grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
     arrays = server_app.request_initial_arrays(grid, cfg)
+    queries = list(strategy.configure_query(1, arrays, ConfigRecord(cfg.to_flower()), grid))
+    scores = list(grid.send_and_receive(queries))  # the planning round, as the round driver exchanges it
+    strategy.aggregate_query(1, scores)
+    shapes = {name: tuple(arrays[name].shape) for name in arrays}
+    layout = width_layout_from_heads(reply_layout(scores[0]), shapes)  # what the coordinator slices widths by
     small = FIRST_NODE_ID  # the small tier
     rows = {}
     for server_round in (1, 2, 17):
         messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
-        config = next(m for m in messages if m.metadata.dst_node_id == small).content["config"]
-        spec = SubnetSpec.from_config(dict(config))
+        spec = sent_specs(messages)[small]
         assert spec.width_offset == server_round - 1
-        slices = width_slices(strategy.width_layout, spec)
+        slices = width_slices(layout, spec)
         rows[server_round] = (slices[QUERY].index, slices[FFN_IN].index)
     kept = len(rows[1][0]) // 4
     assert 0 < kept < 16 and rows[1][0][:kept] == tuple(range(kept))
@@ -251,7 +293,7 @@ def test_fedrolex_window_advances_each_round_and_wraps():
 
 def test_simulate_width_baselines_train_at_the_hydra_budget_of_each_tier(tmp_path):
     strategies = ("hydra", "heterofl", "fjord", "fedrolex")
-    config = SimulationConfig(run=dataclasses.replace(CFG, rounds=2), strategies=strategies, out=str(tmp_path))
+    config = SimulationConfig(run=CFG.replace(rounds=2), strategies=strategies, out=str(tmp_path))
     compare_strategies(config, show_progress=False)
     results = json.loads((tmp_path / "results.json").read_text())
 
@@ -276,5 +318,5 @@ def test_simulate_width_baselines_train_at_the_hydra_budget_of_each_tier(tmp_pat
 
 @pytest.mark.parametrize("strategy", ["fjord", "fedrolex"])
 def test_resume_ends_with_the_same_numbers(tmp_path, strategy):
-    cfg = dataclasses.replace(CFG, strategy=strategy, rounds=3)
+    cfg = CFG.replace(strategy=strategy, rounds=3)
     assert_resume_matches_a_straight_run(cfg, tmp_path)

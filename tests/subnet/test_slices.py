@@ -8,17 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from hydrafl.arrays import record_nbytes, to_record
-from hydrafl.hydranet import (
-    Slice,
-    SubnetSpec,
-    apply_spec,
-    coordinate_masks,
-    extract,
-    merge,
-    payload_bytes,
-    trainable_slices,
-)
-from hydrafl.model_zoo import parameter_bytes, parameter_count, with_lora
+from hydrafl.backbones import with_lora
+from hydrafl.subnet.apply import apply_spec, trainable_slices
+from hydrafl.subnet.counts import parameter_bytes, parameter_count
+from hydrafl.subnet.slices import Slice, coordinate_masks, extract, merge, payload_bytes
+from hydrafl.subnet.spec import SubnetSpec
 
 L1 = "base_model.model.model.layers.1.self_attn"
 

@@ -7,13 +7,13 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification
 
 from hydrafl.data import TaskSpec
-from hydrafl.model_zoo import TinyLlamaShape, build_causal_lm
-from hydrafl.models import Classifier, TinyShape, build_model
+from hydrafl.backbones import TinyShape, build_causal_lm
+from hydrafl.models import Classifier, build_model
 
 TEXT = TaskSpec(name="text", modality="text", num_classes=3, class_names=("a", "b", "c"), vocab_size=40, seq_len=8)
 IMAGE = TaskSpec(name="image", modality="image", num_classes=2, class_names=("a", "b"), image_size=16, channels=1)
 SHAPE = TinyShape(hidden=32, layers=3, heads=4, intermediate=48, patch_size=8)
-LLAMA = TinyLlamaShape(hidden=32, layers=3, heads=4, kv_heads=2, intermediate=48, max_positions=32)
+LLAMA = TinyShape(hidden=32, layers=3, heads=4, kv_heads=2, intermediate=48, max_positions=32)
 
 
 @pytest.fixture

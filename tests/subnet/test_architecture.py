@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from hydrafl.hydranet import find_architecture
-from hydrafl.model_zoo import with_lora
+from hydrafl.backbones import with_lora
+from hydrafl.subnet.architecture import find_architecture
 
 
 def _names(arch, i):
@@ -104,8 +104,9 @@ def test_unsupported_model_is_named():
 def test_bare_bert_model_and_tabular_encoder():
     from transformers import BertConfig, BertModel
 
+    from hydrafl.backbones import TinyShape
     from hydrafl.data import TaskSpec
-    from hydrafl.models import TinyShape, build_model
+    from hydrafl.models import build_model
 
     bare = BertModel(BertConfig(vocab_size=20, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                                 intermediate_size=32, max_position_embeddings=8))

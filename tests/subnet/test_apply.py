@@ -10,8 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hydrafl.hydranet import Slice, SubnetSpec, apply_spec, find_architecture, read_slices, trainable_slices
-from hydrafl.model_zoo import with_lora
+from hydrafl.backbones import with_lora
+from hydrafl.subnet.apply import apply_spec, trainable_slices
+from hydrafl.subnet.architecture import find_architecture
+from hydrafl.subnet.slices import Slice, read_slices
+from hydrafl.subnet.spec import SubnetSpec
 
 
 def _bert_reference(net, x: torch.Tensor, kept: dict[int, tuple[int, ...]]) -> torch.Tensor:
@@ -209,7 +212,7 @@ def test_bert_bypass_equals_the_model_without_the_layer(bert, text_batch):
 
 
 def test_width_ratio_is_applied_not_ignored(llama):
-    from hydrafl.hydranet import SpecError
+    from hydrafl.subnet.spec import SpecError
 
     with apply_spec(llama, SubnetSpec(layers=(0,), width_ratio=0.5)) as handle:
         assert handle.width_ratio == 0.5  # masking per width: tests/strategies/test_width_baselines.py

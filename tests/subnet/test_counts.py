@@ -1,42 +1,18 @@
-"""Tiny causal LM, LoRA wrapping, offline loading, and hand-counted parameter / FLOP numbers."""
+"""Hand-counted parameter, byte and FLOP numbers of models and subnetworks."""
 
 from __future__ import annotations
 
-import pytest
-import torch
-from transformers import LlamaForCausalLM, ViTConfig, ViTForImageClassification
+from transformers import ViTConfig, ViTForImageClassification
 
-from hydrafl.data import load_cohort
-from hydrafl.hydranet import SubnetSpec
-from hydrafl.models import build_model
-from hydrafl.model_zoo import (
-    TinyLlamaShape,
-    build_causal_lm,
-    forward_flops,
-    load_pretrained,
-    parameter_bytes,
-    parameter_count,
-    with_lora,
-)
+from hydrafl.backbones import with_lora
+from hydrafl.subnet.counts import forward_flops, parameter_bytes, parameter_count
+from hydrafl.subnet.spec import SubnetSpec
 
 # Tiny Llama of conftest.LLAMA: hidden 32, 3 layers, 4 heads / 2 KV heads of 8, intermediate 48, vocab 40.
 # Per layer: q 32x32 (1024) + k 16x32 (512) + v 512 + o 1024 + gate/up/down 3 x 48x32 (4608) = 7680 matmul weights,
 # + 2 RMSNorm x 32. LM head 40x32 = 1280, embeddings 40x32 = 1280, final norm 32.
 LAYER_MATMUL = 7680
 ATTN_PROJ = 3072  # q + k + v + o
-
-
-def test_tiny_causal_lm_config(llama, lm_batch):
-    c = llama.config
-    assert (c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (
-        40, 32, 3, 4, 2,
-    )
-    assert llama(input_ids=lm_batch[0]).logits.shape == (4, 8, 40)
-    again = build_causal_lm(40, shape=TinyLlamaShape(hidden=32, layers=3, heads=4, kv_heads=2, intermediate=48,
-                                                     max_positions=32), seed=0)
-    assert all(torch.equal(a, b) for a, b in zip(llama.state_dict().values(), again.state_dict().values()))
-    with pytest.raises(ValueError, match="do not divide"):
-        build_causal_lm(40, shape=TinyLlamaShape(hidden=32, heads=4, kv_heads=3))
 
 
 def test_parameter_counts(llama):
@@ -81,39 +57,6 @@ def test_bert_flops_count_the_pooled_head_per_token(bert):
     # outside: pooler 1024 + classifier 96, counted per token (an upper bound for the pooled head)
     S = 8
     assert forward_flops(bert, S) == 2 * S * (3 * 7168 + 1024 + 96) + 3 * 4 * S * S * 32 == 386560
-
-
-def test_load_pretrained_round_trip(tmp_path, llama, bert, lm_batch, text_batch):
-    llama.save_pretrained(tmp_path / "lm")
-    loaded = load_pretrained(tmp_path / "lm")
-    assert type(loaded) is LlamaForCausalLM
-    assert loaded.config.num_key_value_heads == 2
-    with torch.no_grad():
-        assert torch.equal(loaded.eval()(input_ids=lm_batch[0]).logits, llama.eval()(input_ids=lm_batch[0]).logits)
-    bert.net.save_pretrained(tmp_path / "bert")
-    assert type(load_pretrained(tmp_path / "bert")).__name__ == "BertForSequenceClassification"
-    with pytest.raises(ValueError, match="is not a local checkpoint directory"):
-        load_pretrained(tmp_path / "missing")
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="has no config.json"):
-        load_pretrained(tmp_path / "empty")
-
-
-@pytest.mark.parametrize("task_name", ["clinical-text", "chest-xray"])
-def test_a_site_builds_its_classifier_from_a_local_checkpoint_directory(tmp_path, task_name):
-    """`--model DIR` for the text (BERT) and image (ViT) tasks: the saved weights come back, offline."""
-    cohort = load_cohort(task_name, num_sites=1, samples_per_site=8)
-    saved = build_model(cohort.task, seed=3)
-    saved.net.save_pretrained(tmp_path / "checkpoint")
-    loaded = build_model(cohort.task, model=str(tmp_path / "checkpoint"), seed=0)
-    assert type(loaded.net) is type(saved.net)
-    for name, tensor in saved.state_dict().items():
-        assert torch.equal(loaded.state_dict()[name], tensor), name
-    x = cohort.sites[0].train_x[:4]
-    with torch.no_grad():
-        assert torch.equal(loaded.eval()(x), saved.eval()(x))
-    with pytest.raises(ValueError, match="neither 'tiny' nor a local checkpoint directory"):
-        build_model(cohort.task, model=str(tmp_path / "missing"))
 
 
 def test_forward_flops_of_a_vit_by_hand():

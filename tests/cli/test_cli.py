@@ -188,12 +188,12 @@ def test_simulate_hydra_bypass_sends_small_sites_less(tmp_path):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["config"]["hydra_bypass"] is True and results["config"]["hydra_head_mode"] == "drop"
+    assert results["config"]["knobs"] == {"hydra_bypass": True, "hydra_head_mode": "drop"}
     down = sorted(results["strategies"]["hydra"]["rounds"][1]["bytes_down_per_site"].values())
     assert down[0] < down[1] < down[2]  # a small site's net skips a layer, a medium one drops heads: not sent
 
 
-def test_the_issues_mixed_comparison_runs_with_tiers_cycling_over_the_sites(tmp_path):
+def test_a_mixed_comparison_runs_with_tiers_cycling_over_the_sites(tmp_path):
     args = ["simulate", "--task", "tabular", "--strategies", "hydra,heterofl,fjord,fedrolex,flora,fedavg",
             "--site-tiers", "small,medium,large", "--rounds", "1", "--local-steps", "1", "--out", str(tmp_path),
             "--no-progress"]

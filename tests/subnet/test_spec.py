@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from flwr.app import ConfigRecord
 
-from hydrafl.hydranet import SpecError, SubnetSpec, find_architecture
+from hydrafl.subnet.architecture import find_architecture
+from hydrafl.subnet.spec import SpecError, SubnetSpec
 
 
 def test_spec_is_canonical_sorted_and_aligned():

@@ -1,0 +1,161 @@
+"""`hydrafl site`: join a coordinator as a hospital site, after settling everything it can check alone.
+
+Its token, its own data, its policy file and its TLS files are checked before it connects, so a mistake is a
+one-line error with exit code 2 here rather than a failed round at the coordinator.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from click.core import ParameterSource
+from rich.markup import escape
+
+from hydrafl.cli.common import console, fail, setup_logging, warn
+
+if TYPE_CHECKING:
+    from flwr.clientapp import ClientApp
+
+
+def site(
+    ctx: typer.Context,
+    coordinator: Annotated[str, typer.Option(help="Coordinator HOST:PORT.")] = "127.0.0.1:9091",
+    token: Annotated[
+        str, typer.Option(envvar="HYDRAFL_SITE_TOKEN", help="Enrolment token; prefer $HYDRAFL_SITE_TOKEN or --token-file.")
+    ] = "",
+    token_file: Annotated[
+        Path | None, typer.Option(help="File holding the enrolment token (kept out of `ps`, unlike --token).")
+    ] = None,
+    data: Annotated[Path | None, typer.Option(help="This site's CSV/JSONL file or image folder.")] = None,
+    label_column: Annotated[str, typer.Option(help="Label column of a CSV/JSONL --data file.")] = "",
+    policy: Annotated[Path | None, typer.Option(help="Site policy TOML: allowed runs, update clipping, noise.")] = None,
+    max_download_mb: Annotated[
+        int | None, typer.Option(min=1, help="Largest message this site downloads (MB of arrays); default half its RAM.")
+    ] = None,
+    nproc: Annotated[int, typer.Option(min=1, help="Training processes (one per GPU, or CPU ranks): DDP, same delta.")] = 1,
+    max_restarts: Annotated[
+        int, typer.Option(min=0, help="With --nproc > 1: restart the training processes this often when one dies.")
+    ] = 0,
+    bf16: Annotated[bool, typer.Option("--bf16", help="Train under bfloat16 autocast.")] = False,
+    memory_mb: Annotated[
+        float, typer.Option(min=0, help="Training memory this site offers (MB); Hydra-nets are sized to fit. 0 = no limit.")
+    ] = 0.0,
+    tier: Annotated[
+        str, typer.Option(help="Resource tier this site declares: small, medium or large (wins over the run's site-tiers).")
+    ] = "",
+    model_dir: Annotated[
+        Path | None, typer.Option(help="Folder of local checkpoints a run may name as its model (none otherwise).")
+    ] = None,
+    client_app: Annotated[str, typer.Option("--app", help="ClientApp to run, as module:attribute.")] = "hydrafl.apps:client_app",
+    tls_ca: Annotated[Path | None, typer.Option(help="CA that signed the coordinator's certificate (PEM); enables TLS.")] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help="This site's certificate (PEM), for mutual TLS.")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="This site's private key (PEM), for mutual TLS.")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every message.")] = False,
+) -> None:
+    """Join a coordinator as a hospital site (outbound connection only) and train when asked."""
+    import grpc
+
+    from hydrafl.client.agent import SiteAgent, SiteRefused
+    from hydrafl.client.policy import PolicyError, SitePolicy, load_policy
+    from hydrafl.client.tls import SiteTls, plaintext_warning
+    from hydrafl.site_config import SiteConfig
+    from hydrafl.validation import ConfigError
+
+    setup_logging(verbose)
+    site_token = _site_token(ctx.get_parameter_source("token"), token, token_file)
+    if data is not None and not data.exists():
+        fail(f"--data {data} does not exist", 2)
+    try:
+        site_config = SiteConfig(
+            data_path=data, label_column=label_column if data else "", model_dir=model_dir, nproc=nproc,
+            max_restarts=max_restarts, bf16=True if bf16 else None, memory_mb=memory_mb or None, tier=tier,
+        )
+    except ConfigError as error:
+        fail(escape(str(error)), 2)
+    try:
+        site_policy = load_policy(policy) if policy else SitePolicy()
+    except PolicyError as error:
+        fail(f"invalid site policy, not starting: {error}", 2)
+    if data is not None:
+        _check_own_data(data, label_column)
+    else:
+        console.print("no --data: joining with a synthetic demo cohort of the run's task")
+    try:
+        tls = SiteTls.from_options(tls_ca, tls_cert, tls_key)
+    except ConfigError as error:
+        fail(escape(str(error)), 2)
+    warning = plaintext_warning(coordinator, tls)
+    if warning:
+        warn(warning)
+    agent = SiteAgent(
+        coordinator, site_token, _load_app(client_app), site_config.to_node_config(), demo=data is None,
+        policy=site_policy, tls=tls, max_download_bytes=max_download_mb * 1_000_000 if max_download_mb else None,
+    )
+    try:
+        agent.run()
+    except SiteRefused as error:
+        fail(f"the coordinator refused this site: {error}", 3)
+    except grpc.RpcError as error:  # not a coordinator, or one that answers an error no retry will fix
+        fail(f"{coordinator} answered {error.code().name}: {error.details()}", 1)
+    except KeyboardInterrupt:
+        pass
+
+
+def _site_token(source: ParameterSource | None, token: str, token_file: Path | None) -> str:
+    """The enrolment token, from exactly one of --token-file, $HYDRAFL_SITE_TOKEN and --token. A token typed on
+    the command line still works, with a warning: every user of the machine can read it in `ps`."""
+    given = "--token" if source is ParameterSource.COMMANDLINE else "$HYDRAFL_SITE_TOKEN"
+    if token_file is not None:
+        if token:
+            fail(f"give the token one way: --token-file or {given}, not both", 2)
+        return _read_token(token_file)
+    if not token:
+        fail("a site needs its token (printed by `hydrafl admin site add NAME`): --token-file FILE or "
+              "$HYDRAFL_SITE_TOKEN", 2)
+    if source is ParameterSource.COMMANDLINE:
+        warn("--token on the command line is visible to every user of this machine in `ps`; "
+              "use --token-file or $HYDRAFL_SITE_TOKEN")
+    return token
+
+
+def _read_token(path: Path) -> str:
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except OSError as error:
+        fail(escape(f"cannot read --token-file {path}: {error.strerror or error}"), 2)
+    except UnicodeDecodeError:
+        fail(escape(f"--token-file {path} is not a text file"), 2)
+    if not token:
+        fail(escape(f"--token-file {path} is empty; put the token `hydrafl admin site add NAME` printed in it"), 2)
+    return token
+
+
+def _check_own_data(data: Path, label_column: str) -> None:
+    """Load the site's data as training will, so a wrong file or --label-column stops the site now instead of
+    failing the run once it has joined."""
+    from hydrafl.data import DataError, load_cohort
+
+    try:
+        load_cohort(
+            "", num_sites=1, partition="iid", data_path=data, label_column=label_column or None, samples_per_site=2
+        )
+    except DataError as error:
+        fail(escape(str(error)), 2)
+
+
+def _load_app(reference: str) -> ClientApp:
+    """The ClientApp object at module:attribute (`--app`); a wrong reference is an error, not a traceback."""
+    import importlib
+
+    from flwr.clientapp import ClientApp
+
+    module_name, _, attribute = reference.partition(":")
+    try:
+        app_object = getattr(importlib.import_module(module_name), attribute or "app")
+    except (ImportError, AttributeError) as error:
+        fail(f"cannot load ClientApp {reference!r}: {error}", 2)
+    if not isinstance(app_object, ClientApp):
+        fail(f"{reference!r} is a {type(app_object).__name__}, not a flwr ClientApp", 2)
+    return app_object

@@ -1,0 +1,31 @@
+"""Attribute docstrings of a dataclass (the string literal under each field): the one place a configuration
+key is documented, read back for `--help` and `hydrafl strategies`."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from functools import cache
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Per field name, its docstring (whitespace collapsed), including those declared on base classes."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for statement, following in zip(body, body[1:]):
+            if (
+                isinstance(statement, ast.AnnAssign)
+                and isinstance(statement.target, ast.Name)
+                and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)
+            ):
+                docs[statement.target.id] = " ".join(following.value.value.split())
+    return docs

@@ -1,0 +1,72 @@
+"""What the coordinator and a site say to each other: message types, the keys of their records, gRPC options.
+
+Both ends import this module and nothing else of each other, so a key is spelled once. It imports neither
+torch nor Flower: the coordinator, the site agent and the strategies all read it.
+"""
+
+from __future__ import annotations
+
+# Message types beyond Flower's train / evaluate.
+QUERY_INIT = "query.init"
+"""Asks a site for the seeded initial model (one ArrayRecord back)."""
+QUERY_CURVATURE = "query.curvature"
+"""Asks a site for its loss curvature (the outer-optimizer stability check)."""
+QUERY_SCORES = "query.scores"
+"""Asks a site for its layer and head importance, tier, resources and slice layout (the planning round)."""
+
+# Config keys the coordinator adds to a message for one site.
+SERVER_ROUND = "server-round"
+"""The round a train message belongs to (Flower's strategies set it too)."""
+SUBNET_PREFIX = "hydra."
+"""Keys of the SubnetSpec a site trains (`SubnetSpec.to_config`)."""
+SITE_RANK = "lora.site-rank"
+"""The LoRA rank a site trains and uploads."""
+LORA_BASES = "lora.own-bases"
+"""Init query: the frozen base weights of the LoRA modules travel with the adapters (FLoRA merges into them)."""
+TAIL_PENALTY = "hetlora.tail-penalty"
+"""HetLoRA: lambda of the site's local regulariser on its rank's tail (absent = none)."""
+TAIL_PRUNE = "hetlora.prune"
+"""HetLoRA: the fraction of a site's rank that is its tail."""
+SCORE_SAMPLES = "scoring.samples"
+"""Scoring query: how many training samples the site scores on."""
+LAYER_SCORE = "scoring.layer-method"
+"""Scoring query: layer importance method (fisher or taylor)."""
+HEAD_SCORE = "scoring.head-method"
+"""Scoring query: head importance method (taylor or confidence)."""
+SCORE_BYPASS = "scoring.bypass"
+"""Scoring query: the site measures its step cost with layers outside its net skipped rather than frozen."""
+
+# Record keys of a site's replies.
+WEIGHT = "num-examples"
+"""The weight of a reply in an average (Flower's `weighted_by_key` default)."""
+DATA_HASH = "data-hash"
+"""Train reply ConfigRecord: SHA-256 of the ordered sample ids the site trained on this round."""
+TRAINABLE_PARAMS = "trainable-params"
+"""Train reply metric: the coordinates the site trained."""
+PEAK_MEMORY = "peak-memory-bytes"
+"""Train reply metric: the site's peak training memory."""
+MEMORY_BYTES = "memory-bytes"
+"""Scoring reply metric: the training memory the site declares (0 = no limit)."""
+COST_PREFIX = "cost."
+"""Scoring reply metrics: the site's measured step cost (`LayerCost` fields, dashes for underscores)."""
+LAYER_PREFIX = "layer-"
+"""Scoring reply metrics `layer-L`: importance of layer L."""
+HEAD_PREFIX = "head-"
+"""Scoring reply metrics `head-L-G`: importance of KV group G of layer L."""
+SITE_RECORD = "site"
+"""Scoring reply ConfigRecord: the site's tier and slice layout."""
+TIER = "tier"
+LAYOUT_NAMES = "layout.names"
+LAYOUT_LAYERS = "layout.layers"
+LAYOUT_AXES = "layout.axes"
+LAYOUT_UNITS = "layout.units"
+
+MAX_GRPC_MESSAGE_BYTES = 8 << 20
+"""Arrays travel as chunk streams, so no single gRPC message needs more."""
+GRPC_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+)
+"""Channel options both ends use; the server adds its own on top (`server.service`)."""

@@ -1,0 +1,171 @@
+"""What the coordinator does with the sites' scores and costs: a global layer ranking, each site's heads, the
+resulting `SubnetSpec`, and the largest Hydra-net a site's measured step cost lets it train (`plan_budget`).
+
+Pure arithmetic on a few floats per site: no model, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hydrafl.subnet.spec import SubnetSpec
+
+
+def global_layer_scores(
+    site_scores: Sequence[tuple[Sequence[float], float]], *, normalize: bool = False
+) -> list[float]:
+    """S_l = sum_k n_k s_l^(k) / sum_k n_k. `normalize` first divides each site's vector by its sum, so a site
+    whose loss scale is larger does not dominate (off by default, as in the design notes)."""
+    if not site_scores:
+        raise ValueError("no site scores to combine")
+    length = len(site_scores[0][0])
+    total_n = 0.0
+    combined = [0.0] * length
+    for k, (scores, n) in enumerate(site_scores):
+        if len(scores) != length:
+            raise ValueError(f"site {k} sent {len(scores)} layer scores, expected {length}")
+        if not n > 0:
+            raise ValueError(f"site {k} has sample weight {n}; weights must be > 0")
+        if not all(math.isfinite(s) and s >= 0 for s in scores):
+            raise ValueError(f"site {k} sent non-finite or negative scores: {list(scores)}")
+        scale = sum(scores) if normalize else 1.0
+        scale = scale if scale > 0 else 1.0
+        for l, s in enumerate(scores):
+            combined[l] += n * s / scale
+        total_n += n
+    return [c / total_n for c in combined]
+
+
+def combine_layer_scores(
+    site_scores: Sequence[tuple[Sequence[float], float]], *, normalize: bool = False
+) -> list[int]:
+    """Global layer ranking (most important first; ties to the lower index) from (scores, n_samples) per site."""
+    combined = global_layer_scores(site_scores, normalize=normalize)
+    return sorted(range(len(combined)), key=lambda l: (-combined[l], l))
+
+
+def select_heads(scores: Sequence[float], k: int) -> tuple[int, ...]:
+    """Indices of the k highest-scoring heads (KV groups), ascending; ties go to the lower index."""
+    if not 1 <= k <= len(scores):
+        raise ValueError(f"k must be in 1..{len(scores)}, got {k}")
+    order = sorted(range(len(scores)), key=lambda h: (-scores[h], h))
+    return tuple(sorted(order[:k]))
+
+
+def build_spec(
+    ranking: Sequence[int],
+    num_layers: int,
+    head_scores: Sequence[Sequence[float]] | None = None,
+    heads_per_layer: int | None = None,
+    **kwargs: Any,
+) -> SubnetSpec:
+    """Top-`num_layers` layers of the global ranking (nested across sites), and in each the site's top
+    `heads_per_layer` heads by its own `head_scores[layer]` (all heads when either is None)."""
+    if not 1 <= num_layers <= len(ranking):
+        raise ValueError(f"num_layers must be in 1..{len(ranking)}, got {num_layers}")
+    layers = tuple(sorted(ranking[:num_layers]))
+    heads = None
+    if head_scores is not None and heads_per_layer is not None:
+        heads = tuple(select_heads(head_scores[layer], heads_per_layer) for layer in layers)
+    return SubnetSpec(layers=layers, heads=heads, **kwargs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCost:
+    """Cost of one local step, measured on the reference device (speed 1.0).
+
+    fixed_s / fixed_bytes: step time / peak memory with no trained layer (weights, embeddings, head, the
+        forward of frozen layers, their activations).
+    per_layer_s / per_layer_bytes: what each trained layer with all heads adds (backward, grads, optimizer
+        state, stored activations).
+    head_fraction: share of the per-layer cost that scales with the kept heads (q/k/v/o and attention; e.g.
+        from FLOP counts: `subnet.counts.forward_flops`); the rest (FFN, norms) does not.
+    """
+
+    fixed_s: float
+    per_layer_s: float
+    fixed_bytes: float
+    per_layer_bytes: float
+    head_fraction: float = 0.35
+
+    def __post_init__(self) -> None:
+        if min(self.fixed_s, self.per_layer_s, self.fixed_bytes, self.per_layer_bytes) < 0:
+            raise ValueError("costs must be >= 0")
+        if not 0.0 <= self.head_fraction <= 1.0:
+            raise ValueError(f"head_fraction must be in [0, 1], got {self.head_fraction}")
+
+    def work(self, layers: int, heads: int, num_groups: int) -> float:
+        """Trained-layer equivalents: L * ((1 - f) + f * H / H_max)."""
+        return layers * ((1.0 - self.head_fraction) + self.head_fraction * heads / num_groups)
+
+
+COST_FIELDS = ("fixed_s", "per_layer_s", "fixed_bytes", "per_layer_bytes")
+"""The measured LayerCost fields a site reports (as `cost.fixed-s`, ...) in its scores reply."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The Hydra-net `plan_budget` picks for a site: layers, heads per layer, and what it costs there."""
+
+    layers: int
+    heads: int
+    step_s: float
+    """Estimated step time on the site's device."""
+    memory_bytes: float
+    """Estimated peak memory."""
+
+
+def plan_budget(
+    cost: LayerCost,
+    *,
+    num_layers: int,
+    num_groups: int,
+    memory_bytes: float,
+    speed: float,
+    deadline_s: float,
+    local_steps: int,
+) -> Budget:
+    """Largest Hydra-net (layers L, heads per layer H) that fits a site.
+
+    Model: w = L * ((1 - f) + f * H / H_max) trained-layer equivalents;
+        step_s = (fixed_s + w * per_layer_s) / speed;     memory = fixed_bytes + w * per_layer_bytes;
+    feasible when local_steps * step_s <= deadline_s and memory <= memory_bytes. Picks the feasible (L, H)
+    with the largest w, ties to more layers. Raises ValueError when even (1 layer, 1 head) does not fit.
+    """
+    if speed <= 0 or deadline_s <= 0 or local_steps <= 0:
+        raise ValueError("speed, deadline_s and local_steps must be > 0")
+    best: Budget | None = None
+    best_key = (-1.0, -1)
+    for layers in range(1, num_layers + 1):
+        for heads in range(1, num_groups + 1):
+            w = cost.work(layers, heads, num_groups)
+            step_s = (cost.fixed_s + w * cost.per_layer_s) / speed
+            mem = cost.fixed_bytes + w * cost.per_layer_bytes
+            if local_steps * step_s <= deadline_s and mem <= memory_bytes:
+                key = (round(w, 12), layers)
+                if key > best_key:
+                    best_key, best = key, Budget(layers, heads, step_s, mem)
+    if best is None:
+        w = cost.work(1, 1, num_groups)
+        need_s = local_steps * (cost.fixed_s + w * cost.per_layer_s) / speed
+        need_bytes = cost.fixed_bytes + w * cost.per_layer_bytes
+        raise ValueError(
+            f"no Hydra-net fits: 1 layer / 1 head needs {need_s:.3g} s (deadline {deadline_s} s) "
+            f"and {need_bytes:.4g} bytes (site has {memory_bytes})"
+        )
+    return best
+
+
+__all__ = [
+    "COST_FIELDS",
+    "Budget",
+    "LayerCost",
+    "build_spec",
+    "combine_layer_scores",
+    "global_layer_scores",
+    "plan_budget",
+    "select_heads",
+]

@@ -1,0 +1,91 @@
+"""Everything a coordinator process is told: where it listens, its database, its folders, TLS, lease, limits.
+
+Built once, from `hydrafl server`'s flags and an optional TOML file with the same names as keys, validated
+then, and handed to `Coordinator` whole. Torch-free, like every type the command line reads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydrafl.configfile import load_toml
+from hydrafl.server.limits import SiteLimits
+from hydrafl.server.paths import data_dir, default_blob_dir, default_db_url
+from hydrafl.server.tls import ServerTls
+from hydrafl.validation import ConfigError
+
+DEFAULT_LISTEN = "127.0.0.1:9091"
+LEASE_STALE_S = 30.0
+"""A coordinator whose lease went unrenewed this long is presumed dead; it renews every sixth of it."""
+OPTION_KEYS = ("listen", "db", "blobs", "tls-cert", "tls-key", "tls-client-ca", "lease-stale-s")
+"""`hydrafl server`'s options without their dashes: the keys of its TOML file."""
+TLS_KEYS = ("tls-cert", "tls-key", "tls-client-ca")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CoordinatorConfig:
+    """One coordinator process. Defaults put its state under $HYDRAFL_HOME (`server.paths`)."""
+
+    listen: str = DEFAULT_LISTEN
+    """HOST:PORT (or a gRPC target such as unix:PATH) to serve sites on."""
+    db_url: str = field(default_factory=default_db_url)
+    """SQLAlchemy URL of the database of sites, runs and the coordinator lease."""
+    home: Path = field(default_factory=data_dir)
+    """The folder the default database, blobs and run folders live in; created at start."""
+    blob_dir: Path = field(default_factory=default_blob_dir)
+    """Where array chunks are kept, content-addressed."""
+    runs_dir: Path = field(default_factory=lambda: data_dir() / "runs")
+    """One folder per run: its checkpoints and logs."""
+    tls: ServerTls | None = None
+    """None serves in clear text (warned about off loopback)."""
+    limits: SiteLimits = SiteLimits()
+    """Per-site bounds on what one site can make the coordinator do."""
+    lease_stale_s: float = LEASE_STALE_S
+    """Seconds without a heartbeat after which another coordinator may take this one's lease over."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.listen, str) or not self.listen.strip():
+            raise ConfigError(f"listen must be HOST:PORT, got {self.listen!r}")
+        if not isinstance(self.db_url, str) or not self.db_url:
+            raise ConfigError(f"db must be a SQLAlchemy URL, got {self.db_url!r}")
+        stale_s = self.lease_stale_s
+        number = isinstance(stale_s, int | float) and not isinstance(stale_s, bool)
+        if not (number and math.isfinite(stale_s) and stale_s > 0):
+            raise ConfigError(f"lease-stale-s must be a positive number of seconds, got {stale_s!r}")
+
+    @classmethod
+    def from_options(cls, values: Mapping[str, Any], *, source: str = "options") -> CoordinatorConfig:
+        """From `hydrafl server`'s options by name (`OPTION_KEYS`); an unknown key or a value of the wrong type
+        is a ConfigError that names it and `source`."""
+        unknown = sorted(set(values) - set(OPTION_KEYS))
+        if unknown:
+            raise ConfigError(f"unknown key {unknown[0]!r} in {source}; valid keys: {', '.join(sorted(OPTION_KEYS))}")
+        for key, value in values.items():
+            if key != "lease-stale-s" and not isinstance(value, str | Path):
+                raise ConfigError(f"key {key!r} in {source} must be a string, got {value!r}")
+        cert, key, client_ca = (Path(values[name]) if values.get(name) else None for name in TLS_KEYS)
+        given: dict[str, Any] = {
+            "tls": ServerTls.from_options(cert, key, client_ca),
+            "listen": str(values.get("listen", DEFAULT_LISTEN)),
+            "lease_stale_s": values.get("lease-stale-s", LEASE_STALE_S),
+        }
+        if values.get("db"):
+            given["db_url"] = str(values["db"])
+        if values.get("blobs"):
+            given["blob_dir"] = Path(values["blobs"])
+        return cls(**given)
+
+    @classmethod
+    def load(cls, path: Path | None, flags: Mapping[str, Any]) -> CoordinatorConfig:
+        """The TOML file at `path` (if any) overridden by the `flags` given on the command line."""
+        values = {**(load_toml(path) if path else {}), **flags}
+        return cls.from_options(values, source=str(path) if path else "options")
+
+    @property
+    def transport(self) -> str:
+        """How sites connect: no TLS, TLS or mutual TLS."""
+        return "no TLS" if self.tls is None else self.tls.mode

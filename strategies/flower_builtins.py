@@ -1,0 +1,130 @@
+"""Flower's own strategies, reused as they are: each registered under its name with the knobs it takes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from flwr.serverapp.strategy import (
+    FedAdagrad,
+    FedAdam,
+    FedAvg,
+    FedAvgM,
+    FedMedian,
+    FedProx,
+    FedTrimmedAvg,
+    FedYogi,
+    Krum,
+    Strategy,
+)
+
+from hydrafl.strategies.registry import StrategyConfig, register
+from hydrafl.validation import check
+
+if TYPE_CHECKING:
+    from hydrafl.config import RunConfig
+
+
+@register("fedavg")
+@dataclass(frozen=True, kw_only=True)
+class FedAvgConfig(StrategyConfig):
+    """FedAvg: the sample-weighted mean of the sites' weights (McMahan et al., 2017)."""
+
+    def build(self, run: RunConfig, **common: Any) -> Strategy:
+        return FedAvg(**common)
+
+
+@register("fedprox")
+@dataclass(frozen=True, kw_only=True)
+class FedProxConfig(StrategyConfig):
+    """FedProx: FedAvg whose sites add a proximal term mu/2 ||w - w_global||^2 (Li et al., 2020)."""
+
+    site_proximal_term: ClassVar[bool] = True
+    fedprox_mu: float = 0.01
+    """FedProx proximal term weight (sent to sites by FedProx itself as "proximal-mu")."""
+
+    def build(self, run: RunConfig, **common: Any) -> Strategy:
+        return FedProx(proximal_mu=self.fedprox_mu, **common)
+
+
+@register("fedavgm")
+@dataclass(frozen=True, kw_only=True)
+class FedAvgMConfig(StrategyConfig):
+    """FedAvgM: FedAvg with server momentum (Hsu et al., 2019)."""
+
+    server_momentum: float = 0.9
+    """FedAvgM server momentum."""
+
+    def build(self, run: RunConfig, **common: Any) -> Strategy:
+        return FedAvgM(server_momentum=self.server_momentum, **common)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerOptConfig(StrategyConfig):
+    """Adaptive server optimizers (Reddi et al., 2021); the sites' learning rate is the run's `lr`."""
+
+    server_lr: float = 0.03
+    """Server learning rate (eta) of FedAdam, FedYogi and FedAdagrad."""
+
+
+@register("fedadam")
+@dataclass(frozen=True, kw_only=True)
+class FedAdamConfig(ServerOptConfig):
+    """FedAdam: Adam on the server over the mean update."""
+
+    def build(self, run: RunConfig, **common: Any) -> Strategy:
+        return FedAdam(eta=self.server_lr, eta_l=run.lr, **common)
+
+
+@register("fedyogi")
+@dataclass(frozen=True, kw_only=True)
+class FedYogiConfig(ServerOptConfig):
+    """FedYogi: Yogi on the server over the mean update."""
+
+    def build(self, run: RunConfig, **common: Any) -> Strategy:
+        return FedYogi(eta=self.server_lr, eta_l=run.lr, **common)
+
+
+@register("fedadagrad")
+@dataclass(frozen=True, kw_only=True)
+class FedAdagradConfig(ServerOptConfig):
+    """FedAdagrad: Adagrad on the server over the mean update."""
+
+    def build(self, run: RunConfig, **common: Any) -> Strategy:
+        return FedAdagrad(eta=self.server_lr, eta_l=run.lr, **common)
+
+
+@register("fedmedian")
+@dataclass(frozen=True, kw_only=True)
+class FedMedianConfig(StrategyConfig):
+    """FedMedian: the coordinate-wise median of the sites' weights (Yin et al., 2018)."""
+
+    def build(self, run: RunConfig, **common: Any) -> Strategy:
+        return FedMedian(**common)
+
+
+@register("fedtrimmedavg")
+@dataclass(frozen=True, kw_only=True)
+class FedTrimmedAvgConfig(StrategyConfig):
+    """FedTrimmedAvg: the coordinate-wise trimmed mean (Yin et al., 2018)."""
+
+    trimmed_beta: float = 0.2
+    """FedTrimmedAvg: fraction cut at each end."""
+
+    def __post_init__(self) -> None:
+        check(0 <= self.trimmed_beta < 0.5, "trimmed-beta", self.trimmed_beta, "0 <= beta < 0.5")
+
+    def build(self, run: RunConfig, **common: Any) -> Strategy:
+        return FedTrimmedAvg(beta=self.trimmed_beta, **common)
+
+
+@register("krum")
+@dataclass(frozen=True, kw_only=True)
+class KrumConfig(StrategyConfig):
+    """Krum: the site update closest to its neighbours (Blanchard et al., 2017)."""
+
+    krum_malicious: int = 0
+    """Krum: number of sites assumed malicious."""
+
+    def build(self, run: RunConfig, **common: Any) -> Strategy:
+        return Krum(num_malicious_nodes=self.krum_malicious, **common)

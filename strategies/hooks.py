@@ -1,0 +1,45 @@
+"""What the round driver and the reports may ask of a strategy beyond Flower's `Strategy` hooks, as typed
+protocols: a strategy offers one by having its members, and callers check with `isinstance`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.serverapp import Grid
+
+
+@runtime_checkable
+class ConsumesDeltas(Protocol):
+    """Aggregates the sites' deltas (start - end) as they are; Flower's own strategies get weights instead."""
+
+    consumes_deltas: bool
+
+
+@runtime_checkable
+class ChecksReplyShapes(Protocol):
+    """Assigns each site part of every tensor, so the driver checks a reply against that part."""
+
+    def reply_shapes(self, node: int, arrays: ArrayRecord) -> dict[str, tuple[int, ...]] | None:
+        """The shape of each array `node`'s reply may carry; None when the node was assigned nothing."""
+
+
+@runtime_checkable
+class PlansSubnetworks(Protocol):
+    """Gives each site its own share of the model; reports how many coordinates each one trained."""
+
+    trainable_params: dict[int, dict[str, int]]
+    """Per round, per site (node id as a string): the coordinates it was assigned to train."""
+
+
+@runtime_checkable
+class QueriesSites(Protocol):
+    """Asks sites something before a training round (scores, tiers); the driver exchanges the queries like
+    every other message (bytes counted, deadline, group id) and hands the replies back."""
+
+    def configure_query(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        """The queries to send before round `server_round`'s training (none: nothing to ask)."""
+
+    def aggregate_query(self, server_round: int, replies: Iterable[Message]) -> None:
+        """Take in the replies to this round's queries."""

@@ -1,0 +1,174 @@
+"""The planning round and the budgets, one component that Hydra, the width baselines and the LoRA baselines
+each hold: before training (and every `rescore_every` rounds) every site scores the model's layers and heads on
+its own data and reports its tier, resources and slice layout; the planner ranks the layers globally
+(sample-weighted, so subnetworks nest) and sizes each site's Hydra-net to its tier, memory and the round
+deadline. The strategies turn that Hydra-net into what they assign: itself, a width, or a LoRA rank.
+
+Design: ../shared/research/hydra-nets.md (Fisher layer scores as in Fed-HeLLo; Michel et al. head importance).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+
+from hydrafl import protocol
+from hydrafl.subnet.planning import COST_FIELDS, LayerCost, build_spec, combine_layer_scores, plan_budget
+from hydrafl.subnet.slices import layout_slices
+from hydrafl.subnet.spec import SubnetSpec
+
+log = logging.getLogger(__name__)
+
+TIER_BUDGETS: Mapping[str, tuple[float, float]] = {"small": (1 / 3, 0.5), "medium": (2 / 3, 0.75), "large": (1.0, 1.0)}
+"""Per tier: the fraction of the layers, and of the heads (KV groups) in each of them, a site trains."""
+
+Layout = Mapping[str, tuple[int, int, int]]
+"""Per federated tensor: (layer or -1, head axis or -1, indices one head group owns along it); `site_app.slice_layout`."""
+
+
+class ScoringError(RuntimeError):
+    """The planning round gave nothing to build subnetworks from."""
+
+
+class BudgetError(ValueError):
+    """Not even the smallest Hydra-net (one layer, one head) fits a site's memory or the round deadline."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SiteScores:
+    layers: list[float]
+    heads: list[list[float]]  # per layer, per head group
+    weight: float
+    tier: str
+    cost: LayerCost | None = None
+    """The site's measured step cost (`subnet.measure.measure_layer_cost`), when it reported one."""
+    memory_bytes: float = 0.0
+    """Training memory the site declares; 0 = no limit."""
+
+
+def read_scores(reply: Message, weighted_by_key: str, arrays: ArrayRecord) -> tuple[SiteScores, dict]:
+    """A scoring reply as (scores, layout); KeyError/ValueError when it is malformed."""
+    metrics, site = reply.content["metrics"], reply.content[protocol.SITE_RECORD]
+    num_layers = sum(k.startswith(protocol.LAYER_PREFIX) for k in metrics)
+    num_groups = sum(k.startswith(f"{protocol.HEAD_PREFIX}0-") for k in metrics)
+    names, layers, axes, units = (
+        site[key] for key in (protocol.LAYOUT_NAMES, protocol.LAYOUT_LAYERS, protocol.LAYOUT_AXES, protocol.LAYOUT_UNITS)
+    )
+    layout = dict(zip(names, zip(layers, axes, units)))
+    if set(layout) != set(arrays) or not num_layers or not num_groups:
+        raise ValueError("its layout does not name the global arrays, or it has no layer/head scores")
+    heads = [[float(metrics[f"{protocol.HEAD_PREFIX}{l}-{g}"]) for g in range(num_groups)] for l in range(num_layers)]
+    cost = None
+    if f"{protocol.COST_PREFIX}fixed-s" in metrics:
+        cost = LayerCost(**{f: float(metrics[f"{protocol.COST_PREFIX}{f.replace('_', '-')}"]) for f in COST_FIELDS})
+    scores = SiteScores(
+        layers=[float(metrics[f"{protocol.LAYER_PREFIX}{l}"]) for l in range(num_layers)],
+        heads=heads,
+        weight=float(metrics[weighted_by_key]),
+        tier=str(site[protocol.TIER]),
+        cost=cost,
+        memory_bytes=float(metrics.get(protocol.MEMORY_BYTES, 0.0)),
+    )
+    return scores, layout
+
+
+class SitePlanner:
+    """Scores, ranking and layout from the planning round, and each site's Hydra-net budget."""
+
+    def __init__(
+        self, *, tiers: Mapping[str, tuple[float, float]] = TIER_BUDGETS, untiered: tuple[float, float] = (1.0, 1.0),
+        rescore_every: int = 0, timeout_s: float | None = None, local_steps: int = 1,
+        scoring: Mapping[str, int | str | bool] | None = None,
+    ) -> None:
+        if rescore_every < 0 or not all(0 < f <= 1 for budget in (*tiers.values(), untiered) for f in budget):
+            raise ValueError(f"planning needs rescore_every >= 0 and budget fractions in (0, 1], got {tiers=}, {untiered=}")
+        self.tiers, self.untiered = dict(tiers), untiered
+        self.rescore_every, self.timeout_s, self.local_steps = rescore_every, timeout_s, local_steps
+        self.scoring = dict(scoring or {})
+        """Config keys of the scoring query (`protocol.SCORE_SAMPLES`, ...): how sites score."""
+        self.layout: dict[str, tuple[int, int, int]] = {}
+        self.ranking: list[int] = []
+        self.site_scores: dict[int, SiteScores] = {}
+        self._asked: ArrayRecord | None = None
+
+    def due(self, server_round: int) -> bool:
+        """Score before the first round trained, then every `rescore_every` rounds."""
+        return not self.ranking or bool(self.rescore_every and (server_round - 1) % self.rescore_every == 0)
+
+    def queries(self, arrays: ArrayRecord, config: ConfigRecord, nodes: Iterable[int]) -> list[Message]:
+        """One scoring query per node, on `arrays` (the tensors the sites' layouts must name)."""
+        self._asked = arrays
+        content = RecordDict({"arrays": arrays, "config": ConfigRecord({**config, **self.scoring})})
+        return [Message(content, dst_node_id=node, message_type=protocol.QUERY_SCORES) for node in sorted(nodes)]
+
+    def take_replies(self, replies: Iterable[Message], weighted_by_key: str) -> None:
+        """Keep every usable reply's scores (a malformed one is logged and skipped) and rank the layers."""
+        arrays, self.site_scores = self._asked, {}
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            try:
+                if reply.has_error():
+                    raise ValueError(reply.error.reason)
+                scores, self.layout = read_scores(reply, weighted_by_key, arrays)
+            except (KeyError, ValueError, TypeError) as error:
+                log.warning("planning: site %d gave no usable scores: %s", node, error)
+                continue
+            if scores.tier and scores.tier not in self.tiers:
+                raise ScoringError(f"site {node} declares tier {scores.tier!r}; known tiers: {', '.join(self.tiers)}")
+            self.site_scores[node] = scores
+        if not self.site_scores:
+            raise ScoringError("no site answered the scoring query usably; cannot build Hydra-nets")
+        self.ranking = combine_layer_scores([(s.layers, s.weight) for s in self.site_scores.values()])
+
+    def planned(self, sampled: Iterable[Message], strategy: str) -> Iterator[Message]:
+        """The sampled train messages of the sites that took part in the planning round; a site that missed it
+        is logged and left out of the round."""
+        for message in sampled:
+            if message.metadata.dst_node_id in self.site_scores:
+                yield message
+            else:
+                log.warning("%s: site %d missed the planning round; not training it", strategy, message.metadata.dst_node_id)
+
+    def hydra_spec(self, node: int, *, bypass: bool = False, freeze_heads: bool = True) -> SubnetSpec:
+        """Top layers of the global ranking and, in each, the site's top heads, as many as its tier affords and,
+        when it declared memory or the round has a deadline, as many as fit them (`plan_budget` on the step cost
+        the site measured). KeyError: the node missed the planning round; BudgetError: nothing fits."""
+        scores = self.site_scores[node]
+        layer_fraction, head_fraction = self.tiers[scores.tier] if scores.tier else self.untiered
+        num_layers = max(1, math.ceil(layer_fraction * len(self.ranking) - 1e-9))
+        num_heads = max(1, math.ceil(head_fraction * len(scores.heads[0]) - 1e-9))
+        if scores.cost is not None and (scores.memory_bytes > 0 or self.timeout_s):
+            try:
+                budget = plan_budget(
+                    scores.cost,
+                    num_layers=len(self.ranking),
+                    num_groups=len(scores.heads[0]),
+                    memory_bytes=scores.memory_bytes or math.inf,
+                    speed=1.0,  # the site's measured step time already includes its declared speed
+                    deadline_s=self.timeout_s or math.inf,
+                    local_steps=self.local_steps,
+                )
+            except ValueError as error:
+                raise BudgetError(str(error)) from error
+            num_layers, num_heads = min(num_layers, budget.layers), min(num_heads, budget.heads)
+        return build_spec(self.ranking, num_layers, scores.heads, num_heads, bypass=bypass, freeze_heads=freeze_heads)
+
+    def budget(self, node: int, shapes: Mapping[str, tuple[int, ...]]) -> int:
+        """The coordinates a Hydra-net of the node's tier trains: what the width and LoRA baselines match."""
+        spec = self.hydra_spec(node)
+        return sum(sl.numel(shapes[name]) for name, sl in layout_slices(self.layout, spec).items())
+
+    _STATE = ("layout", "ranking", "site_scores")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {key: copy.deepcopy(getattr(self, key)) for key in self._STATE}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in self._STATE:
+            setattr(self, key, copy.deepcopy(state[key]))

@@ -1,0 +1,81 @@
+"""A strategy plugs in from its own module: it registers itself with its knobs, and `hydrafl simulate`'s code
+path (flat keys -> SimulationConfig -> compare_strategies) runs it without any other file knowing its name."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.serverapp.strategy import FedAvg
+
+from hydrafl.arrays import from_record, to_record
+from hydrafl.config import ConfigError, RunConfig, build_simulation_config
+from hydrafl.simulation.compare import compare_strategies
+from hydrafl.strategies import StrategyConfig, WeightedDeltaAccumulator, register
+from hydrafl.strategies.registry import describe
+
+
+class DampedAverage(FedAvg):
+    """The sample-weighted mean delta, scaled by `damping`: 1 is FedAvg, 0 never moves the model."""
+
+    consumes_deltas = True
+
+    def __init__(self, *, damping: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.damping = damping
+        self.start: ArrayRecord | None = None
+
+    def configure_train(self, server_round, arrays, config, grid):  # noqa: ANN001, ANN201
+        self.start = arrays
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        accumulator = WeightedDeltaAccumulator(self.weighted_by_key)
+        accumulator.add_all(replies)
+        mean = accumulator.mean()
+        weights = {name: w - self.damping * mean[name] for name, w in from_record(self.start).items()}
+        return to_record(weights), self.train_metrics_aggr_fn(accumulator.metric_records, self.weighted_by_key)
+
+
+@register("damped-average")
+@dataclass(frozen=True, kw_only=True)
+class DampedAverageConfig(StrategyConfig):
+    """Damped average: the mean delta times a damping factor."""
+
+    damping: float = 0.5
+    """How much of the mean delta the global model takes."""
+
+    def build(self, run: RunConfig, **common: Any) -> DampedAverage:
+        return DampedAverage(damping=self.damping, **common)
+
+
+RUN = {"task": "tabular", "sites": 3, "samples-per-site": 60, "rounds": 2, "local-steps": 3, "batch-size": 16}
+
+
+def _losses(tmp_path, **values: Any) -> dict[str, list[float]]:
+    config = build_simulation_config({**RUN, "out": str(tmp_path), **values})
+    compare_strategies(config, show_progress=False)
+    results = json.loads((tmp_path / "results.json").read_text())["strategies"]
+    return {name: [record["loss"] for record in result["rounds"]] for name, result in results.items()}
+
+
+def test_a_strategy_defined_here_runs_through_simulate_with_its_own_knob(tmp_path):
+    losses = _losses(tmp_path / "one", strategies="damped-average,fedavg", damping=1.0)
+    assert losses["damped-average"] == pytest.approx(losses["fedavg"], rel=1e-5)  # damping 1 is FedAvg
+    frozen = _losses(tmp_path / "zero", strategies="damped-average", damping=0.0)["damped-average"]
+    assert frozen == pytest.approx([frozen[0]] * 3, rel=1e-6)  # damping 0 never moves the model
+    assert losses["fedavg"][-1] < frozen[0]
+
+
+def test_its_knob_is_checked_by_name_and_listed_with_its_doc():
+    with pytest.raises(ConfigError, match="'damping' in options; it is a knob of damped-average, not of fedavg"):
+        build_simulation_config({**RUN, "strategies": "fedavg", "damping": 0.2})
+    with pytest.raises(ConfigError, match="key 'damping' in options must be float"):
+        build_simulation_config({**RUN, "strategies": "damped-average", "damping": "high"})
+    listed = {name: knobs for name, _, knobs in describe()}
+    assert listed["damped-average"] == [("damping", "0.5", "How much of the mean delta the global model takes.")]
+    assert RunConfig.from_flower(RunConfig.build(strategy="damped-average", damping=0.25).to_flower()).options.damping == 0.25
