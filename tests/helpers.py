@@ -1,6 +1,7 @@
-"""What tests share: builders for real Flower messages (a training reply, a scoring reply), a grid of node ids
-and a round configured through a strategy's own hooks, a tiered run, a resume check, what a Hydra-net site
-reads, and a runner for the benchmarks' --quick modes."""
+"""What tests share: the small run every test's run config derives from and its tiered variant, builders for
+real Flower messages (a training reply, a scoring reply), a grid of node ids and a round configured through a
+strategy's own hooks, a resume check, what a Hydra-net site reads, and a runner for the benchmarks' --quick
+modes."""
 
 from __future__ import annotations
 
@@ -27,18 +28,10 @@ from hydrafl.subnet.planning import COST_FIELDS, LayerCost
 from hydrafl.subnet.slices import Slice, read_slices
 from hydrafl.subnet.spec import SubnetSpec
 
-TIERED_RUN = RunConfig.build(
-    strategy="hydra",
-    task="tabular",
-    sites=3,
-    samples_per_site=60,
-    rounds=2,
-    local_steps=3,
-    batch_size=16,
-    lr=3e-3,
-    site_tiers="small,medium,large",
-    score_samples=16,
-)
+SMALL_RUN = RunConfig(task="tabular", sites=3, samples_per_site=60, rounds=3, local_steps=3, batch_size=16, lr=3e-3)
+"""Three small tabular sites, a few rounds of a few steps: a real federation that runs in a few seconds. The
+tests' run configs derive from it (`SMALL_RUN.replace(...)` names what a test sets differently)."""
+TIERED_RUN = SMALL_RUN.replace(strategy="hydra", rounds=2, site_tiers="small,medium,large", score_samples=16)
 """Three small tabular sites, one per resource tier, under Hydra: the shared setting of the subnetwork
 strategies' tests (`TIERED_RUN.replace(strategy=...)` keeps the budget knobs the strategies share)."""
 TIER_OF_NODE = {FIRST_NODE_ID + i: tier for i, tier in enumerate(TIERED_RUN.tier_list)}

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import ConfigRecord, Message, RecordDict
+from helpers import SMALL_RUN
 
 from hydrafl import server_app, site_app
 from hydrafl.arrays import from_record
-from hydrafl.config import RunConfig
 from hydrafl.models import build_model, federated_state
 from hydrafl.simulation.grid import InProcessGrid
 from hydrafl.training import SiteTrainConfig, site_seed, train_site
 
-CFG = RunConfig(task="tabular", sites=2, samples_per_site=50, local_steps=4, batch_size=8, lr=3e-3)
+CFG = SMALL_RUN.replace(sites=2, samples_per_site=50, rounds=15, local_steps=4, batch_size=8)
 
 
 @pytest.fixture

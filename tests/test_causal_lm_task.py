@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from helpers import TIERED_RUN
+from helpers import SMALL_RUN, TIERED_RUN
 from hydrafl import server_app, site_app
 from hydrafl.backbones import TinyShape, build_causal_lm
 from hydrafl.causal_lm import CausalLM, DistillationError
@@ -183,8 +183,9 @@ def test_hydra_scores_use_the_task_loss(cohort, batch):
 
 
 def test_site_trains_with_distillation_and_reports_the_lm_footprint():
-    cfg = RunConfig(
-        task=TASK, sites=2, samples_per_site=30, local_steps=2, batch_size=8, distill_teacher="init", lora_rank=2
+    cfg = SMALL_RUN.replace(
+        task=TASK, sites=2, samples_per_site=30, rounds=15, local_steps=2, batch_size=8, lr=2e-3,
+        distill_teacher="init", lora_rank=2,
     )
     grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
     initial = server_app.request_initial_arrays(grid, cfg)
@@ -197,6 +198,7 @@ def test_site_trains_with_distillation_and_reports_the_lm_footprint():
     assert sorted(reply.content["arrays"]) == sorted(initial)
 
 
+@pytest.mark.slow
 def test_two_rounds_of_fedavg_and_hydra_lower_the_next_token_loss(tmp_path):
     run = TIERED_RUN.replace(task=TASK, local_steps=6)
     config = SimulationConfig(run=run, strategies=("fedavg", "hydra"), out=str(tmp_path))

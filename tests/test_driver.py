@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from helpers import SMALL_RUN
 
 from hydrafl import server_app, site_app
 from hydrafl.arrays import from_record, to_record
@@ -58,16 +59,16 @@ def test_same_seed_gives_identical_numbers(small_run):
 
 
 def test_resume_ends_with_the_same_numbers_as_an_uninterrupted_run(small_run, tmp_path):
-    cfg = small_run.replace(strategy="diloco", rounds=4, outer_lr=0.5, outer_momentum=0.9)
+    cfg = small_run.replace(strategy="diloco", rounds=2, outer_lr=0.5, outer_momentum=0.9)
     full = _run(cfg.replace(run_dir=str(tmp_path / "full")))
-    _run(cfg.replace(rounds=2, run_dir=str(tmp_path / "split")))
+    _run(cfg.replace(rounds=1, run_dir=str(tmp_path / "split")))  # the second round runs on the saved momentum
     resumed = _run(cfg.replace(resume=True, run_dir=str(tmp_path / "split")))
     assert _numbers(resumed.history) == _numbers(full.history)
     for name, array in full.arrays.items():
         np.testing.assert_array_equal(array.numpy(), resumed.arrays[name].numpy())
     tsv = (tmp_path / "split" / "rounds.tsv").read_text().splitlines()
     assert tsv[0].split("\t")[:4] == ["round", "duration_s", "aggregation_s", "gap_s"]
-    assert [line.split("\t")[0] for line in tsv[1:]] == ["0", "1", "2", "3", "4"]
+    assert [line.split("\t")[0] for line in tsv[1:]] == ["0", "1", "2"]
 
 
 def test_resume_refuses_a_changed_configuration(small_run):
@@ -102,8 +103,14 @@ def test_round_with_too_few_successful_sites_fails_the_run(small_run):
     assert [r["sites_ok"] for r in result.history[1:]] == [2, 2, 2]
 
 
+@pytest.fixture(scope="module")
+def honest_final_loss() -> float:
+    """The last loss of the run the corruption tests corrupt, with every site honest."""
+    return _run(SMALL_RUN.replace(min_sites=2), _site_app(site_app.train)).history[-1]["loss"]
+
+
 @pytest.mark.parametrize("corruption", ["nan", "shape", "unknown"])
-def test_invalid_updates_are_rejected_before_aggregation(small_run, corruption):
+def test_invalid_updates_are_rejected_before_aggregation(small_run, corruption, honest_final_loss):
     def corrupt(message: Message, context: Context) -> Message:
         reply = site_app.train(message, context)
         delta = from_record(reply.content["arrays"])
@@ -117,13 +124,13 @@ def test_invalid_updates_are_rejected_before_aggregation(small_run, corruption):
         reply.content["arrays"] = to_record(delta)
         return reply
 
-    honest = _run(small_run.replace(min_sites=2, run_dir=""), _site_app(site_app.train))
     result = _run(small_run.replace(min_sites=2, run_dir=""), _site_app(corrupt))
     assert [r["sites_failed"] for r in result.history[1:]] == [1, 1, 1]
     assert np.isfinite([r["loss"] for r in result.history]).all()
-    assert honest.history[-1]["loss"] != result.history[-1]["loss"]
+    assert honest_final_loss != result.history[-1]["loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["clinical-text", "chest-xray", "tabular"])
 def test_every_task_trains_federated(small_run, task):
     cfg = small_run.replace(task=task, samples_per_site=100, rounds=4, local_steps=10, lr=1e-3, run_dir="")

@@ -149,6 +149,7 @@ def test_hydra_two_rounds_changes_only_trained_coordinates_and_small_sites_send_
         assert all(n > 0 for n in record["peak_memory_per_site"].values())
 
 
+@pytest.mark.slow
 def test_simulate_hydra_and_fedavg_writes_per_site_counts(tmp_path):
     config = SimulationConfig(run=CFG.replace(rounds=1), strategies=("hydra", "fedavg"), out=str(tmp_path))
     compare_strategies(config, show_progress=False)
@@ -162,6 +163,7 @@ def test_simulate_hydra_and_fedavg_writes_per_site_counts(tmp_path):
     assert "trainable_params_per_site" not in results["strategies"]["fedavg"]
 
 
+@pytest.mark.slow
 def test_resume_with_outer_nesterov_ends_with_the_same_numbers(tmp_path):
     cfg = CFG.replace(outer="nesterov", outer_lr=0.7, outer_momentum=0.9, rescore_every=2, rounds=3)
     assert_resume_matches_a_straight_run(cfg, tmp_path)
@@ -301,7 +303,10 @@ def test_hydra_with_frozen_heads_trains_the_same_slices_and_sends_the_frozen_hea
     assert freeze_round["bytes_down_per_site"][small] > drop_round["bytes_down_per_site"][small]
 
 
-@pytest.mark.parametrize(("rescore_every", "scoring_rounds"), [(0, 1), (2, 2), (1, 3)])
+@pytest.mark.parametrize(
+    ("rescore_every", "scoring_rounds"),
+    [pytest.param(0, 1, marks=pytest.mark.slow), (2, 2), pytest.param(1, 3, marks=pytest.mark.slow)],
+)
 def test_rescore_every_asks_the_sites_for_scores_again(rescore_every, scoring_rounds):
     cfg = CFG.replace(rounds=3, local_steps=1, rescore_every=rescore_every)
     grid = _RecordingGrid(site_app.client_app, cfg.sites, cfg.to_flower())
@@ -356,6 +361,7 @@ def test_a_site_that_declares_itself_slow_sits_out_a_deadline_a_fast_site_meets_
         plan(slow)
 
 
+@pytest.mark.slow
 def test_hydra_and_heterofl_size_tiered_nets_on_the_chest_xray_vit(tmp_path):
     run = CFG.replace(task="chest-xray", rounds=1, local_steps=1)
     results = compare_strategies(

@@ -4,9 +4,9 @@ the coordinator loads no model code, no module imports itself back through other
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 from pathlib import Path
+
+import import_probes
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"hydrafl": "hydrafl", "strategies": "hydrafl.strategies", "server": "hydrafl.server",
@@ -71,8 +71,7 @@ def test_strategies_import_no_site_or_model_code():
 
 def test_the_site_app_imports_no_strategy_and_the_agent_not_the_coordinator():
     assert not [name for name in _imports(ROOT / "hydrafl" / "site_app.py") if name.startswith("hydrafl.strategies")]
-    probe = "import sys, hydrafl.site_app, hydrafl.client.agent\nprint(' '.join(sorted(sys.modules)))"
-    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    loaded = import_probes.loaded("site")
     assert [name for name in loaded if name.startswith("hydrafl.strategies.")] == ["hydrafl.strategies.registry"]
     for path in ROOT.joinpath("client").glob("*.py"):
         assert not [name for name in _imports(path) if f"{name}.".startswith("hydrafl.server.")], path
@@ -108,12 +107,6 @@ def test_no_source_file_is_over_500_lines():
 def test_the_coordinator_process_loads_no_model_code():
     """DESIGN.md: the coordinator handles named arrays only. Checked on what a real import pulls in: the
     coordinator, the ServerApp it runs with every strategy loaded, and the CLI's server and admin commands."""
-    probe = (
-        "import sys, hydrafl.server.coordinator, hydrafl.server_app, hydrafl.cli.server, hydrafl.cli.admin\n"
-        "from hydrafl.strategies.registry import strategy_names\n"
-        "strategy_names()\n"
-        "print(' '.join(sorted(sys.modules)))"
-    )
-    loaded = set(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split())
-    assert {"hydrafl.server_app", "hydrafl.strategies.hydra", "hydrafl.strategies.flora"} <= loaded
-    assert sorted(name for name in loaded if name.startswith(MODEL_CODE)) == []
+    modules = set(import_probes.loaded("coordinator"))
+    assert {"hydrafl.server_app", "hydrafl.strategies.hydra", "hydrafl.strategies.flora"} <= modules
+    assert sorted(name for name in modules if name.startswith(MODEL_CODE)) == []

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
+from helpers import SMALL_RUN
 
 from hydrafl import server_app, site_app
-from hydrafl.config import RunConfig
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
 
-CFG = RunConfig(task="tabular", sites=3, samples_per_site=40, rounds=1, local_steps=2, batch_size=8, min_sites=2)
+CFG = SMALL_RUN.replace(samples_per_site=40, rounds=1, local_steps=2, batch_size=8, lr=2e-3, min_sites=2)
 Handler = Callable[[Message, Context], Message]
 REASON = "ValueError: --label-column 'outcom' is not a column of visits.csv (columns: age, lactate, outcome)"
 

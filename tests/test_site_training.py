@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from flwr.serverapp.strategy import FedAvg
 from typer.testing import CliRunner
 
 from hydrafl import server_app, site_app
-from helpers import site_read_slices
+from helpers import SMALL_RUN, site_read_slices
 from hydrafl.arrays import from_record, sliced_record, to_record
 from hydrafl.cli import app
 from hydrafl.config import ConfigError, RunConfig
@@ -30,7 +31,7 @@ from hydrafl.subnet.slices import Slice
 from hydrafl.subnet.spec import SubnetSpec
 from hydrafl.training import train_flops_per_sample
 
-CFG = RunConfig(task="tabular", sites=2, samples_per_site=50, local_steps=6, batch_size=8, lr=3e-3)
+CFG = SMALL_RUN.replace(sites=2, samples_per_site=50, rounds=15, local_steps=6, batch_size=8)
 
 
 def _train_reply(
@@ -54,12 +55,21 @@ def _flat(record: ArrayRecord) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def one_and_two_process_replies() -> dict[int, Message]:
-    return {nproc: _train_reply(nproc) for nproc in (1, 2)}
+def replies() -> dict[int, Message]:
+    """The train reply of node 1 on one and on two processes; each made once, when a test first asks for it (the
+    two-process one spawns its ranks: slow)."""
+
+    class Replies(dict):
+        def __missing__(self, nproc: int) -> Message:
+            self[nproc] = _train_reply(nproc)
+            return self[nproc]
+
+    return Replies()
 
 
-def test_a_two_process_site_sends_the_one_process_delta(one_and_two_process_replies):
-    one, two = (one_and_two_process_replies[n] for n in (1, 2))
+@pytest.mark.slow
+def test_a_two_process_site_sends_the_one_process_delta(replies):
+    one, two = (replies[n] for n in (1, 2))
     d1, d2 = _flat(one.content["arrays"]), _flat(two.content["arrays"])
     assert float(d1.norm()) > 1e-3  # it trained
     assert float((d1 - d2).norm() / d1.norm()) <= 1e-4
@@ -72,38 +82,39 @@ def test_a_two_process_site_sends_the_one_process_delta(one_and_two_process_repl
         assert len(keys) == 2 and all(float(deltas[name].abs().max()) == 0.0 for name in keys)
 
 
-def test_every_train_reply_carries_the_data_hash_and_throughput(one_and_two_process_replies):
-    one, two = (one_and_two_process_replies[n] for n in (1, 2))
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_every_train_reply_carries_the_data_hash_and_throughput(replies, nproc):
+    reply = replies[nproc]
     # Site 1 of 2, 40 training rows, global batch 8: 5 batches per pass, 6 steps read one batch of pass 1.
     seed = CFG.seed * 1_000_003 + 1
     passes = [round_order(40, seed, 2, epoch) for epoch in (0, 1)]
     batches = [passes[0][k * 8 : (k + 1) * 8] for k in range(5)] + [passes[1][:8]]
-    expected = hash_global_batches(batches)
-    assert one.content["train-info"]["data-hash"] == two.content["train-info"]["data-hash"] == expected
-    for reply in (one, two):
-        metrics = reply.content["metrics"]
-        assert metrics["samples-per-s"] > 0 and math.isfinite(metrics["samples-per-s"])
-        assert "mfu" not in metrics  # CPU: its peak FLOP/s is unknown, throughput only
+    assert reply.content["train-info"]["data-hash"] == hash_global_batches(batches)  # the same for any nproc
+    metrics = reply.content["metrics"]
+    assert metrics["samples-per-s"] > 0 and math.isfinite(metrics["samples-per-s"])
+    assert "mfu" not in metrics  # CPU: its peak FLOP/s is unknown, throughput only
 
 
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "spec",
     [SubnetSpec(layers=(1,), heads=((0,),), bypass=True), SubnetSpec(layers=(1,), heads=((0,),), freeze_heads=True)],
     ids=["bypass", "frozen-heads"],
 )
-def test_a_two_process_hydra_subnetwork_sends_the_one_process_delta(spec):
+def test_a_hydra_subnetwork_on_any_nproc_sends_the_one_process_delta(spec, nproc):
     """Each spawned process applies the subnetwork spec itself (head masks or gradient hooks): same delta, same
     tensors sent, also when the site was sent only what its Hydra-net reads (a bypassed layer 0 is not even
-    downloaded)."""
+    downloaded). On one process too: a site sent only what its Hydra-net reads trains as one sent the whole model."""
     read = site_read_slices(CFG, spec)
     assert any(".layer.0." in name for name in read) != spec.bypass
-    one, two = _train_reply(1, **spec.to_config()), _train_reply(2, read=read, **spec.to_config())
+    one, two = _train_reply(1, **spec.to_config()), _train_reply(nproc, read=read, **spec.to_config())
     d1, d2 = from_record(one.content["arrays"]), from_record(two.content["arrays"])
     assert sorted(d1) == sorted(d2) and not any(".layer.0." in name for name in d1)  # layer 0 not trained
     f1, f2 = _flat(one.content["arrays"]), _flat(two.content["arrays"])
     assert float(f1.norm()) > 1e-3 and float((f1 - f2).norm() / f1.norm()) <= 1e-4
 
 
+@pytest.mark.slow
 def test_a_two_process_lora_site_sends_the_one_process_delta():
     """The spawned processes rebuild the LoRA-wrapped model: the LoRA factors and head train identically."""
     cfg = CFG.replace(lora_rank=4)
@@ -203,20 +214,33 @@ def test_simulation_diagnostics_on_the_real_app_and_in_the_report(tmp_path):
     assert [r["loss"] for r in plain] == [r["loss"] for r in history]  # the extra run changes no numbers
 
 
-def test_simulate_cli_nproc_and_diagnostics_end_to_end(tmp_path):
-    out = tmp_path / "o"
-    args = ["simulate", "--task", "tabular", "--sites", "2", "--samples-per-site", "40", "--rounds", "1",
+def _simulate_args(out: Path) -> list[str]:
+    return ["simulate", "--task", "tabular", "--sites", "2", "--samples-per-site", "40", "--rounds", "1",
             "--local-steps", "2", "--batch-size", "8", "--strategies", "fedavg", "--out", str(out), "--no-progress"]
-    result = CliRunner().invoke(app, [*args, "--diagnostics"])
+
+
+def _simulate_with_diagnostics(out: Path) -> list[dict]:
+    """`hydrafl simulate --diagnostics` of one small FedAvg round: its round records, checked for the
+    diagnostics and the data hashes in the results and the report."""
+    result = CliRunner().invoke(app, [*_simulate_args(out), "--diagnostics"])
     assert result.exit_code == 0, result.output
     rounds = json.loads((out / "results.json").read_text())["strategies"]["fedavg"]["rounds"]
     assert rounds[1]["noise_scale"] > 0 and len(rounds[1]["data_hash_per_site"]) == 2
     assert "Pseudo-gradient diagnostics" in (out / "report.md").read_text()
-    bad = CliRunner().invoke(app, [*args, "--nproc", "3"])
+    return rounds
+
+
+def test_simulate_cli_diagnostics_and_an_nproc_that_does_not_divide_the_batch(tmp_path):
+    _simulate_with_diagnostics(tmp_path / "o")
+    bad = CliRunner().invoke(app, [*_simulate_args(tmp_path / "bad"), "--nproc", "3"])
     assert bad.exit_code == 2 and "multiple of nproc=3" in " ".join(bad.output.split())
+
+
+@pytest.mark.slow
+def test_simulate_cli_nproc_and_diagnostics_end_to_end(tmp_path):
+    rounds = _simulate_with_diagnostics(tmp_path / "o")
     two = tmp_path / "two"  # every simulated site on two processes: the same batches, the same round
-    args[args.index("--out") + 1] = str(two)
-    result = CliRunner().invoke(app, [*args, "--nproc", "2"])
+    result = CliRunner().invoke(app, [*_simulate_args(two), "--nproc", "2"])
     assert result.exit_code == 0, result.output
     on_two = json.loads((two / "results.json").read_text())["strategies"]["fedavg"]["rounds"]
     assert on_two[1]["data_hash_per_site"] == rounds[1]["data_hash_per_site"]
@@ -266,8 +290,8 @@ def test_the_coordinator_keeps_data_hashes_in_the_run_history(tmp_path, monkeypa
 
 
 
-def test_bf16_autocast_trains_close_to_fp32_but_not_identically(one_and_two_process_replies):
-    fp32 = _flat(one_and_two_process_replies[1].content["arrays"])
+def test_bf16_autocast_trains_close_to_fp32_but_not_identically(replies):
+    fp32 = _flat(replies[1].content["arrays"])
     bf16 = _flat(_train_reply(1, CFG.replace(bf16=True)).content["arrays"])
     relative = float((bf16 - fp32).norm() / fp32.norm())
     assert 0.0 < relative < 0.5  # bfloat16 matmuls round (8-bit mantissa), yet the update points the same way

@@ -119,6 +119,7 @@ def test_lm_dual_refuses_several_processes(site):
         )
 
 
+@pytest.mark.slow
 def test_a_site_whose_training_process_dies_replays_the_round_when_restarts_are_allowed(site):
     task, split = site
     build = functools.partial(build_model, task, seed=0)
@@ -129,6 +130,9 @@ def test_a_site_whose_training_process_dies_replays_the_round_when_restarts_are_
     assert restarted.data_hash == undisturbed.data_hash
     for name, tensor in undisturbed.end_state.items():
         torch.testing.assert_close(restarted.end_state[name], tensor, rtol=0, atol=0)
+
+
+def test_restarts_cannot_be_negative():
     with pytest.raises(ValueError, match="max_restarts=-1"):
         SiteTrainConfig(steps=3, batch_size=8, lr=1e-2, max_restarts=-1)
 

@@ -7,6 +7,7 @@ import pytest
 from helpers import run_quick
 
 
+@pytest.mark.slow
 def test_aggregation_quick(tmp_path):
     result = run_quick("aggregation", tmp_path, timeout_s=180)
     assert result["quick"] is True
@@ -23,6 +24,7 @@ def test_aggregation_quick(tmp_path):
     assert {"hydrafl_under_goal", "hydrafl_spread_models", "flower_growth_models"} <= set(memory)
 
 
+@pytest.mark.slow
 def test_cli_startup_quick(tmp_path):
     result = run_quick("cli_startup", tmp_path, timeout_s=300)
     assert result["quick"] is True

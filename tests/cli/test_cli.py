@@ -66,6 +66,7 @@ def test_simulate_writes_every_output_and_repeats_exactly(tmp_path):
     assert (outs[0] / "diloco" / "stability.json").exists()
 
 
+@pytest.mark.slow
 def test_resume_continues_a_stopped_run(tmp_path):
     runner = CliRunner()
     common = ["simulate", "--task", "tabular", "--sites", "2", "--samples-per-site", "40", "--local-steps", "2",
@@ -138,6 +139,7 @@ def test_every_command_has_help(command):
     assert result.exit_code == 0 and "Usage" in result.output
 
 
+@pytest.mark.slow
 def test_simulate_on_a_users_csv(tmp_path):
     rng = __import__("numpy").random.default_rng(0)
     rows = ["age,lactate,heart_rate,outcome"]
@@ -183,8 +185,8 @@ def test_a_site_with_an_unknown_tier_is_refused_before_it_connects():
 
 def test_simulate_hydra_bypass_sends_small_sites_less(tmp_path):
     args = ["simulate", "--task", "tabular", "--strategies", "hydra", "--hydra-bypass", "--hydra-head-mode", "drop",
-            "--sites", "3", "--rounds", "1", "--local-steps", "1", "--site-tiers", "small,medium,large",
-            "--out", str(tmp_path), "--no-progress"]
+            "--sites", "3", "--samples-per-site", "60", "--rounds", "1", "--local-steps", "1",
+            "--site-tiers", "small,medium,large", "--out", str(tmp_path), "--no-progress"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     results = json.loads((tmp_path / "results.json").read_text())
@@ -193,6 +195,7 @@ def test_simulate_hydra_bypass_sends_small_sites_less(tmp_path):
     assert down[0] < down[1] < down[2]  # a small site's net skips a layer, a medium one drops heads: not sent
 
 
+@pytest.mark.slow
 def test_a_mixed_comparison_runs_with_tiers_cycling_over_the_sites(tmp_path):
     args = ["simulate", "--task", "tabular", "--strategies", "hydra,heterofl,fjord,fedrolex,flora,fedavg",
             "--site-tiers", "small,medium,large", "--rounds", "1", "--local-steps", "1", "--out", str(tmp_path),
@@ -208,5 +211,8 @@ def test_a_mixed_comparison_runs_with_tiers_cycling_over_the_sites(tmp_path):
         params = results["strategies"][name]["rounds"][1]["trainable_params_per_site"]
         small, medium, large, fourth = (params[node] for node in nodes)
         assert small < medium < large and fourth == small  # the fourth site cycles back to small
+
+
+def test_more_tiers_than_sites_is_an_error():
     with pytest.raises(ValueError, match="at most 2 comma-separated names"):
         RunConfig(sites=2, site_tiers="small,medium,large")

@@ -33,7 +33,11 @@ def _run(args: list[str], env: dict[str, str]) -> tuple[int, set[str], str]:
     return report["code"], set(report["modules"]), done.stdout
 
 
-@pytest.mark.parametrize("args", [["--help"], ["admin", "--help"], ["site", "--help"], ["server", "--help"]])
+@pytest.mark.parametrize(
+    "args",
+    [["--help"], *(pytest.param([command, "--help"], marks=pytest.mark.slow)
+                   for command in ("admin", "site", "server"))],
+)
 def test_help_loads_no_model_or_flower_code(args, tmp_path):
     code, modules, output = _run(args, {**os.environ, "HYDRAFL_HOME": str(tmp_path)})
     assert code == 0 and "Usage" in output

@@ -14,9 +14,9 @@ from fake_coordinator import FakeCoordinator, coordinator_message, run_config_by
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
+from helpers import SMALL_RUN
 
 from hydrafl.client.agent import SiteAgent, default_max_download_bytes
-from hydrafl.config import RunConfig
 from hydrafl.data import DataError
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.envelope import CHUNK_BYTES, chunk_hashes, parse_content, sha256, split_message
@@ -187,7 +187,8 @@ def test_a_demo_site_never_opens_the_file_the_run_config_names(tmp_path):
     export = tmp_path / f"{SECRET}_export.csv"
     rows = "".join(f"{i},{i * 0.5},{'icu' if i % 2 else 'ward'}\n" for i in range(20))
     export.write_text(f"{SECRET},lactate_secret,outcome\n{rows}")
-    clean = RunConfig(task="tabular", sites=2, samples_per_site=40).to_flower()
+    clean = SMALL_RUN.replace(sites=2, samples_per_site=40, rounds=15, local_steps=10, batch_size=32, lr=2e-3)
+    clean = clean.to_flower()
     named_file = {"data": str(export), "label-column": "no_such_column"}
     coordinator = FakeCoordinator(run_configs={
         1: run_config_bytes(clean),

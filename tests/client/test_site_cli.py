@@ -103,9 +103,13 @@ def test_is_loopback():
         assert not is_loopback(address), address
 
 
-def test_a_site_warns_before_it_sends_its_token_in_clear_text_off_this_machine(refusing):
+def test_a_site_on_this_machine_sends_its_token_without_a_clear_text_warning(refusing):
     _, output = _site(refusing, env=TOKEN_ENV)
     assert "without TLS" not in output  # loopback: a test on one machine
+
+
+@pytest.mark.slow
+def test_a_site_warns_before_it_sends_its_token_in_clear_text_off_this_machine():
     command = [sys.executable, "-m", "hydrafl", "site", "--coordinator", "10.255.255.1:9", *STOCK_APP]
     python_path = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, **TOKEN_ENV, "PYTHONPATH": python_path, "COLUMNS": "400"}

@@ -184,6 +184,7 @@ def test_errors_name_the_bad_value() -> None:
 VOCAB_SPLIT = (0, 40, V)  # rank 0 holds ids [0, 40) of the head, rank 1 [40, 101)
 
 
+@pytest.mark.slow
 def test_vocabulary_shards_on_two_ranks_give_the_full_loss_and_gradients(tmp_path: Path) -> None:
     p = problem()
     mp.spawn(vocab_sharded_rank, args=(free_port(), str(tmp_path), p, VOCAB_SPLIT), nprocs=2, join=True)

@@ -89,14 +89,18 @@ def _run(build: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tensor, **ove
 
 @pytest.fixture(scope="module")
 def mlp_runs(site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]]) -> dict[tuple[str, int], object]:
-    """1- and 2-process runs of an MLP for SGD and AdamW (the spawns are the slow part: do each once)."""
+    """1- and 2-process runs of an MLP for SGD and AdamW, by (optimizer, nproc), and the start state under "start".
+    Each run is made once, when a test first asks for it (the spawns are the slow part)."""
     x, y, _ = site
     build = _mlp_builder(x.shape[1], int(y.max()) + 1)
-    runs: dict[tuple[str, int], object] = {"start": _start_state(build)}  # type: ignore[dict-item]
-    for optimizer in ("sgd", "adamw"):
-        for nproc in (1, 2):
-            runs[optimizer, nproc] = _run(build, x, y, optimizer=optimizer, nproc=nproc, lr=0.05)
-    return runs
+
+    class Runs(dict):
+        def __missing__(self, key: tuple[str, int]) -> DistributedResult:
+            optimizer, nproc = key
+            self[key] = _run(build, x, y, optimizer=optimizer, nproc=nproc, lr=0.05)
+            return self[key]
+
+    return Runs(start=_start_state(build))
 
 
 def test_pick_device_falls_back_to_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -144,6 +148,7 @@ def test_one_process_runs_in_process_and_is_the_plain_loop(
     assert result.samples_per_s > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_two_gloo_processes_equal_one_process(mlp_runs: dict, optimizer: str) -> None:
     one, two = mlp_runs[optimizer, 1], mlp_runs[optimizer, 2]
@@ -156,6 +161,7 @@ def test_two_gloo_processes_equal_one_process(mlp_runs: dict, optimizer: str) ->
     assert two.loss == pytest.approx(one.loss, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_dead_rank_is_restarted_and_the_round_replayed_to_the_same_delta(
     mlp_runs: dict, site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]]
 ) -> None:
@@ -171,6 +177,7 @@ def test_a_dead_rank_is_restarted_and_the_round_replayed_to_the_same_delta(
         _run(build, x, y, nproc=2, lr=0.05, loss_fn=RankOneDiesOnFirstAttempt())
 
 
+@pytest.mark.slow
 def test_a_launch_leaves_the_process_its_signal_handlers_and_ctrl_c_stops_it(
     site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -196,32 +203,39 @@ def test_a_launch_leaves_the_process_its_signal_handlers_and_ctrl_c_stops_it(
     assert state() == before
 
 
-def test_data_hash_is_the_same_for_any_nproc_and_changes_with_the_round(
-    mlp_runs: dict, site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]]
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_data_hash_is_the_same_for_any_nproc(
+    mlp_runs: dict, site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]], nproc: int
 ) -> None:
-    x, y, build = site
-    one, two = mlp_runs["sgd", 1], mlp_runs["sgd", 2]
+    x, _, _ = site
     order = round_order(len(x), 3, 1)
     expected = hash_global_batches(order[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH] for k in range(6))
-    assert one.data_hash == two.data_hash == mlp_runs["adamw", 2].data_hash == expected
+    assert mlp_runs["sgd", nproc].data_hash == mlp_runs["adamw", nproc].data_hash == expected
+
+
+def test_data_hash_changes_with_the_round_and_the_steps(
+    site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]],
+) -> None:
+    x, y, build = site
     assert _run(build, x, y, server_round=2, steps=1).data_hash != _run(build, x, y, steps=1).data_hash
     assert _run(build, x, y, steps=2).data_hash != _run(build, x, y, steps=1).data_hash
 
 
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_steps_beyond_one_pass_read_further_passes_identically_for_any_nproc(
-    site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]],
+    site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]], nproc: int
 ) -> None:
     """51 rows hold 6 global batches of 8 per pass: 9 steps read all of pass 0 and 3 batches of pass 1."""
     x, y, _ = site
     build = _mlp_builder(x.shape[1], int(y.max()) + 1)
     start = _start_state(build)
-    one, two = _run(build, x, y, steps=9), _run(build, x, y, steps=9, nproc=2)
+    one, other = _run(build, x, y, steps=9), _run(build, x, y, steps=9, nproc=nproc)
     passes = [round_order(len(x), 3, 1, epoch) for epoch in (0, 1)]
     batches = [passes[0][k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH] for k in range(6)]
     batches += [passes[1][k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH] for k in range(3)]
-    assert one.data_hash == two.data_hash == hash_global_batches(batches)
-    assert one.samples == two.samples == 9 * GLOBAL_BATCH
-    assert _relative_difference(_delta(one.end_state, start), _delta(two.end_state, start)) <= 1e-4
+    assert one.data_hash == other.data_hash == hash_global_batches(batches)
+    assert one.samples == other.samples == 9 * GLOBAL_BATCH
+    assert _relative_difference(_delta(one.end_state, start), _delta(other.end_state, start)) <= 1e-4
 
 
 def test_proximal_term_pulls_towards_the_start_weights(
@@ -275,6 +289,7 @@ def test_bf16_autocast_runs_with_a_finite_loss(
     assert all(tensor.dtype == torch.float32 for tensor in result.end_state.values())
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_process_on_the_tabular_transformer(
     site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]],
 ) -> None:

@@ -15,8 +15,10 @@ def postgres_url():
         yield url
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])
 def db_url(request, tmp_path) -> str:
+    """A fresh, empty database: SQLite in tmp_path, or the module's PostgreSQL server (started as a process of its
+    own: slow)."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'coordinator.db'}"
     url = request.getfixturevalue("postgres_url")

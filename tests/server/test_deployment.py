@@ -12,12 +12,12 @@ import subprocess
 import pytest
 
 from deployment import enrol, queue_run, start_hydrafl, wait_serving, wait_until
+from helpers import SMALL_RUN
 from hydrafl.config import RunConfig
 from hydrafl.server.store import Run as StoredRun
 from hydrafl.simulation.compare import run_strategy
 
-RUN = RunConfig.build(task="tabular", sites=3, samples_per_site=60, rounds=3, local_steps=3, batch_size=16, lr=3e-3,
-                strategy="diloco", outer_lr=0.5)
+RUN = SMALL_RUN.replace(strategy="diloco", outer_lr=0.5)
 
 
 @pytest.fixture

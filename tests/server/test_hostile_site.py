@@ -14,15 +14,14 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from deployment import enrol, queue_run, start_hydrafl, wait_serving, wait_until
+from helpers import SMALL_RUN
 from hostile_site import EVALUATE_ATTACKS, TRAIN_ATTACKS
 from hydrafl import server_app, site_app
-from hydrafl.config import RunConfig
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.server.store import Reply
 from hydrafl.simulation.grid import InProcessGrid
 
-RUN = RunConfig(task="tabular", sites=3, samples_per_site=60, rounds=len(TRAIN_ATTACKS), local_steps=3, batch_size=16,
-                lr=3e-3, strategy="fedavg", min_sites=2, round_timeout_s=60)
+RUN = SMALL_RUN.replace(strategy="fedavg", rounds=len(TRAIN_ATTACKS), min_sites=2, round_timeout_s=60)
 HOSTILE = 2
 """The hostile site is the third enrolled (demo share 2), never the one asked for the initial model."""
 

@@ -15,9 +15,9 @@ import time
 
 import pytest
 from deployment import free_port, wait_serving
+from helpers import SMALL_RUN
 from sqlalchemy import create_engine
 
-from hydrafl.config import RunConfig
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator, LeaseLost
 from hydrafl.server.store import CoordinatorLease, LeaseClaim, LeaseHeld, Store, lease_age_s
@@ -105,8 +105,8 @@ def test_a_running_coordinator_heartbeats_and_releases_at_stop(db_url, tmp_path)
 def test_a_coordinator_whose_lease_was_taken_over_stops_driving_runs_loudly(tmp_path, caplog):
     db_url = f"sqlite:///{tmp_path / 'coordinator.db'}"
     store = Store(db_url)
-    config = RunConfig(task="tabular", sites=2, rounds=1).to_flower()
-    run = store.create_run({k: v for k, v in config.items() if k not in ("run-dir", "resume")})
+    config = SMALL_RUN.replace(sites=2, samples_per_site=400, rounds=1, local_steps=10, batch_size=32, lr=2e-3)
+    run = store.create_run({k: v for k, v in config.to_flower().items() if k not in ("run-dir", "resume")})
     coordinator = Coordinator(CoordinatorConfig(
         listen="127.0.0.1:0", db_url=db_url, blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs", lease_stale_s=0.6
     ))
@@ -166,6 +166,7 @@ def _error_line(stderr: str) -> str:
     return line
 
 
+@pytest.mark.slow
 def test_a_second_server_on_the_same_database_or_the_same_port_refuses_to_start(tmp_path):
     db_url = f"sqlite:///{tmp_path / 'coordinator.db'}"
     address = f"127.0.0.1:{free_port()}"
@@ -189,6 +190,7 @@ def test_a_second_server_on_the_same_database_or_the_same_port_refuses_to_start(
     assert Store(other_db).lease() is None  # refused before it touched its database's lease
 
 
+@pytest.mark.slow
 def test_after_kill_9_a_new_server_takes_the_stale_lease_over_and_sigterm_releases_it(tmp_path):
     db_url = f"sqlite:///{tmp_path / 'coordinator.db'}"
     address = f"127.0.0.1:{free_port()}"

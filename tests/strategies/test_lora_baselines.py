@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
-from helpers import configure_round, make_reply, make_scores_reply
+from helpers import SMALL_RUN, configure_round, make_reply, make_scores_reply
 
 from hydrafl import server_app, site_app
 from hydrafl.arrays import from_record, to_record
@@ -227,14 +227,15 @@ def test_rank_components_beyond_a_sites_rank_get_exactly_zero_updates():
             assert not p[:, 2:].any() and p[:, :2].any(), name
 
 
-CFG = RunConfig(
-    task="tabular", sites=3, samples_per_site=60, rounds=2, local_steps=5, batch_size=16, lr=1e-2,
-    site_tiers="small,medium,large", lora_rank=8,
-)
+CFG = SMALL_RUN.replace(rounds=2, local_steps=5, lr=1e-2, site_tiers="small,medium,large", lora_rank=8)
 TIER_OF_NODE = {str(FIRST_NODE_ID + i): tier for i, tier in enumerate(CFG.tier_list)}
 
 
-@pytest.mark.parametrize("strategy", ["fedit", "flora", "hetlora", "flexlora"])
+@pytest.mark.parametrize(
+    "strategy",
+    [pytest.param("fedit", marks=pytest.mark.slow), "flora", pytest.param("hetlora", marks=pytest.mark.slow),
+     pytest.param("flexlora", marks=pytest.mark.slow)],
+)
 def test_tiered_simulation_trains_with_hydra_sized_ranks(strategy, tmp_path):
     config = SimulationConfig(run=CFG, strategies=(strategy,), out=str(tmp_path))
     compare_strategies(config, show_progress=False)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
+from helpers import SMALL_RUN
 
 from hydrafl.arrays import from_record, to_record
 from hydrafl.config import ConfigError, RunConfig, build_simulation_config
@@ -53,7 +54,8 @@ class DampedAverageConfig(StrategyConfig):
         return DampedAverage(damping=self.damping, **common)
 
 
-RUN = {"task": "tabular", "sites": 3, "samples-per-site": 60, "rounds": 2, "local-steps": 3, "batch-size": 16}
+RUN = {key: value for key, value in SMALL_RUN.replace(rounds=2, lr=2e-3).to_flower().items() if key != "strategy"}
+"""The small run as the flat keys of a config file (the strategies come with each test)."""
 
 
 def _losses(tmp_path, **values: Any) -> dict[str, list[float]]:
@@ -63,6 +65,7 @@ def _losses(tmp_path, **values: Any) -> dict[str, list[float]]:
     return {name: [record["loss"] for record in result["rounds"]] for name, result in results.items()}
 
 
+@pytest.mark.slow
 def test_a_strategy_defined_here_runs_through_simulate_with_its_own_knob(tmp_path):
     losses = _losses(tmp_path / "one", strategies="damped-average,fedavg", damping=1.0)
     assert losses["damped-average"] == pytest.approx(losses["fedavg"], rel=1e-5)  # damping 1 is FedAvg

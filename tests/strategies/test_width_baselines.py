@@ -291,6 +291,7 @@ def test_fedrolex_window_advances_each_round_and_wraps():
     assert rows[17][1] != rows[1][1] and rows[17][1][0] == 16  # the 128 FFN units have not wrapped yet
 
 
+@pytest.mark.slow
 def test_simulate_width_baselines_train_at_the_hydra_budget_of_each_tier(tmp_path):
     strategies = ("hydra", "heterofl", "fjord", "fedrolex")
     config = SimulationConfig(run=CFG.replace(rounds=2), strategies=strategies, out=str(tmp_path))
@@ -316,7 +317,7 @@ def test_simulate_width_baselines_train_at_the_hydra_budget_of_each_tier(tmp_pat
         assert set(up) == {"small", "medium", "large"}
 
 
-@pytest.mark.parametrize("strategy", ["fjord", "fedrolex"])
+@pytest.mark.parametrize("strategy", [pytest.param("fjord", marks=pytest.mark.slow), "fedrolex"])
 def test_resume_ends_with_the_same_numbers(tmp_path, strategy):
-    cfg = CFG.replace(strategy=strategy, rounds=3)
+    cfg = CFG.replace(strategy=strategy, rounds=2)
     assert_resume_matches_a_straight_run(cfg, tmp_path)
