@@ -58,6 +58,7 @@ def test_same_seed_gives_identical_numbers(small_run):
     assert len(first.history) == cfg.rounds + 1
 
 
+@pytest.mark.slow
 def test_resume_ends_with_the_same_numbers_as_an_uninterrupted_run(small_run, tmp_path):
     cfg = small_run.replace(strategy="diloco", rounds=2, outer_lr=0.5, outer_momentum=0.9)
     full = _run(cfg.replace(run_dir=str(tmp_path / "full")))

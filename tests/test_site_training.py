@@ -204,6 +204,7 @@ def test_diagnostics_stream_the_noise_scale_and_compare_with_the_full_data_delta
     assert RoundRecord(**history[1]).noise_scale == history[1]["noise_scale"]
 
 
+@pytest.mark.slow
 def test_simulation_diagnostics_on_the_real_app_and_in_the_report(tmp_path):
     cfg = CFG.replace(sites=3, rounds=2, local_steps=3, diagnostics=True, run_dir="")
     history = run_strategy(cfg, "inprocess")

@@ -183,6 +183,7 @@ def test_a_site_with_an_unknown_tier_is_refused_before_it_connects():
     assert result.exit_code == 2 and "small, medium, large" in result.output
 
 
+@pytest.mark.slow
 def test_simulate_hydra_bypass_sends_small_sites_less(tmp_path):
     args = ["simulate", "--task", "tabular", "--strategies", "hydra", "--hydra-bypass", "--hydra-head-mode", "drop",
             "--sites", "3", "--samples-per-site", "60", "--rounds", "1", "--local-steps", "1",

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from rich.console import Console
 
 from hydrafl.benchmarks.inner_optimizers import Sweep, plot, run, table
 
 
+@pytest.mark.slow
 def test_a_tiny_sweep_reports_b_pg_and_cosine_per_setting(tmp_path) -> None:
     sweep = Sweep(sites=(2, 3), rounds=1, local_steps=2, samples_per_site=40, batch_size=8)
     summary = run(sweep, strategy="fedavg", partition="iid", seed=0, show_progress=False)
