@@ -185,8 +185,6 @@ class RunConfig:
             self.lora_rank,
             f"an integer >= 1: strategy {self.strategy} federates LoRA adapters",
         )
-        if self.options is not None and (reason := self.options.check_run(self)):
-            raise ConfigError(f"invalid strategy={self.strategy!r} for this run: {reason}")
 
     @classmethod
     def build(cls, **values: Any) -> RunConfig:

@@ -14,6 +14,7 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
 from hydrafl.arrays import array_view
 from hydrafl.subnet.slices import Slice
+from hydrafl.updates import records
 
 
 class AggregationError(ValueError):
@@ -124,11 +125,8 @@ class MaskedDeltaAccumulator:
 
 
 def _parse(reply: Message, weighted_by_key: str) -> tuple[ArrayRecord, MetricRecord, float]:
-    # Records are picked by type from content.values(): RecordDict's array_records/metric_records views
-    # build a reference cycle that keeps every consumed reply alive until the cycle collector runs.
-    records = list(reply.content.values())
-    arrays = _only([r for r in records if isinstance(r, ArrayRecord)], "ArrayRecord", reply)
-    metrics = _only([r for r in records if isinstance(r, MetricRecord)], "MetricRecord", reply)
+    arrays = _only(records(reply.content, ArrayRecord), "ArrayRecord", reply)  # `records`: why not Flower's views
+    metrics = _only(records(reply.content, MetricRecord), "MetricRecord", reply)
     weight = float(metrics[weighted_by_key])
     if weight <= 0:
         raise AggregationError(f"reply from node {reply.metadata.src_node_id} has {weighted_by_key}={weight}")

@@ -41,7 +41,7 @@ class BudgetConfig(StrategyConfig):
         check(self.head_score in HEAD_SCORES, "head-score", self.head_score, ", ".join(HEAD_SCORES))
         check(self.score_samples >= 1, "score-samples", self.score_samples, "an integer >= 1")
 
-    def planner(self, run: RunConfig, *, rescore_every: int = 0, score_samples: int | None = None) -> SitePlanner:
+    def planner(self, run: RunConfig, *, rescore_every: int = 0) -> SitePlanner:
         """The planning-round component sized by these knobs: the untiered fractions and, with the round
         deadline and local steps, each site's measured step cost against its declared memory and speed."""
         return SitePlanner(
@@ -52,6 +52,6 @@ class BudgetConfig(StrategyConfig):
             scoring={
                 protocol.LAYER_SCORE: self.layer_score,
                 protocol.HEAD_SCORE: self.head_score,
-                protocol.SCORE_SAMPLES: score_samples or self.score_samples,
+                protocol.SCORE_SAMPLES: self.score_samples,
             },
         )

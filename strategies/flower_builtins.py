@@ -63,8 +63,12 @@ class FedAvgMConfig(StrategyConfig):
 class ServerOptConfig(StrategyConfig):
     """Adaptive server optimizers (Reddi et al., 2021); the sites' learning rate is the run's `lr`."""
 
+    optimizer: ClassVar[type[FedAdam | FedYogi | FedAdagrad]]
     server_lr: float = 0.03
     """Server learning rate (eta) of FedAdam, FedYogi and FedAdagrad."""
+
+    def build(self, run: RunConfig, **common: Any) -> Strategy:
+        return self.optimizer(eta=self.server_lr, eta_l=run.lr, **common)
 
 
 @register("fedadam")
@@ -72,8 +76,7 @@ class ServerOptConfig(StrategyConfig):
 class FedAdamConfig(ServerOptConfig):
     """FedAdam: Adam on the server over the mean update."""
 
-    def build(self, run: RunConfig, **common: Any) -> Strategy:
-        return FedAdam(eta=self.server_lr, eta_l=run.lr, **common)
+    optimizer = FedAdam
 
 
 @register("fedyogi")
@@ -81,8 +84,7 @@ class FedAdamConfig(ServerOptConfig):
 class FedYogiConfig(ServerOptConfig):
     """FedYogi: Yogi on the server over the mean update."""
 
-    def build(self, run: RunConfig, **common: Any) -> Strategy:
-        return FedYogi(eta=self.server_lr, eta_l=run.lr, **common)
+    optimizer = FedYogi
 
 
 @register("fedadagrad")
@@ -90,8 +92,7 @@ class FedYogiConfig(ServerOptConfig):
 class FedAdagradConfig(ServerOptConfig):
     """FedAdagrad: Adagrad on the server over the mean update."""
 
-    def build(self, run: RunConfig, **common: Any) -> Strategy:
-        return FedAdagrad(eta=self.server_lr, eta_l=run.lr, **common)
+    optimizer = FedAdagrad
 
 
 @register("fedmedian")

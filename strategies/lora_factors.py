@@ -14,8 +14,9 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 
 from hydrafl.arrays import from_record
 from hydrafl.lora_pairs import LoraPair
-from hydrafl.subnet.slices import Slice
 from hydrafl.strategies.accumulator import AggregationError
+from hydrafl.subnet.slices import Slice
+from hydrafl.updates import records
 
 def svd_factors(product: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B [out, rank], A [rank, in]) with B A the best rank-`rank` approximation of `product` (Eckart-Young),
@@ -31,12 +32,12 @@ def svd_factors(product: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.T
 
 def reply_weight(reply: Message, key: str) -> float:
     """The reply's aggregation weight (e.g. num-examples); the accumulator it also went into checked it."""
-    return float(next(r for r in reply.content.values() if isinstance(r, MetricRecord))[key])
+    return float(records(reply.content, MetricRecord)[0][key])
 
 
 def reply_delta(reply: Message, names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
     """The reply's delta arrays (start - end) as tensors; only those in `names` when given (no copy of the rest)."""
-    record = next(r for r in reply.content.values() if isinstance(r, ArrayRecord))
+    record = records(reply.content, ArrayRecord)[0]
     if names is None:
         return from_record(record)
     return {name: torch.from_numpy(record[name].numpy()) for name in record if name in names}

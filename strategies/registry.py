@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+from functools import cache
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -47,9 +48,6 @@ class StrategyConfig:
         """The strategy for `run`; `common` are Flower's sampling arguments (fractions, minimum nodes)."""
         raise NotImplementedError
 
-    def check_run(self, run: RunConfig) -> str:
-        """Why this strategy cannot serve `run` ("" if it can): checks that need the run-wide settings."""
-        return ""
 
 
 C = TypeVar("C", bound=type[StrategyConfig])
@@ -69,8 +67,9 @@ def register(name: str) -> Callable[[C], C]:
     return decorate
 
 
+@cache
 def _load_builtins() -> None:
-    """Import every module of the strategies package, so each registers what it defines."""
+    """Import every module of the strategies package, once, so each registers what it defines."""
     package = importlib.import_module("hydrafl.strategies")
     for module in pkgutil.iter_modules(package.__path__):
         importlib.import_module(f"{package.__name__}.{module.name}")
