@@ -237,8 +237,8 @@ class RoundDriver:
             node = str(reply.metadata.src_node_id)
             record.data_hash_per_site[node] = _data_hash(reply)
             site_metrics = records(reply.content, MetricRecord)[0]
-            for key, per_site in (("trainable-params", record.trainable_params_per_site),
-                                  ("peak-memory-bytes", record.peak_memory_per_site)):
+            for key, per_site in ((protocol.TRAINABLE_PARAMS, record.trainable_params_per_site),
+                                  (protocol.PEAK_MEMORY, record.peak_memory_per_site)):
                 if key in site_metrics:
                     per_site[node] = int(site_metrics[key])
             record.sites_ok += 1
@@ -423,8 +423,8 @@ class RoundDriver:
 def _data_hash(reply: Message) -> str:
     """The `data-hash` a site's train reply carries in a ConfigRecord ("" from apps that send none)."""
     for record in records(reply.content, ConfigRecord):
-        if "data-hash" in record:
-            return str(record["data-hash"])
+        if protocol.DATA_HASH in record:
+            return str(record[protocol.DATA_HASH])
     return ""
 
 

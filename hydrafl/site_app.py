@@ -158,7 +158,8 @@ def _site_model(
     read = None
     if spec is not None:
         layout = slice_layout(model)  # the layers as the coordinator knows them
-        read = read_slices(trainable_slices(model, spec), dict(zip(layout["layout.names"], layout["layout.layers"])), spec)
+        layers = dict(zip(layout[protocol.LAYOUT_NAMES], layout[protocol.LAYOUT_LAYERS]))
+        read = read_slices(trainable_slices(model, spec), layers, spec)
     _load(model, arrays, read)
     return model
 
@@ -335,21 +336,26 @@ memory, and the model's slice layout (see `slice_layout`)."""
     memory_bytes = site_memory_mb(cfg, context) * 1e6
     metrics = MetricRecord(
         {
-            "num-examples": len(split.train_y),
-            **{f"layer-{layer}": score for layer, score in enumerate(layers)},
-            **{f"head-{layer}-{g}": score for layer, row in enumerate(heads) for g, score in enumerate(row)},
-            "memory-bytes": memory_bytes,
+            protocol.WEIGHT: len(split.train_y),
+            **{f"{protocol.LAYER_PREFIX}{layer}": score for layer, score in enumerate(layers)},
+            **{
+                f"{protocol.HEAD_PREFIX}{layer}-{g}": score
+                for layer, row in enumerate(heads)
+                for g, score in enumerate(row)
+            },
+            protocol.MEMORY_BYTES: memory_bytes,
         }
     )
     if memory_bytes or cfg.round_timeout_s:  # the cost only sizes a Hydra-net against memory or a deadline
         x, y = batches[0]
         speed = site_speed(cfg, context)
+        bypass = bool(request.get(protocol.SCORE_BYPASS, False))
         cost = measure_layer_cost(
-            model, lambda: task_loss(cohort.task)(model, x, y), cfg.inner_optimizer, speed=speed, bypass=bool(request.get(protocol.SCORE_BYPASS, False))
+            model, lambda: task_loss(cohort.task)(model, x, y), cfg.inner_optimizer, speed=speed, bypass=bypass
         )
-        metrics.update({f"cost.{field.replace('_', '-')}": getattr(cost, field) for field in COST_FIELDS})
-    site = ConfigRecord({"tier": site_tier(cfg, context), **slice_layout(model)})
-    return Message(RecordDict({"metrics": metrics, "site": site}), reply_to=message)
+        metrics.update({f"{protocol.COST_PREFIX}{f.replace('_', '-')}": getattr(cost, f) for f in COST_FIELDS})
+    site = ConfigRecord({protocol.TIER: site_tier(cfg, context), **slice_layout(model)})
+    return Message(RecordDict({"metrics": metrics, protocol.SITE_RECORD: site}), reply_to=message)
 
 
 def site_tier(cfg: RunConfig, context: Context) -> str:
@@ -398,7 +404,12 @@ def slice_layout(model: torch.nn.Module) -> dict[str, list[str] | list[int]]:
         layers.append(-1 if layer is None else layer)
         axes.append(-1 if axis is None else axis)
         units.append(arch.head_dim * (1 if role in ("k", "v") else arch.group_size))
-    return {"layout.names": names, "layout.layers": layers, "layout.axes": axes, "layout.units": units}
+    return {
+        protocol.LAYOUT_NAMES: names,
+        protocol.LAYOUT_LAYERS: layers,
+        protocol.LAYOUT_AXES: axes,
+        protocol.LAYOUT_UNITS: units,
+    }
 
 
 def estimate_curvature(

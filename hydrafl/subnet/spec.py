@@ -10,6 +10,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hydrafl import protocol
+
 if TYPE_CHECKING:
     from hydrafl.subnet.architecture import Architecture
 
@@ -139,7 +141,7 @@ class SubnetSpec:
 
     # ---- ConfigRecord (flat: str/int/float/bool and lists of one scalar type, no nested dicts) ----
 
-    def to_config(self, prefix: str = "hydra.") -> dict[str, int | float | bool | str | list[int]]:
+    def to_config(self, prefix: str = protocol.SUBNET_PREFIX) -> dict[str, int | float | bool | str | list[int]]:
         """Flat dict for a Flower ConfigRecord. Ragged per-layer heads are stored as counts + concatenation."""
         config: dict[str, Any] = {
             f"{prefix}layers": list(self.layers),
@@ -160,7 +162,7 @@ class SubnetSpec:
         return config
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any], prefix: str = "hydra.") -> SubnetSpec:
+    def from_config(cls, config: Mapping[str, Any], prefix: str = protocol.SUBNET_PREFIX) -> SubnetSpec:
         """Inverse of `to_config`; raises SpecError naming the missing or malformed key."""
 
         def get(key: str, types: tuple[type, ...], default: Any = None) -> Any:
