@@ -34,7 +34,8 @@ from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.common.serde_utils import metadata_from_proto
 from flwr.proto.message_pb2 import Metadata as ProtoMetadata  # pylint: disable=no-name-in-module
 
-from hydrafl.client.policy import SitePolicy
+from hydrafl.site_pipeline import answer
+from hydrafl.site_policy import SitePolicy
 from hydrafl.client.tls import SiteTls
 from hydrafl.data import DataError
 from hydrafl.proto import coordinator_pb2 as pb
@@ -191,7 +192,7 @@ class SiteAgent:
             log.warning("declining a message of run %d: %s", envelope.run_id, refusal)
             return _error_reply(request, ErrorCode.MOD_FAILED_PRECONDITION, refusal)
         message = self._receive(stub, envelope)
-        return self.policy.apply(self.client_app(message=message, context=context))
+        return answer(self.client_app, message, context, self.policy)
 
     def _context(self, stub: CoordinatorStub, run_id: int) -> Context:
         """The run's persistent Context, its run_config asked of the coordinator once per run."""

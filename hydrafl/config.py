@@ -24,13 +24,14 @@ from hydrafl.strategies.registry import (
     strategies_with,
     strategy_names,
 )
-from hydrafl.field_docs import field_docs
 from hydrafl.validation import ConfigError
 from hydrafl.validation import check as _check
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("inprocess", "ray")
+ATTACKS = ("signflip", "scale", "gaussian", "alie", "ipm")
+"""The simulated Byzantine attacks (`hydrafl.simulation.attacks`)."""
 DEFAULT_STRATEGIES = ("fedavg", "fedprox", "fedadam", "diloco")
 COMPARISON_LORA_RANK = 8
 """The rank a LoRA-only strategy runs at in a comparison whose run has no LoRA (`lora_rank` 0)."""
@@ -114,6 +115,26 @@ class RunConfig:
     diagnostics: bool = False
     """Per round, the pseudo-gradient noise scale B_pg of the sites' deltas and (simulation) the cosine between
     the averaged delta and a full-data delta, which costs one extra training run per round."""
+    dp_noise_multiplier: float = 0.0
+    """Central differential privacy: Gaussian noise of std z * dp_clip on the sum of the sites' clipped updates
+    (z / n per coordinate of the mean, n the sites that trained it); 0 = no noise."""
+    dp_clip: float = 0.0
+    """Central DP: L2 bound on each site's update (the initial bound with `dp_adaptive`); 0 = no clipping."""
+    dp_adaptive: bool = False
+    """Central DP: adapt the clipping bound each round towards the median update norm (Andrew et al., 2021)."""
+    dp_delta: float = 1e-5
+    """The delta of the (epsilon, delta) the run reports after every round."""
+    secagg: bool = False
+    """Secure aggregation (SecAgg+): the coordinator learns only the sum of the sites' updates and weights."""
+    secagg_max_weight: int = 1000
+    """Secure aggregation: the largest example count a site may weigh with; its update is scaled by w / this
+    into the quantiser's range, so a larger bound costs precision (error <= sites x bound x 16 / 2^22)."""
+    secagg_threshold: int = 0
+    """Secure aggregation: sites whose shares rebuild a dropped site's masks; 0 = a majority of the sites."""
+    screen_norm: float = 0.0
+    """Screening: reject a reply whose update norm is above this many times the round's median; 0 = off."""
+    screen_cosine: float = -1.0
+    """Screening: reject a reply whose cosine to the round's mean update is below this; -1 = off."""
 
 
     def __post_init__(self) -> None:
@@ -179,6 +200,30 @@ class RunConfig:
             f"empty unless the task is a synthetic next-token task ({', '.join(NEXT_TOKEN_TASKS)})",
         )
         _check(self.lora_alpha > 0, "lora-alpha", self.lora_alpha, "a float > 0")
+        _check(self.dp_noise_multiplier >= 0, "dp-noise-multiplier", self.dp_noise_multiplier, "a float >= 0")
+        _check(self.dp_clip >= 0, "dp-clip", self.dp_clip, "a float >= 0 (0 = no clipping)")
+        _check(
+            self.dp_clip > 0 or not (self.dp_noise_multiplier or self.dp_adaptive),
+            "dp-clip",
+            self.dp_clip,
+            "a float > 0 with --dp-noise-multiplier or --dp-adaptive (noise is calibrated to the clipping bound)",
+        )
+        _check(0 < self.dp_delta < 1, "dp-delta", self.dp_delta, "a float in (0, 1)")
+        robust_rule = getattr(self.options, "robust_rule", "mean")
+        _check(robust_rule == "mean" or not self.dp_clip, "robust-rule", robust_rule,
+               "mean with --dp-clip (central DP calibrates its noise to the clipped mean, not to a median)")
+        _check(self.secagg_max_weight >= 1, "secagg-max-weight", self.secagg_max_weight, "an integer >= 1")
+        _check(self.secagg_threshold == 0 or 2 <= self.secagg_threshold <= self.sites, "secagg-threshold",
+               self.secagg_threshold, f"0 (a majority) or 2..{self.sites}")
+        _check(self.screen_norm == 0 or self.screen_norm >= 1, "screen-norm", self.screen_norm, "0 (off) or >= 1")
+        _check(-1 <= self.screen_cosine <= 1, "screen-cosine", self.screen_cosine, "a float in [-1, 1] (-1 = off)")
+        # secure aggregation hands the coordinator the sites' sum alone: whatever needs one site's update refuses
+        _check(not self.secagg or not self.strategy or self._knob_class.secure_sum, "secagg", self.secagg,
+               f"off for strategy {self.strategy!r}: it needs each site's own update, not their sum")
+        for key, value, off in (("dp-clip", self.dp_clip, 0.0), ("screen-norm", self.screen_norm, 0.0),
+                                ("screen-cosine", self.screen_cosine, -1.0), ("diagnostics", self.diagnostics, False),
+                                ("robust-rule", getattr(self.options, "robust_rule", "mean"), "mean")):
+            _check(not self.secagg or value == off, key, value, f"{off} with --secagg: the coordinator never sees one site's update")
         _check(
             not self._knob_class.federates_lora or self.lora_rank > 0,
             "lora-rank",
@@ -293,9 +338,23 @@ class SimulationConfig:
     """inprocess (default) or ray (needs hydrafl[ray])."""
     out: str = "hydrafl-runs/latest"
     """Output directory."""
+    attack: str = ""
+    """Simulated attack by a fraction of the sites (`attackers`): signflip, scale, gaussian, alie or ipm; empty:
+    every site is honest (in-process backend only)."""
+    attackers: float = 0.0
+    """The fraction of the sites that attack (round(fraction x sites), a seeded choice fixed for the run)."""
+    site_policy: str = ""
+    """A site policy TOML (`hydrafl site --policy`) every simulated site applies to its replies: clipping, local
+    DP noise, max-epsilon."""
 
     def __post_init__(self) -> None:
         _check(len(self.strategies) >= 1, "strategies", self.strategies, "at least one strategy name")
+        _check(not self.attack or (self.attack in ATTACKS and self.backend == "inprocess"), "attack", self.attack,
+               f"empty, or one of {', '.join(ATTACKS)} on the inprocess backend")
+        _check(0 <= self.attackers < 1 and bool(self.attack) == (self.attackers > 0), "attackers", self.attackers,
+               "a fraction in (0, 1) with --attack, 0 without")
+        _check(not (self.run.secagg and self.attack), "attack", self.attack,
+               "empty with --secagg (the simulated attacks forge plain updates, which secure aggregation never sends)")
         _check(self.backend in BACKENDS, "backend", self.backend, ", ".join(BACKENDS))
         _check(len(set(self.strategies)) == len(self.strategies), "strategies", self.strategies, "no repeats")
         for strategy in self.strategies:
@@ -321,7 +380,7 @@ class SimulationConfig:
         )
 
 
-_SIMULATION_KEYS = {"strategies", "backend", "out"}
+_SIMULATION_KEYS = {"strategies", "backend", "out", "attack", "attackers", "site_policy"}
 RUN_WIDE_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name not in ("options", "strategy"))
 """RunConfig's keys that are the same whichever strategy runs (snake_case)."""
 _RUN_KEYS = (*RUN_WIDE_KEYS, "strategy")
@@ -370,34 +429,6 @@ def valid_keys(strategies: tuple[str, ...] = (), *, simulation: bool = False) ->
     knobs = {k for s in strategies or strategy_names() for k in knob_names(config_class(s))}
     keys = set(RUN_WIDE_KEYS) | knobs | (_SIMULATION_KEYS if simulation else {"strategy"})
     return sorted(key.replace("_", "-") for key in keys)
-
-
-def key_type(key: str) -> str | None:
-    """The type name (bool, int, float or str) of a run-wide, simulation or strategy key; None if unknown."""
-    name = key.replace("-", "_")
-    for cls in (SimulationConfig, RunConfig):
-        types = {f.name: f.type for f in dataclasses.fields(cls)}
-        if name in types and types[name] in ("bool", "int", "float", "str"):
-            return types[name]
-    if name == "strategies":
-        return "str"
-    for strategy in strategies_with(name):
-        return {f.name: f.type for f in dataclasses.fields(config_class(strategy))}[name]
-    return None
-
-
-def describe_keys() -> list[tuple[str, str, str]]:
-    """(flag, default, doc) of every run-wide and simulation key, in declaration order."""
-    rows = []
-    for cls in (SimulationConfig, RunConfig):
-        docs = field_docs(cls)
-        for f in dataclasses.fields(cls):
-            if f.name in ("run", "knobs", "options", "strategy"):
-                continue
-            default = DEFAULT_STRATEGIES if f.name == "strategies" else f.default
-            rows.append((f.name.replace("_", "-"), ",".join(default) if f.name == "strategies" else repr(default),
-                         docs.get(f.name, "")))
-    return rows
 
 
 def build_simulation_config(values: dict[str, Any], *, source: str = "options") -> SimulationConfig:

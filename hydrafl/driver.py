@@ -33,8 +33,13 @@ from hydrafl import protocol
 from hydrafl.arrays import array_view, keep_dtypes, record_nbytes, weights_from_delta
 from hydrafl.checkpoint import Checkpoint, CheckpointError, load_checkpoint, restore_strategy_state, save_checkpoint
 from hydrafl.checkpoint import strategy_state
-from hydrafl.strategies.hooks import ChecksReplyShapes, ConsumesDeltas, QueriesSites
+from hydrafl.strategies.hooks import ChecksReplyShapes, ConsumesDeltas, QueriesSites, TakesSecureSums
+from hydrafl.privacy.ledger import PrivacyLedger
+from hydrafl.rounds import ROUNDS_TSV_COLUMNS, RoundRecord
 from hydrafl.pseudo_gradients import DeltaMoments, ZeroDeltaError, cosine_to_reference
+from hydrafl.secagg import SecAggError, SecAggParams
+from hydrafl.secure_round import SecureRound
+from hydrafl.screening import AuditsRejections, Screening, screen_replies
 from hydrafl.updates import (
     InvalidUpdate,
     array_names,
@@ -47,65 +52,8 @@ from hydrafl.updates import (
 
 log = logging.getLogger(__name__)
 
-ROUNDS_TSV_COLUMNS = (
-    "round",
-    "duration_s",
-    "aggregation_s",
-    "gap_s",
-    "sites_ok",
-    "sites_failed",
-    "bytes_up",
-    "bytes_down",
-    "bytes_up_per_site",
-    "bytes_down_per_site",
-)
-
-
 class RoundFailed(RuntimeError):
     """Too few sites answered a round without error; the run stops instead of silently keeping old weights."""
-
-
-@dataclass(kw_only=True, slots=True)
-class RoundRecord:
-    round: int
-    loss: float | None = None
-    accuracy: float | None = None
-    train_loss: float | None = None
-    bytes_up: int = 0
-    bytes_down: int = 0
-    seconds: float = 0.0
-    aggregation_s: float = 0.0
-    gap_s: float = 0.0
-    sites_ok: int = 0
-    sites_failed: int = 0
-    bytes_up_per_site: dict[str, int] = field(default_factory=dict)
-    bytes_down_per_site: dict[str, int] = field(default_factory=dict)
-    data_hash_per_site: dict[str, str] = field(default_factory=dict)
-    """Per node id, the SHA-256 of the ordered sample ids of the site's global batches this round."""
-    trainable_params_per_site: dict[str, int] = field(default_factory=dict)
-    """Per node id, the coordinates the site trained this round (its reply's `trainable-params`)."""
-    peak_memory_per_site: dict[str, int] = field(default_factory=dict)
-    """Per node id, the site's peak training memory in bytes (`hydrafl.footprint`, its `peak-memory-bytes`)."""
-    noise_scale: float | None = None
-    """Diagnostics: B_pg = tr(Cov[delta_site]) / ||mean delta||^2 over this round's valid replies."""
-    full_data_cosine: float | None = None
-    """Diagnostics: cosine between the averaged delta and the full-data reference site's delta."""
-
-    def tsv_row(self) -> str:
-        sites = max(self.sites_ok + self.sites_failed, 1)
-        values = {
-            "round": self.round,
-            "duration_s": f"{self.seconds:.4f}",
-            "aggregation_s": f"{self.aggregation_s:.4f}",
-            "gap_s": f"{self.gap_s:.4f}",
-            "sites_ok": self.sites_ok,
-            "sites_failed": self.sites_failed,
-            "bytes_up": self.bytes_up,
-            "bytes_down": self.bytes_down,
-            "bytes_up_per_site": self.bytes_up // sites,
-            "bytes_down_per_site": self.bytes_down // sites,
-        }
-        return "\t".join(str(values[column]) for column in ROUNDS_TSV_COLUMNS)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -128,6 +76,10 @@ class DriverConfig:
     """Compute B_pg over each round's deltas (and the full-data cosine when `reference_node` is set)."""
     reference_node: int | None = None
     """A node outside the sampled sites that trains on all sites' pooled data (the simulation grid's)."""
+    secagg: SecAggParams | None = None
+    """Secure aggregation: train rounds learn only the sites' summed update and weight (`hydrafl.secure_round`)."""
+    screening: Screening = field(default_factory=Screening)
+    """Reject outlying updates before aggregation (`hydrafl.screening`); on, it holds each round's replies."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -148,6 +100,7 @@ class RoundDriver:
         self.config = config
         self.weights_from_deltas = not (isinstance(strategy, ConsumesDeltas) and strategy.consumes_deltas)
         self.weighted_by_key: str = strategy.weighted_by_key if isinstance(strategy, FedAvg) else protocol.WEIGHT
+        self.privacy = PrivacyLedger.from_run_config(config.run_config)
 
     def run(self, initial_arrays: ArrayRecord, *, resume: bool = False, on_round: RoundCallback | None = None) -> RunResult:
         arrays, history, first_round = initial_arrays, [], 1
@@ -155,6 +108,7 @@ class RoundDriver:
         if checkpoint is not None:
             arrays, history, first_round = checkpoint.arrays, checkpoint.history, checkpoint.server_round + 1
             restore_strategy_state(self.strategy, checkpoint.strategy_state)
+            self.privacy.restore(history)
             log.info("resuming after round %d", checkpoint.server_round)
         else:
             record = self._evaluate_round(0, arrays)
@@ -186,17 +140,31 @@ class RoundDriver:
         if isinstance(self.strategy, QueriesSites):
             self._query_round(server_round, arrays, config, record)
         messages = list(self.strategy.configure_train(server_round, arrays, config, self.grid))
+        self.privacy.open_round(messages, len(list(self.grid.get_node_ids())), self.strategy)
         self._count_down(messages, record)
-        replies = self._exchange(messages, server_round)
-        valid: Iterable[Message] = self._valid_replies(server_round, replies, arrays, record)
+        if self.config.secagg is None:
+            valid: Iterable[Message] = self._valid_replies(server_round, self._exchange(messages, server_round), arrays, record)
+        else:
+            secure = SecureRound(self._exchange, self.config.secagg, self.weighted_by_key, self.strategy)
+            try:
+                valid = [secure.train(server_round, messages, arrays, record)]
+            except SecAggError as error:
+                raise RoundFailed(f"round {server_round}: secure aggregation: {error}") from None
+        if self.config.screening.enabled:
+            valid, rejected = screen_replies(self.config.screening, valid)
+            for node, reason in rejected.items():
+                self._reject(server_round, node, reason, record)
+            record.sites_ok -= len(rejected)
         flower_validates = _flower_validates(self.strategy.aggregate_train)
-        if flower_validates or self.config.diagnostics:
+        if (flower_validates or self.config.diagnostics) and self.config.secagg is None:  # secagg: one reply
             valid = self._collect(server_round, messages, valid, record, consistent=flower_validates)
         received = _as_weights(valid, arrays) if self.weights_from_deltas else valid
         waited = _Waited()
         aggregation_started = time.perf_counter()
         try:
-            new_arrays, train_metrics = self.strategy.aggregate_train(server_round, _timed(received, waited))
+            summed = self.config.secagg is not None and isinstance(self.strategy, TakesSecureSums)
+            aggregate = self.strategy.aggregate_summed if summed else self.strategy.aggregate_train
+            new_arrays, train_metrics = aggregate(server_round, _timed(received, waited))
         except Exception:
             deque(valid, maxlen=0)
             self._require_sites(server_round, len(messages), record)  # too few sites is the failure to report
@@ -207,6 +175,7 @@ class RoundDriver:
         if new_arrays is None:
             raise RoundFailed(f"round {server_round}: the strategy produced no model from {record.sites_ok} replies")
         new_arrays = keep_dtypes(new_arrays, arrays)
+        self.privacy.close_round(record)
         record.train_loss = _metric(train_metrics, "train_loss")
         return new_arrays, record
 
@@ -229,13 +198,16 @@ class RoundDriver:
         """Each reply that passes the checks, as it arrives, with its bytes, data hash and counters recorded: the
         strategy can aggregate it before the next one is produced. A failed site is logged and skipped."""
         for reply in replies:
-            reason = reply.error.reason if reply.has_error() else self._invalid_reason(reply, arrays)
-            if reason:
-                log.warning("round %d: site %d failed: %s", server_round, reply.metadata.src_node_id, reason)
+            if reply.has_error():
+                log.warning("round %d: site %d failed: %s", server_round, reply.metadata.src_node_id, reply.error.reason)
+                continue
+            if reason := self._invalid_reason(reply, arrays):
+                self._reject(server_round, reply.metadata.src_node_id, reason, record)
                 continue
             self._count_up(reply, record)
             node = str(reply.metadata.src_node_id)
             record.data_hash_per_site[node] = _data_hash(reply)
+            self.privacy.note_reply(reply, record)
             site_metrics = records(reply.content, MetricRecord)[0]
             for key, per_site in ((protocol.TRAINABLE_PARAMS, record.trainable_params_per_site),
                                   (protocol.PEAK_MEMORY, record.peak_memory_per_site)):
@@ -243,6 +215,13 @@ class RoundDriver:
                     per_site[node] = int(site_metrics[key])
             record.sites_ok += 1
             yield reply
+
+    def _reject(self, server_round: int, node: int, reason: str, record: RoundRecord) -> None:
+        """A reply kept out of aggregation: recorded, logged, and audited where the grid keeps an audit trail."""
+        record.rejected_per_site[str(node)] = reason
+        log.warning("round %d: site %d rejected: %s", server_round, node, reason)
+        if isinstance(self.grid, AuditsRejections):
+            self.grid.record_rejection(node, server_round, reason)
 
     def _collect(
         self, server_round: int, messages: Sequence[Message], valid: Iterable[Message], record: RoundRecord,

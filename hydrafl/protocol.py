@@ -13,6 +13,13 @@ QUERY_CURVATURE = "query.curvature"
 """Asks a site for its loss curvature (the outer-optimizer stability check)."""
 QUERY_SCORES = "query.scores"
 """Asks a site for its layer and head importance, tier, resources and slice layout (the planning round)."""
+QUERY_SECAGG_KEYS = "query.secagg_keys"
+"""Secure aggregation, setup: a site makes its round keys and answers with its public keys."""
+QUERY_SECAGG_SHARES = "query.secagg_shares"
+"""Secure aggregation, share keys: a site answers with encrypted shares of its secrets, one per neighbour."""
+QUERY_SECAGG_UNMASK = "query.secagg_unmask"
+"""Secure aggregation, unmask: a survivor answers with the shares that remove the masks."""
+SECAGG_QUERIES = (QUERY_SECAGG_KEYS, QUERY_SECAGG_SHARES, QUERY_SECAGG_UNMASK)
 
 # Config keys the coordinator adds to a message for one site.
 SERVER_ROUND = "server-round"
@@ -35,12 +42,24 @@ HEAD_SCORE = "scoring.head-method"
 """Scoring query: head importance method (taylor or confidence)."""
 SCORE_BYPASS = "scoring.bypass"
 """Scoring query: the site measures its step cost with layers outside its net skipped rather than frozen."""
+RUN_EPSILON = "dp.run-epsilon"
+"""Train message: the epsilon the run's central DP will have spent after this round (absent: no central DP,
+an infinite spend); a site with a privacy budget refuses a round that would take it over."""
+
+SECAGG_RECORD = "secagg"
+"""The ConfigRecord of every secure-aggregation message, both ways (`hydrafl.secagg.wire` fields); in a train
+message it carries the encrypted shares routed to the site."""
+SECAGG_MASKED = "secagg.masked"
+"""Secure aggregation: the one array (uint32) of a train reply, the site's masked encoded update."""
 
 # Record keys of a site's replies.
 WEIGHT = "num-examples"
 """The weight of a reply in an average (Flower's `weighted_by_key` default)."""
 DATA_HASH = "data-hash"
 """Train reply ConfigRecord: SHA-256 of the ordered sample ids the site trained on this round."""
+LOCAL_EPSILON = "dp.local-epsilon"
+"""Train reply ConfigRecord: the epsilon the site's own policy noise has spent so far (local DP). Not a metric:
+Flower's aggregation drops replies whose metric names differ."""
 TRAINABLE_PARAMS = "trainable-params"
 """Train reply metric: the coordinates the site trained."""
 PEAK_MEMORY = "peak-memory-bytes"

@@ -19,7 +19,10 @@ from flwr.serverapp.strategy import Strategy
 
 from hydrafl import protocol
 from hydrafl.config import RunConfig
-from hydrafl.driver import DriverConfig, RoundDriver, RoundRecord, RunResult
+from hydrafl.driver import DriverConfig, RoundDriver, RunResult
+from hydrafl.rounds import RoundRecord
+from hydrafl.screening import Screening
+from hydrafl.secagg import SecAggParams
 from hydrafl.stability import OuterSetup, check_spectrum
 from hydrafl.strategies import build_strategy
 
@@ -74,6 +77,9 @@ def run_federation(
             run_config_defaults=RunConfig.flower_defaults(cfg.strategy),
             diagnostics=cfg.diagnostics,
             reference_node=reference_node if cfg.diagnostics else None,
+            screening=Screening(norm_factor=cfg.screen_norm, min_cosine=cfg.screen_cosine),
+            secagg=SecAggParams(max_weight=cfg.secagg_max_weight, reconstruction_threshold=cfg.secagg_threshold)
+            if cfg.secagg else None,
         ),
     )
     return driver.run(initial, resume=cfg.resume, on_round=on_round)

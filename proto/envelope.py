@@ -30,7 +30,7 @@ MAX_DIMENSION = 1 << 40
 MAX_RANK = 8
 MAX_REASON_CHARS = 300
 """An error reply's reason is cut to this length (by the site that sends it and the coordinator that stores it)."""
-ALLOWED_DTYPES = frozenset({"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"})
+ALLOWED_DTYPES = frozenset({"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint32", "bool"})
 
 
 class EnvelopeError(ValueError):

@@ -30,7 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from hydrafl.server_app import run_federation
 from hydrafl.config import ConfigError, RunConfig
-from hydrafl.driver import RoundRecord
+from hydrafl.rounds import RoundRecord
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.grid import CoordinatorGrid

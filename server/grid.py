@@ -61,6 +61,11 @@ class CoordinatorGrid(Grid):
     def get_node_ids(self) -> Iterable[int]:
         return self.service.connected_nodes()
 
+    def record_rejection(self, node_id: int, server_round: int, reason: str) -> None:
+        """The driver rejected this site's reply (`hydrafl.screening.AuditsRejections`): an audit event."""
+        name = next((site.name for site in self.store.sites() if site.node_id == node_id), str(node_id))
+        self.store.audit("update-screened", site_name=name, run_id=self._run.run_id, detail=f"round {server_round}: {reason}")
+
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         message_ids = []
         for message in messages:

@@ -17,6 +17,7 @@ from flwr.app import RecordDict
 from hydrafl.proto.coordinator_pb2 import Envelope
 from hydrafl.proto.envelope import EnvelopeError, check_manifest, chunk_sizes, declared_nbytes, parse_content
 from hydrafl.updates import InvalidUpdate, check_metrics
+from hydrafl.server.secagg_replies import check_secagg_reply, is_secagg, secagg_length
 
 def allowed_reply_bytes(sent: Envelope, max_model_bytes: int) -> int:
     """The most array bytes a reply to `sent` may carry: what was sent, or, for a query that sent no arrays
@@ -24,6 +25,8 @@ def allowed_reply_bytes(sent: Envelope, max_model_bytes: int) -> int:
     kind = message_kind(sent.message_type)
     if kind == "evaluate":
         return 0
+    if kind == "train" and (length := secagg_length(sent)) is not None:
+        return 4 * length  # a masked uint32 vector, whatever the site was sent
     sent_bytes = declared_nbytes(sent)
     if sent_bytes:
         return sent_bytes
@@ -52,6 +55,11 @@ def check_reply(
         return
     check_manifest(reply)
     content = parse_content(reply)
+    sent_content = parse_content(sent)
+    if is_secagg(sent.message_type, sent_content):  # its own records, sizes and addresses
+        check_secagg_reply(reply, content, sent.message_type, sent_content)
+        _check_chunks(reply, chunk_size, chunk_bytes)
+        return
     _check_records(content, reply, sent.message_type, weighted_by_key)
     _check_against_sent(reply, sent, max_model_bytes)
     _check_chunks(reply, chunk_size, chunk_bytes)

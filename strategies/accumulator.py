@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
@@ -16,31 +17,38 @@ from hydrafl.arrays import array_view
 from hydrafl.subnet.slices import Slice
 from hydrafl.updates import records
 
+if TYPE_CHECKING:
+    from hydrafl.privacy.central import CentralDp
+
 
 class AggregationError(ValueError):
     """Replies cannot be combined (no successful reply, or a reply of the wrong shape)."""
 
 
 class WeightedDeltaAccumulator:
-    """Running sum_k w_k * delta_k and sum_k w_k over the replies seen so far."""
+    """Running sum_k w_k * delta_k and sum_k w_k over the replies seen so far. With central DP (`dp`) every
+    reply is clipped and weighs 1, and the mean gets the mechanism's noise."""
 
-    def __init__(self, weighted_by_key: str = "num-examples") -> None:
+    def __init__(self, weighted_by_key: str = "num-examples", *, dp: CentralDp | None = None) -> None:
         self.weighted_by_key = weighted_by_key
+        self.dp = dp
         self.sums: dict[str, torch.Tensor] = {}
         self.total_weight = 0.0
         self.metric_records: list[RecordDict] = []
 
     def add(self, reply: Message) -> None:
         arrays, metrics, weight = _parse(reply, self.weighted_by_key)
-        for name, array in arrays.items():
-            delta = _view(array)
+        deltas = {name: _view(array) for name, array in arrays.items()}
+        if self.dp is not None:
+            weight = self.dp.clip_factor(deltas)  # counted once, at most C
+        for name, delta in deltas.items():
             if name not in self.sums:
                 self.sums[name] = delta.to(torch.float32).mul(weight)
             elif self.sums[name].shape != delta.shape:
                 raise AggregationError(f"array {name!r} has shape {tuple(delta.shape)}, expected {tuple(self.sums[name].shape)}")
             else:
                 self.sums[name].add_(delta, alpha=weight)
-        self.total_weight += weight
+        self.total_weight += weight if self.dp is None else 1.0
         self.metric_records.append(RecordDict({"metrics": metrics}))
 
     def add_all(self, replies: Iterable[Message]) -> None:
@@ -52,15 +60,22 @@ class WeightedDeltaAccumulator:
         """The weighted mean, computed in place: the accumulator is spent afterwards."""
         if not self.total_weight:
             raise AggregationError("no successful reply to aggregate")
-        return {name: total.div_(self.total_weight) for name, total in self.sums.items()}
+        mean = {name: total.div_(self.total_weight) for name, total in self.sums.items()}
+        if self.dp is not None:
+            for tensor in mean.values():
+                self.dp.noise_(tensor, self.total_weight)
+            self.dp.end_round()
+        return mean
 
 
 class MaskedDeltaAccumulator:
     """Per-coordinate running sums for subnetwork updates: sum_k w_k m_k delta_k and sum_k w_k m_k, where
-    m_k is the 0/1 mask of the coordinates site k was assigned (a site's values outside it are ignored)."""
+    m_k is the 0/1 mask of the coordinates site k was assigned (a site's values outside it are ignored). With
+    central DP (`dp`) every reply is clipped and weighs 1, and coordinate k's mean gets noise z C / n_k."""
 
-    def __init__(self, weighted_by_key: str = "num-examples") -> None:
+    def __init__(self, weighted_by_key: str = "num-examples", *, dp: CentralDp | None = None) -> None:
         self.weighted_by_key = weighted_by_key
+        self.dp = dp
         self.sums: dict[str, torch.Tensor] = {}
         self.weights: dict[str, torch.Tensor] = {}
         self.metric_records: list[RecordDict] = []
@@ -104,12 +119,28 @@ class MaskedDeltaAccumulator:
                     f"reply from node {node}: array {name!r} has shape {tuple(delta.shape)}, its slice is {expected}"
                 )
         weight = 1.0 if count_once else weight
+        if self.dp is not None:
+            weight = self.dp.clip_factor(deltas)
+        counted = 1.0 if self.dp is not None else weight
         for name, delta in deltas.items():
             if name not in self.sums:
                 self.sums[name] = torch.zeros(shapes[name], dtype=torch.float32)
                 self.weights[name] = torch.zeros(shapes[name], dtype=torch.float32)
             slices[name].add_to(self.sums[name], delta, alpha=weight)
-            slices[name].add_to(self.weights[name], torch.ones(delta.shape), alpha=weight)
+            slices[name].add_to(self.weights[name], torch.ones(delta.shape), alpha=counted)
+        self.metric_records.append(RecordDict({"metrics": metrics}))
+
+    def add_sums(self, reply: Message) -> None:
+        """Fold in pre-summed replies (secure aggregation): one reply holding ArrayRecords `sums` and `weights`
+        of full shapes, and the metrics."""
+        metrics = _only(records(reply.content, MetricRecord), "MetricRecord", reply)
+        sums, weights = reply.content["sums"], reply.content["weights"]
+        for name, array in sums.items():
+            total, weight = _view(array).to(torch.float32), _view(weights[name]).to(torch.float32)
+            if total.shape != weight.shape:
+                raise AggregationError(f"array {name!r}: sums of shape {tuple(total.shape)}, weights {tuple(weight.shape)}")
+            self.sums[name] = self.sums[name].add_(total) if name in self.sums else total.clone()
+            self.weights[name] = self.weights[name].add_(weight) if name in self.weights else weight.clone()
         self.metric_records.append(RecordDict({"metrics": metrics}))
 
     def mean(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -120,7 +151,11 @@ class MaskedDeltaAccumulator:
         out = {}
         for name, total in self.sums.items():
             covered = self.weights[name] > 0
-            out[name] = (total.div_(self.weights[name].clamp_(min=1e-30)).mul_(covered), covered)
+            out[name] = (total.div_(self.weights[name].clamp(min=1e-30)).mul_(covered), covered)
+            if self.dp is not None:
+                self.dp.noise_(out[name][0], self.weights[name])
+        if self.dp is not None:
+            self.dp.end_round()
         return out
 
 

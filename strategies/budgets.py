@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from hydrafl import protocol
 from hydrafl.strategies.planner import SitePlanner
-from hydrafl.strategies.registry import StrategyConfig
+from hydrafl.strategies.robust import RobustConfig
 from hydrafl.validation import check
 
 if TYPE_CHECKING:
@@ -19,9 +19,10 @@ HEAD_SCORES = ("taylor", "confidence")
 
 
 @dataclass(frozen=True, kw_only=True)
-class BudgetConfig(StrategyConfig):
+class BudgetConfig(RobustConfig):
     """A site's budget: its tier (the run's `site_tiers` or its own), else these untiered fractions; with a
-    round deadline or a declared memory, what fits them."""
+    round deadline or a declared memory, what fits them. The robust-rule knobs come with it: every strategy
+    sized by a budget aggregates a masked sum (`robust`)."""
 
     hydra_layers: float = 1.0
     """Fraction of the layers an untiered site trains."""
@@ -35,6 +36,7 @@ class BudgetConfig(StrategyConfig):
     """Training samples a site scores on."""
 
     def __post_init__(self) -> None:
+        RobustConfig.__post_init__(self)
         check(0 < self.hydra_layers <= 1, "hydra-layers", self.hydra_layers, "a fraction in (0, 1]")
         check(0 < self.hydra_heads <= 1, "hydra-heads", self.hydra_heads, "a fraction in (0, 1]")
         check(self.layer_score in LAYER_SCORES, "layer-score", self.layer_score, ", ".join(LAYER_SCORES))

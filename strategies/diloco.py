@@ -22,6 +22,7 @@ from hydrafl.validation import check
 
 if TYPE_CHECKING:
     from hydrafl.config import RunConfig
+    from hydrafl.privacy.central import CentralDp
 
 
 class DiLoCo(FedAvg):
@@ -37,6 +38,8 @@ class DiLoCo(FedAvg):
         super().__init__(**kwargs)
         self.outer = OuterOptimizer(lr=outer_lr, momentum=momentum, nesterov=nesterov)
         self.current_arrays: ArrayRecord | None = None
+        self.central_dp: CentralDp | None = None
+        """Central DP on the mean pseudo-gradient (`hydrafl.privacy.central.with_central_dp` sets it)."""
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -47,7 +50,7 @@ class DiLoCo(FedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        accumulator = WeightedDeltaAccumulator(self.weighted_by_key)
+        accumulator = WeightedDeltaAccumulator(self.weighted_by_key, dp=self.central_dp)
         accumulator.add_all(replies)
         if not accumulator.total_weight or self.current_arrays is None:
             return None, None
@@ -60,10 +63,13 @@ class DiLoCo(FedAvg):
         return to_record(updated), metrics
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self.outer.state_dict(), "current_arrays": self.current_arrays}
+        dp = self.central_dp.state_dict() if self.central_dp else {}
+        return {**self.outer.state_dict(), **dp, "current_arrays": self.current_arrays}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.outer.load_state_dict(state)
+        if self.central_dp:
+            self.central_dp.load_state_dict(state)
         self.current_arrays = state["current_arrays"]
 
 
@@ -88,6 +94,7 @@ class DiLoCoConfig(OuterConfig):
     """DiLoCo: the mean pseudo-gradient takes an outer SGD step with Nesterov momentum (Douillard et al., 2023)."""
 
     probes_curvature: ClassVar[bool] = True
+    secure_sum: ClassVar[bool] = True
 
     def build(self, run: RunConfig, **common: Any) -> DiLoCo:
         return DiLoCo(outer_lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_nesterov, **common)

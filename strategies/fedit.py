@@ -17,7 +17,9 @@ from flwr.app import Message
 from hydrafl.lora_pairs import LoraPair
 from hydrafl.strategies.accumulator import MaskedDeltaAccumulator
 from hydrafl.strategies.lora import LoraBaseline, LoraBaselineConfig, LoraFold, rank_slices, trainable_names
+from hydrafl.strategies.lora_factors import reply_delta
 from hydrafl.strategies.registry import register
+from hydrafl.strategies.robust import MaskedRobustAggregator, RobustRule
 from hydrafl.subnet.slices import coordinate_masks
 
 if TYPE_CHECKING:
@@ -28,20 +30,26 @@ class FedIT(LoraBaseline):
     """Per-coordinate sample-weighted mean of the factor deltas over the sites whose rank covers them."""
 
     def fold(self, weights: dict[str, torch.Tensor], pairs: list[LoraPair]) -> LoraFold:
-        return _MaskedFactors(weights, pairs, self.weighted_by_key)
+        return _MaskedFactors(weights, pairs, self.weighted_by_key, self.robust)
 
 
 class _MaskedFactors:
-    def __init__(self, weights: dict[str, torch.Tensor], pairs: list[LoraPair], weighted_by_key: str) -> None:
+    def __init__(self, weights: dict[str, torch.Tensor], pairs: list[LoraPair], weighted_by_key: str, robust: RobustRule) -> None:
         self.start, self.names = weights, trainable_names(weights, pairs)
         self.factors = {name for pair in pairs for name in (pair.a, pair.b)}
         self.accumulator = MaskedDeltaAccumulator(weighted_by_key)
+        self.robust = MaskedRobustAggregator(robust) if robust.robust else None
 
     def add(self, reply: Message, rank: int) -> None:
-        self.accumulator.add(reply, coordinate_masks(rank_slices(self.names, rank), self.start))
+        slices = rank_slices(self.names, rank)
+        self.accumulator.add(reply, coordinate_masks(slices, self.start))
+        if self.robust is not None:  # the components of the site's rank, compact
+            for name, delta in reply_delta(reply, self.factors).items():
+                self.robust.add(name, slices[name], slices[name].take(delta), tuple(self.start[name].shape))
 
     def finish(self, weights: dict[str, torch.Tensor], total_weight: float) -> None:
-        for name, (delta, trained) in self.accumulator.mean().items():
+        means = self.robust.aggregate() if self.robust is not None else self.accumulator.mean()
+        for name, (delta, trained) in means.items():
             if name in self.factors:
                 weights[name] = torch.where(trained, weights[name] - delta, weights[name])
 
@@ -51,4 +59,4 @@ class FedITConfig(LoraBaselineConfig):
     """FedIT: FedAvg of the LoRA factors A and B, each on its own (Zhang et al., 2024)."""
 
     def build(self, run: RunConfig, **common: Any) -> FedIT:
-        return FedIT(planner=self.planner(run), **common)
+        return FedIT(planner=self.planner(run), robust=self.rule(), **common)

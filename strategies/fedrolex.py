@@ -9,7 +9,7 @@ NeurIPS 2022.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from hydrafl.strategies.budgets import BudgetConfig
 from hydrafl.strategies.registry import register
@@ -40,5 +40,7 @@ class FedRolex(SubnetStrategy):
 class FedRolexConfig(BudgetConfig):
     """FedRolex: HeteroFL with a width window rolling by one channel per round (Alam et al., 2022)."""
 
+    secure_sum: ClassVar[bool] = True
+
     def build(self, run: RunConfig, **common: Any) -> FedRolex:
-        return FedRolex(planner=self.planner(run), **common)
+        return FedRolex(planner=self.planner(run), robust=self.rule(), **common)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from hydrafl.strategies.budgets import BudgetConfig
 from hydrafl.strategies.registry import register
@@ -47,5 +47,7 @@ class FjORD(SubnetStrategy):
 class FjORDConfig(BudgetConfig):
     """FjORD: ordered dropout over nested widths up to the site's Hydra budget (Horvath et al., 2021)."""
 
+    secure_sum: ClassVar[bool] = True
+
     def build(self, run: RunConfig, **common: Any) -> FjORD:
-        return FjORD(planner=self.planner(run), **common)
+        return FjORD(planner=self.planner(run), robust=self.rule(), **common)

@@ -93,6 +93,9 @@ class FLoRAConfig(LoraBaselineConfig):
     """FLoRA: stacked heterogeneous-rank adapters merged into the base weights (Wang et al., 2024)."""
 
     lora_bases_travel: ClassVar[bool] = True
+    refuses_robust_rule: ClassVar[str] = (
+        "FLoRA stacks each site's factors, so its aggregate is no per-coordinate sum to take a median of"
+    )
 
     def build(self, run: RunConfig, **common: Any) -> FLoRA:
         return FLoRA(planner=self.planner(run), alpha=run.lora_alpha, seed=run.seed, **common)

@@ -15,6 +15,8 @@ from flwr.serverapp.strategy import (
     FedTrimmedAvg,
     FedYogi,
     Krum,
+    MultiKrum,
+    Bulyan,
     Strategy,
 )
 
@@ -30,6 +32,8 @@ if TYPE_CHECKING:
 class FedAvgConfig(StrategyConfig):
     """FedAvg: the sample-weighted mean of the sites' weights (McMahan et al., 2017)."""
 
+    secure_sum: ClassVar[bool] = True
+
     def build(self, run: RunConfig, **common: Any) -> Strategy:
         return FedAvg(**common)
 
@@ -40,6 +44,7 @@ class FedProxConfig(StrategyConfig):
     """FedProx: FedAvg whose sites add a proximal term mu/2 ||w - w_global||^2 (Li et al., 2020)."""
 
     site_proximal_term: ClassVar[bool] = True
+    secure_sum: ClassVar[bool] = True
     fedprox_mu: float = 0.01
     """FedProx proximal term weight (sent to sites by FedProx itself as "proximal-mu")."""
 
@@ -51,6 +56,8 @@ class FedProxConfig(StrategyConfig):
 @dataclass(frozen=True, kw_only=True)
 class FedAvgMConfig(StrategyConfig):
     """FedAvgM: FedAvg with server momentum (Hsu et al., 2019)."""
+
+    secure_sum: ClassVar[bool] = True
 
     server_momentum: float = 0.9
     """FedAvgM server momentum."""
@@ -64,6 +71,7 @@ class ServerOptConfig(StrategyConfig):
     """Adaptive server optimizers (Reddi et al., 2021); the sites' learning rate is the run's `lr`."""
 
     optimizer: ClassVar[type[FedAdam | FedYogi | FedAdagrad]]
+    secure_sum: ClassVar[bool] = True
     server_lr: float = 0.03
     """Server learning rate (eta) of FedAdam, FedYogi and FedAdagrad."""
 
@@ -129,3 +137,41 @@ class KrumConfig(StrategyConfig):
 
     def build(self, run: RunConfig, **common: Any) -> Strategy:
         return Krum(num_malicious_nodes=self.krum_malicious, **common)
+
+
+@register("multikrum")
+@dataclass(frozen=True, kw_only=True)
+class MultiKrumConfig(StrategyConfig):
+    """Multi-Krum: the mean of the m site updates with the best Krum scores (Blanchard et al., 2017)."""
+
+    krum_malicious: int = 0
+    """Number of sites assumed malicious (f)."""
+    krum_selected: int = 1
+    """Multi-Krum: how many of the best-scored updates are averaged (m; 1 is Krum)."""
+
+    def __post_init__(self) -> None:
+        check(self.krum_malicious >= 0, "krum-malicious", self.krum_malicious, "an integer >= 0")
+        check(self.krum_selected >= 1, "krum-selected", self.krum_selected, "an integer >= 1")
+
+    def build(self, run: RunConfig, **common: Any) -> Strategy:
+        return MultiKrum(num_malicious_nodes=self.krum_malicious, num_nodes_to_select=self.krum_selected, **common)
+
+
+@register("bulyan")
+@dataclass(frozen=True, kw_only=True)
+class BulyanConfig(StrategyConfig):
+    """Bulyan: Multi-Krum selects, then a coordinate-wise trimmed mean around the median (El Mhamdi et al.,
+    2018); it needs at least 4f + 3 sites."""
+
+    krum_malicious: int = 0
+    """Number of sites assumed malicious (f)."""
+
+    def __post_init__(self) -> None:
+        check(self.krum_malicious >= 0, "krum-malicious", self.krum_malicious, "an integer >= 0")
+
+    def build(self, run: RunConfig, **common: Any) -> Strategy:
+        check(
+            run.sites >= 4 * self.krum_malicious + 3, "krum-malicious", self.krum_malicious,
+            f"at most (sites - 3) / 4 = {(run.sites - 3) // 4} for Bulyan over {run.sites} sites",
+        )
+        return Bulyan(num_malicious_nodes=self.krum_malicious, **common)

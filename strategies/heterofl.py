@@ -8,7 +8,7 @@ Clients", ICLR 2021 (fixed rates). How a width slices a transformer: `hydrafl.su
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from hydrafl.strategies.budgets import BudgetConfig
 from hydrafl.strategies.registry import register
@@ -39,5 +39,7 @@ class HeteroFL(SubnetStrategy):
 class HeteroFLConfig(BudgetConfig):
     """HeteroFL: each site trains a fixed-width slice as wide as its Hydra budget (Diao et al., 2021)."""
 
+    secure_sum: ClassVar[bool] = True
+
     def build(self, run: RunConfig, **common: Any) -> HeteroFL:
-        return HeteroFL(planner=self.planner(run), **common)
+        return HeteroFL(planner=self.planner(run), robust=self.rule(), **common)

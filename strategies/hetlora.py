@@ -24,6 +24,8 @@ from hydrafl.lora_pairs import LoraPair, pruned_rank
 from hydrafl.strategies.lora import LoraBaseline, LoraBaselineConfig, LoraFold, truncate
 from hydrafl.strategies.lora_factors import reply_delta
 from hydrafl.strategies.registry import register
+from hydrafl.strategies.robust import MaskedRobustAggregator
+from hydrafl.subnet.slices import Slice
 from hydrafl.validation import check
 
 if TYPE_CHECKING:
@@ -47,10 +49,13 @@ class HetLoRA(LoraBaseline):
 
 
 class _SparsityWeighted:
-    """Streams the factors weighted by ||B_k A_k||_F and each site's tail norms (its pruning decision)."""
+    """Streams the factors weighted by ||B_k A_k||_F and each site's tail norms (its pruning decision). Under a
+    robust rule, the sites' end factors are held instead and each rank component takes the rule over the sites
+    whose rank holds it (no sparsity weights, no zero padding); components no site holds keep their value."""
 
     def __init__(self, strategy: HetLoRA, weights: dict[str, torch.Tensor], pairs: list[LoraPair]) -> None:
         self.strategy, self.start, self.pairs = strategy, weights, pairs
+        self.robust = MaskedRobustAggregator(strategy.robust) if strategy.robust.robust else None
         self.sums = {name: torch.zeros_like(weights[name]) for pair in pairs for name in (pair.a, pair.b)}
         self.norms = {pair.module: 0.0 for pair in pairs}
 
@@ -60,6 +65,10 @@ class _SparsityWeighted:
             a0, b0 = truncate(self.start[pair.a], self.start[pair.b], rank)  # what the site started from
             a, b = a0 - delta.get(pair.a, 0.0), b0 - delta.get(pair.b, 0.0)
             norm = float(torch.linalg.matrix_norm(b @ a))
+            if self.robust is not None:
+                components = range(rank)
+                self.robust.add(pair.a, Slice(0, components), a[:rank], tuple(a.shape))
+                self.robust.add(pair.b, Slice(1, components), b[:, :rank], tuple(b.shape))
             self.sums[pair.a].add_(a, alpha=norm)
             self.sums[pair.b].add_(b, alpha=norm)
             self.norms[pair.module] += norm
@@ -69,6 +78,10 @@ class _SparsityWeighted:
             self.strategy.ranks[reply.metadata.src_node_id] = pruned_rank(rank, prune)
 
     def finish(self, weights: dict[str, torch.Tensor], total_weight: float) -> None:
+        if self.robust is not None:
+            for name, (factor, held) in self.robust.aggregate().items():
+                weights[name] = torch.where(held, factor, weights[name])
+            return
         for pair in self.pairs:
             if self.norms[pair.module] > 0:  # all-zero updates (nothing trained) keep the module as it was
                 weights[pair.a] = self.sums[pair.a].div_(self.norms[pair.module])
@@ -98,4 +111,7 @@ class HetLoRAConfig(LoraBaselineConfig):
         check(self.hetlora_tail_penalty >= 0, "hetlora-tail-penalty", self.hetlora_tail_penalty, "a float >= 0")
 
     def build(self, run: RunConfig, **common: Any) -> HetLoRA:
-        return HetLoRA(planner=self.planner(run), prune=self.hetlora_prune, tail_penalty=self.hetlora_tail_penalty, **common)
+        return HetLoRA(
+            planner=self.planner(run), prune=self.hetlora_prune, tail_penalty=self.hetlora_tail_penalty,
+            robust=self.rule(), **common,
+        )

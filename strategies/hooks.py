@@ -4,10 +4,13 @@ protocols: a strategy offers one by having its members, and callers check with `
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
+
+if TYPE_CHECKING:
+    from hydrafl.subnet.slices import Slice
 
 
 @runtime_checkable
@@ -31,6 +34,22 @@ class PlansSubnetworks(Protocol):
 
     trainable_params: dict[int, dict[str, int]]
     """Per round, per site (node id as a string): the coordinates it was assigned to train."""
+
+
+@runtime_checkable
+class TakesSecureSums(Protocol):
+    """Assigns each site slices of the model, and under secure aggregation takes the sites' per-coordinate sums
+    instead of their replies: each site expands its slices to full shapes, with a 0/1 weight per coordinate."""
+
+    count_once: bool
+    """Every site weighs 1 on the coordinates it trained (else its weight)."""
+
+    def site_slices(self, node: int) -> dict[str, Slice]:
+        """The coordinates `node` trains this round."""
+
+    def aggregate_summed(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Aggregate the one reply holding ArrayRecords `sums` (sum of weight x delta, full shapes) and
+        `weights` (the per-coordinate sum of weights) and the survivors' metrics."""
 
 
 @runtime_checkable

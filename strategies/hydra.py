@@ -15,7 +15,7 @@ Design: ../shared/research/hydra-nets.md (Fisher layer scores as in Fed-HeLLo; M
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from hydrafl import protocol
 from hydrafl.strategies.budgets import BudgetConfig
@@ -57,6 +57,8 @@ OUTER_OPTIMIZERS = ("none", "nesterov")
 class HydraConfig(BudgetConfig, OuterConfig):
     """Hydra-nets: each site trains the top layers and, in them, its own top heads its budget affords."""
 
+    secure_sum: ClassVar[bool] = True
+
     hydra_bypass: bool = False
     """A site skips the layers outside its Hydra-net (identity) instead of running them frozen: less compute
     and memory, and it downloads only its Hydra-net; the sites then train a shallower network."""
@@ -81,12 +83,17 @@ class HydraConfig(BudgetConfig, OuterConfig):
         check(self.outer in OUTER_OPTIMIZERS, "outer", self.outer, ", ".join(OUTER_OPTIMIZERS))
 
     def build(self, run: RunConfig, **common: Any) -> Hydra:
+        check(
+            not (self.rule().robust and run.lora_rank and self.hydra_lora == "products"), "robust-rule", self.robust_rule,
+            "mean with hydra-lora=products: the robust rules go coordinate by coordinate (set hydra-lora=factors)",
+        )
         outer = {"outer_lr": self.outer_lr, "momentum": self.outer_momentum, "nesterov": self.outer_nesterov}
         return Hydra(
             planner=self.planner(run, rescore_every=self.rescore_every),
             bypass=self.hydra_bypass,
             lora_products=self.hydra_lora == "products",
             freeze_heads=self.hydra_head_mode == "freeze",
+            robust=self.rule(),
             **(outer if self.outer == "nesterov" else {}),
             **common,
         )

@@ -25,7 +25,9 @@ from flwr.serverapp.strategy import FedAvg
 from hydrafl import protocol
 from hydrafl.arrays import from_record, sliced_record, to_record
 from hydrafl.strategies.accumulator import AggregationError, WeightedDeltaAccumulator
+from hydrafl.strategies.lora_factors import reply_delta
 from hydrafl.strategies.planner import BudgetError, SitePlanner
+from hydrafl.strategies.robust import MaskedRobustAggregator, RobustRule
 from hydrafl.subnet.slices import Slice
 from hydrafl.lora_pairs import LoraPair, lora_pairs
 from hydrafl.strategies.budgets import BudgetConfig
@@ -72,8 +74,10 @@ class LoraBaseline(FedAvg):
 
     consumes_deltas = True
 
-    def __init__(self, *, planner: SitePlanner | None = None, **kwargs: Any) -> None:
+    def __init__(self, *, planner: SitePlanner | None = None, robust: RobustRule = RobustRule(), **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.robust = robust
+        """A robust rule (median, trimmed mean) replaces the fold's and the head's sums; it holds the replies."""
         self.planner = planner or SitePlanner()
         self.planner.scoring[protocol.SCORE_SAMPLES] = 1
         self.current_arrays: ArrayRecord | None = None
@@ -83,7 +87,8 @@ class LoraBaseline(FedAvg):
         """Per round, per site (node id as a string): the coordinates of its rank."""
 
     def fold(self, weights: dict[str, torch.Tensor], pairs: list[LoraPair]) -> LoraFold:
-        """This round's rule, starting from the global `weights`."""
+        """This round's rule, starting from the global `weights`; under a robust rule (`self.robust`), the
+        rule's per-coordinate sum becomes that rule over the sites that trained each coordinate."""
         raise NotImplementedError
 
     def configure_query(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
@@ -146,21 +151,27 @@ class LoraBaseline(FedAvg):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Each reply back at the global shapes (zeros beyond its site's rank), folded in one at a time; the
-        arrays that are not LoRA factors (the classifier head, ...) take FedAvg's step."""
+        arrays that are not LoRA factors (the classifier head, ...) take FedAvg's step (or the robust rule's)."""
         if self.current_arrays is None:
             return None, None
         weights = from_record(self.current_arrays)
         pairs = lora_pairs(weights)
+        factors = {name for pair in pairs for name in (pair.a, pair.b)}
         head = WeightedDeltaAccumulator(self.weighted_by_key)  # sums every array; only non-factors are used
+        robust_head = MaskedRobustAggregator(self.robust)
         fold = self.fold(weights, pairs)
         for reply in self._full_shape(replies):
             if not reply.has_error():
                 head.add(reply)
+                if self.robust.robust:  # every site trains the head whole
+                    for name, delta in reply_delta(reply).items():
+                        if name not in factors:
+                            robust_head.add(name, Slice(None), delta, tuple(weights[name].shape))
                 fold.add(reply, self._rank_of(reply))
         if not head.metric_records:
             return None, None
-        factors = {name for pair in pairs for name in (pair.a, pair.b)}
-        for name, delta in head.mean().items():
+        means = {n: d for n, (d, _) in robust_head.aggregate().items()} if self.robust.robust else head.mean()
+        for name, delta in means.items():
             if name not in factors:
                 weights[name] = weights[name] - delta
         fold.finish(weights, head.total_weight)

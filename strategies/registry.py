@@ -43,6 +43,9 @@ class StrategyConfig:
     """Sites add a proximal term to their loss (it does not combine with the lm-dual inner optimizer)."""
     probes_curvature: ClassVar[bool] = False
     """Before training, sites' curvature is probed to predict whether the outer optimizer is stable."""
+    secure_sum: ClassVar[bool] = False
+    """The strategy needs only the weighted mean of the sites' updates, so it runs under secure aggregation
+    (`secagg`), which hands it the sum alone; strategies that need each site's own update refuse it."""
 
     def build(self, run: RunConfig, **common: Any) -> Strategy:
         """The strategy for `run`; `common` are Flower's sampling arguments (fractions, minimum nodes)."""
@@ -112,8 +115,9 @@ def describe() -> Iterator[tuple[str, str, list[tuple[str, str, str]]]]:
 
 
 def build_strategy(run: RunConfig) -> Strategy:
-    """The strategy of `run`, sampling every site each round and needing `run.required_sites` replies."""
-    return run.options.build(
+    """The strategy of `run`, sampling every site each round and needing `run.required_sites` replies, with
+    the run's central DP (`dp_clip`, `dp_noise_multiplier`) when it has one."""
+    strategy = run.options.build(
         run,
         fraction_train=1.0,
         fraction_evaluate=1.0,
@@ -121,3 +125,8 @@ def build_strategy(run: RunConfig) -> Strategy:
         min_evaluate_nodes=run.required_sites,
         min_available_nodes=run.required_sites,
     )
+    if not run.dp_clip:
+        return strategy
+    from hydrafl.privacy.central import with_central_dp  # torch and Flower only for a run that needs them
+
+    return with_central_dp(strategy, run)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -25,11 +25,15 @@ from flwr.serverapp.strategy import FedAvg
 from hydrafl.arrays import from_record, sliced_record, to_record
 from hydrafl.lora_pairs import lora_pairs
 from hydrafl.strategies.accumulator import AggregationError, MaskedDeltaAccumulator
-from hydrafl.strategies.lora_factors import MaskedProductAccumulator, reply_weight, svd_factors
+from hydrafl.strategies.lora_factors import MaskedProductAccumulator, reply_delta, reply_weight, svd_factors
 from hydrafl.strategies.outer import OuterOptimizer
 from hydrafl.strategies.planner import BudgetError, SitePlanner
+from hydrafl.strategies.robust import MaskedRobustAggregator, RobustRule
 from hydrafl.subnet.slices import Slice, layout_slices, read_slices
 from hydrafl.subnet.spec import SubnetSpec
+
+if TYPE_CHECKING:
+    from hydrafl.privacy.central import CentralDp
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +78,11 @@ class SubnetStrategy(FedAvg):
 
     def __init__(
         self, *, planner: SitePlanner | None = None, plan: SlicePlan | None = None, outer: OuterOptimizer | None = None,
-        lora_products: bool = True, **kwargs: Any,
+        lora_products: bool = True, robust: RobustRule = RobustRule(), **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.robust = robust
+        """A robust rule (median, trimmed mean) holds the round's replies; the mean streams them."""
         self.planner = planner or SitePlanner()
         self.plan = plan or LayoutPlan(self.planner)
         self.outer = outer or OuterOptimizer(lr=1.0, momentum=0.0)
@@ -85,6 +91,8 @@ class SubnetStrategy(FedAvg):
         self.specs: dict[int, SubnetSpec] = {}
         self.trainable_params: dict[int, dict[str, int]] = {}
         """Per round, per site (node id as a string): the coordinates it was assigned to train."""
+        self.central_dp: CentralDp | None = None
+        """Central DP on the masked mean (`hydrafl.privacy.central.with_central_dp` sets it)."""
 
     def assign(self, node: int, server_round: int, index: int) -> SubnetSpec:
         """The subnetwork `node` trains this round; it is the `index`-th site assigned one. KeyError: the node
@@ -131,25 +139,49 @@ class SubnetStrategy(FedAvg):
             return None
         return {name: sl.taken_shape(arrays[name].shape) for name, sl in self.site_slices(node).items()}
 
+    def aggregate_summed(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Secure aggregation (`hooks.TakesSecureSums`): the masked mean from the sites' per-coordinate sums,
+        then the same outer step."""
+        if self.current_arrays is None:
+            return None, None
+        weights = from_record(self.current_arrays)
+        if self.lora_products and lora_pairs(weights, required=False):
+            raise AggregationError("secure aggregation sums coordinates, not LoRA products B A: use hydra-lora=factors")
+        accumulator = MaskedDeltaAccumulator(self.weighted_by_key)
+        for reply in replies:
+            accumulator.add_sums(reply)
+        for name, (delta, trained) in accumulator.mean().items():
+            weights[name] = self.outer.masked_step(name, weights[name], delta, trained)
+        return to_record(weights), self.train_metrics_aggr_fn(accumulator.metric_records, self.weighted_by_key)
+
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         if self.current_arrays is None:
             return None, None
         weights = from_record(self.current_arrays)
         shapes = {name: tuple(tensor.shape) for name, tensor in weights.items()}
-        accumulator = MaskedDeltaAccumulator(self.weighted_by_key)
+        accumulator = MaskedDeltaAccumulator(self.weighted_by_key, dp=self.central_dp)
         pairs = lora_pairs(weights, required=False) if self.lora_products else []
+        if pairs and self.robust.robust:
+            raise AggregationError(
+                f"the {self.robust.name} rule is taken coordinate by coordinate, not on LoRA products B A; "
+                "over LoRA use it with hydra-lora=factors"
+            )
         products = MaskedProductAccumulator(pairs, weights)
+        robust = MaskedRobustAggregator(self.robust)
         for reply in replies:
             if not reply.has_error():
                 if (node := reply.metadata.src_node_id) not in self.specs:
                     raise AggregationError(f"reply from node {node}, which was assigned no subnetwork this round")
                 slices = self.site_slices(node)
-                accumulator.add_slices(reply, slices, shapes, count_once=self.count_once)
+                accumulator.add_slices(reply, slices, shapes, count_once=self.count_once)  # checks every shape
+                if self.robust.robust:
+                    robust.add_slices(reply_delta(reply), slices, shapes)
                 if pairs:
                     products.add(reply, slices, 1.0 if self.count_once else reply_weight(reply, self.weighted_by_key))
         if not accumulator.metric_records:
             return None, None
-        for name, (delta, trained) in accumulator.mean().items():
+        aggregated = robust.aggregate() if self.robust.robust else accumulator.mean()
+        for name, (delta, trained) in aggregated.items():
             if name not in products.factors:
                 weights[name] = self.outer.masked_step(name, weights[name], delta, trained)
         product_means = products.mean()
@@ -171,10 +203,13 @@ class SubnetStrategy(FedAvg):
             "current_arrays": self.current_arrays,
             "specs": copy.deepcopy(self.specs),
             "trainable_params": copy.deepcopy(self.trainable_params),
+            **(self.central_dp.state_dict() if self.central_dp else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.outer.load_state_dict(state)
+        if self.central_dp:
+            self.central_dp.load_state_dict(state)
         self.planner.load_state_dict(state)
         self.plan.load_state_dict(state)
         self.current_arrays = state["current_arrays"]

@@ -62,3 +62,26 @@ def enrol(tmp_path: Path, cfg: RunConfig) -> tuple[dict, str, Store, list[str], 
 def queue_run(store: Store, cfg: RunConfig) -> int:
     """Queue `cfg` as the coordinator's next run; returns its id."""
     return store.create_run({k: v for k, v in cfg.to_flower().items() if k not in ("run-dir", "resume")}).id
+
+
+def run_to_end(
+    tmp_path: Path, cfg: RunConfig, site_options: list[tuple[str, ...]], timeout_s: float = 300
+) -> tuple[Store, int]:
+    """`cfg` queued on a coordinator process with one `hydrafl site` process per enrolled site (each with its
+    own extra options), waited for until it finishes or fails; every process is killed after. Returns the
+    coordinator's store and the run id."""
+    env, db, store, tokens, address = enrol(tmp_path, cfg)
+    run_id = queue_run(store, cfg)
+    processes = [start_hydrafl("server", "--listen", address, "--db", db, "--blobs", str(tmp_path / "blobs"),
+                               env=env, log=tmp_path / "coordinator.log")]
+    try:
+        wait_serving(address, process=processes[0])
+        for i, (token, options) in enumerate(zip(tokens, site_options, strict=True)):
+            processes.append(start_hydrafl("site", "--coordinator", address, "--token", token, *options, env=env,
+                                           log=tmp_path / f"site-{i}.log"))
+        wait_until(lambda: store.run(run_id).status in ("finished", "failed"), timeout_s, "the run did not finish")
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+    return store, run_id

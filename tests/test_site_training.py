@@ -19,7 +19,8 @@ from helpers import SMALL_RUN, site_read_slices
 from hydrafl.arrays import from_record, sliced_record, to_record
 from hydrafl.cli import app
 from hydrafl.config import ConfigError, RunConfig
-from hydrafl.driver import DriverConfig, RoundDriver, RoundRecord
+from hydrafl.driver import DriverConfig, RoundDriver
+from hydrafl.rounds import RoundRecord
 from hydrafl.kernels.elastic_loader import hash_global_batches, round_order
 from hydrafl.pseudo_gradients import cosine_to_reference, noise_scale
 from hydrafl.models import build_model

@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from hydrafl.cli.common import DbOption, console, fail, open_store
+from hydrafl.trust import trust_lines, trust_summary
 
 if TYPE_CHECKING:
     from hydrafl.server.store import AuditEvent
@@ -71,7 +72,8 @@ def run_create(
     run-wide keys, `hydrafl strategies` the knobs). The strategies are loaded to check the run (a few seconds).
     """
     from hydrafl.cli.flags import parse_flags
-    from hydrafl.config import RunConfig, key_type
+    from hydrafl.config import RunConfig
+    from hydrafl.config_keys import key_type
     from hydrafl.configfile import load_toml
     from hydrafl.validation import ConfigError
 
@@ -108,6 +110,7 @@ def run_status(
         "detail": run.detail,
         "history": run.history,
         "declines": declines,
+        "trust": trust_summary(run.history, run.config),
     }
     if as_json:
         print(json.dumps(summary))
@@ -120,6 +123,8 @@ def run_status(
             str(record["sites_ok"]), str(record["bytes_up"]), f"{record['seconds']:.2f}",
         )
     Console().print(table)
+    for line in trust_lines(summary["trust"]):
+        Console().print(escape(line))
     if declines:
         _print_declines(declines)
 

@@ -30,7 +30,8 @@ def simulate(
     """
     from hydrafl.checkpoint import CheckpointError
     from hydrafl.cli.flags import parse_flags
-    from hydrafl.config import build_simulation_config, key_type
+    from hydrafl.config import build_simulation_config
+    from hydrafl.config_keys import key_type
     from hydrafl.configfile import load_toml
     from hydrafl.data import DataError
     from hydrafl.driver import RoundFailed
@@ -57,7 +58,7 @@ def simulate(
 
 def keys() -> None:
     """The run-wide configuration keys (flags of `simulate` and `admin run create`, TOML keys) with defaults."""
-    from hydrafl.config import describe_keys
+    from hydrafl.config_keys import describe_keys
 
     table = Table(title="run-wide keys (strategy knobs: hydrafl strategies)")
     for column in ("key", "default", "meaning"):

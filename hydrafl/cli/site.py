@@ -58,7 +58,7 @@ def site(
     import grpc
 
     from hydrafl.client.agent import SiteAgent, SiteRefused
-    from hydrafl.client.policy import PolicyError, SitePolicy, load_policy
+    from hydrafl.site_policy import PolicyError, SitePolicy, load_policy
     from hydrafl.client.tls import SiteTls, plaintext_warning
     from hydrafl.site_config import SiteConfig
     from hydrafl.validation import ConfigError

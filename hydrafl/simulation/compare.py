@@ -16,11 +16,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from hydrafl.server_app import build_server_app, run_federation
 from hydrafl.site_app import client_app, run_cohort
 from hydrafl.config import RUN_WIDE_KEYS, RunConfig, SimulationConfig
-from hydrafl.driver import RoundRecord
+from hydrafl.rounds import RoundRecord
+from hydrafl.simulation.attacks import Attack, AttackedGrid
 from hydrafl.simulation.grid import InProcessGrid
+from hydrafl.site_pipeline import PipelineApp
+from hydrafl.site_policy import PolicyError, SitePolicy, load_policy
+from hydrafl.validation import ConfigError
 from hydrafl.strategies import build_strategy
 from hydrafl.strategies.hooks import PlansSubnetworks
 from hydrafl.simulation.report import write_report
+from hydrafl.trust import trust_summary
 
 OnRound = Callable[[RoundRecord], None]
 
@@ -36,9 +41,14 @@ def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) 
             "strategies": list(config.strategies),
             "knobs": dict(config.knobs),
             "backend": config.backend,
+            "attack": config.attack,
+            "attackers": config.attackers,
+            "site_policy": config.site_policy,
         },
         "strategies": {},
     }
+    attack = Attack(name=config.attack, fraction=config.attackers, seed=config.run.seed) if config.attack else None
+    policy = _site_policy(config.site_policy)
     columns = (TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"))
     with Progress(*columns, TimeElapsedColumn(), disable=not show_progress) as progress:
         for strategy in config.strategies:
@@ -51,9 +61,10 @@ def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) 
 
             started = time.perf_counter()
             built = build_strategy(run_cfg) if config.backend == "inprocess" else None
-            history = run_strategy(run_cfg, config.backend, on_round=on_round, strategy=built)
+            history = run_strategy(run_cfg, config.backend, on_round=on_round, strategy=built, attack=attack, policy=policy)
             results["strategies"][strategy] = {
-                "seconds": time.perf_counter() - started, "lora_rank": run_cfg.lora_rank, "rounds": history
+                "seconds": time.perf_counter() - started, "lora_rank": run_cfg.lora_rank, "rounds": history,
+                "trust": trust_summary(history, run_cfg.flat()),
             }
             if isinstance(built, PlansSubnetworks):  # per round, per site; bytes per site are in the round records
                 results["strategies"][strategy]["trainable_params_per_site"] = built.trainable_params
@@ -62,25 +73,40 @@ def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) 
 
 
 def run_strategy(
-    cfg: RunConfig, backend: str, *, on_round: OnRound | None = None, strategy: Strategy | None = None
+    cfg: RunConfig, backend: str, *, on_round: OnRound | None = None, strategy: Strategy | None = None,
+    attack: Attack | None = None, policy: SitePolicy = SitePolicy(),
 ) -> list[dict[str, Any]]:
     """One strategy's run; returns its per-round history (round 0 is the initial model's evaluation).
-    `strategy` (in-process only) is the caller's own instance of `cfg.strategy`, to read its state after."""
+    `strategy` (in-process only) is the caller's own instance of `cfg.strategy`, to read its state after;
+    `attack` (in-process only): some sites send forged updates (`simulation.attacks`); `policy`: every site's
+    site policy."""
     torch.set_num_threads(1)  # tiny per-site models: one thread is faster and never oversubscribes a small box
     if backend == "inprocess":
-        grid = InProcessGrid(client_app, cfg.sites, cfg.to_flower(), pooled_site=cfg.diagnostics)
+        grid = (
+            AttackedGrid(client_app, cfg.sites, cfg.to_flower(), pooled_site=cfg.diagnostics, attack=attack, policy=policy)
+            if attack else InProcessGrid(client_app, cfg.sites, cfg.to_flower(), pooled_site=cfg.diagnostics, policy=policy)
+        )
         return run_federation(
             grid, cfg, on_round=on_round, strategy=strategy, reference_node=grid.reference_node
         ).history
-    if strategy is not None:
-        raise ValueError("a strategy instance can only be passed to the inprocess backend")
+    if strategy is not None or attack is not None:
+        raise ValueError("a strategy instance or an attack can only be passed to the inprocess backend")
     if backend == "ray":
-        return _run_on_ray(cfg)
+        return _run_on_ray(cfg, policy)
     raise ValueError(f"unknown backend {backend!r}; choose inprocess or ray")
 
 
-def _run_on_ray(cfg: RunConfig) -> list[dict[str, Any]]:
-    """The same ServerApp and ClientApp through Flower's simulation engine (needs `hydrafl[ray]`)."""
+def _site_policy(path: str) -> SitePolicy:
+    """The simulated sites' policy: the file's, or none; a bad file is a configuration error that names it."""
+    try:
+        return load_policy(path) if path else SitePolicy()
+    except PolicyError as error:
+        raise ConfigError(f"site-policy: {error}") from None
+
+
+def _run_on_ray(cfg: RunConfig, policy: SitePolicy = SitePolicy()) -> list[dict[str, Any]]:
+    """The same ServerApp and ClientApp through Flower's simulation engine (needs `hydrafl[ray]`); each site
+    answers through the site pipeline (`PipelineApp`: its `policy`, secure aggregation), as on the in-process grid."""
     try:
         import ray  # noqa: F401  (only to fail early with an actionable message)
         from flwr.simulation import run_simulation
@@ -94,7 +120,7 @@ def _run_on_ray(cfg: RunConfig) -> list[dict[str, Any]]:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     run_simulation(
         server_app=build_server_app(cfg),
-        client_app=client_app,
+        client_app=PipelineApp(client_app, policy),
         num_supernodes=cfg.sites,
         backend_config={
             "client_resources": {"num_cpus": 1, "num_gpus": 0.0},

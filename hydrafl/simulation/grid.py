@@ -23,6 +23,8 @@ from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=no
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
+from hydrafl.site_pipeline import answer
+from hydrafl.site_policy import SitePolicy
 from hydrafl.identity import claim_server_identity
 
 log = logging.getLogger(__name__)
@@ -32,7 +34,8 @@ POOLED_NODE_ID = 1000
 
 
 class InProcessGrid(Grid):
-    """Runs `client_app` for each pushed message, synchronously, in this process."""
+    """Runs `client_app` for each pushed message, synchronously, in this process; every site's replies pass
+    `policy`, as a real site's pass its operator's."""
 
     def __init__(
         self,
@@ -42,10 +45,12 @@ class InProcessGrid(Grid):
         *,
         run_id: int = 1,
         pooled_site: bool = False,
+        policy: SitePolicy = SitePolicy(),
     ) -> None:
         if num_sites < 1:
             raise ValueError(f"num_sites must be >= 1, got {num_sites}")
         self.client_app = client_app
+        self.policy = policy
         self._run = replace(Run.create_empty(run_id), override_config=dict(run_config or {}))
         self.contexts = {
             FIRST_NODE_ID + i: Context(
@@ -126,7 +131,7 @@ class InProcessGrid(Grid):
         else:
             received = _wire_copy(message)
             try:
-                reply = self.client_app(message=received, context=context)
+                reply = answer(self.client_app, received, context, self.policy)
             except Exception as error:  # a site's crash becomes an error reply, as on a real deployment
                 log.warning("site %d raised %s: %s", context.node_id, type(error).__name__, error)
                 reply = Message(

@@ -11,7 +11,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
-from hydrafl.driver import ROUNDS_TSV_COLUMNS, RoundRecord  # noqa: E402
+from hydrafl.rounds import ROUNDS_TSV_COLUMNS, RoundRecord  # noqa: E402
+from hydrafl.trust import trust_lines  # noqa: E402
 
 SUMMARY_COLUMNS = ("strategy", "final loss", "final accuracy", "best accuracy", "MB up", "MB down", "seconds")
 DIAGNOSTIC_COLUMNS = ("strategy", "mean B_pg", "final B_pg", "mean cos(avg, full)", "final cos(avg, full)")
@@ -90,6 +91,10 @@ def write_report(out: Path, results: dict[str, Any]) -> None:
             "their number is below B_pg); cos(avg, full) compares the averaged delta with the delta of one site "
             "trained on all sites' pooled data from the same start weights.",
         ]
+    trust = [(strategy, trust_lines(run.get("trust", {}))) for strategy, run in results["strategies"].items()]
+    if any(sentences for _, sentences in trust):
+        lines += ["", "## Privacy and security", ""]
+        lines += [f"- **{strategy}**: " + "; ".join(sentences) for strategy, sentences in trust if sentences]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     rows = [
         f"{strategy}\t{RoundRecord(**record).tsv_row()}"

@@ -10,7 +10,7 @@ import yaml
 from typer.testing import CliRunner
 
 from hydrafl.cli import app
-from hydrafl.config import key_type
+from hydrafl.config_keys import key_type
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
 

@@ -1,5 +1,11 @@
-"""The site operator's policy: which runs the site joins, and what an update must look like before it
-leaves the site (L2 clipping, optional Gaussian noise).
+"""The site operator's policy: which runs the site joins, what an update must look like before it leaves the
+site (L2 clipping, optional Gaussian noise), and how much privacy the site will spend (`max-epsilon`).
+
+The site accounts its own noise (local DP) with the same accountant as the coordinator, over its
+participations kept in the run's persistent `context.state`, and reports its epsilon with every train reply.
+Before training it checks the round against its budget: the run's spending after the round (the epsilon the
+train message carries; absent = no central DP = infinite), or with its own noise the smaller of that and its
+own epsilon after the round. Over budget, or anything it cannot read, it refuses: fail closed.
 
 The policy is applied by the site agent to the ClientApp's reply, after the app returns and before upload,
 so nothing the coordinator sends (run config, strategy) can switch it off. An invalid policy file stops the
@@ -8,18 +14,25 @@ site before it connects: it fails closed.
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Message
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message
+from flwr.common.constant import ErrorCode
 
+from hydrafl import protocol
 from hydrafl.configfile import load_toml
 from hydrafl.validation import ConfigError
 
-KEYS = {"allowed-runs", "allowed-strategies", "max-update-norm", "noise-multiplier"}
+log = logging.getLogger(__name__)
+
+KEYS = {"allowed-runs", "allowed-strategies", "max-update-norm", "noise-multiplier", "max-epsilon", "delta"}
+PRIVACY_STATE = "site-privacy"
+"""The `context.state` ConfigRecord where the site counts its noised replies (`participations`)."""
 
 
 class PolicyError(ValueError):
@@ -35,6 +48,10 @@ class SitePolicy:
     """L2 bound on a training update (all arrays together); larger updates are scaled down to it."""
     noise_multiplier: float = 0.0
     """Gaussian noise of std noise_multiplier * max_update_norm added to every coordinate after clipping."""
+    max_epsilon: float | None = None
+    """The site's privacy budget: it refuses a round that would spend more (None: no budget)."""
+    delta: float = 1e-5
+    """The delta of the site's own epsilon."""
 
     def __post_init__(self) -> None:
         if self.max_update_norm is not None and not (math.isfinite(self.max_update_norm) and self.max_update_norm > 0):
@@ -43,6 +60,10 @@ class SitePolicy:
             raise PolicyError(f"noise-multiplier must be >= 0, got {self.noise_multiplier!r}")
         if self.noise_multiplier and self.max_update_norm is None:
             raise PolicyError("noise-multiplier needs max-update-norm (noise is calibrated to the clipping bound)")
+        if self.max_epsilon is not None and not (math.isfinite(self.max_epsilon) and self.max_epsilon > 0):
+            raise PolicyError(f"max-epsilon must be a positive number, got {self.max_epsilon!r}")
+        if not 0 < self.delta < 1:
+            raise PolicyError(f"delta must be in (0, 1), got {self.delta!r}")
 
     def refusal(self, run_id: int, strategy: str) -> str:
         """Why this site refuses to work for the run, or "" when it may."""
@@ -51,6 +72,42 @@ class SitePolicy:
         if self.allowed_strategies is not None and strategy not in self.allowed_strategies:
             return f"site policy does not allow strategy {strategy!r}"
         return ""
+
+    def budget_refusal(self, message: Message, context: Context) -> str:
+        """Why the site will not train this round for its privacy budget, or "" when it may."""
+        if self.max_epsilon is None or not message.metadata.message_type.startswith("train"):
+            return ""
+        spend = _run_epsilon(message)
+        if self.noise_multiplier:
+            spend = min(spend, self.local_epsilon(_participations(context) + 1))
+        if spend <= self.max_epsilon:
+            return ""
+        shown = "no central DP, infinite" if math.isinf(spend) else f"{spend:.4g}"
+        return f"privacy budget: this round would bring the site's epsilon to {shown}, over its max-epsilon {self.max_epsilon:g}"
+
+    def decline(self, message: Message, reason: str) -> Message:
+        """The error reply of a refused round (the coordinator audits it as site-declined)."""
+        log.warning("declining a %s message: %s", message.metadata.message_type, reason)
+        return Message(Error(ErrorCode.MOD_FAILED_PRECONDITION, reason), reply_to=message)
+
+    def local_epsilon(self, participations: int) -> float:
+        """The site's own epsilon after `participations` noised replies (inf without noise)."""
+        from hydrafl.privacy.accountant import local_epsilon  # dp-accounting only for a site that adds noise
+
+        return local_epsilon(self.noise_multiplier, participations, delta=self.delta)
+
+    def release(self, reply: Message, context: Context) -> Message:
+        """The reply as it may leave: clipped and noised (`apply`); a noised train reply counts as a
+        participation and reports the site's epsilon in its ConfigRecord."""
+        reply = self.apply(reply)
+        if not self.noise_multiplier or reply.has_error() or not reply.metadata.message_type.startswith("train"):
+            return reply
+        count = _participations(context) + 1
+        context.state[PRIVACY_STATE] = ConfigRecord({"participations": count})
+        if not reply.content.config_records:
+            reply.content["privacy"] = ConfigRecord()
+        next(iter(reply.content.config_records.values()))[protocol.LOCAL_EPSILON] = self.local_epsilon(count)
+        return reply
 
     def apply(self, reply: Message) -> Message:
         """Clip (and noise) the arrays of a training reply in place; other replies pass unchanged."""
@@ -93,9 +150,25 @@ def load_policy(path: str | Path) -> SitePolicy:
             allowed_strategies=_tuple(values, "allowed-strategies", str),
             max_update_norm=_number(values.get("max-update-norm")),
             noise_multiplier=_number(values.get("noise-multiplier", 0.0)),
+            max_epsilon=_number(values.get("max-epsilon")),
+            delta=_number(values.get("delta", 1e-5)),
         )
     except PolicyError as error:
         raise PolicyError(f"{path}: {error}") from error
+
+
+def _run_epsilon(message: Message) -> float:
+    """The run's spending after this round as the train message states it; absent or unreadable: infinite."""
+    for config in message.content.config_records.values():
+        value = config.get(protocol.RUN_EPSILON)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+            return float(value)
+    return math.inf
+
+
+def _participations(context: Context) -> int:
+    record = context.state.config_records.get(PRIVACY_STATE)
+    return int(record["participations"]) if record is not None else 0
 
 
 def _tuple(values: dict, key: str, kind: type) -> tuple | None:

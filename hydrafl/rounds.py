@@ -1,0 +1,77 @@
+"""What one round of a run records, in every runtime: its metrics, timings, bytes and per-site counters, and
+what privacy and security it had. `rounds.tsv`'s columns are the timing/bytes part."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+ROUNDS_TSV_COLUMNS = (
+    "round",
+    "duration_s",
+    "aggregation_s",
+    "gap_s",
+    "sites_ok",
+    "sites_failed",
+    "bytes_up",
+    "bytes_down",
+    "bytes_up_per_site",
+    "bytes_down_per_site",
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class RoundRecord:
+    round: int
+    loss: float | None = None
+    accuracy: float | None = None
+    train_loss: float | None = None
+    bytes_up: int = 0
+    bytes_down: int = 0
+    seconds: float = 0.0
+    aggregation_s: float = 0.0
+    gap_s: float = 0.0
+    sites_ok: int = 0
+    sites_failed: int = 0
+    bytes_up_per_site: dict[str, int] = field(default_factory=dict)
+    bytes_down_per_site: dict[str, int] = field(default_factory=dict)
+    data_hash_per_site: dict[str, str] = field(default_factory=dict)
+    """Per node id, the SHA-256 of the ordered sample ids of the site's global batches this round."""
+    trainable_params_per_site: dict[str, int] = field(default_factory=dict)
+    """Per node id, the coordinates the site trained this round (its reply's `trainable-params`)."""
+    peak_memory_per_site: dict[str, int] = field(default_factory=dict)
+    """Per node id, the site's peak training memory in bytes (`hydrafl.footprint`, its `peak-memory-bytes`)."""
+    noise_scale: float | None = None
+    """Diagnostics: B_pg = tr(Cov[delta_site]) / ||mean delta||^2 over this round's valid replies."""
+    full_data_cosine: float | None = None
+    """Diagnostics: cosine between the averaged delta and the full-data reference site's delta."""
+    dp_epsilon: float | None = None
+    """Central DP: the run's epsilon after this round (at the run's `dp_delta`), from the accountant."""
+    dp_clip: float | None = None
+    """Central DP: the clipping bound this round used (it moves with adaptive clipping)."""
+    dp_sites_available: int = 0
+    """Central DP: the sites the round could sample (the accountant's population; its sample: the messages)."""
+    local_epsilon_per_site: dict[str, float] = field(default_factory=dict)
+    """Per node id, the epsilon the site's own policy noise has spent so far (local DP, the site's accountant)."""
+    rejected_per_site: dict[str, str] = field(default_factory=dict)
+    """Per node id, why screening rejected the site's reply this round."""
+    secagg_bytes: int = 0
+    """Secure aggregation: bytes of the protocol's own messages this round (keys, shares, unmasking)."""
+    secagg_s: float = 0.0
+    """Secure aggregation: seconds of the protocol's own stages this round (masking overhead excluded)."""
+
+    def tsv_row(self) -> str:
+        sites = max(self.sites_ok + self.sites_failed, 1)
+        values = {
+            "round": self.round,
+            "duration_s": f"{self.seconds:.4f}",
+            "aggregation_s": f"{self.aggregation_s:.4f}",
+            "gap_s": f"{self.gap_s:.4f}",
+            "sites_ok": self.sites_ok,
+            "sites_failed": self.sites_failed,
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+            "bytes_up_per_site": self.bytes_up // sites,
+            "bytes_down_per_site": self.bytes_down // sites,
+        }
+        return "\t".join(str(values[column]) for column in ROUNDS_TSV_COLUMNS)

@@ -1,0 +1,150 @@
+"""The protocol's messages as flat mappings of ints, bools, bytes and lists of them (what a Flower ConfigRecord
+holds), and their parsers. Every parser checks types and lengths and raises SecAggError on anything else, so
+both the site and the coordinator can refuse a malformed message before it reaches a state machine."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from hydrafl.secagg.params import SecAggError, SecAggParams
+from hydrafl.secagg.site import PublicKeys
+
+Record = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """What a site encodes: the arrays in this order, each flattened; per coordinate (a subnetwork strategy's
+    sites train slices) the full `shapes` with a 0/1 weight per coordinate, `count_once` weighing every site 1."""
+
+    weight_key: str
+    names: list[str]
+    per_coordinate: bool = False
+    count_once: bool = False
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+
+    def scaled(self, params: SecAggParams) -> SecAggParams:
+        """The parameters both ends encode with: weighing every site 1, nothing need scale the update down."""
+        return replace(params, max_weight=1) if self.count_once else params
+
+
+def keys_request(server_round: int, participants: list[int], params: SecAggParams, layout: Layout) -> Record:
+    """Setup: who takes part, the parameters, and the layout of the vector each site will encode."""
+    return {"round": server_round, "participants": list(participants), "weight-key": layout.weight_key,
+            "names": list(layout.names), "per-coordinate": layout.per_coordinate, "count-once": layout.count_once,
+            "ranks": [len(shape) for shape in layout.shapes], "sizes": [n for shape in layout.shapes for n in shape],
+            **{f"param.{key}": value for key, value in params.to_config().items()}}
+
+
+def parse_keys_request(record: Mapping[str, Any]) -> tuple[int, list[int], SecAggParams, Layout]:
+    params = SecAggParams.from_config({k[len("param."):]: v for k, v in record.items() if k.startswith("param.")})
+    names, ranks, sizes = _list(record, "names", str), _list(record, "ranks", int), _list(record, "sizes", int)
+    per_coordinate = _typed(record, "per-coordinate", bool)
+    if (per_coordinate and len(ranks) != len(names)) or sum(ranks) != len(sizes) or min(sizes, default=1) < 1:
+        raise SecAggError("secure-aggregation layout: the shapes do not match the array names")
+    shapes = [tuple(sizes[sum(ranks[:i]):sum(ranks[:i + 1])]) for i in range(len(ranks))]
+    layout = Layout(_typed(record, "weight-key", str), names, per_coordinate, _typed(record, "count-once", bool), shapes)
+    return _int(record, "round"), _ints(record, "participants"), params, layout
+
+
+def slices_record(slices: Mapping[str, tuple[int | None, tuple[int, ...]]]) -> Record:
+    """Per array a site trains, (dim, index) of its slice (dim None: the whole array), for a train message."""
+    names = list(slices)
+    return {"slice.names": names, "slice.dims": [-1 if slices[n][0] is None else slices[n][0] for n in names],
+            "slice.lengths": [len(slices[n][1]) for n in names], "slice.index": [i for n in names for i in slices[n][1]]}
+
+
+def parse_slices(record: Mapping[str, Any]) -> dict[str, tuple[int | None, tuple[int, ...]]]:
+    names, dims = _list(record, "slice.names", str), _list(record, "slice.dims", int)
+    lengths, index = _list(record, "slice.lengths", int), _list(record, "slice.index", int)
+    _same_length(names, dims, lengths)
+    if sum(lengths) != len(index) or min(lengths, default=0) < 0:
+        raise SecAggError("secure-aggregation slices: the index lengths do not add up")
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    return {name: (None if dim == -1 else dim, tuple(index[start:start + length]))
+            for name, dim, start, length in zip(names, dims, starts, lengths)}
+
+
+def keys_reply(keys: PublicKeys) -> Record:
+    return {"share-key": keys[0], "mask-key": keys[1]}
+
+
+def parse_keys_reply(record: Mapping[str, Any]) -> PublicKeys:
+    return _typed(record, "share-key", bytes), _typed(record, "mask-key", bytes)
+
+
+def shares_request(node: int, keys: Mapping[int, PublicKeys]) -> Record:
+    """Share keys, for site `node`: the public keys of its neighbours (its own included)."""
+    nodes = sorted(keys)
+    return {"node": node, "nodes": nodes, "share-keys": [keys[n][0] for n in nodes], "mask-keys": [keys[n][1] for n in nodes]}
+
+
+def parse_shares_request(record: Mapping[str, Any]) -> tuple[int, dict[int, PublicKeys]]:
+    """(the site it was sent to, the public keys by site)."""
+    nodes, share_keys, mask_keys = _ints(record, "nodes"), _list(record, "share-keys", bytes), _list(record, "mask-keys", bytes)
+    _same_length(nodes, share_keys, mask_keys)
+    return _int(record, "node"), {node: (share, mask) for node, share, mask in zip(nodes, share_keys, mask_keys)}
+
+
+def sealed_record(sealed: Mapping[int, bytes]) -> Record:
+    """Encrypted shares by peer: a site's share-keys reply (peer = recipient) or what its train message
+    carries (peer = sender)."""
+    nodes = sorted(sealed)
+    return {"nodes": nodes, "sealed": [sealed[n] for n in nodes]}
+
+
+def parse_sealed(record: Mapping[str, Any]) -> dict[int, bytes]:
+    nodes, sealed = _ints(record, "nodes"), _list(record, "sealed", bytes)
+    _same_length(nodes, sealed)
+    return dict(zip(nodes, sealed))
+
+
+def unmask_request(survivors: list[int], dropped: list[int]) -> Record:
+    return {"survivors": list(survivors), "dropped": list(dropped)}
+
+
+def parse_unmask_request(record: Mapping[str, Any]) -> tuple[list[int], list[int]]:
+    return _ints(record, "survivors"), _ints(record, "dropped")
+
+
+def unmask_reply(revealed: Mapping[int, bytes]) -> Record:
+    nodes = sorted(revealed)
+    return {"owners": nodes, "shares": [revealed[n] for n in nodes]}
+
+
+def parse_unmask_reply(record: Mapping[str, Any]) -> dict[int, bytes]:
+    owners, shares = _ints(record, "owners"), _list(record, "shares", bytes)
+    _same_length(owners, shares)
+    return dict(zip(owners, shares))
+
+
+def _typed(record: Mapping[str, Any], key: str, kind: type) -> Any:
+    value = record.get(key)
+    if type(value) is not kind:
+        raise SecAggError(f"secure-aggregation field {key!r} must be {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _int(record: Mapping[str, Any], key: str) -> int:
+    return _typed(record, key, int)
+
+
+def _list(record: Mapping[str, Any], key: str, kind: type) -> list:
+    values = _typed(record, key, list)
+    if any(type(value) is not kind for value in values):
+        raise SecAggError(f"secure-aggregation field {key!r} must be a list of {kind.__name__}")
+    return values
+
+
+def _ints(record: Mapping[str, Any], key: str) -> list[int]:
+    values = _list(record, key, int)
+    if len(set(values)) != len(values):
+        raise SecAggError(f"secure-aggregation field {key!r} repeats a node")
+    return values
+
+
+def _same_length(*lists: list) -> None:
+    if len({len(values) for values in lists}) != 1:
+        raise SecAggError("secure-aggregation lists of differing lengths")

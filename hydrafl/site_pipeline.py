@@ -1,0 +1,40 @@
+"""What a site does with one message, in every runtime: the ClientApp answers, then the site operator's policy
+shapes what may leave (clipping, noise, privacy budget), and under secure aggregation the result is masked.
+The site agent, the in-process simulation grid and Ray's simulated sites (`PipelineApp`) all answer through
+here, so a simulated site behaves as a real one."""
+
+from __future__ import annotations
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from hydrafl import protocol, site_secagg
+from hydrafl.site_policy import SitePolicy
+
+
+def answer(client_app: ClientApp, message: Message, context: Context, policy: SitePolicy) -> Message:
+    """The reply that leaves the site: the app's, after the policy, and under secure aggregation masked (the
+    protocol's own queries are answered here, the app never sees them)."""
+    if message.metadata.message_type in protocol.SECAGG_QUERIES:
+        return site_secagg.answer_query(message, context)
+    if refusal := policy.budget_refusal(message, context):
+        return policy.decline(message, refusal)
+    if site_secagg.is_secagg_train(message):
+        routed = site_secagg.take_record(message)
+        reply = policy.release(client_app(message=message, context=context), context)
+        return site_secagg.masked_reply(message, reply, context, routed)
+    return policy.release(client_app(message=message, context=context), context)
+
+
+class PipelineApp(ClientApp):
+    """`inner` answering through `answer` under `policy`, as one ClientApp: for runtimes that call the ClientApp
+    themselves, like Flower's Ray simulation engine. It pickles to Ray's actors with its app and policy (both
+    importable or plain data), and the secure-aggregation session and the privacy count stay in the
+    `context.state` the engine keeps per node across messages."""
+
+    def __init__(self, inner: ClientApp, policy: SitePolicy) -> None:
+        super().__init__()
+        self.inner, self.policy = inner, policy
+
+    def __call__(self, message: Message, context: Context) -> Message:
+        return answer(self.inner, message, context, self.policy)

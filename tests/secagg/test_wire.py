@@ -1,0 +1,38 @@
+"""The protocol's messages survive their flat form, and a malformed one is a SecAggError naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from hydrafl.secagg import SecAggError, SecAggParams, wire
+
+
+def test_a_setup_request_round_trips_with_its_layout():
+    layout = wire.Layout("num-examples", ["a", "b"], per_coordinate=True, count_once=True, shapes=[(2, 3), (4,)])
+    record = wire.keys_request(7, [3, 1, 2], SecAggParams(num_shares=3), layout)
+    assert wire.parse_keys_request(record) == (7, [3, 1, 2], SecAggParams(num_shares=3), layout)
+    assert layout.scaled(SecAggParams()).max_weight == 1  # every site weighs 1: nothing scales the update down
+
+
+def test_slices_round_trip():
+    slices = {"w": (0, (1, 3)), "b": (None, ())}
+    assert wire.parse_slices(wire.slices_record(slices)) == slices
+
+
+@pytest.mark.parametrize(("record", "message"), [
+    ({"nodes": [1, 2], "sealed": [b"x"]}, "differing lengths"),
+    ({"nodes": [1, 1], "sealed": [b"x", b"y"]}, "repeats a node"),
+    ({"nodes": [1], "sealed": ["text"]}, "list of bytes"),
+    ({"nodes": "1", "sealed": [b"x"]}, "must be list"),
+])
+def test_malformed_shares_are_refused(record, message):
+    with pytest.raises(SecAggError, match=message):
+        wire.parse_sealed(record)
+
+
+def test_a_setup_request_with_bad_parameters_or_shapes_is_refused():
+    record = wire.keys_request(1, [1, 2], SecAggParams(), wire.Layout("w", ["a"], True, False, [(2,)]))
+    with pytest.raises(SecAggError, match="bad secure-aggregation parameters"):
+        wire.parse_keys_request({**record, "param.clipping_range": -1.0})
+    with pytest.raises(SecAggError, match="shapes do not match"):
+        wire.parse_keys_request({**record, "ranks": [2]})

@@ -1,0 +1,189 @@
+"""Secure aggregation in the round driver and the site pipeline, on the in-process grid with the real hydrafl
+app: the model equals the plain run's within the quantisation bound, the coordinator holds only masked vectors,
+a site that fails after sharing keys (or is routed an altered share) is recovered, too few sites halt the round,
+and strategies that need one site's update refuse."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
+from flwr.clientapp import ClientApp
+from helpers import SMALL_RUN, TIERED_RUN
+
+from hydrafl import protocol, server_app, site_app
+from hydrafl.config import SimulationConfig
+from hydrafl.driver import RoundFailed
+from hydrafl.secagg import SecAggParams, quantisation_bound, wire
+from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
+from hydrafl.updates import records
+from hydrafl.validation import ConfigError
+
+ONE_ROUND = SMALL_RUN.replace(rounds=1, run_dir="")
+MIN_WEIGHT = 3 * 10
+"""Each small site trains on more than 10 examples: the mean's quantisation error is at most bound / this."""
+
+
+class _RecordingGrid(InProcessGrid):
+    """The in-process grid, keeping every train reply the coordinator receives."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.train_replies: list[Message] = []
+
+    def _deliver(self, message: Message) -> Message:
+        reply = super()._deliver(message)
+        if message.metadata.message_type == "train":
+            self.train_replies.append(reply)
+        return reply
+
+
+def _app_failing(partitions: set[int]) -> ClientApp:
+    """hydrafl's ClientApp whose sites in `partitions` crash while training (after the key stages)."""
+    app = ClientApp()
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        if context.node_config["partition-id"] in partitions:
+            raise RuntimeError("site lost power")
+        return site_app.train(message, context)
+
+    app.evaluate()(site_app.evaluate_site)
+    app.query("init")(site_app.initial_model)
+    return app
+
+
+def _run(cfg, client_app=site_app.client_app):
+    grid = _RecordingGrid(client_app, cfg.sites, cfg.to_flower())
+    return server_app.run_federation(grid, cfg), grid
+
+
+def _max_difference(a: ArrayRecord, b: ArrayRecord) -> float:
+    return max(float(np.abs(a[name].numpy() - b[name].numpy()).max()) for name in a)
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "diloco"])
+def test_a_secure_round_gives_the_plain_model_within_the_quantisation_bound(strategy):
+    cfg = ONE_ROUND.replace(strategy=strategy)
+    plain, _ = _run(cfg)
+    secure, grid = _run(cfg.replace(secagg=True))
+    difference = _max_difference(plain.arrays, secure.arrays)
+    step = 0.7 if strategy == "diloco" else 1.0  # DiLoCo moves by outer_lr x the mean delta (no momentum yet)
+    assert 0 < difference <= step * quantisation_bound(3, SecAggParams()) / MIN_WEIGHT
+    [record] = secure.history[1:]
+    assert record["sites_ok"] == 3 and record["secagg_bytes"] > 3 * 2 * 32 and record["secagg_s"] > 0
+    assert plain.history[1]["secagg_bytes"] == 0
+    for reply in grid.train_replies:  # all the coordinator ever held of one site's update
+        [arrays], [metrics] = records(reply.content, ArrayRecord), records(reply.content, MetricRecord)
+        assert list(arrays) == [protocol.SECAGG_MASKED] and arrays[protocol.SECAGG_MASKED].dtype == "uint32"
+        assert protocol.WEIGHT not in metrics
+
+
+def test_a_site_failing_after_sharing_keys_is_recovered_exactly():
+    cfg = ONE_ROUND.replace(min_sites=2)
+    app = _app_failing({1})
+    plain, _ = _run(cfg, app)
+    secure, _ = _run(cfg.replace(secagg=True), app)
+    assert secure.history[1]["sites_ok"] == 2 and secure.history[1]["sites_failed"] == 1
+    assert _max_difference(plain.arrays, secure.arrays) <= quantisation_bound(2, SecAggParams()) / (2 * 10)
+
+
+class _TamperingGrid(InProcessGrid):
+    """Flips one bit of the first share routed to the second site in its train message."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.errors: dict[int, str] = {}
+
+    def _deliver(self, message: Message) -> Message:
+        if message.metadata.message_type == "train" and message.metadata.dst_node_id == FIRST_NODE_ID + 1:
+            sealed = wire.parse_sealed(message.content[protocol.SECAGG_RECORD])
+            first = min(sealed)
+            sealed[first] = sealed[first][:-1] + bytes([sealed[first][-1] ^ 1])
+            message.content[protocol.SECAGG_RECORD] = ConfigRecord(wire.sealed_record(sealed))
+        reply = super()._deliver(message)
+        if reply.has_error():
+            self.errors[message.metadata.dst_node_id] = reply.error.reason
+        return reply
+
+
+def test_an_altered_share_fails_only_its_site_and_the_round_goes_on():
+    cfg = ONE_ROUND.replace(min_sites=2, secagg=True)
+    grid = _TamperingGrid(site_app.client_app, cfg.sites, cfg.to_flower())
+    secure = server_app.run_federation(grid, cfg)
+    assert list(grid.errors) == [FIRST_NODE_ID + 1] and "failed authentication" in grid.errors[FIRST_NODE_ID + 1]
+    assert secure.history[1]["sites_ok"] == 2
+    plain, _ = _run(cfg.replace(secagg=False), _app_failing({1}))  # the same round without that site
+    assert _max_difference(plain.arrays, secure.arrays) <= quantisation_bound(2, SecAggParams()) / (2 * 10)
+
+
+class _ShortKeyGrid(InProcessGrid):
+    """The first site answers the keys query with a truncated public key."""
+
+    def _deliver(self, message: Message) -> Message:
+        reply = super()._deliver(message)
+        if message.metadata.message_type == protocol.QUERY_SECAGG_KEYS and message.metadata.dst_node_id == FIRST_NODE_ID:
+            record = reply.content[protocol.SECAGG_RECORD]
+            reply.content[protocol.SECAGG_RECORD] = ConfigRecord({**record, "share-key": record["share-key"][:5]})
+        return reply
+
+
+def test_a_malformed_public_key_leaves_its_site_out_and_the_round_goes_on(caplog):
+    cfg = ONE_ROUND.replace(min_sites=2, secagg=True)
+    result = server_app.run_federation(_ShortKeyGrid(site_app.client_app, cfg.sites, cfg.to_flower()), cfg)
+    assert result.history[1]["sites_ok"] == 2
+    assert f"site {FIRST_NODE_ID} failed query.secagg_keys" in caplog.text and "two 32-byte X25519 keys" in caplog.text
+
+
+def test_fewer_sites_than_the_threshold_halt_the_round_and_apply_nothing(tmp_path):
+    cfg = ONE_ROUND.replace(min_sites=1, secagg=True, run_dir=str(tmp_path))
+    with pytest.raises(RoundFailed, match=r"round 1: secure aggregation: .*only 1 of 3 sites .*threshold is 2.*halts"):
+        _run(cfg, _app_failing({0, 1}))
+    assert not (tmp_path / "history.json").read_text().count('"round": 1')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("strategy", "outer_lr"), [("hydra", 0.7), ("heterofl", 1.0)])
+def test_a_subnetwork_strategy_sums_its_sites_slices_securely(strategy, outer_lr):
+    """Sites train slices: each uploads full-shape masked vectors with per-coordinate weights (HeteroFL
+    weighs every site 1, Hydra by its examples); the model is the plain run's within the bound."""
+    cfg = TIERED_RUN.replace(strategy=strategy, rounds=1, run_dir="")
+    plain, _ = _run(cfg)
+    secure, grid = _run(cfg.replace(secagg=True))
+    per_site = SecAggParams(max_weight=1) if strategy == "heterofl" else SecAggParams()
+    minimum_weight = 1 if strategy == "heterofl" else 10
+    assert 0 < _max_difference(plain.arrays, secure.arrays) <= outer_lr * quantisation_bound(3, per_site) / minimum_weight
+    size = sum(int(np.prod(a.shape)) for a in plain.arrays.values())
+    for reply in grid.train_replies:  # full shapes and a weight per coordinate, whatever slice a site trained
+        [arrays] = records(reply.content, ArrayRecord)
+        assert tuple(arrays[protocol.SECAGG_MASKED].shape) == (2 * size,)
+
+
+@pytest.mark.parametrize("strategy", ["fedmedian", "fedtrimmedavg", "krum", "flora"])
+def test_strategies_that_need_each_sites_update_refuse_secure_aggregation(strategy):
+    with pytest.raises(ConfigError, match=f"invalid secagg=True: expected off for strategy '{strategy}'"):
+        SMALL_RUN.replace(strategy=strategy, secagg=True, lora_rank=4)
+
+
+@pytest.mark.parametrize(("key", "value"), [("dp_clip", 1.0), ("screen_norm", 3.0), ("diagnostics", True),
+                                            ("robust_rule", "median")])
+def test_what_needs_one_sites_update_at_the_coordinator_refuses_secure_aggregation(key, value):
+    with pytest.raises(ConfigError, match=f"invalid {key.replace('_', '-')}=.*with --secagg"):
+        TIERED_RUN.replace(secagg=True, **{key: value})
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"attack": "signflip", "attackers": 0.3}, "invalid attack='signflip': expected empty with --secagg"),
+])
+def test_simulations_the_sites_cannot_mask_in_refuse_secure_aggregation(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        SimulationConfig(run=SMALL_RUN.replace(secagg=True), strategies=("fedavg",), **changes)
+
+
+def test_a_site_weighing_more_than_secagg_max_weight_fails_naming_the_key_and_a_larger_bound_admits_it(caplog):
+    cfg = ONE_ROUND.replace(secagg=True, secagg_max_weight=10, min_sites=1)
+    with pytest.raises(RoundFailed, match="only 0 of 3 sites"):
+        _run(cfg)
+    assert "secagg-max-weight" in caplog.text
+    result, _ = _run(cfg.replace(secagg_max_weight=10_000))
+    assert result.history[1]["sites_ok"] == 3
