@@ -11,7 +11,7 @@ sites it is the measure of what central DP costs, not a recipe (rank-2 LoRA on t
 coordinates, did not learn even without DP at this scale).
 
 The clipping bound C is the median update norm of a non-private run's first round. For each target epsilon
-(1, 4 and 8 at delta 1e-5, and no DP) the noise multiplier z is calibrated (`hydrafl.privacy.accountant`) for
+(1, 4 and 8 at delta 1e-5, and 32, 128 and 1000 to find where learning returns, and no DP) the noise multiplier z is calibrated (`hydrafl.privacy.accountant`) for
 the run's rounds and sample rate (20 of 20 sites), and the run reports the epsilon the accountant gives after
 every round. Written to --out: privacy.json (every run's per-round accuracy and epsilon), privacy.md (the
 table) and privacy.png (accuracy per round, final accuracy against epsilon).
@@ -58,7 +58,7 @@ class Scale:
     """Target epsilons of the private runs (the non-private run comes first)."""
 
 
-FULL = Scale(sites=20, samples_per_site=40, rounds=10, local_steps=10, targets=(8.0, 4.0, 1.0))
+FULL = Scale(sites=20, samples_per_site=40, rounds=10, local_steps=10, targets=(1000.0, 128.0, 32.0, 8.0, 4.0, 1.0))
 QUICK = Scale(sites=3, samples_per_site=30, rounds=2, local_steps=2, targets=(4.0,))
 
 

@@ -6,7 +6,8 @@ Ten simulated hospitals, 20% of them attackers (`hydrafl.simulation.attacks`: si
 ipm), on the clinical-text and tabular cohorts, several seeds. Methods: FedAvg, Hydra with its masked mean
 (three resource tiers, so sites train different subnetworks), Flower's dense robust rules (FedMedian,
 FedTrimmedAvg, Krum, Multi-Krum, Bulyan) and Hydra with the masked median and trimmed mean
-(`strategies.robust`). Every method runs the same seeds, data, rounds and attackers.
+(`strategies.robust`), and FedAvg and Hydra behind screening (`hydrafl.screening`: norm above 3 x the round's
+median, cosine to the round's mean below 0). Every method runs the same seeds, data, rounds and attackers.
 
 Goal: under every attack where FedAvg loses more than 10 accuracy points against its clean run, the best
 robust rule ends within 2 points of the clean FedAvg run. Runs are small (a tiny model, a few rounds, few
@@ -47,9 +48,14 @@ GOAL_ROBUST_GAP = 2.0
 class Method:
     strategy: str
     knobs: dict[str, Any] = field(default_factory=dict)
+    run: dict[str, Any] = field(default_factory=dict)
+    """Run-wide keys, e.g. screening."""
     robust: bool = True
     """Counts towards the goal's best robust rule (FedAvg and Hydra's mean do not)."""
 
+
+SCREENING = {"screen_norm": 3.0, "screen_cosine": 0.0}
+"""Reject norms above 3 x the round's median and updates pointing away from the round's mean."""
 
 METHODS = {
     "fedavg": Method(strategy="fedavg", robust=False),
@@ -61,6 +67,9 @@ METHODS = {
     "bulyan": Method(strategy="bulyan", knobs={"krum_malicious": 1}),
     "hydra-median": Method(strategy="hydra", knobs={"robust_rule": "median"}),
     "hydra-trimmed": Method(strategy="hydra", knobs={"robust_rule": "trimmed-mean", "trim_fraction": 0.2}),
+    "fedavg-screened": Method(strategy="fedavg", run=SCREENING),
+    "hydra-screened": Method(strategy="hydra", run=SCREENING),
+    "hydra-median-screened": Method(strategy="hydra", knobs={"robust_rule": "median"}, run=SCREENING),
 }
 
 SCALE = {  # per task: a run that learns in a few rounds on a CPU
@@ -80,7 +89,7 @@ def run_one(task: str, attack: str, method: str, seed: int, quick: bool) -> floa
     """One method's final accuracy on `task` under `attack` (CLEAN: none) for `seed`."""
     logging.getLogger("flwr").setLevel(logging.WARNING)  # Flower logs every sampling: thousands of lines
     spec = METHODS[method]
-    run = RunConfig(task=task, seed=seed, site_tiers=TIERS, **(QUICK if quick else SCALE)[task])
+    run = RunConfig(task=task, seed=seed, site_tiers=TIERS, **(QUICK if quick else SCALE)[task], **spec.run)
     with tempfile.TemporaryDirectory() as out:
         config = SimulationConfig(
             run=run, strategies=(spec.strategy,), knobs=dict(spec.knobs), out=out,

@@ -107,7 +107,6 @@ def cosines_to_mean(updates: Mapping[int, Update]) -> dict[int, float]:
     return cosines
 
 
-
 def screen_replies(screening: Screening, replies: Iterable[Message]) -> tuple[list[Message], dict[int, str]]:
     """The replies `screening` keeps, in node order, and why each other node's was rejected. All of the round's
     replies are held first: its median norm and mean direction need them all."""

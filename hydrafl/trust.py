@@ -53,7 +53,8 @@ def trust_lines(summary: dict[str, Any]) -> list[str]:
     lines = []
     if "dp" in summary:
         dp = summary["dp"]
-        spent = "not reported" if dp["epsilon"] is None else f"epsilon {dp['epsilon']:.3g} at delta {dp['delta']:g}"
+        at_delta = "" if dp["delta"] is None else f" at delta {dp['delta']:g}"
+        spent = "not reported" if dp["epsilon"] is None else f"epsilon {dp['epsilon']:.3g}{at_delta}"
         lines.append(
             f"central DP: noise multiplier {dp['noise_multiplier']:g}, clip {dp['clip']:g}"
             f"{' (adaptive)' if dp['adaptive'] else ''}; spent {spent} ({dp['accountant']})"

@@ -63,3 +63,25 @@ def test_run_status_without_declines_has_no_section(tmp_path):
     run = Store(db_url).create_run({"strategy": "fedavg", "rounds": 1})
     assert "declined" not in _status(db_url, run.id)
     assert json.loads(_status(db_url, run.id, "--json"))["declines"] == []
+
+
+def test_run_status_reports_the_privacy_spent_and_the_rejected_replies(tmp_path):
+    db_url = f"sqlite:///{tmp_path / 'coordinator.db'}"
+    store = Store(db_url)
+    run = store.create_run({"strategy": "diloco", "rounds": 2, "dp-noise-multiplier": 1.5, "dp-clip": 0.5})
+    rounds = [
+        {"round": 0, "loss": 1.0, "accuracy": 0.2, "sites_ok": 3, "bytes_up": 0, "seconds": 0.1},
+        {"round": 1, "loss": 0.9, "accuracy": 0.3, "sites_ok": 2, "bytes_up": 10, "seconds": 0.2, "dp_epsilon": 1.25,
+         "dp_clip": 0.5, "rejected_per_site": {"1003": "update norm 40 above 3 x the round's median (6)"}},
+        {"round": 2, "loss": 0.8, "accuracy": 0.4, "sites_ok": 3, "bytes_up": 10, "seconds": 0.2, "dp_epsilon": 1.75,
+         "dp_clip": 0.5},
+    ]
+    store.set_run_status(run.id, "finished", rounds_done=2, history=rounds)
+
+    trust = json.loads(_status(db_url, run.id, "--json"))["trust"]
+    assert trust["dp"]["epsilon"] == 1.75 and trust["dp"]["epsilon_per_round"] == [1.25, 1.75]
+    assert trust["dp"]["noise_multiplier"] == 1.5 and trust["dp"]["delta"] is None
+    assert trust["rejected"] == [{"round": 1, "site": "1003", "reason": "update norm 40 above 3 x the round's median (6)"}]
+    shown = _status(db_url, run.id)
+    assert "central DP: noise multiplier 1.5, clip 0.5; spent epsilon 1.75" in shown
+    assert "screening rejected 1 replies" in shown
