@@ -54,8 +54,9 @@ class Method:
     """Counts towards the goal's best robust rule (FedAvg and Hydra's mean do not)."""
 
 
-SCREENING = {"screen_norm": 3.0, "screen_cosine": 0.0}
-"""Reject norms above 3 x the round's median and updates pointing away from the round's mean."""
+SCREENING = {"screen_norm": 3.0, "screen_cosine": 0.0, "min_sites": 5}
+"""Reject norms above 3 x the round's median and updates pointing away from the round's mean; a rejected reply
+counts as a failed site, so the round needs only half of the sites."""
 
 METHODS = {
     "fedavg": Method(strategy="fedavg", robust=False),

@@ -52,7 +52,11 @@ def test_stock_flower_apps_behind_hydrafl_site(tmp_path):
         grid = CoordinatorGrid(coordinator.store, coordinator.blobs, coordinator.service, run.id)
         server_app(grid, Context(run_id=run.id, node_id=0, node_config={}, state=RecordDict(), run_config={}))
         np.testing.assert_array_equal(result["final"]["w"].numpy(), np.full(3, 2.0, dtype=np.float32))
-        assert len(coordinator.store.audit_events("update-accepted")) == 2 * 2 * 2  # 2 rounds x train+eval x 2 sites
+        accepted = 2 * 2 * 2  # 2 rounds x train+eval x 2 sites; each audited just after its reply is stored
+        deadline = time.monotonic() + 10
+        while len(coordinator.store.audit_events("update-accepted")) < accepted and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(coordinator.store.audit_events("update-accepted")) == accepted
     finally:
         for process in sites:
             process.kill()
