@@ -88,16 +88,21 @@ class MaskedDeltaAccumulator:
             raise AggregationError(
                 f"reply from node {reply.metadata.src_node_id} updates {unassigned[:3]}, outside its subnetwork"
             )
-        for name, array in arrays.items():
-            delta, mask = _view(array), masks[name]
-            if delta.shape != mask.shape:
-                raise AggregationError(f"array {name!r} has shape {tuple(delta.shape)}, expected {tuple(mask.shape)}")
-            weighted_mask = mask.to(torch.float32).mul_(weight)
+        deltas = {name: _view(array) for name, array in arrays.items()}
+        for name, delta in deltas.items():
+            if delta.shape != masks[name].shape:
+                raise AggregationError(f"array {name!r} has shape {tuple(delta.shape)}, expected {tuple(masks[name].shape)}")
+        counted = weight
+        if self.dp is not None:  # clipped over its assigned coordinates, counted once
+            weight = self.dp.clip_factor({name: delta * masks[name] for name, delta in deltas.items()})
+            counted = 1.0
+        for name, delta in deltas.items():
+            mask = masks[name].to(torch.float32)
             if name not in self.sums:
                 self.sums[name] = torch.zeros(mask.shape, dtype=torch.float32)
                 self.weights[name] = torch.zeros(mask.shape, dtype=torch.float32)
-            self.sums[name].addcmul_(weighted_mask, delta)
-            self.weights[name].add_(weighted_mask)
+            self.sums[name].addcmul_(mask * weight, delta)
+            self.weights[name].add_(mask, alpha=counted)
         self.metric_records.append(RecordDict({"metrics": metrics}))
 
     def add_slices(

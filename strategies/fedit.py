@@ -24,20 +24,42 @@ from hydrafl.subnet.slices import coordinate_masks
 
 if TYPE_CHECKING:
     from hydrafl.config import RunConfig
+    from hydrafl.privacy.central import CentralDp
 
 
 class FedIT(LoraBaseline):
-    """Per-coordinate sample-weighted mean of the factor deltas over the sites whose rank covers them."""
+    """Per-coordinate sample-weighted mean of the factor deltas over the sites whose rank covers them. The mean
+    is linear in each site's update, so central DP applies: clipped updates, each site counted once, noise
+    z C / n_k on a factor coordinate that n_k sites' ranks cover."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.central_dp: CentralDp | None = None
+        """Central DP (`hydrafl.privacy.central.with_central_dp` sets it): the head's and the factors' means."""
+
+    def head_dp(self) -> CentralDp | None:
+        return self.central_dp
 
     def fold(self, weights: dict[str, torch.Tensor], pairs: list[LoraPair]) -> LoraFold:
-        return _MaskedFactors(weights, pairs, self.weighted_by_key, self.robust)
+        return _MaskedFactors(weights, pairs, self.weighted_by_key, self.robust, self.central_dp)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), **(self.central_dp.state_dict() if self.central_dp else {})}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.central_dp:
+            self.central_dp.load_state_dict(state)
 
 
 class _MaskedFactors:
-    def __init__(self, weights: dict[str, torch.Tensor], pairs: list[LoraPair], weighted_by_key: str, robust: RobustRule) -> None:
+    def __init__(
+        self, weights: dict[str, torch.Tensor], pairs: list[LoraPair], weighted_by_key: str, robust: RobustRule,
+        dp: CentralDp | None,
+    ) -> None:
         self.start, self.names = weights, trainable_names(weights, pairs)
         self.factors = {name for pair in pairs for name in (pair.a, pair.b)}
-        self.accumulator = MaskedDeltaAccumulator(weighted_by_key)
+        self.accumulator = MaskedDeltaAccumulator(weighted_by_key, dp=dp and dp.round_copy())
         self.robust = MaskedRobustAggregator(robust) if robust.robust else None
 
     def add(self, reply: Message, rank: int) -> None:

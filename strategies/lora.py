@@ -14,7 +14,7 @@ import logging
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -31,6 +31,9 @@ from hydrafl.strategies.robust import MaskedRobustAggregator, RobustRule
 from hydrafl.subnet.slices import Slice
 from hydrafl.lora_pairs import LoraPair, lora_pairs
 from hydrafl.strategies.budgets import BudgetConfig
+
+if TYPE_CHECKING:
+    from hydrafl.privacy.central import CentralDp
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +88,10 @@ class LoraBaseline(FedAvg):
         self.server_round = 0
         self.trainable_params: dict[int, dict[str, int]] = {}
         """Per round, per site (node id as a string): the coordinates of its rank."""
+
+    def head_dp(self) -> CentralDp | None:
+        """Central DP of the head's mean; only a fold linear in each site's update (FedIT's) takes central DP."""
+        return None
 
     def fold(self, weights: dict[str, torch.Tensor], pairs: list[LoraPair]) -> LoraFold:
         """This round's rule, starting from the global `weights`; under a robust rule (`self.robust`), the
@@ -157,7 +164,7 @@ class LoraBaseline(FedAvg):
         weights = from_record(self.current_arrays)
         pairs = lora_pairs(weights)
         factors = {name for pair in pairs for name in (pair.a, pair.b)}
-        head = WeightedDeltaAccumulator(self.weighted_by_key)  # sums every array; only non-factors are used
+        head = WeightedDeltaAccumulator(self.weighted_by_key, dp=self.head_dp())  # sums every array; only non-factors are used
         robust_head = MaskedRobustAggregator(self.robust)
         fold = self.fold(weights, pairs)
         for reply in self._full_shape(replies):

@@ -52,6 +52,11 @@ class CentralDp:
             return self.noise_multiplier
         return model_noise_multiplier(self.noise_multiplier, self.adaptive.count_stddev)
 
+    def round_copy(self) -> CentralDp:
+        """This round's bound and model noise without adaptive clipping, for a second accumulator of the same
+        replies (a LoRA fold beside the head's): the replies' norms are observed once, by the original."""
+        return CentralDp(self.model_noise_multiplier, self.clip)
+
     def clip_factor(self, update: Mapping[str, torch.Tensor]) -> float:
         """The factor that brings one site's update (all its arrays) within the bound; seen by adaptive clipping."""
         norm = l2_norm(update)
@@ -114,7 +119,7 @@ def with_central_dp(strategy: Strategy, run: RunConfig) -> Strategy:
     if not type(strategy).__module__.startswith("flwr."):
         raise ConfigError(
             f"strategy {run.strategy!r} does not support central DP (dp-clip); it works with Flower's strategies, "
-            "diloco and the subnetwork strategies (hydra, heterofl, fjord, fedrolex)"
+            "diloco, the subnetwork strategies (hydra, heterofl, fjord, fedrolex) and fedit"
         )
     if run.dp_adaptive:
         try:

@@ -99,3 +99,35 @@ def test_simulated_sites_refuse_the_round_that_would_pass_their_budget(tmp_path)
         run_strategy(cfg, "inprocess", policy=policy)
     history = json.loads((tmp_path / "run" / "history.json").read_text())
     assert [r["round"] for r in history] == [0, 1] and history[1]["dp_epsilon"] == pytest.approx(spent[0], rel=1e-12)
+
+
+def test_fedit_takes_central_dp_with_noise_scaled_to_the_sites_whose_rank_covers_each_component():
+    import numpy as np
+    from helpers import TIERED_RUN
+    from hydrafl import server_app, site_app
+    from hydrafl.lora_pairs import lora_pairs
+    from hydrafl.simulation.grid import InProcessGrid
+    from hydrafl.strategies import build_strategy
+
+    clip = 0.05
+    cfg = TIERED_RUN.replace(strategy="fedit", lora_rank=4, rounds=1, dp_clip=clip, run_dir="")
+
+    def run(noise: float):
+        run_cfg = cfg.replace(dp_noise_multiplier=noise)
+        strategy = build_strategy(run_cfg)
+        grid = InProcessGrid(site_app.client_app, run_cfg.sites, run_cfg.to_flower())
+        result = server_app.run_federation(grid, run_cfg, strategy=strategy)
+        return result.arrays, sorted(strategy.ranks.values())
+
+    (clean, ranks), (noisy, _) = run(0.0), run(2.0)
+    noise = {name: noisy[name].numpy().astype(np.float64) - clean[name].numpy() for name in clean}
+    pairs = lora_pairs(clean)
+    assert len(set(ranks)) > 1  # tiers: components covered by different numbers of sites
+    for component in range(max(ranks)):
+        covering = sum(rank > component for rank in ranks)
+        values = np.concatenate([np.concatenate([noise[p.a][component].ravel(), noise[p.b][:, component].ravel()])
+                                 for p in pairs])
+        assert values.std() == pytest.approx(2.0 * clip / covering, rel=0.15)
+    head = [name for name in clean if all(name not in (p.a, p.b) for p in pairs)]
+    head_noise = np.concatenate([noise[name].ravel() for name in head])
+    assert head_noise.std() == pytest.approx(2.0 * clip / len(ranks), rel=0.15)
