@@ -86,11 +86,11 @@ ATTACKERS = 0.2
 TIERS = "small,medium,large"
 
 
-def run_one(task: str, attack: str, method: str, seed: int, quick: bool) -> float:
-    """One method's final accuracy on `task` under `attack` (CLEAN: none) for `seed`."""
+def run_one(task: str, attack: str, method: str, seed: int, scale: dict[str, Any]) -> float:
+    """One method's final accuracy on `task` under `attack` (CLEAN: none) for `seed`, at `scale` (run keys)."""
     logging.getLogger("flwr").setLevel(logging.WARNING)  # Flower logs every sampling: thousands of lines
     spec = METHODS[method]
-    run = RunConfig(task=task, seed=seed, site_tiers=TIERS, **(QUICK if quick else SCALE)[task], **spec.run)
+    run = RunConfig(task=task, seed=seed, site_tiers=TIERS, **{**scale, **spec.run})
     with tempfile.TemporaryDirectory() as out:
         config = SimulationConfig(
             run=run, strategies=(spec.strategy,), knobs=dict(spec.knobs), out=out,
@@ -183,8 +183,13 @@ def main() -> None:
     parser.add_argument("--attacks", nargs="+", choices=list(ATTACKS), help="default: all (--quick: scale)")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), help="default: all (--quick: three)")
     parser.add_argument("--workers", type=int, default=1, help="runs in parallel (each uses one core)")
+    parser.add_argument("--rounds", type=int, help="instead of the task's default rounds")
+    parser.add_argument("--samples-per-site", type=int, help="instead of the task's default samples per site")
     args = parser.parse_args()
     tasks = list(QUICK) if args.quick else args.tasks
+    overrides = {key: value for key, value in (("rounds", args.rounds), ("samples_per_site", args.samples_per_site))
+                 if value is not None}
+    scales = {task: {**(QUICK if args.quick else SCALE)[task], **overrides} for task in tasks}
     attacks = [CLEAN, *(args.attacks or (QUICK_ATTACKS if args.quick else ATTACKS))]
     chosen = args.methods or (QUICK_METHODS if args.quick else METHODS)
     methods = [m for m in METHODS if m in chosen or m == "fedavg"]  # FedAvg's clean run is the goal's reference
@@ -194,7 +199,7 @@ def main() -> None:
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns) as progress, ProcessPoolExecutor(args.workers) as pool:
         bar = progress.add_task("robust runs", total=len(jobs))
-        futures = {pool.submit(run_one, *job, args.quick): job for job in jobs}
+        futures = {pool.submit(run_one, *job, scales[job[0]]): job for job in jobs}
         for future in as_completed(futures):
             task, attack, method, _ = futures[future]
             accuracy.setdefault(task, {}).setdefault(attack, {}).setdefault(method, []).append(future.result())
@@ -205,7 +210,7 @@ def main() -> None:
     summary = summarise(accuracy)
     result = {
         "quick": args.quick, "seeds": {t: len(accuracy[t][CLEAN]["fedavg"]) for t in tasks}, "attackers": ATTACKERS, "methods": methods, "attacks": attacks,
-        "scale": QUICK if args.quick else {t: SCALE[t] for t in tasks}, "accuracy": accuracy, "summary": summary,
+        "scale": scales, "accuracy": accuracy, "summary": summary,
     }
     (args.out / f"{NAME}.json").write_text(json.dumps(result, indent=1))
     (args.out / f"{NAME}.md").write_text(markdown(summary, methods, attacks))
