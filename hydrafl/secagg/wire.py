@@ -91,14 +91,11 @@ def parse_shares_request(record: Mapping[str, Any]) -> tuple[int, dict[int, Publ
 def sealed_record(sealed: Mapping[int, bytes]) -> Record:
     """Encrypted shares by peer: a site's share-keys reply (peer = recipient) or what its train message
     carries (peer = sender)."""
-    nodes = sorted(sealed)
-    return {"nodes": nodes, "sealed": [sealed[n] for n in nodes]}
+    return _by_node(sealed, "nodes", "sealed")
 
 
 def parse_sealed(record: Mapping[str, Any]) -> dict[int, bytes]:
-    nodes, sealed = _ints(record, "nodes"), _list(record, "sealed", bytes)
-    _same_length(nodes, sealed)
-    return dict(zip(nodes, sealed))
+    return _parse_by_node(record, "nodes", "sealed")
 
 
 def unmask_request(survivors: list[int], dropped: list[int]) -> Record:
@@ -110,14 +107,23 @@ def parse_unmask_request(record: Mapping[str, Any]) -> tuple[list[int], list[int
 
 
 def unmask_reply(revealed: Mapping[int, bytes]) -> Record:
-    nodes = sorted(revealed)
-    return {"owners": nodes, "shares": [revealed[n] for n in nodes]}
+    return _by_node(revealed, "owners", "shares")
 
 
 def parse_unmask_reply(record: Mapping[str, Any]) -> dict[int, bytes]:
-    owners, shares = _ints(record, "owners"), _list(record, "shares", bytes)
-    _same_length(owners, shares)
-    return dict(zip(owners, shares))
+    return _parse_by_node(record, "owners", "shares")
+
+
+def _by_node(values: Mapping[int, bytes], nodes_key: str, values_key: str) -> Record:
+    """Bytes per node as two parallel lists (a ConfigRecord holds lists, not mappings), in node order."""
+    nodes = sorted(values)
+    return {nodes_key: nodes, values_key: [values[n] for n in nodes]}
+
+
+def _parse_by_node(record: Mapping[str, Any], nodes_key: str, values_key: str) -> dict[int, bytes]:
+    nodes, values = _ints(record, nodes_key), _list(record, values_key, bytes)
+    _same_length(nodes, values)
+    return dict(zip(nodes, values))
 
 
 def _typed(record: Mapping[str, Any], key: str, kind: type) -> Any:
