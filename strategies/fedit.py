@@ -8,19 +8,21 @@ Zhang et al., "Towards Building the Federated GPT: Federated Instruction Tuning"
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from flwr.app import Message
+from flwr.app import ArrayRecord, Message, MetricRecord
 
-from hydrafl.lora_pairs import LoraPair
+from hydrafl.arrays import from_record, to_record
+from hydrafl.lora_pairs import LoraPair, lora_pairs
 from hydrafl.strategies.accumulator import MaskedDeltaAccumulator
 from hydrafl.strategies.lora import LoraBaseline, LoraBaselineConfig, LoraFold, rank_slices, trainable_names
 from hydrafl.strategies.lora_factors import reply_delta
 from hydrafl.strategies.registry import register
 from hydrafl.strategies.robust import MaskedRobustAggregator, RobustRule
-from hydrafl.subnet.slices import coordinate_masks
+from hydrafl.subnet.slices import Slice, coordinate_masks
 
 if TYPE_CHECKING:
     from hydrafl.config import RunConfig
@@ -30,7 +32,10 @@ if TYPE_CHECKING:
 class FedIT(LoraBaseline):
     """Per-coordinate sample-weighted mean of the factor deltas over the sites whose rank covers them. The mean
     is linear in each site's update, so central DP applies: clipped updates, each site counted once, noise
-    z C / n_k on a factor coordinate that n_k sites' ranks cover."""
+    z C / n_k on a factor coordinate that n_k sites' ranks cover. For the same reason it takes secure sums
+    (`hooks.TakesSecureSums`): each site's rank slices, weighted by its examples."""
+
+    count_once = False
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -42,6 +47,22 @@ class FedIT(LoraBaseline):
 
     def fold(self, weights: dict[str, torch.Tensor], pairs: list[LoraPair]) -> LoraFold:
         return _MaskedFactors(weights, pairs, self.weighted_by_key, self.robust, self.central_dp)
+
+    def site_slices(self, node: int) -> dict[str, Slice]:
+        return rank_slices(trainable_names(self.current_arrays, lora_pairs(self.current_arrays)), self.ranks[node])
+
+    def aggregate_summed(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The masked mean from the survivors' per-coordinate sums: the head over every site, each factor
+        component over the sites whose rank covers it (the rest keep their value), as `aggregate_train`."""
+        if self.current_arrays is None:
+            return None, None
+        weights = from_record(self.current_arrays)
+        accumulator = MaskedDeltaAccumulator(self.weighted_by_key)
+        for reply in replies:
+            accumulator.add_sums(reply)
+        for name, (delta, trained) in accumulator.mean().items():
+            weights[name] = torch.where(trained, weights[name] - delta, weights[name])
+        return to_record(weights), self.train_metrics_aggr_fn(accumulator.metric_records, self.weighted_by_key)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), **(self.central_dp.state_dict() if self.central_dp else {})}
@@ -79,6 +100,8 @@ class _MaskedFactors:
 @dataclass(frozen=True, kw_only=True)
 class FedITConfig(LoraBaselineConfig):
     """FedIT: FedAvg of the LoRA factors A and B, each on its own (Zhang et al., 2024)."""
+
+    secure_sum: ClassVar[bool] = True
 
     def build(self, run: RunConfig, **common: Any) -> FedIT:
         return FedIT(planner=self.planner(run), robust=self.rule(), **common)

@@ -143,15 +143,17 @@ def test_fewer_sites_than_the_threshold_halt_the_round_and_apply_nothing(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("strategy", "outer_lr"), [("hydra", 0.7), ("heterofl", 1.0)])
+@pytest.mark.parametrize(("strategy", "outer_lr"), [("hydra", 0.7), ("heterofl", 1.0), ("fedit", 1.0)])
 def test_a_subnetwork_strategy_sums_its_sites_slices_securely(strategy, outer_lr):
-    """Sites train slices: each uploads full-shape masked vectors with per-coordinate weights (HeteroFL
-    weighs every site 1, Hydra by its examples); the model is the plain run's within the bound."""
-    cfg = TIERED_RUN.replace(strategy=strategy, rounds=1, run_dir="")
+    """Sites train slices (FedIT: their LoRA rank's components): each uploads full-shape masked vectors with
+    per-coordinate weights (HeteroFL weighs every site 1, Hydra and FedIT by their examples); the model is the
+    plain run's within the bound."""
+    cfg = TIERED_RUN.replace(strategy=strategy, rounds=1, run_dir="", **({"lora_rank": 8} if strategy == "fedit" else {}))
     plain, _ = _run(cfg)
     secure, grid = _run(cfg.replace(secagg=True))
     per_site = SecAggParams(max_weight=1) if strategy == "heterofl" else SecAggParams()
     minimum_weight = 1 if strategy == "heterofl" else 10
+    assert plain.arrays.keys() == secure.arrays.keys()
     assert 0 < _max_difference(plain.arrays, secure.arrays) <= outer_lr * quantisation_bound(3, per_site) / minimum_weight
     size = sum(int(np.prod(a.shape)) for a in plain.arrays.values())
     for reply in grid.train_replies:  # full shapes and a weight per coordinate, whatever slice a site trained
@@ -159,7 +161,7 @@ def test_a_subnetwork_strategy_sums_its_sites_slices_securely(strategy, outer_lr
         assert tuple(arrays[protocol.SECAGG_MASKED].shape) == (2 * size,)
 
 
-@pytest.mark.parametrize("strategy", ["fedmedian", "fedtrimmedavg", "krum", "flora"])
+@pytest.mark.parametrize("strategy", ["fedmedian", "fedtrimmedavg", "krum", "flora", "hetlora", "flexlora"])
 def test_strategies_that_need_each_sites_update_refuse_secure_aggregation(strategy):
     with pytest.raises(ConfigError, match=f"invalid secagg=True: expected off for strategy '{strategy}'"):
         SMALL_RUN.replace(strategy=strategy, secagg=True, lora_rank=4)
