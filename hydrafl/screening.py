@@ -44,18 +44,12 @@ class AuditsRejections(Protocol):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Screening:
-    """The run's `screen_norm` and `screen_cosine`; either may be off."""
+    """The run's `screen_norm` and `screen_cosine` (checked by `RunConfig`); either may be off."""
 
     norm_factor: float = 0.0
     """Reject an update whose norm is above this many times the round's median; 0 = off."""
     min_cosine: float = -1.0
     """Reject an update whose cosine to the round's mean update is below this; -1 = off."""
-
-    def __post_init__(self) -> None:
-        if not (self.norm_factor == 0 or self.norm_factor >= 1):
-            raise ValueError(f"screen-norm must be 0 (off) or >= 1, got {self.norm_factor}")
-        if not -1 <= self.min_cosine <= 1:
-            raise ValueError(f"screen-cosine must be in [-1, 1] (-1 = off), got {self.min_cosine}")
 
     @property
     def enabled(self) -> bool:

@@ -10,9 +10,11 @@ from flwr.app import Array, ArrayRecord
 from helpers import SMALL_RUN
 
 from hydrafl import server_app, site_app
+from hydrafl.config import RunConfig
 from hydrafl.screening import AuditsRejections, Screening, cosines_to_mean, update_norm
 from hydrafl.simulation.attacks import Attack, AttackedGrid
 from hydrafl.simulation.grid import InProcessGrid
+from hydrafl.validation import ConfigError
 
 
 def _honest(sites: int = 6, seed: int = 0) -> dict[int, dict[str, np.ndarray]]:
@@ -57,13 +59,13 @@ def test_cosine_goes_over_arrays_of_matching_name_and_shape():
     assert cosines[3] == pytest.approx(1.0 / (np.sqrt(5.0) * np.linalg.norm(mean_a)))
 
 
-def test_screening_needs_two_updates_and_refuses_bad_settings():
+def test_screening_needs_two_updates_and_the_run_refuses_bad_settings():
     assert Screening(norm_factor=2.0, min_cosine=0.5).reasons({1: {"w": np.ones(3)}}) == {}
     assert not Screening().enabled and Screening(min_cosine=0.0).enabled
-    with pytest.raises(ValueError, match="screen-norm must be 0"):
-        Screening(norm_factor=0.5)
-    with pytest.raises(ValueError, match="screen-cosine"):
-        Screening(min_cosine=1.5)
+    with pytest.raises(ConfigError, match=r"invalid screen-norm=0.5: expected 0 \(off\) or >= 1"):
+        RunConfig(screen_norm=0.5)
+    with pytest.raises(ConfigError, match=r"invalid screen-cosine=1.5"):
+        RunConfig(screen_cosine=1.5)
 
 
 class _Audited(AttackedGrid):

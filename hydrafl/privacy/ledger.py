@@ -30,7 +30,7 @@ class PrivacyLedger:
     pending: tuple[Any, float, float | None] | None
     """The open round: its sample, the epsilon after it, and the clipping bound it uses."""
 
-    def __init__(self, noise_multiplier: float = 0.0, delta: float = 1e-5) -> None:
+    def __init__(self, noise_multiplier: float, delta: float) -> None:
         self.noise_multiplier = noise_multiplier
         self.delta = delta
         self.samples = []
@@ -38,9 +38,11 @@ class PrivacyLedger:
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> PrivacyLedger:
-        """The ledger of a run whose Flower run_config is `run_config` (the driver's saved configuration)."""
-        noise = float(run_config.get("dp-noise-multiplier", 0.0)) if run_config.get("dp-clip") else 0.0
-        return cls(noise, float(run_config.get("dp-delta", 1e-5)))
+        """The ledger of a run whose Flower run_config is `run_config` (the driver's saved configuration); a
+        run without central DP (no `dp-clip`) spends nothing, so its delta is never read."""
+        if not run_config.get("dp-clip"):
+            return cls(0.0, 0.0)
+        return cls(float(run_config["dp-noise-multiplier"]), float(run_config["dp-delta"]))
 
     def restore(self, history: Iterable[Mapping[str, Any]]) -> None:
         """The rounds a resumed run already spent, from its history."""
