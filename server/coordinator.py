@@ -4,6 +4,8 @@ Runs are driven one at a time by the same round driver as the simulation. Every 
 round into its run folder and is always started with `resume`, so a coordinator restarted after a crash
 continues a running run from its last completed round with the strategy state (e.g. outer momentum) intact,
 and re-sends the round in progress under the same message ids: the replies already accepted are reused.
+A run of a stock Flower ServerApp (`admin run create --server-app`) is instead called once on the same grid
+through Flower's own entry point (`hydrafl.server.stock_apps`).
 
 One coordinator per port and per database, or two would drive the same runs: the port is bound without
 SO_REUSEPORT, and the database holds a lease that the coordinator takes at start, renews on a heartbeat thread
@@ -21,11 +23,10 @@ import threading
 import uuid
 from collections.abc import Iterable
 from concurrent import futures
-from pathlib import Path
 from typing import Any
 
 import grpc
-from flwr.app import Message
+from flwr.app import Message, MessageType
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from hydrafl.server_app import run_federation
@@ -35,6 +36,7 @@ from hydrafl.server.blobs import BlobStore
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.grid import CoordinatorGrid
 from hydrafl.server.service import SERVER_OPTIONS, SERVICE_NAME, CoordinatorService, add_coordinator_service
+from hydrafl.server.stock_apps import ServerAppError, run_server_app
 from hydrafl.server.store import LeaseClaim, Run, Store, describe_lease, lease_age_s
 from hydrafl.server.tls import ServerTls, plaintext_warning
 
@@ -127,6 +129,21 @@ class LeasedGrid(CoordinatorGrid):
         return super().pull_messages(message_ids)
 
 
+class StockAppGrid(LeasedGrid):
+    """The grid of a stock Flower ServerApp, which reports no rounds of its own: each broadcast of train messages
+    is one round (one per round of Flower's `Strategy.start`), so `rounds_done` counts the ones that went before."""
+
+    train_rounds: int = 0
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        messages = list(messages)
+        if any(message.metadata.message_type.split(".")[0] == MessageType.TRAIN for message in messages):
+            if self.train_rounds:
+                self.store.set_run_status(self.run.run_id, "running", rounds_done=self.train_rounds)
+            self.train_rounds += 1
+        return super().push_messages(messages)
+
+
 def bind(server: grpc.Server, listen: str, tls: ServerTls | None) -> int:
     """The bound port; a port another process holds is an OSError, not a silent second listener."""
     try:
@@ -189,6 +206,9 @@ class Coordinator:
             self.drive(run)
 
     def drive(self, run: Run) -> None:
+        if run.server_app:
+            self.drive_server_app(run)
+            return
         try:
             stored = RunConfig.from_flower(run.config, source=f"run {run.id}", other_knobs=True)
         except ConfigError as error:  # a run this hydrafl cannot read fails alone; the coordinator keeps serving
@@ -217,6 +237,35 @@ class Coordinator:
             self.store.set_run_status(run.id, "failed", detail=f"{type(error).__name__}: {error}")
             return
         finally:
-            Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-            (Path(cfg.run_dir) / "push_latency.tsv").write_text(self.service.latency_table())
+            self._write_latencies(run.id)
         self.store.set_run_status(run.id, "finished", rounds_done=cfg.rounds)
+
+    def drive_server_app(self, run: Run) -> None:
+        """A stock Flower ServerApp, called once on this coordinator's grid. Like Flower's runtime, this does not
+        resume an app: a run left running by a stopped coordinator starts again from its beginning."""
+        self.store.set_run_status(run.id, "running", rounds_done=0)
+        self.service.latencies.clear()
+        grid = StockAppGrid(self.store, self.blobs, self.service, run.id, lease=self.lease)
+        try:
+            run_server_app(grid, run.id, run.server_app, run.config)
+        except LeaseLost:
+            log.error("run %d: stopped driving it; the coordinator holding the lease starts it again", run.id)
+            raise
+        except ServerAppError as error:
+            log.error("run %d failed: %s", run.id, error)
+            self.store.set_run_status(run.id, "failed", detail=str(error))
+            return
+        except (Exception, SystemExit) as error:  # noqa: BLE001  (the app's failure, even sys.exit, ends its run only)
+            log.error("run %d failed: ServerApp %s raised %s: %s", run.id, run.server_app, type(error).__name__, error)
+            detail = f"ServerApp {run.server_app} raised {type(error).__name__}: {error}"
+            self.store.set_run_status(run.id, "failed", detail=detail, rounds_done=max(grid.train_rounds - 1, 0))
+            return
+        finally:
+            self._write_latencies(run.id)
+        self.store.set_run_status(run.id, "finished", rounds_done=grid.train_rounds)
+
+    def _write_latencies(self, run_id: int) -> None:
+        """push_latency.tsv in the run's folder: per-site P50/P99 of this run's pushes."""
+        run_dir = self.config.runs_dir / str(run_id)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "push_latency.tsv").write_text(self.service.latency_table())

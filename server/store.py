@@ -20,6 +20,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
+    Column,
     DateTime,
     Float,
     ForeignKey,
@@ -31,11 +32,13 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     delete,
+    inspect,
     select,
+    text,
     update,
 )
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 FIRST_NODE_ID = 10_001
@@ -66,6 +69,9 @@ class Run(Base):
     __tablename__ = "runs"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     config: Mapped[dict] = mapped_column(JSON)
+    """hydrafl's run keys; for a stock Flower ServerApp, its typed run_config (`--run-config`)."""
+    server_app: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    """A stock Flower ServerApp's module:attribute reference, or None for a run of hydrafl's own ServerApp."""
     status: Mapped[str] = mapped_column(String(16), default="pending")
     """pending -> running -> finished | failed"""
     rounds_done: Mapped[int] = mapped_column(Integer, default=0)
@@ -181,6 +187,7 @@ class Store:
     def __init__(self, url: str) -> None:
         self.engine: Engine = create_engine(url)
         Base.metadata.create_all(self.engine)
+        _add_missing_columns(self.engine)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def session(self) -> Session:
@@ -230,9 +237,10 @@ class Store:
                 query = query.where(AuditEvent.kind == kind)
             return list(session.scalars(query))
 
-    def create_run(self, config: dict) -> Run:
+    def create_run(self, config: dict, *, server_app: str | None = None) -> Run:
+        """Queue a run of hydrafl's ServerApp with these run keys, or of the stock `server_app` with this run_config."""
         with self.session() as session, session.begin():
-            run = Run(config=config)
+            run = Run(config=config, server_app=server_app)
             session.add(run)
         return run
 
@@ -404,6 +412,29 @@ class Store:
         """Give the lease up, so the next coordinator starts at once instead of waiting for it to go stale."""
         with self.session() as session, session.begin():
             session.execute(delete(CoordinatorLease).where(CoordinatorLease.holder == holder))
+
+
+ADDED_COLUMNS = (Run.__table__.c.server_app,)
+"""Nullable columns added since the first release: `create_all` makes missing tables, not missing columns."""
+
+
+def _add_missing_columns(engine: Engine) -> None:
+    """Add ADDED_COLUMNS to a database created before them, so it opens and its rows read as before. Two
+    processes opening the database together may both try; the loser's error is ignored once the column exists."""
+
+    def present(column: Column) -> bool:
+        return column.name in {existing["name"] for existing in inspect(engine).get_columns(column.table.name)}
+
+    for column in ADDED_COLUMNS:
+        if present(column):
+            continue
+        ddl = f"ALTER TABLE {column.table.name} ADD COLUMN {column.name} {column.type.compile(engine.dialect)}"
+        try:
+            with engine.begin() as connection:
+                connection.execute(text(ddl))
+        except DBAPIError:
+            if not present(column):
+                raise
 
 
 def _open_messages(node_id: int) -> Select:

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from hydrafl.cli.common import DbOption, console, fail, open_store
+from hydrafl.cli.common import DbOption, console, fail, fail_one_line, open_store, warn
 from hydrafl.trust import trust_lines, trust_summary
 
 if TYPE_CHECKING:
@@ -64,13 +64,29 @@ admin_app.add_typer(run_admin, name="run")
 def run_create(
     ctx: typer.Context,
     config: Annotated[Path | None, typer.Option(help="TOML file of run keys (task, strategy, rounds, knobs...).")] = None,
+    server_app: Annotated[
+        str | None, typer.Option("--server-app", help="Run a stock Flower ServerApp instead, as module:attribute.")
+    ] = None,
+    run_config: Annotated[
+        list[str] | None,
+        typer.Option("--run-config", help="With --server-app: key=value (TOML values, as `flwr run`), repeatable."),
+    ] = None,
     db: DbOption = None,
 ) -> None:
     """Queue a run; the coordinator starts it when enough sites are connected.
 
     Every run key is a flag: --strategy diloco --rounds 20 --sites 3 --outer-lr 0.5 (`hydrafl keys` lists the
     run-wide keys, `hydrafl strategies` the knobs). The strategies are loaded to check the run (a few seconds).
+    With --server-app the coordinator runs that Flower ServerApp on its grid with the --run-config values as its
+    context.run_config, as `flwr run` does; sites run the matching ClientApp (`hydrafl site --app`).
     """
+    if server_app is not None:
+        if ctx.args or config:
+            fail_one_line("a --server-app run takes its keys as --run-config key=value, not as flags or --config", 2)
+        _create_server_app_run(server_app, run_config or [], db)
+        return
+    if run_config:
+        fail_one_line("--run-config goes with --server-app; hydrafl's own runs take their keys as --key value", 2)
     from hydrafl.cli.flags import parse_flags
     from hydrafl.config import RunConfig
     from hydrafl.config_keys import key_type
@@ -85,6 +101,23 @@ def run_create(
     stored = {k: v for k, v in run_config.to_flower().items() if k not in ("run-dir", "resume")}
     run = open_store(db).create_run(stored)
     console.print(f"created run {run.id} ({run_config.strategy}, {run_config.rounds} rounds, task {run_config.task})")
+    print(run.id)
+
+
+def _create_server_app_run(reference: str, entries: list[str], db: str | None) -> None:
+    """Queue a stock ServerApp run. The app is loaded here to refuse a wrong reference now; a module that is not
+    on this machine's path may be on the coordinator's, which then checks it when it starts the run."""
+    from hydrafl.server.stock_apps import ServerAppError, ServerAppNotFound, load_server_app, parse_run_config
+
+    try:
+        values = parse_run_config(entries)
+        load_server_app(reference)
+    except ServerAppNotFound as error:
+        warn(f"{error} here; queued anyway: the coordinator loads it when it starts the run (or fails the run)")
+    except ServerAppError as error:
+        fail_one_line(str(error), 2)
+    run = open_store(db).create_run(values, server_app=reference)
+    console.print(escape(f"created run {run.id} (ServerApp {reference}, run config {values})"), soft_wrap=True)
     print(run.id)
 
 
@@ -105,33 +138,48 @@ def run_status(
         "run": run.id,
         "status": run.status,
         "rounds_done": run.rounds_done,
-        "rounds": run.config.get("rounds"),
-        "strategy": run.config.get("strategy"),
+        "rounds": run.config.get(STOCK_ROUNDS_KEY if run.server_app else "rounds"),
+        "strategy": None if run.server_app else run.config.get("strategy"),
+        "server_app": run.server_app,
+        "run_config": run.config if run.server_app else None,
         "detail": run.detail,
         "history": run.history,
         "declines": declines,
-        "trust": trust_summary(run.history, run.config),
+        "trust": trust_summary(run.history, {} if run.server_app else run.config),
     }
     if as_json:
         print(json.dumps(summary))
         return
-    Console().print(f"run {run.id}: {run.status}, {run.rounds_done}/{summary['rounds']} rounds ({summary['strategy']})")
-    table = Table("round", "loss", "accuracy", "sites ok", "bytes up", "seconds")
-    for record in run.history:
-        table.add_row(
-            str(record["round"]), f"{record['loss'] or 0:.4f}", f"{record['accuracy'] or 0:.4f}",
-            str(record["sites_ok"]), str(record["bytes_up"]), f"{record['seconds']:.2f}",
-        )
-    Console().print(table)
+    what = f"ServerApp {run.server_app}" if run.server_app else summary["strategy"]
+    Console().print(escape(f"run {run.id}: {run.status}, {run.rounds_done}/{summary['rounds']} rounds ({what})"))
+    if run.status == "failed" and run.detail:
+        Console().print(escape(f"failed: {run.detail}"), soft_wrap=True)
+    if run.history:
+        table = Table("round", "loss", "accuracy", "sites ok", "MB up", "MB down", "seconds")
+        for record in run.history:
+            table.add_row(
+                str(record["round"]), f"{record['loss'] or 0:.4f}", f"{record['accuracy'] or 0:.4f}",
+                str(record["sites_ok"]), _megabytes(record.get("bytes_up")), _megabytes(record.get("bytes_down")),
+                f"{record['seconds']:.2f}",
+            )
+        Console().print(table)
     for line in trust_lines(summary["trust"]):
         Console().print(escape(line))
     if declines:
         _print_declines(declines)
 
 
+STOCK_ROUNDS_KEY = "num-server-rounds"
+"""The run_config key Flower's app templates read their number of rounds from."""
 DECLINE_KINDS = ("site-declined",)
 SHOWN_DECLINES = 20
 ROUND_PREFIX = re.compile(r"round (\d+)\s*(.*)", re.DOTALL)
+
+
+def _megabytes(count: int | None) -> str:
+    """Bytes as MB with two decimals, as `hydrafl simulate`'s summary shows them (--json keeps the bytes); "-" for
+    a record stored without them."""
+    return "-" if count is None else f"{count / 1e6:.2f}"
 
 
 def _decline(event: AuditEvent) -> dict:
@@ -161,8 +209,11 @@ def run_list(db: DbOption = None) -> None:
     """All runs."""
     table = Table("run", "strategy", "task", "status", "rounds", "created")
     for run in open_store(db).runs():
+        stock = run.server_app is not None
+        strategy, task = (run.server_app, "-") if stock else (run.config.get("strategy"), run.config.get("task"))
+        rounds = run.config.get(STOCK_ROUNDS_KEY if stock else "rounds")
         table.add_row(
-            str(run.id), str(run.config.get("strategy")), str(run.config.get("task")), run.status,
-            f"{run.rounds_done}/{run.config.get('rounds')}", f"{run.created_at:%Y-%m-%d %H:%M}",
+            str(run.id), escape(str(strategy)), str(task), run.status, f"{run.rounds_done}/{rounds}",
+            f"{run.created_at:%Y-%m-%d %H:%M}",
         )
     Console().print(table)
