@@ -50,6 +50,7 @@ from hydrafl.proto.envelope import (
     sha256,
     split_message,
 )
+from hydrafl.netaddr import unreachable_reason
 from hydrafl.protocol import GRPC_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ MIN_IDLE_POLL_S = 0.05
 MAX_IDLE_POLL_S = 2.0
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 REFUSED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+ENDED = ("finished", "failed")
+"""The run statuses after which the coordinator sends a run's sites nothing more."""
 MAX_RUN_CONTEXTS = 4
 """Contexts kept for the most recent runs; a coordinator runs one at a time, so older ones are finished."""
 DEFAULT_TTL_S = 3600.0
@@ -78,6 +81,10 @@ def default_max_download_bytes() -> int:
 
 class SiteRefused(RuntimeError):
     """The coordinator refused this site (unknown or revoked token, or a permission error)."""
+
+
+class Unreachable(RuntimeError):
+    """The coordinator's address cannot work (its name does not resolve): waiting will not help."""
 
 
 class MessageRefused(Exception):
@@ -127,7 +134,13 @@ class SiteAgent:
                     raise SiteRefused(f"{code.name}: {error.details()}") from error
                 if code not in RETRYABLE:
                     raise
-                log.warning("coordinator %s unreachable (%s); retrying in %.1f s", self.coordinator, code.name, backoff)
+                if code != grpc.StatusCode.UNAVAILABLE:
+                    log.warning("coordinator %s: %s; retrying in %.1f s", self.coordinator, code.name, backoff)
+                else:
+                    reason, waiting_helps = unreachable_reason(self.coordinator)
+                    if not waiting_helps and not self.node_id:  # a typo; after a join, a resolver outage
+                        raise Unreachable(f"cannot reach the coordinator: {reason}; check --coordinator") from error
+                    log.warning("coordinator unreachable: %s (check --coordinator); retrying in %.1f s", reason, backoff)
                 stop.wait(backoff)
                 backoff = min(backoff * 2, max_backoff_s)
 
@@ -142,15 +155,21 @@ class SiteAgent:
         if self.demo:
             self.node_config["demo-site"] = joined.site_index
         log.info("joined as %s (node %d)", joined.site_name, joined.node_id)
-        idle_wait = 0.0
+        idle_wait, last_run = 0.0, 0
         while not stop.is_set():
-            pulled = stub.PullMessage(pb.PullMessageRequest(), metadata=self.metadata)
+            pulled = stub.PullMessage(pb.PullMessageRequest(last_run_id=last_run), metadata=self.metadata)
             if not pulled.has_message:  # back off while idle, so many waiting sites cost the coordinator little
+                if last_run and pulled.last_run_status in ENDED:
+                    log.info("run %d %s at the coordinator; waiting for the next run", last_run, pulled.last_run_status)
+                    last_run = 0
                 idle_wait = _idle_wait(pulled.poll_after_s, idle_wait)
                 stop.wait(idle_wait)
                 continue
             idle_wait = 0.0
             envelope = pulled.envelope
+            if envelope.run_id != last_run:
+                log.info("run %d: taking part", envelope.run_id)
+                last_run = envelope.run_id
             reply = self._handle(stub, envelope)
             try:
                 self._push(stub, reply, envelope.round)
@@ -257,7 +276,7 @@ class SiteAgent:
             stub.PutChunks(stream(), metadata=self.metadata)
         started = time.perf_counter()
         stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=self.metadata)
-        log.info("pushed reply to %s in %.3f s", envelope.reply_to_message_id[:8], time.perf_counter() - started)
+        log.debug("pushed reply to %s in %.3f s", envelope.reply_to_message_id[:8], time.perf_counter() - started)
 
 
 def parse_run_config(raw: bytes) -> dict[str, str | int | float | bool]:

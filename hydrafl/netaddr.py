@@ -1,8 +1,10 @@
-"""Where a gRPC address points, for the warnings about clear-text connections off this machine."""
+"""Where a gRPC address points: for the warnings about clear-text connections off this machine, and for
+saying why a coordinator cannot be reached (a name that does not resolve, or nothing listening)."""
 
 from __future__ import annotations
 
 import ipaddress
+import socket
 
 LOCAL_SCHEMES = ("unix:", "unix-abstract:")
 
@@ -26,6 +28,32 @@ def is_loopback(host_port: str) -> bool:
         return False
     mapped = getattr(address, "ipv4_mapped", None)
     return address.is_loopback or bool(mapped and mapped.is_loopback)
+
+
+def unreachable_reason(host_port: str, timeout_s: float = 2.0) -> tuple[str, bool]:
+    """Why HOST:PORT cannot be reached, in words, and whether waiting can help: a name that does not resolve
+    will not start resolving (a typo), a closed port opens when the coordinator starts."""
+    target = host_port.strip()
+    if target.startswith(LOCAL_SCHEMES) or any(target.startswith(s) for s in ("dns:", "ipv4:", "ipv6:")):
+        return f"{target} does not answer", True
+    host, port = _host(target), target.rpartition(":")[2]
+    if not port.isdigit() or target.count(":") == 0:
+        return f"{target!r} is not HOST:PORT", False
+    try:
+        addresses = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        return f"the host name {host!r} does not resolve ({error.strerror})", False
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.settimeout(timeout_s)
+            try:
+                probe.connect(address)
+            except ConnectionRefusedError:
+                return f"nothing listens on {host}:{port} (connection refused); is `hydrafl server` running there?", True
+            except OSError as error:
+                return f"{host}:{port} cannot be reached ({error.strerror or error}); a firewall or a wrong port?", True
+            return f"{host}:{port} accepts connections but does not answer gRPC (TLS on one side only?)", True
+    return f"{host} has no address", False
 
 
 def _host(target: str) -> str:

@@ -29,6 +29,7 @@ from flwr.clientapp import ClientApp
 
 from hydrafl import protocol
 from hydrafl.arrays import from_record, to_record
+from hydrafl.catalog import IMAGE_MODELS
 from hydrafl.config import RunConfig
 from hydrafl.data import NEXT_TOKEN_TASKS, TASKS, Cohort, DataError, SiteSplit, TaskSpec, load_cohort
 from hydrafl.footprint import training_footprint
@@ -106,6 +107,16 @@ def site_data(cfg: RunConfig, context: Context) -> tuple[Cohort, SiteSplit]:
     if not site.partition_id < len(cohort.sites):
         raise ValueError(f"partition-id {site.partition_id} is outside the cohort's {len(cohort.sites)} sites")
     return cohort, cohort.sites[site.partition_id]
+
+
+def train_class_counts(message: Message, context: Context) -> dict[str, int]:
+    """Records per class of the training split a `train` message would train on, for the site policy's
+    small-cell check before any training; empty for a task without class labels (next-token prediction)."""
+    cohort, split = site_data(_run_config(message, context), context)
+    if split.train_y.ndim != 1:
+        return {}
+    counts = torch.bincount(split.train_y, minlength=cohort.task.num_classes).tolist()
+    return dict(zip(cohort.task.class_names, counts, strict=True))
 
 
 def _site(context: Context) -> SiteConfig:
@@ -211,7 +222,7 @@ def check_checkpoint_paths(cfg: RunConfig, site: SiteConfig) -> None:
     if not site.deployed:
         return  # a simulated site: the run config is the researcher's own
     allowed = site.model_dir
-    for key, value, built_in in (("model", cfg.model, ("tiny", MINILM)), ("distill-teacher", cfg.distill_teacher, ("", "init"))):
+    for key, value, built_in in (("model", cfg.model, ("tiny", MINILM, *IMAGE_MODELS)), ("distill-teacher", cfg.distill_teacher, ("", "init"))):
         if value in built_in:
             continue
         if allowed is None or not Path(value).resolve().is_relative_to(allowed.resolve()):

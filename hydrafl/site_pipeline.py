@@ -1,15 +1,19 @@
 """What a site does with one message, in every runtime: the ClientApp answers, then the site operator's policy
-shapes what may leave (clipping, noise, privacy budget), and under secure aggregation the result is masked.
-The site agent, the in-process simulation grid and Ray's simulated sites (`PipelineApp`) all answer through
-here, so a simulated site behaves as a real one."""
+shapes what may leave (small cells, clipping, noise, privacy budget), and under secure aggregation the result
+is masked. The site agent, the in-process simulation grid and Ray's simulated sites (`PipelineApp`) all answer
+through here, so a simulated site behaves as a real one."""
 
 from __future__ import annotations
+
+import logging
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from hydrafl import protocol, site_secagg
-from hydrafl.site_policy import SitePolicy
+from hydrafl.site_policy import SMALL_CELL_REASON, SitePolicy
+
+log = logging.getLogger(__name__)
 
 
 def answer(client_app: ClientApp, message: Message, context: Context, policy: SitePolicy) -> Message:
@@ -19,11 +23,26 @@ def answer(client_app: ClientApp, message: Message, context: Context, policy: Si
         return site_secagg.answer_query(message, context)
     if refusal := policy.budget_refusal(message, context):
         return policy.decline(message, refusal)
+    if _has_small_cells(message, context, policy):
+        return policy.decline(message, SMALL_CELL_REASON)
     if site_secagg.is_secagg_train(message):
         routed = site_secagg.take_record(message)
         reply = policy.release(client_app(message=message, context=context), context)
         return site_secagg.masked_reply(message, reply, context, routed)
     return policy.release(client_app(message=message, context=context), context)
+
+
+def _has_small_cells(message: Message, context: Context, policy: SitePolicy) -> bool:
+    """Whether the policy's min-class-count refuses this train message's data; the classes and counts that
+    break it go to the site's log only."""
+    if policy.min_class_count is None or not message.metadata.message_type.startswith("train"):
+        return False
+    from hydrafl.site_app import train_class_counts  # the site's data, read here only for a policy that counts it
+
+    detail = policy.small_cell_refusal(train_class_counts(message, context))
+    if detail:
+        log.warning("site policy min-class-count: %s", detail)
+    return bool(detail)
 
 
 class PipelineApp(ClientApp):

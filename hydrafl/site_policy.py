@@ -7,6 +7,10 @@ Before training it checks the round against its budget: the run's spending after
 train message carries; absent = no central DP = infinite), or with its own noise the smaller of that and its
 own epsilon after the round. Over budget, or anything it cannot read, it refuses: fail closed.
 
+Small-cell suppression (`min-class-count`): before training, the site counts the records per class of its
+training split and refuses while any class has 1 to min-class-count - 1 of them. The refusal that leaves the
+site names only the rule; the class and its count, themselves the small cell, stay in the site's log.
+
 The policy is applied by the site agent to the ClientApp's reply, after the app returns and before upload,
 so nothing the coordinator sends (run config, strategy) can switch it off. An invalid policy file stops the
 site before it connects: it fails closed.
@@ -17,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +35,15 @@ from hydrafl.validation import ConfigError
 
 log = logging.getLogger(__name__)
 
-KEYS = {"allowed-runs", "allowed-strategies", "max-update-norm", "noise-multiplier", "max-epsilon", "delta"}
+KEYS = {
+    "allowed-runs", "allowed-strategies", "max-update-norm", "noise-multiplier", "max-epsilon", "delta",
+    "min-class-count",
+}
+SMALL_CELL_REASON = (
+    "site policy min-class-count: this site's training data has a class with too few records (which, and how "
+    "many, only in the site's log)"
+)
+"""What a small-cell refusal tells the coordinator: the class and its count would disclose the small cell."""
 PRIVACY_STATE = "site-privacy"
 """The `context.state` ConfigRecord where the site counts its noised replies (`participations`)."""
 
@@ -52,6 +65,9 @@ class SitePolicy:
     """The site's privacy budget: it refuses a round that would spend more (None: no budget)."""
     delta: float = 1e-5
     """The delta of the site's own epsilon."""
+    min_class_count: int | None = None
+    """Small-cell suppression: the site refuses to train while a class of its training split has 1 to
+    min_class_count - 1 records (None: no minimum)."""
 
     def __post_init__(self) -> None:
         if self.max_update_norm is not None and not (math.isfinite(self.max_update_norm) and self.max_update_norm > 0):
@@ -64,6 +80,8 @@ class SitePolicy:
             raise PolicyError(f"max-epsilon must be a positive number, got {self.max_epsilon!r}")
         if not 0 < self.delta < 1:
             raise PolicyError(f"delta must be in (0, 1), got {self.delta!r}")
+        if self.min_class_count is not None and self.min_class_count < 2:
+            raise PolicyError(f"min-class-count must be an integer >= 2, got {self.min_class_count!r}")
 
     def refusal(self, run_id: int, strategy: str) -> str:
         """Why this site refuses to work for the run, or "" when it may."""
@@ -84,6 +102,24 @@ class SitePolicy:
             return ""
         shown = "no central DP, infinite" if math.isinf(spend) else f"{spend:.4g}"
         return f"privacy budget: this round would bring the site's epsilon to {shown}, over its max-epsilon {self.max_epsilon:g}"
+
+    def small_cell_refusal(self, counts: Mapping[str, int]) -> str:
+        """Why the site will not train on a split with these records per class, or "" when it may. For the
+        site's log only: it names classes and counts, the very cells it suppresses (SMALL_CELL_REASON leaves).
+
+        A class with no records is not a small cell (usual small-cell rules suppress 1..k-1): a count of zero
+        discloses no one, and a non-IID site often lacks some of the task's classes."""
+        if self.min_class_count is None:
+            return ""
+        if not counts:
+            return "min-class-count counts records per class, and this run's task has no class labels; remove the key"
+        small = [f"class {name!r} has {count}" for name, count in counts.items() if 0 < count < self.min_class_count]
+        if not small:
+            return ""
+        return (
+            f"small cells: {', '.join(small)} training record(s), under the policy's min-class-count "
+            f"{self.min_class_count}; add records of that class, merge it into another, or lower min-class-count"
+        )
 
     def decline(self, message: Message, reason: str) -> Message:
         """The error reply of a refused round (the coordinator audits it as site-declined)."""
@@ -152,6 +188,7 @@ def load_policy(path: str | Path) -> SitePolicy:
             noise_multiplier=_number(values.get("noise-multiplier", 0.0)),
             max_epsilon=_number(values.get("max-epsilon")),
             delta=_number(values.get("delta", 1e-5)),
+            min_class_count=_integer(values, "min-class-count"),
         )
     except PolicyError as error:
         raise PolicyError(f"{path}: {error}") from error
@@ -178,6 +215,13 @@ def _tuple(values: dict, key: str, kind: type) -> tuple | None:
     if not isinstance(items, list) or not all(isinstance(item, kind) and not isinstance(item, bool) for item in items):
         raise PolicyError(f"{key} must be a list of {kind.__name__}, got {items!r}")
     return tuple(items)
+
+
+def _integer(values: dict, key: str) -> int | None:
+    value = values.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise PolicyError(f"{key} must be an integer, got {value!r}")
+    return value
 
 
 def _number(value: object) -> float | None:

@@ -79,18 +79,22 @@ class JoinReply(_message.Message):
     def __init__(self, site_name: _Optional[str] = ..., node_id: _Optional[int] = ..., run_id: _Optional[int] = ..., run_config: _Optional[bytes] = ..., site_index: _Optional[int] = ...) -> None: ...
 
 class PullMessageRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("last_run_id",)
+    LAST_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    last_run_id: int
+    def __init__(self, last_run_id: _Optional[int] = ...) -> None: ...
 
 class PullMessageReply(_message.Message):
-    __slots__ = ("has_message", "envelope", "poll_after_s")
+    __slots__ = ("has_message", "envelope", "poll_after_s", "last_run_status")
     HAS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ENVELOPE_FIELD_NUMBER: _ClassVar[int]
     POLL_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_RUN_STATUS_FIELD_NUMBER: _ClassVar[int]
     has_message: bool
     envelope: Envelope
     poll_after_s: float
-    def __init__(self, has_message: _Optional[bool] = ..., envelope: _Optional[_Union[Envelope, _Mapping]] = ..., poll_after_s: _Optional[float] = ...) -> None: ...
+    last_run_status: str
+    def __init__(self, has_message: bool = ..., envelope: _Optional[_Union[Envelope, _Mapping]] = ..., poll_after_s: _Optional[float] = ..., last_run_status: _Optional[str] = ...) -> None: ...
 
 class GetChunksRequest(_message.Message):
     __slots__ = ("sha256",)
@@ -128,4 +132,4 @@ class PushReplyReply(_message.Message):
     __slots__ = ("duplicate",)
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     duplicate: bool
-    def __init__(self, duplicate: _Optional[bool] = ...) -> None: ...
+    def __init__(self, duplicate: bool = ...) -> None: ...

@@ -5,7 +5,7 @@ import warnings
 
 from hydrafl.proto import coordinator_pb2 as hydrafl_dot_proto_dot_coordinator__pb2
 
-GRPC_GENERATED_VERSION = '1.81.1'
+GRPC_GENERATED_VERSION = '1.78.2'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class CoordinatorStub:
+class CoordinatorStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -66,7 +66,7 @@ class CoordinatorStub:
                 _registered_method=True)
 
 
-class CoordinatorServicer:
+class CoordinatorServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Join(self, request, context):
@@ -152,7 +152,7 @@ def add_CoordinatorServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Coordinator:
+class Coordinator(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

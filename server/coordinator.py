@@ -217,6 +217,7 @@ class Coordinator:
             return
         cfg = dataclasses.replace(stored, run_dir=str(self.config.runs_dir / str(run.id)), resume=True)
         self.store.set_run_status(run.id, "running")
+        log.info("run %d started: %s, %d rounds, %d sites required", run.id, cfg.strategy, cfg.rounds, cfg.required_sites)
         self.service.latencies.clear()  # push_latency.tsv describes this run only
         grid = LeasedGrid(self.store, self.blobs, self.service, run.id, lease=self.lease)
 
@@ -239,11 +240,15 @@ class Coordinator:
         finally:
             self._write_latencies(run.id)
         self.store.set_run_status(run.id, "finished", rounds_done=cfg.rounds)
+        last = history[-1] if history else {}
+        log.info("run %d finished after %d rounds: loss %s, accuracy %s", run.id, cfg.rounds,
+                 _number(last.get("loss")), _number(last.get("accuracy")))
 
     def drive_server_app(self, run: Run) -> None:
         """A stock Flower ServerApp, called once on this coordinator's grid. Like Flower's runtime, this does not
         resume an app: a run left running by a stopped coordinator starts again from its beginning."""
         self.store.set_run_status(run.id, "running", rounds_done=0)
+        log.info("run %d started: ServerApp %s", run.id, run.server_app)
         self.service.latencies.clear()
         grid = StockAppGrid(self.store, self.blobs, self.service, run.id, lease=self.lease)
         try:
@@ -263,9 +268,14 @@ class Coordinator:
         finally:
             self._write_latencies(run.id)
         self.store.set_run_status(run.id, "finished", rounds_done=grid.train_rounds)
+        log.info("run %d finished: ServerApp %s, %d rounds", run.id, run.server_app, grid.train_rounds)
 
     def _write_latencies(self, run_id: int) -> None:
         """push_latency.tsv in the run's folder: per-site P50/P99 of this run's pushes."""
         run_dir = self.config.runs_dir / str(run_id)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "push_latency.tsv").write_text(self.service.latency_table())
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"

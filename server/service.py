@@ -124,6 +124,7 @@ class CoordinatorService:
         site = self._site(context)
         with self._bounded(site, context):
             run = next((r for r in self.store.runs() if r.status == "running"), None)
+            log.info("site %s joined (node %d)%s", site.name, site.node_id, f"; run {run.id} is running" if run else "")
             return pb.JoinReply(
                 site_name=site.name,
                 node_id=site.node_id,
@@ -139,8 +140,14 @@ class CoordinatorService:
             if outbound is None:
                 if self.ledger.pending_bytes(site.node_id):  # nothing left to answer: its pending uploads expire
                     self._free_uploads(site.node_id)
-                return pb.PullMessageReply(has_message=False, poll_after_s=POLL_AFTER_S)
+                return pb.PullMessageReply(has_message=False, poll_after_s=POLL_AFTER_S,
+                                           last_run_status=self._run_status(request.last_run_id))
             return pb.PullMessageReply(has_message=True, envelope=pb.Envelope.FromString(outbound.envelope))
+
+    def _run_status(self, run_id: int) -> str:
+        """The status of the run a site last answered for, so it can say when that run ended; only the word
+        (a failure's detail stays with the operators)."""
+        return (self.store.run_status(run_id) or "") if run_id else ""
 
     def GetChunks(self, request: pb.GetChunksRequest, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
         site = self._site(context)

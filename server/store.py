@@ -255,6 +255,11 @@ class Store:
             raise ValueError(f"no run {run_id}; `hydrafl admin run list` shows the runs")
         return run
 
+    def run_status(self, run_id: int) -> str | None:
+        """A run's status alone (sites ask it on every idle poll: the history is not read); None if no run."""
+        with self.session() as session:
+            return session.scalar(select(Run.status).where(Run.id == run_id))
+
     def next_run(self) -> Run | None:
         """The run to drive: one left running by a crashed coordinator first, else the oldest pending one."""
         with self.session() as session:

@@ -22,9 +22,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_hydrafl(*args: str, env: dict, log: Path) -> subprocess.Popen:
+def start_hydrafl(*args: str, env: dict, log: Path, verbose: bool = True) -> subprocess.Popen:
     with log.open("a") as handle:
-        return subprocess.Popen([sys.executable, "-m", "hydrafl", *args, "-v"], env=env, stdout=handle, stderr=handle)
+        command = [sys.executable, "-m", "hydrafl", *args, *(["-v"] if verbose else [])]
+        return subprocess.Popen(command, env=env, stdout=handle, stderr=handle)
 
 
 def wait_serving(address: str, timeout_s: float = 60, process: subprocess.Popen | None = None) -> None:

@@ -22,14 +22,18 @@ console = Console(stderr=True)
 DbOption = Annotated[str | None, typer.Option("--db", help="SQLAlchemy URL (default: SQLite in $HYDRAFL_HOME).")]
 
 
-def setup_logging(verbose: bool) -> None:
-    """INFO with --verbose, else WARNING, through rich on stderr; Flower's loggers follow the same level."""
+def setup_logging(verbose: bool, *, quiet_rounds: bool = False) -> None:
+    """Through rich on stderr: hydrafl's own events (a site joins, each round, a run ends) at INFO, and with
+    --verbose its DEBUG details and Flower's INFO; other libraries say warnings only. `quiet_rounds` (simulate,
+    whose progress bars or per-round lines already say it) keeps hydrafl at WARNING without --verbose."""
     logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
+        level=logging.WARNING,
         format="%(message)s",
         handlers=[RichHandler(console=console, show_path=False)],
         force=True,
     )
+    own = logging.DEBUG if verbose else logging.WARNING if quiet_rounds else logging.INFO
+    logging.getLogger("hydrafl").setLevel(own)
     flower = logging.getLogger("flwr")
     flower.setLevel(logging.INFO if verbose else logging.WARNING)
     flower.propagate = False  # Flower has its own console handler

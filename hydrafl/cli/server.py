@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
-from hydrafl.cli.common import DbOption, console, fail, fail_one_line, setup_logging
+from hydrafl.cli.common import DbOption, console, fail_one_line, setup_logging, warn
 
 if TYPE_CHECKING:
     from hydrafl.server.config import CoordinatorConfig
+    from hydrafl.server.dashboard import Dashboard, DashboardConfig
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -32,30 +33,44 @@ def server(
         float | None,
         typer.Option(help="Seconds without a heartbeat after which another coordinator may take over (default 30)."),
     ] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every round.")] = False,
+    dashboard: Annotated[
+        str | None,
+        typer.Option(help="HOST:PORT (or PORT, on loopback) to serve the read-only web dashboard and /metrics on."),
+    ] = None,
+    dashboard_token: Annotated[
+        str | None,
+        typer.Option(envvar="HYDRAFL_DASHBOARD_TOKEN", show_envvar=True, help="Admin token the dashboard asks for."),
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also log details and Flower's own messages (joins, rounds and run ends are always logged).")] = False,
 ) -> None:
     """Run the coordinator: serves sites over gRPC and drives queued runs."""
-    flags = {k.replace("_", "-"): v for k, v in locals().items() if v is not None and k not in ("config", "verbose")}
+    own = ("config", "verbose", "dashboard", "dashboard_token")
+    flags = {k.replace("_", "-"): v for k, v in locals().items() if v is not None and k not in own}
     from hydrafl.server.config import CoordinatorConfig
+    from hydrafl.server.dashboard import DashboardConfig
     from hydrafl.validation import ConfigError
 
     setup_logging(verbose)
     try:
         coordinator_config = CoordinatorConfig.load(config, flags)
+        board = DashboardConfig(listen=dashboard, token=dashboard_token or "") if dashboard else None
     except ConfigError as error:
-        fail(escape(str(error)), 2)
-    serve(coordinator_config)
+        fail_one_line(str(error), 2)
+    serve(coordinator_config, board)
 
 
-def serve(config: CoordinatorConfig) -> None:
-    """Start a coordinator on `config` and drive runs until interrupted; refusals exit 2, a lost lease 1."""
+def serve(config: CoordinatorConfig, dashboard: DashboardConfig | None = None) -> None:
+    """Start a coordinator on `config` (and its dashboard) and drive runs until interrupted; refusals exit 2, a
+    lost lease 1."""
     from hydrafl.server.coordinator import Coordinator, LeaseLost
+    from hydrafl.server.dashboard import Dashboard
     from hydrafl.server.store import LeaseHeld
     from hydrafl.server.tls import plaintext_warning
 
     config.home.mkdir(parents=True, exist_ok=True)
     try:
         coordinator = Coordinator(config)
+        board = None if dashboard is None else Dashboard(dashboard, coordinator.store, config.runs_dir, coordinator.service)
         coordinator.start()
     except (OSError, LeaseHeld) as error:
         fail_one_line(str(error), 2)
@@ -67,6 +82,8 @@ def serve(config: CoordinatorConfig) -> None:
         f"coordinator on {escape(config.listen)} ({mode}); database {escape(config.db_url)}; blobs {config.blob_dir}; "
         f"runs {config.runs_dir}"
     )
+    if board is not None:
+        _start_dashboard(board)
     try:
         coordinator.serve_forever()
     except KeyboardInterrupt:
@@ -74,4 +91,15 @@ def serve(config: CoordinatorConfig) -> None:
     except LeaseLost as error:
         fail_one_line(str(error), 1)
     finally:
+        if board is not None:
+            board.stop()
         coordinator.stop()
+
+
+def _start_dashboard(board: Dashboard) -> None:
+    """Serve it, and say where; off loopback, warn that it is plain HTTP."""
+    warning = board.config.plaintext_warning
+    if warning:
+        warn(warning)
+    board.start()
+    console.print(f"dashboard on {escape(board.url)} (open {escape(board.url)}/?token=... once; /metrics for Prometheus)")

@@ -13,7 +13,7 @@ import typer
 from click.core import ParameterSource
 from rich.markup import escape
 
-from hydrafl.cli.common import console, fail, setup_logging, warn
+from hydrafl.cli.common import console, fail, fail_one_line, setup_logging, warn
 
 if TYPE_CHECKING:
     from flwr.clientapp import ClientApp
@@ -52,12 +52,12 @@ def site(
     tls_ca: Annotated[Path | None, typer.Option(help="CA that signed the coordinator's certificate (PEM); enables TLS.")] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="This site's certificate (PEM), for mutual TLS.")] = None,
     tls_key: Annotated[Path | None, typer.Option(help="This site's private key (PEM), for mutual TLS.")] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every message.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also log every message and Flower's own messages (joining, rounds and run ends are always logged).")] = False,
 ) -> None:
     """Join a coordinator as a hospital site (outbound connection only) and train when asked."""
     import grpc
 
-    from hydrafl.client.agent import SiteAgent, SiteRefused
+    from hydrafl.client.agent import SiteAgent, SiteRefused, Unreachable
     from hydrafl.site_policy import PolicyError, SitePolicy, load_policy
     from hydrafl.client.tls import SiteTls, plaintext_warning
     from hydrafl.site_config import SiteConfig
@@ -97,6 +97,8 @@ def site(
         agent.run()
     except SiteRefused as error:
         fail(f"the coordinator refused this site: {error}", 3)
+    except Unreachable as error:
+        fail_one_line(str(error), 2)
     except grpc.RpcError as error:  # not a coordinator, or one that answers an error no retry will fix
         fail(f"{coordinator} answered {error.code().name}: {error.details()}", 1)
     except KeyboardInterrupt:

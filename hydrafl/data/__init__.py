@@ -64,7 +64,7 @@ def load_cohort(
     else:
         if task not in _GENERATORS:
             raise DataError(
-                f"unknown task {task!r}; choose one of {', '.join(TASKS + NEXT_TOKEN_TASKS)}, or pass data_path for "
+                f"unknown task {task!r}; choose one of {', '.join(TASKS + NEXT_TOKEN_TASKS)}, or pass --data for "
                 "your own data"
             )
         generator = _GENERATORS[task]

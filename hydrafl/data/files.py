@@ -1,4 +1,5 @@
-"""A researcher's own data: a CSV or JSONL table (tabular or text) or a folder of labelled images.
+"""A researcher's own data: a CSV or JSONL table (tabular or text), a folder of labelled images, or a folder of
+DICOM studies with a `labels.csv` (`hydrafl.data.dicom`).
 
 Files come from hospital exports, so every problem is reported as a DataError that names the file, the
 1-based line and the column, and says how to fix it: a training run should never fail deep inside a model
@@ -22,6 +23,9 @@ from hydrafl.data.tokenizer import SEQ_LEN, VOCAB_SIZE, tokenize
 TABLE_SUFFIXES = (".csv", ".jsonl", ".ndjson")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
 
+LABELS_FILE = "labels.csv"
+"""The file that makes a folder a DICOM folder: one row per study (its file and label)."""
+
 Rows = list[tuple[int, list[str]]]  # (1-based line number, one cell per column)
 
 
@@ -29,11 +33,16 @@ def read_dataset(path: Path, label_column: str | None) -> tuple[TaskSpec, np.nda
     """The task, raw features and int64 labels of a file or image folder (features not yet standardised).
 
     Tables: tabular if every non-label column is numeric, text if there is exactly one other (text) column.
-    Image folders take their labels from sub-folder names, so `label_column` does not apply to them.
+    Image folders take their labels from sub-folder names, so `label_column` does not apply to them; a folder
+    holding a `labels.csv` is a DICOM folder, labelled by that file's `label_column` (default "label").
     """
     if not path.exists():
-        raise DataError(f"{path}: no such file or folder; check data_path")
+        raise DataError(f"{path}: no such file or folder; check --data")
     if path.is_dir():
+        if (path / LABELS_FILE).is_file():
+            from hydrafl.data.dicom import read_dicom_folder  # pydicom is loaded only for DICOM data
+
+            return read_dicom_folder(path, label_column)
         return _read_image_folder(path)
     suffix = path.suffix.lower()
     if suffix not in TABLE_SUFFIXES:
@@ -42,13 +51,14 @@ def read_dataset(path: Path, label_column: str | None) -> tuple[TaskSpec, np.nda
             "or a folder with one sub-folder of images per class"
         )
     try:
-        columns, rows = _read_csv(path) if suffix == ".csv" else _read_jsonl(path)
+        columns, rows = read_csv(path) if suffix == ".csv" else _read_jsonl(path)
     except UnicodeDecodeError as err:
         raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); re-export it as UTF-8") from err
     return _table_task(path, columns, rows, label_column)
 
 
-def _read_csv(path: Path) -> tuple[list[str], Rows]:
+def read_csv(path: Path) -> tuple[list[str], Rows]:
+    """The header and the non-blank rows of a CSV file, each row as long as the header (else a DataError)."""
     with path.open(newline="", encoding="utf-8-sig") as handle:
         reader = csv.reader(handle)
         header = next(reader, None)
@@ -157,7 +167,7 @@ def _table_task(
                     "sure its first value is not a number"
                 )
 
-    labels, class_names = _encode_labels(path, label_column, [cells[label_at] for _, cells in rows])
+    labels, class_names = encode_labels(path, label_column, [cells[label_at] for _, cells in rows])
     name = f"file:{path.name}"
     if text_columns:
         texts = [cells[features[0]] for _, cells in rows]
@@ -193,8 +203,9 @@ def _is_finite_number(value: str) -> bool:
     return _is_number(value) and math.isfinite(float(value))
 
 
-def _encode_labels(path: Path, label_column: str, values: list[str]) -> tuple[np.ndarray, tuple[str, ...]]:
-    """Class index = rank of the label among the sorted unique labels (numerically if all are numbers)."""
+def encode_labels(path: Path, label_column: str, values: list[str]) -> tuple[np.ndarray, tuple[str, ...]]:
+    """Int64 labels and the class names; class index = rank of the label among the sorted unique labels
+    (numerically if all are numbers), so every site that holds the same classes numbers them the same way."""
     unique = set(values)
     if all(_is_finite_number(value) for value in unique):
         class_names = tuple(sorted(unique, key=lambda value: (float(value), value)))
