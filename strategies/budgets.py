@@ -4,7 +4,7 @@ the untiered budget, and how sites score their layers and heads in the planning 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from hydrafl import protocol
 from hydrafl.strategies.planner import SitePlanner
@@ -23,6 +23,8 @@ class BudgetConfig(RobustConfig):
     """A site's budget: its tier (the run's `site_tiers` or its own), else these untiered fractions; with a
     round deadline or a declared memory, what fits them. The robust-rule knobs come with it: every strategy
     sized by a budget aggregates a masked sum (`robust`)."""
+
+    slices_transformer: ClassVar[bool] = True
 
     hydra_layers: float = 1.0
     """Fraction of the layers an untiered site trains."""

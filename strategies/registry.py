@@ -43,6 +43,9 @@ class StrategyConfig:
     """Sites add a proximal term to their loss (it does not combine with the lm-dual inner optimizer)."""
     probes_curvature: ClassVar[bool] = False
     """Before training, sites' curvature is probed to predict whether the outer optimizer is stable."""
+    slices_transformer: ClassVar[bool] = False
+    """Sites train a share of a transformer sized in layers, attention heads, FFN width or LoRA rank
+    (`subnet.families`): a model without them (the small CNN) cannot run the strategy."""
     secure_sum: ClassVar[bool] = False
     """The strategy needs only the weighted mean of the sites' updates, so it runs under secure aggregation
     (`secagg`), which hands it the sum alone; strategies that need each site's own update refuse it."""

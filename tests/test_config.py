@@ -24,16 +24,16 @@ def test_flags_and_toml_keys_build_one_frozen_config(tmp_path):
     [
         ({"roundz": 3}, "unknown key 'roundz'"),
         ({"rounds": "3"}, "key 'rounds' in options must be int"),
-        ({"rounds": 0}, "invalid rounds=0"),
+        ({"rounds": 0}, "invalid --rounds=0"),
         ({"inner-optimizer": "lion"}, "adamw, sgd, muon"),
         ({"backend": "spark"}, "inprocess, ray"),
-        ({"sites": 2, "min-sites": 3}, "invalid min-sites=3"),
+        ({"sites": 2, "min-sites": 3}, "invalid --min-sites=3"),
         ({"outer-momentum": 1.0}, "outer-momentum"),
         ({"strategies": "fedavg,fedavg"}, "no repeats"),
-        ({"hydra-lora": "stacked", "strategies": "hydra"}, "invalid hydra-lora='stacked'.*products, factors"),
+        ({"hydra-lora": "stacked", "strategies": "hydra"}, "invalid --hydra-lora='stacked'.*products, factors"),
         ({"hydra-lora": "products"}, "unknown key 'hydra-lora' in options; it is a knob of hydra, not of fedavg"),
         ({"outer-lr": 0.5, "strategies": "fedavg,fedprox"}, "it is a knob of diloco, hydra, not of fedavg, fedprox"),
-        ({"strategies": "fedavg,fedsgdx"}, "unknown strategy 'fedsgdx'; choose one of .*fedavg, fedprox"),
+        ({"strategies": "fedavg,fedsgdx"}, "--strategies: unknown strategy 'fedsgdx'; choose one of .*fedavg, fedprox"),
         ({"inner-optimizer": "lm-dual", "task": "clinical-notes-lm"}, "a classification task, nproc 1"),
         ({"inner-optimizer": "lm-dual", "nproc": 2}, "a classification task, nproc 1"),
         ({"inner-optimizer": "lm-dual", "strategies": "fedavg,fedprox"}, "without a proximal term"),
@@ -64,3 +64,28 @@ def test_unknown_strategy_lists_the_registry():
         RunConfig(strategy="fedsgdx")
     assert {"fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedmedian", "fedtrimmedavg",
             "krum", "diloco"} <= set(strategy_names())
+
+
+def test_the_small_cnn_refuses_what_slices_or_adapts_transformer_layers_before_any_run():
+    """On an image folder `tiny` is the small CNN: the Hydra-net strategies and the LoRA baselines (and LoRA at
+    all) need the tiny ViT, and say so by name; every other strategy runs on the CNN. Nothing opens the folder."""
+    from hydrafl.strategies.registry import config_class, strategy_names
+
+    for strategy in strategy_names():
+        options = config_class(strategy)
+        values = {"data": "scans", "strategy": strategy, "lora_rank": 4 if options.federates_lora else 0}
+        if options.slices_transformer:
+            with pytest.raises(ConfigError, match=f"--model vit with strategy {strategy}: it slices or adapts"):
+                RunConfig.build(**values)
+            assert RunConfig.build(**values, model="vit").model == "vit"
+        else:
+            assert RunConfig.build(**values).model == "tiny"
+    with pytest.raises(ConfigError, match="--model vit with lora-rank 4"):
+        RunConfig(data="scans", lora_rank=4)
+    with pytest.raises(ConfigError, match="--model vit with strategy flora"):
+        build_simulation_config({"data": "scans", "strategies": "fedavg,flora"})
+    assert RunConfig(task="chest-xray", strategy="hydra").model == "tiny"  # the synthetic x-rays keep the ViT
+    assert RunConfig(data="notes.csv", lora_rank=4).lora_rank == 4
+    for values in ({"task": "tabular", "model": "vit"}, {"data": "notes.csv", "model": "cnn"}):
+        with pytest.raises(ConfigError, match="vit and cnn need images"):
+            RunConfig(**values)

@@ -62,9 +62,9 @@ def test_cosine_goes_over_arrays_of_matching_name_and_shape():
 def test_screening_needs_two_updates_and_the_run_refuses_bad_settings():
     assert Screening(norm_factor=2.0, min_cosine=0.5).reasons({1: {"w": np.ones(3)}}) == {}
     assert not Screening().enabled and Screening(min_cosine=0.0).enabled
-    with pytest.raises(ConfigError, match=r"invalid screen-norm=0.5: expected 0 \(off\) or >= 1"):
+    with pytest.raises(ConfigError, match=r"invalid --screen-norm=0.5: expected 0 \(off\) or >= 1"):
         RunConfig(screen_norm=0.5)
-    with pytest.raises(ConfigError, match=r"invalid screen-cosine=1.5"):
+    with pytest.raises(ConfigError, match=r"invalid --screen-cosine=1.5"):
         RunConfig(screen_cosine=1.5)
 
 

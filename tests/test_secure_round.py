@@ -163,19 +163,19 @@ def test_a_subnetwork_strategy_sums_its_sites_slices_securely(strategy, outer_lr
 
 @pytest.mark.parametrize("strategy", ["fedmedian", "fedtrimmedavg", "krum", "flora", "hetlora", "flexlora"])
 def test_strategies_that_need_each_sites_update_refuse_secure_aggregation(strategy):
-    with pytest.raises(ConfigError, match=f"invalid secagg=True: expected off for strategy '{strategy}'"):
+    with pytest.raises(ConfigError, match=f"invalid --secagg=True: expected off for strategy '{strategy}'"):
         SMALL_RUN.replace(strategy=strategy, secagg=True, lora_rank=4)
 
 
 @pytest.mark.parametrize(("key", "value"), [("dp_clip", 1.0), ("screen_norm", 3.0), ("diagnostics", True),
                                             ("robust_rule", "median")])
 def test_what_needs_one_sites_update_at_the_coordinator_refuses_secure_aggregation(key, value):
-    with pytest.raises(ConfigError, match=f"invalid {key.replace('_', '-')}=.*with --secagg"):
+    with pytest.raises(ConfigError, match=f"invalid --{key.replace('_', '-')}=.*with --secagg"):
         TIERED_RUN.replace(secagg=True, **{key: value})
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"attack": "signflip", "attackers": 0.3}, "invalid attack='signflip': expected empty with --secagg"),
+    ({"attack": "signflip", "attackers": 0.3}, "invalid --attack='signflip': expected empty with --secagg"),
 ])
 def test_simulations_the_sites_cannot_mask_in_refuse_secure_aggregation(changes, message):
     with pytest.raises(ConfigError, match=message):

@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+from importlib.metadata import version
+from typing import Annotated
+
 import typer
 
 from hydrafl.cli import admin, server, simulate, site, stability
@@ -13,7 +16,23 @@ from hydrafl.cli import admin, server, simulate, site, stability
 app = typer.Typer(
     help="hydrafl: federated fine-tuning for hospital consortia.", no_args_is_help=True, pretty_exceptions_show_locals=False
 )
-app.command("simulate", context_settings=simulate.FLAG_SETTINGS)(simulate.simulate)
+
+
+def _show_version(show: bool) -> None:
+    if show:
+        typer.echo(f"hydrafl {version('hydrafl')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    _version: Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True,
+                                           help="Print hydrafl's version and exit.")] = False,
+) -> None:
+    """hydrafl: federated fine-tuning for hospital consortia."""
+
+
+app.command("simulate", context_settings=simulate.FLAG_SETTINGS, cls=simulate.KeysInHelp)(simulate.simulate)
 app.command("keys")(simulate.keys)
 app.command("strategies")(simulate.strategies)
 app.command("stability")(stability.stability)

@@ -17,6 +17,7 @@ from hydrafl.server_app import build_server_app, run_federation
 from hydrafl.site_app import client_app, run_cohort
 from hydrafl.config import RUN_WIDE_KEYS, RunConfig, SimulationConfig
 from hydrafl.rounds import RoundRecord
+from hydrafl.run_folders import claim
 from hydrafl.simulation.attacks import Attack, AttackedGrid
 from hydrafl.simulation.grid import InProcessGrid
 from hydrafl.site_pipeline import PipelineApp
@@ -32,9 +33,9 @@ OnRound = Callable[[RoundRecord], None]
 
 def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) -> dict[str, Any]:
     """Run every strategy of `config`, write results.json, report.md, plots and rounds.tsv to `config.out`."""
-    run_cohort(config.run)  # bad data fails here, once, with the file's own error message
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
+    run_cohort(config.run)  # bad data fails here, once, with the file's own error message
+    claim(out, config.run.resume)
     results: dict[str, Any] = {
         "config": {
             **{key: value for key, value in config.run.flat().items() if key in RUN_WIDE_KEYS},
@@ -55,9 +56,12 @@ def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) 
             run_cfg = config.run_config(strategy)
             task = progress.add_task(strategy, total=run_cfg.rounds, status="")
 
-            def on_round(record: RoundRecord, task: Any = task) -> None:
+            def on_round(record: RoundRecord, task: Any = task, strategy: str = strategy, total: int = run_cfg.rounds) -> None:
                 status = f"loss {record.loss:.3f} acc {record.accuracy:.3f}" if record.loss is not None else ""
                 progress.update(task, completed=record.round, status=status)
+                if show_progress and not progress.console.is_terminal:  # a log file gets a line per round
+                    progress.console.print(f"{strategy} round {record.round}/{total}: {status or 'no evaluation'}, "
+                                           f"{record.sites_ok} sites, {record.seconds:.1f} s", highlight=False)
 
             started = time.perf_counter()
             built = build_strategy(run_cfg) if config.backend == "inprocess" else None

@@ -65,7 +65,7 @@ def write_report(out: Path, results: dict[str, Any]) -> None:
         "# hydrafl strategy comparison",
         "",
         f"task `{config['data'] or config['task']}`, {config['sites']} sites, {config['rounds']} rounds, "
-        f"{config['local_steps']} local steps, partition `{config['partition'] or 'default'}`, seed {config['seed']}",
+        f"{config['local_steps']} local steps, partition `{config['partition'] or ('iid' if config['data'] else 'natural')}`, seed {config['seed']}",
         "",
         "| " + " | ".join(SUMMARY_COLUMNS) + " |",
         "|" + "---|" * len(SUMMARY_COLUMNS),
