@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from hydrafl.catalog import TABLE_SUFFIXES
 from hydrafl.data.image_cohort import IMAGE_SIZE
 from hydrafl.data.schema import DataError, TaskSpec
 from hydrafl.data.tokenizer import SEQ_LEN, VOCAB_SIZE, tokenize
 
-TABLE_SUFFIXES = (".csv", ".jsonl", ".ndjson")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
 
 LABELS_FILE = "labels.csv"
