@@ -35,7 +35,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table  # noqa: E402
 
 from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
-from hydrafl.config import ATTACKS, RunConfig, SimulationConfig  # noqa: E402
+from hydrafl.config import ATTACKS, RunConfig  # noqa: E402
+from hydrafl.simulation_config import SimulationConfig  # noqa: E402
 from hydrafl.simulation.compare import compare_strategies  # noqa: E402
 
 NAME = "robust"

@@ -4,19 +4,17 @@
 flat `run_config` (str/int/float/bool only, so "" means "not set"): the run-wide keys and the strategy's knobs
 side by side, every key kebab-case. The knobs belong to the strategy's `StrategyConfig` (`hydrafl.strategies`),
 so this module knows no strategy by name. `SimulationConfig` adds what `hydrafl simulate` needs to compare
-several strategies. TOML files use the CLI flag names. Nothing here imports torch, the cohorts or the kernels.
+several strategies (`hydrafl.simulation_config`). TOML files use the CLI flag names. Nothing here imports torch, the cohorts or the kernels.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from hydrafl.catalog import IMAGE_MODELS, INNER_OPTIMIZERS, NEXT_TOKEN_TASKS, SITE_TIERS, has_images, run_model
-from hydrafl.run_folders import new_run_folder
 from hydrafl.strategies.registry import (
     StrategyConfig,
     UnknownStrategy,
@@ -142,7 +140,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if self.strategy:  # "" is a site's view of the run: which strategy runs is the coordinator's business
-            options_class = _options_class(self.strategy)
+            options_class = checked_config_class(self.strategy)
             if self.options is None:
                 object.__setattr__(self, "options", options_class())
             _check(
@@ -262,12 +260,12 @@ class RunConfig:
         flat = {**self.flat(), **changes}
         if "strategy" in changes:
             keep = set(knob_names(config_class(changes["strategy"]))) | set(changes)
-            flat = {key: value for key, value in flat.items() if key in _RUN_KEYS or key in keep}
+            flat = {key: value for key, value in flat.items() if key in RUN_KEYS or key in keep}
         return RunConfig.build(**flat)
 
     def flat(self) -> dict[str, Any]:
         """Run-wide keys and knobs in one snake_case mapping."""
-        run = {name: getattr(self, name) for name in _RUN_KEYS}
+        run = {name: getattr(self, name) for name in RUN_KEYS}
         return {**run, **(dataclasses.asdict(self.options) if self.options is not None else {})}
 
     @property
@@ -312,15 +310,15 @@ class RunConfig:
         values = {key.replace("-", "_"): value for key, value in run_config.items()}
         strategy = str(values.get("strategy", "fedavg"))
         if other_knobs:
-            own = set(knob_names(_options_class(strategy)))
-            dropped = sorted(k for k in values if k not in _RUN_KEYS and k not in own and strategies_with(k))
+            own = set(knob_names(checked_config_class(strategy)))
+            dropped = sorted(k for k in values if k not in RUN_KEYS and k not in own and strategies_with(k))
             if dropped:
                 log.warning("%s: ignoring knobs of other strategies: %s", source, ", ".join(dropped))
             values = {k: v for k, v in values.items() if k not in dropped}
         run, knobs = _split(values, strategy, source)
-        options_class = _options_class(strategy)
-        knobs = {name: _coerce(options_class, name, name.replace("_", "-"), value, source) for name, value in knobs.items()}
-        return cls(**{name: _coerce(cls, name, name.replace("_", "-"), value, source) for name, value in run.items()},
+        options_class = checked_config_class(strategy)
+        knobs = {name: coerce(options_class, name, name.replace("_", "-"), value, source) for name, value in knobs.items()}
+        return cls(**{name: coerce(cls, name, name.replace("_", "-"), value, source) for name, value in run.items()},
                    options=options_class(**knobs))
 
     @staticmethod
@@ -328,7 +326,7 @@ class RunConfig:
         """Each key's default for a run of `strategy`, in `to_flower` form (not a valid run by itself: a
         LoRA-only strategy has no default rank)."""
         run = {f.name: f.default for f in dataclasses.fields(RunConfig) if f.name != "options"}
-        knobs = {f.name: f.default for f in dataclasses.fields(_options_class(strategy))}
+        knobs = {f.name: f.default for f in dataclasses.fields(checked_config_class(strategy))}
         return {name.replace("_", "-"): value for name, value in {**run, "strategy": strategy, **knobs}.items()}
 
     @classmethod
@@ -339,72 +337,14 @@ class RunConfig:
         return cls(**{name: values[name] for name in RUN_WIDE_KEYS if name in values}, strategy="")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SimulationConfig:
-    """`hydrafl simulate`: the same federation run once per strategy."""
-
-    run: RunConfig = field(default_factory=RunConfig)
-    """The run-wide settings; its strategy's knobs apply to every compared strategy that shares them."""
-    strategies: tuple[str, ...] = DEFAULT_STRATEGIES
-    """Comma-separated strategy names."""
-    knobs: dict[str, Any] = field(default_factory=dict)
-    """Strategy knobs (snake_case); each applies to every compared strategy that has it."""
-    backend: str = "inprocess"
-    """inprocess (default) or ray (needs hydrafl[ray])."""
-    out: str = ""
-    """Output folder; empty: a new folder under hydrafl-runs/ named by the start time, linked as
-    hydrafl-runs/latest. A folder holding an earlier run is refused unless the run resumes it."""
-    attack: str = ""
-    """Simulated attack by a fraction of the sites (`attackers`): signflip, scale, gaussian, alie or ipm; empty:
-    every site is honest (in-process backend only)."""
-    attackers: float = 0.0
-    """The fraction of the sites that attack (round(fraction x sites), a seeded choice fixed for the run)."""
-    site_policy: str = ""
-    """A site policy TOML (`hydrafl site --policy`) every simulated site applies to its replies: clipping, local
-    DP noise, max-epsilon."""
-
-    def __post_init__(self) -> None:
-        if not self.out:
-            object.__setattr__(self, "out", new_run_folder())
-        _check(len(self.strategies) >= 1, "strategies", self.strategies, "at least one strategy name")
-        _check(not self.attack or (self.attack in ATTACKS and self.backend == "inprocess"), "attack", self.attack,
-               f"empty, or one of {', '.join(ATTACKS)} on the inprocess backend")
-        _check(0 <= self.attackers < 1 and bool(self.attack) == (self.attackers > 0), "attackers", self.attackers,
-               "a fraction in (0, 1) with --attack, 0 without")
-        _check(not (self.run.secagg and self.attack), "attack", self.attack,
-               "empty with --secagg (the simulated attacks forge plain updates, which secure aggregation never sends)")
-        _check(self.backend in BACKENDS, "backend", self.backend, ", ".join(BACKENDS))
-        _check(len(set(self.strategies)) == len(self.strategies), "strategies", self.strategies, "no repeats")
-        for strategy in self.strategies:
-            _options_class(strategy, "--strategies")
-        for knob in self.knobs:
-            owners = [s for s in self.strategies if knob in knob_names(config_class(s))]
-            if not owners:
-                raise ConfigError(_unknown_key(knob.replace("_", "-"), "options", self.strategies, simulation=True))
-        for strategy in self.strategies:  # fail before the first strategy runs, not after it
-            self.run_config(strategy)
-
-    def run_config(self, strategy: str) -> RunConfig:
-        """The run of one strategy. A LoRA-only strategy compared in a run without LoRA (say flora next to
-        hydra and fedavg on the full model) trains adapters of rank `COMPARISON_LORA_RANK`; every other
-        strategy keeps the run as configured."""
-        options_class = config_class(strategy)
-        lora_rank = COMPARISON_LORA_RANK if options_class.federates_lora and not self.run.lora_rank else self.run.lora_rank
-        run_knobs = dataclasses.asdict(self.run.options)  # the run's own strategy's knobs, where they are shared
-        knobs = {name: value for name, value in {**run_knobs, **self.knobs}.items() if name in knob_names(options_class)}
-        return dataclasses.replace(
-            self.run, strategy=strategy, options=options_class(**knobs), run_dir=str(Path(self.out) / strategy),
-            lora_rank=lora_rank,
-        )
-
-
-_SIMULATION_KEYS = {"strategies", "backend", "out", "attack", "attackers", "site_policy"}
+SIMULATION_KEYS = {"strategies", "backend", "out", "attack", "attackers", "site_policy"}
+"""`hydrafl.simulation_config.SimulationConfig`'s own keys (valid in a comparison, not in one run)."""
 RUN_WIDE_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name not in ("options", "strategy"))
 """RunConfig's keys that are the same whichever strategy runs (snake_case)."""
-_RUN_KEYS = (*RUN_WIDE_KEYS, "strategy")
+RUN_KEYS = (*RUN_WIDE_KEYS, "strategy")
 
 
-def _options_class(strategy: str, flag: str = "--strategy") -> type[StrategyConfig]:
+def checked_config_class(strategy: str, flag: str = "--strategy") -> type[StrategyConfig]:
     try:
         return config_class(strategy)
     except UnknownStrategy as error:
@@ -413,19 +353,19 @@ def _options_class(strategy: str, flag: str = "--strategy") -> type[StrategyConf
 
 def _split(values: dict[str, Any], strategy: str, source: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Snake_case `values` as (run-wide keys, the strategy's knobs); anything else names the key."""
-    knobs_of_strategy = set(knob_names(_options_class(strategy)))
+    knobs_of_strategy = set(knob_names(checked_config_class(strategy)))
     run, knobs = {}, {}
     for name, value in values.items():
-        if name in _RUN_KEYS:
+        if name in RUN_KEYS:
             run[name] = value
         elif name in knobs_of_strategy:
             knobs[name] = value
         else:
-            raise ConfigError(_unknown_key(name.replace("_", "-"), source, (strategy,)))
+            raise ConfigError(unknown_key(name.replace("_", "-"), source, (strategy,)))
     return run, knobs
 
 
-def _unknown_key(key: str, source: str, strategies: tuple[str, ...], *, simulation: bool = False) -> str:
+def unknown_key(key: str, source: str, strategies: tuple[str, ...], *, simulation: bool = False) -> str:
     owners = strategies_with(key.replace("-", "_"))
     where = (
         f"it is a knob of {', '.join(owners)}, not of {', '.join(strategies)}"
@@ -445,43 +385,11 @@ def _numbers(text: str, key: str) -> tuple[float, ...]:
 def valid_keys(strategies: tuple[str, ...] = (), *, simulation: bool = False) -> list[str]:
     """Run-wide keys (and with `simulation` the comparison's), and the knobs of `strategies` (all if none)."""
     knobs = {k for s in strategies or strategy_names() for k in knob_names(config_class(s))}
-    keys = set(RUN_WIDE_KEYS) | knobs | (_SIMULATION_KEYS if simulation else {"strategy"})
+    keys = set(RUN_WIDE_KEYS) | knobs | (SIMULATION_KEYS if simulation else {"strategy"})
     return sorted(key.replace("_", "-") for key in keys)
 
 
-def build_simulation_config(values: dict[str, Any], *, source: str = "options") -> SimulationConfig:
-    """Build a config from flat key/values (TOML file and CLI flags merged); unknown keys are an error."""
-    run_values: dict[str, Any] = {}
-    sim_values: dict[str, Any] = {}
-    knob_values: dict[str, Any] = {}
-    for key, value in values.items():
-        name = key.replace("-", "_")
-        if name in _RUN_KEYS and name != "strategy":
-            run_values[name] = _coerce(RunConfig, name, key, value, source)
-        elif name in _SIMULATION_KEYS:
-            sim_values[name] = value
-        else:
-            knob_values[name] = (key, value)
-    if isinstance(sim_values.get("strategies"), str):
-        sim_values["strategies"] = tuple(s.strip() for s in sim_values["strategies"].split(",") if s.strip())
-    elif "strategies" in sim_values:
-        sim_values["strategies"] = tuple(sim_values["strategies"])
-    strategies = sim_values.get("strategies", DEFAULT_STRATEGIES)
-    for strategy in strategies:
-        _options_class(strategy, "--strategies")
-    knobs = {}
-    for name, (key, value) in knob_values.items():
-        owners = [s for s in strategies if name in knob_names(config_class(s))]
-        if not owners:
-            raise ConfigError(_unknown_key(key, source, tuple(strategies), simulation=True))
-        knobs[name] = _coerce(config_class(owners[0]), name, key, value, source)
-    try:
-        return SimulationConfig(run=RunConfig(**run_values), knobs=knobs, **sim_values)
-    except TypeError as error:
-        raise ConfigError(f"invalid configuration in {source}: {error}") from error
-
-
-def _coerce(cls: type, name: str, key: str, value: Any, source: str) -> Any:
+def coerce(cls: type, name: str, key: str, value: Any, source: str) -> Any:
     """Accept an int where a float is expected; reject any other type mismatch with the key named."""
     expected = {f.name: f.type for f in dataclasses.fields(cls)}[name]
     kind = {"int": int, "float": float, "str": str, "bool": bool}[expected]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from hydrafl.config import DEFAULT_STRATEGIES, RunConfig, SimulationConfig
+from hydrafl.config import DEFAULT_STRATEGIES, RunConfig
+from hydrafl.simulation_config import SimulationConfig
 from hydrafl.field_docs import field_docs
 from hydrafl.strategies.registry import config_class, strategies_with
 

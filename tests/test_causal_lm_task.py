@@ -14,12 +14,8 @@ from helpers import SMALL_RUN, TIERED_RUN
 from hydrafl import server_app, site_app
 from hydrafl.backbones import TinyShape, build_causal_lm
 from hydrafl.causal_lm import CausalLM, DistillationError
-from hydrafl.config import (
-    ConfigError,
-    RunConfig,
-    SimulationConfig,
-    build_simulation_config,
-)
+from hydrafl.config import ConfigError, RunConfig
+from hydrafl.simulation_config import SimulationConfig, build_simulation_config
 from hydrafl.data import DataError, load_cohort
 from hydrafl.data.notes_lm_cohort import IGNORE_INDEX
 from hydrafl.models import (

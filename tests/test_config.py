@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hydrafl.config import ConfigError, RunConfig, build_simulation_config
+from hydrafl.config import ConfigError, RunConfig
+from hydrafl.simulation_config import build_simulation_config
 from hydrafl.configfile import load_toml
 
 

@@ -19,7 +19,7 @@ from helpers import (
 )
 from hydrafl import server_app, site_app
 from hydrafl.arrays import from_record, record_nbytes, to_record
-from hydrafl.config import SimulationConfig
+from hydrafl.simulation_config import SimulationConfig
 from hydrafl.models import build_model, task_loss
 from hydrafl.simulation.compare import compare_strategies
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid

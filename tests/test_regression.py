@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from hydrafl.config import RunConfig, SimulationConfig
+from hydrafl.config import RunConfig
+from hydrafl.simulation_config import SimulationConfig
 from hydrafl.simulation.compare import compare_strategies
 
 BASELINE = Path(__file__).parent / "assets" / "regression.json"

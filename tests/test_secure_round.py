@@ -12,7 +12,7 @@ from flwr.clientapp import ClientApp
 from helpers import SMALL_RUN, TIERED_RUN
 
 from hydrafl import protocol, server_app, site_app
-from hydrafl.config import SimulationConfig
+from hydrafl.simulation_config import SimulationConfig
 from hydrafl.driver import RoundFailed
 from hydrafl.secagg import SecAggParams, quantisation_bound, wire
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid

@@ -54,7 +54,7 @@ def simulate(
     """
     from hydrafl.checkpoint import CheckpointError
     from hydrafl.cli.flags import parse_flags
-    from hydrafl.config import build_simulation_config
+    from hydrafl.simulation_config import build_simulation_config
     from hydrafl.config_keys import key_type
     from hydrafl.configfile import load_toml
     from hydrafl.data import DataError

@@ -15,7 +15,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from hydrafl.server_app import build_server_app, run_federation
 from hydrafl.site_app import client_app, run_cohort
-from hydrafl.config import RUN_WIDE_KEYS, RunConfig, SimulationConfig
+from hydrafl.config import RUN_WIDE_KEYS, RunConfig
+from hydrafl.simulation_config import SimulationConfig
 from hydrafl.rounds import RoundRecord
 from hydrafl.run_folders import claim
 from hydrafl.simulation.attacks import Attack, AttackedGrid

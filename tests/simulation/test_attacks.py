@@ -14,7 +14,8 @@ from helpers import SMALL_RUN
 
 from hydrafl import server_app, site_app
 from hydrafl.cli.flags import parse_flags
-from hydrafl.config import ConfigError, SimulationConfig, build_simulation_config
+from hydrafl.config import ConfigError
+from hydrafl.simulation_config import SimulationConfig, build_simulation_config
 from hydrafl.config_keys import key_type
 from hydrafl.simulation.attacks import Attack, AttackedGrid, alie_z, honest_statistics
 from hydrafl.simulation.compare import compare_strategies

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hydrafl.checkpoint import load_checkpoint
-from hydrafl.config import SimulationConfig
+from hydrafl.simulation_config import SimulationConfig
 from hydrafl.privacy.accountant import local_epsilon
 from hydrafl.secagg import SecAggParams, quantisation_bound
 from hydrafl.simulation.compare import _site_policy, run_strategy

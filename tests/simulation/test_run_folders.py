@@ -12,7 +12,7 @@ from helpers import SMALL_RUN
 from typer.testing import CliRunner
 
 from hydrafl.cli import app
-from hydrafl.config import SimulationConfig
+from hydrafl.simulation_config import SimulationConfig
 from hydrafl.run_folders import RUNS_DIR, earlier_run
 from hydrafl.simulation.compare import compare_strategies
 

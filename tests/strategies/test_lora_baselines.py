@@ -16,7 +16,8 @@ from helpers import SMALL_RUN, configure_round, make_reply, make_scores_reply
 
 from hydrafl import server_app, site_app
 from hydrafl.arrays import from_record, to_record
-from hydrafl.config import ConfigError, RunConfig, SimulationConfig
+from hydrafl.config import ConfigError, RunConfig
+from hydrafl.simulation_config import SimulationConfig
 from hydrafl.data import load_cohort
 from hydrafl.models import LoraSpec, build_model, federated_state, lora_base_state
 from hydrafl.simulation.compare import compare_strategies

@@ -14,7 +14,8 @@ from flwr.serverapp.strategy import FedAvg
 from helpers import SMALL_RUN
 
 from hydrafl.arrays import from_record, to_record
-from hydrafl.config import ConfigError, RunConfig, build_simulation_config
+from hydrafl.config import ConfigError, RunConfig
+from hydrafl.simulation_config import build_simulation_config
 from hydrafl.simulation.compare import compare_strategies
 from hydrafl.strategies import StrategyConfig, WeightedDeltaAccumulator, register
 from hydrafl.strategies.registry import describe

@@ -22,7 +22,7 @@ from helpers import (
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from hydrafl import server_app, site_app
-from hydrafl.config import SimulationConfig
+from hydrafl.simulation_config import SimulationConfig
 from hydrafl.data import TaskSpec
 from hydrafl.backbones import TinyShape, build_causal_lm, with_lora
 from hydrafl.models import build_model
