@@ -76,6 +76,13 @@ class CoordinatorService:
         with self._lock:
             return sorted(node for node, seen in self.last_seen.items() if seen >= horizon and node in active)
 
+    def seconds_since_seen(self) -> dict[int, float]:
+        """Node id -> seconds since the site's last authenticated call to this process (the dashboard's "last
+        call"; the database keeps no record of polls)."""
+        now_s = time.monotonic()
+        with self._lock:
+            return {node: now_s - seen for node, seen in self.last_seen.items()}
+
     # --- who is calling -------------------------------------------------------------------------------------
 
     def _site(self, context: grpc.ServicerContext) -> Site:
