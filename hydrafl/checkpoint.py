@@ -1,12 +1,15 @@
 """Per-round checkpoints of a run: global arrays, the strategy's own state, and the history so far.
 
 Written atomically (temp file + rename) so a crash mid-write leaves the previous round's checkpoint intact.
+`checkpoint.pkl` is always the newest; `archive_checkpoint` also keeps the last few rounds' checkpoints under
+`checkpoints/` (hard links, so the newest costs no second copy) for an operator to go back to.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,7 @@ from flwr.app import ArrayRecord
 from flwr.serverapp.strategy import Strategy
 
 CHECKPOINT_FILE = "checkpoint.pkl"
+ARCHIVE_DIR = "checkpoints"
 
 
 class CheckpointError(RuntimeError):
@@ -69,3 +73,23 @@ def load_checkpoint(run_dir: Path) -> Checkpoint | None:
     if not isinstance(checkpoint, Checkpoint):
         raise CheckpointError(f"{path} is not a hydrafl checkpoint")
     return checkpoint
+
+
+def archive_checkpoint(run_dir: Path, server_round: int) -> None:
+    """Keep `checkpoint.pkl`, just committed for `server_round`, as `checkpoints/round-NNNNN.pkl` too: a hard link,
+    so the newest checkpoint costs no second copy (`stale_checkpoints` says which older ones may go)."""
+    current = run_dir / CHECKPOINT_FILE
+    kept = run_dir / ARCHIVE_DIR / f"round-{server_round:05d}.pkl"
+    if not current.exists() or kept.exists():
+        return
+    kept.parent.mkdir(exist_ok=True)
+    try:
+        os.link(current, kept)
+    except OSError:  # a filesystem without hard links
+        shutil.copyfile(current, kept)
+
+
+def stale_checkpoints(run_dir: Path, keep: int) -> list[Path]:
+    """The kept checkpoints older than the newest `keep` (the newest is `checkpoint.pkl` itself, never stale)."""
+    rounds = sorted((run_dir / ARCHIVE_DIR).glob("round-*.pkl"))
+    return rounds[: max(len(rounds) - keep, 0)]

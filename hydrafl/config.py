@@ -74,7 +74,10 @@ class RunConfig:
     rounds: int = 15
     """Federated rounds."""
     min_sites: int = 0
-    """A round with fewer successful replies fails the run; 0 means every site must answer."""
+    """A round with fewer successful replies fails the run; 0 means every sampled site must answer."""
+    fraction_train: float = 1.0
+    """Fraction of the sites each training round samples (seeded, as Flower's strategies sample: int(sites x
+    fraction) of them, at least `--min-sites`); evaluation asks every site. 1 = every site trains every round."""
     round_timeout_s: float = 0.0
     """How long a round waits for replies; 0 waits for all."""
     site_wait_s: float = 120.0
@@ -154,7 +157,10 @@ class RunConfig:
         _check(self.local_steps >= 1, "local-steps", self.local_steps, "an integer >= 1")
         _check(self.batch_size >= 1, "batch-size", self.batch_size, "an integer >= 1")
         _check(self.samples_per_site >= 2, "samples-per-site", self.samples_per_site, "an integer >= 2")
-        _check(0 <= self.min_sites <= self.sites, "min-sites", self.min_sites, f"0..{self.sites} (0 = all sites)")
+        _check(0 < self.fraction_train <= 1 and self.sites_per_round >= 1, "fraction-train", self.fraction_train,
+               f"a fraction in (0, 1] that samples at least one of the {self.sites} sites")
+        _check(0 <= self.min_sites <= self.sites_per_round, "min-sites", self.min_sites,
+               f"0..{self.sites_per_round} (0 = every sampled site; at most the sites a round samples)")
         _check(self.lr > 0, "lr", self.lr, "a float > 0")
         _check(self.round_timeout_s >= 0, "round-timeout-s", self.round_timeout_s, "seconds >= 0")
         _check(
@@ -294,7 +300,12 @@ class RunConfig:
 
     @property
     def required_sites(self) -> int:
-        return self.min_sites or self.sites
+        return self.min_sites or self.sites_per_round
+
+    @property
+    def sites_per_round(self) -> int:
+        """The sites a training round samples (Flower's `int(sites x fraction_train)`)."""
+        return int(self.sites * self.fraction_train)
 
     def to_flower(self) -> dict[str, bool | int | float | str]:
         """Flower's `run_config` form (flat scalars, kebab-case keys)."""

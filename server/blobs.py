@@ -53,6 +53,19 @@ class BlobStore:
         """Every chunk stored in this namespace (not in nested namespaces)."""
         return [path.name for path in self.root.glob("??/*") if is_digest(path.name)]
 
+    def namespaces(self) -> list[int]:
+        """The node ids of the sites that have an upload namespace here (what a sweep walks)."""
+        folder = self.root / "sites"
+        return sorted(int(path.name) for path in folder.glob("*") if path.name.isdigit()) if folder.is_dir() else []
+
+    def partials(self) -> list[Path]:
+        """Temporary files of writes a crash cut short (this namespace): never a stored chunk."""
+        return list(self.root.glob("??/*.part"))
+
+    def stat(self, digest: str) -> os.stat_result:
+        """Size and modification time; a sweep spares chunks written or re-put recently."""
+        return self._path(digest).stat()
+
     def delete(self, digest: str) -> None:
         self._path(digest).unlink(missing_ok=True)
 
@@ -66,7 +79,12 @@ class BlobStore:
         """Store a chunk; False when it was already there. A chunk that does not hash to its name is refused."""
         path = str(self._path(digest))
         if os.path.exists(path):
-            return False
+            try:  # a fresh mtime: a sweep in another process that started before this put spares the chunk
+                os.utime(path)
+            except FileNotFoundError:  # swept just now: store it again below
+                pass
+            else:
+                return False
         if sha256(data) != digest:
             raise EnvelopeError(f"chunk {digest[:12]} fails its SHA-256 check ({len(data)} bytes received)")
         folder = os.path.dirname(path)

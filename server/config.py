@@ -21,7 +21,10 @@ from hydrafl.validation import ConfigError
 DEFAULT_LISTEN = "127.0.0.1:9091"
 LEASE_STALE_S = 30.0
 """A coordinator whose lease went unrenewed this long is presumed dead; it renews every sixth of it."""
-OPTION_KEYS = ("listen", "db", "blobs", "tls-cert", "tls-key", "tls-client-ca", "lease-stale-s")
+DEFAULT_KEEP_CHECKPOINTS = 2
+"""Each run keeps its last this many rounds' checkpoints (the newest is the model a finished run ends with)."""
+OPTION_KEYS = ("listen", "db", "blobs", "tls-cert", "tls-key", "tls-client-ca", "lease-stale-s", "keep-checkpoints")
+NUMBER_KEYS = ("lease-stale-s", "keep-checkpoints")
 """`hydrafl server`'s options without their dashes: the keys of its TOML file."""
 TLS_KEYS = ("tls-cert", "tls-key", "tls-client-ca")
 
@@ -46,6 +49,8 @@ class CoordinatorConfig:
     """Per-site bounds on what one site can make the coordinator do."""
     lease_stale_s: float = LEASE_STALE_S
     """Seconds without a heartbeat after which another coordinator may take this one's lease over."""
+    keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS
+    """Checkpoints kept per run (`server.retention`); older rounds' checkpoints, messages and chunks are deleted."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.listen, str) or not self.listen.strip():
@@ -56,6 +61,9 @@ class CoordinatorConfig:
         number = isinstance(stale_s, int | float) and not isinstance(stale_s, bool)
         if not (number and math.isfinite(stale_s) and stale_s > 0):
             raise ConfigError(f"lease-stale-s must be a positive number of seconds, got {stale_s!r}")
+        keep = self.keep_checkpoints
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise ConfigError(f"keep-checkpoints must be a whole number of at least 1, got {keep!r}")
 
     @classmethod
     def from_options(cls, values: Mapping[str, Any], *, source: str = "options") -> CoordinatorConfig:
@@ -65,13 +73,14 @@ class CoordinatorConfig:
         if unknown:
             raise ConfigError(f"unknown key {unknown[0]!r} in {source}; valid keys: {', '.join(sorted(OPTION_KEYS))}")
         for key, value in values.items():
-            if key != "lease-stale-s" and not isinstance(value, str | Path):
+            if key not in NUMBER_KEYS and not isinstance(value, str | Path):
                 raise ConfigError(f"key {key!r} in {source} must be a string, got {value!r}")
         cert, key, client_ca = (Path(values[name]) if values.get(name) else None for name in TLS_KEYS)
         given: dict[str, Any] = {
             "tls": ServerTls.from_options(cert, key, client_ca),
             "listen": str(values.get("listen", DEFAULT_LISTEN)),
             "lease_stale_s": values.get("lease-stale-s", LEASE_STALE_S),
+            "keep_checkpoints": values.get("keep-checkpoints", DEFAULT_KEEP_CHECKPOINTS),
         }
         if values.get("db"):
             given["db_url"] = str(values["db"])

@@ -35,6 +35,7 @@ from hydrafl.rounds import RoundRecord
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.grid import CoordinatorGrid
+from hydrafl.server.retention import Retention
 from hydrafl.server.service import SERVER_OPTIONS, SERVICE_NAME, CoordinatorService, add_coordinator_service
 from hydrafl.server.stock_apps import ServerAppError, run_server_app
 from hydrafl.server.store import LeaseClaim, Run, Store, describe_lease, lease_age_s
@@ -171,6 +172,7 @@ class Coordinator:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = bind(self.server, config.listen, config.tls)
         self.lease = LeaseKeeper(self.store, listen=config.listen, stale_s=config.lease_stale_s)
+        self.retention = Retention(self.store, self.blobs, config.runs_dir, keep_checkpoints=config.keep_checkpoints)
         self.stopping = threading.Event()
 
     def start(self) -> None:
@@ -182,6 +184,7 @@ class Coordinator:
             self.server.stop(None)
             self.service.stop()
             raise
+        self.retention.sweep_orphans()  # what a sweep cut short by a crash left, before anything writes
         warning = plaintext_warning(self.config.listen, self.config.tls)
         if warning:
             log.warning(warning)
@@ -204,6 +207,7 @@ class Coordinator:
                 self.stopping.wait(idle_poll_s)
                 continue
             self.drive(run)
+            self.retention.after_run(run.id)
 
     def drive(self, run: Run) -> None:
         if run.server_app:
@@ -227,6 +231,7 @@ class Coordinator:
             self.lease.check()
             history[:] = [entry for entry in history if entry["round"] < record.round] + [dataclasses.asdict(record)]
             self.store.set_run_status(run.id, "running", rounds_done=record.round, history=history)
+            self.retention.after_checkpoint(run.id, record.round)  # the driver committed the checkpoint before
 
         try:
             run_federation(grid, cfg, on_round=progress)

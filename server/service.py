@@ -7,10 +7,10 @@ are bounded (`limits`), so one site can neither fail a round for the others nor 
 
 Status codes: wrong, missing or revoked token, or a client certificate of another site -> UNAUTHENTICATED; a
 reply to another site's message, a download of a chunk not addressed to this site -> PERMISSION_DENIED; a
-reply to a closed message or a finished run, an upload with nothing to answer -> FAILED_PRECONDITION;
-malformed request bytes, manifest, chunk hash mismatch, NaN/Inf, records a reply may not hold, a tensor the
-site was not sent -> INVALID_ARGUMENT with the reason; too many calls, streams, failed logins or unreferenced
-upload bytes -> RESOURCE_EXHAUSTED.
+reply to a closed message, to a round already swept (`retention`) or to a finished run, an upload with nothing to
+answer -> FAILED_PRECONDITION; malformed request bytes, manifest, chunk hash mismatch, NaN/Inf, records a reply
+may not hold, a tensor the site was not sent -> INVALID_ARGUMENT with the reason; too many calls, streams, failed
+logins or unreferenced upload bytes -> RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from hydrafl.proto.envelope import CHUNK_BYTES, MAX_REASON_CHARS, EnvelopeError,
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.limits import AuthThrottle, CallGuard, LimitExceeded, SiteLimits, UploadLedger
 from hydrafl.server.replies import allowed_reply_bytes, check_reply
+from hydrafl.server.retention import was_swept
 from hydrafl.server.store import FIRST_NODE_ID, OutboundMessage, Site, Store
 
 log = logging.getLogger(__name__)
@@ -226,6 +227,8 @@ class CoordinatorService:
         with self._bounded(site, context):
             envelope = request.envelope
             outbound = self.store.outbound(envelope.reply_to_message_id)
+            if outbound is None and was_swept(self.store, envelope.reply_to_message_id, site.node_id):
+                self._reject(context, site, grpc.StatusCode.FAILED_PRECONDITION, "its round is over; late reply refused")
             if outbound is None or outbound.node_id != site.node_id:
                 self._reject(context, site, grpc.StatusCode.PERMISSION_DENIED, "reply to a message not addressed to this site")
             if outbound.closed:

@@ -20,7 +20,6 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
-    Column,
     DateTime,
     Float,
     ForeignKey,
@@ -32,14 +31,14 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     delete,
-    inspect,
     select,
-    text,
     update,
 )
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+from hydrafl.server.migrations import prepare_schema
 
 FIRST_NODE_ID = 10_001
 LEASE_ROW = 1
@@ -184,10 +183,11 @@ def hash_token(token: str) -> str:
 class Store:
     """Typed operations on the database; every write is one transaction."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, upgrade: bool = True) -> None:
+        """Open the database at `url`: an empty one is created at the newest schema revision, an older one is
+        upgraded when `upgrade` (else SchemaError, as for one newer than this hydrafl)."""
         self.engine: Engine = create_engine(url)
-        Base.metadata.create_all(self.engine)
-        _add_missing_columns(self.engine)
+        prepare_schema(self.engine, upgrade=upgrade)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def session(self) -> Session:
@@ -417,29 +417,6 @@ class Store:
         """Give the lease up, so the next coordinator starts at once instead of waiting for it to go stale."""
         with self.session() as session, session.begin():
             session.execute(delete(CoordinatorLease).where(CoordinatorLease.holder == holder))
-
-
-ADDED_COLUMNS = (Run.__table__.c.server_app,)
-"""Nullable columns added since the first release: `create_all` makes missing tables, not missing columns."""
-
-
-def _add_missing_columns(engine: Engine) -> None:
-    """Add ADDED_COLUMNS to a database created before them, so it opens and its rows read as before. Two
-    processes opening the database together may both try; the loser's error is ignored once the column exists."""
-
-    def present(column: Column) -> bool:
-        return column.name in {existing["name"] for existing in inspect(engine).get_columns(column.table.name)}
-
-    for column in ADDED_COLUMNS:
-        if present(column):
-            continue
-        ddl = f"ALTER TABLE {column.table.name} ADD COLUMN {column.name} {column.type.compile(engine.dialect)}"
-        try:
-            with engine.begin() as connection:
-                connection.execute(text(ddl))
-        except DBAPIError:
-            if not present(column):
-                raise
 
 
 def _open_messages(node_id: int) -> Select:

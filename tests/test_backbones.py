@@ -49,7 +49,7 @@ def test_kv_heads_default_to_half_the_heads_when_even():
 def test_lora_adapts_exactly_the_attention_projections_of_the_family_table(family):
     build = {
         "bert": lambda: build_model(TEXT, shape=SHAPE),
-        "vit": lambda: build_model(IMAGE, shape=SHAPE),
+        "vit": lambda: build_model(IMAGE, model="vit", shape=SHAPE),
         "llama": lambda: build_causal_lm(40, shape=LLAMA, seed=0),
     }
     lora = with_lora(build[family](), rank=2, alpha=4)

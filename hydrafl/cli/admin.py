@@ -16,14 +16,17 @@ from rich.markup import escape
 from rich.table import Table
 
 from hydrafl.cli.common import DbOption, console, fail, fail_one_line, open_store, warn
+from hydrafl.cli.db import db_admin
 from hydrafl.trust import trust_lines, trust_summary
 
 if TYPE_CHECKING:
+    from hydrafl.server.retention import Retention
     from hydrafl.server.store import AuditEvent
 
 admin_app = typer.Typer(help="Administer a coordinator's database: sites (and runs).", no_args_is_help=True)
 site_admin = typer.Typer(help="Enrol, list and revoke hospital sites.", no_args_is_help=True)
 admin_app.add_typer(site_admin, name="site")
+admin_app.add_typer(db_admin, name="db")
 
 
 @site_admin.command("add")
@@ -217,3 +220,54 @@ def run_list(db: DbOption = None) -> None:
             f"{run.created_at:%Y-%m-%d %H:%M}",
         )
     Console().print(table)
+
+
+BlobsOption = Annotated[Path | None, typer.Option("--blobs", help="Blob folder (default: $HYDRAFL_HOME/blobs).")]
+RunsOption = Annotated[Path | None, typer.Option("--runs", help="Run folders (default: $HYDRAFL_HOME/runs).")]
+
+
+def _retention(db: str | None, blobs: Path | None, runs: Path | None, **options: object) -> Retention:
+    """The coordinator home's Retention, as a process beside the coordinator (`server.retention`)."""
+    from hydrafl.server.blobs import BlobStore
+    from hydrafl.server.paths import data_dir, default_blob_dir
+    from hydrafl.server.retention import Retention
+
+    store = open_store(db)
+    return Retention.beside(store, BlobStore(blobs or default_blob_dir()), runs or data_dir() / "runs", **options)
+
+
+@admin_app.command("gc")
+def gc(
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be deleted; delete nothing.")] = False,
+    keep_checkpoints: Annotated[int, typer.Option(min=1, help="Checkpoints kept per run folder.")] = 2,
+    db: DbOption = None,
+    blobs: BlobsOption = None,
+    runs: RunsOption = None,
+) -> None:
+    """Delete what no run needs any more: ended runs' messages, replies and chunks, older checkpoints, orphan
+    chunks. Runs keep their history, audit events and newest checkpoints. Safe beside a running coordinator."""
+    retention = _retention(db, blobs, runs, keep_checkpoints=keep_checkpoints, dry_run=dry_run)
+    report = retention.collect()
+    if retention.grace_s:
+        warn(f"a coordinator is serving: unreferenced chunks younger than {retention.grace_s:g} s are kept")
+    print(("would delete: " if dry_run else "deleted: ") + report.describe())
+
+
+@run_admin.command("delete")
+def run_delete(
+    run_id: Annotated[int, typer.Argument(help="Run id.")],
+    db: DbOption = None,
+    blobs: BlobsOption = None,
+    runs: RunsOption = None,
+) -> None:
+    """Delete a run that is not running: its folder, messages, replies, chunks, audit events and row (one
+    `run-deleted` audit event records it)."""
+    from hydrafl.server.retention import RunRunning
+
+    try:
+        report = _retention(db, blobs, runs).delete_run(run_id)
+    except RunRunning as error:
+        fail_one_line(str(error), 1)
+    except ValueError as error:
+        fail_one_line(str(error), 2)
+    print(f"deleted run {run_id}: {report.describe()}")

@@ -55,10 +55,15 @@ def warn(message: str) -> None:
 
 
 def open_store(db: str | None) -> Store:
-    """The coordinator's database at `db`, or the default SQLite file in $HYDRAFL_HOME (created if missing)."""
+    """The coordinator's database at `db`, or the default SQLite file in $HYDRAFL_HOME (created if missing).
+    An older schema is refused, not upgraded: `hydrafl admin db upgrade` or the coordinator's start does that."""
+    from hydrafl.server.migrations import SchemaError
     from hydrafl.server.paths import data_dir, default_db_url
     from hydrafl.server.store import Store
 
     if db is None:
         data_dir().mkdir(parents=True, exist_ok=True)
-    return Store(db or default_db_url())
+    try:
+        return Store(db or default_db_url(), upgrade=False)
+    except SchemaError as error:
+        fail_one_line(str(error), 2)

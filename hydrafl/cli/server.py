@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from hydrafl.server.config import CoordinatorConfig
     from hydrafl.server.dashboard import Dashboard, DashboardConfig
 
+CLI_ONLY_OPTIONS = ("config", "verbose", "dashboard", "dashboard_token")
+"""`server`'s options that are not CoordinatorConfig's (its TOML keys)."""
+
 
 def _interrupt(signum: int, frame: object) -> None:
     """SIGTERM (docker stop, systemd) stops the coordinator as Ctrl-C does: it releases its database lease."""
@@ -33,6 +36,10 @@ def server(
         float | None,
         typer.Option(help="Seconds without a heartbeat after which another coordinator may take over (default 30)."),
     ] = None,
+    keep_checkpoints: Annotated[
+        int | None,
+        typer.Option(help="Checkpoints each run keeps (default 2); checkpointed rounds' messages and chunks go."),
+    ] = None,
     dashboard: Annotated[
         str | None,
         typer.Option(help="HOST:PORT (or PORT, on loopback) to serve the read-only web dashboard and /metrics on."),
@@ -44,8 +51,7 @@ def server(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also log details and Flower's own messages (joins, rounds and run ends are always logged).")] = False,
 ) -> None:
     """Run the coordinator: serves sites over gRPC and drives queued runs."""
-    own = ("config", "verbose", "dashboard", "dashboard_token")
-    flags = {k.replace("_", "-"): v for k, v in locals().items() if v is not None and k not in own}
+    flags = {k.replace("_", "-"): v for k, v in locals().items() if v is not None and k not in CLI_ONLY_OPTIONS}
     from hydrafl.server.config import CoordinatorConfig
     from hydrafl.server.dashboard import DashboardConfig
     from hydrafl.validation import ConfigError
@@ -64,15 +70,17 @@ def serve(config: CoordinatorConfig, dashboard: DashboardConfig | None = None) -
     lost lease 1."""
     from hydrafl.server.coordinator import Coordinator, LeaseLost
     from hydrafl.server.dashboard import Dashboard
+    from hydrafl.server.migrations import SchemaError
     from hydrafl.server.store import LeaseHeld
     from hydrafl.server.tls import plaintext_warning
 
     config.home.mkdir(parents=True, exist_ok=True)
     try:
         coordinator = Coordinator(config)
-        board = None if dashboard is None else Dashboard(dashboard, coordinator.store, config.runs_dir, coordinator.service)
+        board = None if dashboard is None else Dashboard(dashboard, coordinator.store, config.runs_dir,
+                                                          coordinator.service)
         coordinator.start()
-    except (OSError, LeaseHeld) as error:
+    except (OSError, LeaseHeld, SchemaError) as error:
         fail_one_line(str(error), 2)
     signal.signal(signal.SIGTERM, _interrupt)
     mode = config.transport
@@ -102,4 +110,5 @@ def _start_dashboard(board: Dashboard) -> None:
     if warning:
         warn(warning)
     board.start()
-    console.print(f"dashboard on {escape(board.url)} (open {escape(board.url)}/?token=... once; /metrics for Prometheus)")
+    url = escape(board.url)
+    console.print(f"dashboard on {url} (a browser opens {url}/?token=... once; Prometheus scrapes {url}/metrics)")

@@ -35,6 +35,7 @@ OnRound = Callable[[RoundRecord], None]
 def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) -> dict[str, Any]:
     """Run every strategy of `config`, write results.json, report.md, plots and rounds.tsv to `config.out`."""
     out = Path(config.out)
+    policy = _site_policy(config.site_policy)
     run_cohort(config.run)  # bad data fails here, once, with the file's own error message
     claim(out, config.run.resume)
     results: dict[str, Any] = {
@@ -50,7 +51,6 @@ def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) 
         "strategies": {},
     }
     attack = Attack(name=config.attack, fraction=config.attackers, seed=config.run.seed) if config.attack else None
-    policy = _site_policy(config.site_policy)
     columns = (TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"))
     with Progress(*columns, TimeElapsedColumn(), disable=not show_progress) as progress:
         for strategy in config.strategies:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from postgres_server import postgres_server
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, text
 
 from hydrafl.server.store import Base
 
@@ -22,5 +22,8 @@ def db_url(request, tmp_path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'coordinator.db'}"
     url = request.getfixturevalue("postgres_url")
-    Base.metadata.drop_all(create_engine(url))  # each test starts from an empty database
+    engine = create_engine(url)
+    Base.metadata.drop_all(engine)  # each test starts from an empty database, its schema revision included
+    with engine.begin() as connection:
+        connection.execute(text("DROP TABLE IF EXISTS alembic_version"))
     return url

@@ -40,7 +40,7 @@ def test_a_toml_file_is_read_and_flags_win_over_it(tmp_path):
 @pytest.mark.parametrize(
     ("text", "named"),
     [
-        ('lisen = "127.0.0.1:1"\n', "unknown key 'lisen' in .*coordinator.toml; valid keys: blobs, db, lease-stale-s"),
+        ('lisen = "127.0.0.1:1"\n', "unknown key 'lisen' in .*coordinator.toml; valid keys: blobs, db, keep-checkpoints, lease-stale-s"),
         ("listen = 9091\n", "key 'listen' in .*coordinator.toml must be a string, got 9091"),
         ("lease-stale-s = -1\n", "lease-stale-s must be a positive number of seconds, got -1"),
         ('lease-stale-s = "soon"\n', "lease-stale-s must be a positive number of seconds, got 'soon'"),

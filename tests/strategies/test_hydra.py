@@ -195,7 +195,7 @@ SHAPE = TinyShape(hidden=32, layers=3, heads=4, intermediate=48, patch_size=8)
 def test_layout_slices_equal_trainable_slices_of_the_live_model(family):
     model = {
         "bert": lambda: build_model(TEXT, shape=SHAPE),
-        "vit": lambda: build_model(IMAGE, shape=SHAPE),
+        "vit": lambda: build_model(IMAGE, model="vit", shape=SHAPE),
         "llama": lambda: build_causal_lm(40, shape=TinyShape(hidden=32, layers=3, heads=4, kv_heads=2)),
     }[family]()
     layout = slice_layout(model)

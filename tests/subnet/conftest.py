@@ -25,7 +25,7 @@ def bert():
 @pytest.fixture
 def vit():
     """hydrafl Classifier around ViTForImageClassification: 16 px, patch 8 (5 tokens), 3 layers, 4 heads."""
-    return build_model(IMAGE, seed=0, shape=SHAPE)
+    return build_model(IMAGE, model="vit", seed=0, shape=SHAPE)
 
 
 @pytest.fixture

@@ -1,0 +1,1 @@
+"""The coordinator schema's revisions, oldest first: Alembic reads them as files (this module is skipped)."""
