@@ -57,6 +57,11 @@ log = logging.getLogger(__name__)
 
 MIN_IDLE_POLL_S = 0.05
 MAX_IDLE_POLL_S = 2.0
+LONG_POLL_S = 10.0
+"""How long the coordinator may hold an idle PullMessage until a message comes (it answers at once on one)."""
+PULL_MARGIN_S = 30.0
+"""A PullMessage's deadline beyond the wait it asks for (a coordinator that stops answering is retried)."""
+STOP_CHECK_S = 0.1
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 REFUSED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 ENDED = ("finished", "failed")
@@ -157,11 +162,16 @@ class SiteAgent:
         log.info("joined as %s (node %d)", joined.site_name, joined.node_id)
         idle_wait, last_run = 0.0, 0
         while not stop.is_set():
-            pulled = stub.PullMessage(pb.PullMessageRequest(last_run_id=last_run), metadata=self.metadata)
+            pulled = self._pull(stub, pb.PullMessageRequest(last_run_id=last_run, wait_s=LONG_POLL_S), stop)
+            if pulled is None:
+                return
             if not pulled.has_message:  # back off while idle, so many waiting sites cost the coordinator little
                 if last_run and pulled.last_run_status in ENDED:
                     log.info("run %d %s at the coordinator; waiting for the next run", last_run, pulled.last_run_status)
                     last_run = 0
+                if pulled.poll_after_s == 0:  # the coordinator waited for a message: ask again at once
+                    idle_wait = 0.0
+                    continue
                 idle_wait = _idle_wait(pulled.poll_after_s, idle_wait)
                 stop.wait(idle_wait)
                 continue
@@ -179,6 +189,15 @@ class SiteAgent:
                 # A late reply (round closed) or one the coordinator refused: drop it and take the next message.
                 log.warning("coordinator refused the reply (%s): %s", error.code().name, error.details())
             self.chunk_cache.clear()
+
+    def _pull(self, stub: CoordinatorStub, request: pb.PullMessageRequest, stop: threading.Event) -> pb.PullMessageReply | None:
+        """One (long) poll for the next message; None when `stop` is set while it waits (the call is cancelled)."""
+        call = stub.PullMessage.future(request, metadata=self.metadata, timeout=request.wait_s + PULL_MARGIN_S)
+        while not call.done():
+            if stop.wait(STOP_CHECK_S):
+                call.cancel()
+                return None
+        return call.result()
 
     def _handle(self, stub: CoordinatorStub, envelope: pb.Envelope) -> Message:
         """The reply to one message: the ClientApp's after the site policy, the policy's refusal, or an error

@@ -79,10 +79,12 @@ class JoinReply(_message.Message):
     def __init__(self, site_name: _Optional[str] = ..., node_id: _Optional[int] = ..., run_id: _Optional[int] = ..., run_config: _Optional[bytes] = ..., site_index: _Optional[int] = ...) -> None: ...
 
 class PullMessageRequest(_message.Message):
-    __slots__ = ("last_run_id",)
+    __slots__ = ("last_run_id", "wait_s")
     LAST_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
     last_run_id: int
-    def __init__(self, last_run_id: _Optional[int] = ...) -> None: ...
+    wait_s: float
+    def __init__(self, last_run_id: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class PullMessageReply(_message.Message):
     __slots__ = ("has_message", "envelope", "poll_after_s", "last_run_status")

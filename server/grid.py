@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 class CoordinatorGrid(Grid):
     def __init__(
-        self, store: Store, blobs: BlobStore, service: CoordinatorService, run_id: int, *, poll_interval_s: float = 0.05
+        self, store: Store, blobs: BlobStore, service: CoordinatorService, run_id: int, *, poll_interval_s: float = 0.5
     ) -> None:
         self.store = store
         self.blobs = blobs
@@ -83,6 +83,7 @@ class CoordinatorGrid(Grid):
             self.store.add_outbound(
                 message_id, self._run.run_id, server_round, message.metadata.dst_node_id, envelope.SerializeToString()
             )
+            self.service.mailbox.post(message.metadata.dst_node_id)  # its site's long poll answers now
             message_ids.append(message_id)
         return message_ids
 
@@ -130,10 +131,12 @@ class CoordinatorGrid(Grid):
         sites are stragglers, and late replies are refused) and what was stored before they closed still comes: time
         the caller spends on each reply counts against the deadline, and must not cost a site its on-time reply."""
         while pending and (deadline is None or time.monotonic() < deadline):
+            seen = self.service.mailbox.replies
             yield from self.pull_messages(pending)
             pending = [message_id for message_id in pending if message_id not in self._pulled]
-            if pending:
-                time.sleep(self.poll_interval_s)
+            if pending:  # woken by the next stored reply; the interval bounds a wake-up missed across processes
+                wait_s = self.poll_interval_s if deadline is None else min(self.poll_interval_s, deadline - time.monotonic())
+                self.service.mailbox.wait_for_reply(seen, max(wait_s, 0.0))
         if pending:
             self.store.close_messages(pending)
             yield from self.pull_messages(pending)

@@ -32,6 +32,7 @@ from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.protocol import GRPC_OPTIONS, WEIGHT
 from hydrafl.proto.envelope import CHUNK_BYTES, MAX_REASON_CHARS, EnvelopeError, chunk_hashes
 from hydrafl.server.blobs import BlobStore
+from hydrafl.server.mailbox import Mailbox
 from hydrafl.server.limits import AuthThrottle, CallGuard, LimitExceeded, SiteLimits, UploadLedger
 from hydrafl.server.replies import allowed_reply_bytes, check_reply
 from hydrafl.server.retention import was_swept
@@ -40,6 +41,8 @@ from hydrafl.server.store import FIRST_NODE_ID, OutboundMessage, Site, Store
 log = logging.getLogger(__name__)
 
 POLL_AFTER_S = 0.2
+MAX_LONG_POLL_S = 20.0
+"""The longest a PullMessage waits for a message, whatever the site asks (well inside gRPC's keepalives)."""
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     *GRPC_OPTIONS,
@@ -63,11 +66,14 @@ class CoordinatorService:
         self.last_seen: dict[int, float] = {}
         self.latencies: dict[tuple[str, str], list[float]] = {}
         """(site name, call) -> seconds the coordinator spent on each PutChunks stream / PushReply."""
+        self.mailbox = Mailbox(slots=limits.handler_threads // 2)
+        """Long polls wait here; the grid posts each stored message and the driver waits for replies."""
         self._lock = threading.Lock()
         self._message_chunks: OrderedDict[str, tuple[frozenset[str], int]] = OrderedDict()
         """Outbound message id -> (its chunks, the array bytes a reply may carry), for the recent messages."""
 
     def stop(self) -> None:
+        self.mailbox.close()
         self.guard.stop()
 
     def connected_nodes(self, within_s: float = 30.0) -> list[int]:
@@ -142,13 +148,20 @@ class CoordinatorService:
             )
 
     def PullMessage(self, request: pb.PullMessageRequest, context: grpc.ServicerContext) -> pb.PullMessageReply:
+        """The site's next message; with none and `wait_s`, a long poll: the answer comes when a message is
+        stored for the site (or the wait ends), and `poll_after_s` 0 tells the site to ask again at once."""
         site = self._site(context)
         with self._bounded(site, context):
+            seen = self.mailbox.version(site.node_id)
             outbound = self.store.next_message_for(site.node_id)
+            waited = False
+            if outbound is None and request.wait_s > 0:
+                waited = self.mailbox.wait_for_mail(site.node_id, seen, min(request.wait_s, MAX_LONG_POLL_S))
+                outbound = self.store.next_message_for(site.node_id) if waited else None
             if outbound is None:
                 if self.ledger.pending_bytes(site.node_id):  # nothing left to answer: its pending uploads expire
                     self._free_uploads(site.node_id)
-                return pb.PullMessageReply(has_message=False, poll_after_s=POLL_AFTER_S,
+                return pb.PullMessageReply(has_message=False, poll_after_s=0.0 if waited else POLL_AFTER_S,
                                            last_run_status=self._run_status(request.last_run_id))
             return pb.PullMessageReply(has_message=True, envelope=pb.Envelope.FromString(outbound.envelope))
 
@@ -249,9 +262,13 @@ class CoordinatorService:
                 self._free_uploads(site.node_id)
                 refused = pb.Envelope(error_code=1, error_reason=f"the coordinator refused this reply: {error}")
                 self.store.add_reply(outbound, _as_stored(refused, outbound, sent).SerializeToString())
+                self.mailbox.reply_stored()
                 self._reject(context, site, grpc.StatusCode.INVALID_ARGUMENT, str(error), run_id=outbound.run_id)
             stored = _as_stored(envelope, outbound, sent)
             accepted = self.store.add_reply(outbound, stored.SerializeToString())
+            if not accepted and self.store.outbound(outbound.message_id) is None:  # swept while being checked
+                self._reject(context, site, grpc.StatusCode.FAILED_PRECONDITION, "its round is over; late reply refused")
+            self.mailbox.reply_stored()
             if accepted:
                 self.ledger.referenced(site.node_id, set(chunk_hashes(stored)))
                 self._audit_reply(site, outbound, stored)

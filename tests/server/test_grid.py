@@ -13,6 +13,7 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from hydrafl.proto.envelope import split_message
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.grid import CoordinatorGrid
+from hydrafl.server.service import CoordinatorService
 from hydrafl.server.store import Reply, Store
 
 
@@ -33,7 +34,8 @@ def round_of_three(tmp_path) -> tuple[_CountingGrid, list[Message]]:
     nodes = [store.add_site(f"site-{i}")[0].node_id for i in range(3)]
     run = store.create_run({"rounds": 1})
     store.set_run_status(run.id, "running")
-    grid = _CountingGrid(store, BlobStore(tmp_path / "blobs"), None, run.id, poll_interval_s=0.01)
+    blobs = BlobStore(tmp_path / "blobs")
+    grid = _CountingGrid(store, blobs, CoordinatorService(store, blobs), run.id, poll_interval_s=0.01)
     arrays = ArrayRecord({"w": Array(np.zeros(4, dtype=np.float32))})
     messages = [Message(RecordDict({"arrays": arrays}), dst_node_id=node, message_type="train") for node in nodes]
     for message in messages:

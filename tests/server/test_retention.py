@@ -23,6 +23,7 @@ from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.grid import CoordinatorGrid
 from hydrafl.server.retention import Retention, was_swept
+from hydrafl.server.service import CoordinatorService
 from hydrafl.server.store import AuditEvent, OutboundMessage, Reply, Store
 from hydrafl.validation import ConfigError
 
@@ -38,7 +39,8 @@ class Home:
         self.store.set_run_status(self.run_id, "running")
         self.blobs = BlobStore(root / "blobs")
         self.runs = root / "runs"
-        self.grid = CoordinatorGrid(self.store, self.blobs, None, self.run_id, poll_interval_s=0.01)
+        self.grid = CoordinatorGrid(self.store, self.blobs, CoordinatorService(self.store, self.blobs), self.run_id,
+                                    poll_interval_s=0.01)
         self.retention = Retention(self.store, self.blobs, self.runs, keep_checkpoints=2)
 
     def round(self, server_round: int, model_value: float, *, answered: tuple[int, ...] | None = None) -> None:
