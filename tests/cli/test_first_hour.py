@@ -70,3 +70,12 @@ def test_missing_data_names_the_flag(tmp_path):
 def test_an_unknown_task_names_the_flag_for_own_data(tmp_path):
     result = CliRunner().invoke(app, ["simulate", "--task", "xray", "--out", str(tmp_path / "o")], env=WIDE)
     assert result.exit_code == 2 and "unknown task 'xray'" in result.output and "--data" in result.output
+
+
+def test_the_report_names_the_partition_the_run_used(tmp_path):
+    args = ["simulate", "--task", "tabular", "--sites", "2", "--samples-per-site", "40", "--rounds", "1",
+            "--local-steps", "1", "--strategies", "fedavg", "--no-progress"]
+    assert CliRunner().invoke(app, [*args, "--out", str(tmp_path / "synthetic")]).exit_code == 0
+    assert "partition `natural`" in (tmp_path / "synthetic" / "report.md").read_text()
+    assert CliRunner().invoke(app, [*args, "--partition", "iid", "--out", str(tmp_path / "iid")]).exit_code == 0
+    assert "partition `iid`" in (tmp_path / "iid" / "report.md").read_text()
