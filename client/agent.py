@@ -7,7 +7,9 @@ it then asks only for the missing chunks the manifest lists and refuses any chun
 repeat, one of another size than the manifest gives it or one failing its SHA-256. Whatever goes wrong with one message (its content, its
 chunks, the ClientApp) becomes an error reply for that message and the agent takes the next one. An error
 reply's reason says what kind of failure it was, never what local data or paths caused it (those go to the
-site's own log).
+site's own log). A failure for lack of disk space (the training processes' temporary files) is said as such,
+"disk full", in the reply and on its own log line; the next message is served as usual, so the site is back
+once space is.
 
 Downloads fetch only the chunks the site lacks; uploads ask which chunks the coordinator already holds
 first, so a retried or interrupted upload resumes instead of starting over. A dropped connection is retried
@@ -16,10 +18,12 @@ with exponential backoff; a refused token stops the agent (a revoked site must n
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
+import tempfile
 import threading
 import time
 import uuid
@@ -77,6 +81,10 @@ FIXED_REASONS: tuple[tuple[type[BaseException], str], ...] = (
 """What an error reply says about a local failure: the message of a local exception may name files, columns
 or values of the site's data, so only its type and a fixed sentence leave the site."""
 GENERIC_REASON = "this site failed to handle the message; see the site's log"
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
+"""A write refused for lack of space: no space left, the process's file-size limit, a disk quota."""
+DISK_FULL_REASON = "this site could not write its temporary files; see the site's log"
+MAX_DISK_PROBE_BYTES = 64 << 20
 
 
 def default_max_download_bytes() -> int:
@@ -219,7 +227,11 @@ class SiteAgent:
         except Exception as error:  # the site's own failure: the full story stays in its log
             name = type(error).__name__
             log.warning("message %s failed: %s: %s", envelope.message_id[:8], name, error, exc_info=True)
-            reply = _error_reply(request, ErrorCode.CLIENT_APP_RAISED_EXCEPTION, local_reason(error))
+            full = disk_full(error, _probe_bytes(envelope))
+            if full:  # said on its own line: the operator's fix is space, not the traceback above
+                log.error("disk full: %s; this message fails, the site serves the next one once there is space", full[1])
+            reason = f"disk full ({full[0]}): {DISK_FULL_REASON}" if full else local_reason(error)
+            reply = _error_reply(request, ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason)
         reply.metadata.__dict__["_message_id"] = uuid.uuid4().hex
         return reply
 
@@ -286,6 +298,10 @@ class SiteAgent:
         envelope, chunks = split_message(reply, server_round)
         present = set(stub.HasChunks(pb.HasChunksRequest(sha256=list(chunks)), metadata=self.metadata).present)
         missing = [digest for digest in chunks if digest not in present]
+        if present:  # chunks are content-addressed: an interrupted upload, or arrays the coordinator has already
+            log.info("upload: %d of %d chunks already at the coordinator (an interrupted upload, or arrays it "
+                     "holds already), sending %d", len(present),
+                     len(chunks), len(missing))
 
         def stream() -> Iterator[pb.Chunk]:
             for digest in missing:
@@ -313,6 +329,36 @@ def local_reason(error: BaseException) -> str:
     """The reason a local failure gives the coordinator: the exception's type and a fixed sentence."""
     sentence = next((text for kind, text in FIXED_REASONS if isinstance(error, kind)), GENERIC_REASON)
     return f"{type(error).__name__}: {sentence}"
+
+
+def disk_full(error: BaseException, probe_bytes: int) -> tuple[str, str] | None:
+    """(errno name, what could not be written) when a failure looks like a full disk, else None. The one
+    thing a site writes is its training processes' temporary files (nproc > 1), whose own errors reach here
+    only as a failed child process: so an OSError of a full disk in the exception chain, else a probe write
+    of `probe_bytes` (the message's size, about what training saves) to the temporary directory, refused
+    the same way. The path goes to the site's log only."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in DISK_FULL_ERRNOS:
+            return errno.errorcode[seen.errno], f"{seen.strerror} writing {seen.filename or 'a file'}"
+        seen = seen.__cause__ or seen.__context__
+    directory = tempfile.gettempdir()
+    try:
+        with tempfile.TemporaryFile(dir=directory) as probe:
+            probe.write(b"\0" * probe_bytes)
+            probe.flush()
+    except OSError as probe_error:
+        if probe_error.errno in DISK_FULL_ERRNOS:
+            return errno.errorcode[probe_error.errno], f"{probe_error.strerror}: cannot write {_size(probe_bytes)} to {directory}"
+    return None
+
+
+def _probe_bytes(envelope: pb.Envelope) -> int:
+    """What a disk probe writes after a failure: the message's arrays (what training saves), within bounds."""
+    try:
+        return min(max(declared_nbytes(envelope), 1), MAX_DISK_PROBE_BYTES)
+    except EnvelopeError:
+        return 1
 
 
 def _check_chunk(chunk: pb.Chunk, pending: dict[str, int]) -> None:

@@ -315,20 +315,28 @@ class Store:
             return list(session.scalars(_open_messages(node_id)))
 
     def add_reply(self, outbound: OutboundMessage, envelope: bytes) -> bool:
-        """Store a reply; False when this message was already answered (pushes are idempotent)."""
-        with self.session() as session, session.begin():
-            exists = session.scalar(select(Reply.id).where(Reply.reply_to_message_id == outbound.message_id))
-            if exists is not None:
-                return False
-            session.add(
-                Reply(
-                    reply_to_message_id=outbound.message_id,
-                    run_id=outbound.run_id,
-                    server_round=outbound.server_round,
-                    node_id=outbound.node_id,
-                    envelope=envelope,
+        """Store a reply; False when this message was already answered (pushes are idempotent) or is gone: a
+        sweep may delete it (its round is over) while the service checks the reply, and a reply must never
+        outlive its message (SQLite does not enforce the foreign key)."""
+        try:
+            with self.session() as session, session.begin():
+                exists = session.scalar(select(Reply.id).where(Reply.reply_to_message_id == outbound.message_id))
+                if exists is not None:
+                    return False
+                session.add(
+                    Reply(
+                        reply_to_message_id=outbound.message_id,
+                        run_id=outbound.run_id,
+                        server_round=outbound.server_round,
+                        node_id=outbound.node_id,
+                        envelope=envelope,
+                    )
                 )
-            )
+                session.flush()  # the insert holds the write lock: a sweep commits before the check below, or after
+                if session.get(OutboundMessage, outbound.message_id) is None:
+                    raise LookupError(outbound.message_id)  # rolls the insert back
+        except (LookupError, IntegrityError):  # swept meanwhile, or answered by a concurrent push
+            return False
         return True
 
     def replies_to(self, message_ids: list[str]) -> list[Reply]:
