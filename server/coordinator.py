@@ -194,6 +194,7 @@ class Coordinator:
 
     def stop(self) -> None:
         self.stopping.set()
+        self.service.mailbox.close()  # waiting long polls answer now, not at their timeout
         self.server.stop(grace=1).wait()
         self.service.stop()
         self.lease.release()

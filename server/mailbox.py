@@ -46,6 +46,12 @@ class Mailbox:
             return True
 
     @property
+    def waiting(self) -> int:
+        """Long polls waiting now (each holds a handler thread)."""
+        with self._changed:
+            return self._waiting
+
+    @property
     def replies(self) -> int:
         """How many replies were stored so far (read before looking in the store)."""
         with self._changed:

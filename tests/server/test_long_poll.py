@@ -74,3 +74,20 @@ def test_a_long_poll_over_grpc_is_answered_by_the_message_stored_for_its_site(tm
             assert pulled.has_message and pulled.envelope.message_id == message_id
     finally:
         coordinator.stop()
+
+
+def test_stopping_the_coordinator_answers_a_waiting_long_poll(tmp_path):
+    coordinator = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", db_url=f"sqlite:///{tmp_path / 'c.db'}",
+                                                blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs"))
+    coordinator.start()
+    _, token = coordinator.store.add_site("a")
+    with grpc.insecure_channel(f"127.0.0.1:{coordinator.port}") as channel:
+        call = CoordinatorStub(channel).PullMessage.future(
+            pb.PullMessageRequest(wait_s=HOUR_S), metadata=(("authorization", f"Bearer {token}"),))
+        while not coordinator.service.mailbox.waiting:  # the poll is waiting at the coordinator
+            threading.Event().wait(0.01)
+        stopper = threading.Thread(target=coordinator.stop)
+        stopper.start()
+        stopper.join(timeout=15)  # well under the 20 s a poll may wait
+        assert not stopper.is_alive()
+        assert call.exception(timeout=5) is None and not call.result().has_message
