@@ -35,7 +35,7 @@ from hydrafl.checkpoint import Checkpoint, CheckpointError, load_checkpoint, res
 from hydrafl.checkpoint import strategy_state
 from hydrafl.strategies.hooks import ChecksReplyShapes, ConsumesDeltas, QueriesSites, TakesSecureSums
 from hydrafl.privacy.ledger import PrivacyLedger
-from hydrafl.rounds import ROUNDS_TSV_COLUMNS, RoundRecord
+from hydrafl.rounds import ROUNDS_TSV_COLUMNS, RoundRecord, metric
 from hydrafl.pseudo_gradients import DeltaMoments, ZeroDeltaError, cosine_to_reference
 from hydrafl.secagg import SecAggError, SecAggParams
 from hydrafl.secure_round import SecureRound
@@ -374,8 +374,8 @@ class RoundDriver:
         log.info(
             "round %d: loss=%s accuracy=%s sites=%d/%d up=%dB down=%dB %.2fs",
             record.round,
-            _fmt(record.loss),
-            _fmt(record.accuracy),
+            metric(record.loss),
+            metric(record.accuracy),
             record.sites_ok,
             record.sites_ok + record.sites_failed,
             record.bytes_up,
@@ -450,7 +450,3 @@ def _metric(metrics: MetricRecord | None, key: str) -> float | None:
     if metrics is None or key not in metrics:
         return None
     return float(metrics[key])
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}"

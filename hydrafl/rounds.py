@@ -20,6 +20,17 @@ ROUNDS_TSV_COLUMNS = (
 )
 
 
+def metric(value: float | None) -> str:
+    """A loss or accuracy with four decimals, as logs and tables of rounds show it; "-" when not measured."""
+    return "-" if value is None else f"{value:.4f}"
+
+
+def megabytes(count: int | None) -> str:
+    """Bytes as MB with two decimals, as every table of rounds shows them (JSON keeps the bytes); "-" for a
+    record stored without them."""
+    return "-" if count is None else f"{count / 1e6:.2f}"
+
+
 @dataclass(kw_only=True, slots=True)
 class RoundRecord:
     round: int

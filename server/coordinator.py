@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from hydrafl.server_app import run_federation
 from hydrafl.config import ConfigError, RunConfig
-from hydrafl.rounds import RoundRecord
+from hydrafl.rounds import RoundRecord, metric
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.grid import CoordinatorGrid
@@ -248,7 +248,7 @@ class Coordinator:
         self.store.set_run_status(run.id, "finished", rounds_done=cfg.rounds)
         last = history[-1] if history else {}
         log.info("run %d finished after %d rounds: loss %s, accuracy %s", run.id, cfg.rounds,
-                 _number(last.get("loss")), _number(last.get("accuracy")))
+                 metric(last.get("loss")), metric(last.get("accuracy")))
 
     def drive_server_app(self, run: Run) -> None:
         """A stock Flower ServerApp, called once on this coordinator's grid. Like Flower's runtime, this does not
@@ -281,7 +281,3 @@ class Coordinator:
         run_dir = self.config.runs_dir / str(run_id)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "push_latency.tsv").write_text(self.service.latency_table())
-
-
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}"

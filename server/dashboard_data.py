@@ -19,7 +19,6 @@ from sqlalchemy import func, select
 from hydrafl.server.service import CoordinatorService
 from hydrafl.server.store import AuditEvent, Run, Store
 
-STOCK_ROUNDS_KEY = "num-server-rounds"
 """The run_config key of a stock Flower ServerApp's rounds (as `hydrafl admin run status` reads it)."""
 NO_RUN = "none"
 """The `run` label of refusals that no run can be named for (an upload with nothing to answer)."""
@@ -56,12 +55,6 @@ class LatencyRow:
     count: int
     p50_ms: float
     p99_ms: float
-
-
-def total_rounds(run: Run) -> int | None:
-    """The rounds a run was created with: `rounds`, or a stock ServerApp's `num-server-rounds`."""
-    value = run.config.get(STOCK_ROUNDS_KEY if run.server_app else "rounds")
-    return value if isinstance(value, int) else None
 
 
 def trained_records(run: Run) -> list[dict]:

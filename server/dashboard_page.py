@@ -13,13 +13,13 @@ from datetime import UTC, datetime
 from html import escape
 from pathlib import Path
 
+from hydrafl.rounds import megabytes
 from hydrafl.server.dashboard_data import (
     LatencyRow,
     SiteRow,
     audit_tail,
     push_latencies,
     site_rows,
-    total_rounds,
     trained_records,
 )
 from hydrafl.server.service import CoordinatorService
@@ -105,7 +105,7 @@ def _runs_table(runs: list[Run], chosen: Run | None) -> str:
         marker = " ◀" if chosen is not None and run.id == chosen.id else ""
         rows.append([
             f"<a href='/runs/{run.id}'>{run.id}</a>{marker}", escape(what), escape(str(run.config.get("task", "-"))),
-            _status(run.status), f"{run.rounds_done}/{_text(total_rounds(run))}", _time(run.created_at),
+            _status(run.status), f"{run.rounds_done}/{_text(run.total_rounds)}", _time(run.created_at),
             _time(run.finished_at),
         ])
     headers = ["run", "strategy or app", "task", "status", "rounds", "created", "finished"]
@@ -115,7 +115,7 @@ def _runs_table(runs: list[Run], chosen: Run | None) -> str:
 def _run_section(run: Run, runs_dir: Path, service: CoordinatorService | None) -> str:
     records = trained_records(run)
     parts = [
-        f"<h2 id='run'>Run {run.id}: {_status(run.status)}, {run.rounds_done}/{_text(total_rounds(run))} rounds</h2>"
+        f"<h2 id='run'>Run {run.id}: {_status(run.status)}, {run.rounds_done}/{_text(run.total_rounds)} rounds</h2>"
     ]
     if run.detail:
         parts.append(f"<p>{escape(run.detail)}</p>")
@@ -142,7 +142,7 @@ def _rounds_table(records: list[dict], *, dp: bool) -> str:
         [
             str(r["round"]), _number(r.get("loss")), _number(r.get("accuracy")), _text(r.get("sites_ok")),
             _text(r.get("sites_failed")), _seconds(r.get("seconds")), _seconds(r.get("aggregation_s")),
-            _seconds(r.get("gap_s")), _megabytes(r.get("bytes_up")), _megabytes(r.get("bytes_down")),
+            _seconds(r.get("gap_s")), megabytes(r.get("bytes_up")), megabytes(r.get("bytes_down")),
             *([_number(r.get("dp_epsilon"))] if dp else []),
         ]
         for r in reversed(shown)
@@ -164,7 +164,7 @@ def _sites_table(sites: list[SiteRow]) -> str:
         seen = "-" if site.seen_s_ago is None else f"{site.seen_s_ago:.0f} s ago"
         rows.append([
             escape(site.name), str(site.node_id), "revoked" if site.revoked else "active", seen,
-            _time(site.last_event_at), _megabytes(site.bytes_up), _megabytes(site.bytes_down), str(site.accepted),
+            _time(site.last_event_at), megabytes(site.bytes_up), megabytes(site.bytes_down), str(site.accepted),
             str(site.refused), str(site.declined),
         ])
     headers = ["site", "node id", "status", "last call", "last event", "train MB up", "train MB down", "accepted",
@@ -206,10 +206,6 @@ def _number(value: float | None) -> str:
 
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
-
-
-def _megabytes(count: int | None) -> str:
-    return "-" if count is None else f"{count / 1e6:.2f}"
 
 
 def _time(moment: datetime | None) -> str:

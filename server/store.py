@@ -64,6 +64,9 @@ class Site(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
 
 
+STOCK_ROUNDS_KEY = "num-server-rounds"
+
+
 class Run(Base):
     __tablename__ = "runs"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -79,6 +82,12 @@ class Run(Base):
     detail: Mapped[str] = mapped_column(Text, default="")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+    @property
+    def total_rounds(self) -> object:
+        """The rounds the run was created with: `rounds`, or a stock ServerApp's `num-server-rounds` (the key
+        Flower's app templates read), as stored (None when the run config has none)."""
+        return self.config.get(STOCK_ROUNDS_KEY if self.server_app else "rounds")
 
 
 class OutboundMessage(Base):

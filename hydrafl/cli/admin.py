@@ -17,6 +17,7 @@ from rich.table import Table
 
 from hydrafl.cli.common import DbOption, console, fail, fail_one_line, open_store, warn
 from hydrafl.cli.db import db_admin
+from hydrafl.rounds import megabytes
 from hydrafl.trust import trust_lines, trust_summary
 
 if TYPE_CHECKING:
@@ -141,7 +142,7 @@ def run_status(
         "run": run.id,
         "status": run.status,
         "rounds_done": run.rounds_done,
-        "rounds": run.config.get(STOCK_ROUNDS_KEY if run.server_app else "rounds"),
+        "rounds": run.total_rounds,
         "strategy": None if run.server_app else run.config.get("strategy"),
         "server_app": run.server_app,
         "run_config": run.config if run.server_app else None,
@@ -162,7 +163,7 @@ def run_status(
         for record in run.history:
             table.add_row(
                 str(record["round"]), f"{record['loss'] or 0:.4f}", f"{record['accuracy'] or 0:.4f}",
-                str(record["sites_ok"]), _megabytes(record.get("bytes_up")), _megabytes(record.get("bytes_down")),
+                str(record["sites_ok"]), megabytes(record.get("bytes_up")), megabytes(record.get("bytes_down")),
                 f"{record['seconds']:.2f}",
             )
         Console().print(table)
@@ -172,17 +173,9 @@ def run_status(
         _print_declines(declines)
 
 
-STOCK_ROUNDS_KEY = "num-server-rounds"
-"""The run_config key Flower's app templates read their number of rounds from."""
 DECLINE_KINDS = ("site-declined",)
 SHOWN_DECLINES = 20
 ROUND_PREFIX = re.compile(r"round (\d+)\s*(.*)", re.DOTALL)
-
-
-def _megabytes(count: int | None) -> str:
-    """Bytes as MB with two decimals, as `hydrafl simulate`'s summary shows them (--json keeps the bytes); "-" for
-    a record stored without them."""
-    return "-" if count is None else f"{count / 1e6:.2f}"
 
 
 def _decline(event: AuditEvent) -> dict:
@@ -214,9 +207,8 @@ def run_list(db: DbOption = None) -> None:
     for run in open_store(db).runs():
         stock = run.server_app is not None
         strategy, task = (run.server_app, "-") if stock else (run.config.get("strategy"), run.config.get("task"))
-        rounds = run.config.get(STOCK_ROUNDS_KEY if stock else "rounds")
         table.add_row(
-            str(run.id), escape(str(strategy)), str(task), run.status, f"{run.rounds_done}/{rounds}",
+            str(run.id), escape(str(strategy)), str(task), run.status, f"{run.rounds_done}/{run.total_rounds}",
             f"{run.created_at:%Y-%m-%d %H:%M}",
         )
     Console().print(table)

@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
-from hydrafl.rounds import ROUNDS_TSV_COLUMNS, RoundRecord  # noqa: E402
+from hydrafl.rounds import ROUNDS_TSV_COLUMNS, RoundRecord, megabytes, metric  # noqa: E402
 from hydrafl.trust import trust_lines  # noqa: E402
 
 SUMMARY_COLUMNS = ("strategy", "final loss", "final accuracy", "best accuracy", "MB up", "MB down", "seconds")
@@ -27,11 +27,11 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
         rows.append(
             (
                 strategy,
-                _fmt(last["loss"]),
-                _fmt(last["accuracy"]),
-                _fmt(max(accuracies) if accuracies else None),
-                f"{sum(r['bytes_up'] for r in rounds) / 1e6:.2f}",
-                f"{sum(r['bytes_down'] for r in rounds) / 1e6:.2f}",
+                metric(last["loss"]),
+                metric(last["accuracy"]),
+                metric(max(accuracies) if accuracies else None),
+                megabytes(sum(r["bytes_up"] for r in rounds)),
+                megabytes(sum(r["bytes_down"] for r in rounds)),
                 f"{run['seconds']:.1f}",
             )
         )
@@ -49,10 +49,10 @@ def diagnostic_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
             rows.append(
                 (
                     strategy,
-                    _fmt(sum(scales) / len(scales) if scales else None),
-                    _fmt(scales[-1] if scales else None),
-                    _fmt(sum(cosines) / len(cosines) if cosines else None),
-                    _fmt(cosines[-1] if cosines else None),
+                    metric(sum(scales) / len(scales) if scales else None),
+                    metric(scales[-1] if scales else None),
+                    metric(sum(cosines) / len(cosines) if cosines else None),
+                    metric(cosines[-1] if cosines else None),
                 )
             )
     return rows
@@ -128,7 +128,3 @@ def _plot(path: Path, results: dict[str, Any], *, by_bytes: bool) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}"
