@@ -69,6 +69,8 @@ class CoordinatorService:
         self.mailbox = Mailbox(slots=limits.handler_threads // 2)
         """Long polls wait here; the grid posts each stored message and the driver waits for replies."""
         self._lock = threading.Lock()
+        self._served_runs: dict[int, set[int]] = {}
+        """Node id -> the runs this process sent it a message of (whose status it may ask)."""
         self._message_chunks: OrderedDict[str, tuple[frozenset[str], int]] = OrderedDict()
         """Outbound message id -> (its chunks, the array bytes a reply may carry), for the recent messages."""
 
@@ -162,13 +164,18 @@ class CoordinatorService:
                 if self.ledger.pending_bytes(site.node_id):  # nothing left to answer: its pending uploads expire
                     self._free_uploads(site.node_id)
                 return pb.PullMessageReply(has_message=False, poll_after_s=0.0 if waited else POLL_AFTER_S,
-                                           last_run_status=self._run_status(request.last_run_id))
+                                           last_run_status=self._run_status(site.node_id, request.last_run_id))
+            with self._lock:
+                self._served_runs.setdefault(site.node_id, set()).add(outbound.run_id)
             return pb.PullMessageReply(has_message=True, envelope=pb.Envelope.FromString(outbound.envelope))
 
-    def _run_status(self, run_id: int) -> str:
-        """The status of the run a site last answered for, so it can say when that run ended; only the word
-        (a failure's detail stays with the operators)."""
-        return (self.store.run_status(run_id) or "") if run_id else ""
+    def _run_status(self, node_id: int, run_id: int) -> str:
+        """The status of the run a site last answered for, so it can say when that run ended: only the word (a
+        failure's detail stays with the operators), and only of a run this process sent the site a message of
+        (the run id is the site's word, and other runs are not its business)."""
+        with self._lock:
+            served = run_id in self._served_runs.get(node_id, ())
+        return (self.store.run_status(run_id) or "") if served else ""
 
     def GetChunks(self, request: pb.GetChunksRequest, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
         site = self._site(context)

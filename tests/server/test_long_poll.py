@@ -91,3 +91,33 @@ def test_stopping_the_coordinator_answers_a_waiting_long_poll(tmp_path):
         stopper.join(timeout=15)  # well under the 20 s a poll may wait
         assert not stopper.is_alive()
         assert call.exception(timeout=5) is None and not call.result().has_message
+
+
+def test_a_site_hears_only_of_its_own_runs_and_odd_waits_answer_at_once(tmp_path):
+    """`last_run_id` and `wait_s` are the site's word: another run's status stays unsaid, and a negative or NaN
+    wait is no long poll."""
+    coordinator = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", db_url=f"sqlite:///{tmp_path / 'c.db'}",
+                                                blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs"))
+    coordinator.start()
+    try:
+        store = coordinator.store
+        (site, token), (other, _) = store.add_site("a"), store.add_site("b")
+        mine, theirs = store.create_run({"rounds": 1}), store.create_run({"rounds": 1})
+        for run, node in ((mine, site.node_id), (theirs, other.node_id)):
+            store.set_run_status(run.id, "running")
+            message = Message(RecordDict({"arrays": ArrayRecord({"w": Array(np.ones(2, dtype=np.float32))})}),
+                              dst_node_id=node, message_type="train")
+            message.metadata.group_id = "1"
+            CoordinatorGrid(store, coordinator.blobs, coordinator.service, run.id).push_messages([message])
+        with grpc.insecure_channel(f"127.0.0.1:{coordinator.port}") as channel:
+            stub = CoordinatorStub(channel)
+            auth = (("authorization", f"Bearer {token}"),)
+            assert stub.PullMessage(pb.PullMessageRequest(), metadata=auth).has_message  # run `mine`'s message
+            for run in (mine, theirs):
+                store.set_run_status(run.id, "finished")
+            for wait_s in (-1.0, float("nan")):
+                for run, said in ((mine, "finished"), (theirs, "")):
+                    idle = stub.PullMessage(pb.PullMessageRequest(last_run_id=run.id, wait_s=wait_s), metadata=auth)
+                    assert not idle.has_message and idle.poll_after_s > 0 and idle.last_run_status == said
+    finally:
+        coordinator.stop()
