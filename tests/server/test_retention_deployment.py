@@ -103,7 +103,10 @@ def test_thirty_rounds_keep_blobs_rows_and_the_home_bounded(deployment, capsys):
     one_round = run.history[3]["bytes_up"] + max(run.history[3]["bytes_down_per_site"].values())  # deltas + a model
     assert at[30]["blob_bytes"] <= at[3]["blob_bytes"] + one_round
     assert at[20]["home_bytes"] <= 1.5 * at[3]["home_bytes"]
-    # what an ended run keeps: its history, audit events and last checkpoints; its messages and chunks go
+    # what an ended run keeps: its history, audit events and last checkpoints; its messages and chunks go, in the
+    # sweep the coordinator runs once it has marked the run finished
+    log = deployment.tmp_path / "coordinator.log"
+    wait_until(lambda: f"run {deployment.run_id} ended; deleted" in log.read_text(), 60, "no end-of-run sweep")
     final = _measure(deployment.store, deployment.tmp_path / "coordinator.db", deployment.blobs, deployment.runs)
     assert final["round_rows"] == 0 and final["blob_bytes"] == 0
     assert [entry["round"] for entry in run.history] == list(range(31))
