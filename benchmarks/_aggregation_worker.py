@@ -1,4 +1,4 @@
-"""The aggregation benchmark's workload (lazily built site replies, the two aggregators) and its memory probe.
+"""The aggregation benchmark's workload (lazily built site replies and masks, the aggregators) and its memory probe.
 
 Run as a module, it measures one aggregator's peak memory alone in a fresh process: the parent's memory and
 its earlier runs cannot leak into the number. The probe reads VmHWM (this process's own peak RSS) and not
@@ -9,6 +9,7 @@ into ru_maxrss, so a child of a big benchmark process would report the parent's 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -18,17 +19,17 @@ import torch
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp.strategy import FedAvg
-from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore.task_identity import TaskIdentity
 
-from hydrafl.arrays import to_record
 from hydrafl.protocol import WEIGHT
-from hydrafl.strategies.accumulator import WeightedDeltaAccumulator
+from hydrafl.strategies.accumulator import MaskedDeltaAccumulator, WeightedDeltaAccumulator
 
 ARRAYS_PER_MODEL = 10
 FIRST_NODE_ID = 1001
+MASKED_FRACTION = 0.75
+"""The share of coordinates each site of the masked workload was assigned (a different random set per site)."""
 
-Aggregate = Callable[[Iterable[Message]], ArrayRecord]
+Aggregate = Callable[[Iterable[Message]], object]
 
 
 def num_examples(site: int) -> int:
@@ -50,29 +51,59 @@ def make_reply(site: int, params: int) -> Message:
     return Message(content, reply_to=request)
 
 
+def make_masks(site: int, params: int) -> dict[str, torch.Tensor]:
+    """The coordinates site `site` was assigned: MASKED_FRACTION of each array, at random (bool)."""
+    rng = np.random.default_rng(10_000 + site)
+    size = params // ARRAYS_PER_MODEL
+    return {
+        f"layer{i}": torch.from_numpy(rng.random(size, dtype=np.float32) < MASKED_FRACTION)
+        for i in range(ARRAYS_PER_MODEL)
+    }
+
+
 def lazy_replies(sites: int, params: int) -> Iterator[Message]:
     """Replies built only when iterated, as they would arrive one by one: nothing forces them all resident."""
     for site in range(sites):
         yield make_reply(site, params)
 
 
-def hydrafl_aggregate(replies: Iterable[Message]) -> ArrayRecord:
-    """hydrafl's streaming weighted mean, returned as the ArrayRecord a strategy hands back (as DiLoCo does)."""
-    accumulator = WeightedDeltaAccumulator()
+def hydrafl_aggregate(replies: Iterable[Message], threads: int | None = None) -> dict[str, torch.Tensor]:
+    """The streaming weighted mean (as DiLoCo folds a round): a list is folded a group at a time, an iterator
+    one reply at a time."""
+    accumulator = WeightedDeltaAccumulator(threads=threads)
     accumulator.add_all(replies)
-    # the metric mean FedAvg also computes, so both aggregators do the same work
-    aggregate_metricrecords(accumulator.metric_records, accumulator.weighted_by_key)
-    return to_record(accumulator.mean())
+    return accumulator.mean()
 
 
-def flower_aggregate(replies: Iterable[Message]) -> ArrayRecord:
+def hydrafl_one_by_one(replies: Iterable[Message], threads: int | None = None) -> dict[str, torch.Tensor]:
+    """The same mean, each reply folded as it arrives (`add`), as a coordinator streaming replies does."""
+    accumulator = WeightedDeltaAccumulator(threads=threads)
+    for reply in replies:  # the benchmark passes a list: the replies are resident anyway
+        accumulator.add(reply)
+    return accumulator.mean()
+
+
+def hydrafl_masked(
+    replies: Iterable[Message], threads: int | None = None, masks: list[dict[str, torch.Tensor]] | None = None, *,
+    params: int = 0,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The masked mean of subnetwork updates (`MaskedDeltaAccumulator.add`, as FedIT folds a round); masks are
+    built as replies arrive when not given."""
+    accumulator = MaskedDeltaAccumulator(threads=threads)
+    arriving = iter(replies)
+    for site in itertools.count():
+        reply = next(arriving, None)  # the previous reply is released first, as `add_all` does
+        if reply is None:
+            return accumulator.mean()
+        accumulator.add(reply, masks[site] if masks is not None else make_masks(site, params))
+        del reply
+
+
+def flower_aggregate(replies: Iterable[Message], threads: int | None = None) -> ArrayRecord:
     arrays, _ = FedAvg().aggregate_train(1, replies)
     if arrays is None:
         raise RuntimeError("Flower's FedAvg aggregated nothing")
     return arrays
-
-
-AGGREGATORS: dict[str, Aggregate] = {"hydrafl": hydrafl_aggregate, "flower": flower_aggregate}
 
 
 def peak_rss_bytes() -> int:
@@ -82,18 +113,27 @@ def peak_rss_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status (the memory probe needs Linux)")
 
 
+PROBES = ("baseline", "hydrafl", "hydrafl masked", "flower")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("what", choices=("baseline", *AGGREGATORS), help="baseline: imports and one reply only")
+    parser.add_argument("what", choices=PROBES, help="baseline: imports and one reply (and its masks) only")
     parser.add_argument("--sites", type=int, required=True)
     parser.add_argument("--params", type=int, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if args.what == "baseline":
-        make_reply(0, args.params)
+    replies = lazy_replies(args.sites, args.params)
+    if args.what == "baseline":  # both alive at once; the peak (VmHWM) remembers them once freed
+        [make_reply(0, args.params), make_masks(0, args.params)]
+    elif args.what == "hydrafl":
+        hydrafl_aggregate(replies)
+    elif args.what == "hydrafl masked":
+        hydrafl_masked(replies, params=args.params)
     else:
-        AGGREGATORS[args.what](lazy_replies(args.sites, args.params))
+        flower_aggregate(replies)
     print(json.dumps({"peak_bytes": peak_rss_bytes()}))
+
 
 if __name__ == "__main__":
     main()

@@ -1,20 +1,24 @@
-"""hydrafl's streaming weighted mean vs Flower's FedAvg.aggregate_train: throughput, equality, peak memory.
+"""hydrafl's streaming accumulator against the memory-bandwidth limit: in-place torch adds of the same bytes.
 
     python -m hydrafl.benchmarks.aggregation [--out DIR] [--quick]
 
-Throughput: both aggregators take the same list of real Flower reply Messages (one ArrayRecord of
-ARRAYS_PER_MODEL float32 arrays, one MetricRecord with num-examples, unequal weights), alternating which one
-runs first; both return an ArrayRecord. Torch runs one thread: numpy's element-wise ops are single-threaded,
-and one thread compares the two algorithms rather than the thread counts of a shared 2-core machine.
+Throughput: SITES replies (one ArrayRecord of ARRAYS_PER_MODEL float32 arrays, one MetricRecord with
+num-examples, unequal weights) already in memory. Every aggregator takes the same replies, in a rotating order
+within each repetition, in three settings: torch on 1 thread, on 2, and on 2 while a background process spins
+on one core ("busy"). The baselines are what the memory bus allows: a preallocated float32 sum and
+`sum.add_(x, alpha=w)` over the replies' tensors, already parsed (torch's own threads, the setting's count);
+for the masked sums, `sum.addcmul_(mask, x, value=w); count.add_(mask, alpha=w)` with the masks already
+float32. hydrafl: `WeightedDeltaAccumulator.add_all` of the list, then `mean()`; the same with `add` per reply
+("one by one", as a coordinator streaming replies folds them); `MaskedDeltaAccumulator.add` per reply with bool
+masks, then `mean()`. Flower: `FedAvg.aggregate_train`. A ratio is the baseline's seconds over the
+aggregator's in the same repetition (paired, so the shared machine's load drifts out), median over
+repetitions; goal >= 0.85 for hydrafl and hydrafl masked in every setting. `uptime`'s load is recorded
+before and after.
 
-Memory: the replies come from a generator that builds each one when it is iterated, as replies arriving one
-by one; an aggregator that streams need not hold them all, one that collects them (FedAvg makes a list) must.
-Each aggregator runs alone in a fresh process (`_aggregation_worker`) that reports its peak RSS; a baseline
-process that only imports and builds one reply is subtracted, so "extra" is what aggregating costs beyond
-the one model-sized reply any aggregator must hold, in multiples of one model.
-
-Goals: throughput ratio >= 3x; hydrafl's extra memory flat in the number of sites and under
-3 models, while Flower's grows.
+Memory: replies built one by one as they are iterated (as they arrive); each aggregator runs alone in a fresh
+process (`_aggregation_worker`) that reports its peak RSS, less a baseline process that only imports and
+builds one reply and its masks: "extra" is what aggregating costs beyond that, in models. Goal: hydrafl's
+extra under 3 models at every size (Flower's FedAvg collects every reply, so it grows with the sites).
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import statistics
 import subprocess
 import sys
 import time
+import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,24 +44,40 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from flwr.app import ArrayRecord  # noqa: E402
+from flwr.app import Message  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from hydrafl.arrays import array_view, from_record  # noqa: E402
+from hydrafl.benchmarks._aggregation_worker import (  # noqa: E402
+    ARRAYS_PER_MODEL,
+    MASKED_FRACTION,
+    PROBES,
+    flower_aggregate,
+    hydrafl_aggregate,
+    hydrafl_masked,
+    hydrafl_one_by_one,
+    make_masks,
+    make_reply,
+    num_examples,
+)
 from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
-from hydrafl.benchmarks._aggregation_worker import AGGREGATORS, ARRAYS_PER_MODEL, lazy_replies  # noqa: E402
 
 NAME = "aggregation"
-GOAL_THROUGHPUT_RATIO = 3.0
+GOAL_RATIO = 0.85
 GOAL_EXTRA_MODELS = 3.0
 TOLERANCE = 1e-5
 MB = 1e6  # decimal megabytes: one 10M-parameter fp32 model is 40 MB
+SETTINGS = {"1 thread": (1, False), "2 threads": (2, False), "2 threads, other core busy": (2, True)}
+BASELINE_OF = {"hydrafl": "torch adds", "hydrafl one by one": "torch adds", "flower": "torch adds",
+               "hydrafl masked": "torch masked adds"}
+GOALS = ("hydrafl", "hydrafl masked")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Scale:
     params: int
-    throughput_sites: int
+    sites: int
     memory_sites: tuple[int, ...]
     reps: int
     memory_reps: int
@@ -64,43 +87,135 @@ class Scale:
         return self.params * 4
 
 
-FULL = Scale(params=10_000_000, throughput_sites=10, memory_sites=(10, 20, 50), reps=7, memory_reps=3)
-QUICK = Scale(params=1_000_000, throughput_sites=4, memory_sites=(2, 4), reps=3, memory_reps=1)
+FULL = Scale(params=10_000_000, sites=10, memory_sites=(10, 50, 100), reps=9, memory_reps=1)
+QUICK = Scale(params=1_000_000, sites=4, memory_sites=(2, 4), reps=3, memory_reps=1)
 
 
-def max_abs_diff(a: ArrayRecord, b: ArrayRecord) -> float:
-    if set(a) != set(b):
-        return float("inf")
-    return max(float(np.max(np.abs(a[name].numpy() - b[name].numpy()))) for name in a)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Workload:
+    """The replies, and the same data as the baselines take it: parsed tensors, float masks, weights."""
+
+    replies: list[Message]
+    tensors: list[list[torch.Tensor]]
+    masks: list[dict[str, torch.Tensor]]
+    float_masks: list[list[torch.Tensor]]
+    weights: list[float]
+
+    @classmethod
+    def build(cls, scale: Scale) -> Workload:
+        replies = [make_reply(site, scale.params) for site in range(scale.sites)]
+        masks = [make_masks(site, scale.params) for site in range(scale.sites)]
+        return cls(
+            replies=replies,
+            tensors=[[torch.from_numpy(array_view(a)) for a in reply.content["arrays"].values()] for reply in replies],
+            masks=masks,
+            float_masks=[[mask.float() for mask in site.values()] for site in masks],
+            weights=[float(num_examples(site)) for site in range(scale.sites)],
+        )
 
 
-def throughput(scale: Scale) -> dict[str, Any]:
-    """Time both aggregators on the same resident replies; check they agree."""
-    replies = list(lazy_replies(scale.throughput_sites, scale.params))
-    seconds: dict[str, list[float]] = {name: [] for name in AGGREGATORS}
-    results: dict[str, ArrayRecord] = {}
-    for rep in range(scale.reps):
-        for name in AGGREGATORS if rep % 2 == 0 else list(AGGREGATORS)[::-1]:
-            gc.collect()
-            started = time.perf_counter()
-            result = AGGREGATORS[name](iter(replies))
-            seconds[name].append(time.perf_counter() - started)
-            results.setdefault(name, result)
-            del result
-    input_bytes = scale.throughput_sites * scale.model_bytes
-    medians = {name: statistics.median(times) for name, times in seconds.items()}
-    ratio = medians["flower"] / medians["hydrafl"]
-    diff = max_abs_diff(results["hydrafl"], results["flower"])
+def torch_adds(work: Workload, sums: list[torch.Tensor]) -> None:
+    """The baseline: in-place adds into preallocated sums (torch's threads, the setting's count)."""
+    for tensors, weight in zip(work.tensors, work.weights):
+        for total, values in zip(sums, tensors):
+            total.add_(values, alpha=weight)
+
+
+def torch_masked_adds(work: Workload, sums: list[torch.Tensor], counts: list[torch.Tensor]) -> None:
+    for tensors, masks, weight in zip(work.tensors, work.float_masks, work.weights):
+        for total, count, values, mask in zip(sums, counts, tensors, masks):
+            total.addcmul_(mask, values, value=weight)
+            count.add_(mask, alpha=weight)
+
+
+def aggregators(work: Workload, threads: int) -> dict[str, Callable[[], Any]]:
+    """Each timed call: what it does and nothing else (the baselines' sums are zeroed, not allocated, outside)."""
+    shapes = [tensor.shape for tensor in work.tensors[0]]
+    sums, counts = [torch.zeros(shape) for shape in shapes], [torch.zeros(shape) for shape in shapes]
     return {
-        "sites": scale.throughput_sites,
-        "input_mb": input_bytes / MB,
+        "torch adds": lambda: torch_adds(work, sums),
+        "torch masked adds": lambda: torch_masked_adds(work, sums, counts),
+        "hydrafl": lambda: hydrafl_aggregate(work.replies, threads),
+        "hydrafl one by one": lambda: hydrafl_one_by_one(work.replies, threads),
+        "hydrafl masked": lambda: hydrafl_masked(work.replies, threads, work.masks),
+        "flower": lambda: flower_aggregate(work.replies, threads),
+    }
+
+
+def load() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+
+
+def timed_setting(work: Workload, scale: Scale, threads: int, busy: bool) -> dict[str, Any]:
+    """Every aggregator `reps` times, rotating the order; paired ratios to the baselines."""
+    torch.set_num_threads(threads)
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    try:
+        calls = aggregators(work, threads)
+        seconds: dict[str, list[float]] = {name: [] for name in calls}
+        names = list(calls)
+        for rep in range(scale.reps):
+            for name in names[rep % len(names):] + names[: rep % len(names)]:
+                gc.collect()
+                started = time.perf_counter()
+                calls[name]()
+                seconds[name].append(time.perf_counter() - started)
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
+    input_bytes = scale.sites * scale.model_bytes
+    ratios = {
+        name: statistics.median(b / s for b, s in zip(seconds[baseline], seconds[name]))
+        for name, baseline in BASELINE_OF.items()
+    }
+    return {
+        "threads": threads,
+        "busy": busy,
         "seconds": seconds,
-        "median_s": medians,
-        "gb_per_s": {name: input_bytes / median / 1e9 for name, median in medians.items()},
-        "speedup_hydrafl_over_flower": ratio,  # Flower's median seconds / hydrafl's
-        "goal": GOAL_THROUGHPUT_RATIO,
-        "goal_met": ratio >= GOAL_THROUGHPUT_RATIO,
-        "equality": {"max_abs_diff": diff, "tolerance": TOLERANCE, "passed": diff <= TOLERANCE},
+        "median_s": {name: statistics.median(times) for name, times in seconds.items()},
+        "gb_per_s": {name: input_bytes / statistics.median(times) / 1e9 for name, times in seconds.items()},
+        "ratio_vs_baseline": ratios,
+        "goal_met": {name: ratios[name] >= GOAL_RATIO for name in GOALS},
+    }
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[name] - b[name]).abs().max()) for name in a)
+
+
+def equality(work: Workload) -> dict[str, Any]:
+    """hydrafl's means against float64 references; thread counts and grouping against each other, bitwise."""
+    names = list(work.replies[0].content["arrays"])
+    total_weight = sum(work.weights)
+    weighted = {
+        name: sum(w * t[i].double() for t, w in zip(work.tensors, work.weights)) / total_weight
+        for i, name in enumerate(names)
+    }
+    masked = {}
+    for i, name in enumerate(names):
+        counts = sum(w * m[i].double() for m, w in zip(work.float_masks, work.weights))
+        sums = sum(w * m[i].double() * t[i].double() for t, m, w in zip(work.tensors, work.float_masks, work.weights))
+        masked[name] = torch.where(counts > 0, sums / counts.clamp(min=1e-30), 0.0)
+    one, two = hydrafl_aggregate(work.replies, 1), hydrafl_aggregate(work.replies, 2)
+    streamed = hydrafl_one_by_one(work.replies, 2)
+    masked_one, masked_two = hydrafl_masked(work.replies, 1, work.masks), hydrafl_masked(work.replies, 2, work.masks)
+    flower = from_record(flower_aggregate(work.replies))
+    diffs = {
+        "hydrafl": max_abs_diff({n: t.double() for n, t in one.items()}, weighted),
+        "hydrafl masked": max_abs_diff({n: m.double() for n, (m, _) in masked_one.items()}, masked),
+        "flower": max_abs_diff({n: t.double() for n, t in flower.items()}, weighted),
+    }
+    identical = {
+        "1 vs 2 threads": all(torch.equal(one[n], two[n]) for n in names),
+        "grouped vs one by one": all(torch.equal(one[n], streamed[n]) for n in names),
+        "masked 1 vs 2 threads": all(torch.equal(masked_one[n][0], masked_two[n][0]) for n in names),
+    }
+    return {
+        "max_abs_diff_vs_float64": diffs,
+        "tolerance": TOLERANCE,
+        "bit_identical": identical,
+        "passed": max(diffs.values()) <= TOLERANCE and all(identical.values()),
     }
 
 
@@ -118,7 +233,8 @@ def probe(what: str, sites: int, scale: Scale) -> int:
 def memory(scale: Scale) -> dict[str, Any]:
     """Extra peak memory of each aggregator over the baseline, as the number of sites grows. Probes run two at
     a time: each reports its own peak, which another process running beside it does not change."""
-    jobs = [("baseline", 1)] + [(name, count) for count in scale.memory_sites for name in AGGREGATORS]
+    measured = [name for name in PROBES if name != "baseline"]
+    jobs = [("baseline", 1)] + [(name, count) for count in scale.memory_sites for name in measured]
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {job: [pool.submit(probe, *job, scale) for _ in range(scale.memory_reps)] for job in jobs}
         peaks = {job: statistics.median(future.result() for future in done) for job, done in futures.items()}
@@ -130,81 +246,89 @@ def memory(scale: Scale) -> dict[str, Any]:
                 "extra_mb": (peaks[name, count] - baseline) / MB,
                 "extra_models": (peaks[name, count] - baseline) / scale.model_bytes,
             }
-            for name in AGGREGATORS
+            for name in measured
         }
         for count in scale.memory_sites
     }
-    hydrafl = [entry["hydrafl"]["extra_models"] for entry in sites.values()]
-    flower = [entry["flower"]["extra_models"] for entry in sites.values()]
+    worst = {name: max(entry[name]["extra_models"] for entry in sites.values()) for name in measured}
     return {
         "baseline_mb": baseline / MB,
         "model_mb": scale.model_bytes / MB,
         "sites": sites,
         "goal_extra_models": GOAL_EXTRA_MODELS,
-        "hydrafl_under_goal": max(hydrafl) < GOAL_EXTRA_MODELS,
-        "hydrafl_spread_models": max(hydrafl) - min(hydrafl),
-        "flower_growth_models": flower[-1] - flower[0],
+        "worst_extra_models": worst,
+        "goal_met": {name: worst[name] < GOAL_EXTRA_MODELS for name in GOALS},
     }
 
 
 def print_tables(summary: dict[str, Any]) -> None:
-    tput, mem, config = summary["throughput"], summary["memory"], summary["config"]
+    config, mem = summary["config"], summary["memory"]
     console = Console()
     table = Table(
-        title=f"{tput['sites']} sites x {config['params'] / 1e6:g}M fp32 ({tput['input_mb']:.0f} MB of replies), "
-        f"median of {config['reps']}"
+        title=f"{config['sites']} sites x {config['params'] / 1e6:g}M fp32 ({config['input_mb']:.0f} MB of replies), "
+        f"median of {config['reps']}; ratio = baseline s / aggregator s, paired per repetition (goal >= {GOAL_RATIO})"
     )
-    for column in ("aggregator", "median s", "GB/s", "runs s"):
-        table.add_column(column, justify="right")
-    for name in AGGREGATORS:
-        runs = " ".join(f"{s:.3f}" for s in tput["seconds"][name])
-        table.add_row(name, f"{tput['median_s'][name]:.3f}", f"{tput['gb_per_s'][name]:.2f}", runs)
+    table.add_column("aggregator")
+    for setting in SETTINGS:
+        table.add_column(f"{setting}\nGB/s", justify="right")
+        table.add_column("ratio", justify="right")
+    for name in summary["throughput"]["1 thread"]["median_s"]:
+        row = [name]
+        for setting in SETTINGS:
+            result = summary["throughput"][setting]
+            ratio = result["ratio_vs_baseline"].get(name)
+            text = "baseline" if ratio is None else f"{ratio:.2f}"
+            if name in GOALS:
+                text = verdict(result["goal_met"][name], text, f"{text} BELOW GOAL")
+            row += [f"{result['gb_per_s'][name]:.2f}", text]
+        table.add_row(*row)
     console.print(table)
-    ratio = tput["speedup_hydrafl_over_flower"]
-    equality = tput["equality"]
+    console.print(f"load: {config['load_before']} -> {config['load_after']}")
+    check = summary["equality"]
     console.print(
-        f"hydrafl speed-up over Flower {ratio:.2f}x: {verdict(tput['goal_met'])} (goal >= {GOAL_THROUGHPUT_RATIO:g}x); "
-        f"same mean: max |diff| {equality['max_abs_diff']:.2e} (tolerance {TOLERANCE:g}): "
-        f"{verdict(equality['passed'], 'PASS', 'FAIL')}"
+        "max |diff| to float64 references: "
+        + ", ".join(f"{name} {diff:.1e}" for name, diff in check["max_abs_diff_vs_float64"].items())
+        + f" (tolerance {TOLERANCE:g}); bit-identical: "
+        + ", ".join(f"{name} {ok}" for name, ok in check["bit_identical"].items())
+        + f": {verdict(check['passed'], 'PASS', 'FAIL')}"
     )
     table = Table(
-        title=f"extra peak memory over baseline ({mem['baseline_mb']:.0f} MB: imports + one reply), "
-        f"in models of {mem['model_mb']:.0f} MB"
+        title=f"extra peak memory over baseline ({mem['baseline_mb']:.0f} MB: imports + one reply and its masks), "
+        f"in models of {mem['model_mb']:.0f} MB (goal < {GOAL_EXTRA_MODELS:g} for hydrafl)"
     )
-    for column in ("sites", *(f"{name} MB" for name in AGGREGATORS), *(f"{name} models" for name in AGGREGATORS)):
+    names = list(mem["worst_extra_models"])
+    for column in ("sites", *(f"{name} MB" for name in names), *(f"{name} models" for name in names)):
         table.add_column(column, justify="right")
     for count, entry in mem["sites"].items():
         table.add_row(
-            count,
-            *(f"{entry[name]['extra_mb']:.0f}" for name in AGGREGATORS),
-            *(f"{entry[name]['extra_models']:.1f}" for name in AGGREGATORS),
+            count, *(f"{entry[n]['extra_mb']:.0f}" for n in names), *(f"{entry[n]['extra_models']:.1f}" for n in names)
         )
     console.print(table)
     console.print(
-        f"hydrafl under {GOAL_EXTRA_MODELS:g} models at every size: {verdict(mem['hydrafl_under_goal'])}; "
-        f"hydrafl spread {mem['hydrafl_spread_models']:.1f} models, "
-        f"Flower grows {mem['flower_growth_models']:.1f} models"
+        ", ".join(f"{name} under {GOAL_EXTRA_MODELS:g} models: {verdict(ok)}" for name, ok in mem["goal_met"].items())
     )
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
-    tput, mem = summary["throughput"], summary["memory"]
-    colors = {"hydrafl": "tab:blue", "flower": "tab:orange"}
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for i, name in enumerate(AGGREGATORS):
-        left.bar(i, tput["gb_per_s"][name], color=colors[name], alpha=0.7)
-    left.set_xticks(range(len(AGGREGATORS)), list(AGGREGATORS))
-    left.set_ylabel("aggregation throughput (GB/s of replies)")
-    left.set_title(f"{tput['sites']} sites: hydrafl {tput['speedup_hydrafl_over_flower']:.2f}x Flower (goal >= 3x)")
+    mem = summary["memory"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    names = list(summary["throughput"]["1 thread"]["median_s"])
+    width = 0.8 / len(SETTINGS)
+    for i, setting in enumerate(SETTINGS):
+        rates = [summary["throughput"][setting]["gb_per_s"][name] for name in names]
+        left.bar(np.arange(len(names)) + i * width, rates, width, label=setting)
+    left.set_xticks(np.arange(len(names)) + width, names, rotation=20, ha="right")
+    left.set_ylabel("GB/s of replies")
+    left.set_title(f"{summary['config']['sites']} sites x {summary['config']['params'] / 1e6:g}M fp32")
+    left.legend(fontsize=8)
     counts = [int(count) for count in mem["sites"]]
-    for name in AGGREGATORS:
-        extra = [mem["sites"][str(count)][name]["extra_models"] for count in counts]
-        right.plot(counts, extra, marker="o", label=name, color=colors[name])
+    for name in mem["worst_extra_models"]:
+        right.plot(counts, [mem["sites"][str(c)][name]["extra_models"] for c in counts], marker="o", label=name)
     right.axhline(GOAL_EXTRA_MODELS, color="gray", linestyle=":", label=f"goal: {GOAL_EXTRA_MODELS:g} models")
     right.set_xlabel("sites")
     right.set_ylabel(f"extra peak memory (models of {mem['model_mb']:.0f} MB)")
     right.set_title("peak memory beyond imports + one reply")
-    right.legend()
+    right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -215,21 +339,27 @@ def main() -> None:
     args = parser.parse_args()
     scale = QUICK if args.quick else FULL
     args.out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)  # FedAvg logs every aggregation at INFO
-    summary = {
-        "benchmark": NAME,
-        "quick": args.quick,
-        "config": {
-            "params": scale.params,
-            "arrays_per_model": ARRAYS_PER_MODEL,
-            "model_mb": scale.model_bytes / MB,
-            "reps": scale.reps,
-            "memory_reps": scale.memory_reps,
-            "torch_threads": torch.get_num_threads(),
-        },
-        "throughput": throughput(scale),
+    config = {
+        "params": scale.params,
+        "arrays_per_model": ARRAYS_PER_MODEL,
+        "model_mb": scale.model_bytes / MB,
+        "sites": scale.sites,
+        "input_mb": scale.sites * scale.model_bytes / MB,
+        "masked_fraction": MASKED_FRACTION,
+        "reps": scale.reps,
+        "memory_reps": scale.memory_reps,
+        "cores": len(os.sched_getaffinity(0)),
+        "load_before": load(),
     }
+    with warnings.catch_warnings():  # the baselines' tensors are read-only views of the replies, as hydrafl's
+        warnings.simplefilter("ignore", UserWarning)
+        work = Workload.build(scale)
+    throughput = {setting: timed_setting(work, scale, *how) for setting, how in SETTINGS.items()}
+    config["load_after"] = load()
+    summary = {"benchmark": NAME, "quick": args.quick, "config": config, "throughput": throughput,
+               "equality": equality(work)}
+    del work
     summary["memory"] = memory(scale)
     (args.out / f"{NAME}.json").write_text(json.dumps(summary, indent=1))
     plot(summary, args.out / f"{NAME}.png")

@@ -59,7 +59,10 @@ class CentralDp:
 
     def clip_factor(self, update: Mapping[str, torch.Tensor]) -> float:
         """The factor that brings one site's update (all its arrays) within the bound; seen by adaptive clipping."""
-        norm = l2_norm(update)
+        return self.clip_factor_of_norm(l2_norm(update))
+
+    def clip_factor_of_norm(self, norm: float) -> float:
+        """`clip_factor` of an update whose L2 norm the caller computed (the accumulator, block by block)."""
         if self.adaptive is not None:
             self.adaptive.observe(norm)
         return clip_factor(norm, self.clip)

@@ -1,5 +1,6 @@
 """The benchmarks' --quick modes run end to end and their numerical checks pass; the one timing asserted is a
-ratio of several seconds (the command line against the imports it does not make)."""
+ratio of several seconds (the command line against the imports it does not make); aggregation's throughput
+ratios are only checked to be there (its goals are judged on the full run)."""
 
 from __future__ import annotations
 
@@ -9,19 +10,25 @@ from helpers import run_quick
 
 @pytest.mark.slow
 def test_aggregation_quick(tmp_path):
-    result = run_quick("aggregation", tmp_path, timeout_s=180)
+    result = run_quick("aggregation", tmp_path, timeout_s=300)
     assert result["quick"] is True
-    throughput = result["throughput"]
-    assert set(throughput["median_s"]) == set(throughput["gb_per_s"]) == {"hydrafl", "flower"}
-    assert throughput["speedup_hydrafl_over_flower"] > 0
-    assert throughput["equality"]["passed"], throughput["equality"]
+    names = {"torch adds", "torch masked adds", "hydrafl", "hydrafl one by one", "hydrafl masked", "flower"}
+    assert set(result["throughput"]) == {"1 thread", "2 threads", "2 threads, other core busy"}
+    for setting in result["throughput"].values():
+        assert set(setting["median_s"]) == set(setting["gb_per_s"]) == names
+        assert set(setting["ratio_vs_baseline"]) == names - {"torch adds", "torch masked adds"}
+        assert all(ratio > 0 for ratio in setting["ratio_vs_baseline"].values())  # goals: the full run's
+        assert set(setting["goal_met"]) == {"hydrafl", "hydrafl masked"}
+    equality = result["equality"]
+    assert equality["passed"], equality  # within 1e-5 of float64 references, bitwise across threads and grouping
+    assert all(equality["bit_identical"].values())
     memory = result["memory"]
     assert memory["baseline_mb"] > 0 and memory["model_mb"] > 0
     assert [int(count) for count in memory["sites"]] == [2, 4]
     for entry in memory["sites"].values():
-        assert set(entry) == {"hydrafl", "flower"}
-        assert {"peak_mb", "extra_mb", "extra_models"} <= set(entry["flower"])
-    assert {"hydrafl_under_goal", "hydrafl_spread_models", "flower_growth_models"} <= set(memory)
+        assert set(entry) == {"hydrafl", "hydrafl masked", "flower"}
+        assert all({"peak_mb", "extra_mb", "extra_models"} <= set(probe) for probe in entry.values())
+    assert set(memory["goal_met"]) == {"hydrafl", "hydrafl masked"}
 
 
 @pytest.mark.slow
