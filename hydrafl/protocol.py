@@ -24,6 +24,9 @@ SECAGG_QUERIES = (QUERY_SECAGG_KEYS, QUERY_SECAGG_SHARES, QUERY_SECAGG_UNMASK)
 # Config keys the coordinator adds to a message for one site.
 SERVER_ROUND = "server-round"
 """The round a train message belongs to (Flower's strategies set it too)."""
+MODEL_VERSION = "model-version"
+"""Asynchronous runs (FedBuff): the version of the model a train message carries (the coordinator's own record of
+it, kept per message, is what counts)."""
 SUBNET_PREFIX = "hydra."
 """Keys of the SubnetSpec a site trains (`SubnetSpec.to_config`)."""
 SITE_RANK = "lora.site-rank"

@@ -70,6 +70,16 @@ class RoundRecord:
     """Secure aggregation: bytes of the protocol's own messages this round (keys, shares, unmasking)."""
     secagg_s: float = 0.0
     """Secure aggregation: seconds of the protocol's own stages this round (masking overhead excluded)."""
+    virtual_s: float | None = None
+    """Asynchronous runs in simulation: the virtual clock at this step (a site's local round lasts 1 / its speed)."""
+    staleness: list[int] = field(default_factory=list)
+    """Asynchronous runs: each buffered update's staleness (model versions between its start and this step)."""
+    update_weights: list[float] = field(default_factory=list)
+    """Asynchronous runs: each buffered update's weight (staleness factor x examples / mean examples, capped)."""
+    ess: float | None = None
+    """Asynchronous runs: the buffer's effective number of sites (`strategies.staleness.ess`)."""
+    oldest_open: int | None = None
+    """Asynchronous runs: the oldest model version a site still trains on; its messages must be kept."""
 
     def tsv_row(self) -> str:
         sites = max(self.sites_ok + self.sites_failed, 1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
@@ -18,6 +18,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
 from hydrafl import protocol
+from hydrafl.async_driver import AsyncDriver, VirtualClock, WallClock
 from hydrafl.config import RunConfig
 from hydrafl.driver import DriverConfig, RoundDriver, RunResult
 from hydrafl.rounds import RoundRecord
@@ -25,6 +26,7 @@ from hydrafl.screening import Screening
 from hydrafl.secagg import SecAggParams
 from hydrafl.stability import OuterSetup, check_spectrum
 from hydrafl.strategies import build_strategy
+from hydrafl.strategies.hooks import BuffersUpdates
 
 log = logging.getLogger(__name__)
 
@@ -53,35 +55,39 @@ def run_federation(
     on_round: Callable[[RoundRecord], None] | None = None,
     strategy: Strategy | None = None,
     reference_node: int | None = None,
+    virtual_speeds: Mapping[int, float] | None = None,
 ) -> RunResult:
     """One federated run of `cfg.strategy` (or of `strategy`, built from `cfg` by the caller to read its
     state afterwards): initial model from a site, optional stability check, rounds. `reference_node` is a
-    full-data site of the grid (simulation) that `cfg.diagnostics` compares the averaged delta with."""
+    full-data site of the grid (simulation) that `cfg.diagnostics` compares the averaged delta with.
+    `virtual_speeds` (simulation: per node its relative speed) runs an asynchronous strategy on a virtual clock
+    instead of the wall clock."""
     strategy = strategy or build_strategy(cfg)
     wait_for_sites(grid, cfg.required_sites, cfg.site_wait_s)
     initial = request_initial_arrays(grid, cfg)
     if cfg.options.probes_curvature:
         check_outer_stability(grid, cfg, initial)
-    driver = RoundDriver(
-        grid,
-        strategy,
-        DriverConfig(
-            num_rounds=cfg.rounds,
-            required_sites=cfg.required_sites,
-            seed=cfg.seed,
-            timeout_s=cfg.round_timeout_s or None,
-            train_config=cfg.to_flower(),
-            evaluate_config=cfg.to_flower(),
-            run_dir=Path(cfg.run_dir) if cfg.run_dir else None,
-            run_config=cfg.to_flower(),
-            run_config_defaults=RunConfig.flower_defaults(cfg.strategy),
-            diagnostics=cfg.diagnostics,
-            reference_node=reference_node if cfg.diagnostics else None,
-            screening=Screening(norm_factor=cfg.screen_norm, min_cosine=cfg.screen_cosine),
-            secagg=SecAggParams(max_weight=cfg.secagg_max_weight, reconstruction_threshold=cfg.secagg_threshold)
-            if cfg.secagg else None,
-        ),
+    config = DriverConfig(
+        num_rounds=cfg.rounds,
+        required_sites=cfg.required_sites,
+        seed=cfg.seed,
+        timeout_s=cfg.round_timeout_s or None,
+        train_config=cfg.to_flower(),
+        evaluate_config=cfg.to_flower(),
+        run_dir=Path(cfg.run_dir) if cfg.run_dir else None,
+        run_config=cfg.to_flower(),
+        run_config_defaults=RunConfig.flower_defaults(cfg.strategy),
+        diagnostics=cfg.diagnostics,
+        reference_node=reference_node if cfg.diagnostics else None,
+        screening=Screening(norm_factor=cfg.screen_norm, min_cosine=cfg.screen_cosine),
+        secagg=SecAggParams(max_weight=cfg.secagg_max_weight, reconstruction_threshold=cfg.secagg_threshold)
+        if cfg.secagg else None,
     )
+    if isinstance(strategy, BuffersUpdates):
+        clock = WallClock(grid) if virtual_speeds is None else VirtualClock(grid, virtual_speeds)
+        driver = AsyncDriver(grid, strategy, config, clock, evaluate_every=cfg.options.evaluate_every)
+    else:
+        driver = RoundDriver(grid, strategy, config)
     return driver.run(initial, resume=cfg.resume, on_round=on_round)
 
 

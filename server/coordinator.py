@@ -232,7 +232,9 @@ class Coordinator:
             self.lease.check()
             history[:] = [entry for entry in history if entry["round"] < record.round] + [dataclasses.asdict(record)]
             self.store.set_run_status(run.id, "running", rounds_done=record.round, history=history)
-            self.retention.after_checkpoint(run.id, record.round)  # the driver committed the checkpoint before
+            # the driver committed the checkpoint before; an asynchronous run keeps the versions sites still train on
+            settled = record.round if record.oldest_open is None else min(record.round, record.oldest_open - 1)
+            self.retention.after_checkpoint(run.id, settled)
 
         try:
             run_federation(grid, cfg, on_round=progress)

@@ -14,6 +14,8 @@ _HOMES = {
     "MaskedDeltaAccumulator": "accumulator",
     "WeightedDeltaAccumulator": "accumulator",
     "DiLoCo": "diloco",
+    "FedBuff": "fedbuff",
+    "FedBuffHydra": "fedbuff_hydra",
     "FedIT": "fedit",
     "FedRolex": "fedrolex",
     "FjORD": "fjord",

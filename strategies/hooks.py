@@ -10,6 +10,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 
 if TYPE_CHECKING:
+    from hydrafl.strategies.staleness import BufferReport
     from hydrafl.subnet.slices import Slice
 
 
@@ -62,3 +63,20 @@ class QueriesSites(Protocol):
 
     def aggregate_query(self, server_round: int, replies: Iterable[Message]) -> None:
         """Take in the replies to this round's queries."""
+
+
+@runtime_checkable
+class BuffersUpdates(Protocol):
+    """Asynchronous: takes each site's update as it arrives and steps whenever its buffer is full
+    (`hydrafl.async_driver` drives it instead of rounds)."""
+
+    buffer_full: bool
+
+    def train_message(self, node: int, arrays: ArrayRecord, config: ConfigRecord) -> Message | None:
+        """What `node` trains next, on `arrays` (None: it cannot train)."""
+
+    def add(self, reply: Message, staleness: int) -> None:
+        """Fold in one valid update that started `staleness` model versions ago."""
+
+    def step(self, arrays: ArrayRecord) -> tuple[ArrayRecord, MetricRecord | None, BufferReport]:
+        """The model after the full buffer's step (`arrays` itself when the buffer is skipped), and the buffer emptied."""

@@ -10,8 +10,9 @@ import logging
 import numpy as np
 import pytest
 import torch
+from toy_hydra import START, SPEC_A, SPEC_B, DELTA_A, DELTA_B, toy_record, toy_scores
 from helpers import FakeGrid, configure_round, make_reply, make_scores_reply, sent_specs
-from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.app import ConfigRecord
 
 from hydrafl.site_app import slice_layout
 from hydrafl.config import RunConfig
@@ -24,46 +25,6 @@ from hydrafl.subnet.apply import trainable_slices
 from hydrafl.subnet.planning import LayerCost
 from hydrafl.subnet.slices import layout_slices
 from hydrafl.subnet.spec import SubnetSpec
-
-# A toy "model": w is layer 0's q-like tensor, 4 head groups of one row each (axis 0, unit 1); v is layer 1,
-# shared by its heads; o lies outside the layers.
-LAYOUT = {"w": (0, 0, 1), "v": (1, -1, 1), "o": (-1, -1, 1)}
-START = {
-    "w": np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]], dtype=np.float32),
-    "v": np.array([0.5, -0.5, 1.0], dtype=np.float32),
-    "o": np.array([2.0, -2.0], dtype=np.float32),
-}
-# What the planning round assigns (`_scores`); Hydra keeps the other heads running, frozen.
-SPEC_A = SubnetSpec(layers=(0,), heads=((0, 1),), freeze_heads=True)  # w rows 0-1, o
-SPEC_B = SubnetSpec(layers=(0, 1), heads=((1, 2), (0, 1)), freeze_heads=True)  # w rows 1-2, v (shared by its heads), o
-DELTA_A = {  # sites send only their slices: A's rows 0-1 of w, and o
-    "w": np.array([[0.1, 0.2], [0.4, 0.4]]),
-    "o": np.array([1.0, 0.0]),
-}
-DELTA_B = {  # B's rows 1-2 of w, v and o
-    "w": np.array([[0.8, 0.0], [0.3, -0.3]]),
-    "v": np.array([0.2, 0.2, -0.4]),
-    "o": np.array([-1.0, 2.0]),
-}
-
-
-def _record(arrays):
-    return ArrayRecord({k: Array(np.asarray(v, dtype=np.float32)) for k, v in arrays.items()})
-
-
-def _scores():
-    """The planning round's replies: both sites rank layer 0 first. A (node 1) is tier small: one layer of two
-    and two heads of four, its best (0, 1). B (node 2) is untiered, so its budget is the strategy's untiered one
-    (`_hydra`, `_built`: both layers, half the heads), and in layer 0 it scores heads 1 and 2 highest."""
-    return {
-        1: make_scores_reply(
-            1, LAYOUT, layers=[2.0, 1.0], heads=[[4.0, 3.0, 2.0, 1.0]] * 2, tier="small", num_examples=10
-        ),
-        2: make_scores_reply(
-            2, LAYOUT, layers=[2.0, 1.0], heads=[[1.0, 4.0, 3.0, 0.0], [4.0, 3.0, 2.0, 1.0]], num_examples=30
-        ),
-    }
-
 
 def _hydra(**kwargs) -> Hydra:
     """Hydra whose untiered sites train every layer and half the heads of each."""
@@ -78,7 +39,7 @@ def _built(**knobs) -> Hydra:
 def _step(strategy: Hydra, arrays, replies, server_round=1):
     """One round: `arrays` go out (after the planning round, when the strategy has not planned yet) as SPEC_A to
     node 1 and SPEC_B to node 2; A (10 examples) and B (30 examples) reply with `replies`."""
-    messages = configure_round(strategy, server_round, _record(arrays), _scores())
+    messages = configure_round(strategy, server_round, toy_record(arrays), toy_scores())
     assert sent_specs(messages) == {1: SPEC_A, 2: SPEC_B}
     replies = [make_reply(delta, n, node_id=i + 1) for i, (delta, n) in enumerate(replies)]
     new, metrics = strategy.aggregate_train(server_round, iter(replies))
@@ -107,10 +68,10 @@ def test_a_reply_that_is_not_its_sites_slice_is_refused():
     with pytest.raises(AggregationError, match=r"array 'w' has shape \(4, 2\), its slice is \(2, 2\)"):
         _step(_hydra(), START, [(full_shape, 10), (DELTA_B, 30)])
     strategy = _hydra()
-    configure_round(strategy, 1, _record(START), _scores())
-    assert strategy.reply_shapes(1, _record(START)) == {"w": (2, 2), "o": (2,)}
-    assert strategy.reply_shapes(2, _record(START)) == {"w": (2, 2), "v": (3,), "o": (2,)}
-    assert strategy.reply_shapes(3, _record(START)) is None  # sent nothing
+    configure_round(strategy, 1, toy_record(START), toy_scores())
+    assert strategy.reply_shapes(1, toy_record(START)) == {"w": (2, 2), "o": (2,)}
+    assert strategy.reply_shapes(2, toy_record(START)) == {"w": (2, 2), "v": (3,), "o": (2,)}
+    assert strategy.reply_shapes(3, toy_record(START)) is None  # sent nothing
 
 
 def test_accumulator_coverage_and_refusals():
@@ -177,7 +138,7 @@ def test_state_dict_round_trip():
     second = _hydra(outer_lr=0.5, momentum=0.9)
     second.load_state_dict(first.state_dict())
     assert second.trainable_params == {1: {"1": 2 * 2 + 2, "2": 2 * 2 + 3 + 2}}  # w rows, v, o
-    assert list(second.configure_query(2, _record(START), ConfigRecord(), FakeGrid([1, 2]))) == []  # planned
+    assert list(second.configure_query(2, toy_record(START), ConfigRecord(), FakeGrid([1, 2]))) == []  # planned
     a = _step(first, START, [(DELTA_A, 10), (DELTA_B, 30)], 2)
     b = _step(second, START, [(DELTA_A, 10), (DELTA_B, 30)], 2)  # the same specs, from the restored planning round
     for name in START:
@@ -222,7 +183,7 @@ def _sized(strategy: Hydra, resources: dict[int, dict]) -> dict[int, SubnetSpec]
         node: make_scores_reply(node, FOUR_LAYERS, layers=descending, heads=[descending] * 4, **given)
         for node, given in resources.items()
     }
-    arrays = _record({name: np.zeros((4, 1)) for name in FOUR_LAYERS})
+    arrays = toy_record({name: np.zeros((4, 1)) for name in FOUR_LAYERS})
     return sent_specs(configure_round(strategy, 1, arrays, scores))
 
 

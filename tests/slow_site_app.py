@@ -1,0 +1,31 @@
+"""hydrafl's own ClientApp behind `hydrafl site --app slow_site_app:client_app`, made `HYDRAFL_SLOW_FACTOR` times
+slower at training (it waits that many times its own training time minus one after training): a slow site
+for the asynchronous end-to-end test, slower than the others by the same factor however busy the machine is."""
+
+import os
+import time
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from hydrafl.apps import client_app as hydrafl_app
+
+client_app = ClientApp()
+
+
+@client_app.train()
+def train(message: Message, context: Context) -> Message:
+    started = time.monotonic()
+    reply = hydrafl_app(message, context)
+    time.sleep((float(os.environ.get("HYDRAFL_SLOW_FACTOR", "10")) - 1) * (time.monotonic() - started))
+    return reply
+
+
+@client_app.evaluate()
+def evaluate(message: Message, context: Context) -> Message:
+    return hydrafl_app(message, context)
+
+
+@client_app.query("init")
+def initial_model(message: Message, context: Context) -> Message:
+    return hydrafl_app(message, context)
