@@ -49,6 +49,9 @@ class SimulationConfig:
     site_policy: str = ""
     """A site policy TOML (`hydrafl site --policy`) every simulated site applies to its replies: clipping, local
     DP noise, max-epsilon."""
+    workers: int = 0
+    """Worker processes the inprocess backend runs sites in, in parallel; 0 = one per core; 1 = every site in
+    this process, one after another. The results are the same, bit for bit, whatever the number."""
 
     def __post_init__(self) -> None:
         if not self.out:
@@ -61,6 +64,8 @@ class SimulationConfig:
         _check(not (self.run.secagg and self.attack), "attack", self.attack,
                "empty with --secagg (the simulated attacks forge plain updates, which secure aggregation never sends)")
         _check(self.backend in BACKENDS, "backend", self.backend, ", ".join(BACKENDS))
+        _check(isinstance(self.workers, int) and not isinstance(self.workers, bool) and self.workers >= 0, "workers",
+               self.workers, "a whole number >= 0 (0: one per core)")
         _check(len(set(self.strategies)) == len(self.strategies), "strategies", self.strategies, "no repeats")
         for strategy in self.strategies:
             checked_config_class(strategy, "--strategies")

@@ -5,12 +5,10 @@ update, encoded and masked. The round's session lives in the site's persistent `
 from __future__ import annotations
 
 import numpy as np
-import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from hydrafl import protocol
 from hydrafl.secagg import SecAggError, SiteSession, encode, wire
-from hydrafl.subnet.slices import Slice
 from hydrafl.updates import records
 
 STATE_KEY = "secagg"
@@ -81,7 +79,12 @@ def masked_reply(message: Message, reply: Message, context: Context, routed: Con
 
 def _expanded(delta: ArrayRecord, slices: dict, layout: wire.Layout, weight: int) -> tuple[np.ndarray, np.ndarray]:
     """A subnetwork's compact slices as full-shape vectors: the delta (0 off the slices) and a per-coordinate
-    weight (`weight` on the slices, 0 off them)."""
+    weight (`weight` on the slices, 0 off them). Imports torch here, for subnetworks only: the in-process grid
+    answers through this module, and a stock Flower app's simulation need not load torch."""
+    import torch
+
+    from hydrafl.subnet.slices import Slice
+
     if set(delta) != set(slices) or not set(slices) <= set(layout.names):
         raise SecAggError("the update's arrays differ from the slices the round assigned: it cannot be summed securely")
     values, weights = [], []

@@ -17,18 +17,20 @@ from hydrafl.simulation.grid import InProcessGrid
 
 
 def run_app(
-    server_app: ServerApp, client_app: ClientApp, *, num_sites: int, run_config: dict | None = None
+    server_app: ServerApp, client_app: ClientApp, *, num_sites: int, run_config: dict | None = None, workers: int = 1
 ) -> Context:
-    """Run any Flower ServerApp + ClientApp on `num_sites` in-process sites; returns the server's Context."""
-    grid = InProcessGrid(client_app, num_sites, run_config)
-    context = Context(
-        run_id=grid.run.run_id,
-        node_id=SUPERLINK_NODE_ID,
-        node_config={},
-        state=RecordDict(),
-        run_config=dict(run_config or {}),
-    )
-    server_app(grid, context)
+    """Run any Flower ServerApp + ClientApp on `num_sites` in-process sites; returns the server's Context.
+    `workers` > 1 (0: one per core) runs the sites in forked worker processes, with the same results; what the
+    ClientApp changes outside its Context then stays in its worker."""
+    with InProcessGrid(client_app, num_sites, run_config, workers=workers) as grid:
+        context = Context(
+            run_id=grid.run.run_id,
+            node_id=SUPERLINK_NODE_ID,
+            node_config={},
+            state=RecordDict(),
+            run_config=dict(run_config or {}),
+        )
+        server_app(grid, context)
     return context
 
 

@@ -13,6 +13,7 @@ import torch
 from flwr.serverapp.strategy import Strategy
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from hydrafl.async_driver import simulated_speeds
 from hydrafl.server_app import build_server_app, run_federation
 from hydrafl.site_app import client_app, run_cohort
 from hydrafl.config import RUN_WIDE_KEYS, RunConfig
@@ -66,7 +67,8 @@ def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) 
 
             started = time.perf_counter()
             built = build_strategy(run_cfg) if config.backend == "inprocess" else None
-            history = run_strategy(run_cfg, config.backend, on_round=on_round, strategy=built, attack=attack, policy=policy)
+            history = run_strategy(run_cfg, config.backend, on_round=on_round, strategy=built, attack=attack, policy=policy,
+                                   workers=config.workers)
             results["strategies"][strategy] = {
                 "seconds": time.perf_counter() - started, "lora_rank": run_cfg.lora_rank, "rounds": history,
                 "trust": trust_summary(history, run_cfg.flat()),
@@ -79,21 +81,25 @@ def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) 
 
 def run_strategy(
     cfg: RunConfig, backend: str, *, on_round: OnRound | None = None, strategy: Strategy | None = None,
-    attack: Attack | None = None, policy: SitePolicy = SitePolicy(),
+    attack: Attack | None = None, policy: SitePolicy = SitePolicy(), workers: int = 1,
 ) -> list[dict[str, Any]]:
     """One strategy's run; returns its per-round history (round 0 is the initial model's evaluation).
     `strategy` (in-process only) is the caller's own instance of `cfg.strategy`, to read its state after;
     `attack` (in-process only): some sites send forged updates (`simulation.attacks`); `policy`: every site's
-    site policy."""
+    site policy; `workers` (in-process only): the grid's worker processes (0: one per core), the same results
+    whatever their number."""
     torch.set_num_threads(1)  # tiny per-site models: one thread is faster and never oversubscribes a small box
     if backend == "inprocess":
+        sites = {"pooled_site": cfg.diagnostics, "policy": policy, "workers": workers}
         grid = (
-            AttackedGrid(client_app, cfg.sites, cfg.to_flower(), pooled_site=cfg.diagnostics, attack=attack, policy=policy)
-            if attack else InProcessGrid(client_app, cfg.sites, cfg.to_flower(), pooled_site=cfg.diagnostics, policy=policy)
+            AttackedGrid(client_app, cfg.sites, cfg.to_flower(), attack=attack, **sites)
+            if attack else InProcessGrid(client_app, cfg.sites, cfg.to_flower(), **sites)
         )
-        return run_federation(
-            grid, cfg, on_round=on_round, strategy=strategy, reference_node=grid.reference_node
-        ).history
+        with grid:  # ends its worker processes
+            return run_federation(
+                grid, cfg, on_round=on_round, strategy=strategy, reference_node=grid.reference_node,
+                virtual_speeds=simulated_speeds(grid.contexts, cfg.speed_list),
+            ).history
     if strategy is not None or attack is not None:
         raise ValueError("a strategy instance or an attack can only be passed to the inprocess backend")
     if backend == "ray":

@@ -238,7 +238,8 @@ TIER_OF_NODE = {str(FIRST_NODE_ID + i): tier for i, tier in enumerate(CFG.tier_l
      pytest.param("flexlora", marks=pytest.mark.slow)],
 )
 def test_tiered_simulation_trains_with_hydra_sized_ranks(strategy, tmp_path):
-    config = SimulationConfig(run=CFG, strategies=(strategy,), out=str(tmp_path))
+    # One worker: the sites run in this process, so the FLoRA check below can read the site app's model cache.
+    config = SimulationConfig(run=CFG, strategies=(strategy,), out=str(tmp_path), workers=1)
     compare_strategies(config, show_progress=False)
     result = json.loads((tmp_path / "results.json").read_text())["strategies"][strategy]
     losses = [record["loss"] for record in result["rounds"]]
