@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hydrafl.catalog import IMAGE_MODELS, INNER_OPTIMIZERS, NEXT_TOKEN_TASKS, SITE_TIERS, has_images, run_model
+from hydrafl.compression.layout import CompressionError, Scheme
 from hydrafl.strategies.registry import (
     StrategyConfig,
     UnknownStrategy,
@@ -100,8 +101,9 @@ class RunConfig:
     """Hydra: comma-separated training memory (MB) each simulated site declares, in partition order (a real
     site: `hydrafl site --memory-mb`); 0 or "" = no memory limit. A site's Hydra-net is sized to fit it."""
     site_speeds: str = ""
-    """Hydra: comma-separated relative speed per simulated site (1.0 = this machine; 0.25 = four times slower),
-    used with `--round-timeout-s` to size each Hydra-net so its local steps fit the round deadline."""
+    """Comma-separated relative speed per simulated site (1.0 = this machine; 0.25 = four times slower): Hydra
+    sizes each Hydra-net with `--round-timeout-s` so its local steps fit the deadline; FedBuff's simulation runs
+    on a virtual clock where a site's local round lasts 1 / its speed."""
     run_dir: str = ""
     """Where the run checkpoints every round; "" disables checkpoints."""
     resume: bool = False
@@ -139,6 +141,15 @@ class RunConfig:
     """Screening: reject a reply whose update norm is above this many times the round's median; 0 = off."""
     screen_cosine: float = -1.0
     """Screening: reject a reply whose cosine to the round's mean update is below this; -1 = off."""
+    compress: str = "none"
+    """Compress each site's update for upload: none, bf16, int8 (per-block scales), topk (sparsification) or
+    powersgd (low-rank factors of matrices); what is lost stays at the site and joins its next update."""
+    compress_topk_fraction: float = 0.05
+    """topk: the fraction of each tensor's coordinates a site sends, in (0, 0.5]."""
+    compress_rank: int = 4
+    """powersgd: the rank of each matrix's factors."""
+    compress_block: int = 256
+    """int8: coordinates per float32 scale."""
 
 
     def __post_init__(self) -> None:
@@ -224,6 +235,7 @@ class RunConfig:
                self.secagg_threshold, f"0 (a majority) or 2..{self.sites}")
         _check(self.screen_norm == 0 or self.screen_norm >= 1, "screen-norm", self.screen_norm, "0 (off) or >= 1")
         _check(-1 <= self.screen_cosine <= 1, "screen-cosine", self.screen_cosine, "a float in [-1, 1] (-1 = off)")
+        self._check_compression()
         # secure aggregation hands the coordinator the sites' sum alone: whatever needs one site's update refuses
         _check(not self.secagg or not self.strategy or self._knob_class.secure_sum, "secagg", self.secagg,
                f"off for strategy {self.strategy!r}: it needs each site's own update, not their sum")
@@ -238,6 +250,15 @@ class RunConfig:
             f"an integer >= 1: strategy {self.strategy} federates LoRA adapters",
         )
         self._check_model()
+
+    def _check_compression(self) -> None:
+        try:
+            Scheme(name=self.compress, topk_fraction=self.compress_topk_fraction, rank=self.compress_rank,
+                   block=self.compress_block)
+        except CompressionError as error:
+            raise ConfigError(str(error)) from None
+        _check(not self.secagg or self.compress == "none", "compress", self.compress,
+               "none with --secagg: masked updates are summed exactly, not decoded one by one")
 
     def _check_model(self) -> None:
         """An image model needs images; the small CNN has no layers, heads or projections to slice or adapt, so
@@ -348,7 +369,7 @@ class RunConfig:
         return cls(**{name: values[name] for name in RUN_WIDE_KEYS if name in values}, strategy="")
 
 
-SIMULATION_KEYS = {"strategies", "backend", "out", "attack", "attackers", "site_policy"}
+SIMULATION_KEYS = {"strategies", "backend", "out", "attack", "attackers", "site_policy", "workers"}
 """`hydrafl.simulation_config.SimulationConfig`'s own keys (valid in a comparison, not in one run)."""
 RUN_WIDE_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name not in ("options", "strategy"))
 """RunConfig's keys that are the same whichever strategy runs (snake_case)."""

@@ -1,9 +1,10 @@
 """The round driver: Flower's strategy hooks, called unchanged, plus what `Strategy.start` lacks.
 
-Added here: a deterministic round (seeded sampling, replies in node order), validation of every reply as it
-arrives, before aggregation, a streamed round (a hydrafl strategy aggregates each valid reply before the next
-arrives, so the server holds one reply plus the strategy's running sums, however many sites; Flower's own
-strategies and the diagnostics get them all in a list), a minimum-success rule that fails the run loudly
+Added here: a deterministic round (seeded sampling, replies in node order), decoding of compressed replies
+(`--compress`; bytes are counted as sent) and validation of every reply as it arrives, before aggregation, a
+streamed round (a hydrafl strategy aggregates each valid reply before the next arrives, so the server holds one
+reply plus the strategy's running sums, however many sites; Flower's own strategies and the diagnostics get them
+all in a list), a minimum-success rule that fails the run loudly
 (checked once the replies are all in; a failed round's model is discarded), per-round checkpoints of the global
 arrays and the strategy's state (resume ends with the same numbers), and a timing/bytes log whose schema
 (`rounds.tsv`) every runtime shares. Each round's record keeps every site's data hash (the `data-hash` each
@@ -33,6 +34,8 @@ from hydrafl import protocol
 from hydrafl.arrays import array_view, keep_dtypes, record_nbytes, weights_from_delta
 from hydrafl.checkpoint import Checkpoint, CheckpointError, load_checkpoint, restore_strategy_state, save_checkpoint
 from hydrafl.checkpoint import strategy_state
+from hydrafl.compression.layout import CompressionError, Scheme
+from hydrafl.compression.receive import decode_reply
 from hydrafl.strategies.hooks import ChecksReplyShapes, ConsumesDeltas, QueriesSites, TakesSecureSums
 from hydrafl.privacy.ledger import PrivacyLedger
 from hydrafl.rounds import ROUNDS_TSV_COLUMNS, RoundRecord, metric
@@ -101,6 +104,8 @@ class RoundDriver:
         self.weights_from_deltas = not (isinstance(strategy, ConsumesDeltas) and strategy.consumes_deltas)
         self.weighted_by_key: str = strategy.weighted_by_key if isinstance(strategy, FedAvg) else protocol.WEIGHT
         self.privacy = PrivacyLedger.from_run_config(config.run_config)
+        self.scheme = Scheme.from_config(config.train_config)
+        """How sites compress their updates (`--compress`); replies are decoded as they arrive."""
 
     def run(self, initial_arrays: ArrayRecord, *, resume: bool = False, on_round: RoundCallback | None = None) -> RunResult:
         arrays, history, first_round = initial_arrays, [], 1
@@ -201,10 +206,16 @@ class RoundDriver:
             if reply.has_error():
                 log.warning("round %d: site %d failed: %s", server_round, reply.metadata.src_node_id, reply.error.reason)
                 continue
+            sent_bytes = _array_bytes(reply)  # what travelled, before decoding
+            try:
+                reply = decode_reply(reply, self.scheme)
+            except CompressionError as error:
+                self._reject(server_round, reply.metadata.src_node_id, f"invalid update: {error}", record)
+                continue
             if reason := self._invalid_reason(reply, arrays):
                 self._reject(server_round, reply.metadata.src_node_id, reason, record)
                 continue
-            self._count_up(reply, record)
+            self._count_up(reply, record, sent_bytes)
             node = str(reply.metadata.src_node_id)
             record.data_hash_per_site[node] = _data_hash(reply)
             self.privacy.note_reply(reply, record)
@@ -266,6 +277,7 @@ class RoundDriver:
                 [reply] = self._exchange([reference], server_round)
                 if reply.has_error():
                     raise RuntimeError(f"the full-data reference site failed: {reply.error.reason}")
+                decode_reply(reply, self.scheme)
                 pooled = {name: _tensor(array_view(a)) for name, a in _delta_record(reply).items()}
                 record.full_data_cosine = cosine_to_reference(moments.mean(), pooled)
         except (KeyError, ValueError, ZeroDeltaError) as error:  # e.g. Hydra: sites send different tensors
@@ -341,8 +353,9 @@ class RoundDriver:
             record.bytes_down_per_site[node] = record.bytes_down_per_site.get(node, 0) + nbytes
 
     @staticmethod
-    def _count_up(reply: Message, record: RoundRecord) -> None:
-        nbytes = sum(record_nbytes(r) for r in records(reply.content, ArrayRecord))
+    def _count_up(reply: Message, record: RoundRecord, nbytes: int | None = None) -> None:
+        """Count a reply's array bytes, or `nbytes` (what it carried on the wire, when it was compressed)."""
+        nbytes = _array_bytes(reply) if nbytes is None else nbytes
         node = str(reply.metadata.src_node_id)
         record.bytes_up += nbytes
         record.bytes_up_per_site[node] = record.bytes_up_per_site.get(node, 0) + nbytes
@@ -405,6 +418,10 @@ def _data_hash(reply: Message) -> str:
         if protocol.DATA_HASH in record:
             return str(record[protocol.DATA_HASH])
     return ""
+
+
+def _array_bytes(message: Message) -> int:
+    return sum(record_nbytes(r) for r in records(message.content, ArrayRecord))
 
 
 def _delta_record(reply: Message) -> ArrayRecord:

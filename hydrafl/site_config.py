@@ -33,6 +33,8 @@ class SiteConfig:
     """Label column of a CSV/JSONL `data_path`."""
     model_dir: Path | None = field(default=None, metadata=_key("model-dir", Path, "--model-dir"))
     """The only folder a run may name local checkpoints from; None allows the built-in models only."""
+    state_dir: Path | None = field(default=None, metadata=_key("state-dir", Path, "--state-dir"))
+    """Where the site keeps what must outlive a restart (its compression residuals); None: in memory only."""
     nproc: int | None = field(default=None, metadata=_key("nproc", int, "--nproc"))
     """Training processes (DDP); None takes the run's."""
     max_restarts: int = field(default=0, metadata=_key("max-restarts", int, "--max-restarts"))

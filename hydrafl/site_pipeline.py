@@ -1,17 +1,20 @@
 """What a site does with one message, in every runtime: the ClientApp answers, then the site operator's policy
-shapes what may leave (small cells, clipping, noise, privacy budget), and under secure aggregation the result
-is masked. The site agent, the in-process simulation grid and Ray's simulated sites (`PipelineApp`) all answer
-through here, so a simulated site behaves as a real one."""
+shapes what may leave (small cells, clipping, noise, privacy budget), then a train reply is compressed as the
+run asks (`hydrafl.compression.feedback`) or, under secure aggregation, masked. The site agent, the in-process
+simulation grid and Ray's simulated sites (`PipelineApp`) all answer through here, so a simulated site behaves
+as a real one."""
 
 from __future__ import annotations
 
 import logging
 
-from flwr.app import Context, Message
+from flwr.app import ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from hydrafl import protocol, site_secagg
+from hydrafl.compression.layout import Scheme
 from hydrafl.site_policy import SMALL_CELL_REASON, SitePolicy
+from hydrafl.updates import records
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +32,20 @@ def answer(client_app: ClientApp, message: Message, context: Context, policy: Si
         routed = site_secagg.take_record(message)
         reply = policy.release(client_app(message=message, context=context), context)
         return site_secagg.masked_reply(message, reply, context, routed)
-    return policy.release(client_app(message=message, context=context), context)
+    reply = policy.release(client_app(message=message, context=context), context)
+    return _compressed(message, reply, context)
+
+
+def _compressed(message: Message, reply: Message, context: Context) -> Message:
+    """`compress_reply`, whose codecs (and torch) load only for a run that compresses: the in-process grid
+    answers through here, and a stock Flower app's simulation need not import torch."""
+    if reply.has_error() or not message.metadata.message_type.startswith("train"):
+        return reply
+    if not Scheme.from_config(next(iter(records(message.content, ConfigRecord)), ConfigRecord())).enabled:
+        return reply
+    from hydrafl.compression.feedback import compress_reply
+
+    return compress_reply(message, reply, context)
 
 
 def _has_small_cells(message: Message, context: Context, policy: SitePolicy) -> bool:

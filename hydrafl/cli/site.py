@@ -48,6 +48,9 @@ def site(
     model_dir: Annotated[
         Path | None, typer.Option(help="Folder of local checkpoints a run may name as its model (none otherwise).")
     ] = None,
+    state_dir: Annotated[
+        Path | None, typer.Option(help="Folder for what must outlive a restart (compression residuals); memory otherwise.")
+    ] = None,
     client_app: Annotated[str, typer.Option("--app", help="ClientApp to run, as module:attribute.")] = "hydrafl.apps:client_app",
     tls_ca: Annotated[Path | None, typer.Option(help="CA that signed the coordinator's certificate (PEM); enables TLS.")] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="This site's certificate (PEM), for mutual TLS.")] = None,
@@ -71,6 +74,7 @@ def site(
         site_config = SiteConfig(
             data_path=data, label_column=label_column if data else "", model_dir=model_dir, nproc=nproc,
             max_restarts=max_restarts, bf16=True if bf16 else None, memory_mb=memory_mb or None, tier=tier,
+            state_dir=state_dir,
         )
     except ConfigError as error:
         fail(escape(str(error)), 2)
