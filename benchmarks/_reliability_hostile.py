@@ -30,7 +30,7 @@ from hydrafl.apps import client_app
 from hydrafl.client.agent import SiteAgent
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
-from hydrafl.proto.envelope import CHUNK_BYTES, sha256, split_message
+from hydrafl.proto.envelope import CHUNK_BYTES, SENT, UPLOADED, split_message
 from hydrafl.protocol import GRPC_OPTIONS, MAX_GRPC_MESSAGE_BYTES
 from hydrafl.server.store import OutboundMessage, Reply, Store
 
@@ -199,11 +199,11 @@ class Attacker:
         self._raw("PushReply", whole[: self.rng.randrange(3, len(whole))])  # inside the envelope's declared length
 
     def _upload(self, chunks: dict[str, bytes]) -> None:
-        self.stub.PutChunks(iter(pb.Chunk(sha256=d, data=c) for d, c in chunks.items()), metadata=self._auth(), timeout=30)
+        self.stub.PutChunks(iter(pb.Chunk(digest=d, data=c) for d, c in chunks.items()), metadata=self._auth(), timeout=30)
 
     def _oversize_chunk(self) -> None:
         data = self.rng.randbytes(CHUNK_BYTES + 1)
-        self._upload({sha256(data): data})
+        self._upload({UPLOADED.digest(data): data})
 
     def _oversize_message(self) -> None:
         envelope = self._forged()
@@ -212,7 +212,7 @@ class Attacker:
 
     def _chunk_failing_its_hash(self) -> None:
         data = self.rng.randbytes(self.rng.randrange(1, 4096))
-        self._upload({sha256(data + b"!"): data})
+        self._upload({UPLOADED.digest(data + b"!"): data})
 
     def _forged(self) -> pb.Envelope:
         assert self.template is not None
@@ -240,8 +240,8 @@ class Attacker:
         values = np.zeros(tensor.nbytes // 4, np.float32)
         values[self.rng.randrange(values.size)] = value
         data = values.tobytes()
-        chunks = {sha256(data[i: i + CHUNK_BYTES]): data[i: i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)}
-        tensor.chunk_sha256[:] = list(chunks)
+        chunks = {UPLOADED.digest(data[i: i + CHUNK_BYTES]): data[i: i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)}
+        tensor.chunk_digests[:] = list(chunks)
         try:
             self._upload(chunks)
         except grpc.RpcError:  # nothing to answer right now: the push must still be refused
@@ -274,15 +274,15 @@ class Attacker:
         self._push(forged)
 
     def _another_sites_chunk(self) -> str:
-        digest = self.rng.choice([sha256(self.rng.randbytes(16)), *self._foreign_uploads()])
-        list(self.stub.GetChunks(pb.GetChunksRequest(sha256=[digest]), metadata=self._auth(), timeout=30))
+        digest = self.rng.choice([SENT.digest(self.rng.randbytes(16)), *self._foreign_uploads()])
+        list(self.stub.GetChunks(pb.GetChunksRequest(digests=[digest]), metadata=self._auth(), timeout=30))
         return SENT_TO_IT if digest in self._chunks_sent_to_mallory() else "downloaded another site's chunk"
 
     def _chunks_sent_to_mallory(self) -> set[str]:
         with self.store.session() as session:
             rows = session.scalars(select(OutboundMessage.envelope).where(OutboundMessage.node_id == self.node))
             return {d for envelope in rows for a in pb.Envelope.FromString(envelope).arrays for t in a.tensors
-                    for d in t.chunk_sha256}
+                    for d in t.chunk_digests}
 
     def _foreign_uploads(self) -> list[str]:
         """Chunks the honest sites uploaded with their replies (none of them sent to mallory)."""
@@ -290,7 +290,7 @@ class Attacker:
         with self.store.session() as session:
             for row in session.scalars(select(Reply).where(Reply.run_id == self.run_id, Reply.node_id != self.node)):
                 foreign.update(d for a in pb.Envelope.FromString(row.envelope).arrays for t in a.tensors
-                                       for d in t.chunk_sha256)
+                                       for d in t.chunk_digests)
         return sorted(foreign)[:20]
 
 

@@ -49,7 +49,7 @@ class DyingAgent(SiteAgent):
 
         def stream() -> Iterator[pb.Chunk]:
             for digest in half:
-                yield pb.Chunk(sha256=digest, data=bytes(chunks[digest]))
+                yield pb.Chunk(digest=digest, data=bytes(chunks[digest]))
             time.sleep(1.0)  # the half in flight reaches the coordinator; then the process dies mid-stream
             logging.getLogger(__name__).warning("killing this site mid-upload after %d of %d chunks", len(half), len(chunks))
             os.kill(os.getpid(), signal.SIGKILL)

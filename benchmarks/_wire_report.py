@@ -38,6 +38,14 @@ def print_tables(summary: dict[str, Any]) -> None:
         f"hydrafl/raw throughput {tput['ratio_hydrafl_over_raw']:.2f}: {verdict(tput['goal_met'])} (goal >= "
         f"{GOAL_RATIO:g}); accepted and byte-exact: {verdict(checks['passed'], 'PASS', 'FAIL')}"
     )
+    down = summary["download"]
+    console.print(
+        f"download of the same size: hydrafl {down['gib_per_s']['hydrafl']:.3f} GiB/s, raw "
+        f"{down['gib_per_s']['raw']:.3f} GiB/s, ratio {down['ratio_hydrafl_over_raw']:.2f}: "
+        f"{verdict(down['goal_met'])} (goal >= {GOAL_RATIO:g}); byte-exact: "
+        f"{verdict(down['checks']['passed'], 'PASS', 'FAIL')} (the coordinator stored the model in "
+        f"{down['coordinator_store_median_s']:.2f} s, once per round)"
+    )
     if summary.get("throughput_tmpfs"):
         shm = summary["throughput_tmpfs"]
         console.print(
@@ -51,18 +59,18 @@ def print_tables(summary: dict[str, Any]) -> None:
     table.add_column("what", justify="left")
     phases, median = tput["hydrafl_phases_median_s"], parts["median_s"]
     rows = [
-        ("split_message", phases["split_s"], "site: views of the bytes, SHA-256 of each chunk on a pool"),
-        ("HasChunks", phases["has_s"], "one call with every chunk hash"),
-        ("PutChunks", phases["put_s"], "stream; writer threads re-hash, write + fsync each blob"),
-        ("PushReply", phases["push_s"], "coordinator re-reads each chunk, checks finite, records"),
-        ("  sha256, 1 thread", median["sha256_s"], "one pass over the bytes (done 2x on the path)"),
-        ("  sha256, pool", median["sha256_pool_s"], "the same on split_message's thread pool"),
-        ("  blob put_stream", median["blob_put_s"], f"BlobStore.put_stream of every chunk ({parts['filesystem']})"),
-        ("  of which fsync", median["fsync_s"], "put_stream minus put_stream with fsync a no-op"),
+        ("split_message", phases["split_s"], "site: views of the bytes, XXH3-128 of each chunk"),
+        ("HasChunks", phases["has_s"], "one call with every chunk name"),
+        ("PutChunks", phases["put_s"], "stream; writer threads check XXH3, write, start writeback"),
+        ("PushReply", phases["push_s"], "coordinator checks sizes, one syncfs, records"),
+        ("  XXH3-128", median["upload_digest_s"], "one pass over the bytes (done 2x on the path: site, coordinator)"),
+        ("  BLAKE3, pool", median["content_digest_s"], "what naming the bytes as a model to send would cost"),
+        ("  blob puts + sync", median["blob_put_s"], f"BlobStore.put_stream of every chunk, then sync ({parts['filesystem']})"),
+        ("  of which sync", median["sync_s"], "put_stream + sync minus put_stream alone"),
         ("  durable floor", median["durable_floor_s"],
-         f"write + fsync only, {WRITERS} threads: raw/floor = {tput['median_s']['raw'] / median['durable_floor_s']:.2f}"),
+         f"write, then one sync, {WRITERS} threads: raw/floor = {tput['median_s']['raw'] / median['durable_floor_s']:.2f}"),
         ("  PushReply work", median["push_reply_work_s"],
-         f"server.replies.check_reply, no RPC; holds {parts['push_reply_peak_updates']:.1f} updates"),
+         f"check_reply + sync, no RPC; holds {parts['push_reply_peak_updates']:.1f} updates"),
         ("  SQLite per push", median["sqlite_per_push_s"], "3 authenticates, outbound, run, add_reply, audit"),
     ]
     for step, seconds, what in rows:
@@ -87,14 +95,17 @@ def print_tables(summary: dict[str, Any]) -> None:
 def plot(summary: dict[str, Any], path: Path) -> None:
     tput, parts, mem = summary["throughput"], summary["components"], summary["memory"]
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.5))
-    left.bar([0, 1], [tput["gib_per_s"]["hydrafl"], tput["gib_per_s"]["raw"]], color=["tab:blue", "tab:gray"])
-    left.set_xticks([0, 1], ["hydrafl", "raw gRPC"])
+    down = summary["download"]
+    left.bar([0, 1, 3, 4], [tput["gib_per_s"]["hydrafl"], tput["gib_per_s"]["raw"], down["gib_per_s"]["hydrafl"],
+                            down["gib_per_s"]["raw"]], color=["tab:blue", "tab:gray"] * 2)
+    left.set_xticks([0, 1, 3, 4], ["hydrafl\nupload", "raw gRPC\nupload", "hydrafl\ndownload", "raw gRPC\ndownload"])
     left.set_ylabel("GiB/s (site side, loopback)")
-    left.set_title(f"hydrafl/raw = {tput['ratio_hydrafl_over_raw']:.2f} (goal >= {GOAL_RATIO:g})")
+    left.set_title(f"hydrafl/raw: up {tput['ratio_hydrafl_over_raw']:.2f}, down {down['ratio_hydrafl_over_raw']:.2f} "
+                   f"(goal >= {GOAL_RATIO:g})")
     phases, median = tput["hydrafl_phases_median_s"], parts["median_s"]
-    names = ["split", "HasChunks", "PutChunks", "PushReply", "sha256", "blob puts", "fsync", "PushReply\nwork"]
-    values = [phases["split_s"], phases["has_s"], phases["put_s"], phases["push_s"], median["sha256_s"],
-              median["blob_put_s"], median["fsync_s"], median["push_reply_work_s"]]
+    names = ["split", "HasChunks", "PutChunks", "PushReply", "XXH3", "blob puts", "sync", "PushReply\nwork"]
+    values = [phases["split_s"], phases["has_s"], phases["put_s"], phases["push_s"], median["upload_digest_s"],
+              median["blob_put_s"], median["sync_s"], median["push_reply_work_s"]]
     middle.barh(names[::-1], values[::-1], color=["tab:orange"] * 4 + ["tab:blue"] * 4)
     middle.axvline(tput["median_s"]["raw"], color="gray", linestyle=":", label="raw stream, whole update")
     middle.set_xlabel("seconds")

@@ -40,6 +40,7 @@ from flwr.proto.message_pb2 import Metadata as ProtoMetadata  # pylint: disable=
 
 from hydrafl.site_pipeline import answer
 from hydrafl.site_policy import SitePolicy
+from hydrafl.client.download import Assembly
 from hydrafl.client.tls import SiteTls
 from hydrafl.data import DataError
 from hydrafl.proto import coordinator_pb2 as pb
@@ -51,7 +52,6 @@ from hydrafl.proto.envelope import (
     chunk_sizes,
     declared_nbytes,
     join_message,
-    sha256,
     split_message,
 )
 from hydrafl.netaddr import unreachable_reason
@@ -273,30 +273,31 @@ class SiteAgent:
             )
         sizes = chunk_sizes(envelope)
         self.chunk_cache = {digest: self.chunk_cache[digest] for digest in sizes if digest in self.chunk_cache}
-        self._fetch(stub, {digest: size for digest, size in sizes.items() if digest not in self.chunk_cache})
-        message = join_message(envelope, self.chunk_cache)
+        with Assembly(envelope, self.chunk_cache) as assembly:
+            self._fetch(stub, {digest: size for digest, size in sizes.items() if digest not in self.chunk_cache}, assembly)
+            message = join_message(envelope, self.chunk_cache, verified=True, assembled=assembly.arrays())
         self.chunk_cache.clear()  # the arrays hold their own bytes; training need not hold the chunks as well
         return message
 
-    def _fetch(self, stub: CoordinatorStub, wanted: dict[str, int]) -> None:
-        """Download the chunks `wanted` (digest -> size) into the chunk cache. A chunk not asked for (or sent
-        twice), of another size, or failing its SHA-256 refuses the message and ends the stream, so what is
-        downloaded never exceeds what the manifest declares."""
+    def _fetch(self, stub: CoordinatorStub, wanted: dict[str, int], assembly: Assembly) -> None:
+        """Download the chunks `wanted` (digest -> size) into the assembly, each checked as it arrives. A chunk
+        not asked for (or sent twice), of another size, or failing its BLAKE3 check refuses the message and ends
+        the stream, so what is downloaded never exceeds what the manifest declares."""
         if not wanted:
             return
         pending = dict(wanted)
-        call = stub.GetChunks(pb.GetChunksRequest(sha256=list(wanted)), metadata=self.metadata)
+        call = stub.GetChunks(pb.GetChunksRequest(digests=list(wanted)), metadata=self.metadata)
         try:
             for chunk in call:
                 _check_chunk(chunk, pending)
-                del pending[chunk.sha256]
-                self.chunk_cache[chunk.sha256] = chunk.data
+                del pending[chunk.digest]
+                assembly.add(chunk.digest, chunk.data)
         finally:
             call.cancel()
 
     def _push(self, stub: CoordinatorStub, reply: Message, server_round: int) -> None:
         envelope, chunks = split_message(reply, server_round)
-        present = set(stub.HasChunks(pb.HasChunksRequest(sha256=list(chunks)), metadata=self.metadata).present)
+        present = set(stub.HasChunks(pb.HasChunksRequest(digests=list(chunks)), metadata=self.metadata).present)
         missing = [digest for digest in chunks if digest not in present]
         if present:  # chunks are content-addressed: an interrupted upload, or arrays the coordinator has already
             log.info("upload: %d of %d chunks already at the coordinator (an interrupted upload, or arrays it "
@@ -305,7 +306,7 @@ class SiteAgent:
 
         def stream() -> Iterator[pb.Chunk]:
             for digest in missing:
-                yield pb.Chunk(sha256=digest, data=bytes(chunks[digest]))
+                yield pb.Chunk(digest=digest, data=bytes(chunks[digest]))
 
         if missing:
             stub.PutChunks(stream(), metadata=self.metadata)
@@ -362,15 +363,13 @@ def _probe_bytes(envelope: pb.Envelope) -> int:
 
 
 def _check_chunk(chunk: pb.Chunk, pending: dict[str, int]) -> None:
-    if chunk.sha256 not in pending:
-        raise MessageRefused(f"the coordinator sent chunk {chunk.sha256[:12]!r}, which this site did not ask for "
+    if chunk.digest not in pending:
+        raise MessageRefused(f"the coordinator sent chunk {chunk.digest[:12]!r}, which this site did not ask for "
                              "or already received")
-    if len(chunk.data) != pending[chunk.sha256]:
+    if len(chunk.data) != pending[chunk.digest]:
         raise MessageRefused(
-            f"chunk {chunk.sha256[:12]} has {len(chunk.data)} bytes; its manifest makes it {pending[chunk.sha256]}"
+            f"chunk {chunk.digest[:12]} has {len(chunk.data)} bytes; its manifest makes it {pending[chunk.digest]}"
         )
-    if sha256(chunk.data) != chunk.sha256:
-        raise MessageRefused(f"chunk {chunk.sha256[:12]} from the coordinator fails its SHA-256 check")
 
 
 def _request(envelope: pb.Envelope, node_id: int) -> Message:

@@ -7,18 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TensorManifest(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "chunk_sha256", "nbytes")
+    __slots__ = ("name", "dtype", "shape", "chunk_digests", "nbytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_SHA256_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
-    chunk_sha256: _containers.RepeatedScalarFieldContainer[str]
+    chunk_digests: _containers.RepeatedScalarFieldContainer[str]
     nbytes: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., chunk_sha256: _Optional[_Iterable[str]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., chunk_digests: _Optional[_Iterable[str]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class RecordManifest(_message.Message):
     __slots__ = ("key", "tensors")
@@ -53,12 +53,12 @@ class Envelope(_message.Message):
     def __init__(self, message_id: _Optional[str] = ..., reply_to_message_id: _Optional[str] = ..., message_type: _Optional[str] = ..., run_id: _Optional[int] = ..., round: _Optional[int] = ..., content: _Optional[bytes] = ..., arrays: _Optional[_Iterable[_Union[RecordManifest, _Mapping]]] = ..., error_reason: _Optional[str] = ..., error_code: _Optional[int] = ..., metadata: _Optional[bytes] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("sha256", "data")
-    SHA256_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("digest", "data")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    sha256: str
+    digest: str
     data: bytes
-    def __init__(self, sha256: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, digest: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ()
@@ -99,16 +99,16 @@ class PullMessageReply(_message.Message):
     def __init__(self, has_message: bool = ..., envelope: _Optional[_Union[Envelope, _Mapping]] = ..., poll_after_s: _Optional[float] = ..., last_run_status: _Optional[str] = ...) -> None: ...
 
 class GetChunksRequest(_message.Message):
-    __slots__ = ("sha256",)
-    SHA256_FIELD_NUMBER: _ClassVar[int]
-    sha256: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, sha256: _Optional[_Iterable[str]] = ...) -> None: ...
+    __slots__ = ("digests",)
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    digests: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, digests: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HasChunksRequest(_message.Message):
-    __slots__ = ("sha256",)
-    SHA256_FIELD_NUMBER: _ClassVar[int]
-    sha256: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, sha256: _Optional[_Iterable[str]] = ...) -> None: ...
+    __slots__ = ("digests",)
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    digests: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, digests: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HasChunksReply(_message.Message):
     __slots__ = ("present",)

@@ -98,7 +98,7 @@ class CoordinatorServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def PutChunks(self, request_iterator, context):
-        """Upload chunks; each is verified against its SHA-256. Idempotent.
+        """Upload chunks; each is verified against its digest. Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

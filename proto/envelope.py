@@ -1,18 +1,26 @@
 """A Flower Message <-> an Envelope plus content-addressed chunks, and the checks on what arrives.
 
 Array bytes are raw (C order, little-endian as numpy stores them) and cut into CHUNK_BYTES pieces named by
-their SHA-256, so identical tensors are stored and sent once and a transfer resumes chunk by chunk.
+their digest, so identical tensors are stored and sent once and a transfer resumes chunk by chunk.
+
+Which digest depends on who sends (`naming`): the coordinator's messages are shared content that every site
+downloads and caches, so their chunks carry a cryptographic name (BLAKE3, computed once per round); a site's
+reply lands in that site's own upload namespace, where a site can only ever corrupt its own update, so a fast
+checksum (XXH3-128, several times the speed of the wire) catches corruption and TLS authenticates the sender.
 """
 
 from __future__ import annotations
 
-import hashlib
+import io
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
+import blake3
 import numpy as np
+import xxhash
 from flwr.app import Array, ArrayRecord, Error, Message, Metadata, RecordDict
 from flwr.common.constant import SType
 from flwr.app.message.message import make_message
@@ -37,16 +45,44 @@ class EnvelopeError(ValueError):
     """An envelope or its chunks are malformed; the message says which tensor or chunk."""
 
 
-def sha256(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
+@dataclass(frozen=True, slots=True)
+class ChunkNaming:
+    """How one sender names its chunks: the digest function and the length of its hex names."""
+
+    algorithm: str
+    digest: Callable[[bytes | memoryview], str]
+    chars: int
+    threads: int
+    """Threads that name many chunks at once (the function releases the GIL); 1 where one is fast enough."""
+
+    def is_name(self, text: str) -> bool:
+        return len(text) == self.chars and all(c in "0123456789abcdef" for c in text)
+
+    def check(self, text: str) -> None:
+        if not self.is_name(text):
+            raise EnvelopeError(f"{text[:80]!r} is not a {self.algorithm} hex digest")
+
+    def digests(self, pieces: Sequence[bytes | memoryview]) -> list[str]:
+        threads = min(len(pieces), os.cpu_count() or 1, self.threads)
+        if threads < 2:
+            return [self.digest(piece) for piece in pieces]
+        with ThreadPoolExecutor(threads, thread_name_prefix=self.algorithm) as pool:
+            return list(pool.map(self.digest, pieces))
 
 
-def sha256_all(pieces: Sequence[bytes | memoryview]) -> list[str]:
-    """Digests of many chunks, on several threads (hashlib releases the GIL for large inputs)."""
-    if len(pieces) < 2:
-        return [sha256(piece) for piece in pieces]
-    with ThreadPoolExecutor(min(len(pieces), os.cpu_count() or 1, 8), thread_name_prefix="sha256") as pool:
-        return list(pool.map(sha256, pieces))
+def _blake3(data: bytes | memoryview) -> str:
+    return blake3.blake3(data).hexdigest()
+
+
+SENT = ChunkNaming("BLAKE3", _blake3, 64, threads=8)
+"""The coordinator's messages: shared content, named cryptographically."""
+UPLOADED = ChunkNaming("XXH3-128", xxhash.xxh3_128_hexdigest, 32, threads=1)
+"""A site's replies: its own namespace, named by a fast checksum."""
+
+
+def naming(envelope: Envelope) -> ChunkNaming:
+    """Replies are uploads (a site's namespace); every other message is the coordinator's."""
+    return UPLOADED if envelope.reply_to_message_id else SENT
 
 
 def _raw_bytes(array: Array) -> memoryview:
@@ -55,8 +91,15 @@ def _raw_bytes(array: Array) -> memoryview:
     return memoryview(np.ascontiguousarray(values).reshape(-1).view(np.uint8))
 
 
-def split_message(message: Message, server_round: int = 0) -> tuple[Envelope, dict[str, memoryview]]:
-    """The envelope (manifests, configs, metrics) and the array chunks by hash (views, not copies)."""
+Named = dict[int, tuple[Array, list[memoryview], list[str]]]
+"""id(Array) -> (the Array, kept so its id stays its own; its chunks; their names)."""
+
+
+def split_message(
+    message: Message, server_round: int = 0, *, named: Named | None = None
+) -> tuple[Envelope, dict[str, memoryview]]:
+    """The envelope (manifests, configs, metrics) and the array chunks by name (views, not copies). Arrays in
+    `named` are not hashed again: a round's messages share the global model's Arrays, hashed once per round."""
     metadata = message.metadata
     envelope = Envelope(
         message_id=metadata.message_id,
@@ -67,6 +110,7 @@ def split_message(message: Message, server_round: int = 0) -> tuple[Envelope, di
         metadata=metadata_to_proto(metadata).SerializeToString(),
     )
     chunks: dict[str, memoryview] = {}
+    names = naming(envelope)
     if message.has_error():
         envelope.error_code = message.error.code
         envelope.error_reason = message.error.reason
@@ -76,12 +120,18 @@ def split_message(message: Message, server_round: int = 0) -> tuple[Envelope, di
     for key, record in message.content.array_records.items():
         manifest = RecordManifest(key=key)
         for name, array in record.items():
-            raw = _raw_bytes(array)
-            pieces = [raw[start : start + CHUNK_BYTES] for start in range(0, len(raw), CHUNK_BYTES)]
-            hashes = sha256_all(pieces)
+            if named is not None and id(array) in named:
+                _, pieces, hashes = named[id(array)]
+            else:
+                raw = _raw_bytes(array)
+                pieces = [raw[start : start + CHUNK_BYTES] for start in range(0, len(raw), CHUNK_BYTES)]
+                hashes = names.digests(pieces)
+                if named is not None:
+                    named[id(array)] = array, pieces, hashes
             chunks.update(zip(hashes, pieces))
+            nbytes = sum(len(piece) for piece in pieces)
             manifest.tensors.append(
-                TensorManifest(name=name, dtype=array.dtype, shape=list(array.shape), chunk_sha256=hashes, nbytes=len(raw))
+                TensorManifest(name=name, dtype=array.dtype, shape=list(array.shape), chunk_digests=hashes, nbytes=nbytes)
             )
         envelope.arrays.append(manifest)
     return envelope, chunks
@@ -89,11 +139,12 @@ def split_message(message: Message, server_round: int = 0) -> tuple[Envelope, di
 
 def chunk_hashes(envelope: Envelope) -> list[str]:
     """Every chunk the envelope refers to, in order, without repeats."""
-    return list(dict.fromkeys(h for record in envelope.arrays for t in record.tensors for h in t.chunk_sha256))
+    return list(dict.fromkeys(h for record in envelope.arrays for t in record.tensors for h in t.chunk_digests))
 
 
 def check_manifest(envelope: Envelope) -> None:
     """Reject manifests that cannot describe a real tensor, before any chunk is read or any memory reserved."""
+    chunk_names = naming(envelope)
     keys = set()
     for record in envelope.arrays:
         if not record.key or record.key in keys:
@@ -113,15 +164,11 @@ def check_manifest(envelope: Envelope) -> None:
             expected = math.prod(tensor.shape) * np.dtype(tensor.dtype).itemsize
             if tensor.nbytes != expected:
                 raise EnvelopeError(f"{where}: nbytes {tensor.nbytes} does not match shape {list(tensor.shape)} {tensor.dtype}")
-            if len(tensor.chunk_sha256) != math.ceil(expected / CHUNK_BYTES):
-                raise EnvelopeError(f"{where}: {len(tensor.chunk_sha256)} chunks listed for {expected} bytes")
-            bad = next((d for d in tensor.chunk_sha256 if not is_digest(d)), None)
+            if len(tensor.chunk_digests) != math.ceil(expected / CHUNK_BYTES):
+                raise EnvelopeError(f"{where}: {len(tensor.chunk_digests)} chunks listed for {expected} bytes")
+            bad = next((d for d in tensor.chunk_digests if not chunk_names.is_name(d)), None)
             if bad is not None:
-                raise EnvelopeError(f"{where}: {bad[:80]!r} is not a SHA-256 hex digest")
-
-
-def is_digest(text: str) -> bool:
-    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+                raise EnvelopeError(f"{where}: {bad[:80]!r} is not a {chunk_names.algorithm} hex digest")
 
 
 def declared_nbytes(envelope: Envelope) -> int:
@@ -136,7 +183,7 @@ def chunk_sizes(envelope: Envelope) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for record in envelope.arrays:
         for tensor in record.tensors:
-            for index, digest in enumerate(tensor.chunk_sha256):
+            for index, digest in enumerate(tensor.chunk_digests):
                 size = min(CHUNK_BYTES, tensor.nbytes - index * CHUNK_BYTES)
                 if sizes.setdefault(digest, size) != size:
                     raise EnvelopeError(f"chunk {digest[:12]} is listed with two different sizes")
@@ -160,10 +207,17 @@ def parse_content(envelope: Envelope) -> RecordDict:
 
 
 def join_message(
-    envelope: Envelope, chunks: Mapping[str, bytes | memoryview], *, metadata: Metadata | None = None
+    envelope: Envelope,
+    chunks: Mapping[str, bytes | memoryview],
+    *,
+    metadata: Metadata | None = None,
+    verified: bool = False,
+    assembled: Mapping[tuple[str, str], Array] | None = None,
 ) -> Message:
-    """Rebuild the Flower Message; every chunk must be present and match its hash. A receiver that knows who
-    sent the message and what it answers passes `metadata`, so the envelope's own metadata is never read."""
+    """Rebuild the Flower Message; every chunk must be present and match its name. A receiver that knows who
+    sent the message and what it answers passes `metadata`, so the envelope's own metadata is never read; one
+    that checked each chunk against its name as it arrived passes `verified`, so nothing is hashed twice, and
+    the tensors it already `assembled` (by record key and name) from those chunks."""
     check_manifest(envelope)
     if metadata is None:
         try:
@@ -173,22 +227,36 @@ def join_message(
     if envelope.error_reason or envelope.error_code:
         return make_message(metadata=metadata, error=Error(int(envelope.error_code), envelope.error_reason))
     content = parse_content(envelope)
-    verified: set[str] = set()
+    names = naming(envelope)
+    checked: set[str] = set()
     for record in envelope.arrays:
         arrays = {}
         for tensor in record.tensors:
-            missing = [digest for digest in tensor.chunk_sha256 if digest not in chunks]
+            if assembled is not None and (record.key, tensor.name) in assembled:
+                arrays[tensor.name] = assembled[(record.key, tensor.name)]
+                continue
+            where = f"array {record.key}/{tensor.name}"
+            missing = [digest for digest in tensor.chunk_digests if digest not in chunks]
             if missing:
-                raise EnvelopeError(f"array {record.key}/{tensor.name}: chunk {missing[0][:12]} is missing")
-            unverified = list(dict.fromkeys(d for d in tensor.chunk_sha256 if d not in verified))
-            for digest, actual in zip(unverified, sha256_all([chunks[d] for d in unverified]), strict=True):
-                if actual != digest:
-                    raise EnvelopeError(f"array {record.key}/{tensor.name}: chunk {digest[:12]} fails its SHA-256 check")
-            verified.update(unverified)
-            if sum(len(chunks[digest]) for digest in tensor.chunk_sha256) != tensor.nbytes:
-                raise EnvelopeError(f"array {record.key}/{tensor.name}: chunk sizes do not add up to {tensor.nbytes} bytes")
-            raw = b"".join(chunks[digest] for digest in tensor.chunk_sha256)
-            values = np.frombuffer(raw, dtype=tensor.dtype).reshape(tuple(tensor.shape))
-            arrays[tensor.name] = Array(values)
+                raise EnvelopeError(f"{where}: chunk {missing[0][:12]} is missing")
+            if not verified:
+                unchecked = list(dict.fromkeys(d for d in tensor.chunk_digests if d not in checked))
+                for digest, actual in zip(unchecked, names.digests([chunks[d] for d in unchecked]), strict=True):
+                    if actual != digest:
+                        raise EnvelopeError(f"{where}: chunk {digest[:12]} fails its {names.algorithm} check")
+                checked.update(unchecked)
+            if sum(len(chunks[digest]) for digest in tensor.chunk_digests) != tensor.nbytes:
+                raise EnvelopeError(f"{where}: chunk sizes do not add up to {tensor.nbytes} bytes")
+            arrays[tensor.name] = tensor_array(tensor, [chunks[digest] for digest in tensor.chunk_digests])
         content[record.key] = ArrayRecord(arrays)
     return make_message(metadata=metadata, content=content)
+
+
+def tensor_array(tensor: TensorManifest, pieces: list[bytes | memoryview]) -> Array:
+    """The Array in Flower's serialised form (np.save's bytes: header, then the values), built with one copy of
+    the chunks, where going through a numpy array would copy them twice."""
+    header = io.BytesIO()
+    described = {"descr": np.lib.format.dtype_to_descr(np.dtype(tensor.dtype)), "fortran_order": False,
+                 "shape": tuple(tensor.shape)}
+    np.lib.format.write_array_header_1_0(header, described)
+    return Array(dtype=tensor.dtype, shape=tuple(tensor.shape), stype=SType.NUMPY, data=b"".join([header.getvalue(), *pieces]))

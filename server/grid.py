@@ -23,7 +23,7 @@ from flwr.supercore.run import Run
 
 from hydrafl.identity import claim_server_identity
 from hydrafl.proto import coordinator_pb2 as pb
-from hydrafl.proto.envelope import EnvelopeError, chunk_hashes, join_message, split_message
+from hydrafl.proto.envelope import EnvelopeError, Named, chunk_hashes, join_message, split_message
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.service import CoordinatorService
 from hydrafl.server.store import Reply, Store
@@ -67,7 +67,10 @@ class CoordinatorGrid(Grid):
         self.store.audit("update-screened", site_name=name, run_id=self._run.run_id, detail=f"round {server_round}: {reason}")
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        message_ids = []
+        """Each message's chunks are stored, then made durable in one sync, before any row refers to them."""
+        stored: list[tuple[str, int, int, bytes]] = []
+        named: Named = {}  # the round's messages share the model's Arrays: each is hashed and stored once
+        put: set[str] = set()
         for message in messages:
             server_round = int(message.metadata.group_id or 0)
             # Deterministic ids: a coordinator restarted mid-round re-sends the round's messages under the same
@@ -78,14 +81,15 @@ class CoordinatorGrid(Grid):
             self._sent[key] += 1
             message.metadata.__dict__["_message_id"] = message_id
             self._types[message_id] = message.metadata.message_type
-            envelope, chunks = split_message(message, server_round)
-            self.blobs.put_stream(chunks.items())
-            self.store.add_outbound(
-                message_id, self._run.run_id, server_round, message.metadata.dst_node_id, envelope.SerializeToString()
-            )
-            self.service.mailbox.post(message.metadata.dst_node_id)  # its site's long poll answers now
-            message_ids.append(message_id)
-        return message_ids
+            envelope, chunks = split_message(message, server_round, named=named)
+            self.blobs.put_stream((digest, data) for digest, data in chunks.items() if digest not in put)
+            put.update(chunks)
+            stored.append((message_id, server_round, message.metadata.dst_node_id, envelope.SerializeToString()))
+        self.blobs.sync()
+        for message_id, server_round, node_id, envelope_bytes in stored:
+            self.store.add_outbound(message_id, self._run.run_id, server_round, node_id, envelope_bytes)
+            self.service.mailbox.post(node_id)  # its site's long poll answers now
+        return [message_id for message_id, *_ in stored]
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterator[Message]:
         """The stored replies to these messages not pulled before: read from the database now, each decoded

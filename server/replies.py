@@ -4,7 +4,8 @@ decoded and aggregated, so one site can never fail a round for the others.
 The reference is the message the coordinator stored for that site, never a field the site sends: the reply's
 type is the request's type; its arrays travel only through the manifest, each one a tensor the site was sent
 (same dtype and rank, no axis longer) or, in reply to a message that carried no arrays (the initial model), at
-most `SiteLimits.max_model_bytes`; its metrics are finite numbers with a positive weight.
+most `SiteLimits.max_model_bytes`; its metrics are finite numbers with a positive weight. A compressed train
+reply is held to its scheme's exact layout instead (`compressed_replies`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from flwr.app import RecordDict
 from hydrafl.proto.coordinator_pb2 import Envelope
 from hydrafl.proto.envelope import EnvelopeError, check_manifest, chunk_sizes, declared_nbytes, parse_content
 from hydrafl.updates import InvalidUpdate, check_metrics
+from hydrafl.server.compressed_replies import check_compressed_layout, check_compressed_values, is_compressed
 from hydrafl.server.secagg_replies import check_secagg_reply, is_secagg, secagg_length
 
 def allowed_reply_bytes(sent: Envelope, max_model_bytes: int) -> int:
@@ -46,9 +48,11 @@ def check_reply(
     chunk_bytes: Callable[[str], bytes],
     weighted_by_key: str,
     max_model_bytes: int,
+    known_finite: Callable[[str], bool] = lambda digest: False,
 ) -> None:
     """Raise EnvelopeError unless `reply` is a reply to `sent` that the round can decode and aggregate.
-    `chunk_size`/`chunk_bytes` read the replying site's own uploads (KeyError or OSError when absent)."""
+    `chunk_size`/`chunk_bytes` read the replying site's own uploads (KeyError or OSError when absent);
+    `known_finite` names the chunks already known to hold only finite float32 values (not read again)."""
     if reply.error_code or reply.error_reason:
         if reply.content or reply.arrays:
             raise EnvelopeError("an error reply carries no content or arrays")
@@ -58,11 +62,17 @@ def check_reply(
     sent_content = parse_content(sent)
     if is_secagg(sent.message_type, sent_content):  # its own records, sizes and addresses
         check_secagg_reply(reply, content, sent.message_type, sent_content)
-        _check_chunks(reply, chunk_size, chunk_bytes)
+        _check_chunks(reply, chunk_size, chunk_bytes, known_finite)
         return
     _check_records(content, reply, sent.message_type, weighted_by_key)
-    _check_against_sent(reply, sent, max_model_bytes)
-    _check_chunks(reply, chunk_size, chunk_bytes)
+    compressed = is_compressed(content)
+    if compressed:  # packed arrays of the run's scheme, held to its exact layout for the tensors sent
+        check_compressed_layout(reply, content, sent, sent_content)
+    else:
+        _check_against_sent(reply, sent, max_model_bytes)
+    _check_chunks(reply, chunk_size, chunk_bytes, known_finite)
+    if compressed:
+        check_compressed_values(reply, content, sent_content, chunk_bytes)
 
 
 def _check_records(content: RecordDict, reply: Envelope, message_type: str, weighted_by_key: str) -> None:
@@ -103,7 +113,9 @@ def _check_against_sent(reply: Envelope, sent: Envelope, max_model_bytes: int) -
         raise EnvelopeError(f"the reply declares {total} bytes of arrays; a reply to this message may carry {limit}")
 
 
-def _check_chunks(reply: Envelope, chunk_size: Callable[[str], int], chunk_bytes: Callable[[str], bytes]) -> None:
+def _check_chunks(
+    reply: Envelope, chunk_size: Callable[[str], int], chunk_bytes: Callable[[str], bytes], known_finite: Callable[[str], bool]
+) -> None:
     """Every chunk uploaded with the size the manifest gives it, float values finite. Each distinct chunk is
     read once per dtype, one at a time: the coordinator never holds a whole update to check it, and listing one
     chunk many times costs nothing extra (chunks were verified against their hashes when stored)."""
@@ -118,8 +130,8 @@ def _check_chunks(reply: Envelope, chunk_size: Callable[[str], int], chunk_bytes
     for record in reply.arrays:
         for tensor in record.tensors:
             dtype = np.dtype(tensor.dtype)
-            for digest in tensor.chunk_sha256 if dtype.kind == "f" else ():
-                if (digest, tensor.dtype) not in finite:
+            for digest in tensor.chunk_digests if dtype.kind == "f" else ():
+                if (digest, tensor.dtype) not in finite and not (dtype == np.float32 and known_finite(digest)):
                     if not np.isfinite(np.frombuffer(chunk_bytes(digest), dtype=dtype)).all():
                         raise EnvelopeError(f"array {record.key}/{tensor.name} contains NaN or Inf")
                     finite.add((digest, tensor.dtype))

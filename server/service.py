@@ -180,7 +180,7 @@ class CoordinatorService:
     def GetChunks(self, request: pb.GetChunksRequest, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
         site = self._site(context)
         with self._bounded(site, context, stream=True) as stream:
-            wanted = list(dict.fromkeys(request.sha256))  # a repeated digest is sent once
+            wanted = list(dict.fromkeys(request.digests))  # a repeated digest is sent once
             downloadable = self._downloadable(site.node_id)
             outside = next((digest for digest in wanted if digest not in downloadable), None)
             if outside is not None:
@@ -195,14 +195,14 @@ class CoordinatorService:
                 except (KeyError, EnvelopeError) as error:
                     context.abort(grpc.StatusCode.NOT_FOUND, str(error))
                 stream.touch()
-                yield pb.Chunk(sha256=digest, data=data)
+                yield pb.Chunk(digest=digest, data=data)
 
     def HasChunks(self, request: pb.HasChunksRequest, context: grpc.ServicerContext) -> pb.HasChunksReply:
         """Which of these chunks this site has already uploaded (its own namespace only)."""
         site = self._site(context)
         with self._bounded(site, context):
             uploads = self.blobs.uploads(site.node_id)
-            wanted = list(dict.fromkeys(request.sha256))
+            wanted = list(dict.fromkeys(request.digests))
             try:
                 missing = set(uploads.missing(wanted))
             except EnvelopeError as error:
@@ -225,10 +225,10 @@ class CoordinatorService:
                 for chunk in request_iterator:
                     stream.touch()
                     if len(chunk.data) > CHUNK_BYTES:
-                        raise EnvelopeError(f"chunk {chunk.sha256[:12]} has {len(chunk.data)} bytes; at most {CHUNK_BYTES}")
-                    if not uploads.has(chunk.sha256):
-                        self.ledger.reserve(site.node_id, chunk.sha256, len(chunk.data), quota)
-                    yield chunk.sha256, chunk.data
+                        raise EnvelopeError(f"chunk {chunk.digest[:12]} has {len(chunk.data)} bytes; at most {CHUNK_BYTES}")
+                    if not uploads.has(chunk.digest):
+                        self.ledger.reserve(site.node_id, chunk.digest, len(chunk.data), quota)
+                    yield chunk.digest, chunk.data
 
             try:
                 stored, present = uploads.put_stream(received())
@@ -263,7 +263,7 @@ class CoordinatorService:
             try:
                 check_reply(
                     envelope, sent, chunk_size=uploads.size, chunk_bytes=uploads.get, weighted_by_key=WEIGHT,
-                    max_model_bytes=self.limits.max_model_bytes,
+                    max_model_bytes=self.limits.max_model_bytes, known_finite=uploads.finite_float32,
                 )
             except EnvelopeError as error:  # final: the site failed this message, the round need not wait for it
                 self._free_uploads(site.node_id)
@@ -272,6 +272,7 @@ class CoordinatorService:
                 self.mailbox.reply_stored()
                 self._reject(context, site, grpc.StatusCode.INVALID_ARGUMENT, str(error), run_id=outbound.run_id)
             stored = _as_stored(envelope, outbound, sent)
+            uploads.sync()  # the chunks are durable before the row that refers to them
             accepted = self.store.add_reply(outbound, stored.SerializeToString())
             if not accepted and self.store.outbound(outbound.message_id) is None:  # swept while being checked
                 self._reject(context, site, grpc.StatusCode.FAILED_PRECONDITION, "its round is over; late reply refused")

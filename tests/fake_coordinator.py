@@ -20,7 +20,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorServicer, add_CoordinatorServicer_to_server
-from hydrafl.proto.envelope import sha256, split_message
+from hydrafl.proto.envelope import UPLOADED, split_message
 
 NODE_ID = 7
 RUN_ID = 1
@@ -95,21 +95,21 @@ class FakeCoordinator(CoordinatorServicer):
         return pb.PullMessageReply(has_message=True, envelope=self.in_hand.envelope)
 
     def GetChunks(self, request: pb.GetChunksRequest, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
-        self.chunk_requests.append(list(request.sha256))
+        self.chunk_requests.append(list(request.digests))
         if self.in_hand is not None and self.in_hand.stream is not None:
             yield from self.in_hand.stream
             return
-        for digest in request.sha256:
-            yield pb.Chunk(sha256=digest, data=self.blobs[digest])
+        for digest in request.digests:
+            yield pb.Chunk(digest=digest, data=self.blobs[digest])
 
     def HasChunks(self, request: pb.HasChunksRequest, context: grpc.ServicerContext) -> pb.HasChunksReply:
-        return pb.HasChunksReply(present=[digest for digest in request.sha256 if digest in self.blobs])
+        return pb.HasChunksReply(present=[digest for digest in request.digests if digest in self.blobs])
 
     def PutChunks(self, request_iterator: Iterator[pb.Chunk], context: grpc.ServicerContext) -> pb.PutChunksReply:
         stored = 0
         for chunk in request_iterator:
-            assert sha256(chunk.data) == chunk.sha256
-            self.blobs[chunk.sha256] = chunk.data
+            assert UPLOADED.digest(chunk.data) == chunk.digest
+            self.blobs[chunk.digest] = chunk.data
             stored += 1
         return pb.PutChunksReply(stored=stored)
 

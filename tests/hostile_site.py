@@ -17,7 +17,7 @@ from flwr.common.serde import recorddict_to_proto
 from hydrafl.client.agent import SiteAgent
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
-from hydrafl.proto.envelope import CHUNK_BYTES, sha256, split_message
+from hydrafl.proto.envelope import CHUNK_BYTES, UPLOADED, split_message
 from hydrafl.site_app import client_app
 
 TRAIN_ATTACKS = ("smuggle-array-in-content", "forge-another-site", "repeat-one-chunk", "huge-zero-size-dimension", "nan")
@@ -44,7 +44,7 @@ class HostileAgent(SiteAgent):
         outcome = {"attack": attack, "round": server_round, "code": "OK", "details": ""}
         if chunks:  # a refused upload does not stop the push: the push itself must be refused
             try:
-                stub.PutChunks(iter(pb.Chunk(sha256=h, data=bytes(d)) for h, d in chunks.items()), metadata=self.metadata)
+                stub.PutChunks(iter(pb.Chunk(digest=h, data=bytes(d)) for h, d in chunks.items()), metadata=self.metadata)
             except grpc.RpcError as error:
                 outcome["upload"] = error.code().name
         try:
@@ -87,15 +87,15 @@ class HostileAgent(SiteAgent):
         tensor = envelope.arrays[0].tensors[0]
         tensor.shape[:] = [8 << 10, CHUNK_BYTES // 4]
         tensor.dtype, tensor.nbytes = "float32", 8 << 30
-        tensor.chunk_sha256[:] = [sha256(chunk)] * (8 << 10)
-        return envelope, {sha256(chunk): chunk}
+        tensor.chunk_digests[:] = [UPLOADED.digest(chunk)] * (8 << 10)
+        return envelope, {UPLOADED.digest(chunk): chunk}
 
     @staticmethod
     def _huge_zero_size_dimension(envelope, chunks, reply):
         tensor = envelope.arrays[0].tensors[0]
         tensor.shape[:] = [0, 10**17]
         tensor.nbytes = 0
-        del tensor.chunk_sha256[:]
+        del tensor.chunk_digests[:]
         return envelope, chunks
 
     @staticmethod

@@ -20,9 +20,13 @@ def test_wire_quick(tmp_path):
     assert checks["accepted"] and checks["all_chunks_stored"] and checks["raw_bytes_received"], checks
     assert checks["byte_exact"], "the coordinator did not reassemble the pushed update byte for byte"
     components = result["components"]
-    expected = {"sha256_s", "blob_put_s", "blob_put_no_fsync_s", "fsync_s", "push_reply_work_s", "sqlite_per_push_s"}
+    expected = {"upload_digest_s", "content_digest_s", "blob_put_s", "blob_put_no_sync_s", "sync_s", "push_reply_work_s",
+                "sqlite_per_push_s"}
     assert expected <= set(components["median_s"])
     assert components["push_reply_peak_updates"] > 0
+    download = result["download"]
+    assert set(download["gib_per_s"]) == {"hydrafl", "raw"} and download["ratio_hydrafl_over_raw"] > 0
+    assert download["checks"]["passed"], download["checks"]
     memory = result["memory"]
     assert memory["idle_mb"] > 0 and memory["peak_mb"] >= memory["idle_mb"]
     assert {"peak_extra_mb", "peak_extra_updates", "vmhwm_mb", "goal_met", "max_concurrent"} <= set(memory)

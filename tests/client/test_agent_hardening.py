@@ -19,7 +19,7 @@ from helpers import SMALL_RUN
 from hydrafl.client.agent import SiteAgent, default_max_download_bytes
 from hydrafl.data import DataError
 from hydrafl.proto import coordinator_pb2 as pb
-from hydrafl.proto.envelope import CHUNK_BYTES, chunk_hashes, parse_content, sha256, split_message
+from hydrafl.proto.envelope import CHUNK_BYTES, SENT, chunk_hashes, parse_content, split_message
 
 SECRET = "patient_mrn_secret"
 LIMIT_BYTES = 3_000_000
@@ -58,13 +58,13 @@ def running(coordinator: FakeCoordinator, app: ClientApp, **options) -> Iterator
 def _chunks(values: np.ndarray) -> tuple[pb.Envelope, list[pb.Chunk], Message]:
     message = coordinator_message("query.echo", {"w": values})
     envelope, chunks = split_message(message, server_round=1)
-    return envelope, [pb.Chunk(sha256=digest, data=bytes(view)) for digest, view in chunks.items()], message
+    return envelope, [pb.Chunk(digest=digest, data=bytes(view)) for digest, view in chunks.items()], message
 
 
 def _unrequested_chunk() -> tuple[pb.Envelope, list[pb.Chunk]]:
     envelope, chunks, _ = _chunks(np.arange(300_000, dtype=np.float32))  # 1.2 MB: two chunks
     extra = b"never asked for"
-    return envelope, [chunks[0], pb.Chunk(sha256=sha256(extra), data=extra), chunks[1]]
+    return envelope, [chunks[0], pb.Chunk(digest=SENT.digest(extra), data=extra), chunks[1]]
 
 
 def _repeated_chunk() -> tuple[pb.Envelope, list[pb.Chunk]]:
@@ -77,21 +77,21 @@ def _oversize_chunk() -> tuple[pb.Envelope, list[pb.Chunk]]:
     envelope, _, message = _chunks(np.arange(CHUNK_BYTES // 4 + 1, dtype=np.float32))
     raw = message.content["arrays"]["w"].numpy().tobytes()
     tensor = envelope.arrays[0].tensors[0]
-    tensor.chunk_sha256[:] = [sha256(raw), sha256(b"")]
-    return envelope, [pb.Chunk(sha256=sha256(raw), data=raw), pb.Chunk(sha256=sha256(b""), data=b"")]
+    tensor.chunk_digests[:] = [SENT.digest(raw), SENT.digest(b"")]
+    return envelope, [pb.Chunk(digest=SENT.digest(raw), data=raw), pb.Chunk(digest=SENT.digest(b""), data=b"")]
 
 
 def _full_chunk_for_four_bytes() -> tuple[pb.Envelope, list[pb.Chunk]]:
     """A 4-byte tensor listing a 1 MiB chunk: many such tensors would download far more than they declare."""
     envelope, _, _ = _chunks(np.zeros(1, dtype=np.float32))
     block = bytes(CHUNK_BYTES)
-    envelope.arrays[0].tensors[0].chunk_sha256[:] = [sha256(block)]
-    return envelope, [pb.Chunk(sha256=sha256(block), data=block)]
+    envelope.arrays[0].tensors[0].chunk_digests[:] = [SENT.digest(block)]
+    return envelope, [pb.Chunk(digest=SENT.digest(block), data=block)]
 
 
 def _garbage_chunk() -> tuple[pb.Envelope, list[pb.Chunk]]:
     envelope, chunks, _ = _chunks(np.arange(300_000, dtype=np.float32))
-    return envelope, [pb.Chunk(sha256=chunks[0].sha256, data=b"\x00" * len(chunks[0].data)), chunks[1]]
+    return envelope, [pb.Chunk(digest=chunks[0].digest, data=b"\x00" * len(chunks[0].data)), chunks[1]]
 
 
 def _garbage_metadata() -> tuple[pb.Envelope, list[pb.Chunk]]:
@@ -106,7 +106,7 @@ def _manifest(shape: list[int], nbytes: int, chunks: int, name: str = "w") -> pb
     tensor = envelope.arrays[0].tensors[0]
     tensor.name, tensor.nbytes = name, nbytes
     tensor.shape[:] = shape
-    tensor.chunk_sha256[:] = [sha256(str(i).encode()) for i in range(chunks)]
+    tensor.chunk_digests[:] = [SENT.digest(str(i).encode()) for i in range(chunks)]
     return envelope
 
 
@@ -115,7 +115,7 @@ HOSTILE_STREAMS = {
     "a chunk sent twice": (_repeated_chunk, "did not ask for or already received"),
     "a chunk larger than a chunk can be": (_oversize_chunk, f"has {CHUNK_BYTES + 4} bytes; its manifest makes it"),
     "a full chunk for a four-byte tensor": (_full_chunk_for_four_bytes, "its manifest makes it 4"),
-    "a chunk failing its SHA-256": (_garbage_chunk, "fails its SHA-256 check"),
+    "a chunk failing its BLAKE3 check": (_garbage_chunk, "fails its BLAKE3 check"),
     "garbage metadata bytes": (_garbage_metadata, "Metadata"),
 }
 
@@ -209,7 +209,7 @@ def test_a_demo_site_never_opens_the_file_the_run_config_names(tmp_path):
 
 
 def _arrays(reply: pb.Envelope) -> list[tuple[str, list[int], list[str]]]:
-    return [(t.name, list(t.shape), list(t.chunk_sha256)) for record in reply.arrays for t in record.tensors]
+    return [(t.name, list(t.shape), list(t.chunk_digests)) for record in reply.arrays for t in record.tensors]
 
 
 def _assert_still_serves(coordinator: FakeCoordinator, alive: Callable[[], bool]) -> None:

@@ -8,7 +8,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRec
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
-from hydrafl.proto.envelope import CHUNK_BYTES, EnvelopeError, chunk_hashes, join_message, sha256, split_message
+from hydrafl.proto.envelope import CHUNK_BYTES, SENT, EnvelopeError, chunk_hashes, join_message, split_message
 
 
 def _message() -> Message:
@@ -35,9 +35,9 @@ def test_chunks_are_views_of_the_message_and_any_memory_order_round_trips():
     message = Message(RecordDict({"arrays": record}), dst_node_id=12, message_type="train")
     envelope, chunks = split_message(message)
     c, f = envelope.arrays[0].tensors
-    assert c.chunk_sha256 == f.chunk_sha256  # the same values in C order, whatever the memory layout
+    assert c.chunk_digests == f.chunk_digests  # the same values in C order, whatever the memory layout
     assert all(isinstance(piece, memoryview) for piece in chunks.values())
-    assert bytes(chunks[c.chunk_sha256[0]]) == values.tobytes()[:CHUNK_BYTES]
+    assert bytes(chunks[c.chunk_digests[0]]) == values.tobytes()[:CHUNK_BYTES]
     rebuilt = join_message(envelope, chunks)
     np.testing.assert_array_equal(rebuilt.content["arrays"]["f"].numpy(), values)
 
@@ -47,8 +47,8 @@ def test_round_trip_is_exact_and_chunks_are_content_addressed():
     envelope, chunks = split_message(message, server_round=4)
     assert envelope.round == 4 and envelope.message_type == "train"
     big = envelope.arrays[0].tensors[0]
-    assert big.nbytes == 600 * 500 * 4 and len(big.chunk_sha256) == 2
-    assert all(len(piece) <= CHUNK_BYTES and sha256(piece) == h for h, piece in chunks.items())
+    assert big.nbytes == 600 * 500 * 4 and len(big.chunk_digests) == 2
+    assert all(len(piece) <= CHUNK_BYTES and SENT.digest(piece) == h for h, piece in chunks.items())
     assert len(chunks) == 4  # "same" and "twin" share one chunk
     assert set(chunk_hashes(envelope)) == set(chunks)
     rebuilt = join_message(envelope, chunks)
@@ -72,11 +72,11 @@ def test_error_replies_travel_without_content():
 @pytest.mark.parametrize(
     ("corrupt", "reason"),
     [
-        (lambda env, chunks: chunks.pop(env.arrays[0].tensors[0].chunk_sha256[1]), "is missing"),
-        (lambda env, chunks: chunks.update({env.arrays[0].tensors[1].chunk_sha256[0]: b"x" * 48}), "fails its SHA-256"),
+        (lambda env, chunks: chunks.pop(env.arrays[0].tensors[0].chunk_digests[1]), "is missing"),
+        (lambda env, chunks: chunks.update({env.arrays[0].tensors[1].chunk_digests[0]: b"x" * 48}), "fails its BLAKE3 check"),
         (lambda env, chunks: env.arrays[0].tensors[1].shape.append(2), "does not match shape"),
         (lambda env, chunks: setattr(env.arrays[0].tensors[1], "dtype", "object"), "dtype 'object' is not allowed"),
-        (lambda env, chunks: env.arrays[0].tensors[0].chunk_sha256.pop(), "chunks listed"),
+        (lambda env, chunks: env.arrays[0].tensors[0].chunk_digests.pop(), "chunks listed"),
         (lambda env, chunks: setattr(env, "content", b"\xff\x00garbage"), "not a valid Flower RecordDict"),
     ],
 )

@@ -18,7 +18,7 @@ from sqlalchemy import delete, select
 
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
-from hydrafl.proto.envelope import CHUNK_BYTES, sha256, split_message
+from hydrafl.proto.envelope import CHUNK_BYTES, SENT, UPLOADED, split_message
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.grid import CoordinatorGrid
@@ -90,7 +90,7 @@ def _delta(values=None, num_examples=5) -> RecordDict:
 
 
 def _upload(stub, token, chunks):
-    return stub.PutChunks(iter(pb.Chunk(sha256=h, data=bytes(d)) for h, d in chunks.items()), metadata=_auth(token))
+    return stub.PutChunks(iter(pb.Chunk(digest=h, data=bytes(d)) for h, d in chunks.items()), metadata=_auth(token))
 
 
 def _status(call):
@@ -201,14 +201,14 @@ def test_replies_the_round_could_not_aggregate_are_refused_at_the_edge(live, cas
     if case == "huge-zero-size-dimension":
         envelope.arrays[0].tensors[0].shape[:] = [0, 10**15]
         envelope.arrays[0].tensors[0].nbytes = 0
-        del envelope.arrays[0].tensors[0].chunk_sha256[:]
+        del envelope.arrays[0].tensors[0].chunk_digests[:]
     if case == "repeated-chunk-declares-gigabytes":
         chunk = b"\0" * CHUNK_BYTES
-        chunks = {sha256(chunk): chunk}
+        chunks = {UPLOADED.digest(chunk): chunk}
         tensor = envelope.arrays[0].tensors[0]
         tensor.shape[:] = [20 << 10, CHUNK_BYTES // 4]  # 20 GiB of float32, one chunk listed 20,480 times
         tensor.nbytes = 20 << 30
-        tensor.chunk_sha256[:] = [sha256(chunk)] * (20 << 10)
+        tensor.chunk_digests[:] = [UPLOADED.digest(chunk)] * (20 << 10)
     if chunks and case != "repeated-chunk-declares-gigabytes":
         _upload(live.stub, live.token_a, chunks)
     started = time.perf_counter()
@@ -239,26 +239,26 @@ def test_an_evaluate_reply_without_metrics_is_refused(live):
 def test_downloads_and_upload_lookups_are_scoped_to_the_site(live):
     node_a, node_b = live.nodes
     envelope_b = pb.Envelope.FromString(live.store.outbound(live.message_id(node_b)).envelope)
-    [digest] = envelope_b.arrays[0].tensors[0].chunk_sha256
-    other = sha256(b"not part of any message")
-    code, details = _status(lambda: list(live.stub.GetChunks(pb.GetChunksRequest(sha256=[other]), metadata=_auth(live.token_a))))
+    [digest] = envelope_b.arrays[0].tensors[0].chunk_digests
+    other = SENT.digest(b"not part of any message")
+    code, details = _status(lambda: list(live.stub.GetChunks(pb.GetChunksRequest(digests=[other]), metadata=_auth(live.token_a))))
     assert code == grpc.StatusCode.PERMISSION_DENIED and "not part of a message addressed to this site" in details
-    repeated = pb.GetChunksRequest(sha256=[digest] * 300)
+    repeated = pb.GetChunksRequest(digests=[digest] * 300)
     assert len(list(live.stub.GetChunks(repeated, metadata=_auth(live.token_a)))) == 1  # a's message has the same chunk
     live.store.add_reply(live.store.outbound(live.message_id(node_a)), pb.Envelope(error_code=1, error_reason="x").SerializeToString())
-    code, _ = _status(lambda: list(live.stub.GetChunks(pb.GetChunksRequest(sha256=[digest]), metadata=_auth(live.token_a))))
+    code, _ = _status(lambda: list(live.stub.GetChunks(pb.GetChunksRequest(digests=[digest]), metadata=_auth(live.token_a))))
     assert code == grpc.StatusCode.PERMISSION_DENIED  # a answered its message: nothing left to download
     _, chunks = _reply(live.requests[node_b], _delta())
     _upload(live.stub, live.token_b, chunks)
-    assert list(live.stub.HasChunks(pb.HasChunksRequest(sha256=list(chunks)), metadata=_auth(live.token_b)).present) == list(chunks)
-    assert not live.stub.HasChunks(pb.HasChunksRequest(sha256=list(chunks)), metadata=_auth(live.token_a)).present
+    assert list(live.stub.HasChunks(pb.HasChunksRequest(digests=list(chunks)), metadata=_auth(live.token_b)).present) == list(chunks)
+    assert not live.stub.HasChunks(pb.HasChunksRequest(digests=list(chunks)), metadata=_auth(live.token_a)).present
 
 
 def test_uploads_beyond_what_the_open_messages_allow_are_refused_and_freed(live):
     node_a, _ = live.nodes
     allowed = int(np.prod(SHAPE)) * 4
     junk = [bytes([i]) * (allowed // 2) for i in range(3)]  # each half the quota: the third one is over it
-    code, details = _status(lambda: _upload(live.stub, live.token_a, {sha256(j): j for j in junk}))
+    code, details = _status(lambda: _upload(live.stub, live.token_a, {UPLOADED.digest(j): j for j in junk}))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "upload quota exceeded" in details
     assert live.coordinator.blobs.uploads(node_a).digests() == []
     _, chunks = _reply(live.requests[node_a], _delta())
@@ -310,9 +310,9 @@ def _mutated_envelope(rng: random.Random, envelope: pb.Envelope) -> pb.Envelope:
     elif choice == 2:
         tensor.nbytes = rng.choice([-1, 0, 23, 25, 2**62])
     elif choice == 3:
-        tensor.chunk_sha256.append(tensor.chunk_sha256[0])
+        tensor.chunk_digests.append(tensor.chunk_digests[0])
     elif choice == 4:
-        tensor.chunk_sha256[:] = [rng.choice(["", "../" * 20, "0" * 64, "g" * 64, tensor.chunk_sha256[0][:63]])]
+        tensor.chunk_digests[:] = [rng.choice(["", "../" * 20, "0" * 32, "g" * 32, tensor.chunk_digests[0][:31]])]
     elif choice == 5:
         tensor.name = rng.choice(["", "v", "w" * 1000, "w\0"])
     elif choice == 6:
@@ -345,7 +345,7 @@ def test_two_thousand_mutated_requests_get_clean_statuses_and_everything_accepte
     request = live.requests[node_a]
     envelope, chunks = _reply(request, _delta())
     requests = {"Join": pb.JoinRequest(), "PullMessage": pb.PullMessageRequest(),
-                "HasChunks": pb.HasChunksRequest(sha256=list(chunks)), "PushReply": pb.PushReplyRequest(envelope=envelope)}
+                "HasChunks": pb.HasChunksRequest(digests=list(chunks)), "PushReply": pb.PushReplyRequest(envelope=envelope)}
     statuses: dict[str, int] = {}
     accepted = 0
     for i in range(2000):
@@ -368,7 +368,7 @@ def test_two_thousand_mutated_requests_get_clean_statuses_and_everything_accepte
                         pass
         elif kind == "chunks":
             data = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
-            digest = rng.choice([sha256(data), sha256(data + b"x"), "zz", "../../etc/passwd"])
+            digest = rng.choice([UPLOADED.digest(data), UPLOADED.digest(data + b"x"), "zz", "../../etc/passwd"])
             code, _ = _status(lambda: _upload(live.stub, live.token_a, {digest: data}))
         else:
             method = rng.choice(list(requests))

@@ -17,7 +17,7 @@ from hydrafl.checkpoint import CHECKPOINT_FILE
 from hydrafl.cli import app
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
-from hydrafl.proto.envelope import chunk_hashes, sha256, split_message
+from hydrafl.proto.envelope import chunk_hashes, split_message
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
@@ -100,7 +100,7 @@ def home(db_url, tmp_path) -> Home:
 def test_a_checkpointed_round_goes_with_its_chunks_and_round_0_stays(home):
     for server_round, value in [(0, 0.0), (1, 1.0), (2, 2.0), (3, 1.0)]:  # round 3 re-sends round 1's model
         home.round(server_round, value)
-    home.blobs.put(*_chunk(b"orphan"))
+    home.blobs.put(*_chunk(home.blobs, b"orphan"))
     home.retention.after_checkpoint(home.run_id, 2)
     assert home.rounds_stored() == [0, 3]
     home.assert_nothing_referenced_is_missing()
@@ -115,7 +115,7 @@ def test_a_checkpointed_round_goes_with_its_chunks_and_round_0_stays(home):
 def test_uploads_of_a_site_that_may_still_answer_are_kept(home):
     home.round(1, 1.0, answered=tuple(home.nodes[1:]))  # the first site has not answered yet
     for node in home.nodes[:2]:
-        home.blobs.uploads(node).put(*_chunk(b"an upload no reply refers to yet"))
+        home.blobs.uploads(node).put(*_chunk(home.blobs.uploads(node), b"an upload no reply refers to yet"))
     home.retention.after_checkpoint(home.run_id, 0)
     assert len(home.blobs.uploads(home.nodes[0]).digests()) == 1  # in flight: kept
     assert len(home.blobs.uploads(home.nodes[1]).digests()) == 1  # its reply's chunk only: the stray upload went
@@ -147,7 +147,7 @@ def test_gc_dry_run_changes_nothing_and_gc_deletes_what_it_said(home):
         (home.runs / str(home.run_id) / "checkpoints").mkdir(parents=True, exist_ok=True)
         (home.runs / str(home.run_id) / "checkpoints" / f"round-{server_round:05d}.pkl").write_bytes(b"x" * 1000)
     home.store.set_run_status(home.run_id, "failed", detail="a test")
-    home.blobs.put(*_chunk(b"orphan"))
+    home.blobs.put(*_chunk(home.blobs, b"orphan"))
     args = ["admin", "gc", "--db", home.db_url, "--blobs", str(home.root / "blobs"), "--runs", str(home.runs)]
     before = home.chunk_files(), home.rows(), sorted(home.runs.rglob("*"))
     dry = CliRunner().invoke(app, [*args, "--dry-run"])
@@ -192,8 +192,8 @@ def test_a_late_reply_to_a_swept_round_is_refused_as_late_not_as_another_sites(h
     assert was_swept(home.store, f"{home.run_id + 1}-1-train-{node}-0", node)  # a deleted run's
 
 
-def _chunk(data: bytes) -> tuple[str, bytes]:
-    return sha256(data), data
+def _chunk(blobs: BlobStore, data: bytes) -> tuple[str, bytes]:
+    return blobs.naming.digest(data), data
 
 
 def test_keep_checkpoints_is_a_coordinator_key_of_at_least_one():

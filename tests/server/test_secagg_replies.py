@@ -54,7 +54,7 @@ class Live:
         reply.metadata.__dict__["_message_id"] = "r"
         envelope, chunks = split_message(reply, 1)
         token = (("authorization", f"Bearer {self.tokens[request.metadata.dst_node_id]}"),)
-        self.stub.PutChunks(iter(pb.Chunk(sha256=h, data=bytes(d)) for h, d in chunks.items()), metadata=token)
+        self.stub.PutChunks(iter(pb.Chunk(digest=h, data=bytes(d)) for h, d in chunks.items()), metadata=token)
         try:
             self.stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=token)
         except grpc.RpcError as error:

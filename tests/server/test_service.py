@@ -10,7 +10,7 @@ from sqlalchemy import func, select
 
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
-from hydrafl.proto.envelope import CHUNK_BYTES, sha256, split_message
+from hydrafl.proto.envelope import CHUNK_BYTES, UPLOADED, split_message
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.grid import CoordinatorGrid
@@ -51,7 +51,7 @@ def _reply(request, values):
 
 
 def _upload(stub, token, chunks):
-    stub.PutChunks(iter(pb.Chunk(sha256=h, data=bytes(d)) for h, d in chunks.items()), metadata=_auth(token))
+    stub.PutChunks(iter(pb.Chunk(digest=h, data=bytes(d)) for h, d in chunks.items()), metadata=_auth(token))
 
 
 def _code(call):
@@ -89,7 +89,7 @@ def test_a_valid_reply_is_accepted_once(live):
     assert pulled.has_message and pulled.envelope.message_id == message_id
     envelope, chunks = _reply(request, np.zeros((3, 2), dtype=np.float32))
     _upload(stub, token_a, chunks)
-    present = stub.HasChunks(pb.HasChunksRequest(sha256=list(chunks)), metadata=_auth(token_a)).present
+    present = stub.HasChunks(pb.HasChunksRequest(digests=list(chunks)), metadata=_auth(token_a)).present
     assert set(present) == set(chunks)
     assert stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=_auth(token_a)).duplicate is False
     assert stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=_auth(token_a)).duplicate is True
@@ -140,14 +140,17 @@ def test_bad_replies_get_a_clear_status_and_change_nothing(live, case, code, rea
 
 def test_a_chunk_that_does_not_match_its_hash_or_is_oversize_is_refused(live):
     coordinator, stub, token_a, _, _, _ = live
-    bad = iter([pb.Chunk(sha256="ab" * 32, data=b"payload")])
+    bad = iter([pb.Chunk(digest="ab" * 16, data=b"payload")])
     code, details = _code(lambda: stub.PutChunks(bad, metadata=_auth(token_a)))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "SHA-256" in details
-    assert coordinator.blobs.missing(["ab" * 32]) == ["ab" * 32]
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "fails its XXH3-128 check" in details
+    assert not list(coordinator.blobs.root.rglob("ab" * 16))
+    code, details = _code(lambda: stub.PutChunks(iter([pb.Chunk(digest="ab" * 32, data=b"payload")]), metadata=_auth(token_a)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a XXH3-128 hex digest" in details
     data = b"x" * (CHUNK_BYTES + 1)
-    code, details = _code(lambda: stub.PutChunks(iter([pb.Chunk(sha256=sha256(data), data=data)]), metadata=_auth(token_a)))
+    oversize = pb.Chunk(digest=UPLOADED.digest(data), data=data)
+    code, details = _code(lambda: stub.PutChunks(iter([oversize]), metadata=_auth(token_a)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "at most" in details
-    assert coordinator.blobs.missing([sha256(data)]) == [sha256(data)]
+    assert not list(coordinator.blobs.root.rglob(UPLOADED.digest(data)))
 
 
 def test_a_reply_after_the_round_deadline_is_refused(live):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import select
 
-from hydrafl.proto.envelope import EnvelopeError, sha256
+from hydrafl.proto.envelope import SENT, EnvelopeError
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.store import Run, Site, Store, hash_token
 
@@ -43,25 +43,25 @@ def test_duplicate_and_unknown_site_names_are_clear_errors(store):
 def test_blob_store_verifies_and_never_rewrites(tmp_path):
     blobs = BlobStore(tmp_path / "blobs")
     data = b"chunk of a pseudo-gradient"
-    digest = sha256(data)
+    digest = SENT.digest(data)
     assert blobs.missing([digest]) == [digest]
     assert blobs.put(digest, data) is True
     assert blobs.put(digest, data) is False
     assert blobs.get(digest) == data and blobs.missing([digest]) == []
-    with pytest.raises(EnvelopeError, match="fails its SHA-256"):
-        blobs.put(sha256(b"other"), data)
-    with pytest.raises(EnvelopeError, match="not a SHA-256"):
+    with pytest.raises(EnvelopeError, match="fails its BLAKE3 check"):
+        blobs.put(SENT.digest(b"other"), data)
+    with pytest.raises(EnvelopeError, match="not a BLAKE3 hex digest"):
         blobs.has("../../etc/passwd")
-    assert not (tmp_path / "blobs" / sha256(b"other")[:2] / sha256(b"other")).exists()
+    assert not (tmp_path / "blobs" / SENT.digest(b"other")[:2] / SENT.digest(b"other")).exists()
 
 
 def test_blob_stream_stores_in_parallel_and_stops_at_a_bad_chunk(tmp_path):
     blobs = BlobStore(tmp_path / "blobs")
     pieces = [bytes([i]) * 5000 for i in range(40)]
-    items = [(sha256(piece), piece) for piece in pieces]
+    items = [(SENT.digest(piece), piece) for piece in pieces]
     assert blobs.put_stream(items[:10]) == (10, 0)
     corrupt = items[:25] + [(items[25][0], b"not what the name says")] + items[26:]
-    with pytest.raises(EnvelopeError, match=f"chunk {items[25][0][:12]} fails its SHA-256"):
+    with pytest.raises(EnvelopeError, match=f"chunk {items[25][0][:12]} fails its BLAKE3 check"):
         blobs.put_stream(corrupt)
     assert blobs.has(items[24][0]) and not blobs.has(items[25][0])
     assert list((tmp_path / "blobs").rglob("*.part")) == []  # no half-written blob is left behind

@@ -1,0 +1,101 @@
+"""The download half of the wire benchmark: one model from the coordinator to a site, received the way a site
+receives it (`SiteAgent._receive`: GetChunks, each chunk's BLAKE3 checked as it arrives, the Message rebuilt
+with one copy of the bytes), against a raw gRPC server stream of the same number of bytes in 1 MiB messages that
+the client only counts. The coordinator's side (hashing the model once, storing and syncing its chunks) happens
+once per round, before any site downloads, and is timed apart as `store_s`."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+
+from hydrafl.benchmarks._wire_server import RAW_GET_METHOD, ServerProcess
+from hydrafl.client.agent import SiteAgent
+from hydrafl.proto import coordinator_pb2 as pb
+from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
+
+if TYPE_CHECKING:
+    from hydrafl.benchmarks.wire import Federation, Scale
+
+DOWNLOAD_ROUND = 1000
+"""The requests of the download runs take rounds from here (the upload runs take rounds from 2)."""
+
+
+def _site(address: str, token: str, update_bytes: int) -> SiteAgent:
+    return SiteAgent(address, token, client_app=None, node_config={}, max_download_bytes=2 * update_bytes)
+
+
+def hydrafl_download(
+    stub: CoordinatorStub, agent: SiteAgent, federation: Federation, server_round: int, arrays: list[np.ndarray]
+) -> dict[str, Any]:
+    """Untimed: the coordinator stores a message carrying `arrays`. Timed: the site pulls it and rebuilds it."""
+    node_id = federation.sites[0][0]
+    record = ArrayRecord({f"w{i:02d}": Array(array) for i, array in enumerate(arrays)})
+    message = Message(RecordDict({"arrays": record, "config": ConfigRecord({"server-round": server_round})}),
+                      dst_node_id=node_id, message_type="train")
+    message.metadata.group_id = str(server_round)
+    started = time.perf_counter()
+    [message_id] = federation.grid.push_messages([message])
+    store_s = time.perf_counter() - started
+    del message, record
+    gc.collect()
+    started = time.perf_counter()
+    pulled = stub.PullMessage(pb.PullMessageRequest(), metadata=agent.metadata)
+    received = agent._receive(stub, pulled.envelope)
+    seconds = time.perf_counter() - started
+    federation.store.close_messages([message_id])  # answered as far as this benchmark goes: the next pull skips it
+    got = received.content["arrays"]
+    exact = len(got) == len(arrays) and all(np.array_equal(got[f"w{i:02d}"].numpy(), a) for i, a in enumerate(arrays))
+    return {"seconds": seconds, "store_s": store_s, "byte_exact": exact}
+
+
+def raw_download(get: grpc.UnaryStreamMultiCallable, nbytes: int) -> dict[str, Any]:
+    gc.collect()
+    started = time.perf_counter()
+    received = sum(len(piece) for piece in get(nbytes.to_bytes(8, "little")))
+    return {"seconds": time.perf_counter() - started, "received": received}
+
+
+def download_throughput(
+    scale: Scale, federation: Federation, coordinator: ServerProcess, raw: ServerProcess
+) -> dict[str, Any]:
+    """Median seconds of the site's receive path and of the raw stream, same bytes, alternating order."""
+    from hydrafl.benchmarks.wire import GIB, GOAL_RATIO, channel, make_update, mark
+
+    arrays = make_update(scale.update_bytes, seed=3)
+    runs: dict[str, list[dict]] = {"hydrafl": [], "raw": []}
+    agent = _site(coordinator.address, federation.sites[0][1], scale.update_bytes)
+    with channel(coordinator.address) as hydrafl_channel, channel(raw.address) as raw_channel:
+        stub, get = CoordinatorStub(hydrafl_channel), raw_channel.unary_stream(RAW_GET_METHOD)
+        for rep in range(scale.reps):
+            mark(arrays, -(rep + 1.0))
+            for name in ("hydrafl", "raw") if rep % 2 == 0 else ("raw", "hydrafl"):
+                if name == "hydrafl":
+                    runs[name].append(hydrafl_download(stub, agent, federation, DOWNLOAD_ROUND + rep, arrays))
+                else:
+                    runs[name].append(raw_download(get, scale.update_bytes))
+    median = {name: statistics.median(run["seconds"] for run in done) for name, done in runs.items()}
+    gib_per_s = {name: scale.update_bytes / seconds / GIB for name, seconds in median.items()}
+    ratio = gib_per_s["hydrafl"] / gib_per_s["raw"]
+    checks = {
+        "byte_exact": all(run["byte_exact"] for run in runs["hydrafl"]),
+        "raw_bytes_received": all(run["received"] == scale.update_bytes for run in runs["raw"]),
+    }
+    return {
+        "update_bytes": scale.update_bytes,
+        "reps": scale.reps,
+        "runs": runs,
+        "median_s": median,
+        "gib_per_s": gib_per_s,
+        "coordinator_store_median_s": statistics.median(run["store_s"] for run in runs["hydrafl"]),
+        "ratio_hydrafl_over_raw": ratio,
+        "goal": GOAL_RATIO,
+        "goal_met": ratio >= GOAL_RATIO,
+        "checks": {**checks, "passed": all(checks.values())},
+    }
