@@ -27,8 +27,7 @@ from flwr.app import Message
 from hydrafl.apps import client_app
 from hydrafl.benchmarks._reliability_cluster import RUN, Cluster, wait_until
 from hydrafl.client.agent import SiteAgent
-from hydrafl.proto import coordinator_pb2 as pb
-from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
+from hydrafl.proto.chunk_wire import CoordinatorClient
 from hydrafl.proto.envelope import split_message
 
 RESUMED = re.compile(r"upload: (\d+) of (\d+) chunks already at the coordinator")
@@ -41,15 +40,15 @@ DISK_LIMIT_BYTES = 160 << 10
 class DyingAgent(SiteAgent):
     """Streams half of its first upload of two chunks or more, then dies."""
 
-    def _push(self, stub: CoordinatorStub, reply: Message, server_round: int) -> None:
+    def _push(self, stub: CoordinatorClient, reply: Message, server_round: int) -> None:
         _, chunks = split_message(reply, server_round)
         if len(chunks) < 2:
             return super()._push(stub, reply, server_round)
         half = list(chunks)[: len(chunks) // 2]
 
-        def stream() -> Iterator[pb.Chunk]:
+        def stream() -> Iterator[tuple[str, memoryview]]:
             for digest in half:
-                yield pb.Chunk(digest=digest, data=bytes(chunks[digest]))
+                yield digest, chunks[digest]
             time.sleep(1.0)  # the half in flight reaches the coordinator; then the process dies mid-stream
             logging.getLogger(__name__).warning("killing this site mid-upload after %d of %d chunks", len(half), len(chunks))
             os.kill(os.getpid(), signal.SIGKILL)

@@ -18,7 +18,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from hydrafl.benchmarks._wire_server import RAW_GET_METHOD, ServerProcess
 from hydrafl.client.agent import SiteAgent
 from hydrafl.proto import coordinator_pb2 as pb
-from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
+from hydrafl.proto.chunk_wire import CoordinatorClient
 
 if TYPE_CHECKING:
     from hydrafl.benchmarks.wire import Federation, Scale
@@ -32,7 +32,7 @@ def _site(address: str, token: str, update_bytes: int) -> SiteAgent:
 
 
 def hydrafl_download(
-    stub: CoordinatorStub, agent: SiteAgent, federation: Federation, server_round: int, arrays: list[np.ndarray]
+    stub: CoordinatorClient, agent: SiteAgent, federation: Federation, server_round: int, arrays: list[np.ndarray]
 ) -> dict[str, Any]:
     """Untimed: the coordinator stores a message carrying `arrays`. Timed: the site pulls it and rebuilds it."""
     node_id = federation.sites[0][0]
@@ -72,7 +72,7 @@ def download_throughput(
     runs: dict[str, list[dict]] = {"hydrafl": [], "raw": []}
     agent = _site(coordinator.address, federation.sites[0][1], scale.update_bytes)
     with channel(coordinator.address) as hydrafl_channel, channel(raw.address) as raw_channel:
-        stub, get = CoordinatorStub(hydrafl_channel), raw_channel.unary_stream(RAW_GET_METHOD)
+        stub, get = CoordinatorClient(hydrafl_channel), raw_channel.unary_stream(RAW_GET_METHOD)
         for rep in range(scale.reps):
             mark(arrays, -(rep + 1.0))
             for name in ("hydrafl", "raw") if rep % 2 == 0 else ("raw", "hydrafl"):

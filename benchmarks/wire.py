@@ -56,7 +56,7 @@ from hydrafl.benchmarks._common import benchmark_parser
 from hydrafl.benchmarks._wire_server import RAW_METHOD, RssSampler, ServerProcess, durable_writes, filesystem
 from hydrafl.identity import claim_server_identity
 from hydrafl.proto import coordinator_pb2 as pb
-from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
+from hydrafl.proto.chunk_wire import CoordinatorClient
 from hydrafl.proto.envelope import CHUNK_BYTES, SENT, UPLOADED, join_message, split_message
 from hydrafl.protocol import GRPC_OPTIONS, WEIGHT
 from hydrafl.server.blobs import BlobStore
@@ -128,7 +128,7 @@ def send_request(grid: CoordinatorGrid, node_id: int, server_round: int) -> str:
     return message_id
 
 
-def pull_request(stub: CoordinatorStub, metadata: Metadata) -> Message:
+def pull_request(stub: CoordinatorClient, metadata: Metadata) -> Message:
     """The site's side: the request it answers (a reply must point at a message addressed to it)."""
     pulled = stub.PullMessage(pb.PullMessageRequest(), metadata=metadata)
     if not pulled.has_message:
@@ -136,13 +136,13 @@ def pull_request(stub: CoordinatorStub, metadata: Metadata) -> Message:
     return join_message(pulled.envelope, {})
 
 
-def push_update(stub: CoordinatorStub, metadata: Metadata, envelope: pb.Envelope, chunks: dict[str, bytes]) -> dict:
+def push_update(stub: CoordinatorClient, metadata: Metadata, envelope: pb.Envelope, chunks: dict[str, bytes]) -> dict:
     """The RPCs of `SiteAgent._push` after its split_message, each timed (monotonic start/end)."""
     times: dict[str, Any] = {"start": time.monotonic()}
     present = set(stub.HasChunks(pb.HasChunksRequest(digests=list(chunks)), metadata=metadata).present)
     missing = [digest for digest in chunks if digest not in present]
     times["put_start"] = time.monotonic()
-    put = stub.PutChunks((pb.Chunk(digest=digest, data=bytes(chunks[digest])) for digest in missing), metadata=metadata)
+    put = stub.PutChunks(((digest, chunks[digest]) for digest in missing), metadata=metadata)
     times["push_start"] = time.monotonic()
     pushed = stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=metadata)
     times["end"] = time.monotonic()
@@ -196,7 +196,7 @@ def channel(address: str) -> grpc.Channel:
 
 
 def hydrafl_push(
-    stub: CoordinatorStub, token: str, grid: CoordinatorGrid, node_id: int, server_round: int, arrays: list[np.ndarray]
+    stub: CoordinatorClient, token: str, grid: CoordinatorGrid, node_id: int, server_round: int, arrays: list[np.ndarray]
 ) -> dict:
     """One timed site-side upload (split + RPCs), then, untimed, the stored reply read back as the grid reads it."""
     message_id = send_request(grid, node_id, server_round)
@@ -235,7 +235,7 @@ def throughput(scale: Scale, federation: Federation, coordinator: ServerProcess,
     arrays = make_update(scale.update_bytes, seed=0)
     runs: dict[str, list[dict]] = {"hydrafl": [], "raw": []}
     with channel(coordinator.address) as hydrafl_channel, channel(raw.address) as raw_channel:
-        stub, put = CoordinatorStub(hydrafl_channel), raw_channel.stream_unary(RAW_METHOD)
+        stub, put = CoordinatorClient(hydrafl_channel), raw_channel.stream_unary(RAW_METHOD)
         for rep in range(scale.reps):
             mark(arrays, -(rep + 1.0))
             for name in ("hydrafl", "raw") if rep % 2 == 0 else ("raw", "hydrafl"):
@@ -350,7 +350,7 @@ def concurrent_memory(scale: Scale, federation: Federation, coordinator: ServerP
     sampler = RssSampler(coordinator.pid).start()
     channels = [channel(coordinator.address) for _ in sites]
     try:
-        stubs = [CoordinatorStub(site_channel) for site_channel in channels]
+        stubs = [CoordinatorClient(site_channel) for site_channel in channels]
         requests = [pull_request(stub, auth(token)) for stub, (_, token) in zip(stubs, sites, strict=True)]
         arrays = make_update(scale.site_bytes, seed=1)
         prepared = []

@@ -44,7 +44,7 @@ from hydrafl.client.download import Assembly
 from hydrafl.client.tls import SiteTls
 from hydrafl.data import DataError
 from hydrafl.proto import coordinator_pb2 as pb
-from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
+from hydrafl.proto.chunk_wire import ChunkView, CoordinatorClient
 from hydrafl.proto.envelope import (
     MAX_REASON_CHARS,
     EnvelopeError,
@@ -140,7 +140,7 @@ class SiteAgent:
         while not stop.is_set():
             try:
                 with self._channel() as channel:
-                    self._serve(CoordinatorStub(channel), stop)
+                    self._serve(CoordinatorClient(channel), stop)
             except grpc.RpcError as error:
                 code = error.code()
                 if code in REFUSED:
@@ -162,7 +162,7 @@ class SiteAgent:
             return grpc.insecure_channel(self.coordinator, options=GRPC_OPTIONS)
         return grpc.secure_channel(self.coordinator, self.tls.credentials(), options=GRPC_OPTIONS)
 
-    def _serve(self, stub: CoordinatorStub, stop: threading.Event) -> None:
+    def _serve(self, stub: CoordinatorClient, stop: threading.Event) -> None:
         joined = stub.Join(pb.JoinRequest(), metadata=self.metadata)
         self.node_id = joined.node_id
         if self.demo:
@@ -198,7 +198,7 @@ class SiteAgent:
                 log.warning("coordinator refused the reply (%s): %s", error.code().name, error.details())
             self.chunk_cache.clear()
 
-    def _pull(self, stub: CoordinatorStub, request: pb.PullMessageRequest, stop: threading.Event) -> pb.PullMessageReply | None:
+    def _pull(self, stub: CoordinatorClient, request: pb.PullMessageRequest, stop: threading.Event) -> pb.PullMessageReply | None:
         """One (long) poll for the next message; None when `stop` is set while it waits (the call is cancelled)."""
         call = stub.PullMessage.future(request, metadata=self.metadata, timeout=request.wait_s + PULL_MARGIN_S)
         while not call.done():
@@ -207,7 +207,7 @@ class SiteAgent:
                 return None
         return call.result()
 
-    def _handle(self, stub: CoordinatorStub, envelope: pb.Envelope) -> Message:
+    def _handle(self, stub: CoordinatorClient, envelope: pb.Envelope) -> Message:
         """The reply to one message: the ClientApp's after the site policy, the policy's refusal, or an error
         reply. Nothing in the message ends the agent; a lost connection or a refused token still reaches `run`."""
         request = _request(envelope, self.node_id)
@@ -235,7 +235,7 @@ class SiteAgent:
         reply.metadata.__dict__["_message_id"] = uuid.uuid4().hex
         return reply
 
-    def _answer(self, stub: CoordinatorStub, envelope: pb.Envelope, request: Message) -> Message:
+    def _answer(self, stub: CoordinatorClient, envelope: pb.Envelope, request: Message) -> Message:
         context = self._context(stub, envelope.run_id)
         refusal = self.policy.refusal(envelope.run_id, str(context.run_config.get("strategy", "")))
         if refusal:  # checked before any download: a refused run costs the site nothing
@@ -244,7 +244,7 @@ class SiteAgent:
         message = self._receive(stub, envelope)
         return answer(self.client_app, message, context, self.policy)
 
-    def _context(self, stub: CoordinatorStub, run_id: int) -> Context:
+    def _context(self, stub: CoordinatorClient, run_id: int) -> Context:
         """The run's persistent Context, its run_config asked of the coordinator once per run."""
         if run_id in self.contexts:
             self.contexts.move_to_end(run_id)
@@ -262,7 +262,7 @@ class SiteAgent:
             self.contexts.popitem(last=False)
         return context
 
-    def _receive(self, stub: CoordinatorStub, envelope: pb.Envelope) -> Message:
+    def _receive(self, stub: CoordinatorClient, envelope: pb.Envelope) -> Message:
         """The message rebuilt from exactly the chunks its manifest lists, once its arrays are known to fit."""
         check_manifest(envelope)  # every dtype, shape and size consistent, no hostile product: nothing allocated yet
         declared = declared_nbytes(envelope)
@@ -279,7 +279,7 @@ class SiteAgent:
         self.chunk_cache.clear()  # the arrays hold their own bytes; training need not hold the chunks as well
         return message
 
-    def _fetch(self, stub: CoordinatorStub, wanted: dict[str, int], assembly: Assembly) -> None:
+    def _fetch(self, stub: CoordinatorClient, wanted: dict[str, int], assembly: Assembly) -> None:
         """Download the chunks `wanted` (digest -> size) into the assembly, each checked as it arrives. A chunk
         not asked for (or sent twice), of another size, or failing its BLAKE3 check refuses the message and ends
         the stream, so what is downloaded never exceeds what the manifest declares."""
@@ -295,7 +295,7 @@ class SiteAgent:
         finally:
             call.cancel()
 
-    def _push(self, stub: CoordinatorStub, reply: Message, server_round: int) -> None:
+    def _push(self, stub: CoordinatorClient, reply: Message, server_round: int) -> None:
         envelope, chunks = split_message(reply, server_round)
         present = set(stub.HasChunks(pb.HasChunksRequest(digests=list(chunks)), metadata=self.metadata).present)
         missing = [digest for digest in chunks if digest not in present]
@@ -304,9 +304,9 @@ class SiteAgent:
                      "holds already), sending %d", len(present),
                      len(chunks), len(missing))
 
-        def stream() -> Iterator[pb.Chunk]:
+        def stream() -> Iterator[tuple[str, memoryview]]:
             for digest in missing:
-                yield pb.Chunk(digest=digest, data=bytes(chunks[digest]))
+                yield digest, chunks[digest]
 
         if missing:
             stub.PutChunks(stream(), metadata=self.metadata)
@@ -362,7 +362,7 @@ def _probe_bytes(envelope: pb.Envelope) -> int:
         return 1
 
 
-def _check_chunk(chunk: pb.Chunk, pending: dict[str, int]) -> None:
+def _check_chunk(chunk: ChunkView, pending: dict[str, int]) -> None:
     if chunk.digest not in pending:
         raise MessageRefused(f"the coordinator sent chunk {chunk.digest[:12]!r}, which this site did not ask for "
                              "or already received")

@@ -29,6 +29,7 @@ import numpy as np
 from google.protobuf.message import DecodeError, Message as ProtoMessage
 
 from hydrafl.proto import coordinator_pb2 as pb
+from hydrafl.proto.chunk_wire import ChunkView, decode_chunk, encode_chunk
 from hydrafl.protocol import GRPC_OPTIONS, WEIGHT
 from hydrafl.proto.envelope import CHUNK_BYTES, MAX_REASON_CHARS, EnvelopeError, chunk_hashes
 from hydrafl.server.blobs import BlobStore
@@ -52,7 +53,7 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 )
 """The sites' channel options, plus: idle sites may keep their connections alive, and no SO_REUSEPORT (gRPC's
 default, which lets a second coordinator bind the same port without an error)."""
-Request = TypeVar("Request", bound=ProtoMessage)
+Request = TypeVar("Request")
 
 
 class CoordinatorService:
@@ -177,7 +178,8 @@ class CoordinatorService:
             served = run_id in self._served_runs.get(node_id, ())
         return (self.store.run_status(run_id) or "") if served else ""
 
-    def GetChunks(self, request: pb.GetChunksRequest, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
+    def GetChunks(self, request: pb.GetChunksRequest, context: grpc.ServicerContext) -> Iterator[tuple[str, bytes]]:
+        """(name, data) of each chunk asked for, written to the wire by `chunk_wire.encode_chunk`."""
         site = self._site(context)
         with self._bounded(site, context, stream=True) as stream:
             wanted = list(dict.fromkeys(request.digests))  # a repeated digest is sent once
@@ -195,7 +197,7 @@ class CoordinatorService:
                 except (KeyError, EnvelopeError) as error:
                     context.abort(grpc.StatusCode.NOT_FOUND, str(error))
                 stream.touch()
-                yield pb.Chunk(digest=digest, data=data)
+                yield digest, data
 
     def HasChunks(self, request: pb.HasChunksRequest, context: grpc.ServicerContext) -> pb.HasChunksReply:
         """Which of these chunks this site has already uploaded (its own namespace only)."""
@@ -209,7 +211,7 @@ class CoordinatorService:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             return pb.HasChunksReply(present=[digest for digest in wanted if digest not in missing])
 
-    def PutChunks(self, request_iterator: Iterator[pb.Chunk], context: grpc.ServicerContext) -> pb.PutChunksReply:
+    def PutChunks(self, request_iterator: Iterator[ChunkView], context: grpc.ServicerContext) -> pb.PutChunksReply:
         site = self._site(context)
         started = time.perf_counter()
         with self._bounded(site, context, stream=True) as stream:
@@ -221,7 +223,7 @@ class CoordinatorService:
                 )
             uploads = self.blobs.uploads(site.node_id)
 
-            def received() -> Iterator[tuple[str, bytes]]:
+            def received() -> Iterator[tuple[str, memoryview]]:
                 for chunk in request_iterator:
                     stream.touch()
                     if len(chunk.data) > CHUNK_BYTES:
@@ -379,12 +381,12 @@ def _certificate_names(context: grpc.ServicerContext) -> set[str] | None:
     return {name.decode(errors="replace") for name in names}
 
 
-def _parse(kind: type[Request], data: bytes, context: grpc.ServicerContext) -> Request:
+def _parse(parse: Callable[[bytes], Request], name: str, data: bytes, context: grpc.ServicerContext) -> Request:
     try:
-        return kind.FromString(data)
+        return parse(data)
     except (DecodeError, ValueError, RuntimeError) as error:
-        log.warning("malformed %s from %s: %s", kind.__name__, context.peer(), error)
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {kind.__name__}: not a valid protobuf message")
+        log.warning("malformed %s from %s: %s", name, context.peer(), error)
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {name}: not a valid protobuf message")
 
 
 def add_coordinator_service(service: CoordinatorService, server: grpc.Server) -> None:
@@ -392,10 +394,10 @@ def add_coordinator_service(service: CoordinatorService, server: grpc.Server) ->
     INVALID_ARGUMENT and one log line (gRPC's own deserializer answers INTERNAL with a traceback)."""
 
     def unary(method: Callable, kind: type[ProtoMessage]) -> Callable:
-        return lambda data, context: method(_parse(kind, data, context), context)
+        return lambda data, context: method(_parse(kind.FromString, kind.__name__, data, context), context)
 
-    def client_stream(method: Callable) -> Callable:
-        return lambda items, context: method((_parse(pb.Chunk, data, context) for data in items), context)
+    def client_stream(method: Callable) -> Callable:  # chunks read in place (`chunk_wire`), not copied out
+        return lambda items, context: method((_parse(decode_chunk, "Chunk", data, context) for data in items), context)
 
     def serialize(message: ProtoMessage) -> bytes:
         return message.SerializeToString()
@@ -406,7 +408,7 @@ def add_coordinator_service(service: CoordinatorService, server: grpc.Server) ->
             unary(service.PullMessage, pb.PullMessageRequest), response_serializer=serialize
         ),
         "GetChunks": grpc.unary_stream_rpc_method_handler(
-            unary(service.GetChunks, pb.GetChunksRequest), response_serializer=serialize
+            unary(service.GetChunks, pb.GetChunksRequest), response_serializer=encode_chunk
         ),
         "HasChunks": grpc.unary_unary_rpc_method_handler(
             unary(service.HasChunks, pb.HasChunksRequest), response_serializer=serialize

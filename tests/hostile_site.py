@@ -16,7 +16,7 @@ from flwr.common.serde import recorddict_to_proto
 
 from hydrafl.client.agent import SiteAgent
 from hydrafl.proto import coordinator_pb2 as pb
-from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
+from hydrafl.proto.chunk_wire import CoordinatorClient
 from hydrafl.proto.envelope import CHUNK_BYTES, UPLOADED, split_message
 from hydrafl.site_app import client_app
 
@@ -30,7 +30,7 @@ class HostileAgent(SiteAgent):
         self.log_path = log_path
         self.attacks = {"train": 0, "evaluate": 0}
 
-    def _push(self, stub: CoordinatorStub, reply: Message, server_round: int) -> None:
+    def _push(self, stub: CoordinatorClient, reply: Message, server_round: int) -> None:
         kind = reply.metadata.message_type
         if kind not in self.attacks or reply.has_error():
             super()._push(stub, reply, server_round)
@@ -44,7 +44,7 @@ class HostileAgent(SiteAgent):
         outcome = {"attack": attack, "round": server_round, "code": "OK", "details": ""}
         if chunks:  # a refused upload does not stop the push: the push itself must be refused
             try:
-                stub.PutChunks(iter(pb.Chunk(digest=h, data=bytes(d)) for h, d in chunks.items()), metadata=self.metadata)
+                stub.PutChunks(iter(chunks.items()), metadata=self.metadata)
             except grpc.RpcError as error:
                 outcome["upload"] = error.code().name
         try:
