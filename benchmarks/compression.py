@@ -9,7 +9,8 @@ encoder with rank-8 LoRA adapters on q/k/v/o, FedAvg over the adapters and the h
 `--setups minilm-lora`, the pretrained MiniLM-L6 encoder with the same adapters (`hydrafl[minilm]`). Every
 scheme runs the same seeds, data and rounds; the sites keep their residuals (error feedback) across rounds.
 Bytes are those the run history counts (`bytes_up`: the compressed arrays as sent, npy headers included);
-downloads (`bytes_down`) are the whole model either way and reported beside them.
+downloads (`bytes_down`) are the whole model either way and reported beside them. A full run merges into the
+results file there by (setup, scheme): `--schemes int4` adds int4 beside the schemes measured before.
 
 Goal: a scheme with >= 4x fewer upload bytes than uncompressed and a final accuracy (mean over seeds) within 1
 point of it, per setup.
@@ -47,6 +48,7 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "none": {},
     "bf16": {},
     "int8": {"compress_block": 256},
+    "int4": {"compress_block": 256},
     "topk": {"compress_topk_fraction": 0.05},
     "powersgd": {"compress_rank": 4},
 }
@@ -108,6 +110,23 @@ def summarise(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any
             )
         out[setup] = {"schemes": rows, "goal_met": any(row["meets_goal"] for row in rows.values())}
     return out
+
+
+def merged(
+    previous: dict[str, Any] | None, runs: dict[str, Any], setups: dict[str, Any], schemes: tuple[str, ...]
+) -> tuple[dict[str, Any], dict[str, Any], tuple[str, ...]]:
+    """This run's runs laid over a previous full run's (`--schemes int4` adds a scheme without rerunning the
+    others): a (setup, scheme) pair this run measured replaces the previous one; a setup whose config changed
+    starts afresh."""
+    if previous is None or previous.get("quick"):
+        return runs, setups, schemes
+    kept = {setup: dict(by_scheme) for setup, by_scheme in previous["runs"].items()
+            if setup not in setups or previous["setups"].get(setup) == setups[setup]}
+    for setup, by_scheme in runs.items():
+        kept.setdefault(setup, {}).update(by_scheme)
+    all_setups = {**previous["setups"], **setups}
+    all_schemes = tuple(dict.fromkeys([*previous["schemes"], *schemes]))
+    return kept, {name: all_setups[name] for name in kept}, tuple(s for s in all_schemes if s in SCHEMES)
 
 
 def wire_times(mib: int, link_gbps: float, schemes: tuple[str, ...]) -> dict[str, Any]:
@@ -210,6 +229,9 @@ def main() -> None:
         for (setup, scheme, seed), future in futures.items():
             runs.setdefault(setup, {}).setdefault(scheme, []).append({"seed": seed, **future.result()})
             console.print(f"{setup} {scheme} seed {seed}: accuracy {runs[setup][scheme][-1]['accuracy']:.3f}")
+    path = args.out / f"{NAME}.json"
+    if not args.quick:
+        runs, setups, schemes = merged(json.loads(path.read_text()) if path.exists() else None, runs, setups, schemes)
     summary = summarise(runs)
     wire = wire_times(4 if args.quick else args.wire_mib, args.link_gbps, schemes)
     result = {
@@ -218,7 +240,7 @@ def main() -> None:
         "goal": {"upload_ratio": GOAL_RATIO, "accuracy_points": GOAL_POINTS},
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{NAME}.json").write_text(json.dumps(result, indent=1))
+    path.write_text(json.dumps(result, indent=1))
     plot(summary, wire, args.out / f"{NAME}.png")
     report(console, summary, wire)
     console.print(f"{time.perf_counter() - started:.0f} s; results in {args.out / NAME}.json and .png")

@@ -142,14 +142,14 @@ class RunConfig:
     screen_cosine: float = -1.0
     """Screening: reject a reply whose cosine to the round's mean update is below this; -1 = off."""
     compress: str = "none"
-    """Compress each site's update for upload: none, bf16, int8 (per-block scales), topk (sparsification) or
+    """Compress each site's update for upload: none, bf16, int8 or int4 (per-block scales), topk (sparsification) or
     powersgd (low-rank factors of matrices); what is lost stays at the site and joins its next update."""
     compress_topk_fraction: float = 0.05
     """topk: the fraction of each tensor's coordinates a site sends, in (0, 0.5]."""
     compress_rank: int = 4
     """powersgd: the rank of each matrix's factors."""
     compress_block: int = 256
-    """int8: coordinates per float32 scale."""
+    """int8, int4: coordinates per float32 scale."""
 
 
     def __post_init__(self) -> None:

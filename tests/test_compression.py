@@ -44,9 +44,10 @@ def test_bf16_keeps_each_value_to_a_relative_error_of_two_to_the_minus_eight():
 
 
 @pytest.mark.parametrize("block", [8, 64, 256])
-def test_int8_errs_by_at_most_half_a_step_of_its_block(block):
+@pytest.mark.parametrize(("name", "levels"), [("int8", 127), ("int4", 7)])
+def test_quantisation_errs_by_at_most_half_a_step_of_its_block(name, levels, block):
     tensors = _tensors()
-    scheme = Scheme(name="int8", block=block)
+    scheme = Scheme(name=name, block=block)
     encoded = encode(tensors, scheme)
     decoded = decode(encoded.arrays, encoded.shapes, scheme)
     flat = torch.cat([t.reshape(-1) for t in tensors.values()])
@@ -55,7 +56,12 @@ def test_int8_errs_by_at_most_half_a_step_of_its_block(block):
     assert (error <= scales / 2 * (1 + 1e-6)).all()
     assert len(encoded.arrays["compress.scale"]) == math.ceil(flat.numel() / block)
     for i, chunk in enumerate(flat.split(block)):
-        assert encoded.arrays["compress.scale"][i] == pytest.approx(float(chunk.abs().max()) / 127)
+        assert encoded.arrays["compress.scale"][i] == pytest.approx(float(chunk.abs().max()) / levels)
+    if name == "int4":  # two values a byte, whatever the parity of the count
+        assert encoded.arrays["compress.int4"].dtype == np.uint8
+        assert len(encoded.arrays["compress.int4"]) == math.ceil(flat.numel() / 2)
+        sent = sum(a.nbytes for a in encoded.arrays.values())
+        assert flat.numel() * 4 / sent > (7.5 if block == 256 else 2.5)
 
 
 def test_topk_keeps_exactly_the_k_largest_magnitudes_of_each_tensor():
@@ -90,7 +96,7 @@ def test_powersgd_sends_a_matrix_whole_when_its_factors_would_not_be_smaller():
     assert torch.equal(_round_trip(tensors, scheme)["small"], tensors["small"])
 
 
-@pytest.mark.parametrize("name", ["bf16", "int8", "topk", "powersgd"])
+@pytest.mark.parametrize("name", ["bf16", "int8", "int4", "topk", "powersgd"])
 def test_decoding_refuses_anything_but_the_exact_layout(name):
     scheme = Scheme(name=name)
     encoded = encode(_tensors(), scheme)
@@ -116,7 +122,7 @@ def test_decoding_refuses_indices_outside_the_update_and_non_finite_values():
         decode(encoded.arrays, encoded.shapes, bf16)
 
 
-@pytest.mark.parametrize("name", ["bf16", "int8", "topk", "powersgd"])
+@pytest.mark.parametrize("name", ["bf16", "int8", "int4", "topk", "powersgd"])
 def test_error_feedback_makes_the_decoded_sum_track_the_true_sum(name):
     """sum of decoded = sum of true - last residual, exactly; and the residual stays bounded (top-k's
     contraction ||x - topk(x)|| <= sqrt(1 - f) ||x|| bounds it by sqrt(1-f) / (1 - sqrt(1-f)) max ||u||)."""

@@ -1,4 +1,4 @@
-"""Compressed updates with error feedback (`--compress`): bf16, int8 with per-block scales, top-k
+"""Compressed updates with error feedback (`--compress`): bf16, int8 and int4 with per-block scales, top-k
 sparsification and PowerSGD low-rank factors. `layout` says what travels (torch-free, for the coordinator's edge
 check), `codecs` encodes and decodes, `feedback` keeps the site's residuals, `receive` decodes replies where
 they enter the server side."""

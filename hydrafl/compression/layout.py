@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-SCHEMES = ("none", "bf16", "int8", "topk", "powersgd")
+SCHEMES = ("none", "bf16", "int8", "int4", "topk", "powersgd")
 RECORD = "compress"
 """The ConfigRecord of a compressed reply: `scheme`, `names`, `ranks` and `dims` (the shapes, flattened)."""
 PREFIX = "compress."
@@ -35,13 +35,14 @@ class Scheme:
     """How updates are compressed; the same settings at both ends (they travel in the run config)."""
 
     name: str = "none"
-    """none, bf16, int8 (per-block scales), topk (sparsification) or powersgd (low-rank factors of matrices)."""
+    """none, bf16, int8 or int4 (per-block scales), topk (sparsification) or powersgd (low-rank factors of
+    matrices)."""
     topk_fraction: float = 0.05
     """topk: the fraction of each tensor's coordinates sent (at least one)."""
     rank: int = 4
     """powersgd: the rank of each matrix's factors."""
     block: int = 256
-    """int8: coordinates per scale."""
+    """int8, int4: coordinates per scale."""
 
     def __post_init__(self) -> None:
         if self.name not in SCHEMES:
@@ -89,8 +90,11 @@ def expected_arrays(scheme: Scheme, shapes: Mapping[str, tuple[int, ...]]) -> di
     total = sum(math.prod(shape) for shape in shapes.values())
     if scheme.name == "bf16":
         return {PREFIX + "bf16": ("int16", (total,))}  # the bfloat16 bits: numpy has no bfloat16
-    if scheme.name == "int8":
-        return {PREFIX + "int8": ("int8", (total,)), PREFIX + "scale": ("float32", (math.ceil(total / scheme.block),))}
+    if scheme.name in ("int8", "int4"):
+        scales = (PREFIX + "scale", ("float32", (math.ceil(total / scheme.block),)))
+        if scheme.name == "int4":  # two values a byte
+            return dict([(PREFIX + "int4", ("uint8", (math.ceil(total / 2),))), scales])
+        return dict([(PREFIX + "int8", ("int8", (total,))), scales])
     if scheme.name == "topk":
         kept = sum(scheme.topk_count(math.prod(shape)) for shape in shapes.values())
         return {PREFIX + "index": (index_dtype(total), (kept,)), PREFIX + "value": ("float32", (kept,))}

@@ -60,7 +60,7 @@ def _config(name: str) -> dict:
     return {"compress": name, "compress-topk-fraction": 0.05, "compress-rank": 4, "compress-block": 256}
 
 
-@pytest.mark.parametrize("name", ["bf16", "int8", "topk", "powersgd"])
+@pytest.mark.parametrize("name", ["bf16", "int8", "int4", "topk", "powersgd"])
 def test_a_reply_in_the_scheme_sent_is_accepted(name):
     request = _request(_config(name))
     _check(_compressed_reply(request, Scheme.from_config(_config(name))), request)
