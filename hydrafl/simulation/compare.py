@@ -90,7 +90,8 @@ def run_strategy(
     whatever their number."""
     torch.set_num_threads(1)  # tiny per-site models: one thread is faster and never oversubscribes a small box
     if backend == "inprocess":
-        sites = {"pooled_site": cfg.diagnostics, "policy": policy, "workers": workers}
+        # a site training on several processes (--nproc) is parallel already, and a forked worker may not start them
+        sites = {"pooled_site": cfg.diagnostics, "policy": policy, "workers": 1 if cfg.nproc > 1 else workers}
         grid = (
             AttackedGrid(client_app, cfg.sites, cfg.to_flower(), attack=attack, **sites)
             if attack else InProcessGrid(client_app, cfg.sites, cfg.to_flower(), **sites)
