@@ -9,6 +9,13 @@ difference of the medians is what the coordinator's runtime adds to a round: mes
 polls, transfers and commits. Sites long-poll (`server.mailbox`): a stored message answers their waiting poll
 at once, and a stored reply wakes the round driver.
 
+The same comparison with Flower's own runtime: a stock Flower app (`_stock_app`: NumPy linear model, FedAvg
+from `flwr.serverapp.strategy`, 2 sites) runs once on `hydrafl server` with two `hydrafl site --app` processes
+and once on a Flower SuperLink with two SuperNodes (`_flower_deployment`), the same number of rounds. Its
+ServerApp times each round itself (from FedAvg's `configure_train` to its `aggregate_evaluate`: sending,
+training, evaluation, replies, aggregation, the span `rounds.tsv` counts), so both runtimes are measured by the
+same code and the sites' start is not counted (the app waits for its two sites before round 1).
+
 Goal: median coordinator round minus median in-process round < 0.2 s.
 """
 
@@ -16,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,14 +40,27 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
+from hydrafl.benchmarks._flower_deployment import (  # noqa: E402
+    STOCK_CLIENT_APP,
+    STOCK_SERVER_APP,
+    flower_round_seconds,
+    free_port,
+)
+from hydrafl.benchmarks._stock_app import ROUND_TIMES_KEY  # noqa: E402
 from hydrafl.config import RunConfig  # noqa: E402
-from hydrafl.server.store import Store  # noqa: E402
+from hydrafl.server.store import Run, Store  # noqa: E402
 from hydrafl.server_app import run_federation  # noqa: E402
 from hydrafl.simulation.grid import InProcessGrid  # noqa: E402
 from hydrafl.site_app import client_app  # noqa: E402
 
 NAME = "round_overhead"
 GOAL_S = 0.2
+STOCK_SITES = 2
+RUNTIMES = {"inprocess_s": "hydrafl app: in-process grid, 3 sites",
+            "grpc_s": "hydrafl app: hydrafl coordinator + 3 site processes",
+            "stock_grpc_s": f"stock Flower app: hydrafl coordinator + {STOCK_SITES} site processes",
+            "stock_flower_s": f"stock Flower app: Flower SuperLink + {STOCK_SITES} SuperNodes"}
+"""Each series of round seconds in the JSON, and what ran it (table rows, plot lines)."""
 
 
 def run_config(rounds: int) -> RunConfig:
@@ -56,22 +75,22 @@ def in_process(cfg: RunConfig) -> list[float]:
     return [record["seconds"] for record in history[1:]]
 
 
-def over_grpc(cfg: RunConfig, work: Path) -> list[float]:
-    """The driver's seconds of each training round on `hydrafl server` with a `hydrafl site` process per site."""
+def coordinator_run(work: Path, sites: int, config: dict[str, Any], server_app: str | None = None,
+                    site_args: tuple[str, ...] = ()) -> Run:
+    """One run on `hydrafl server` (SQLite store, blobs on disk) with a `hydrafl site` process per site, to its end."""
     env = {**os.environ, "HYDRAFL_HOME": str(work / "home")}
-    store = Store(f"sqlite:///{work / 'coordinator.db'}")
-    tokens = [store.add_site(f"hospital-{i}")[1] for i in range(cfg.sites)]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    db = f"sqlite:///{work / 'coordinator.db'}"
+    store = Store(db)
+    tokens = [store.add_site(f"hospital-{i}")[1] for i in range(sites)]
+    address = f"127.0.0.1:{free_port()}"
     hydrafl = [sys.executable, "-m", "hydrafl"]
     log = (work / "processes.log").open("w")
-    processes = [subprocess.Popen([*hydrafl, "server", "--listen", address, "--db", f"sqlite:///{work / 'coordinator.db'}",
-                                   "--blobs", str(work / "blobs")], env=env, stdout=log, stderr=log)]
-    processes += [subprocess.Popen([*hydrafl, "site", "--coordinator", address],
+    processes = [subprocess.Popen([*hydrafl, "server", "--listen", address, "--db", db, "--blobs", str(work / "blobs")],
+                                  env=env, stdout=log, stderr=log)]
+    processes += [subprocess.Popen([*hydrafl, "site", "--coordinator", address, *site_args],
                                    env={**env, "HYDRAFL_SITE_TOKEN": token, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=log) for token in tokens]
     try:
-        run_id = store.create_run({k: v for k, v in cfg.to_flower().items() if k not in ("run-dir", "resume")}).id
+        run_id = store.create_run(config, server_app=server_app).id
         deadline = time.monotonic() + 600
         while (run := store.run(run_id)).status not in ("finished", "failed"):
             if time.monotonic() > deadline:
@@ -79,7 +98,7 @@ def over_grpc(cfg: RunConfig, work: Path) -> list[float]:
             time.sleep(0.5)
         if run.status != "finished":
             raise RuntimeError(f"the coordinator's run failed: {run.detail}")
-        return [record["seconds"] for record in run.history[1:]]
+        return run
     finally:
         for process in processes:
             process.kill()
@@ -87,21 +106,42 @@ def over_grpc(cfg: RunConfig, work: Path) -> list[float]:
         log.close()
 
 
-def summarise(inprocess: list[float], grpc: list[float]) -> dict[str, Any]:
+def over_grpc(cfg: RunConfig, work: Path) -> list[float]:
+    """The driver's seconds of each training round on `hydrafl server` with a `hydrafl site` process per site."""
+    run = coordinator_run(work, cfg.sites, {k: v for k, v in cfg.to_flower().items() if k not in ("run-dir", "resume")})
+    return [record["seconds"] for record in run.history[1:]]
+
+
+def stock_over_grpc(rounds: int, work: Path) -> list[float]:
+    """The stock app's rounds on `hydrafl server` with `hydrafl site --app` processes, as its ServerApp timed them."""
+    times = work / "stock-round-times.json"
+    coordinator_run(work, STOCK_SITES, {"num-server-rounds": rounds, ROUND_TIMES_KEY: str(times)},
+                    server_app=STOCK_SERVER_APP, site_args=("--app", STOCK_CLIENT_APP))
+    return [float(seconds) for seconds in json.loads(times.read_text())]
+
+
+def summarise(inprocess: list[float], grpc: list[float], stock_grpc: list[float],
+              stock_flower: list[float]) -> dict[str, Any]:
     overhead = statistics.median(grpc) - statistics.median(inprocess)
     return {"benchmark": NAME, "inprocess_s": inprocess, "grpc_s": grpc,
             "median_inprocess_s": statistics.median(inprocess), "median_grpc_s": statistics.median(grpc),
-            "overhead_s": overhead, "goal_s": GOAL_S, "goal_met": overhead < GOAL_S}
+            "overhead_s": overhead, "goal_s": GOAL_S, "goal_met": overhead < GOAL_S,
+            "stock_sites": STOCK_SITES, "stock_grpc_s": stock_grpc, "stock_flower_s": stock_flower,
+            "median_stock_grpc_s": statistics.median(stock_grpc),
+            "median_stock_flower_s": statistics.median(stock_flower),
+            "stock_flower_over_grpc": statistics.median(stock_flower) / statistics.median(stock_grpc)}
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
-    fig, axis = plt.subplots(figsize=(7, 4))
-    for key, label in (("inprocess_s", "in-process grid"), ("grpc_s", "gRPC coordinator + 3 site processes")):
+    fig, axis = plt.subplots(figsize=(8, 4.5))
+    for key, label in RUNTIMES.items():
         axis.plot(range(1, len(summary[key]) + 1), summary[key], marker="o", label=label)
     axis.set_xlabel("round")
-    axis.set_ylabel("round seconds (driver)")
-    axis.set_title(f"overhead {summary['overhead_s']:.3f} s per round (goal < {GOAL_S} s)")
-    axis.legend()
+    axis.set_ylabel("round seconds (log scale)")
+    axis.set_yscale("log")  # Flower's rounds are seconds, hydrafl's tenths: one linear axis would flatten hydrafl's
+    axis.set_title(f"hydrafl overhead {summary['overhead_s']:.3f} s per round (goal < {GOAL_S} s); stock app "
+                   f"Flower / hydrafl {summary['stock_flower_over_grpc']:.1f}x", fontsize=10)
+    axis.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -117,16 +157,23 @@ def main() -> None:
         inprocess = in_process(cfg)
     with tempfile.TemporaryDirectory() as work, console.status("coordinator run (server + 3 site processes)"):
         grpc = over_grpc(cfg, Path(work))
-    summary = {**summarise(inprocess, grpc), "rounds": cfg.rounds, "quick": args.quick}
+    with tempfile.TemporaryDirectory() as work, console.status(f"stock app on the coordinator ({STOCK_SITES} sites)"):
+        stock_grpc = stock_over_grpc(cfg.rounds, Path(work))
+    with tempfile.TemporaryDirectory() as work, console.status(f"stock app on Flower ({STOCK_SITES} SuperNodes)"):
+        stock_flower = flower_round_seconds(cfg.rounds, STOCK_SITES, Path(work))
+    summary = {**summarise(inprocess, grpc, stock_grpc, stock_flower), "rounds": cfg.rounds, "quick": args.quick}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{NAME}.json").write_text(json.dumps(summary, indent=1))
     plot(summary, args.out / f"{NAME}.png")
-    table = Table(title=f"median round seconds, {cfg.rounds} rounds of a 3-site tabular fedavg run")
-    for column in ("in-process", "gRPC coordinator", "overhead", "goal"):
-        table.add_column(column, justify="right")
-    table.add_row(f"{summary['median_inprocess_s']:.3f}", f"{summary['median_grpc_s']:.3f}",
-                  f"{summary['overhead_s']:.3f}", verdict(summary["goal_met"], f"< {GOAL_S} s: met", f"BELOW GOAL (< {GOAL_S} s)"))
+    table = Table(title=f"median round seconds, {cfg.rounds} rounds")
+    table.add_column("app: runtime")
+    table.add_column("median s", justify="right")
+    for key, label in RUNTIMES.items():
+        table.add_row(label, f"{statistics.median(summary[key]):.3f}")
     console.print(table)
+    console.print(f"hydrafl coordinator overhead: {summary['overhead_s']:.3f} s per round, "
+                  + verdict(summary["goal_met"], f"< {GOAL_S} s: met", f"BELOW GOAL (< {GOAL_S} s)"))
+    console.print(f"stock app, Flower / hydrafl median round: {summary['stock_flower_over_grpc']:.1f}x")
 
 
 if __name__ == "__main__":
