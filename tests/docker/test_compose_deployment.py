@@ -205,7 +205,10 @@ def test_compose_runs_a_federated_job_to_the_end(docker_env, images):
     env = {**env, "HYDRAFL_PUBLISH": "127.0.0.1:0", "HYDRAFL_DB_PASSWORD": password, "HYDRAFL_DEMO_ROUNDS": str(ROUNDS)}
     started = time.monotonic()
     try:
-        compose(env, project, "up", "-d")
+        up = compose(env, project, "up", "-d", check=False)
+        if up.returncode != 0:  # e.g. an unhealthy coordinator: what it said is the diagnosis
+            logs = compose(env, project, "logs", "--no-color", "--tail=60", check=False).stdout
+            pytest.fail(f"compose up exited {up.returncode}:\n{up.stderr[-2000:]}\n{logs[-6000:]}")
         log(f"compose up in {time.monotonic() - started:.0f} s")
         status: dict = {}
         deadline = time.monotonic() + RUN_DEADLINE_S
