@@ -42,6 +42,7 @@ from hydrafl.site_pipeline import answer
 from hydrafl.site_policy import SitePolicy
 from hydrafl.client.download import Assembly
 from hydrafl.client.tls import SiteTls
+from hydrafl.malloc_tuning import keep_chunk_buffers
 from hydrafl.data import DataError
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.chunk_wire import ChunkView, CoordinatorClient
@@ -132,6 +133,7 @@ class SiteAgent:
         self.node_id = 0
         self.chunk_cache: dict[str, bytes] = {}
         """Chunks of the message in hand: a download cut by a dropped connection resumes with the rest."""
+        keep_chunk_buffers()  # this process streams chunks from now on
 
     def run(self, stop: threading.Event | None = None, max_backoff_s: float = 30.0) -> None:
         """Serve until `stop` is set; reconnect with backoff when the coordinator is unreachable."""

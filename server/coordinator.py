@@ -29,6 +29,7 @@ import grpc
 from flwr.app import Message, MessageType
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from hydrafl.malloc_tuning import keep_chunk_buffers
 from hydrafl.server_app import run_federation
 from hydrafl.config import ConfigError, RunConfig
 from hydrafl.rounds import RoundRecord, metric
@@ -162,6 +163,7 @@ class Coordinator:
 
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
+        keep_chunk_buffers()  # this process streams chunks from now on
         self.store = Store(config.db_url)
         self.blobs = BlobStore(config.blob_dir)
         self.service = CoordinatorService(self.store, self.blobs, config.limits)
