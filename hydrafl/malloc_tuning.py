@@ -10,7 +10,7 @@ nothing changes.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import sys
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -23,11 +23,10 @@ TRIM_THRESHOLD = 32 << 20
 def keep_chunk_buffers() -> bool:
     """Tune this process's malloc (once per process is enough; repeating is harmless); False where there is no
     glibc `mallopt`."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
+    if not sys.platform.startswith("linux"):
         return False
-    if mallopt is None:
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own libc
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
