@@ -4,6 +4,8 @@ ratios are only checked to be there (its goals are judged on the full run)."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 from helpers import run_quick
 
@@ -58,3 +60,17 @@ def test_simulation_runtime_quick(tmp_path):
     )
     assert result["equality"]["passed"], result["equality"]
     assert result["equality"]["inprocess_reps_identical"]
+
+
+@pytest.mark.slow
+def test_round_overhead_quick(tmp_path):
+    """Both runtimes run the same stock app to its end and each of its rounds is timed; the medians are those
+    rounds' medians (no goal asserted: timings)."""
+    result = run_quick("round_overhead", tmp_path, timeout_s=500)
+    rounds = result["rounds"]
+    assert result["quick"] is True and result["stock_sites"] == 2
+    for key in ("inprocess_s", "grpc_s", "stock_grpc_s", "stock_flower_s"):
+        assert len(result[key]) == rounds and all(seconds > 0 for seconds in result[key]), key
+    assert result["median_stock_flower_s"] == pytest.approx(statistics.median(result["stock_flower_s"]))
+    assert result["stock_flower_over_grpc"] == pytest.approx(result["median_stock_flower_s"] / result["median_stock_grpc_s"])
+    assert result["overhead_s"] == pytest.approx(result["median_grpc_s"] - result["median_inprocess_s"])
