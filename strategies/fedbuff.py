@@ -8,7 +8,7 @@ Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation", AIST
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -40,7 +40,11 @@ class FedBuff(FedAvg):
         super().__init__(**kwargs)
         self.buffer = StalenessBuffer(rule=rule)
         self.outer = OuterOptimizer(lr=outer_lr, momentum=momentum, nesterov=nesterov)
-        self.accumulator = WeightedDeltaAccumulator(self.weighted_by_key)
+        self.accumulator = self.new_accumulator()
+
+    def new_accumulator(self) -> WeightedDeltaAccumulator:
+        """The sums of one buffer (a subclass folds other updates: Hydra-nets' slices)."""
+        return WeightedDeltaAccumulator(self.weighted_by_key)
 
     def train_message(self, node: int, arrays: ArrayRecord, config: ConfigRecord) -> Message | None:
         content = RecordDict({"arrays": arrays, "config": ConfigRecord(dict(config))})
@@ -55,16 +59,20 @@ class FedBuff(FedAvg):
 
     def step(self, arrays: ArrayRecord) -> tuple[ArrayRecord, MetricRecord | None, BufferReport]:
         report = self.buffer.flush()
-        accumulator, self.accumulator = self.accumulator, WeightedDeltaAccumulator(self.weighted_by_key)
+        accumulator, self.accumulator = self.accumulator, self.new_accumulator()
         metrics = self.train_metrics_aggr_fn(accumulator.metric_records, self.weighted_by_key)
         if report.skipped:
             return arrays, metrics, report
+        return self.stepped(arrays, accumulator, report.scale), metrics, report
+
+    def stepped(self, arrays: ArrayRecord, accumulator: WeightedDeltaAccumulator, scale: float) -> ArrayRecord:
+        """`arrays` after the outer step on the buffer's mean, times `scale`."""
         mean = accumulator.mean()
         updated = {
-            name: self.outer.step(name, weights, mean[name].mul_(report.scale)) if name in mean else weights
+            name: self.outer.step(name, weights, mean[name].mul_(scale)) if name in mean else weights
             for name, weights in from_record(arrays).items()
         }
-        return to_record(updated), metrics, report
+        return to_record(updated)
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.outer.state_dict(), **self.buffer.state_dict()}
@@ -72,7 +80,7 @@ class FedBuff(FedAvg):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.outer.load_state_dict(state)
         self.buffer.load_state_dict(state)
-        self.accumulator = WeightedDeltaAccumulator(self.weighted_by_key)
+        self.accumulator = self.new_accumulator()
 
 
 def reweighted(reply: Message, weighted_by_key: str, buffer: StalenessBuffer, staleness: int) -> Message:
@@ -113,10 +121,7 @@ class BufferConfig(OuterConfig):
         check(self.evaluate_every >= 1, "evaluate-every", self.evaluate_every, "an integer >= 1")
 
     def rule_of_buffer(self) -> BufferRule:
-        return BufferRule(
-            buffer_size=self.buffer_size, staleness=self.staleness, staleness_exponent=self.staleness_exponent,
-            weight_cap=self.weight_cap, ess_min=self.ess_min, ess_action=self.ess_action,
-        )
+        return BufferRule(**{knob.name: getattr(self, knob.name) for knob in fields(BufferRule)})
 
     def check_run(self, run: RunConfig) -> None:
         """What the asynchronous driver does not do: per-round privacy, screening and diagnostics."""

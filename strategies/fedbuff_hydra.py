@@ -13,20 +13,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
 
 from hydrafl import protocol
 from hydrafl.arrays import from_record, sliced_record, to_record
 from hydrafl.strategies.accumulator import MaskedDeltaAccumulator
 from hydrafl.strategies.budgets import BudgetConfig
-from hydrafl.strategies.fedbuff import BufferConfig, reweighted
+from hydrafl.strategies.fedbuff import BufferConfig, FedBuff, reweighted
 from hydrafl.strategies.hydra import HEAD_MODES
-from hydrafl.strategies.outer import OuterOptimizer
 from hydrafl.strategies.planner import BudgetError, SitePlanner
 from hydrafl.strategies.registry import register
-from hydrafl.strategies.staleness import BufferReport, BufferRule, StalenessBuffer
 from hydrafl.subnet.slices import Slice, layout_slices, read_slices
 from hydrafl.subnet.spec import SubnetSpec
 from hydrafl.validation import check
@@ -37,25 +34,22 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class FedBuffHydra(FedAvg):
-    """FedAvg's evaluation; per-site Hydra-nets from one planning round; a masked step per full buffer."""
-
-    consumes_deltas = True
+class FedBuffHydra(FedBuff):
+    """FedBuff with per-site Hydra-nets from one planning round; a masked step per full buffer."""
 
     def __init__(
-        self, *, rule: BufferRule = BufferRule(), planner: SitePlanner | None = None, bypass: bool = False,
-        freeze_heads: bool = True, outer_lr: float = 1.0, momentum: float = 0.0, nesterov: bool = True, **kwargs: Any,
+        self, *, planner: SitePlanner | None = None, bypass: bool = False, freeze_heads: bool = True, **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.planner = planner or SitePlanner()
         self.planner.scoring[protocol.SCORE_BYPASS] = bypass
         self.bypass, self.freeze_heads = bypass, freeze_heads
-        self.buffer = StalenessBuffer(rule=rule)
-        self.outer = OuterOptimizer(lr=outer_lr, momentum=momentum, nesterov=nesterov)
-        self.accumulator = MaskedDeltaAccumulator(self.weighted_by_key)
         self.specs: dict[int, SubnetSpec] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         """The global tensors' shapes, which the sites' slices fold back into."""
+
+    def new_accumulator(self) -> MaskedDeltaAccumulator:
+        return MaskedDeltaAccumulator(self.weighted_by_key)
 
     def configure_query(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         return self.planner.queries(arrays, config, grid.get_node_ids()) if not self.planner.ranking else []
@@ -92,31 +86,20 @@ class FedBuffHydra(FedAvg):
         slices = self.site_slices(reply.metadata.src_node_id)
         self.accumulator.add_slices(reweighted(reply, self.weighted_by_key, self.buffer, staleness), slices, self.shapes)
 
-    @property
-    def buffer_full(self) -> bool:
-        return self.buffer.full
-
-    def step(self, arrays: ArrayRecord) -> tuple[ArrayRecord, MetricRecord | None, BufferReport]:
-        report = self.buffer.flush()
-        accumulator, self.accumulator = self.accumulator, MaskedDeltaAccumulator(self.weighted_by_key)
-        metrics = self.train_metrics_aggr_fn(accumulator.metric_records, self.weighted_by_key)
-        if report.skipped:
-            return arrays, metrics, report
+    def stepped(self, arrays: ArrayRecord, accumulator: MaskedDeltaAccumulator, scale: float) -> ArrayRecord:
+        """The outer step on each trained coordinate's masked mean, times `scale`."""
         weights = from_record(arrays)
         for name, (delta, trained) in accumulator.mean().items():
-            weights[name] = self.outer.masked_step(name, weights[name], delta.mul_(report.scale), trained)
-        return to_record(weights), metrics, report
+            weights[name] = self.outer.masked_step(name, weights[name], delta.mul_(scale), trained)
+        return to_record(weights)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self.outer.state_dict(), **self.buffer.state_dict(), **self.planner.state_dict(), "specs": dict(self.specs),
-                "shapes": dict(self.shapes)}
+        return {**super().state_dict(), **self.planner.state_dict(), "specs": dict(self.specs), "shapes": dict(self.shapes)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.outer.load_state_dict(state)
-        self.buffer.load_state_dict(state)
+        super().load_state_dict(state)
         self.planner.load_state_dict(state)
         self.specs, self.shapes = dict(state["specs"]), dict(state["shapes"])
-        self.accumulator = MaskedDeltaAccumulator(self.weighted_by_key)
 
 
 @register("fedbuff-hydra")
