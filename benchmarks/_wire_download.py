@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 
+from hydrafl.benchmarks._wire_pairs import paired_runs, rates
 from hydrafl.benchmarks._wire_server import RAW_GET_METHOD, ServerProcess
 from hydrafl.client.agent import SiteAgent
 from hydrafl.proto import coordinator_pb2 as pb
@@ -66,23 +67,17 @@ def download_throughput(
     scale: Scale, federation: Federation, coordinator: ServerProcess, raw: ServerProcess
 ) -> dict[str, Any]:
     """Median seconds of the site's receive path and of the raw stream, same bytes, alternating order."""
-    from hydrafl.benchmarks.wire import GIB, GOAL_RATIO, channel, make_update, mark
+    from hydrafl.benchmarks.wire import GOAL_RATIO, channel, make_update
 
     arrays = make_update(scale.update_bytes, seed=3)
-    runs: dict[str, list[dict]] = {"hydrafl": [], "raw": []}
     agent = _site(coordinator.address, federation.sites[0][1], scale.update_bytes)
     with channel(coordinator.address) as hydrafl_channel, channel(raw.address) as raw_channel:
         stub, get = CoordinatorClient(hydrafl_channel), raw_channel.unary_stream(RAW_GET_METHOD)
-        for rep in range(scale.reps):
-            mark(arrays, -(rep + 1.0))
-            for name in ("hydrafl", "raw") if rep % 2 == 0 else ("raw", "hydrafl"):
-                if name == "hydrafl":
-                    runs[name].append(hydrafl_download(stub, agent, federation, DOWNLOAD_ROUND + rep, arrays))
-                else:
-                    runs[name].append(raw_download(get, scale.update_bytes))
-    median = {name: statistics.median(run["seconds"] for run in done) for name, done in runs.items()}
-    gib_per_s = {name: scale.update_bytes / seconds / GIB for name, seconds in median.items()}
-    ratio = gib_per_s["hydrafl"] / gib_per_s["raw"]
+        runs = paired_runs(
+            scale.reps, arrays, lambda rep: hydrafl_download(stub, agent, federation, DOWNLOAD_ROUND + rep, arrays),
+            lambda: raw_download(get, scale.update_bytes),
+        )
+    median, gib_per_s, ratio = rates(runs, scale.update_bytes)
     checks = {
         "byte_exact": all(run["byte_exact"] for run in runs["hydrafl"]),
         "raw_bytes_received": all(run["received"] == scale.update_bytes for run in runs["raw"]),

@@ -67,6 +67,7 @@ from hydrafl.server.service import CoordinatorService
 from hydrafl.server.store import Store
 
 from hydrafl.benchmarks._wire_download import download_throughput
+from hydrafl.benchmarks._wire_pairs import mark, paired_runs, rates
 from hydrafl.benchmarks._wire_report import GIB, GOAL_EXTRA_UPDATES, GOAL_RATIO, plot, print_tables
 
 NAME = "wire"
@@ -97,12 +98,6 @@ def make_update(total_bytes: int, seed: int) -> list[np.ndarray]:
     """ARRAYS float32 arrays, total_bytes together, values in [0, 1) (finite, so the coordinator accepts them)."""
     per_array = total_bytes // 4 // ARRAYS
     return list(np.random.default_rng(seed).random(per_array * ARRAYS, dtype=np.float32).reshape(ARRAYS, per_array))
-
-
-def mark(arrays: list[np.ndarray], value: float) -> None:
-    """Write `value` (negative: never a data value) at the start of every chunk, so no chunk is already stored."""
-    for array in arrays:
-        array[:: CHUNK_BYTES // 4] = value
 
 
 def reply_to(request: Message, arrays: list[np.ndarray]) -> Message:
@@ -233,19 +228,13 @@ def throughput(scale: Scale, federation: Federation, coordinator: ServerProcess,
     """Median site-side seconds of the hydrafl push and of the raw stream, same bytes, alternating order."""
     grid, (node_id, token) = federation.grid, federation.sites[0]
     arrays = make_update(scale.update_bytes, seed=0)
-    runs: dict[str, list[dict]] = {"hydrafl": [], "raw": []}
     with channel(coordinator.address) as hydrafl_channel, channel(raw.address) as raw_channel:
         stub, put = CoordinatorClient(hydrafl_channel), raw_channel.stream_unary(RAW_METHOD)
-        for rep in range(scale.reps):
-            mark(arrays, -(rep + 1.0))
-            for name in ("hydrafl", "raw") if rep % 2 == 0 else ("raw", "hydrafl"):
-                if name == "hydrafl":
-                    runs[name].append(hydrafl_push(stub, token, grid, node_id, THROUGHPUT_ROUND + rep, arrays))
-                else:
-                    runs[name].append(raw_push(put, arrays))
-    median = {name: statistics.median(run["seconds"] for run in done) for name, done in runs.items()}
-    gib_per_s = {name: scale.update_bytes / seconds / GIB for name, seconds in median.items()}
-    ratio = gib_per_s["hydrafl"] / gib_per_s["raw"]
+        runs = paired_runs(
+            scale.reps, arrays, lambda rep: hydrafl_push(stub, token, grid, node_id, THROUGHPUT_ROUND + rep, arrays),
+            lambda: raw_push(put, arrays),
+        )
+    median, gib_per_s, ratio = rates(runs, scale.update_bytes)
     phases = {key: statistics.median(run[key] for run in runs["hydrafl"]) for key in PHASES}
     chunks = scale.update_bytes // CHUNK_BYTES
     checks = {
