@@ -131,7 +131,7 @@ class SiteAgent:
         self.metadata = (("authorization", f"Bearer {token}"),)
         self.contexts: OrderedDict[int, Context] = OrderedDict()
         self.node_id = 0
-        self.chunk_cache: dict[str, bytes] = {}
+        self.chunk_cache: dict[str, bytes | memoryview] = {}
         """Chunks of the message in hand: a download cut by a dropped connection resumes with the rest."""
         keep_chunk_buffers()  # this process streams chunks from now on
 

@@ -25,7 +25,7 @@ class Assembly:
     """The message in hand: `chunks` (the site's chunk cache) are the chunks received so far, already checked;
     `add` takes each new one. Use as a context manager, so its worker threads end with it."""
 
-    def __init__(self, envelope: pb.Envelope, chunks: dict[str, bytes]) -> None:
+    def __init__(self, envelope: pb.Envelope, chunks: dict[str, bytes | memoryview]) -> None:
         self.chunks = chunks
         self._pool = ThreadPoolExecutor(min(WORKERS, os.cpu_count() or 1), thread_name_prefix="download")
         self._checks: deque[tuple[str, Future[None]]] = deque()
@@ -51,7 +51,7 @@ class Assembly:
             if check.exception() is not None:
                 self.chunks.pop(digest, None)
 
-    def add(self, digest: str, data: bytes) -> None:
+    def add(self, digest: str, data: bytes | memoryview) -> None:
         """One chunk received (its name and size already checked against the manifest)."""
         while self._checks and self._checks[0][1].done() and self._checks[0][1].exception() is None:
             self._checks.popleft()
@@ -77,6 +77,6 @@ class Assembly:
         self._assembled[(key, tensor.name)] = self._pool.submit(tensor_array, tensor, pieces)
 
 
-def _check(digest: str, data: bytes) -> None:
+def _check(digest: str, data: bytes | memoryview) -> None:
     if SENT.digest(data) != digest:
         raise EnvelopeError(f"chunk {digest[:12]} from the coordinator fails its {SENT.algorithm} check")
