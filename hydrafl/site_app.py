@@ -251,7 +251,11 @@ def train(message: Message, context: Context) -> Message:
         bf16=cfg.bf16 if site.bf16 is None else site.bf16,
         max_restarts=site.max_restarts,
     )
-    frozen = {name: t for name, t in model.state_dict().items() if name not in start} if local.nproc > 1 else None
+    # copies: pickling for the spawned processes moves a tensor's storage into shared memory, and the working
+    # model's own tensors there would be shared with every simulation worker forked later
+    frozen = None
+    if local.nproc > 1:
+        frozen = {name: t.clone() for name, t in model.state_dict().items() if name not in start}
     lora = lora_spec(cfg, rank)
     rebuild = partial(build_site_model, cohort.task, cfg.model, cfg.seed, spec, lora=lora, frozen=frozen)
     teacher = {"distill_teacher": cfg.distill_teacher, "distill_weight": cfg.distill_weight}

@@ -113,6 +113,10 @@ def test_a_hydra_subnetwork_on_any_nproc_sends_the_one_process_delta(spec, nproc
     assert sorted(d1) == sorted(d2) and not any(".layer.0." in name for name in d1)  # layer 0 not trained
     f1, f2 = _flat(one.content["arrays"]), _flat(two.content["arrays"])
     assert float(f1.norm()) > 1e-3 and float((f1 - f2).norm() / f1.norm()) <= 1e-4
+    # what the spawned processes were handed were copies: the site's own model (its bypassed layer 0 included)
+    # stays private, never in shared memory that simulation workers forked later would all write to
+    working = site_app._working_model(site_app.run_cohort(CFG).task, CFG.model, CFG.seed, None, False)
+    assert not [name for name, p in working.named_parameters() if p.is_shared()]
 
 
 @pytest.mark.slow

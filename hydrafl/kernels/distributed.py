@@ -172,7 +172,7 @@ def train_distributed(
     device_type = torch.device(device).type if device is not None else pick_device().type
     job = _Job(
         build=build,
-        state={name: tensor.detach().cpu() for name, tensor in state.items()},
+        state={name: tensor.detach().cpu().clone() for name, tensor in state.items()},  # the caller's stay unshared
         x=x,
         y=y,
         steps=steps,
