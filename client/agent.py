@@ -203,8 +203,10 @@ class SiteAgent:
     def _pull(self, stub: CoordinatorClient, request: pb.PullMessageRequest, stop: threading.Event) -> pb.PullMessageReply | None:
         """One (long) poll for the next message; None when `stop` is set while it waits (the call is cancelled)."""
         call = stub.PullMessage.future(request, metadata=self.metadata, timeout=request.wait_s + PULL_MARGIN_S)
-        while not call.done():
-            if stop.wait(STOP_CHECK_S):
+        answered = threading.Event()  # wakes the site the moment a message arrives, not at the next stop check
+        call.add_done_callback(lambda _: answered.set())
+        while not answered.wait(STOP_CHECK_S):
+            if stop.is_set():
                 call.cancel()
                 return None
         return call.result()
