@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 from flwr.app import Context, Error, Message, Metadata, RecordDict
@@ -47,6 +47,7 @@ from hydrafl.data import DataError
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.chunk_wire import ChunkView, CoordinatorClient
 from hydrafl.proto.envelope import (
+    INLINE_BYTES,
     MAX_REASON_CHARS,
     EnvelopeError,
     check_manifest,
@@ -190,7 +191,7 @@ class SiteAgent:
             if envelope.run_id != last_run:
                 log.info("run %d: taking part", envelope.run_id)
                 last_run = envelope.run_id
-            reply = self._handle(stub, envelope)
+            reply = self._handle(stub, envelope, pulled.chunks)
             try:
                 self._push(stub, reply, envelope.round)
             except grpc.RpcError as error:
@@ -211,12 +212,12 @@ class SiteAgent:
                 return None
         return call.result()
 
-    def _handle(self, stub: CoordinatorClient, envelope: pb.Envelope) -> Message:
+    def _handle(self, stub: CoordinatorClient, envelope: pb.Envelope, inline: Sequence[pb.Chunk] = ()) -> Message:
         """The reply to one message: the ClientApp's after the site policy, the policy's refusal, or an error
         reply. Nothing in the message ends the agent; a lost connection or a refused token still reaches `run`."""
         request = _request(envelope, self.node_id)
         try:
-            reply = self._answer(stub, envelope, request)
+            reply = self._answer(stub, envelope, request, inline)
         except grpc.RpcError as error:
             if error.code() in RETRYABLE | REFUSED:
                 raise
@@ -239,13 +240,15 @@ class SiteAgent:
         reply.metadata.__dict__["_message_id"] = uuid.uuid4().hex
         return reply
 
-    def _answer(self, stub: CoordinatorClient, envelope: pb.Envelope, request: Message) -> Message:
+    def _answer(
+        self, stub: CoordinatorClient, envelope: pb.Envelope, request: Message, inline: Sequence[pb.Chunk] = ()
+    ) -> Message:
         context = self._context(stub, envelope.run_id)
         refusal = self.policy.refusal(envelope.run_id, str(context.run_config.get("strategy", "")))
         if refusal:  # checked before any download: a refused run costs the site nothing
             log.warning("declining a message of run %d: %s", envelope.run_id, refusal)
             return _error_reply(request, ErrorCode.MOD_FAILED_PRECONDITION, refusal)
-        message = self._receive(stub, envelope)
+        message = self._receive(stub, envelope, inline)
         return answer(self.client_app, message, context, self.policy)
 
     def _context(self, stub: CoordinatorClient, run_id: int) -> Context:
@@ -266,8 +269,9 @@ class SiteAgent:
             self.contexts.popitem(last=False)
         return context
 
-    def _receive(self, stub: CoordinatorClient, envelope: pb.Envelope) -> Message:
-        """The message rebuilt from exactly the chunks its manifest lists, once its arrays are known to fit."""
+    def _receive(self, stub: CoordinatorClient, envelope: pb.Envelope, inline: Sequence[pb.Chunk] = ()) -> Message:
+        """The message rebuilt from exactly the chunks its manifest lists, once its arrays are known to fit: those
+        that came `inline` with it (a small message), the rest downloaded."""
         check_manifest(envelope)  # every dtype, shape and size consistent, no hostile product: nothing allocated yet
         declared = declared_nbytes(envelope)
         if declared > self.max_download_bytes:
@@ -278,7 +282,12 @@ class SiteAgent:
         sizes = chunk_sizes(envelope)
         self.chunk_cache = {digest: self.chunk_cache[digest] for digest in sizes if digest in self.chunk_cache}
         with Assembly(envelope, self.chunk_cache) as assembly:
-            self._fetch(stub, {digest: size for digest, size in sizes.items() if digest not in self.chunk_cache}, assembly)
+            wanted = {digest: size for digest, size in sizes.items() if digest not in self.chunk_cache}
+            for chunk in inline:  # checked as downloaded chunks are
+                _check_chunk(chunk, wanted)
+                del wanted[chunk.digest]
+                assembly.add(chunk.digest, chunk.data)
+            self._fetch(stub, wanted, assembly)
             message = join_message(envelope, self.chunk_cache, verified=True, assembled=assembly.arrays())
         self.chunk_cache.clear()  # the arrays hold their own bytes; training need not hold the chunks as well
         return message
@@ -301,6 +310,10 @@ class SiteAgent:
 
     def _push(self, stub: CoordinatorClient, reply: Message, server_round: int) -> None:
         envelope, chunks = split_message(reply, server_round)
+        if sum(len(data) for data in chunks.values()) <= INLINE_BYTES:  # one call; putting a chunk again is idempotent
+            inline = [pb.Chunk(digest=digest, data=bytes(data)) for digest, data in chunks.items()]
+            stub.PushReply(pb.PushReplyRequest(envelope=envelope, chunks=inline), metadata=self.metadata)
+            return
         present = set(stub.HasChunks(pb.HasChunksRequest(digests=list(chunks)), metadata=self.metadata).present)
         missing = [digest for digest in chunks if digest not in present]
         if present:  # chunks are content-addressed: an interrupted upload, or arrays the coordinator has already

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from flwr.app import Array
 
@@ -19,15 +19,16 @@ from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.envelope import SENT, EnvelopeError, tensor_array
 
 WORKERS = 2
+_POOL = ThreadPoolExecutor(min(WORKERS, os.cpu_count() or 1), thread_name_prefix="download")
+"""One pool for the process: its threads outlive a message, so a small message pays no thread starts."""
 
 
 class Assembly:
     """The message in hand: `chunks` (the site's chunk cache) are the chunks received so far, already checked;
-    `add` takes each new one. Use as a context manager, so its worker threads end with it."""
+    `add` takes each new one. Use as a context manager, so its checks and copies end with it."""
 
     def __init__(self, envelope: pb.Envelope, chunks: dict[str, bytes | memoryview]) -> None:
         self.chunks = chunks
-        self._pool = ThreadPoolExecutor(min(WORKERS, os.cpu_count() or 1), thread_name_prefix="download")
         self._checks: deque[tuple[str, Future[None]]] = deque()
         self._tensors = [(record.key, tensor) for record in envelope.arrays for tensor in record.tensors]
         self._assembled: dict[tuple[str, str], Future[Array]] = {}
@@ -46,7 +47,7 @@ class Assembly:
 
     def __exit__(self, *exc: object) -> None:
         """The checks finish; a chunk that failed leaves the cache, so a resumed download fetches it again."""
-        self._pool.shutdown(wait=True)
+        wait([check for _, check in self._checks] + list(self._assembled.values()))
         for digest, check in self._checks:
             if check.exception() is not None:
                 self.chunks.pop(digest, None)
@@ -58,7 +59,7 @@ class Assembly:
         if self._checks and self._checks[0][1].done():
             self._checks[0][1].result()  # a chunk that failed its check refuses the message now
         self.chunks[digest] = data
-        self._checks.append((digest, self._pool.submit(_check, digest, data)))
+        self._checks.append((digest, _POOL.submit(_check, digest, data)))
         for index in self._users.pop(digest, ()):
             self._missing[index].discard(digest)
             if not self._missing[index]:
@@ -74,7 +75,7 @@ class Assembly:
     def _assemble(self, index: int) -> None:
         key, tensor = self._tensors[index]
         pieces = [self.chunks[digest] for digest in tensor.chunk_digests]
-        self._assembled[(key, tensor.name)] = self._pool.submit(tensor_array, tensor, pieces)
+        self._assembled[(key, tensor.name)] = _POOL.submit(tensor_array, tensor, pieces)
 
 
 def _check(digest: str, data: bytes | memoryview) -> None:

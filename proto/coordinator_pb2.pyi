@@ -87,16 +87,18 @@ class PullMessageRequest(_message.Message):
     def __init__(self, last_run_id: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class PullMessageReply(_message.Message):
-    __slots__ = ("has_message", "envelope", "poll_after_s", "last_run_status")
+    __slots__ = ("has_message", "envelope", "poll_after_s", "last_run_status", "chunks")
     HAS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ENVELOPE_FIELD_NUMBER: _ClassVar[int]
     POLL_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     LAST_RUN_STATUS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     has_message: bool
     envelope: Envelope
     poll_after_s: float
     last_run_status: str
-    def __init__(self, has_message: bool = ..., envelope: _Optional[_Union[Envelope, _Mapping]] = ..., poll_after_s: _Optional[float] = ..., last_run_status: _Optional[str] = ...) -> None: ...
+    chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
+    def __init__(self, has_message: bool = ..., envelope: _Optional[_Union[Envelope, _Mapping]] = ..., poll_after_s: _Optional[float] = ..., last_run_status: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ...) -> None: ...
 
 class GetChunksRequest(_message.Message):
     __slots__ = ("digests",)
@@ -125,10 +127,12 @@ class PutChunksReply(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., already_present: _Optional[int] = ...) -> None: ...
 
 class PushReplyRequest(_message.Message):
-    __slots__ = ("envelope",)
+    __slots__ = ("envelope", "chunks")
     ENVELOPE_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     envelope: Envelope
-    def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ...) -> None: ...
+    chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
+    def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ...) -> None: ...
 
 class PushReplyReply(_message.Message):
     __slots__ = ("duplicate",)

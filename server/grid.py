@@ -86,8 +86,8 @@ class CoordinatorGrid(Grid):
             put.update(chunks)
             stored.append((message_id, server_round, message.metadata.dst_node_id, envelope.SerializeToString()))
         self.blobs.sync()
-        for message_id, server_round, node_id, envelope_bytes in stored:
-            self.store.add_outbound(message_id, self._run.run_id, server_round, node_id, envelope_bytes)
+        self.store.add_outbounds(self._run.run_id, stored)
+        for _, _, node_id, _ in stored:
             self.service.mailbox.post(node_id)  # its site's long poll answers now
         return [message_id for message_id, *_ in stored]
 

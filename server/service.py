@@ -20,9 +20,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import grpc
 import numpy as np
@@ -31,13 +31,13 @@ from google.protobuf.message import DecodeError, Message as ProtoMessage
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.chunk_wire import ChunkView, decode_chunk, encode_chunk
 from hydrafl.protocol import GRPC_OPTIONS, WEIGHT
-from hydrafl.proto.envelope import CHUNK_BYTES, MAX_REASON_CHARS, EnvelopeError, chunk_hashes
+from hydrafl.proto.envelope import CHUNK_BYTES, INLINE_BYTES, MAX_REASON_CHARS, EnvelopeError, chunk_hashes, chunk_sizes
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.mailbox import Mailbox
 from hydrafl.server.limits import AuthThrottle, CallGuard, LimitExceeded, SiteLimits, UploadLedger
 from hydrafl.server.replies import allowed_reply_bytes, check_reply
 from hydrafl.server.retention import was_swept
-from hydrafl.server.store import FIRST_NODE_ID, OutboundMessage, Site, Store
+from hydrafl.server.store import FIRST_NODE_ID, AuditEvent, OutboundMessage, Site, Store
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,19 @@ class CoordinatorService:
                                            last_run_status=self._run_status(site.node_id, request.last_run_id))
             with self._lock:
                 self._served_runs.setdefault(site.node_id, set()).add(outbound.run_id)
-            return pb.PullMessageReply(has_message=True, envelope=pb.Envelope.FromString(outbound.envelope))
+            envelope = pb.Envelope.FromString(outbound.envelope)
+            return pb.PullMessageReply(has_message=True, envelope=envelope, chunks=self._inline_chunks(envelope))
+
+    def _inline_chunks(self, envelope: pb.Envelope) -> list[pb.Chunk]:
+        """A small message's chunks, sent with it; none for a larger one, or when one cannot be read (the site's
+        GetChunks then gets the error)."""
+        sizes = chunk_sizes(envelope)
+        if sum(sizes.values()) > INLINE_BYTES:
+            return []
+        try:
+            return [pb.Chunk(digest=digest, data=self.blobs.get(digest)) for digest in sizes]
+        except (KeyError, EnvelopeError, OSError):
+            return []
 
     def _run_status(self, node_id: int, run_id: int) -> str:
         """The status of the run a site last answered for, so it can say when that run ended: only the word (a
@@ -215,33 +227,41 @@ class CoordinatorService:
         site = self._site(context)
         started = time.perf_counter()
         with self._bounded(site, context, stream=True) as stream:
-            quota = self._upload_quota(site.node_id)
-            if not quota:
-                self._free_uploads(site.node_id)
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION, "no message this site may answer takes an upload right now"
-                )
-            uploads = self.blobs.uploads(site.node_id)
-
-            def received() -> Iterator[tuple[str, memoryview]]:
-                for chunk in request_iterator:
-                    stream.touch()
-                    if len(chunk.data) > CHUNK_BYTES:
-                        raise EnvelopeError(f"chunk {chunk.digest[:12]} has {len(chunk.data)} bytes; at most {CHUNK_BYTES}")
-                    if not uploads.has(chunk.digest):
-                        self.ledger.reserve(site.node_id, chunk.digest, len(chunk.data), quota)
-                    yield chunk.digest, chunk.data
-
-            try:
-                stored, present = uploads.put_stream(received())
-            except EnvelopeError as error:
-                self._free_uploads(site.node_id)
-                self._reject(context, site, grpc.StatusCode.INVALID_ARGUMENT, str(error))
-            except LimitExceeded as error:
-                self._free_uploads(site.node_id)
-                self._reject(context, site, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            stored, present = self._store_uploads(site, context, request_iterator, stream.touch)
         self._timed(site, "put_chunks", started)
         return pb.PutChunksReply(stored=stored, already_present=present)
+
+    def _store_uploads(
+        self, site: Site, context: grpc.ServicerContext, chunks: Iterable[ChunkView | pb.Chunk],
+        touch: Callable[[], None],
+    ) -> tuple[int, int]:
+        """Store a site's uploaded chunks in its namespace, each checked and counted against its upload quota;
+        (stored, already present). A bad chunk or an exceeded quota frees its pending uploads and aborts."""
+        quota = self._upload_quota(site.node_id)
+        if not quota:
+            self._free_uploads(site.node_id)
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "no message this site may answer takes an upload right now"
+            )
+        uploads = self.blobs.uploads(site.node_id)
+
+        def received() -> Iterator[tuple[str, bytes | memoryview]]:
+            for chunk in chunks:
+                touch()
+                if len(chunk.data) > CHUNK_BYTES:
+                    raise EnvelopeError(f"chunk {chunk.digest[:12]} has {len(chunk.data)} bytes; at most {CHUNK_BYTES}")
+                if not uploads.has(chunk.digest):
+                    self.ledger.reserve(site.node_id, chunk.digest, len(chunk.data), quota)
+                yield chunk.digest, chunk.data
+
+        try:
+            return uploads.put_stream(received())
+        except EnvelopeError as error:
+            self._free_uploads(site.node_id)
+            self._reject(context, site, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except LimitExceeded as error:
+            self._free_uploads(site.node_id)
+            self._reject(context, site, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
 
     def PushReply(self, request: pb.PushReplyRequest, context: grpc.ServicerContext) -> pb.PushReplyReply:
         site = self._site(context)
@@ -261,6 +281,8 @@ class CoordinatorService:
             if self.store.run(outbound.run_id).status != "running":
                 self._reject(context, site, grpc.StatusCode.FAILED_PRECONDITION, f"run {outbound.run_id} is not running")
             sent = pb.Envelope.FromString(outbound.envelope)
+            if request.chunks:
+                self._store_uploads(site, context, request.chunks, touch=lambda: None)
             uploads = self.blobs.uploads(site.node_id)
             try:
                 check_reply(
@@ -275,13 +297,13 @@ class CoordinatorService:
                 self._reject(context, site, grpc.StatusCode.INVALID_ARGUMENT, str(error), run_id=outbound.run_id)
             stored = _as_stored(envelope, outbound, sent)
             uploads.sync()  # the chunks are durable before the row that refers to them
-            accepted = self.store.add_reply(outbound, stored.SerializeToString())
+            event = _reply_event(site, outbound, stored)
+            accepted = self.store.add_reply(outbound, stored.SerializeToString(), event=event)
             if not accepted and self.store.outbound(outbound.message_id) is None:  # swept while being checked
                 self._reject(context, site, grpc.StatusCode.FAILED_PRECONDITION, "its round is over; late reply refused")
             self.mailbox.reply_stored()
             if accepted:
                 self.ledger.referenced(site.node_id, set(chunk_hashes(stored)))
-                self._audit_reply(site, outbound, stored)
         self._timed(site, "push_reply", started)
         return pb.PushReplyReply(duplicate=not accepted)
 
@@ -317,13 +339,6 @@ class CoordinatorService:
 
     # --- records --------------------------------------------------------------------------------------------
 
-    def _audit_reply(self, site: Site, outbound: OutboundMessage, stored: pb.Envelope) -> None:
-        if stored.error_reason or stored.error_code:
-            detail = f"round {outbound.server_round} {stored.message_type}: {stored.error_reason}"
-            self.store.audit("site-declined", site_name=site.name, run_id=outbound.run_id, detail=detail)
-        else:
-            self.store.audit("update-accepted", site_name=site.name, run_id=outbound.run_id, detail=outbound.message_id)
-
     def _timed(self, site: Site, call: str, started: float) -> None:
         with self._lock:
             self.latencies.setdefault((site.name, call), []).append(time.perf_counter() - started)
@@ -339,10 +354,18 @@ class CoordinatorService:
 
     def _reject(
         self, context: grpc.ServicerContext, site: Site, code: grpc.StatusCode, reason: str, *, run_id: int | None = None
-    ) -> None:
+    ) -> NoReturn:
         log.warning("refused %s from site %s: %s", code.name, site.name, reason)
         self.store.audit("update-rejected", site_name=site.name, run_id=run_id, detail=f"{code.name}: {reason}")
         context.abort(code, reason)
+
+
+def _reply_event(site: Site, outbound: OutboundMessage, stored: pb.Envelope) -> AuditEvent:
+    """The audit event of a stored reply: an accepted update, or the site's declining with its reason."""
+    if stored.error_reason or stored.error_code:
+        detail = f"round {outbound.server_round} {stored.message_type}: {stored.error_reason}"
+        return AuditEvent(kind="site-declined", site_name=site.name, run_id=outbound.run_id, detail=detail)
+    return AuditEvent(kind="update-accepted", site_name=site.name, run_id=outbound.run_id, detail=outbound.message_id)
 
 
 def _as_stored(reply: pb.Envelope, outbound: OutboundMessage, sent: pb.Envelope) -> pb.Envelope:

@@ -310,13 +310,20 @@ class Store:
                 session.add(AuditEvent(kind=f"run-{status}", run_id=run_id, detail=detail))
 
     def add_outbound(self, message_id: str, run_id: int, server_round: int, node_id: int, envelope: bytes) -> None:
+        self.add_outbounds(run_id, [(message_id, server_round, node_id, envelope)])
+
+    def add_outbounds(self, run_id: int, messages: list[tuple[str, int, int, bytes]]) -> None:
+        """Store a round's messages, (message id, round, node id, envelope) each, in one commit; a message
+        re-sent under the id it had keeps its original row."""
         with self.session() as session, session.begin():
-            if session.get(OutboundMessage, message_id) is None:
-                session.add(
-                    OutboundMessage(
-                        message_id=message_id, run_id=run_id, server_round=server_round, node_id=node_id, envelope=envelope
+            for message_id, server_round, node_id, envelope in messages:
+                if session.get(OutboundMessage, message_id) is None:
+                    session.add(
+                        OutboundMessage(
+                            message_id=message_id, run_id=run_id, server_round=server_round, node_id=node_id,
+                            envelope=envelope,
+                        )
                     )
-                )
 
     def close_messages(self, message_ids: list[str]) -> None:
         with self.session() as session, session.begin():
@@ -337,10 +344,11 @@ class Store:
         with self.session() as session:
             return list(session.scalars(_open_messages(node_id)))
 
-    def add_reply(self, outbound: OutboundMessage, envelope: bytes) -> bool:
+    def add_reply(self, outbound: OutboundMessage, envelope: bytes, *, event: AuditEvent | None = None) -> bool:
         """Store a reply; False when this message was already answered (pushes are idempotent) or is gone: a
         sweep may delete it (its round is over) while the service checks the reply, and a reply must never
-        outlive its message (SQLite does not enforce the foreign key)."""
+        outlive its message (SQLite does not enforce the foreign key). `event` is recorded with the reply, in
+        its commit, exactly when the reply is stored."""
         try:
             with self.session() as session, session.begin():
                 exists = session.scalar(select(Reply.id).where(Reply.reply_to_message_id == outbound.message_id))
@@ -358,6 +366,8 @@ class Store:
                 session.flush()  # the insert holds the write lock: a sweep commits before the check below, or after
                 if session.get(OutboundMessage, outbound.message_id) is None:
                     raise LookupError(outbound.message_id)  # rolls the insert back
+                if event is not None:
+                    session.add(event)
         except (LookupError, IntegrityError):  # swept meanwhile, or answered by a concurrent push
             return False
         return True

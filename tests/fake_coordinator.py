@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -31,6 +31,8 @@ class Scripted:
     envelope: pb.Envelope
     stream: list[pb.Chunk] | None = None
     """What GetChunks answers while this message is in hand; None serves exactly the chunks asked for."""
+    inline: bool = False
+    """Send `stream` inline with the message (as the coordinator sends a small message's chunks) instead."""
 
 
 @dataclass
@@ -64,9 +66,10 @@ class FakeCoordinator(CoordinatorServicer):
         self.blobs.update({digest: bytes(view) for digest, view in chunks.items()})
         return self.send_envelope(envelope)
 
-    def send_envelope(self, envelope: pb.Envelope, stream: list[pb.Chunk] | None = None) -> str:
-        """Queue a hand-made envelope, with what GetChunks answers while it is in hand; returns its message id."""
-        self.outbox.put(Scripted(envelope, stream))
+    def send_envelope(self, envelope: pb.Envelope, stream: list[pb.Chunk] | None = None, inline: bool = False) -> str:
+        """Queue a hand-made envelope, with what GetChunks answers while it is in hand (or, `inline`, what comes
+        with it); returns its message id."""
+        self.outbox.put(Scripted(envelope, stream, inline))
         return envelope.message_id
 
     def reply_to(self, message_id: str, alive, timeout_s: float = 20.0) -> pb.Envelope:
@@ -92,7 +95,8 @@ class FakeCoordinator(CoordinatorServicer):
             self.in_hand = self.outbox.get_nowait()
         except queue.Empty:
             return pb.PullMessageReply(has_message=False, poll_after_s=0.02)
-        return pb.PullMessageReply(has_message=True, envelope=self.in_hand.envelope)
+        inline = self.in_hand.stream if self.in_hand.inline else None
+        return pb.PullMessageReply(has_message=True, envelope=self.in_hand.envelope, chunks=inline)
 
     def GetChunks(self, request: pb.GetChunksRequest, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
         self.chunk_requests.append(list(request.digests))
@@ -106,14 +110,18 @@ class FakeCoordinator(CoordinatorServicer):
         return pb.HasChunksReply(present=[digest for digest in request.digests if digest in self.blobs])
 
     def PutChunks(self, request_iterator: Iterator[pb.Chunk], context: grpc.ServicerContext) -> pb.PutChunksReply:
+        return pb.PutChunksReply(stored=self._store(request_iterator))
+
+    def _store(self, chunks: Iterable[pb.Chunk]) -> int:
         stored = 0
-        for chunk in request_iterator:
+        for chunk in chunks:
             assert UPLOADED.digest(chunk.data) == chunk.digest
             self.blobs[chunk.digest] = chunk.data
             stored += 1
-        return pb.PutChunksReply(stored=stored)
+        return stored
 
     def PushReply(self, request: pb.PushReplyRequest, context: grpc.ServicerContext) -> pb.PushReplyReply:
+        self._store(request.chunks)
         self.replies[request.envelope.reply_to_message_id] = request.envelope
         return pb.PushReplyReply()
 

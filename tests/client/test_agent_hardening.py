@@ -120,16 +120,18 @@ HOSTILE_STREAMS = {
 }
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["streamed", "inline"])
 @pytest.mark.parametrize("case", HOSTILE_STREAMS)
-def test_chunks_it_did_not_ask_for_or_cannot_trust_refuse_the_message_and_the_site_keeps_serving(case):
+def test_chunks_it_did_not_ask_for_or_cannot_trust_refuse_the_message_and_the_site_keeps_serving(case, inline):
     build, reason = HOSTILE_STREAMS[case]
     envelope, stream = build()
     coordinator = FakeCoordinator()
     with running(coordinator, echo_app) as (_, alive):
-        reply = coordinator.reply_to(coordinator.send_envelope(envelope, stream), alive)
+        reply = coordinator.reply_to(coordinator.send_envelope(envelope, stream, inline=inline), alive)
         assert reply.error_code in (ErrorCode.MOD_FAILED_PRECONDITION, ErrorCode.CLIENT_APP_RAISED_EXCEPTION)
         assert reason in reply.error_reason and len(reply.error_reason) <= 300
-        assert coordinator.chunk_requests == [chunk_hashes(envelope)]  # once, exactly the chunks listed
+        # streamed: once, exactly the chunks listed; inline: every chunk came with the message, none is fetched
+        assert coordinator.chunk_requests == ([] if inline else [chunk_hashes(envelope)])
         _assert_still_serves(coordinator, alive)
 
 

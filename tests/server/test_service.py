@@ -10,7 +10,7 @@ from sqlalchemy import func, select
 
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
-from hydrafl.proto.envelope import CHUNK_BYTES, UPLOADED, split_message
+from hydrafl.proto.envelope import CHUNK_BYTES, INLINE_BYTES, UPLOADED, split_message
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.grid import CoordinatorGrid
@@ -95,6 +95,43 @@ def test_a_valid_reply_is_accepted_once(live):
     assert stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=_auth(token_a)).duplicate is True
     assert _replies(coordinator) == 1
     assert not stub.PullMessage(pb.PullMessageRequest(), metadata=_auth(token_a)).has_message
+
+
+def test_a_small_message_and_its_reply_carry_their_chunks_inline(live):
+    """One call each way for a small model: PullMessage brings the message's chunks, PushReply takes the reply's;
+    the inline chunks are checked and counted as streamed ones are."""
+    coordinator, stub, token_a, _, _, request = live
+    pulled = stub.PullMessage(pb.PullMessageRequest(), metadata=_auth(token_a))
+    [digest] = [d for record in pulled.envelope.arrays for tensor in record.tensors for d in tensor.chunk_digests]
+    assert [chunk.digest for chunk in pulled.chunks] == [digest]
+    assert np.array_equal(np.frombuffer(pulled.chunks[0].data, dtype=np.float32), np.ones(6, dtype=np.float32))
+    envelope, chunks = _reply(request, np.full((3, 2), 0.25, dtype=np.float32))
+    inline = [pb.Chunk(digest=h, data=bytes(d)) for h, d in chunks.items()]
+    tampered = [pb.Chunk(digest=c.digest, data=c.data[:-4] + b"\x00\x00\x80\x7f") for c in inline]  # a NaN
+    code, details = _code(lambda: stub.PushReply(pb.PushReplyRequest(envelope=envelope, chunks=tampered),
+                                                 metadata=_auth(token_a)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "fails its XXH3-128 check" in details
+    assert _replies(coordinator) == 0
+    assert stub.PushReply(pb.PushReplyRequest(envelope=envelope, chunks=inline), metadata=_auth(token_a)).duplicate is False
+    [reply] = coordinator.store.replies_to([request.metadata.message_id])
+    stored = pb.Envelope.FromString(reply.envelope)
+    [[stored_digest]] = [tensor.chunk_digests for record in stored.arrays for tensor in record.tensors if tensor.name == "w"]
+    stored_bytes = coordinator.blobs.uploads(reply.node_id).get(stored_digest)
+    assert np.array_equal(np.frombuffer(stored_bytes, dtype=np.float32), np.full(6, 0.25, dtype=np.float32))
+
+
+def test_a_message_over_the_inline_size_sends_no_chunks_with_it(live):
+    coordinator, stub, token_a, _, message_id, _ = live
+    coordinator.store.close_messages([message_id])  # the fixture's small message is no longer in the way
+    site = coordinator.store.sites()[0]
+    grid = CoordinatorGrid(coordinator.store, coordinator.blobs, coordinator.service, 1)
+    big = np.arange(INLINE_BYTES // 4 + 1, dtype=np.float32)  # distinct chunks: over the inline size
+    request = Message(RecordDict({"arrays": ArrayRecord({"w": Array(big)})}), dst_node_id=site.node_id,
+                      message_type="evaluate")
+    request.metadata.group_id = "1"
+    grid.push_messages([request])
+    pulled = stub.PullMessage(pb.PullMessageRequest(), metadata=_auth(token_a))
+    assert pulled.has_message and pulled.envelope.message_type == "evaluate" and not pulled.chunks
 
 
 def test_a_reply_may_carry_a_slice_of_a_tensor_it_was_sent(live):
