@@ -8,8 +8,10 @@ Setups: `clinical-text` (the tiny BERT encoder, DiLoCo pseudo-gradients), `tiny-
 encoder with rank-8 LoRA adapters on q/k/v/o, FedAvg over the adapters and the head) and, opt-in with
 `--setups minilm-lora`, the pretrained MiniLM-L6 encoder with the same adapters (`hydrafl[minilm]`). Every
 scheme runs the same seeds, data and rounds; the sites keep their residuals (error feedback) across rounds.
-Bytes are those the run history counts (`bytes_up`: the compressed arrays as sent, npy headers included);
-downloads (`bytes_down`) are the whole model either way and reported beside them. A full run merges into the
+Bytes are those the run history counts (`bytes_up`: the compressed arrays as sent, npy headers included;
+`bytes_down` likewise). Downloads are the whole model, except under the `-down` variants (`--compress-downloads`:
+each site is sent the change from the model it holds, in the same scheme, error feedback at the coordinator),
+whose download ratio and accuracy gap against none are reported beside the upload ones. A full run merges into the
 results file there by (setup, scheme): `--schemes int4` adds int4 beside the schemes measured before.
 
 Goal: a scheme with >= 4x fewer upload bytes than uncompressed and a final accuracy (mean over seeds) within 1
@@ -51,7 +53,10 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "int4": {"compress_block": 256},
     "topk": {"compress_topk_fraction": 0.05},
     "powersgd": {"compress_rank": 4},
+    "int8-down": {"compress": "int8", "compress_block": 256, "compress_downloads": True},
+    "topk-down": {"compress": "topk", "compress_topk_fraction": 0.05, "compress_downloads": True},
 }
+"""Run keys per benchmark scheme: a codec's knobs (`compress` is the scheme's name), or a whole `-down` variant."""
 SETUPS: dict[str, dict[str, Any]] = {
     "clinical-text": dict(task="clinical-text", strategy="diloco", sites=3, rounds=6, local_steps=6,
                           samples_per_site=160),
@@ -64,7 +69,7 @@ DEFAULT_SETUPS = ("clinical-text", "tiny-lora")
 """minilm-lora (the pretrained encoder) is opt-in: one run took over 10 minutes on this shared 2-core CPU."""
 QUICK_SETUPS = {"clinical-text": dict(SETUPS["clinical-text"], strategy="fedavg", sites=2, rounds=1, local_steps=1,
                                       samples_per_site=32)}
-QUICK_SCHEMES = ("none", "topk")
+QUICK_SCHEMES = ("none", "topk", "topk-down")
 
 
 def run_one(setup: dict[str, Any], scheme: str, seed: int) -> dict[str, Any]:
@@ -74,7 +79,7 @@ def run_one(setup: dict[str, Any], scheme: str, seed: int) -> dict[str, Any]:
     from hydrafl.config import RunConfig
     from hydrafl.simulation.grid import InProcessGrid
 
-    cfg = RunConfig.build(**setup, seed=seed, compress=scheme, **SCHEMES[scheme])
+    cfg = RunConfig.build(**setup, seed=seed, **{"compress": scheme, **SCHEMES[scheme]})
     started = time.perf_counter()
     history = server_app.run_federation(InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower()), cfg).history
     return {
@@ -91,6 +96,7 @@ def summarise(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any
     for setup, by_scheme in runs.items():
         reference = by_scheme["none"]
         base_up = statistics.fmean(r["bytes_up"] for r in reference)
+        base_down = statistics.fmean(r["bytes_down"] for r in reference)
         base_accuracy = statistics.fmean(r["accuracy"] for r in reference)
         rows = {}
         for scheme, results in by_scheme.items():
@@ -102,7 +108,8 @@ def summarise(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any
                 "mean_bytes_up": up,
                 "mean_bytes_down": down,
                 "upload_ratio": base_up / up,
-                "total_ratio": (base_up + statistics.fmean(r["bytes_down"] for r in reference)) / (up + down),
+                "download_ratio": base_down / down,
+                "total_ratio": (base_up + base_down) / (up + down),
                 "accuracy_gap_points": 100 * (base_accuracy - accuracy),
             }
             rows[scheme]["meets_goal"] = scheme != "none" and (
@@ -144,7 +151,7 @@ def wire_times(mib: int, link_gbps: float, schemes: tuple[str, ...]) -> dict[str
     measured = count * side * side * 4
     scale = GIB / measured
     out: dict[str, Any] = {"measured_mib": measured / (1 << 20), "scale_to_gib": scale, "link_gbps": link_gbps}
-    for name in schemes:
+    for name in (s for s in schemes if "compress" not in SCHEMES[s]):  # each codec once: `-down` reuses it
         if name == "none":
             out[name] = {"encode_s": 0.0, "decode_s": 0.0, "gib_bytes": GIB, "wire_s": GIB * 8 / (link_gbps * 1e9)}
             continue
@@ -189,11 +196,14 @@ def report(console: Console, summary: dict[str, Any], wire: dict[str, Any]) -> N
     for setup, result in summary.items():
         table = Table(title=f"{setup}: goal >= {GOAL_RATIO:g}x fewer upload bytes within {GOAL_POINTS:g} point: "
                             f"{verdict(result['goal_met'])}")
-        for column in ("scheme", "accuracy", "MB up", "MB down", "up ratio", "up+down ratio", "gap (points)", "goal"):
+        columns = ("scheme", "accuracy", "MB up", "MB down", "up ratio", "down ratio", "up+down ratio", "gap (points)",
+                   "goal")
+        for column in columns:
             table.add_column(column, justify="left" if column == "scheme" else "right")
         for scheme, row in result["schemes"].items():
             table.add_row(scheme, f"{row['mean_accuracy']:.3f}", f"{row['mean_bytes_up'] / 1e6:.2f}",
                           f"{row['mean_bytes_down'] / 1e6:.2f}", f"{row['upload_ratio']:.1f}x",
+                          f"{row['download_ratio']:.2f}x",
                           f"{row['total_ratio']:.2f}x", f"{row['accuracy_gap_points']:+.1f}",
                           "" if scheme == "none" else verdict(row["meets_goal"], "yes", "no"))
         console.print(table)

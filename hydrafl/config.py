@@ -150,6 +150,10 @@ class RunConfig:
     """powersgd: the rank of each matrix's factors."""
     compress_block: int = 256
     """int8, int4: coordinates per float32 scale."""
+    compress_downloads: bool = False
+    """Compress the model sent to sites too, in the `--compress` scheme: each site gets the change from the model
+    it holds, what is lost stays at the coordinator for later messages; the whole model at first contact, for a
+    stale site and for the final evaluation (`hydrafl.compression.downloads`)."""
 
 
     def __post_init__(self) -> None:
@@ -259,6 +263,8 @@ class RunConfig:
             raise ConfigError(str(error)) from None
         _check(not self.secagg or self.compress == "none", "compress", self.compress,
                "none with --secagg: masked updates are summed exactly, not decoded one by one")
+        _check(not self.compress_downloads or self.compress != "none", "compress-downloads", self.compress_downloads,
+               "off without --compress SCHEME: downloads are compressed in the upload scheme")
 
     def _check_model(self) -> None:
         """An image model needs images; the small CNN has no layers, heads or projections to slice or adapt, so

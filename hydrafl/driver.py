@@ -1,10 +1,10 @@
 """The round driver: Flower's strategy hooks, called unchanged, plus what `Strategy.start` lacks.
 
 Added here: a deterministic round (seeded sampling, replies in node order), decoding of compressed replies
-(`--compress`; bytes are counted as sent) and validation of every reply as it arrives, before aggregation, a
-streamed round (a hydrafl strategy aggregates each valid reply before the next arrives, so the server holds one
-reply plus the strategy's running sums, however many sites; Flower's own strategies and the diagnostics get them
-all in a list), a minimum-success rule that fails the run loudly
+(`--compress`; bytes are counted as sent), compressed downloads (`--compress-downloads`), validation of every
+reply as it arrives, before aggregation, a streamed round (a hydrafl strategy aggregates each valid reply before
+the next arrives, so the server holds one reply plus the strategy's running sums, however many sites; Flower's
+own strategies and the diagnostics get them all in a list), a minimum-success rule that fails the run loudly
 (checked once the replies are all in; a failed round's model is discarded), per-round checkpoints of the global
 arrays and the strategy's state (resume ends with the same numbers), and a timing/bytes log whose schema
 (`rounds.tsv`) every runtime shares. Each round's record keeps every site's data hash (the `data-hash` each
@@ -34,6 +34,7 @@ from hydrafl import protocol
 from hydrafl.arrays import array_view, keep_dtypes, record_nbytes, weights_from_delta
 from hydrafl.checkpoint import Checkpoint, CheckpointError, load_checkpoint, restore_strategy_state, save_checkpoint
 from hydrafl.checkpoint import strategy_state
+from hydrafl.compression.downloads import DownloadCompression
 from hydrafl.compression.layout import CompressionError, Scheme
 from hydrafl.compression.receive import decode_reply
 from hydrafl.strategies.hooks import ChecksReplyShapes, ConsumesDeltas, QueriesSites, TakesSecureSums
@@ -106,6 +107,8 @@ class RoundDriver:
         self.privacy = PrivacyLedger.from_run_config(config.run_config)
         self.scheme = Scheme.from_config(config.train_config)
         """How sites compress their updates (`--compress`); replies are decoded as they arrive."""
+        self.downloads = DownloadCompression.from_config(config.train_config)
+        """What each site holds of the model (`--compress-downloads`): train and evaluate messages carry changes."""
 
     def run(self, initial_arrays: ArrayRecord, *, resume: bool = False, on_round: RoundCallback | None = None) -> RunResult:
         arrays, history, first_round = initial_arrays, [], 1
@@ -146,9 +149,10 @@ class RoundDriver:
             self._query_round(server_round, arrays, config, record)
         messages = list(self.strategy.configure_train(server_round, arrays, config, self.grid))
         self.privacy.open_round(messages, len(list(self.grid.get_node_ids())), self.strategy)
-        self._count_down(messages, record)
+        wire = self.downloads.prepare(messages, server_round)
+        self._count_down(wire, record)
         if self.config.secagg is None:
-            valid: Iterable[Message] = self._valid_replies(server_round, self._exchange(messages, server_round), arrays, record)
+            valid: Iterable[Message] = self._valid_replies(server_round, self._exchange(wire, server_round), arrays, record)
         else:
             secure = SecureRound(self._exchange, self.config.secagg, self.weighted_by_key, self.strategy)
             try:
@@ -286,6 +290,7 @@ class RoundDriver:
     def _evaluate_round(self, server_round: int, arrays: ArrayRecord) -> RoundRecord:
         config = ConfigRecord(dict(self.config.evaluate_config))
         messages = list(self.strategy.configure_evaluate(server_round, arrays, config, self.grid))
+        messages = self.downloads.prepare(messages, server_round, full=server_round == self.config.num_rounds)
         record = RoundRecord(round=server_round)
         self._count_down(messages, record)
         replies = []
@@ -310,7 +315,7 @@ class RoundDriver:
             return iter(())
         for message in messages:  # Flower's strategies leave group_id empty; runtimes key rounds on it
             message.metadata.group_id = str(server_round)
-        return iter(self.grid.send_and_receive(messages, timeout=self.config.timeout_s))
+        return self.downloads.settle(messages, self.grid.send_and_receive(messages, timeout=self.config.timeout_s))
 
     def _invalid_reason(self, reply: Message, arrays: ArrayRecord) -> str:
         # a subnetwork strategy (Hydra and the width baselines) accepts each site's slices, not whole tensors

@@ -1,4 +1,5 @@
-"""What a site does with one message, in every runtime: the ClientApp answers, then the site operator's policy
+"""What a site does with one message, in every runtime: a compressed download is rebuilt into its model
+(`hydrafl.compression.reference`), the ClientApp answers, then the site operator's policy
 shapes what may leave (small cells, clipping, noise, privacy budget), then a train reply is compressed as the
 run asks (`hydrafl.compression.feedback`) or, under secure aggregation, masked. The site agent, the in-process
 simulation grid and Ray's simulated sites (`PipelineApp`) all answer through here, so a simulated site behaves
@@ -8,11 +9,12 @@ from __future__ import annotations
 
 import logging
 
-from flwr.app import ConfigRecord, Context, Message
+from flwr.app import ConfigRecord, Context, Error, Message
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 
 from hydrafl import protocol, site_secagg
-from hydrafl.compression.layout import Scheme
+from hydrafl.compression.layout import DOWNLOAD_RECORD, CompressionError, Scheme
 from hydrafl.site_policy import SMALL_CELL_REASON, SitePolicy
 from hydrafl.updates import records
 
@@ -24,6 +26,8 @@ def answer(client_app: ClientApp, message: Message, context: Context, policy: Si
     protocol's own queries are answered here, the app never sees them)."""
     if message.metadata.message_type in protocol.SECAGG_QUERIES:
         return site_secagg.answer_query(message, context)
+    if DOWNLOAD_RECORD in message.content and (refusal := _download_refusal(message, context)):
+        return refusal
     if refusal := policy.budget_refusal(message, context):
         return policy.decline(message, refusal)
     if _has_small_cells(message, context, policy):
@@ -46,6 +50,19 @@ def _compressed(message: Message, reply: Message, context: Context) -> Message:
     from hydrafl.compression.feedback import compress_reply
 
     return compress_reply(message, reply, context)
+
+
+def _download_refusal(message: Message, context: Context) -> Message | None:
+    """A compressed download (`--compress-downloads`) turned into its model in place; the error reply instead
+    when the site cannot rebuild it exactly (the coordinator then sends the whole model)."""
+    from hydrafl.compression.reference import DownloadError, receive_download  # torch: only for a run that uses it
+
+    try:
+        receive_download(message, context)
+    except (DownloadError, CompressionError) as error:
+        log.warning("refusing a %s message's download: %s", message.metadata.message_type, error)
+        return Message(Error(ErrorCode.MOD_FAILED_PRECONDITION, f"download refused: {error}"), reply_to=message)
+    return None
 
 
 def _has_small_cells(message: Message, context: Context, policy: SitePolicy) -> bool:

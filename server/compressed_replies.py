@@ -14,8 +14,8 @@ from collections.abc import Callable
 import numpy as np
 from flwr.app import ConfigRecord, RecordDict
 
-from hydrafl.compression.layout import PREFIX, RECORD, CompressionError, Scheme, check_layout, check_values
-from hydrafl.compression.layout import read_description
+from hydrafl.compression.layout import DOWNLOAD_RECORD, PREFIX, RECORD, CompressionError, Scheme, check_layout
+from hydrafl.compression.layout import check_values, download_shapes, read_description
 from hydrafl.proto.coordinator_pb2 import Envelope
 from hydrafl.proto.envelope import EnvelopeError
 
@@ -28,6 +28,27 @@ def is_compressed(content: RecordDict) -> bool:
     return isinstance(content.get(RECORD) if RECORD in content else None, ConfigRecord)
 
 
+def sent_model(sent: Envelope, sent_content: RecordDict) -> dict[str, tuple[str, list[int]]]:
+    """(dtype, shape) of each model tensor a message stands for, what a reply to it may carry: its arrays, or
+    those of the model its compressed download changes."""
+    downloaded = download_model(sent_content)
+    if downloaded is not None:
+        return {name: ("float32", list(shape)) for name, shape in downloaded.items()}
+    return {t.name: (t.dtype, list(t.shape)) for record in sent.arrays for t in record.tensors}
+
+
+def download_model(sent_content: RecordDict) -> dict[str, tuple[int, ...]] | None:
+    """The float32 tensors a compressed download (`--compress-downloads`: a change to the site's reference
+    model, its arrays packed) stands for, as its download record declares them; None for any other message."""
+    download = sent_content.get(DOWNLOAD_RECORD) if DOWNLOAD_RECORD in sent_content else None
+    if not isinstance(download, ConfigRecord) or download.get("mode") != "delta":
+        return None
+    try:
+        return download_shapes(_sent_scheme(sent_content), dict(download))
+    except CompressionError as error:
+        raise EnvelopeError(f"compressed download: {error}") from None
+
+
 def check_compressed_layout(reply: Envelope, content: RecordDict, sent: Envelope, sent_content: RecordDict) -> None:
     """Raise EnvelopeError unless `reply` declares a compressed update in the scheme `sent` asked for, over
     tensors it carried, in exactly the scheme's arrays. Call it after the records check (one ArrayRecord, one
@@ -36,7 +57,7 @@ def check_compressed_layout(reply: Envelope, content: RecordDict, sent: Envelope
         scheme, shapes = _declared(content, sent_content)
         if sent.message_type != "train":
             raise CompressionError("only a train reply may be compressed")
-        sent_shapes = {t.name: (t.dtype, list(t.shape)) for record in sent.arrays for t in record.tensors}
+        sent_shapes = sent_model(sent, sent_content)
         for name, shape in shapes.items():
             dtype, bound = sent_shapes.get(name, (None, []))
             fits = len(shape) == len(bound) and all(n <= m for n, m in zip(shape, bound))

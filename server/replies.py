@@ -10,6 +10,7 @@ reply is held to its scheme's exact layout instead (`compressed_replies`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -19,17 +20,20 @@ from hydrafl.proto.coordinator_pb2 import Envelope
 from hydrafl.proto.envelope import EnvelopeError, check_manifest, chunk_sizes, declared_nbytes, parse_content
 from hydrafl.updates import InvalidUpdate, check_metrics
 from hydrafl.server.compressed_replies import check_compressed_layout, check_compressed_values, is_compressed
+from hydrafl.server.compressed_replies import download_model, sent_model
 from hydrafl.server.secagg_replies import check_secagg_reply, is_secagg, secagg_length
 
 def allowed_reply_bytes(sent: Envelope, max_model_bytes: int) -> int:
-    """The most array bytes a reply to `sent` may carry: what was sent, or, for a query that sent no arrays
-    (the initial model), the coordinator's model limit; evaluate replies carry none."""
+    """The most array bytes a reply to `sent` may carry: the model it stands for (what was sent, or what a
+    compressed download changes), or, for a query that sent no arrays (the initial model), the coordinator's
+    model limit; evaluate replies carry none."""
     kind = message_kind(sent.message_type)
     if kind == "evaluate":
         return 0
     if kind == "train" and (length := secagg_length(sent)) is not None:
         return 4 * length  # a masked uint32 vector, whatever the site was sent
-    sent_bytes = declared_nbytes(sent)
+    downloaded = download_model(parse_content(sent))
+    sent_bytes = declared_nbytes(sent) if downloaded is None else sum(4 * math.prod(s) for s in downloaded.values())
     if sent_bytes:
         return sent_bytes
     return max_model_bytes if kind == "query" else 0
@@ -69,7 +73,7 @@ def check_reply(
     if compressed:  # packed arrays of the run's scheme, held to its exact layout for the tensors sent
         check_compressed_layout(reply, content, sent, sent_content)
     else:
-        _check_against_sent(reply, sent, max_model_bytes)
+        _check_against_sent(reply, sent_model(sent, sent_content), allowed_reply_bytes(sent, max_model_bytes))
     _check_chunks(reply, chunk_size, chunk_bytes, known_finite)
     if compressed:
         check_compressed_values(reply, content, sent_content, chunk_bytes)
@@ -92,10 +96,10 @@ def _check_records(content: RecordDict, reply: Envelope, message_type: str, weig
         raise EnvelopeError(str(error)) from None
 
 
-def _check_against_sent(reply: Envelope, sent: Envelope, max_model_bytes: int) -> None:
-    """Each tensor is one the site was sent (dtype, rank, no longer along any axis: the whole tensor or the slice
-    a subnetwork trained; which slice is the strategy's check), and the reply is no larger than allowed."""
-    shapes = {t.name: (t.dtype, list(t.shape)) for record in sent.arrays for t in record.tensors}
+def _check_against_sent(reply: Envelope, shapes: dict[str, tuple[str, list[int]]], limit: int) -> None:
+    """Each tensor is one of the model the site was sent (`shapes`: dtype, rank, no longer along any axis: the
+    whole tensor or the slice a subnetwork trained; which slice is the strategy's check), and the reply is no
+    larger than `limit`."""
     for record in reply.arrays if shapes else ():
         for tensor in record.tensors:
             if tensor.name not in shapes:
@@ -107,7 +111,6 @@ def _check_against_sent(reply: Envelope, sent: Envelope, max_model_bytes: int) -
                     f"array {tensor.name}: shape {list(tensor.shape)} {tensor.dtype} does not fit in shape {shape} "
                     f"{dtype} of the array sent"
                 )
-    limit = allowed_reply_bytes(sent, max_model_bytes)
     total = declared_nbytes(reply)
     if total > limit:  # e.g. one tensor listed in several records, or arrays where none may be
         raise EnvelopeError(f"the reply declares {total} bytes of arrays; a reply to this message may carry {limit}")

@@ -62,9 +62,13 @@ def encode(
     raise CompressionError("scheme none sends tensors as they are")
 
 
-def decode(arrays: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]], scheme: Scheme) -> dict[str, torch.Tensor]:
+def decode(
+    arrays: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]], scheme: Scheme, *, exact: bool = False
+) -> dict[str, torch.Tensor]:
     """The float32 tensors `arrays` encode, each of its declared shape; raises CompressionError unless `arrays`
-    are exactly the scheme's layout for `shapes` with values that decode to finite numbers."""
+    are exactly the scheme's layout for `shapes` with values that decode to finite numbers. `exact`: the same bits
+    on every machine (PowerSGD's P Q^T summed in a fixed order, not by the local BLAS), for a model that two ends
+    rebuild and compare by hash (`hydrafl.compression.downloads`)."""
     check_layout(scheme, shapes, {name: (str(a.dtype), tuple(a.shape)) for name, a in arrays.items()})
     total = sum(math.prod(shape) for shape in shapes.values())
     for name, values in arrays.items():
@@ -80,7 +84,7 @@ def decode(arrays: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...
         flat = torch.zeros(total, dtype=torch.float32)
         flat[parts[PREFIX + "index"].to(torch.int64)] = parts[PREFIX + "value"]
     else:
-        return _unpack_powersgd(parts, shapes, scheme)
+        return _unpack_powersgd(parts, shapes, scheme, exact)
     if not torch.isfinite(flat).all():
         raise CompressionError("the update decodes to NaN or Inf")
     return _split(flat, shapes)
@@ -171,8 +175,18 @@ def _initial_q(name: str, columns: int, rank: int) -> torch.Tensor:
     return torch.randn(columns, rank, generator=generator)
 
 
+def _exact_product(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """P Q^T [rows, columns] as float64 rank-one terms added in order: each float32 product is exact in float64
+    and elementwise sums round the same everywhere, where a BLAS matmul's order and FMA use vary by machine."""
+    p64, q64 = p.to(torch.float64), q.to(torch.float64)
+    out = torch.zeros(p.shape[0], q.shape[0], dtype=torch.float64)
+    for k in range(p.shape[1]):
+        out += p64[:, k, None] * q64[None, :, k]
+    return out.to(torch.float32)
+
+
 def _unpack_powersgd(
-    parts: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], scheme: Scheme
+    parts: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], scheme: Scheme, exact: bool
 ) -> dict[str, torch.Tensor]:
     out, offsets = {}, {"p": 0, "q": 0, "raw": 0}
 
@@ -188,7 +202,7 @@ def _unpack_powersgd(
             continue
         rows, columns, rank = factored
         p, q = take("p", rows * rank).reshape(rows, rank), take("q", columns * rank).reshape(columns, rank)
-        out[name] = (p @ q.T).reshape(shape)
+        out[name] = (_exact_product(p, q) if exact else p @ q.T).reshape(shape)
         if not torch.isfinite(out[name]).all():
             raise CompressionError(f"tensor {name!r} decodes to NaN or Inf")
     if not torch.isfinite(parts[PREFIX + "raw"]).all():

@@ -64,10 +64,8 @@ class ErrorFeedback:
         if STATE_ARRAYS in context.state:
             saved_key = str(context.state[STATE_CONFIG]["key"])
             tensors = from_record(context.state[STATE_ARRAYS])
-        elif state_dir is not None and (path := _path(state_dir, context)).exists():
-            with np.load(path, allow_pickle=False) as saved:
-                saved_key = str(saved["key"])
-                tensors = {name: torch.from_numpy(saved[name]) for name in saved.files if name != "key"}
+        elif state_dir is not None and (path := state_path(state_dir, context, "feedback")).exists():
+            saved_key, tensors = read_state(path)
         else:
             return cls(key, {}, {})
         residuals = {n[2:]: t for n, t in tensors.items() if n.startswith("e/")} if saved_key == key else {}
@@ -77,13 +75,8 @@ class ErrorFeedback:
         tensors = {f"e/{n}": t for n, t in self.residuals.items()} | {f"q/{n}": t for n, t in self.warm.items()}
         context.state[STATE_ARRAYS] = to_record(tensors)
         context.state[STATE_CONFIG] = ConfigRecord({"key": self.key})
-        if state_dir is None:
-            return
-        path = _path(state_dir, context)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial.npz")
-        np.savez(partial, key=np.array(self.key), **{n: t.numpy() for n, t in tensors.items()})
-        os.replace(partial, path)  # a site killed mid-write keeps the previous round's residuals
+        if state_dir is not None:
+            write_state(state_path(state_dir, context, "feedback"), self.key, tensors)
 
 
 def compress_reply(message: Message, reply: Message, context: Context) -> Message:
@@ -112,5 +105,21 @@ def coordinates_key(config: Mapping, scheme: Scheme) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _path(state_dir: Path, context: Context) -> Path:
-    return state_dir / f"compress-feedback-run-{context.run_id}.npz"
+def state_path(state_dir: Path, context: Context, what: str) -> Path:
+    """The file of one run's compression state of kind `what` in a site's `--state-dir`."""
+    return state_dir / f"compress-{what}-run-{context.run_id}.npz"
+
+
+def write_state(path: Path, key: str, tensors: Mapping[str, torch.Tensor]) -> None:
+    """`tensors` and the `key` naming what they belong to, replacing the file whole: a site killed mid-write
+    keeps the previous round's."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial.npz")
+    np.savez(partial, key=np.array(key), **{n: t.numpy() for n, t in tensors.items()})
+    os.replace(partial, path)
+
+
+def read_state(path: Path) -> tuple[str, dict[str, torch.Tensor]]:
+    """What `write_state` wrote: the key and the tensors."""
+    with np.load(path, allow_pickle=False) as saved:
+        return str(saved["key"]), {name: torch.from_numpy(saved[name]) for name in saved.files if name != "key"}

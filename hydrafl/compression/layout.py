@@ -22,6 +22,10 @@ RECORD = "compress"
 """The ConfigRecord of a compressed reply: `scheme`, `names`, `ranks` and `dims` (the shapes, flattened)."""
 PREFIX = "compress."
 """Every array of a compressed reply is named PREFIX + part."""
+DOWNLOAD_RECORD = "download"
+"""The ConfigRecord of a train or evaluate message under `--compress-downloads` (`hydrafl.compression.downloads`):
+`mode` (full or delta), the `base` and `target` digests of the site's reference model and, for a delta, the
+tensors' `names`, `ranks` and `dims` as in `RECORD`."""
 MAX_RANK = 8
 MAX_DIMENSION = 1 << 40
 
@@ -143,6 +147,12 @@ def read_description(scheme: Scheme, description: Mapping[str, Any]) -> dict[str
         shapes[name] = tuple(dims[offset : offset + rank])
         offset += rank
     return shapes
+
+
+def download_shapes(scheme: Scheme, download: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The model tensors a delta download's `DOWNLOAD_RECORD` declares (all float32): what the message stands for,
+    and what a reply to it may carry, where its arrays are the compressed change."""
+    return read_description(scheme, {key: download.get(key) for key in ("scheme", "names", "ranks", "dims")})
 
 
 def check_layout(

@@ -13,6 +13,7 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
 from hydrafl.arrays import from_record
+from hydrafl.compression.downloads import DownloadCompression
 from hydrafl.compression.feedback import ErrorFeedback
 from hydrafl.compression.layout import RECORD, Scheme
 from hydrafl.compression.receive import decode_reply
@@ -22,7 +23,7 @@ from hydrafl.proto.envelope import EnvelopeError, split_message
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.grid import CoordinatorGrid
-from hydrafl.server.replies import check_reply
+from hydrafl.server.replies import allowed_reply_bytes, check_reply
 
 SENT = {"w": np.ones((64, 32), dtype=np.float32), "b": np.ones(32, dtype=np.float32)}
 
@@ -143,3 +144,30 @@ def test_a_compressed_reply_is_accepted_by_the_coordinator_and_decoded_for_the_s
     finally:
         channel.close()
         coordinator.stop()
+
+
+@pytest.mark.parametrize("name", ["int8", "topk"])
+def test_a_reply_to_a_compressed_download_is_held_to_the_model_it_changes(name):
+    """The message carries packed changes, not the model: the reply is checked against (and may be as large as)
+    the float32 tensors its download record declares."""
+    config = {**_config(name), "compress-downloads": True}
+    downloads = DownloadCompression.from_config(config)
+    [whole] = downloads.prepare([_request(config)], 1)
+    answered = Message(RecordDict({"metrics": MetricRecord({"num-examples": 5})}), reply_to=whole)
+    answered.metadata.__dict__["_src_node_id"] = 1
+    assert len(list(downloads.settle([whole], [answered]))) == 1
+    [delta] = downloads.prepare([_request(config)], 2)
+    sent, _ = split_message(delta, 2)
+    assert {t.name for record in sent.arrays for t in record.tensors}.isdisjoint(SENT)  # packed, not the model
+    assert allowed_reply_bytes(sent, 0) == sum(array.nbytes for array in SENT.values())
+    delta.metadata.__dict__["_message_id"] = "m-2"
+    _check(_compressed_reply(delta, Scheme.from_config(config)), delta)
+    plain = Message(RecordDict({"arrays": ArrayRecord({n: Array(a) for n, a in SENT.items()}),
+                                "metrics": MetricRecord({"num-examples": 5})}), reply_to=delta)
+    plain.metadata.__dict__["_message_id"] = "r-2"
+    _check(plain, delta)
+    wider = Message(RecordDict({"arrays": ArrayRecord({"w": Array(np.ones((65, 32), dtype=np.float32))}),
+                                "metrics": MetricRecord({"num-examples": 5})}), reply_to=delta)
+    wider.metadata.__dict__["_message_id"] = "r-3"
+    with pytest.raises(EnvelopeError, match="does not fit in shape"):
+        _check(wider, delta)
