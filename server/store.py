@@ -15,7 +15,6 @@ import secrets
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -32,7 +31,6 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     delete,
-    event,
     select,
     update,
 )
@@ -186,16 +184,6 @@ class LeaseHeld(RuntimeError):
         )
 
 
-def _sqlite_write_ahead(connection: Any, _record: Any) -> None:
-    """A write-ahead log: a commit is one fsync of the log (synchronous=FULL keeps every commit durable) instead
-    of a rollback journal's several, and readers (the round driver, the dashboard, a sweep) never block the
-    writer storing a site's reply, where SQLite's busy handler would otherwise sleep for milliseconds at a time."""
-    cursor = connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA synchronous=FULL")
-    cursor.close()
-
-
 def hash_token(token: str) -> str:
     """Tokens are 256-bit random strings, so one SHA-256 is enough; only the hash is stored."""
     return hashlib.sha256(token.encode()).hexdigest()
@@ -208,8 +196,6 @@ class Store:
         """Open the database at `url`: an empty one is created at the newest schema revision, an older one is
         upgraded when `upgrade` (else SchemaError, as for one newer than this hydrafl)."""
         self.engine: Engine = create_engine(url)
-        if self.engine.dialect.name == "sqlite":
-            event.listen(self.engine, "connect", _sqlite_write_ahead)
         prepare_schema(self.engine, upgrade=upgrade)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
 
