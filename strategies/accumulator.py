@@ -165,7 +165,7 @@ class MaskedDeltaAccumulator:
             if delta.shape != masks[name].shape:
                 raise AggregationError(f"array {name!r} has shape {tuple(delta.shape)}, expected {tuple(masks[name].shape)}")
             self._check_shape(name, delta.shape)
-        bool_masks = {name: masks[name].to(torch.bool) for name in deltas}
+        bool_masks = {name: _as_bool(masks[name]) for name in deltas}
         counted = weight
         if self.dp is not None:  # clipped over its assigned coordinates, counted once
             weight = self.dp.clip_factor_of_norm(_norm(self.pool, deltas, bool_masks))
@@ -173,7 +173,7 @@ class MaskedDeltaAccumulator:
         tasks = []
         for name, delta in deltas.items():
             fresh = self._allocate(name, delta.shape)
-            tasks += [(self.pool, *block, weight, counted, fresh)
+            tasks += [(*block, weight, counted, fresh)
                       for block in fold.blocks(self.sums[name], self.weights[name], delta, bool_masks[name])]
         self.pool.run(fold.masked_axpy, tasks)
         _release(arrays)
@@ -242,15 +242,19 @@ class MaskedDeltaAccumulator:
         if not self.metric_records:
             raise AggregationError("no successful reply to aggregate")
         out, tasks = {}, []
-        for name, total in self.sums.items():
-            covered = torch.empty(total.shape, dtype=torch.bool)  # a quarter of the sums: not worth huge pages
+        sizes = [total.numel() for total in self.sums.values()]
+        flags = fold.empty((sum(sizes),), torch.bool).split(sizes)  # one mapping: huge pages for small layers too
+        for (name, total), covered in zip(self.sums.items(), flags):
+            covered = covered.view(total.shape)
             out[name] = (total, covered)
-            tasks += [(self.pool, *block) for block in fold.blocks(total, self.weights[name], covered)]
+            tasks += fold.blocks(total, self.weights[name], covered)
         self.pool.run(fold.masked_mean, tasks)
         if self.dp is not None:
             for name, (total, _) in out.items():
                 self.dp.noise_(total, self.weights[name])
             self.dp.end_round()
+        fold.release(self.weights.values())  # for the next round's sums (the weights are read no more)
+        self.weights = {}
         return out
 
     def _allocate(self, name: str, shape: tuple[int, ...]) -> bool:
@@ -303,6 +307,10 @@ def _norm(
     tasks = [(squares, index, *block) for index, block in enumerate(tasks)]
     pool.run(fold.squared_norm, tasks)
     return float(np.sqrt(sum(squares)))
+
+
+def _as_bool(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask.to(torch.bool)
 
 
 def _parse(reply: Message, weighted_by_key: str) -> tuple[ArrayRecord, MetricRecord, float]:

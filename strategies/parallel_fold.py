@@ -15,9 +15,10 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
+import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -30,6 +31,15 @@ memory traffic (256K-element blocks measured 10-20% slower than whole-tensor ops
 
 
 HUGE_PAGE = 1 << 21
+
+SPARE_BYTES = 1 << 30
+"""At most this much released memory waits for reuse (`release`)."""
+
+_SPARES: dict[int, list[mmap.mmap]] = {}
+"""Released mappings, by length."""
+_SPARES_LOCK = threading.Lock()
+_MAPPINGS: weakref.WeakValueDictionary[int, mmap.mmap] = weakref.WeakValueDictionary()
+"""The mapping under each tensor from `empty`, while it lives."""
 
 
 def spans(numel: int, block: int = BLOCK) -> list[tuple[int, int]]:
@@ -44,28 +54,55 @@ def flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
 
 
-def empty(shape: tuple[int, ...]) -> torch.Tensor:
-    """Uninitialised float32 sums; those of 2 MB or more on transparent huge pages. malloc maps large
-    allocations afresh, and their first write faults in 4 KB pages one by one: 40 MB of them cost 28-38 ms here,
-    several times folding a reply into them, against 6 ms in 2 MB pages. The tensor starts on a 2 MB boundary,
-    where the kernel can place a huge page (the mapping is 2 MB longer; the unused part is never touched)."""
-    nbytes = 4 * math.prod(shape)
+def empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Uninitialised sums (float32 unless told); those of 2 MB or more on transparent huge pages. malloc maps
+    large allocations afresh, and their first write faults in 4 KB pages one by one: 40 MB of them cost 28-38 ms
+    here, several times folding a reply into them, against 6 ms in 2 MB pages. The tensor starts on a 2 MB
+    boundary, where the kernel can place a huge page (the mapping is 2 MB longer; the unused part is never
+    touched). A mapping `release`d earlier is reused when one of the same length is there."""
+    nbytes = dtype.itemsize * math.prod(shape)
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(shape, dtype=torch.float32)
-    # private: a shared anonymous mapping is shared memory, which gets no huge pages
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # a kernel without transparent huge pages: 4 KB pages then
-        pass
+        return torch.empty(shape, dtype=dtype)
+    with _SPARES_LOCK:
+        spares = _SPARES.get(nbytes + HUGE_PAGE)
+        mapping = spares.pop() if spares else None
+    if mapping is None:
+        # private: a shared anonymous mapping is shared memory, which gets no huge pages
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages: 4 KB pages then
+            pass
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
     start = -raw.data_ptr() % HUGE_PAGE
-    return raw[start : start + nbytes].view(torch.float32).view(shape)
+    tensor = raw[start : start + nbytes].view(dtype).view(shape)
+    _MAPPINGS[tensor.data_ptr()] = mapping
+    return tensor
+
+
+def release(tensors: Iterable[torch.Tensor]) -> None:
+    """Hand back tensors from `empty` that nothing will read or write again (a round's counts, once its mean is
+    taken), for the next round's `empty` to reuse: a fresh mapping costs the kernel zeroing every page on its
+    first write, 2 ms per 40 MB here, 2-3% of folding 10 such replies. Their pages are freed lazily (MADV_FREE): the
+    kernel takes them back only when it runs short of memory, and a later write finds them again if it did not.
+    At most SPARE_BYTES wait; the rest is unmapped as usual."""
+    for tensor in tensors:
+        mapping = _MAPPINGS.pop(tensor.data_ptr(), None)
+        if mapping is None:
+            continue
+        if hasattr(mmap, "MADV_FREE"):
+            mapping.madvise(mmap.MADV_FREE)
+        with _SPARES_LOCK:
+            if sum(len(spare) for spares in _SPARES.values() for spare in spares) + len(mapping) <= SPARE_BYTES:
+                _SPARES.setdefault(len(mapping), []).append(mapping)
 
 
 def blocks(*tensors: torch.Tensor | None) -> list[tuple[torch.Tensor | None, ...]]:
     """The same fixed partition of tensors of one shape, as views: one tuple per block (None stays None)."""
-    parts = [None if tensor is None else _split(flat(tensor)) for tensor in tensors]
+    flats = [None if tensor is None else flat(tensor) for tensor in tensors]
+    if all(tensor is None or tensor.numel() <= BLOCK for tensor in flats):
+        return [tuple(flats)]  # one block: most layers, and this runs for each of them in every reply
+    parts = [None if tensor is None else _split(tensor) for tensor in flats]
     count = max(len(part) for part in parts if part is not None)
     return list(zip(*(part if part is not None else [None] * count for part in parts)))
 
@@ -76,21 +113,13 @@ def _split(values: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 class FoldPool:
-    """`threads` workers (default: torch's thread count) that run block tasks; the calling thread works too."""
+    """`threads` workers (default: torch's thread count) that run block tasks; the calling thread works too.
+    The helper threads are the process's (`_helpers`): shared by every pool of that size, started once."""
 
     threads: int
-    _executor: ThreadPoolExecutor | None
-    _local: threading.local
 
     def __init__(self, threads: int | None = None) -> None:
         self.threads = max(1, threads or torch.get_num_threads())
-        self._executor = None
-        self._local = threading.local()
-        if self.threads > 1:
-            self._executor = ThreadPoolExecutor(
-                self.threads - 1, thread_name_prefix="hydrafl-fold", initializer=_pin_one_torch_thread
-            )
-            weakref.finalize(self, self._executor.shutdown, wait=False)
 
     def run(self, task: Callable[..., None], items: Sequence[tuple]) -> None:
         """task(*item) for every item, claimed dynamically; returns when all are done (re-raises the first error)."""
@@ -102,20 +131,51 @@ class FoldPool:
                     task(*item)
 
         helpers = min(self.threads, len(items)) - 1
-        futures = [self._executor.submit(work) for _ in range(helpers)] if self._executor and helpers > 0 else []
+        executor = _helpers(self.threads - 1) if helpers > 0 else None
+        futures = [executor.submit(work) for _ in range(helpers)] if executor is not None else []
         try:
             work()
         finally:
             for future in futures:
                 future.result()
 
-    def scratch(self, numel: int) -> torch.Tensor:
-        """A float32 buffer of the calling thread, reused from block to block (a fresh 1 MB allocation is an
-        mmap and its page faults on every block)."""
-        buffer = getattr(self._local, "buffer", None)
-        if buffer is None or buffer.numel() < numel:
-            buffer = self._local.buffer = torch.empty(max(numel, BLOCK), dtype=torch.float32)
-        return buffer[:numel]
+
+_HELPERS: dict[int, ThreadPoolExecutor] = {}
+_HELPERS_LOCK = threading.Lock()
+_SCRATCH = threading.local()
+
+
+def _helpers(count: int) -> ThreadPoolExecutor:
+    """The process's `count` helper threads. An accumulator per round would otherwise start threads, and fault
+    in their scratch buffers, every round (0.5 ms here). Another pool running at the same time only queues
+    behind: its calling thread claims every block meanwhile."""
+    with _HELPERS_LOCK:
+        executor = _HELPERS.get(count)
+        if executor is None:
+            executor = _HELPERS[count] = ThreadPoolExecutor(
+                count, thread_name_prefix="hydrafl-fold", initializer=_pin_one_torch_thread
+            )
+        return executor
+
+
+def _forget_helpers() -> None:
+    """A forked child has none of its parent's threads: it starts its own."""
+    global _HELPERS_LOCK
+    _HELPERS_LOCK = threading.Lock()
+    _HELPERS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_helpers)
+
+
+def scratch(numel: int) -> torch.Tensor:
+    """A float32 buffer of the calling thread, reused from block to block and round to round (a fresh 4 MB
+    allocation is an mmap and its page faults)."""
+    buffer = getattr(_SCRATCH, "buffer", None)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _SCRATCH.buffer = torch.empty(max(numel, BLOCK), dtype=torch.float32)
+    return buffer if buffer.numel() == numel else buffer[:numel]
 
 
 @contextmanager
@@ -167,20 +227,24 @@ def axpy_terms(total: torch.Tensor, terms: Sequence[tuple[torch.Tensor, float]],
 
 
 def masked_axpy(
-    pool: FoldPool, total: torch.Tensor, counts: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-    alpha: float, counted: float, fresh: bool,
+    total: torch.Tensor, counts: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, alpha: float,
+    counted: float, fresh: bool,
 ) -> None:
-    """total += alpha * mask * values and counts += counted * mask. The float copy of the mask is one block
-    in a reused buffer, converted from its bytes: torch casts uint8 to float32 with vector instructions, bool
-    element by element (6x slower). First reply: the products written straight in (mask * values is exact,
-    so alpha * it rounds as addcmul's alpha * mask * values does)."""
-    float_mask = pool.scratch(mask.numel()).copy_(mask.view(torch.uint8))
+    """total += alpha * mask * values and counts += counted * mask. The mask is converted to float32 from its
+    bytes: torch casts uint8 to float32 with vector instructions, bool element by element (6x slower). First
+    reply: converted straight into the new counts, and the products written straight in (mask * values is
+    exact, so alpha * it rounds as addcmul's alpha * mask * values does); later ones: into a reused buffer."""
     if fresh:
-        torch.mul(values, alpha, out=total).mul_(float_mask)
-        torch.mul(float_mask, counted, out=counts)
-    else:
-        total.addcmul_(float_mask, values, value=alpha)
-        counts.add_(float_mask, alpha=counted)
+        counts.copy_(mask.view(torch.uint8))
+        if alpha == counted:  # counts is alpha * mask: one pass over the new sums
+            torch.mul(values, counts.mul_(counted), out=total)
+        else:
+            torch.mul(values, alpha, out=total).mul_(counts)
+            counts.mul_(counted)
+        return
+    float_mask = scratch(mask.numel()).copy_(mask.view(torch.uint8))
+    total.addcmul_(float_mask, values, value=alpha)
+    counts.add_(float_mask, alpha=counted)
 
 
 def add_scalar(counts: torch.Tensor, value: float, fresh: bool) -> None:
@@ -197,12 +261,12 @@ def squared_norm(out: list[float], index: int, values: torch.Tensor, mask: torch
     out[index] = float(torch.linalg.vector_norm(block, dtype=torch.float64)) ** 2
 
 
-def masked_mean(pool: FoldPool, total: torch.Tensor, counts: torch.Tensor, covered: torch.Tensor) -> None:
+def masked_mean(total: torch.Tensor, counts: torch.Tensor, covered: torch.Tensor) -> None:
     """total /= counts where counts > 0; covered = counts > 0. Where no site counted, total is already 0: every
     reply added mask * values there, 0 for finite values (the boundary refuses others), so 0 / 1e-30 stays 0.
     Counts are sums of positive weights, so "> 0" is "!= 0", which a cast to bool computes 4x faster than gt."""
     covered.copy_(counts)
-    total.div_(torch.clamp(counts, min=1e-30, out=pool.scratch(counts.numel())))
+    total.div_(torch.clamp(counts, min=1e-30, out=scratch(counts.numel())))
 
 
 def divide(total: torch.Tensor, divisor: float) -> None:

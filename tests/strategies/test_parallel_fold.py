@@ -72,3 +72,21 @@ def test_large_sums_are_writable_and_the_right_shape():
     small, large = fold.empty((3, 4)), fold.empty((1024, 1024))  # 4 MB: on huge pages where the kernel has them
     large.fill_(2.0)
     assert small.shape == (3, 4) and large.shape == (1024, 1024) and float(large.sum()) == 2.0 * 1024 * 1024
+
+
+def test_released_sums_are_reused_and_flags_fit_too():
+    counts = fold.empty((1024, 1024))
+    address = counts.data_ptr()
+    fold.release([counts, torch.zeros(3)])  # a small tensor is not from a mapping: left alone
+    del counts
+    assert fold.empty((1024, 1024)).data_ptr() == address  # the same pages, not faulted in again
+    flags = fold.empty((3 << 20,), torch.bool).fill_(True)
+    assert flags.dtype == torch.bool and bool(flags.all())
+
+
+def test_pools_share_the_process_helper_threads():
+    fold.FoldPool(3).run(lambda index: None, [(i,) for i in range(8)])
+    before = threading.active_count()
+    for _ in range(5):
+        fold.FoldPool(3).run(lambda index: None, [(i,) for i in range(8)])
+    assert threading.active_count() == before
