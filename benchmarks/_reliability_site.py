@@ -3,8 +3,8 @@ site whose disk fills up.
 
 Run as a module, this is a site that kills itself (SIGKILL, no cleanup) once it has streamed half of its first
 multi-chunk upload: `python -m hydrafl.benchmarks._reliability_site --coordinator HOST:PORT` with the token in
-$HYDRAFL_SITE_TOKEN. Everything else it does as `hydrafl site` does, so the real site restarted after it
-trains the same reply and finds the chunks already sent.
+$HYDRAFL_SITE_TOKEN. Everything else it does as `hydrafl site` does, so the site restarted after it
+(`--restarted`, the same agent, not dying) trains the same reply and finds the chunks already sent.
 """
 
 from __future__ import annotations
@@ -57,11 +57,13 @@ class DyingAgent(SiteAgent):
 
 
 def site_upload_resume(root: Path, timeout_s: float = 600) -> dict[str, Any]:
-    """Three sites, one killed halfway through its first upload and restarted as `hydrafl site` with the
-    same token: what the coordinator held from the dead upload, what the restarted site skipped, the run's end."""
+    """Three sites, one killed halfway through its first upload and restarted with the same token (the site
+    agent `hydrafl site` runs, streaming its replies as a model over one chunk does): what the coordinator held
+    from the dead upload, what the restarted site skipped, the run's end."""
     cfg = RUN.replace(rounds=2)
     cluster = Cluster(root, ["steady-0", "steady-1", "dying"])
     started = time.perf_counter()
+    restarted: subprocess.Popen | None = None
     try:
         run_id = cluster.queue(cfg)
         cluster.start_coordinator()
@@ -74,7 +76,9 @@ def site_upload_resume(root: Path, timeout_s: float = 600) -> dict[str, Any]:
         killed = dying.wait(timeout_s) == -signal.SIGKILL
         node = next(site.node_id for site in cluster.store.sites() if site.name == "dying")
         held = sum(1 for p in (root / "blobs" / "sites" / str(node)).rglob("*") if p.is_file())
-        cluster.start_site("dying")
+        with cluster.site_log("dying").open("a") as log:
+            restarted = subprocess.Popen([sys.executable, "-m", "hydrafl.benchmarks._reliability_site", "--coordinator",
+                                          cluster.address, "--restarted"], env=env, stdout=log, stderr=log)
         status = cluster.wait_run(run_id, timeout_s)
         outcome = cluster.outcome(run_id)
         match = RESUMED.search(_read(cluster.site_log("dying")))
@@ -87,6 +91,9 @@ def site_upload_resume(root: Path, timeout_s: float = 600) -> dict[str, Any]:
                        and outcome.sites_ok == [cfg.sites] * cfg.rounds),
         }
     finally:
+        if restarted is not None:
+            restarted.kill()
+            restarted.wait()
         cluster.close()
 
 
@@ -139,9 +146,13 @@ def _read(path: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--coordinator", required=True)
+    parser.add_argument("--restarted", action="store_true", help="the site restarted after the kill: it does not die")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    DyingAgent(args.coordinator, os.environ["HYDRAFL_SITE_TOKEN"], client_app, {}, demo=True).run()
+    agent = SiteAgent if args.restarted else DyingAgent
+    # every reply streams (the campaign's small model would otherwise travel inline, in one call, with nothing
+    # to resume): what a model larger than one chunk does
+    agent(args.coordinator, os.environ["HYDRAFL_SITE_TOKEN"], client_app, {}, demo=True, inline_bytes=0).run()
 
 
 if __name__ == "__main__":

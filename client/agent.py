@@ -119,8 +119,12 @@ class SiteAgent:
         policy: SitePolicy = SitePolicy(),
         tls: SiteTls | None = None,
         max_download_bytes: int | None = None,
+        inline_bytes: int = INLINE_BYTES,
     ) -> None:
         self.coordinator = coordinator
+        self.inline_bytes = inline_bytes
+        """Replies whose chunks total at most this go inline in PushReply; larger ones (all, with 0) stream after
+        asking which chunks the coordinator already holds, so an interrupted upload resumes."""
         self.client_app = client_app
         self.node_config = dict(node_config)
         self.demo = demo
@@ -310,7 +314,7 @@ class SiteAgent:
 
     def _push(self, stub: CoordinatorClient, reply: Message, server_round: int) -> None:
         envelope, chunks = split_message(reply, server_round)
-        if sum(len(data) for data in chunks.values()) <= INLINE_BYTES:  # one call; putting a chunk again is idempotent
+        if sum(len(data) for data in chunks.values()) <= self.inline_bytes:  # one call; re-putting a chunk is harmless
             inline = [pb.Chunk(digest=digest, data=bytes(data)) for digest, data in chunks.items()]
             stub.PushReply(pb.PushReplyRequest(envelope=envelope, chunks=inline), metadata=self.metadata)
             return

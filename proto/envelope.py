@@ -33,9 +33,10 @@ from hydrafl.arrays import array_view
 from hydrafl.proto.coordinator_pb2 import Envelope, RecordManifest, TensorManifest
 
 CHUNK_BYTES = 1 << 20
-INLINE_BYTES = 2 << 20
-"""A message or reply whose chunks total at most this carries them inline (in PullMessage's answer, in PushReply):
-one call instead of two or three, which is most of a small model's round trip."""
+INLINE_BYTES = CHUNK_BYTES
+"""A message or reply whose chunks total at most this (one chunk's worth) carries them inline, in PullMessage's
+answer or in PushReply: one call instead of two or three, which is most of a small model's round trip. Anything
+larger streams, so an interrupted transfer resumes with the chunks still missing."""
 MAX_DIMENSION = 1 << 40
 """No real tensor axis is longer; a larger one is a hostile manifest (even on a zero-size tensor)."""
 MAX_RANK = 8
