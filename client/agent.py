@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import grpc
 from flwr.app import Context, Error, Message, Metadata, RecordDict
@@ -287,10 +287,7 @@ class SiteAgent:
         self.chunk_cache = {digest: self.chunk_cache[digest] for digest in sizes if digest in self.chunk_cache}
         with Assembly(envelope, self.chunk_cache) as assembly:
             wanted = {digest: size for digest, size in sizes.items() if digest not in self.chunk_cache}
-            for chunk in inline:  # checked as downloaded chunks are
-                _check_chunk(chunk, wanted)
-                del wanted[chunk.digest]
-                assembly.add(chunk.digest, chunk.data)
+            _take(inline, wanted, assembly)  # checked as downloaded chunks are
             self._fetch(stub, wanted, assembly)
             message = join_message(envelope, self.chunk_cache, verified=True, assembled=assembly.arrays())
         self.chunk_cache.clear()  # the arrays hold their own bytes; training need not hold the chunks as well
@@ -305,10 +302,7 @@ class SiteAgent:
         pending = dict(wanted)
         call = stub.GetChunks(pb.GetChunksRequest(digests=list(wanted)), metadata=self.metadata)
         try:
-            for chunk in call:
-                _check_chunk(chunk, pending)
-                del pending[chunk.digest]
-                assembly.add(chunk.digest, chunk.data)
+            _take(call, pending, assembly)
         finally:
             call.cancel()
 
@@ -383,7 +377,15 @@ def _probe_bytes(envelope: pb.Envelope) -> int:
         return 1
 
 
-def _check_chunk(chunk: ChunkView, pending: dict[str, int]) -> None:
+def _take(chunks: Iterable[ChunkView | pb.Chunk], pending: dict[str, int], assembly: Assembly) -> None:
+    """Each chunk into the assembly once checked against `pending` (digest -> size), which it leaves."""
+    for chunk in chunks:
+        _check_chunk(chunk, pending)
+        del pending[chunk.digest]
+        assembly.add(chunk.digest, chunk.data)
+
+
+def _check_chunk(chunk: ChunkView | pb.Chunk, pending: dict[str, int]) -> None:
     if chunk.digest not in pending:
         raise MessageRefused(f"the coordinator sent chunk {chunk.digest[:12]!r}, which this site did not ask for "
                              "or already received")

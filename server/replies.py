@@ -23,16 +23,16 @@ from hydrafl.server.compressed_replies import check_compressed_layout, check_com
 from hydrafl.server.compressed_replies import download_model, sent_model
 from hydrafl.server.secagg_replies import check_secagg_reply, is_secagg, secagg_length
 
-def allowed_reply_bytes(sent: Envelope, max_model_bytes: int) -> int:
+def allowed_reply_bytes(sent: Envelope, max_model_bytes: int, sent_content: RecordDict | None = None) -> int:
     """The most array bytes a reply to `sent` may carry: the model it stands for (what was sent, or what a
     compressed download changes), or, for a query that sent no arrays (the initial model), the coordinator's
-    model limit; evaluate replies carry none."""
+    model limit; evaluate replies carry none. `sent_content`: `sent`'s records, when the caller has parsed them."""
     kind = message_kind(sent.message_type)
     if kind == "evaluate":
         return 0
     if kind == "train" and (length := secagg_length(sent)) is not None:
         return 4 * length  # a masked uint32 vector, whatever the site was sent
-    downloaded = download_model(parse_content(sent))
+    downloaded = download_model(parse_content(sent) if sent_content is None else sent_content)
     sent_bytes = declared_nbytes(sent) if downloaded is None else sum(4 * math.prod(s) for s in downloaded.values())
     if sent_bytes:
         return sent_bytes
@@ -73,7 +73,8 @@ def check_reply(
     if compressed:  # packed arrays of the run's scheme, held to its exact layout for the tensors sent
         check_compressed_layout(reply, content, sent, sent_content)
     else:
-        _check_against_sent(reply, sent_model(sent, sent_content), allowed_reply_bytes(sent, max_model_bytes))
+        limit = allowed_reply_bytes(sent, max_model_bytes, sent_content)
+        _check_against_sent(reply, sent_model(sent, sent_content), limit)
     _check_chunks(reply, chunk_size, chunk_bytes, known_finite)
     if compressed:
         check_compressed_values(reply, content, sent_content, chunk_bytes)
