@@ -4,12 +4,12 @@
 
 Upload: one update (16 float32 arrays, 1 GiB in all) goes up the hydrafl way, as a site does it:
 split_message (views of the arrays' bytes, every 1 MiB chunk named by its XXH3-128) -> HasChunks ->
-PutChunks (a stream of 1 MiB chunks; the coordinator's writer threads check each one's XXH3, write it as a blob
-and start its writeback while the next ones arrive, noting which chunks hold only finite float32) -> PushReply
-(the coordinator checks the manifest and chunk sizes, reads back only chunks not known finite, makes every
-chunk durable with one syncfs, and records the reply in SQLite). The baseline streams the same
-bytes in 1 MiB messages to a stream-unary handler that only counts them, served with the coordinator's thread
-pool and gRPC options. Both servers are separate processes (as a site and its coordinator are); both clients
+PutChunks (a stream of 1 MiB chunks; the coordinator's writer threads check each one's XXH3 and write it into
+the stream's pack file past the page cache (`server.packs`) while the next ones arrive, noting which chunks hold
+only finite float32) -> PushReply (the coordinator checks the manifest and chunk sizes, reads back only chunks
+not known finite, makes every chunk durable with one syncfs, and records the reply in SQLite). The baseline
+streams the same bytes in 1 MiB messages to a stream-unary handler that only counts them, served with the
+coordinator's thread pool and gRPC options. Both servers are separate processes (as a site and its coordinator are); both clients
 start from the same numpy arrays. Building the reply Message is the ClientApp's job and is not timed. The two
 alternate order over the repetitions; every repetition marks each chunk differently, so nothing is
 deduplicated. Each accepted update is read back through `CoordinatorGrid.pull_messages` and compared byte for
@@ -18,9 +18,9 @@ alone on the same bytes, in this process, to say where hydrafl's time goes; "dur
 time the writer pool needs to write the bytes and sync them once with no other work: no durable upload to this
 disk can beat it, so raw / floor is the highest ratio reachable here.
 
-Download: the same size of model from the coordinator to a site (`_wire_download`), against a raw server stream. The throughput runs again with the
-coordinator's database and blobs on tmpfs (/dev/shm, where fsync is free), which measures the protocol
-without the disk.
+Download: the same size of model from the coordinator to a site (`_wire_download`), against a raw server stream.
+The throughput runs again with the coordinator's database and blobs on tmpfs (/dev/shm, where fsync is free but
+O_DIRECT is refused, so packs are written through the page cache: every page of it memory new to the process).
 
 Memory: a fresh coordinator process; `--sites` sites push one update each at the same moment (threads here,
 one connection each, chunks split beforehand so that the uploads really overlap). Its RSS is sampled every
@@ -55,6 +55,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from hydrafl.benchmarks._common import benchmark_parser
 from hydrafl.benchmarks._wire_server import RAW_METHOD, RssSampler, ServerProcess, durable_writes, filesystem
 from hydrafl.identity import claim_server_identity
+from hydrafl.malloc_tuning import keep_freed_memory
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.chunk_wire import CoordinatorClient
 from hydrafl.proto.envelope import CHUNK_BYTES, SENT, UPLOADED, join_message, split_message
@@ -62,6 +63,7 @@ from hydrafl.protocol import GRPC_OPTIONS, WEIGHT
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.grid import CoordinatorGrid
 from hydrafl.server.limits import SiteLimits
+from hydrafl.server.packs import UploadPacks
 from hydrafl.server.replies import check_reply
 from hydrafl.server.service import CoordinatorService
 from hydrafl.server.store import Store
@@ -276,15 +278,15 @@ def components(scale: Scale, workdir: Path) -> dict[str, Any]:
         work()
         seconds.setdefault(name, []).append(time.perf_counter() - started)
 
-    def put_all(folder: Path) -> BlobStore:
+    def put_all(folder: Path) -> UploadPacks:
         shutil.rmtree(folder, ignore_errors=True)
-        blobs = BlobStore(folder, naming=UPLOADED)
-        blobs.put_stream(chunks.items())
-        return blobs
+        uploads = BlobStore(folder).uploads(site.node_id)
+        uploads.put_stream(chunks.items())
+        return uploads
 
     sent, _ = split_message(request, 1)
 
-    def push_reply_work(blobs: BlobStore) -> None:  # CoordinatorService.PushReply between its two SQLite calls
+    def push_reply_work(blobs: UploadPacks) -> None:  # CoordinatorService.PushReply between its two SQLite calls
         check_reply(envelope, sent, chunk_size=blobs.size, chunk_bytes=blobs.get, weighted_by_key=WEIGHT,
                     max_model_bytes=SiteLimits().max_model_bytes, known_finite=blobs.finite_float32)
         blobs.sync()
@@ -443,6 +445,7 @@ def throughput_on_tmpfs(scale: Scale, raw: ServerProcess) -> dict[str, Any] | No
 
 
 def main() -> None:
+    keep_freed_memory()  # this process is the site of every run here, and takes its memory setting (`hydrafl site`)
     parser = benchmark_parser(__doc__, str(QUICK))
     args = parser.parse_args()
     scale = QUICK if args.quick else FULL

@@ -40,7 +40,7 @@ from flwr.proto.message_pb2 import Metadata as ProtoMetadata  # pylint: disable=
 
 from hydrafl.site_pipeline import answer
 from hydrafl.site_policy import SitePolicy
-from hydrafl.client.download import Assembly
+from hydrafl.client.download import Assembly, Received
 from hydrafl.client.tls import SiteTls
 from hydrafl.malloc_tuning import keep_chunk_buffers
 from hydrafl.data import DataError
@@ -136,8 +136,8 @@ class SiteAgent:
         self.metadata = (("authorization", f"Bearer {token}"),)
         self.contexts: OrderedDict[int, Context] = OrderedDict()
         self.node_id = 0
-        self.chunk_cache: dict[str, bytes | memoryview] = {}
-        """Chunks of the message in hand: a download cut by a dropped connection resumes with the rest."""
+        self.received = Received()
+        """What the site holds of the message in hand: a download cut by a dropped connection resumes with the rest."""
         keep_chunk_buffers()  # this process streams chunks from now on
 
     def run(self, stop: threading.Event | None = None, max_backoff_s: float = 30.0) -> None:
@@ -203,7 +203,7 @@ class SiteAgent:
                     raise
                 # A late reply (round closed) or one the coordinator refused: drop it and take the next message.
                 log.warning("coordinator refused the reply (%s): %s", error.code().name, error.details())
-            self.chunk_cache.clear()
+            self.received.clear()
 
     def _pull(self, stub: CoordinatorClient, request: pb.PullMessageRequest, stop: threading.Event) -> pb.PullMessageReply | None:
         """One (long) poll for the next message; None when `stop` is set while it waits (the call is cancelled)."""
@@ -284,13 +284,13 @@ class SiteAgent:
                 f"{_size(self.max_download_bytes)} (--max-download-mb)"
             )
         sizes = chunk_sizes(envelope)
-        self.chunk_cache = {digest: self.chunk_cache[digest] for digest in sizes if digest in self.chunk_cache}
-        with Assembly(envelope, self.chunk_cache) as assembly:
-            wanted = {digest: size for digest, size in sizes.items() if digest not in self.chunk_cache}
+        self.received.keep_for(envelope)
+        with Assembly(envelope, self.received) as assembly:
+            wanted = {digest: sizes[digest] for digest in assembly.missing()}
             _take(inline, wanted, assembly)  # checked as downloaded chunks are
             self._fetch(stub, wanted, assembly)
-            message = join_message(envelope, self.chunk_cache, verified=True, assembled=assembly.arrays())
-        self.chunk_cache.clear()  # the arrays hold their own bytes; training need not hold the chunks as well
+            message = join_message(envelope, self.received.chunks, verified=True, assembled=assembly.arrays())
+        self.received.clear()
         return message
 
     def _fetch(self, stub: CoordinatorClient, wanted: dict[str, int], assembly: Assembly) -> None:

@@ -3,7 +3,9 @@
 What the coordinator sends (the global model, shared by every site) lives at the root, named by BLAKE3; what a
 site uploads lives in that site's own namespace, `<root>/sites/<node id>/`, named by XXH3-128 (`envelope.naming`),
 so a site can only ever read back, count against its quota, or corrupt its own uploads, and its unreferenced
-uploads can be deleted without touching anyone else's.
+uploads can be deleted without touching anyone else's. Uploads are read once, so they are stored in packs
+written past the page cache (`packs.UploadPacks`); what is sent is read by every site, so it is stored here,
+one file per chunk, and served from the cache.
 
 A chunk is verified against its name when it is written, written to a temporary file and renamed into place, and
 never rewritten, so re-sending a chunk (a resumed upload, a retry) is free and cannot corrupt what is stored.
@@ -12,8 +14,7 @@ Durability is one call per push, not one per chunk: each write only starts its w
 anything that refers to them; per-chunk fsyncs measured twice as slow here. A chunk a crash left short is
 rewritten when it is sent again. Streams of chunks are verified and written by a pool of writer threads while
 the next chunks arrive (digests and writes release the GIL), so an upload costs about the slowest of receiving,
-checking and the disk rather than their sum. Writers also note which chunks hold only finite float32 values, so a
-reply's NaN/Inf check need not read them back.
+checking and the disk rather than their sum.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-import numpy as np
-
 from hydrafl.proto.envelope import SENT, UPLOADED, ChunkNaming, EnvelopeError
+from hydrafl.server.disk import ChunkStat, sync_filesystem
+from hydrafl.server.packs import UploadPacks
 
 WRITERS = 8
 CHUNKS_IN_FLIGHT = 16
@@ -48,17 +49,16 @@ class BlobStore:
         self._writers = writers or ThreadPoolExecutor(WRITERS, thread_name_prefix="blob-writer")
         self._folders: set[str] = set()
         """Fan-out folders known to exist (saves a mkdir call per chunk)."""
-        self._uploads: dict[int, BlobStore] = {}
-        self._finite32: set[str] = set()
-        """Chunks this process wrote whose bytes, read as float32, are all finite."""
+        self._uploads: dict[int, UploadPacks] = {}
         self._lock = threading.Lock()
 
-    def uploads(self, node_id: int) -> BlobStore:
+    def uploads(self, node_id: int) -> UploadPacks:
         """The namespace of one site's uploads (same writer threads)."""
         with self._lock:
             if node_id not in self._uploads:
                 folder = self.root / "sites" / str(int(node_id))
-                self._uploads[node_id] = BlobStore(folder, naming=UPLOADED, writers=self._writers)
+                legacy = BlobStore(folder, naming=UPLOADED, writers=self._writers)
+                self._uploads[node_id] = UploadPacks(folder, writers=self._writers, legacy=legacy)
             return self._uploads[node_id]
 
     def _path(self, digest: str) -> Path:
@@ -78,14 +78,13 @@ class BlobStore:
         """Temporary files of writes a crash cut short (this namespace): never a stored chunk."""
         return list(self.root.glob("??/*.part"))
 
-    def stat(self, digest: str) -> os.stat_result:
+    def stat(self, digest: str) -> ChunkStat:
         """Size and modification time; a sweep spares chunks written or re-put recently."""
-        return self._path(digest).stat()
+        stat = self._path(digest).stat()
+        return ChunkStat(modified=stat.st_mtime, nbytes=stat.st_size)
 
     def delete(self, digest: str) -> None:
         self._path(digest).unlink(missing_ok=True)
-        with self._lock:
-            self._finite32.discard(digest)
 
     def has(self, digest: str) -> bool:
         return self._path(digest).exists()
@@ -131,29 +130,11 @@ class BlobStore:
         finally:
             os.close(descriptor)
         os.replace(temporary, path)
-        if len(data) % 4 == 0 and np.isfinite(np.frombuffer(data, dtype=np.float32)).all():
-            with self._lock:
-                self._finite32.add(digest)
         return True
-
-    def finite_float32(self, digest: str) -> bool:
-        """True when this process wrote the chunk and its bytes, read as float32, are all finite; False says
-        nothing (read it to know)."""
-        with self._lock:
-            return digest in self._finite32
 
     def sync(self) -> None:
         """Make every chunk written before this call durable, data and names: one syncfs for the filesystem."""
-        if _LIBC is None:
-            os.sync()
-            return
-        descriptor = os.open(self.root, os.O_RDONLY)
-        try:
-            if _LIBC.syncfs(descriptor) != 0:
-                error = ctypes.get_errno()
-                raise OSError(error, f"syncfs of {self.root}: {os.strerror(error)}")
-        finally:
-            os.close(descriptor)
+        sync_filesystem(self.root)
 
     def put_stream(self, chunks: Iterable[tuple[str, bytes | memoryview]]) -> tuple[int, int]:
         """Store chunks as they come, verified and written in parallel; returns (stored, already present).

@@ -20,8 +20,8 @@ every sweep recomputes what is live from the database, so the next one (each rou
 before it serves) deletes those orphans: sweeps are idempotent.
 
 `hydrafl admin gc` may run beside a serving coordinator, whose next push may re-use a chunk the sweep found
-unreferenced: `BlobStore.put` refreshes the mtime of a chunk it finds stored, and a sweep beside a live
-coordinator spares chunks younger than ORPHAN_GRACE_S.
+unreferenced: a put refreshes the write time of a chunk it finds stored (a chunk file's mtime, a pack slot's
+header), and a sweep beside a live coordinator spares chunks younger than ORPHAN_GRACE_S.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from hydrafl.checkpoint import archive_checkpoint, stale_checkpoints
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.envelope import EnvelopeError, chunk_hashes
 from hydrafl.server.blobs import BlobStore
+from hydrafl.server.packs import UploadPacks
 from hydrafl.server.config import DEFAULT_KEEP_CHECKPOINTS
 from hydrafl.server.store import AuditEvent, OutboundMessage, Reply, Run, Store, lease_age_s
 
@@ -234,7 +235,7 @@ class Retention:
         """Delete every chunk not in `live` (None: the root, else a site's namespace), but the busy sites' uploads
         and, beside a live coordinator, chunks younger than the grace."""
         spared = set(busy)
-        namespaces: list[tuple[int | None, BlobStore]] = [(None, self.blobs)]
+        namespaces: list[tuple[int | None, BlobStore | UploadPacks]] = [(None, self.blobs)]
         namespaces += [(node, self.blobs.uploads(node)) for node in self.blobs.namespaces() if node not in spared]
         horizon = time.time() - self.grace_s
         for key, blobs in namespaces:
@@ -243,15 +244,15 @@ class Retention:
                     continue
                 try:
                     stat = blobs.stat(digest)
-                except FileNotFoundError:
+                except (FileNotFoundError, KeyError):
                     continue
-                if stat.st_mtime > horizon:
+                if stat.modified > horizon:
                     continue
                 if not self.dry_run:
                     blobs.delete(digest)
                     _pause_for_tests(report.chunks == 0)
                 report.chunks += 1
-                report.chunk_bytes += stat.st_size
+                report.chunk_bytes += stat.nbytes
             if partials:
                 for path in blobs.partials():
                     if path.stat().st_mtime <= horizon and not self.dry_run:
