@@ -102,6 +102,32 @@ def test_hydra_nets_over_the_wire_match_the_simulation(deployment, tmp_path):
 
 
 @pytest.mark.slow
+def test_compressed_downloads_over_the_wire_match_the_simulation(deployment, tmp_path):
+    """Error-feedback downloads through the real transport: each site holds the reference the coordinator built
+    its message on, and the bytes each site downloads and the losses are those of the in-process simulation."""
+    store, run_id, address, tokens, start_server, start_site = deployment
+    compressed = {"compress": "int8", "compress-downloads": True}
+    with store.session() as session, session.begin():
+        run = session.get(StoredRun, run_id)
+        run.config = {**run.config, **compressed}
+    start_server()
+    for token in tokens:
+        start_site(token)
+    wait_until(lambda: store.run(run_id).status in ("finished", "failed"), 240, "the run did not finish")
+    run = store.run(run_id)
+    assert run.status == "finished", run.detail
+    plain = run_strategy(RunConfig.from_flower({**RUN.to_flower(), "run-dir": str(tmp_path / "plain")}), "inprocess")
+    simulated = run_strategy(
+        RunConfig.from_flower({**RUN.to_flower(), **compressed, "run-dir": str(tmp_path / "sim")}), "inprocess"
+    )
+    for deployed, local in zip(run.history, simulated, strict=True):
+        assert sorted(deployed["bytes_down_per_site"].values()) == sorted(local["bytes_down_per_site"].values())
+        assert deployed["loss"] == pytest.approx(local["loss"], rel=1e-5)
+    middle = len(plain) // 2  # after first contact, before the final evaluation's whole model
+    assert sum(run.history[middle]["bytes_down_per_site"].values()) < sum(plain[middle]["bytes_down_per_site"].values()) / 3
+
+
+@pytest.mark.slow
 def test_kill_9_of_the_coordinator_mid_run_then_restart_finishes_with_the_same_model(deployment, tmp_path):
     store, run_id, address, tokens, start_server, start_site = deployment
     server = start_server()
