@@ -68,7 +68,9 @@ def punch_hole(descriptor: int, offset: int, length: int) -> bool:
 
 def preallocate(descriptor: int, offset: int, length: int) -> None:
     """Allocate blocks ahead of writes (an unbuffered write into allocated space is what a disk does fastest)."""
+    if not hasattr(os, "posix_fallocate"):  # macOS: the writes allocate as they go
+        return
     try:
         os.posix_fallocate(descriptor, offset, length)
-    except OSError:  # not supported here: the writes allocate as they go
+    except OSError:  # not supported by this file system: likewise
         pass

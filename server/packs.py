@@ -365,9 +365,14 @@ class _StreamPack:
         finally:
             os.close(self._descriptor)
         partial = self.ref.path
-        if self.written:
+        if not self.written:
+            partial.unlink(missing_ok=True)
+            return
+        try:
             os.link(partial, self.final_path)
-            self.ref.path = self.final_path
+        except OSError:  # a file system without hard links: renamed, unseen for an instant
+            os.replace(partial, self.final_path)
+        self.ref.path = self.final_path
         partial.unlink(missing_ok=True)
 
 
