@@ -75,10 +75,10 @@ class Assembly:
                 continue
             for digest in set(tensor.chunk_digests):
                 self._takers[digest] = self._takers.get(digest, 0) + 1
-            missing = {digest for digest in tensor.chunk_digests if digest not in received.chunks}
+            missing = [digest for digest in dict.fromkeys(tensor.chunk_digests) if digest not in received.chunks]
             for digest in missing:
                 self._waiting.setdefault(digest, []).append(index)
-            self._missing[index] = missing
+            self._missing[index] = set(missing)
             pending.append(index)
         for index in pending:
             if not self._missing[index]:
@@ -98,7 +98,7 @@ class Assembly:
             del self.received.arrays[content]
 
     def missing(self) -> list[str]:
-        """The chunks still to come."""
+        """The chunks still to come, in the manifest's order."""
         return list(self._waiting)
 
     def add(self, digest: str, data: bytes | memoryview) -> None:
