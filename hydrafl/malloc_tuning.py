@@ -13,7 +13,9 @@ of system time per GiB (the host backs each page at its first touch), against no
 touched before. `keep_freed_memory` keeps up to 2 GiB of freed memory for the next round: measured on a 1 GiB
 download (with `client.download` letting each tensor's chunks go), 4.0 s -> 0.93 s, 525,000 page faults -> none. The price is that the process's resident memory
 stays near its peak, as with jemalloc or tcmalloc; so only the `hydrafl site` and `hydrafl server` processes
-ask for it, never a library caller.
+ask for it (`hydrafl.cli.main`), never a library caller. It also moves where large buffers start in memory,
+which can change the last bits of float sums (numpy's vectorised loops split at alignment boundaries): one
+more reason to keep it out of processes that compare numbers with recorded ones.
 """
 
 from __future__ import annotations

@@ -6,12 +6,14 @@
 
 from __future__ import annotations
 
+import sys
 from importlib.metadata import version
 from typing import Annotated
 
 import typer
 
 from hydrafl.cli import admin, server, simulate, site, stability
+from hydrafl.malloc_tuning import keep_freed_memory
 
 app = typer.Typer(
     help="hydrafl: federated fine-tuning for hospital consortia.", no_args_is_help=True, pretty_exceptions_show_locals=False
@@ -41,5 +43,14 @@ app.command("server")(server.server)
 app.command("site")(site.site)
 
 
+LONG_LIVED = ("site", "server")
+"""Commands whose process lives for many rounds, and keeps the memory a round frees for the next one."""
+
+
 def main() -> None:
+    """The `hydrafl` command. A site or coordinator process takes `keep_freed_memory` here, before any thread
+    starts, and never in-process (a test or an embedding program keeps its own allocator)."""
+    command = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), "")
+    if command in LONG_LIVED:
+        keep_freed_memory()
     app()

@@ -68,9 +68,6 @@ def server(
 def serve(config: CoordinatorConfig, dashboard: DashboardConfig | None = None) -> None:
     """Start a coordinator on `config` (and its dashboard) and drive runs until interrupted; refusals exit 2, a
     lost lease 1."""
-    from hydrafl.malloc_tuning import keep_freed_memory
-
-    keep_freed_memory()  # before any thread starts: each round's updates reuse the last round's memory
     from hydrafl.server.coordinator import Coordinator, LeaseLost
     from hydrafl.server.dashboard import Dashboard
     from hydrafl.server.migrations import SchemaError

@@ -58,9 +58,6 @@ def site(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also log every message and Flower's own messages (joining, rounds and run ends are always logged).")] = False,
 ) -> None:
     """Join a coordinator as a hospital site (outbound connection only) and train when asked."""
-    from hydrafl.malloc_tuning import keep_freed_memory
-
-    keep_freed_memory()  # before any thread starts: each round's model reuses the last one's memory
     import grpc
 
     from hydrafl.client.agent import SiteAgent, SiteRefused, Unreachable
