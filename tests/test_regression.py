@@ -4,6 +4,12 @@ and the LoRA baselines, at fixed seeds. A refactoring must leave every loss, acc
 `python tests/test_regression.py` rewrites the baseline; do that only for a change meant to alter the numbers.
 Round 1's bytes down of the tiered strategies include their planning round's queries (the driver counts every
 exchange); every loss, accuracy and weight is as the strategies computed them before they were composed.
+
+Float kernels differ between CPUs (vector widths, and so the order of sums), and training carries the difference
+along: on two hosts of this machine kind, losses agreed to 5e-7 relative, a final array's sum to 9e-5 of its
+norm and its squared norm to 2e-5 relative (a sum of weights near zero cancels, so its own relative error says
+nothing). So losses and accuracies are held to 1e-5, an array's sum to 1e-3 of its norm and its squared norm
+to 1e-4: far inside what any change to the arithmetic moves them.
 """
 
 from __future__ import annotations
@@ -57,8 +63,20 @@ def numbers(case: str, out: Path) -> dict[str, Any]:
     return summary
 
 
+def _close_array(expected: list[float], actual: list[float], where: str) -> None:
+    """[sum, squared norm] of a final array."""
+    (total, squares), (got_total, got_squares) = expected, actual
+    norm = math.sqrt(squares)
+    assert abs(got_total - total) <= 1e-3 * norm + 1e-9, f"{where}: sum {got_total} != {total} (norm {norm:.4g})"
+    assert math.isclose(got_squares, squares, rel_tol=1e-4, abs_tol=1e-12), f"{where}: {got_squares} != {squares}"
+
+
 def _close(expected: Any, actual: Any, where: str) -> None:
-    if isinstance(expected, dict):
+    if where.endswith(".arrays") and isinstance(expected, dict):
+        assert set(actual) == set(expected), f"{where}: keys {sorted(actual)} != {sorted(expected)}"
+        for key in expected:
+            _close_array(expected[key], actual[key], f"{where}.{key}")
+    elif isinstance(expected, dict):
         assert set(actual) == set(expected), f"{where}: keys {sorted(actual)} != {sorted(expected)}"
         for key in expected:
             _close(expected[key], actual[key], f"{where}.{key}")

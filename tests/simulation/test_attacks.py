@@ -149,15 +149,18 @@ def test_simulate_takes_the_attack_and_the_attackers_fraction_as_keys():
 
 @pytest.mark.slow
 def test_a_scaling_attack_wrecks_fedavg_but_not_the_masked_median(tmp_path):
+    """Judged by the final loss: the final accuracy of 60 samples a site moves in steps of a few points, and a
+    step or two from one CPU to another (measured: 0.60 clean, 0.40 or 0.45 attacked, 0.55 median)."""
     run = SMALL_RUN.replace(sites=5, samples_per_site=60, rounds=4)
 
-    def final_accuracy(strategy, attack="", knobs=None):
+    def final_round(strategy, attack="", knobs=None):
         config = SimulationConfig(run=run, strategies=(strategy,), knobs=knobs or {}, out=str(tmp_path / strategy / attack),
                                   attack=attack, attackers=0.2 if attack else 0.0)
-        return compare_strategies(config, show_progress=False)["strategies"][strategy]["rounds"][-1]["accuracy"]
+        return compare_strategies(config, show_progress=False)["strategies"][strategy]["rounds"][-1]
 
-    clean = final_accuracy("fedavg")
-    attacked = final_accuracy("fedavg", "scale")
-    robust = final_accuracy("hydra", "scale", {"robust_rule": "median"})
-    assert attacked < clean - 0.15  # measured: 0.60 clean, 0.40 attacked (the majority class), 0.55 median
-    assert robust > clean - 0.1
+    clean = final_round("fedavg")
+    attacked = final_round("fedavg", "scale")
+    robust = final_round("hydra", "scale", {"robust_rule": "median"})
+    assert attacked["loss"] > 3 * clean["loss"]  # measured: 0.82 clean, 3.9 attacked, 0.81 median
+    assert robust["loss"] < 1.2 * clean["loss"]
+    assert attacked["accuracy"] < clean["accuracy"] and robust["accuracy"] > clean["accuracy"] - 0.1
