@@ -11,11 +11,12 @@ received), and glibc hands every buffer over 32 MiB, and any free memory at the 
 MiB, back to the kernel. Memory fresh from the kernel is what costs most here: on this machine's VM about 1-2 s
 of system time per GiB (the host backs each page at its first touch), against none for memory the process
 touched before. `keep_freed_memory` keeps up to 2 GiB of freed memory for the next round: measured on a 1 GiB
-download (with `client.download` letting each tensor's chunks go), 4.0 s -> 0.93 s, 525,000 page faults -> none. The price is that the process's resident memory
-stays near its peak, as with jemalloc or tcmalloc; so only the `hydrafl site` and `hydrafl server` processes
-ask for it (`hydrafl.cli.main`), never a library caller. It also moves where large buffers start in memory,
-which can change the last bits of float sums (numpy's vectorised loops split at alignment boundaries): one
-more reason to keep it out of processes that compare numbers with recorded ones.
+download (with `client.download` letting each tensor's chunks go), 4.0 s -> 0.93 s, 525,000 page faults ->
+none. The price is that the process's resident memory stays near its peak, as with jemalloc or tcmalloc; so
+only the `hydrafl site` and `hydrafl server` processes ask for it (`hydrafl.cli.main`), never a library
+caller. It also moves where large buffers start in memory, which can change the last bits of float sums
+(numpy's vectorised loops split at alignment boundaries): one more reason to keep it out of processes that
+compare numbers with recorded ones.
 """
 
 from __future__ import annotations

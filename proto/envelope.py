@@ -70,6 +70,11 @@ class ChunkNaming:
         if not self.is_name(text):
             raise EnvelopeError(f"{text[:80]!r} is not a {self.algorithm} hex digest")
 
+    def verify(self, digest: str, data: bytes | memoryview) -> None:
+        """EnvelopeError unless `data` is what the name `digest` says (a chunk received, before it is stored)."""
+        if self.digest(data) != digest:
+            raise EnvelopeError(f"chunk {digest[:12]} fails its {self.algorithm} check ({len(data)} bytes received)")
+
     def digests(self, pieces: Sequence[bytes | memoryview]) -> list[str]:
         threads = min(len(pieces), os.cpu_count() or 1, self.threads)
         if threads < 2:

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from hydrafl.proto.envelope import SENT, UPLOADED, ChunkNaming, EnvelopeError
+from hydrafl.proto.envelope import SENT, UPLOADED, ChunkNaming
 from hydrafl.server.disk import ChunkStat, sync_filesystem
 from hydrafl.server.packs import UploadPacks
 
@@ -114,8 +114,7 @@ class BlobStore:
                 pass
             else:
                 return False
-        if self.naming.digest(data) != digest:
-            raise EnvelopeError(f"chunk {digest[:12]} fails its {self.naming.algorithm} check ({len(data)} bytes received)")
+        self.naming.verify(digest, data)
         folder = os.path.dirname(path)
         if folder not in self._folders:
             os.makedirs(folder, exist_ok=True)

@@ -189,10 +189,7 @@ class UploadPacks:
     def _write(self, pack: _StreamPack, index: int, digest: str, data: bytes | memoryview) -> None:
         if len(data) > CHUNK_BYTES:
             raise EnvelopeError(f"chunk {digest[:12]} has {len(data)} bytes; at most {CHUNK_BYTES}")
-        if self.naming.digest(data) != digest:
-            raise EnvelopeError(
-                f"chunk {digest[:12]} fails its {self.naming.algorithm} check ({len(data)} bytes received)"
-            )
+        self.naming.verify(digest, data)
         buffer = _slot_buffer()
         np.frombuffer(buffer, np.uint8, len(data), HEADER_BYTES)[:] = np.frombuffer(data, np.uint8)  # GIL released
         header = _Header(len(data), time.time(), digest)
@@ -212,12 +209,9 @@ class UploadPacks:
             return False
         slot, header = found
         refreshed = _Header(header.nbytes, time.time(), digest)
-        buffer = _slot_buffer()
-        buffer[:HEADER_BYTES] = bytes(HEADER_BYTES)
-        buffer[: _HEADER.size] = _pack_header(refreshed)
         try:
             with opened(slot.pack.path, os.O_WRONLY, direct=True) as descriptor:
-                os.pwrite(descriptor, memoryview(buffer)[:HEADER_BYTES], slot.index * SLOT_BYTES)
+                _write_header(descriptor, slot.index, refreshed)
         except FileNotFoundError:  # its pack went just now: store it again
             return False
         with self._lock:
@@ -428,8 +422,14 @@ def _slot_buffer() -> mmap.mmap:
 
 def _erase(descriptor: int, index: int) -> None:
     """Free the slot's blocks; where holes cannot be punched, zero its header at least."""
-    if punch_hole(descriptor, index * SLOT_BYTES, SLOT_BYTES):
-        return
+    if not punch_hole(descriptor, index * SLOT_BYTES, SLOT_BYTES):
+        _write_header(descriptor, index, None)
+
+
+def _write_header(descriptor: int, index: int, header: _Header | None) -> None:
+    """Rewrite one slot's header block alone (None: zeroes, no chunk), from this thread's aligned buffer."""
     buffer = _slot_buffer()
     buffer[:HEADER_BYTES] = bytes(HEADER_BYTES)
+    if header is not None:
+        buffer[: _HEADER.size] = _pack_header(header)
     os.pwrite(descriptor, memoryview(buffer)[:HEADER_BYTES], index * SLOT_BYTES)

@@ -45,19 +45,34 @@ def deployment(tmp_path):
         process.wait()
 
 
+def _set_run_config(deployment, options: dict) -> None:
+    """The queued run with these options on top of RUN (before the coordinator starts)."""
+    store, run_id = deployment[:2]
+    with store.session() as session, session.begin():
+        run = session.get(StoredRun, run_id)
+        run.config = {**run.config, **options}
+
+
+def _finished_run(deployment, site_options: list[tuple[str, ...]] | None = None) -> StoredRun:
+    """Start the coordinator and one site per token (each with its options), and wait for the run to finish."""
+    store, run_id, _, tokens, start_server, start_site = deployment
+    start_server()
+    for index, token in enumerate(tokens):
+        start_site(token, *(site_options[index] if site_options else ()))
+    wait_until(lambda: store.run(run_id).status in ("finished", "failed"), 240, "the run did not finish")
+    run = store.run(run_id)
+    assert run.status == "finished", run.detail
+    return run
+
+
 def _history_numbers(history):
     return [(r["round"], r["loss"], r["accuracy"], r["sites_ok"], r["bytes_up"]) for r in history]
 
 
 @pytest.mark.slow
 def test_coordinator_and_three_sites_match_the_simulation(deployment, tmp_path):
-    store, run_id, address, tokens, start_server, start_site = deployment
-    start_server()
-    for token in tokens:
-        start_site(token)
-    wait_until(lambda: store.run(run_id).status in ("finished", "failed"), 240, "the run did not finish")
-    run = store.run(run_id)
-    assert run.status == "finished", run.detail
+    store, run_id = deployment[:2]
+    run = _finished_run(deployment)
     simulated = run_strategy(RunConfig.from_flower({**RUN.to_flower(), "run-dir": str(tmp_path / "sim")}), "inprocess")
     for (r1, loss1, acc1, ok1, up1), (r2, loss2, acc2, ok2, up2) in zip(_history_numbers(run.history),
                                                                         _history_numbers(simulated), strict=True):
@@ -78,17 +93,9 @@ def test_coordinator_and_three_sites_match_the_simulation(deployment, tmp_path):
 def test_hydra_nets_over_the_wire_match_the_simulation(deployment, tmp_path):
     """Compact downloads and uploads (each site only its Hydra-net's slices) through the real transport; each
     site declares its own tier (`hydrafl site --tier`), the simulation gets the same tiers from the run."""
-    store, run_id, address, tokens, start_server, start_site = deployment
     hydra = {"strategy": "hydra", "hydra-bypass": True, "hydra-head-mode": "drop", "score-samples": 16}
-    with store.session() as session, session.begin():
-        run = session.get(StoredRun, run_id)
-        run.config = {**run.config, **hydra}
-    start_server()
-    for token, tier in zip(tokens, ("small", "medium", "large"), strict=True):
-        start_site(token, "--tier", tier)
-    wait_until(lambda: store.run(run_id).status in ("finished", "failed"), 240, "the run did not finish")
-    run = store.run(run_id)
-    assert run.status == "finished", run.detail
+    _set_run_config(deployment, hydra)
+    run = _finished_run(deployment, [("--tier", tier) for tier in ("small", "medium", "large")])
     cfg = RunConfig.from_flower(
         {**RUN.to_flower(), **hydra, "site-tiers": "small,medium,large", "run-dir": str(tmp_path / "sim")}
     )
@@ -105,17 +112,9 @@ def test_hydra_nets_over_the_wire_match_the_simulation(deployment, tmp_path):
 def test_compressed_downloads_over_the_wire_match_the_simulation(deployment, tmp_path):
     """Error-feedback downloads through the real transport: each site holds the reference the coordinator built
     its message on, and the bytes each site downloads and the losses are those of the in-process simulation."""
-    store, run_id, address, tokens, start_server, start_site = deployment
     compressed = {"compress": "int8", "compress-downloads": True}
-    with store.session() as session, session.begin():
-        run = session.get(StoredRun, run_id)
-        run.config = {**run.config, **compressed}
-    start_server()
-    for token in tokens:
-        start_site(token)
-    wait_until(lambda: store.run(run_id).status in ("finished", "failed"), 240, "the run did not finish")
-    run = store.run(run_id)
-    assert run.status == "finished", run.detail
+    _set_run_config(deployment, compressed)
+    run = _finished_run(deployment)
     plain = run_strategy(RunConfig.from_flower({**RUN.to_flower(), "run-dir": str(tmp_path / "plain")}), "inprocess")
     simulated = run_strategy(
         RunConfig.from_flower({**RUN.to_flower(), **compressed, "run-dir": str(tmp_path / "sim")}), "inprocess"
@@ -124,7 +123,8 @@ def test_compressed_downloads_over_the_wire_match_the_simulation(deployment, tmp
         assert sorted(deployed["bytes_down_per_site"].values()) == sorted(local["bytes_down_per_site"].values())
         assert deployed["loss"] == pytest.approx(local["loss"], rel=1e-5)
     middle = len(plain) // 2  # after first contact, before the final evaluation's whole model
-    assert sum(run.history[middle]["bytes_down_per_site"].values()) < sum(plain[middle]["bytes_down_per_site"].values()) / 3
+    compressed_down, plain_down = (sum(h[middle]["bytes_down_per_site"].values()) for h in (run.history, plain))
+    assert compressed_down < plain_down / 3
 
 
 @pytest.mark.slow
@@ -152,9 +152,7 @@ def test_kill_9_of_the_coordinator_mid_run_then_restart_finishes_with_the_same_m
 @pytest.mark.slow
 def test_a_site_killed_mid_round_is_left_out_at_the_deadline_and_rejoins(deployment, tmp_path):
     store, run_id, address, tokens, start_server, start_site = deployment
-    with store.session() as session, session.begin():
-        run = session.get(StoredRun, run_id)
-        run.config = {**run.config, "min-sites": 2, "round-timeout-s": 10.0, "strategy": "fedavg", "rounds": 48}
+    _set_run_config(deployment, {"min-sites": 2, "round-timeout-s": 10.0, "strategy": "fedavg", "rounds": 48})
     start_server()
     sites = {token: start_site(token) for token in tokens}
     wait_until(lambda: store.run(run_id).rounds_done >= 1, 240, "round 1 never completed")
