@@ -5,10 +5,12 @@ of a sweep leaves nothing referenced missing: the restarted coordinator finishes
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
 from pathlib import Path
+from stat import S_ISREG
 
 import pytest
 from sqlalchemy import func, select
@@ -26,12 +28,19 @@ ROUND_ROWS = LONG_RUN.sites * 2 * 2
 
 
 def _files_bytes(*folders: Path) -> int:
-    """Bytes of the files under `folders` (and files), each hard-linked file once."""
+    """Bytes of the files under `folders` (and files), each hard-linked file once.
+
+    The coordinator keeps sweeping while this walks, so a file listed and then deleted counts as gone."""
     seen: dict[tuple[int, int], int] = {}
     for folder in folders:
-        for path in [folder] if folder.is_file() else folder.rglob("*") if folder.exists() else []:
-            if path.is_file():
+        walked = [Path(top, name) for top, _, names in os.walk(folder) for name in names]
+        paths = [folder] if folder.is_file() else walked
+        for path in paths:
+            try:
                 stat = path.stat()
+            except FileNotFoundError:
+                continue
+            if S_ISREG(stat.st_mode):
                 seen[(stat.st_dev, stat.st_ino)] = stat.st_size
     return sum(seen.values())
 
@@ -131,4 +140,5 @@ def test_kill_9_mid_sweep_then_restart_finishes_the_run(deployment):
     run = deployment.store.run(deployment.run_id)
     assert run.status == "finished", run.detail
     assert [entry["round"] for entry in run.history] == list(range(6)) and rounds_done < 5
+    wait_until(lambda: f"run {deployment.run_id} ended; deleted" in log.read_text(), 60, "no end-of-run sweep")
     assert _files_bytes(deployment.blobs) == 0
