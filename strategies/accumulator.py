@@ -250,11 +250,10 @@ class MaskedDeltaAccumulator:
             tasks += fold.blocks(total, self.weights[name], covered)
         self.pool.run(fold.masked_mean, tasks)
         if self.dp is not None:
-            for name, (total, _) in out.items():
-                self.dp.noise_(total, self.weights[name])
+            for name, (total, covered) in out.items():  # the counts were clamped: 1e-30 where none counted
+                self.dp.noise_(total, torch.where(covered, self.weights[name], 0.0))
             self.dp.end_round()
-        fold.release(self.weights.values())  # for the next round's sums (the weights are read no more)
-        self.weights = {}
+        self.weights = {}  # their pages go to the next round's sums
         return out
 
     def _allocate(self, name: str, shape: tuple[int, ...]) -> bool:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 BLOCK = 1 << 20
@@ -33,13 +34,11 @@ memory traffic (256K-element blocks measured 10-20% slower than whole-tensor ops
 HUGE_PAGE = 1 << 21
 
 SPARE_BYTES = 1 << 30
-"""At most this much released memory waits for reuse (`release`)."""
+"""At most this much memory from dead `empty` tensors waits for reuse."""
 
 _SPARES: dict[int, list[mmap.mmap]] = {}
-"""Released mappings, by length."""
-_SPARES_LOCK = threading.Lock()
-_MAPPINGS: weakref.WeakValueDictionary[int, mmap.mmap] = weakref.WeakValueDictionary()
-"""The mapping under each tensor from `empty`, while it lives."""
+"""Mappings whose tensors died, by length."""
+_SPARES_LOCK = threading.RLock()  # a tensor may die, and recycle, while its thread holds the lock
 
 
 def spans(numel: int, block: int = BLOCK) -> list[tuple[int, int]]:
@@ -55,46 +54,43 @@ def flat(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Uninitialised sums (float32 unless told); those of 2 MB or more on transparent huge pages. malloc maps
-    large allocations afresh, and their first write faults in 4 KB pages one by one: 40 MB of them cost 28-38 ms
-    here, several times folding a reply into them, against 6 ms in 2 MB pages. The tensor starts on a 2 MB
-    boundary, where the kernel can place a huge page (the mapping is 2 MB longer; the unused part is never
-    touched). A mapping `release`d earlier is reused when one of the same length is there."""
+    """Uninitialised sums (float32 unless told); those of 2 MB or more on transparent huge pages, and on pages
+    reused from a dead one of the same length. malloc maps large allocations afresh, and their first write faults
+    in pages one by one: 40 MB of 4 KB pages cost 28-38 ms here, several times folding a reply into them, 6 ms in
+    2 MB pages, and nothing when the pages are reused; a coordinator allocates the same sums every round. The
+    tensor starts on a 2 MB boundary, where the kernel can place a huge page (the mapping is 2 MB longer; the
+    unused part is never touched). When the tensor's storage dies (every view of it gone), its mapping waits in
+    the spares for the next `empty` of its length (`_recycle`)."""
     nbytes = dtype.itemsize * math.prod(shape)
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
+    length = nbytes + HUGE_PAGE
     with _SPARES_LOCK:
-        spares = _SPARES.get(nbytes + HUGE_PAGE)
+        spares = _SPARES.get(length)
         mapping = spares.pop() if spares else None
     if mapping is None:
         # private: a shared anonymous mapping is shared memory, which gets no huge pages
-        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         try:
             mapping.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # a kernel without transparent huge pages: 4 KB pages then
             pass
-    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
-    start = -raw.data_ptr() % HUGE_PAGE
-    tensor = raw[start : start + nbytes].view(dtype).view(shape)
-    _MAPPINGS[tensor.data_ptr()] = mapping
-    return tensor
+    raw = np.frombuffer(mapping, dtype=np.uint8)  # torch's storage holds this array, which holds the mapping
+    finalizer = weakref.finalize(raw, _recycle, mapping)
+    finalizer.atexit = False
+    start = -raw.ctypes.data % HUGE_PAGE
+    return torch.from_numpy(raw[start : start + nbytes]).view(dtype).view(shape)
 
 
-def release(tensors: Iterable[torch.Tensor]) -> None:
-    """Hand back tensors from `empty` that nothing will read or write again (a round's counts, once its mean is
-    taken), for the next round's `empty` to reuse: a fresh mapping costs the kernel zeroing every page on its
-    first write, 2 ms per 40 MB here, 2-3% of folding 10 such replies. Their pages are freed lazily (MADV_FREE): the
-    kernel takes them back only when it runs short of memory, and a later write finds them again if it did not.
-    At most SPARE_BYTES wait; the rest is unmapped as usual."""
-    for tensor in tensors:
-        mapping = _MAPPINGS.pop(tensor.data_ptr(), None)
-        if mapping is None:
-            continue
-        if hasattr(mmap, "MADV_FREE"):
-            mapping.madvise(mmap.MADV_FREE)
-        with _SPARES_LOCK:
-            if sum(len(spare) for spares in _SPARES.values() for spare in spares) + len(mapping) <= SPARE_BYTES:
-                _SPARES.setdefault(len(mapping), []).append(mapping)
+def _recycle(mapping: mmap.mmap) -> None:
+    """A dead tensor's mapping, kept for reuse while the spares hold under SPARE_BYTES (else unmapped). Its pages
+    are freed lazily (MADV_FREE): the kernel takes them back only when it runs short of memory, and a later
+    write finds them again if it did not."""
+    if hasattr(mmap, "MADV_FREE"):
+        mapping.madvise(mmap.MADV_FREE)
+    with _SPARES_LOCK:
+        if sum(len(spare) for spares in _SPARES.values() for spare in spares) + len(mapping) <= SPARE_BYTES:
+            _SPARES.setdefault(len(mapping), []).append(mapping)
 
 
 def blocks(*tensors: torch.Tensor | None) -> list[tuple[torch.Tensor | None, ...]]:
@@ -262,11 +258,12 @@ def squared_norm(out: list[float], index: int, values: torch.Tensor, mask: torch
 
 
 def masked_mean(total: torch.Tensor, counts: torch.Tensor, covered: torch.Tensor) -> None:
-    """total /= counts where counts > 0; covered = counts > 0. Where no site counted, total is already 0: every
-    reply added mask * values there, 0 for finite values (the boundary refuses others), so 0 / 1e-30 stays 0.
-    Counts are sums of positive weights, so "> 0" is "!= 0", which a cast to bool computes 4x faster than gt."""
+    """total /= counts where counts > 0; covered = counts > 0; counts are spent (clamped in place, 30% faster
+    than through a buffer). Where no site counted, total is already 0: every reply added mask * values there, 0 for
+    finite values (the boundary refuses others), so 0 / 1e-30 stays 0. Counts are sums of positive weights, so
+    "> 0" is "!= 0", which a cast to bool computes 4x faster than gt."""
     covered.copy_(counts)
-    total.div_(torch.clamp(counts, min=1e-30, out=scratch(counts.numel())))
+    total.div_(counts.clamp_(min=1e-30))
 
 
 def divide(total: torch.Tensor, divisor: float) -> None:
