@@ -1,5 +1,5 @@
 """The download half of the wire benchmark: one model from the coordinator to a site, received the way a site
-receives it (`SiteAgent._receive`: GetChunks, each chunk's BLAKE3 checked as it arrives, the Message rebuilt
+receives it (`SiteAgent._receive`: GetChunks, each chunk's checksum checked as it arrives, the Message rebuilt
 with one copy of the bytes), against a raw gRPC server stream of the same number of bytes in 1 MiB messages that
 the client only counts. The coordinator's side (hashing the model once, storing and syncing its chunks) happens
 once per round, before any site downloads, and is timed apart as `store_s`."""

@@ -295,8 +295,8 @@ class SiteAgent:
 
     def _fetch(self, stub: CoordinatorClient, wanted: dict[str, int], assembly: Assembly) -> None:
         """Download the chunks `wanted` (digest -> size) into the assembly, each checked as it arrives. A chunk
-        not asked for (or sent twice), of another size, or failing its BLAKE3 check refuses the message and ends
-        the stream, so what is downloaded never exceeds what the manifest declares."""
+        not asked for (or sent twice), of another size, or failing its check (`ChunkCheck`) refuses the message
+        and ends the stream, so what is downloaded never exceeds what the manifest declares."""
         if not wanted:
             return
         pending = dict(wanted)

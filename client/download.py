@@ -1,7 +1,8 @@
 """A message's chunks checked, and its tensors assembled, while the rest of the message still arrives.
 
-A site receives the coordinator's model as a stream of 1 MiB chunks. Checking a chunk's BLAKE3 and copying a
-tensor's chunks into its Array (the one copy Flower's serialised Array needs) both release the GIL, so they run
+A site receives the coordinator's model as a stream of 1 MiB chunks. Checking a chunk (its XXH3 checksum from the
+manifest, see `ChunkCheck`) and copying a tensor's chunks into its Array (the one copy Flower's serialised Array
+needs) both release the GIL, so they run
 on worker threads as soon as their chunks are in, overlapping the stream: a download costs about the slowest of
 receiving, checking and copying rather than their sum. A chunk that fails its check refuses the message at the
 next chunk received (which ends the stream) or, at the latest, when the arrays are asked for.
@@ -22,7 +23,7 @@ from flwr.app import Array
 
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2 import TensorManifest
-from hydrafl.proto.envelope import SENT, EnvelopeError, tensor_array
+from hydrafl.proto.envelope import ChunkCheck, tensor_array
 
 WORKERS = 2
 _POOL = ThreadPoolExecutor(min(WORKERS, os.cpu_count() or 1), thread_name_prefix="download")
@@ -59,6 +60,7 @@ class Assembly:
 
     def __init__(self, envelope: pb.Envelope, received: Received) -> None:
         self.received = received
+        self._check = ChunkCheck.of(envelope)
         self._checks: deque[tuple[str, Future[None]]] = deque()
         self._tensors = [(record.key, tensor) for record in envelope.arrays for tensor in record.tensors]
         self._assembled: dict[tuple[str, str], Future[Array]] = {}
@@ -108,7 +110,7 @@ class Assembly:
         if self._checks and self._checks[0][1].done():
             self._checks[0][1].result()  # a chunk that failed its check refuses the message now
         self.received.chunks[digest] = data
-        self._checks.append((digest, _POOL.submit(_check, digest, data)))
+        self._checks.append((digest, _POOL.submit(self._check.verify, digest, data)))
         for index in self._waiting.pop(digest, ()):
             self._missing[index].discard(digest)
             if not self._missing[index]:
@@ -134,8 +136,3 @@ class Assembly:
 
 def _content(tensor: TensorManifest) -> Content:
     return tensor.dtype, tuple(tensor.shape), tuple(tensor.chunk_digests)
-
-
-def _check(digest: str, data: bytes | memoryview) -> None:
-    if SENT.digest(data) != digest:
-        raise EnvelopeError(f"chunk {digest[:12]} from the coordinator fails its {SENT.algorithm} check")

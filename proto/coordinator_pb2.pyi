@@ -7,18 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TensorManifest(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "chunk_digests", "nbytes")
+    __slots__ = ("name", "dtype", "shape", "chunk_digests", "nbytes", "chunk_checksums")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     chunk_digests: _containers.RepeatedScalarFieldContainer[str]
     nbytes: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., chunk_digests: _Optional[_Iterable[str]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    chunk_checksums: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., chunk_digests: _Optional[_Iterable[str]] = ..., nbytes: _Optional[int] = ..., chunk_checksums: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RecordManifest(_message.Message):
     __slots__ = ("key", "tensors")

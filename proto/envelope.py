@@ -88,9 +88,11 @@ def _blake3(data: bytes | memoryview) -> str:
 
 
 SENT = ChunkNaming("BLAKE3", _blake3, 64, threads=8)
-"""The coordinator's messages: shared content, named cryptographically."""
-UPLOADED = ChunkNaming("XXH3-128", xxhash.xxh3_128_hexdigest, 32, threads=1)
-"""A site's replies: its own namespace, named by a fast checksum."""
+"""The coordinator's messages: shared content, named cryptographically, once per round."""
+XXH3 = ChunkNaming("XXH3-128", xxhash.xxh3_128_hexdigest, 32, threads=1)
+"""A fast checksum (about 20 GB/s here, BLAKE3 4 GB/s): it catches corruption, not forgery."""
+UPLOADED = XXH3
+"""A site's replies: its own namespace, named by the fast checksum."""
 
 
 def naming(envelope: Envelope) -> ChunkNaming:
@@ -104,15 +106,17 @@ def _raw_bytes(array: Array) -> memoryview:
     return memoryview(np.ascontiguousarray(values).reshape(-1).view(np.uint8))
 
 
-Named = dict[int, tuple[Array, list[memoryview], list[str]]]
-"""id(Array) -> (the Array, kept so its id stays its own; its chunks; their names)."""
+Named = dict[int, tuple[Array, list[memoryview], list[str], list[str]]]
+"""id(Array) -> (the Array, kept so its id stays its own; its chunks; their names; their checksums)."""
 
 
 def split_message(
     message: Message, server_round: int = 0, *, named: Named | None = None
 ) -> tuple[Envelope, dict[str, memoryview]]:
     """The envelope (manifests, configs, metrics) and the array chunks by name (views, not copies). Arrays in
-    `named` are not hashed again: a round's messages share the global model's Arrays, hashed once per round."""
+    `named` are not hashed again: a round's messages share the global model's Arrays, hashed once per round. The
+    coordinator's manifests also list each chunk's XXH3 checksum, which every site checks as the chunk arrives
+    (`ChunkCheck`): the cryptographic names are computed once, by the coordinator, not again by each site."""
     metadata = message.metadata
     envelope = Envelope(
         message_id=metadata.message_id,
@@ -134,18 +138,20 @@ def split_message(
         manifest = RecordManifest(key=key)
         for name, array in record.items():
             if named is not None and id(array) in named:
-                _, pieces, hashes = named[id(array)]
+                _, pieces, hashes, checksums = named[id(array)]
             else:
                 raw = _raw_bytes(array)
                 pieces = [raw[start : start + CHUNK_BYTES] for start in range(0, len(raw), CHUNK_BYTES)]
                 hashes = names.digests(pieces)
+                checksums = XXH3.digests(pieces) if names is SENT else []
                 if named is not None:
-                    named[id(array)] = array, pieces, hashes
+                    named[id(array)] = array, pieces, hashes, checksums
             chunks.update(zip(hashes, pieces))
             nbytes = sum(len(piece) for piece in pieces)
-            manifest.tensors.append(
-                TensorManifest(name=name, dtype=array.dtype, shape=list(array.shape), chunk_digests=hashes, nbytes=nbytes)
-            )
+            manifest.tensors.append(TensorManifest(
+                name=name, dtype=array.dtype, shape=list(array.shape), chunk_digests=hashes, nbytes=nbytes,
+                chunk_checksums=checksums,
+            ))
         envelope.arrays.append(manifest)
     return envelope, chunks
 
@@ -182,6 +188,61 @@ def check_manifest(envelope: Envelope) -> None:
             bad = next((d for d in tensor.chunk_digests if not chunk_names.is_name(d)), None)
             if bad is not None:
                 raise EnvelopeError(f"{where}: {bad[:80]!r} is not a {chunk_names.algorithm} hex digest")
+            _check_checksums(tensor, where, chunk_names)
+        ChunkCheck.of(envelope)  # a chunk listed with two checksums
+
+
+def _check_checksums(tensor: TensorManifest, where: str, chunk_names: ChunkNaming) -> None:
+    """None (a reply, or a manifest from before checksums), or one XXH3 checksum per chunk of a coordinator's
+    message."""
+    if not tensor.chunk_checksums:
+        return
+    if chunk_names is not SENT:
+        raise EnvelopeError(f"{where}: a reply's chunks are named by their checksum; it lists no other")
+    if len(tensor.chunk_checksums) != len(tensor.chunk_digests):
+        raise EnvelopeError(f"{where}: {len(tensor.chunk_checksums)} checksums for {len(tensor.chunk_digests)} chunks")
+    bad = next((c for c in tensor.chunk_checksums if not XXH3.is_name(c)), None)
+    if bad is not None:
+        raise EnvelopeError(f"{where}: checksum {bad[:80]!r} is not an {XXH3.algorithm} hex digest")
+
+
+@dataclass(frozen=True)
+class ChunkCheck:
+    """How a receiver checks a message's chunks: against the XXH3 checksums its manifest lists (the coordinator's
+    messages; the manifest comes over the authenticated channel, and a fast checksum catches a chunk corrupted
+    on the coordinator's disk or on the way, at 5x BLAKE3's speed), else against their names (a reply, or a
+    manifest from before checksums)."""
+
+    names: ChunkNaming
+    checksums: Mapping[str, str]
+
+    @classmethod
+    def of(cls, envelope: Envelope) -> ChunkCheck:
+        checksums: dict[str, str] = {}
+        for record in envelope.arrays:
+            for tensor in record.tensors:
+                for digest, checksum in zip(tensor.chunk_digests, tensor.chunk_checksums):
+                    if checksums.setdefault(digest, checksum) != checksum:
+                        raise EnvelopeError(f"chunk {digest[:12]} is listed with two different checksums")
+        return cls(naming(envelope), checksums)
+
+    def verify(self, digest: str, data: bytes | memoryview) -> None:
+        """EnvelopeError unless `data` is chunk `digest` of this message."""
+        checksum = self.checksums.get(digest)
+        if checksum is None:
+            self.names.verify(digest, data)
+        elif XXH3.digest(data) != checksum:
+            raise EnvelopeError(f"chunk {digest[:12]} fails its {XXH3.algorithm} checksum ({len(data)} bytes)")
+
+    def verify_all(self, digests: Sequence[str], chunks: Mapping[str, bytes | memoryview]) -> None:
+        """Every chunk of `digests`; names alone are hashed on the naming's threads."""
+        by_name = [digest for digest in digests if digest not in self.checksums]
+        for digest, actual in zip(by_name, self.names.digests([chunks[d] for d in by_name]), strict=True):
+            if actual != digest:
+                raise EnvelopeError(f"chunk {digest[:12]} fails its {self.names.algorithm} check")
+        for digest in digests:
+            if digest in self.checksums:
+                self.verify(digest, chunks[digest])
 
 
 def declared_nbytes(envelope: Envelope) -> int:
@@ -227,9 +288,9 @@ def join_message(
     verified: bool = False,
     assembled: Mapping[tuple[str, str], Array] | None = None,
 ) -> Message:
-    """Rebuild the Flower Message; every chunk must be present and match its name. A receiver that knows who
+    """Rebuild the Flower Message; every chunk must be present and pass its `ChunkCheck`. A receiver that knows who
     sent the message and what it answers passes `metadata`, so the envelope's own metadata is never read; one
-    that checked each chunk against its name as it arrived passes `verified`, so nothing is hashed twice, and
+    that checked each chunk as it arrived passes `verified`, so nothing is hashed twice, and
     the tensors it already `assembled` (by record key and name) from those chunks."""
     check_manifest(envelope)
     if metadata is None:
@@ -240,7 +301,7 @@ def join_message(
     if envelope.error_reason or envelope.error_code:
         return make_message(metadata=metadata, error=Error(int(envelope.error_code), envelope.error_reason))
     content = parse_content(envelope)
-    names = naming(envelope)
+    check = ChunkCheck.of(envelope)
     checked: set[str] = set()
     for record in envelope.arrays:
         arrays = {}
@@ -254,9 +315,10 @@ def join_message(
                 raise EnvelopeError(f"{where}: chunk {missing[0][:12]} is missing")
             if not verified:
                 unchecked = list(dict.fromkeys(d for d in tensor.chunk_digests if d not in checked))
-                for digest, actual in zip(unchecked, names.digests([chunks[d] for d in unchecked]), strict=True):
-                    if actual != digest:
-                        raise EnvelopeError(f"{where}: chunk {digest[:12]} fails its {names.algorithm} check")
+                try:
+                    check.verify_all(unchecked, chunks)
+                except EnvelopeError as error:
+                    raise EnvelopeError(f"{where}: {error}") from None
                 checked.update(unchecked)
             if sum(len(chunks[digest]) for digest in tensor.chunk_digests) != tensor.nbytes:
                 raise EnvelopeError(f"{where}: chunk sizes do not add up to {tensor.nbytes} bytes")

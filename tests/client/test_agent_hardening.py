@@ -19,7 +19,7 @@ from helpers import SMALL_RUN
 from hydrafl.client.agent import SiteAgent, default_max_download_bytes
 from hydrafl.data import DataError
 from hydrafl.proto import coordinator_pb2 as pb
-from hydrafl.proto.envelope import CHUNK_BYTES, SENT, chunk_hashes, parse_content, split_message
+from hydrafl.proto.envelope import CHUNK_BYTES, SENT, XXH3, chunk_hashes, parse_content, split_message
 
 SECRET = "patient_mrn_secret"
 LIMIT_BYTES = 3_000_000
@@ -94,6 +94,14 @@ def _garbage_chunk() -> tuple[pb.Envelope, list[pb.Chunk]]:
     return envelope, [pb.Chunk(digest=chunks[0].digest, data=b"\x00" * len(chunks[0].data)), chunks[1]]
 
 
+def _garbage_chunk_without_checksums() -> tuple[pb.Envelope, list[pb.Chunk]]:
+    """A manifest from before checksums: its chunks are checked against their BLAKE3 names."""
+    envelope, chunks = _garbage_chunk()
+    for tensor in envelope.arrays[0].tensors:
+        del tensor.chunk_checksums[:]
+    return envelope, chunks
+
+
 def _garbage_metadata() -> tuple[pb.Envelope, list[pb.Chunk]]:
     envelope, chunks, _ = _chunks(np.arange(10, dtype=np.float32))
     envelope.metadata = b"\xff\xfe not a Flower Metadata"
@@ -107,6 +115,7 @@ def _manifest(shape: list[int], nbytes: int, chunks: int, name: str = "w") -> pb
     tensor.name, tensor.nbytes = name, nbytes
     tensor.shape[:] = shape
     tensor.chunk_digests[:] = [SENT.digest(str(i).encode()) for i in range(chunks)]
+    tensor.chunk_checksums[:] = [XXH3.digest(str(i).encode()) for i in range(chunks)]
     return envelope
 
 
@@ -115,7 +124,8 @@ HOSTILE_STREAMS = {
     "a chunk sent twice": (_repeated_chunk, "did not ask for or already received"),
     "a chunk larger than a chunk can be": (_oversize_chunk, f"has {CHUNK_BYTES + 4} bytes; its manifest makes it"),
     "a full chunk for a four-byte tensor": (_full_chunk_for_four_bytes, "its manifest makes it 4"),
-    "a chunk failing its BLAKE3 check": (_garbage_chunk, "fails its BLAKE3 check"),
+    "a chunk failing its checksum": (_garbage_chunk, "fails its XXH3-128 checksum"),
+    "a chunk failing its BLAKE3 check": (_garbage_chunk_without_checksums, "fails its BLAKE3 check"),
     "garbage metadata bytes": (_garbage_metadata, "Metadata"),
 }
 

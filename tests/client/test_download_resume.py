@@ -53,7 +53,7 @@ def test_a_chunk_that_fails_its_check_takes_the_tensors_built_from_it_along():
     tensors = {tensor.name: tensor for tensor in envelope.arrays[0].tensors}
     bad = tensors["a"].chunk_digests[1]
     received = Received()
-    with pytest.raises(EnvelopeError, match=f"chunk {bad[:12]} from the coordinator fails its BLAKE3 check"):
+    with pytest.raises(EnvelopeError, match=f"chunk {bad[:12]} fails its XXH3-128 checksum"):
         with Assembly(envelope, received) as assembly:
             for digest in [*tensors["a"].chunk_digests, *tensors["c"].chunk_digests]:
                 assembly.add(digest, b"\0" * len(chunks[digest]) if digest == bad else bytes(chunks[digest]))

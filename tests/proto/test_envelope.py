@@ -8,7 +8,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRec
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
-from hydrafl.proto.envelope import CHUNK_BYTES, SENT, EnvelopeError, chunk_hashes, join_message, split_message
+from hydrafl.proto.envelope import (
+    CHUNK_BYTES, SENT, XXH3, EnvelopeError, check_manifest, chunk_hashes, join_message, split_message,
+)
 
 
 def _message() -> Message:
@@ -69,11 +71,34 @@ def test_error_replies_travel_without_content():
     assert rebuilt.has_error() and rebuilt.error.reason == "ValueError: bad site data"
 
 
+def _drop_checksums(envelope) -> None:
+    for tensor in envelope.arrays[0].tensors:
+        del tensor.chunk_checksums[:]
+
+
+def test_the_coordinators_manifest_lists_each_chunks_checksum_and_a_reply_none():
+    envelope, chunks = split_message(_message())
+    big = envelope.arrays[0].tensors[0]
+    assert list(big.chunk_checksums) == [XXH3.digest(chunks[digest]) for digest in big.chunk_digests]
+    reply, _ = split_message(Message(_message().content, reply_to=_message()))
+    assert all(not tensor.chunk_checksums for tensor in reply.arrays[0].tensors)
+    reply.arrays[0].tensors[0].chunk_checksums.extend(big.chunk_checksums)
+    with pytest.raises(EnvelopeError, match="a reply's chunks are named by their checksum"):
+        check_manifest(reply)
+
+
 @pytest.mark.parametrize(
     ("corrupt", "reason"),
     [
         (lambda env, chunks: chunks.pop(env.arrays[0].tensors[0].chunk_digests[1]), "is missing"),
-        (lambda env, chunks: chunks.update({env.arrays[0].tensors[1].chunk_digests[0]: b"x" * 48}), "fails its BLAKE3 check"),
+        (lambda env, chunks: chunks.update({env.arrays[0].tensors[1].chunk_digests[0]: b"x" * 48}),
+         "fails its XXH3-128 checksum"),
+        (lambda env, chunks: _drop_checksums(env) or chunks.update({env.arrays[0].tensors[1].chunk_digests[0]: b"x" * 48}),
+         "fails its BLAKE3 check"),  # a manifest from before checksums: its chunks are checked against their names
+        (lambda env, chunks: env.arrays[0].tensors[0].chunk_checksums.pop(), "1 checksums for 2 chunks"),
+        (lambda env, chunks: env.arrays[0].tensors[1].chunk_checksums.__setitem__(0, "zz" * 16), "is not an XXH3-128"),
+        (lambda env, chunks: env.arrays[0].tensors[3].chunk_checksums.__setitem__(0, "0" * 32),
+         "listed with two different checksums"),  # "same" and "twin": one chunk
         (lambda env, chunks: env.arrays[0].tensors[1].shape.append(2), "does not match shape"),
         (lambda env, chunks: setattr(env.arrays[0].tensors[1], "dtype", "object"), "dtype 'object' is not allowed"),
         (lambda env, chunks: env.arrays[0].tensors[0].chunk_digests.pop(), "chunks listed"),
