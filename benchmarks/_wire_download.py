@@ -26,34 +26,38 @@ if TYPE_CHECKING:
 
 DOWNLOAD_ROUND = 1000
 """The requests of the download runs take rounds from here (the upload runs take rounds from 2)."""
+MODEL_SEED = 3
 
 
 def _site(address: str, token: str, update_bytes: int) -> SiteAgent:
     return SiteAgent(address, token, client_app=None, node_config={}, max_download_bytes=2 * update_bytes)
 
 
-def hydrafl_download(
-    stub: CoordinatorClient, agent: SiteAgent, federation: Federation, server_round: int, arrays: list[np.ndarray]
-) -> dict[str, Any]:
-    """Untimed: the coordinator stores a message carrying `arrays`. Timed: the site pulls it and rebuilds it."""
-    node_id = federation.sites[0][0]
+def model_message(arrays: list[np.ndarray], node_id: int, server_round: int) -> Message:
+    """A round's train message carrying `arrays` to site `node_id`."""
     record = ArrayRecord({f"w{i:02d}": Array(array) for i, array in enumerate(arrays)})
     message = Message(RecordDict({"arrays": record, "config": ConfigRecord({"server-round": server_round})}),
                       dst_node_id=node_id, message_type="train")
     message.metadata.group_id = str(server_round)
-    started = time.perf_counter()
-    [message_id] = federation.grid.push_messages([message])
-    store_s = time.perf_counter() - started
-    del message, record
+    return message
+
+
+def hydrafl_download(
+    stub: CoordinatorClient, agent: SiteAgent, federation: Federation, coordinator: ServerProcess, push: dict[str, Any],
+    arrays: list[np.ndarray],
+) -> dict[str, Any]:
+    """Untimed: the coordinator process stores a message carrying `arrays` (`push` says how to build them).
+    Timed: the site pulls it and rebuilds it."""
+    stored = coordinator.ask(push)
     gc.collect()
     started = time.perf_counter()
     pulled = stub.PullMessage(pb.PullMessageRequest(), metadata=agent.metadata)
     received = agent._receive(stub, pulled.envelope)
     seconds = time.perf_counter() - started
-    federation.store.close_messages([message_id])  # answered as far as this benchmark goes: the next pull skips it
+    federation.store.close_messages([stored["message_id"]])  # answered as far as this benchmark goes
     got = received.content["arrays"]
     exact = len(got) == len(arrays) and all(np.array_equal(got[f"w{i:02d}"].numpy(), a) for i, a in enumerate(arrays))
-    return {"seconds": seconds, "store_s": store_s, "byte_exact": exact}
+    return {"seconds": seconds, "store_s": stored["store_s"], "byte_exact": exact}
 
 
 def raw_download(get: grpc.UnaryStreamMultiCallable, nbytes: int) -> dict[str, Any]:
@@ -69,12 +73,18 @@ def download_throughput(
     """Median seconds of the site's receive path and of the raw stream, same bytes, alternating order."""
     from hydrafl.benchmarks.wire import GOAL_RATIO, channel, make_update
 
-    arrays = make_update(scale.update_bytes, seed=3)
-    agent = _site(coordinator.address, federation.sites[0][1], scale.update_bytes)
+    arrays = make_update(scale.update_bytes, seed=MODEL_SEED)
+    node_id, token = federation.sites[0]
+    agent = _site(coordinator.address, token, scale.update_bytes)
+
+    def push(rep: int) -> dict[str, Any]:  # the child builds the arrays the parent marked for this rep
+        return {"nbytes": scale.update_bytes, "seed": MODEL_SEED, "mark": -(rep + 1.0), "node_id": node_id,
+                "round": DOWNLOAD_ROUND + rep, "run_id": federation.grid.run.run_id}
+
     with channel(coordinator.address) as hydrafl_channel, channel(raw.address) as raw_channel:
         stub, get = CoordinatorClient(hydrafl_channel), raw_channel.unary_stream(RAW_GET_METHOD)
         runs = paired_runs(
-            scale.reps, arrays, lambda rep: hydrafl_download(stub, agent, federation, DOWNLOAD_ROUND + rep, arrays),
+            scale.reps, arrays, lambda rep: hydrafl_download(stub, agent, federation, coordinator, push(rep), arrays),
             lambda: raw_download(get, scale.update_bytes),
         )
     median, gib_per_s, ratio = rates(runs, scale.update_bytes)

@@ -8,7 +8,7 @@ dies takes it down too. A separate process is what a real deployment has (site a
 GIL) and lets the parent sample the server's RSS alone.
 
 `coordinator` is hydrafl's `Coordinator` (gRPC service + health; with `--serve` it also drives queued runs, as
-`hydrafl server` does). `raw` is the floor to compare it with: a generic stream-unary handler that only counts
+`hydrafl server` does); each JSON line the parent writes asks it to store a model message (`ServerProcess.ask`). `raw` is the floor to compare it with: a generic stream-unary handler that only counts
 the bytes it receives, and a unary-stream handler that sends N 1 MiB messages, served with the coordinator's
 thread-pool size and gRPC options.
 """
@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import psutil
@@ -70,6 +71,24 @@ def _serve_raw() -> grpc.Server:
     return server
 
 
+def _push_model(coordinator: Any, models: dict[tuple[int, int], list], request: dict[str, Any]) -> dict[str, Any]:
+    """The coordinator stores a model message for one site, as a round does: in its own process, whose blob store
+    (and its cache of what it sends) then serves the download. `models` keeps each (bytes, seed)'s arrays."""
+    from hydrafl.benchmarks._wire_download import model_message
+    from hydrafl.benchmarks._wire_pairs import mark
+    from hydrafl.benchmarks.wire import make_update
+    from hydrafl.server.grid import CoordinatorGrid
+
+    key = (request["nbytes"], request["seed"])
+    arrays = models.setdefault(key, make_update(*key))
+    mark(arrays, request["mark"])
+    grid = CoordinatorGrid(coordinator.store, coordinator.blobs, coordinator.service, request["run_id"])
+    message = model_message(arrays, request["node_id"], request["round"])  # after the grid claims the run
+    started = time.perf_counter()
+    [message_id] = grid.push_messages([message])
+    return {"message_id": message_id, "store_s": time.perf_counter() - started}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("kind", choices=("coordinator", "raw"))
@@ -95,7 +114,9 @@ def main() -> None:
     if args.serve:
         threading.Thread(target=coordinator.serve_forever, name="serve_forever", daemon=True).start()
     print(json.dumps({"port": coordinator.port}), flush=True)
-    sys.stdin.read()
+    models: dict[tuple[int, int], list] = {}
+    for line in sys.stdin:  # until the parent closes it
+        print(json.dumps(_push_model(coordinator, models, json.loads(line))), flush=True)
     coordinator.stop()
     logging.shutdown()
     os._exit(0)  # skip the interpreter's teardown of torch & co. (~2 s); nothing is left to flush
@@ -176,6 +197,15 @@ class ServerProcess:
             raise RuntimeError(f"{self.kind} server did not start:\n{self.log_tail()}")
         self.port = int(json.loads(line)["port"])
         return self
+
+    def ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        """One request to a coordinator child (`_push_model`), and its answer."""
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.kind} server stopped:\n{self.log_tail()}")
+        return json.loads(line)
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]

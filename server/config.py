@@ -23,8 +23,13 @@ LEASE_STALE_S = 30.0
 """A coordinator whose lease went unrenewed this long is presumed dead; it renews every sixth of it."""
 DEFAULT_KEEP_CHECKPOINTS = 2
 """Each run keeps its last this many rounds' checkpoints (the newest is the model a finished run ends with)."""
-OPTION_KEYS = ("listen", "db", "blobs", "tls-cert", "tls-key", "tls-client-ca", "lease-stale-s", "keep-checkpoints")
-NUMBER_KEYS = ("lease-stale-s", "keep-checkpoints")
+DEFAULT_SEND_CACHE_MB = 2048
+"""Memory for the model a round sends, in its wire form (`server.sent_cache`; 0 turns it off)."""
+OPTION_KEYS = (
+    "listen", "db", "blobs", "tls-cert", "tls-key", "tls-client-ca", "lease-stale-s", "keep-checkpoints",
+    "send-cache-mb",
+)
+NUMBER_KEYS = ("lease-stale-s", "keep-checkpoints", "send-cache-mb")
 """`hydrafl server`'s options without their dashes: the keys of its TOML file."""
 TLS_KEYS = ("tls-cert", "tls-key", "tls-client-ca")
 
@@ -51,6 +56,8 @@ class CoordinatorConfig:
     """Seconds without a heartbeat after which another coordinator may take this one's lease over."""
     keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS
     """Checkpoints kept per run (`server.retention`); older rounds' checkpoints, messages and chunks are deleted."""
+    send_cache_mb: int = DEFAULT_SEND_CACHE_MB
+    """MiB of the chunks sent last kept in memory for the sites' downloads (`server.sent_cache`); 0: none."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.listen, str) or not self.listen.strip():
@@ -64,6 +71,9 @@ class CoordinatorConfig:
         keep = self.keep_checkpoints
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ConfigError(f"keep-checkpoints must be a whole number of at least 1, got {keep!r}")
+        cache = self.send_cache_mb
+        if not isinstance(cache, int) or isinstance(cache, bool) or cache < 0:
+            raise ConfigError(f"send-cache-mb must be a whole number of MiB, 0 or more, got {cache!r}")
 
     @classmethod
     def from_options(cls, values: Mapping[str, Any], *, source: str = "options") -> CoordinatorConfig:
@@ -81,6 +91,7 @@ class CoordinatorConfig:
             "listen": str(values.get("listen", DEFAULT_LISTEN)),
             "lease_stale_s": values.get("lease-stale-s", LEASE_STALE_S),
             "keep_checkpoints": values.get("keep-checkpoints", DEFAULT_KEEP_CHECKPOINTS),
+            "send_cache_mb": values.get("send-cache-mb", DEFAULT_SEND_CACHE_MB),
         }
         if values.get("db"):
             given["db_url"] = str(values["db"])

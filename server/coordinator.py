@@ -37,6 +37,7 @@ from hydrafl.server.blobs import BlobStore
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.grid import CoordinatorGrid
 from hydrafl.server.retention import Retention
+from hydrafl.server.sent_cache import SentCache
 from hydrafl.server.service import SERVER_OPTIONS, SERVICE_NAME, CoordinatorService, add_coordinator_service
 from hydrafl.server.stock_apps import ServerAppError, run_server_app
 from hydrafl.server.store import LeaseClaim, Run, Store, describe_lease, lease_age_s
@@ -165,7 +166,8 @@ class Coordinator:
         self.config = config
         keep_chunk_buffers()  # this process streams chunks from now on
         self.store = Store(config.db_url)
-        self.blobs = BlobStore(config.blob_dir)
+        cache = SentCache(config.send_cache_mb << 20) if config.send_cache_mb else None
+        self.blobs = BlobStore(config.blob_dir, cache=cache)
         self.service = CoordinatorService(self.store, self.blobs, config.limits)
         self.health = health.HealthServicer()
         workers = futures.ThreadPoolExecutor(max_workers=config.limits.handler_threads)

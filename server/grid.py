@@ -82,7 +82,8 @@ class CoordinatorGrid(Grid):
             message.metadata.__dict__["_message_id"] = message_id
             self._types[message_id] = message.metadata.message_type
             envelope, chunks = split_message(message, server_round, named=named)
-            self.blobs.put_stream((digest, data) for digest, data in chunks.items() if digest not in put)
+            fresh = ((digest, data) for digest, data in chunks.items() if digest not in put)
+            self.blobs.put_stream(fresh, verified=True)  # named from these very bytes by split_message
             put.update(chunks)
             stored.append((message_id, server_round, message.metadata.dst_node_id, envelope.SerializeToString()))
         self.blobs.sync()

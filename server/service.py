@@ -29,7 +29,7 @@ import numpy as np
 from google.protobuf.message import DecodeError, Message as ProtoMessage
 
 from hydrafl.proto import coordinator_pb2 as pb
-from hydrafl.proto.chunk_wire import ChunkView, decode_chunk, encode_chunk
+from hydrafl.proto.chunk_wire import ChunkView, decode_chunk
 from hydrafl.protocol import GRPC_OPTIONS, WEIGHT
 from hydrafl.proto.envelope import CHUNK_BYTES, INLINE_BYTES, MAX_REASON_CHARS, EnvelopeError, chunk_hashes, chunk_sizes
 from hydrafl.server.blobs import BlobStore
@@ -190,8 +190,8 @@ class CoordinatorService:
             served = run_id in self._served_runs.get(node_id, ())
         return (self.store.run_status(run_id) or "") if served else ""
 
-    def GetChunks(self, request: pb.GetChunksRequest, context: grpc.ServicerContext) -> Iterator[tuple[str, bytes]]:
-        """(name, data) of each chunk asked for, written to the wire by `chunk_wire.encode_chunk`."""
+    def GetChunks(self, request: pb.GetChunksRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Each chunk asked for, in a Chunk's wire form (`BlobStore.wire`), which gRPC sends as it is."""
         site = self._site(context)
         with self._bounded(site, context, stream=True) as stream:
             wanted = list(dict.fromkeys(request.digests))  # a repeated digest is sent once
@@ -205,11 +205,11 @@ class CoordinatorService:
                 )
             for digest in wanted:
                 try:
-                    data = self.blobs.get(digest)
+                    wire = self.blobs.wire(digest)
                 except (KeyError, EnvelopeError) as error:
                     context.abort(grpc.StatusCode.NOT_FOUND, str(error))
                 stream.touch()
-                yield digest, data
+                yield wire
 
     def HasChunks(self, request: pb.HasChunksRequest, context: grpc.ServicerContext) -> pb.HasChunksReply:
         """Which of these chunks this site has already uploaded (its own namespace only)."""
@@ -431,7 +431,7 @@ def add_coordinator_service(service: CoordinatorService, server: grpc.Server) ->
             unary(service.PullMessage, pb.PullMessageRequest), response_serializer=serialize
         ),
         "GetChunks": grpc.unary_stream_rpc_method_handler(
-            unary(service.GetChunks, pb.GetChunksRequest), response_serializer=encode_chunk
+            unary(service.GetChunks, pb.GetChunksRequest), response_serializer=bytes
         ),
         "HasChunks": grpc.unary_unary_rpc_method_handler(
             unary(service.HasChunks, pb.HasChunksRequest), response_serializer=serialize

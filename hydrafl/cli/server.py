@@ -40,6 +40,11 @@ def server(
         int | None,
         typer.Option(help="Checkpoints each run keeps (default 2); checkpointed rounds' messages and chunks go."),
     ] = None,
+    send_cache_mb: Annotated[
+        int | None,
+        typer.Option(help="Memory for the model a round sends, kept ready for the sites' downloads (default 2048; 0: "
+                          "off, every download reads the blob files)."),
+    ] = None,
     dashboard: Annotated[
         str | None,
         typer.Option(help="HOST:PORT (or PORT, on loopback) to serve the read-only web dashboard and /metrics on."),

@@ -31,10 +31,10 @@ def test_defaults_live_under_hydrafl_home(tmp_path, monkeypatch):
 
 
 def test_a_toml_file_is_read_and_flags_win_over_it(tmp_path):
-    path = _toml(tmp_path, 'listen = "0.0.0.0:7000"\ndb = "sqlite:///x.db"\nblobs = "/srv/blobs"\nlease-stale-s = 12\n')
-    config = CoordinatorConfig.load(path, {"listen": "127.0.0.1:7001"})
+    text = 'listen = "0.0.0.0:7000"\ndb = "sqlite:///x.db"\nblobs = "/srv/blobs"\nlease-stale-s = 12\nsend-cache-mb = 0\n'
+    config = CoordinatorConfig.load(_toml(tmp_path, text), {"listen": "127.0.0.1:7001"})
     assert (config.listen, config.db_url, config.blob_dir) == ("127.0.0.1:7001", "sqlite:///x.db", Path("/srv/blobs"))
-    assert config.lease_stale_s == 12
+    assert config.lease_stale_s == 12 and config.send_cache_mb == 0
 
 
 @pytest.mark.parametrize(
@@ -45,6 +45,8 @@ def test_a_toml_file_is_read_and_flags_win_over_it(tmp_path):
         ("lease-stale-s = -1\n", "lease-stale-s must be a positive number of seconds, got -1"),
         ('lease-stale-s = "soon"\n', "lease-stale-s must be a positive number of seconds, got 'soon'"),
         ("[server]\nlisten = 1\n", "unknown key 'server'.*tables are not supported"),
+        ("send-cache-mb = -1\n", "send-cache-mb must be a whole number of MiB, 0 or more, got -1"),
+        ("send-cache-mb = 1.5\n", "send-cache-mb must be a whole number of MiB, 0 or more, got 1.5"),
     ],
 )
 def test_an_unknown_key_or_a_bad_value_is_refused_by_name(tmp_path, text, named):
