@@ -122,6 +122,8 @@ def _run_on_ray(cfg: RunConfig, policy: SitePolicy = SitePolicy()) -> list[dict[
     try:
         import ray  # noqa: F401  (only to fail early with an actionable message)
         from flwr.simulation import run_simulation
+
+        from hydrafl.simulation.ray_start import start_ray
     except ImportError as error:
         raise RuntimeError("--backend ray needs the ray extra: pip install 'hydrafl[ray]'") from error
     if not cfg.run_dir:
@@ -130,14 +132,12 @@ def _run_on_ray(cfg: RunConfig, policy: SitePolicy = SitePolicy()) -> list[dict[
     if not cfg.resume:
         history_file.unlink(missing_ok=True)  # never mistake an earlier run's history for this one's
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    start_ray(os.cpu_count() or 1)
     run_simulation(
         server_app=build_server_app(cfg),
         client_app=PipelineApp(client_app, policy),
         num_supernodes=cfg.sites,
-        backend_config={
-            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            "init_args": {"num_cpus": os.cpu_count() or 1, "address": "local", "include_dashboard": False},
-        },
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},  # Ray itself: start_ray
     )
     history = json.loads(history_file.read_text()) if history_file.exists() else []
     if len(history) != cfg.rounds + 1:
