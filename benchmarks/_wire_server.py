@@ -8,9 +8,10 @@ dies takes it down too. A separate process is what a real deployment has (site a
 GIL) and lets the parent sample the server's RSS alone.
 
 `coordinator` is hydrafl's `Coordinator` (gRPC service + health; with `--serve` it also drives queued runs, as
-`hydrafl server` does); each JSON line the parent writes asks it to store a model message (`ServerProcess.ask`). `raw` is the floor to compare it with: a generic stream-unary handler that only counts
-the bytes it receives, and a unary-stream handler that sends N 1 MiB messages, served with the coordinator's
-thread-pool size and gRPC options.
+`hydrafl server` does); each JSON line the parent writes asks it to store a model message (`ServerProcess.ask`).
+`raw` is the floor to compare it with: a generic stream-unary handler that only counts the bytes it receives,
+and a unary-stream handler that sends N 1 MiB messages, served with the coordinator's thread-pool size and gRPC
+options.
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ def _push_model(coordinator: Any, models: dict[tuple[int, int], list], request: 
     from hydrafl.server.grid import CoordinatorGrid
 
     key = (request["nbytes"], request["seed"])
-    arrays = models.setdefault(key, make_update(*key))
+    if key not in models:  # generated once: 1 GiB of random values takes seconds
+        models[key] = make_update(*key)
+    arrays = models[key]
     mark(arrays, request["mark"])
     grid = CoordinatorGrid(coordinator.store, coordinator.blobs, coordinator.service, request["run_id"])
     message = model_message(arrays, request["node_id"], request["round"])  # after the grid claims the run

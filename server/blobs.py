@@ -67,9 +67,13 @@ class BlobStore:
                 self._uploads[node_id] = UploadPacks(folder, writers=self._writers, legacy=legacy)
             return self._uploads[node_id]
 
-    def _path(self, digest: str) -> Path:
+    def _file(self, digest: str) -> str:
+        """Where chunk `digest` lives, as a str (pathlib costs more than the read on the download path)."""
         self.naming.check(digest)
-        return self.root / digest[:2] / digest
+        return os.path.join(self._root, digest[:2], digest)
+
+    def _path(self, digest: str) -> Path:
+        return Path(self._file(digest))
 
     def digests(self) -> list[str]:
         """Every chunk stored in this namespace (not in nested namespaces)."""
@@ -112,7 +116,7 @@ class BlobStore:
         """Store a chunk; False when it was already there. A chunk that does not match its name is refused, unless
         `verified`: this process named it from these very bytes (the grid's `split_message`), so it is not hashed
         again (0.23 s of CPU per GiB of the model, every round)."""
-        path = str(self._path(digest))
+        path = self._file(digest)
         try:
             stored_bytes = os.stat(path).st_size
         except FileNotFoundError:
@@ -190,10 +194,9 @@ class BlobStore:
         return cached if cached is not None else encode_chunk((digest, self.get(digest)))
 
     def get(self, digest: str) -> bytes:
-        """The chunk's bytes, read with one call (every site reads every chunk of the model: no pathlib here)."""
-        self.naming.check(digest)
+        """The chunk's bytes, read with one call (every site reads every chunk of the model)."""
         try:
-            descriptor = os.open(os.path.join(self._root, digest[:2], digest), os.O_RDONLY)
+            descriptor = os.open(self._file(digest), os.O_RDONLY)
         except FileNotFoundError:
             raise KeyError(f"chunk {digest[:12]} is not stored") from None
         try:
