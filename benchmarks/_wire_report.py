@@ -59,9 +59,9 @@ def print_tables(summary: dict[str, Any]) -> None:
     table.add_column("what", justify="left")
     phases, median = tput["hydrafl_phases_median_s"], parts["median_s"]
     rows = [
-        ("split_message", phases["split_s"], "site: views of the bytes, XXH3-128 of each chunk"),
-        ("HasChunks", phases["has_s"], "one call with every chunk name"),
-        ("PutChunks", phases["put_s"], "stream; writer threads check XXH3, write its pack past the page cache"),
+        ("HasChunks", phases["ask_s"], "one call with the first chunk's XXH3-128 name: a resume?"),
+        ("PutChunks", phases["put_s"], "stream; the site names each chunk as it sends it; the coordinator's writer "
+                                       "threads check XXH3 and write its pack past the page cache"),
         ("PushReply", phases["push_s"], "coordinator checks sizes, one syncfs, records"),
         ("  XXH3-128", median["upload_digest_s"], "one pass over the bytes (done 2x on the path: site, coordinator)"),
         ("  BLAKE3, pool", median["content_digest_s"], "what naming the bytes as a model to send would cost"),
@@ -105,10 +105,10 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     left.set_title(f"hydrafl/raw: up {tput['ratio_hydrafl_over_raw']:.2f}, down {down['ratio_hydrafl_over_raw']:.2f} "
                    f"(goal >= {GOAL_RATIO:g})")
     phases, median = tput["hydrafl_phases_median_s"], parts["median_s"]
-    names = ["split", "HasChunks", "PutChunks", "PushReply", "XXH3", "pack puts", "sync", "PushReply\nwork"]
-    values = [phases["split_s"], phases["has_s"], phases["put_s"], phases["push_s"], median["upload_digest_s"],
+    names = ["HasChunks", "PutChunks", "PushReply", "XXH3", "pack puts", "sync", "PushReply\nwork"]
+    values = [phases["ask_s"], phases["put_s"], phases["push_s"], median["upload_digest_s"],
               median["blob_put_s"], median["sync_s"], median["push_reply_work_s"]]
-    middle.barh(names[::-1], values[::-1], color=["tab:orange"] * 4 + ["tab:blue"] * 4)
+    middle.barh(names[::-1], values[::-1], color=["tab:orange"] * 4 + ["tab:blue"] * 3)
     middle.axvline(tput["median_s"]["raw"], color="gray", linestyle=":", label="raw stream, whole update")
     middle.set_xlabel("seconds")
     middle.set_title(f"hydrafl phases (blue) and components (orange), {tput['update_bytes'] / GIB:g} GiB")

@@ -2,19 +2,19 @@
 
     python -m hydrafl.benchmarks.wire [--out DIR] [--quick]
 
-Upload: one update (16 float32 arrays, 1 GiB in all) goes up the hydrafl way, as a site does it:
-split_message (views of the arrays' bytes, every 1 MiB chunk named by its XXH3-128) -> HasChunks ->
-PutChunks (a stream of 1 MiB chunks; the coordinator's writer threads check each one's XXH3 and write it into
-the stream's pack file past the page cache (`server.packs`) while the next ones arrive, noting which chunks hold
-only finite float32) -> PushReply (the coordinator checks the manifest and chunk sizes, reads back only chunks
-not known finite, makes every chunk durable with one syncfs, and records the reply in SQLite). The baseline
-streams the same bytes in 1 MiB messages to a stream-unary handler that only counts them, served with the
-coordinator's thread pool and gRPC options. Both servers are separate processes (as a site and its coordinator are); both clients
-start from the same numpy arrays. Building the reply Message is the ClientApp's job and is not timed. The two
-alternate order over the repetitions; every repetition marks each chunk differently, so nothing is
-deduplicated. Each accepted update is read back through `CoordinatorGrid.pull_messages` and compared byte for
-byte. Components (hashing, blob writes with and without fsync, PushReply's work, its SQLite writes) are timed
-alone on the same bytes, in this process, to say where hydrafl's time goes; "durable write floor" is the
+Upload: one update (16 float32 arrays, 1 GiB in all) goes up the hydrafl way, with the site's own code
+(`client.upload.upload_reply`): HasChunks of the first chunk's XXH3-128 name (not there: a first push) ->
+PutChunks (a stream of 1 MiB chunks, each named as it is sent; the coordinator's writer threads check each one's
+XXH3 and write it into the stream's pack file past the page cache (`server.packs`) while the next ones arrive,
+noting which chunks hold only finite float32) -> PushReply (the coordinator checks the manifest and chunk sizes,
+reads back only chunks not known finite, makes every chunk durable with one syncfs, and records the reply in
+SQLite). The baseline streams the same bytes in 1 MiB messages to a stream-unary handler that only counts them,
+served with the coordinator's thread pool and gRPC options. Both servers are separate processes (as a site and its
+coordinator are); both clients start from the same numpy arrays. Building the reply Message is the ClientApp's job
+and is not timed. The two alternate order over the repetitions; every repetition marks each chunk differently, so
+nothing is deduplicated. Each accepted update is read back through `CoordinatorGrid.pull_messages` and compared
+byte for byte. Components (hashing, blob writes with and without fsync, PushReply's work, its SQLite writes) are
+timed alone on the same bytes, in this process, to say where hydrafl's time goes; "durable write floor" is the
 time the writer pool needs to write the bytes and sync them once with no other work: no durable upload to this
 disk can beat it, so raw / floor is the highest ratio reachable here.
 
@@ -53,12 +53,13 @@ import psutil
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from hydrafl.benchmarks._common import benchmark_parser
+from hydrafl.client.upload import upload_reply
 from hydrafl.benchmarks._wire_server import RAW_METHOD, RssSampler, ServerProcess, durable_writes, filesystem
 from hydrafl.identity import claim_server_identity
 from hydrafl.malloc_tuning import keep_freed_memory
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.chunk_wire import CoordinatorClient
-from hydrafl.proto.envelope import CHUNK_BYTES, SENT, UPLOADED, join_message, split_message
+from hydrafl.proto.envelope import CHUNK_BYTES, INLINE_BYTES, SENT, UPLOADED, join_message, split_message
 from hydrafl.protocol import GRPC_OPTIONS, WEIGHT
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.grid import CoordinatorGrid
@@ -75,7 +76,7 @@ from hydrafl.benchmarks._wire_report import GIB, GOAL_EXTRA_UPDATES, GOAL_RATIO,
 NAME = "wire"
 ARRAYS = 16
 MB = 1e6  # decimal megabytes, as in "200 MB per site"
-PHASES = ("split_s", "has_s", "put_s", "push_s")
+PHASES = ("ask_s", "put_s", "push_s")
 MEMORY_ROUND, THROUGHPUT_ROUND = 1, 2  # the rounds the requests belong to (the throughput reps take 2, 3, ...)
 Metadata = tuple[tuple[str, str], ...]
 
@@ -135,7 +136,8 @@ def pull_request(stub: CoordinatorClient, metadata: Metadata) -> Message:
 
 
 def push_update(stub: CoordinatorClient, metadata: Metadata, envelope: pb.Envelope, chunks: dict[str, bytes]) -> dict:
-    """The RPCs of `SiteAgent._push` after its split_message, each timed (monotonic start/end)."""
+    """The RPCs of a push that asks about every chunk first (a resumed one), each timed (monotonic start/end): the
+    memory run names every site's chunks before the clock starts, so that only the uploads overlap."""
     times: dict[str, Any] = {"start": time.monotonic()}
     present = set(stub.HasChunks(pb.HasChunksRequest(digests=list(chunks)), metadata=metadata).present)
     missing = [digest for digest in chunks if digest not in present]
@@ -196,21 +198,23 @@ def channel(address: str) -> grpc.Channel:
 def hydrafl_push(
     stub: CoordinatorClient, token: str, grid: CoordinatorGrid, node_id: int, server_round: int, arrays: list[np.ndarray]
 ) -> dict:
-    """One timed site-side upload (split + RPCs), then, untimed, the stored reply read back as the grid reads it."""
+    """One timed site-side upload (`SiteAgent._push`'s `upload_reply`), then, untimed, the stored reply read back
+    as the grid reads it."""
     message_id = send_request(grid, node_id, server_round)
     reply = reply_to(pull_request(stub, auth(token)), arrays)
     gc.collect()
     started = time.perf_counter()
-    envelope, chunks = split_message(reply, server_round)
-    split_s = time.perf_counter() - started
-    result = push_update(stub, auth(token), envelope, chunks)
+    uploaded = upload_reply(stub, auth(token), reply, server_round, inline_bytes=INLINE_BYTES)
     seconds = time.perf_counter() - started
-    del reply, chunks
+    del reply
     [stored] = grid.pull_messages([message_id])
     record = stored.content["arrays"]
     exact = [np.array_equal(record[f"w{i:02d}"].numpy(), array) for i, array in enumerate(arrays)]
-    del result["times"]
-    return {"seconds": seconds, "split_s": split_s, **result, "byte_exact": all(exact) and len(record) == len(arrays)}
+    return {
+        "seconds": seconds, **{f"{phase}_s": value for phase, value in uploaded.seconds.items()},
+        "stored": uploaded.stored, "already_present": uploaded.already_present, "accepted": not uploaded.duplicate,
+        "byte_exact": all(exact) and len(record) == len(arrays),
+    }
 
 
 def raw_push(put: Callable[..., bytes], arrays: list[np.ndarray]) -> dict:

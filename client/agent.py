@@ -42,6 +42,7 @@ from hydrafl.site_pipeline import answer
 from hydrafl.site_policy import SitePolicy
 from hydrafl.client.download import Assembly, Received
 from hydrafl.client.tls import SiteTls
+from hydrafl.client.upload import upload_reply
 from hydrafl.malloc_tuning import keep_chunk_buffers
 from hydrafl.data import DataError
 from hydrafl.proto import coordinator_pb2 as pb
@@ -54,7 +55,6 @@ from hydrafl.proto.envelope import (
     chunk_sizes,
     declared_nbytes,
     join_message,
-    split_message,
 )
 from hydrafl.netaddr import unreachable_reason
 from hydrafl.protocol import GRPC_OPTIONS
@@ -307,27 +307,11 @@ class SiteAgent:
             call.cancel()
 
     def _push(self, stub: CoordinatorClient, reply: Message, server_round: int) -> None:
-        envelope, chunks = split_message(reply, server_round)
-        if sum(len(data) for data in chunks.values()) <= self.inline_bytes:  # one call; re-putting a chunk is harmless
-            inline = [pb.Chunk(digest=digest, data=bytes(data)) for digest, data in chunks.items()]
-            stub.PushReply(pb.PushReplyRequest(envelope=envelope, chunks=inline), metadata=self.metadata)
-            return
-        present = set(stub.HasChunks(pb.HasChunksRequest(digests=list(chunks)), metadata=self.metadata).present)
-        missing = [digest for digest in chunks if digest not in present]
-        if present:  # chunks are content-addressed: an interrupted upload, or arrays the coordinator has already
-            log.info("upload: %d of %d chunks already at the coordinator (an interrupted upload, or arrays it "
-                     "holds already), sending %d", len(present),
-                     len(chunks), len(missing))
-
-        def stream() -> Iterator[tuple[str, memoryview]]:
-            for digest in missing:
-                yield digest, chunks[digest]
-
-        if missing:
-            stub.PutChunks(stream(), metadata=self.metadata)
-        started = time.perf_counter()
-        stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=self.metadata)
-        log.debug("pushed reply to %s in %.3f s", envelope.reply_to_message_id[:8], time.perf_counter() - started)
+        uploaded = upload_reply(stub, self.metadata, reply, server_round, inline_bytes=self.inline_bytes)
+        if uploaded.resumed:  # chunks are content-addressed: an interrupted upload, or arrays the coordinator holds
+            log.info("upload resumed: %d chunks already at the coordinator, %d sent", uploaded.already_present,
+                     uploaded.stored)
+        log.debug("pushed reply to %s: %s", reply.metadata.reply_to_message_id[:8], uploaded.seconds)
 
 
 def parse_run_config(raw: bytes) -> dict[str, str | int | float | bool]:

@@ -100,10 +100,11 @@ def naming(envelope: Envelope) -> ChunkNaming:
     return UPLOADED if envelope.reply_to_message_id else SENT
 
 
-def _raw_bytes(array: Array) -> memoryview:
-    """An Array's values as raw C-order bytes; a view into its serialised data when it is already C-ordered."""
+def chunk_views(array: Array) -> list[memoryview]:
+    """An Array's values as raw C-order bytes in chunks; views into its serialised data when it is C-ordered."""
     values = array_view(array) if array.stype == SType.NUMPY else array.numpy()
-    return memoryview(np.ascontiguousarray(values).reshape(-1).view(np.uint8))
+    raw = memoryview(np.ascontiguousarray(values).reshape(-1).view(np.uint8))
+    return [raw[start : start + CHUNK_BYTES] for start in range(0, len(raw), CHUNK_BYTES)]
 
 
 Named = dict[int, tuple[Array, list[memoryview], list[str], list[str]]]
@@ -140,8 +141,7 @@ def split_message(
             if named is not None and id(array) in named:
                 _, pieces, hashes, checksums = named[id(array)]
             else:
-                raw = _raw_bytes(array)
-                pieces = [raw[start : start + CHUNK_BYTES] for start in range(0, len(raw), CHUNK_BYTES)]
+                pieces = chunk_views(array)
                 hashes = names.digests(pieces)
                 checksums = XXH3.digests(pieces) if names is SENT else []
                 if named is not None:

@@ -21,6 +21,9 @@ from hydrafl import protocol, server_app, site_app
 from hydrafl.config import RunConfig
 from hydrafl.identity import claim_server_identity
 from hydrafl.models import build_model
+from hydrafl.server.config import CoordinatorConfig
+from hydrafl.server.coordinator import Coordinator
+from hydrafl.server.grid import CoordinatorGrid
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
 from hydrafl.strategies.hooks import QueriesSites
 from hydrafl.subnet.apply import trainable_slices
@@ -164,3 +167,16 @@ def site_read_slices(cfg: RunConfig, spec: SubnetSpec) -> dict[str, Slice]:
     model = build_model(site_app.run_cohort(cfg).task, model=cfg.model, seed=cfg.seed, lora=site_app.lora_spec(cfg))
     layout = site_app.slice_layout(model)
     return read_slices(trainable_slices(model, spec), dict(zip(layout["layout.names"], layout["layout.layers"])), spec)
+
+
+def started_coordinator_run(tmp_path: Path, *sites: str) -> tuple[Coordinator, CoordinatorGrid, list[tuple[Any, str]]]:
+    """A coordinator on a free loopback port (SQLite and blobs in `tmp_path`), `sites` enrolled as (site, token),
+    and a running run with its grid. The caller stops the coordinator."""
+    coordinator = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", db_url=f"sqlite:///{tmp_path / 'c.db'}",
+                                                blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs"))
+    coordinator.start()
+    store = coordinator.store
+    enrolled = [store.add_site(name) for name in sites]
+    run = store.create_run({"rounds": 1})
+    store.set_run_status(run.id, "running")
+    return coordinator, CoordinatorGrid(store, coordinator.blobs, coordinator.service, run.id), enrolled

@@ -14,7 +14,7 @@ def test_wire_quick(tmp_path):
     throughput = result["throughput"]
     assert set(throughput["median_s"]) == set(throughput["gib_per_s"]) == {"hydrafl", "raw"}
     assert throughput["ratio_hydrafl_over_raw"] > 0 and "goal_met" in throughput
-    assert set(throughput["hydrafl_phases_median_s"]) == {"split_s", "has_s", "put_s", "push_s"}
+    assert set(throughput["hydrafl_phases_median_s"]) == {"ask_s", "put_s", "push_s"}
     assert len(throughput["runs"]["hydrafl"]) == len(throughput["runs"]["raw"]) == throughput["reps"]
     checks = throughput["checks"]
     assert checks["accepted"] and checks["all_chunks_stored"] and checks["raw_bytes_received"], checks

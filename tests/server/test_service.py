@@ -6,27 +6,19 @@ import grpc
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from helpers import started_coordinator_run
 from sqlalchemy import func, select
 
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
 from hydrafl.proto.envelope import CHUNK_BYTES, INLINE_BYTES, UPLOADED, split_message
-from hydrafl.server.config import CoordinatorConfig
-from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.grid import CoordinatorGrid
 from hydrafl.server.store import Reply
 
 
 @pytest.fixture
 def live(tmp_path):
-    coordinator = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", db_url=f"sqlite:///{tmp_path / 'c.db'}",
-                                                blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs"))
-    coordinator.start()
-    store = coordinator.store
-    (site_a, token_a), (_, token_b) = store.add_site("a"), store.add_site("b")
-    run = store.create_run({"rounds": 1})
-    store.set_run_status(run.id, "running")
-    grid = CoordinatorGrid(store, coordinator.blobs, coordinator.service, run.id)
+    coordinator, grid, [(site_a, token_a), (_, token_b)] = started_coordinator_run(tmp_path, "a", "b")
     arrays = ArrayRecord({"w": Array(np.ones((3, 2), dtype=np.float32))})
     request = Message(RecordDict({"arrays": arrays}), dst_node_id=site_a.node_id, message_type="train")
     request.metadata.group_id = "1"
