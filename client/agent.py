@@ -309,7 +309,8 @@ class SiteAgent:
     def _push(self, stub: CoordinatorClient, reply: Message, server_round: int) -> None:
         uploaded = upload_reply(stub, self.metadata, reply, server_round, inline_bytes=self.inline_bytes)
         if uploaded.resumed:  # chunks are content-addressed: an interrupted upload, or arrays the coordinator holds
-            log.info("upload resumed: %d chunks already at the coordinator, %d sent", uploaded.already_present,
+            log.info("upload: %d of %d chunks already at the coordinator (an interrupted upload, or arrays it holds "
+                     "already), sent %d", uploaded.already_present, uploaded.already_present + uploaded.stored,
                      uploaded.stored)
         log.debug("pushed reply to %s: %s", reply.metadata.reply_to_message_id[:8], uploaded.seconds)
 
