@@ -1,11 +1,12 @@
 """A reply's way to the coordinator: inline when small, else streamed, naming each chunk as it goes.
 
 A large reply used to be named whole (XXH3 of every chunk), then the coordinator asked which of those names it
-held, then streamed: 0.05-0.1 s per GiB before the first byte left. Now a first push asks about its first chunk
-only. When the coordinator lacks it, nothing of this reply arrived before (a stream stores in order), so every
-chunk is sent and named on the sending thread while the network carries the previous ones; the manifest is built
-afterwards from those names. When it holds it, the push is a resume: the whole reply is named, the coordinator
-says what is missing, and only that is sent, as before.
+held, then streamed: 0.05-0.1 s per GiB before the first byte left. Now a push asks about its first chunk only.
+When the coordinator lacks it, at most the few chunks in flight when an earlier stream of this reply was cut can
+be there (a stream is stored in about its order; those are counted as already present, not written again), so
+every chunk is sent, named on gRPC's sending thread while the network carries the previous ones, and the manifest
+is built afterwards from those names. When it holds it, the push is a resume: the whole reply is named, the
+coordinator says what is missing, and only that is sent, as before.
 """
 
 from __future__ import annotations
