@@ -40,7 +40,8 @@ def upload_reply(
 ) -> Uploaded:
     """Push `reply`: its chunks (inline up to `inline_bytes`, else streamed), then its envelope."""
     started = time.perf_counter()
-    arrays = [] if reply.has_error() else [a for record in reply.content.array_records.values() for a in record.values()]
+    records = [] if reply.has_error() else reply.content.array_records.values()
+    arrays = [array for record in records for array in record.values()]
     named: Named = {id(array): (array, chunk_views(array), [], []) for array in arrays}
     pieces = [piece for _, views, _, _ in named.values() for piece in views]
     if not pieces or sum(len(piece) for piece in pieces) <= inline_bytes:  # one call; re-putting is harmless
