@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 import grpc
 from flwr.app import Context, Error, Message, Metadata, RecordDict
