@@ -53,7 +53,7 @@ import psutil
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from hydrafl.benchmarks._common import benchmark_parser
-from hydrafl.client.upload import upload_reply
+from hydrafl.client.upload import Metadata, upload_reply
 from hydrafl.benchmarks._wire_server import RAW_METHOD, RssSampler, ServerProcess, durable_writes, filesystem
 from hydrafl.identity import claim_server_identity
 from hydrafl.malloc_tuning import keep_freed_memory
@@ -78,7 +78,6 @@ ARRAYS = 16
 MB = 1e6  # decimal megabytes, as in "200 MB per site"
 PHASES = ("ask_s", "put_s", "push_s")
 MEMORY_ROUND, THROUGHPUT_ROUND = 1, 2  # the rounds the requests belong to (the throughput reps take 2, 3, ...)
-Metadata = tuple[tuple[str, str], ...]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
