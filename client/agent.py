@@ -285,11 +285,11 @@ class SiteAgent:
             )
         sizes = chunk_sizes(envelope)
         self.received.keep_for(envelope)
-        with Assembly(envelope, self.received) as assembly:
-            wanted = {digest: sizes[digest] for digest in assembly.missing()}
-            _take(inline, wanted, assembly)  # checked as downloaded chunks are
-            self._fetch(stub, wanted, assembly)
-            message = join_message(envelope, self.received.chunks, verified=True, assembled=assembly.arrays())
+        assembly = Assembly(envelope, self.received)
+        wanted = {digest: sizes[digest] for digest in assembly.missing()}
+        _take(inline, wanted, assembly)  # checked as downloaded chunks are
+        self._fetch(stub, wanted, assembly)
+        message = join_message(envelope, {}, verified=True, assembled=assembly.arrays())
         self.received.clear()
         return message
 

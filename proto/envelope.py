@@ -330,8 +330,18 @@ def join_message(
 def tensor_array(tensor: TensorManifest, pieces: list[bytes | memoryview]) -> Array:
     """The Array in Flower's serialised form (np.save's bytes: header, then the values), built with one copy of
     the chunks, where going through a numpy array would copy them twice."""
+    return serialised_array(tensor, b"".join([npy_header(tensor), *pieces]))
+
+
+def npy_header(tensor: TensorManifest) -> bytes:
+    """The header np.save writes before the tensor's values."""
     header = io.BytesIO()
     described = {"descr": np.lib.format.dtype_to_descr(np.dtype(tensor.dtype)), "fortran_order": False,
                  "shape": tuple(tensor.shape)}
     np.lib.format.write_array_header_1_0(header, described)
-    return Array(dtype=tensor.dtype, shape=tuple(tensor.shape), stype=SType.NUMPY, data=b"".join([header.getvalue(), *pieces]))
+    return header.getvalue()
+
+
+def serialised_array(tensor: TensorManifest, data: bytes) -> Array:
+    """The Array whose serialised bytes (`npy_header`, then the values) are `data`."""
+    return Array(dtype=tensor.dtype, shape=tuple(tensor.shape), stype=SType.NUMPY, data=data)

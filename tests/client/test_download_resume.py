@@ -1,5 +1,5 @@
-"""A download holds one model, not two, and one cut short resumes with what it lacks: tensors already assembled
-are kept and their chunks let go; a chunk that failed its check goes, with every tensor built from it."""
+"""A download fills each tensor's bytes in place and holds one model, not two; one cut short resumes with what it
+lacks; a chunk that fails its check is refused at once and never copied in."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from flwr.app import Array, ArrayRecord, Message, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
-from hydrafl.client.download import Assembly, Received
+from hydrafl.client.download import Assembly, Received, unfilled_bytes
 from hydrafl.proto.envelope import EnvelopeError, join_message, split_message
 
 
@@ -24,41 +24,70 @@ def model_message() -> tuple[Message, dict[str, np.ndarray]]:
     return message, values
 
 
-def test_a_download_cut_short_resumes_with_only_what_it_lacks_and_lets_assembled_chunks_go():
+def test_a_download_cut_short_resumes_with_only_what_it_lacks_into_the_bytes_it_began():
     message, values = model_message()
     envelope, chunks = split_message(message)
     tensors = {tensor.name: tensor for tensor in envelope.arrays[0].tensors}
     received = Received()
-    with Assembly(envelope, received) as assembly:
-        assert sorted(assembly.missing()) == sorted(chunks)
-        for digest in [*tensors["a"].chunk_digests, tensors["b"].chunk_digests[0]]:
-            assembly.add(digest, bytes(chunks[digest]))
-    # the connection dropped here: "a" is assembled and its chunks let go; half of "b" is kept
-    assert list(received.chunks) == [tensors["b"].chunk_digests[0]] and len(received.arrays) == 1
+    assembly = Assembly(envelope, received)
+    assert sorted(assembly.missing()) == sorted(chunks)
+    for digest in [*tensors["a"].chunk_digests, tensors["b"].chunk_digests[0]]:
+        assembly.add(digest, bytes(chunks[digest]))
+    # the connection dropped here: "a" is filled, "b" half; the zero tensors share one filling
+    held = {content[2]: filling for content, filling in received.tensors.items()}
+    assert len(held) == 4 and not held[tuple(tensors["a"].chunk_digests)].offsets
+    assert list(held[tuple(tensors["b"].chunk_digests)].offsets) == [tensors["b"].chunk_digests[1]]
+    began = {content: filling.data for content, filling in received.tensors.items()}
     received.keep_for(envelope)
-    with Assembly(envelope, received) as assembly:
-        rest = assembly.missing()
-        assert sorted(rest) == sorted(set(chunks) - set(tensors["a"].chunk_digests) - {tensors["b"].chunk_digests[0]})
-        for digest in rest:
-            assembly.add(digest, bytes(chunks[digest]))
-        arrays = assembly.arrays()
-    assert received.chunks == {}  # every tensor assembled: no chunk held beside them
-    rebuilt = join_message(envelope, received.chunks, verified=True, assembled=arrays).content["arrays"]
+    assembly = Assembly(envelope, received)
+    rest = assembly.missing()
+    assert sorted(rest) == sorted(set(chunks) - set(tensors["a"].chunk_digests) - {tensors["b"].chunk_digests[0]})
+    for digest in rest:
+        assembly.add(digest, memoryview(bytes(chunks[digest])))  # as gRPC hands them over: views
+    arrays = assembly.arrays()
+    # one model held: each tensor's Array is the bytes filled from the start, not a copy of them
+    assert {id(array.data) for array in arrays.values()} == {id(data) for data in began.values()}
+    assert sum(len(data) for data in began.values()) < sum(v.nbytes for v in values.values()) + 5 * 128
+    rebuilt = join_message(envelope, {}, verified=True, assembled=arrays).content["arrays"]
     assert all(np.array_equal(rebuilt[name].numpy(), value) for name, value in values.items())
 
 
-def test_a_chunk_that_fails_its_check_takes_the_tensors_built_from_it_along():
+def test_a_message_with_chunks_still_missing_is_refused_by_name():
     message, _ = model_message()
+    envelope, chunks = split_message(message)
+    first = envelope.arrays[0].tensors[0].chunk_digests[0]
+    assembly = Assembly(envelope, Received())
+    for digest in chunks:
+        if digest != first:
+            assembly.add(digest, chunks[digest])
+    with pytest.raises(EnvelopeError, match=f"chunk {first[:12]} is missing"):
+        assembly.arrays()
+
+
+def test_a_chunk_that_fails_its_check_is_refused_at_once_and_asked_for_again():
+    message, values = model_message()
     envelope, chunks = split_message(message)
     tensors = {tensor.name: tensor for tensor in envelope.arrays[0].tensors}
     bad = tensors["a"].chunk_digests[1]
     received = Received()
+    assembly = Assembly(envelope, received)
+    for digest in [*tensors["c"].chunk_digests, tensors["a"].chunk_digests[0]]:
+        assembly.add(digest, chunks[digest])
     with pytest.raises(EnvelopeError, match=f"chunk {bad[:12]} fails its XXH3-128 checksum"):
-        with Assembly(envelope, received) as assembly:
-            for digest in [*tensors["a"].chunk_digests, *tensors["c"].chunk_digests]:
-                assembly.add(digest, b"\0" * len(chunks[digest]) if digest == bad else bytes(chunks[digest]))
-            assembly.arrays()
-    assert list(received.arrays) == [("float32", (600, 500), tuple(tensors["c"].chunk_digests))]
-    with Assembly(envelope, received) as assembly:  # the retry asks for "a" again, not for "c"
-        assert set(tensors["a"].chunk_digests) <= set(assembly.missing())
-        assert not set(tensors["c"].chunk_digests) & set(assembly.missing())
+        assembly.add(bad, b"\0" * len(chunks[bad]))
+    received.keep_for(envelope)
+    assembly = Assembly(envelope, received)  # the retry asks for that chunk again, not for "c"
+    assert bad in assembly.missing() and tensors["a"].chunk_digests[0] not in assembly.missing()
+    assert not set(tensors["c"].chunk_digests) & set(assembly.missing())
+    for digest in assembly.missing():
+        assembly.add(digest, chunks[digest])
+    rebuilt = join_message(envelope, {}, verified=True, assembled=assembly.arrays()).content["arrays"]
+    assert np.array_equal(rebuilt["a"].numpy(), values["a"])  # no zero from the refused chunk
+
+
+def test_unfilled_bytes_are_new_bytes_that_show_what_was_written_into_them():
+    first, view = unfilled_bytes(10)
+    second, _ = unfilled_bytes(10)
+    view[:] = b"0123456789"
+    assert type(first) is bytes and first == b"0123456789" and first is not second
+    assert hash(first) == hash(b"0123456789")
