@@ -46,6 +46,13 @@ def print_tables(summary: dict[str, Any]) -> None:
         f"{verdict(down['checks']['passed'], 'PASS', 'FAIL')} (the coordinator stored the model in "
         f"{down['coordinator_store_median_s']:.2f} s, once per round)"
     )
+    beside = summary["raw_beside_floor"]["median_s"]
+    console.print(
+        f"the raw stream while the coordinator's process writes the same bytes durably: both end after "
+        f"{beside['both']:.2f} s (the stream {beside['raw']:.2f} s, the writes {beside['floor']:.2f} s), against the "
+        f"stream alone {tput['median_s']['raw']:.2f} s: raw / both at once = "
+        f"{tput['median_s']['raw'] / beside['both']:.2f}, hydrafl's upload {tput['ratio_hydrafl_over_raw']:.2f}"
+    )
     if summary.get("throughput_tmpfs"):
         shm = summary["throughput_tmpfs"]
         console.print(

@@ -92,6 +92,28 @@ def _push_model(coordinator: Any, models: dict[tuple[int, int], list], request: 
     return {"message_id": message_id, "store_s": time.perf_counter() - started}
 
 
+def _floor(models: dict[tuple[int, int], list], request: dict[str, Any]) -> dict[str, Any]:
+    """`durable_writes` of one model's chunks into `request["floor"]` in this process, as its packs would be
+    written; seconds, then the folder removed."""
+    import shutil
+
+    from hydrafl.benchmarks.wire import make_update
+    from hydrafl.proto.envelope import CHUNK_BYTES
+
+    key = (request["nbytes"], request["seed"])
+    if key not in models:
+        models[key] = make_update(*key)
+    views = [memoryview(array).cast("B") for array in models[key]]
+    pieces = [view[start : start + CHUNK_BYTES] for view in views for start in range(0, len(view), CHUNK_BYTES)]
+    chunks = {str(index): piece for index, piece in enumerate(pieces)}
+    folder = Path(request["floor"])
+    started = time.perf_counter()
+    durable_writes(chunks, folder)
+    seconds = time.perf_counter() - started
+    shutil.rmtree(folder)
+    return {"seconds": seconds}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("kind", choices=("coordinator", "raw"))
@@ -119,7 +141,9 @@ def main() -> None:
     print(json.dumps({"port": coordinator.port}), flush=True)
     models: dict[tuple[int, int], list] = {}
     for line in sys.stdin:  # until the parent closes it
-        print(json.dumps(_push_model(coordinator, models, json.loads(line))), flush=True)
+        request = json.loads(line)
+        answer = _floor(models, request) if "floor" in request else _push_model(coordinator, models, request)
+        print(json.dumps(answer), flush=True)
     coordinator.stop()
     logging.shutdown()
     os._exit(0)  # skip the interpreter's teardown of torch & co. (~2 s); nothing is left to flush
@@ -231,9 +255,6 @@ class ServerProcess:
             self.process.wait()
 
 
-if __name__ == "__main__":
-    main()
-
 
 def durable_writes(chunks: dict[str, memoryview], folder: Path) -> None:
     """The disk's part and nothing else: every chunk into its slot of one preallocated file, past the page cache,
@@ -270,3 +291,7 @@ def filesystem(path: Path) -> str:
     mounts = [part for part in psutil.disk_partitions(all=True) if str(path.resolve()).startswith(part.mountpoint)]
     best = max(mounts, key=lambda part: len(part.mountpoint))
     return f"{best.fstype} on {best.device} ({best.mountpoint})"
+
+
+if __name__ == "__main__":
+    main()

@@ -16,7 +16,9 @@ nothing is deduplicated. Each accepted update is read back through `CoordinatorG
 byte for byte. Components (hashing, blob writes with and without fsync, PushReply's work, its SQLite writes) are
 timed alone on the same bytes, in this process, to say where hydrafl's time goes; "durable write floor" is the
 time the writer pool needs to write the bytes and sync them once with no other work: no durable upload to this
-disk can beat it, so raw / floor is the highest ratio reachable here.
+disk can beat it, so raw / floor is the highest ratio reachable here. "Raw beside the floor" runs the raw stream
+while the coordinator's process writes the floor's bytes, both at once: on this VM the two slow each other
+down, so raw / (both at once) says what receiving and storing an update costs with no hydrafl code at all.
 
 Download: the same size of model from the coordinator to a site (`_wire_download`), against a raw server stream.
 The throughput runs again with the coordinator's database and blobs on tmpfs (/dev/shm, where fsync is free but
@@ -69,7 +71,7 @@ from hydrafl.server.replies import check_reply
 from hydrafl.server.service import CoordinatorService
 from hydrafl.server.store import Store
 
-from hydrafl.benchmarks._wire_download import download_throughput
+from hydrafl.benchmarks._wire_download import MODEL_SEED, download_throughput
 from hydrafl.benchmarks._wire_pairs import mark, paired_runs, rates
 from hydrafl.benchmarks._wire_report import GIB, GOAL_EXTRA_UPDATES, GOAL_RATIO, plot, print_tables
 
@@ -264,6 +266,27 @@ def throughput(scale: Scale, federation: Federation, coordinator: ServerProcess,
         "goal_met": ratio >= GOAL_RATIO,
         "checks": {**checks, "passed": all(checks.values())},
     }
+
+
+def raw_beside_floor(scale: Scale, coordinator: ServerProcess, raw: ServerProcess, workdir: Path) -> dict[str, Any]:
+    """The raw stream while the coordinator's process writes the same bytes durably (`durable_writes`), both
+    started together: what an upload that must both receive and store an update is up against on this machine,
+    where the disk's writes and the stream share the cores. Median seconds until both end, and each alone."""
+    arrays = make_update(scale.update_bytes, seed=MODEL_SEED)
+    floor = {"floor": str(workdir / "floor-beside-raw"), "nbytes": scale.update_bytes, "seed": MODEL_SEED}
+    runs: dict[str, list[float]] = {"both": [], "raw": [], "floor": []}
+    with channel(raw.address) as raw_channel:
+        put = raw_channel.stream_unary(RAW_METHOD)
+        for _ in range(scale.reps):
+            answer: dict[str, Any] = {}
+            writer = threading.Thread(target=lambda: answer.update(coordinator.ask(floor)))
+            started = time.perf_counter()
+            writer.start()
+            runs["raw"].append(raw_push(put, arrays)["seconds"])
+            writer.join()
+            runs["both"].append(time.perf_counter() - started)
+            runs["floor"].append(answer["seconds"])
+    return {"runs": runs, "median_s": {name: statistics.median(values) for name, values in runs.items()}}
 
 
 def components(scale: Scale, workdir: Path) -> dict[str, Any]:
@@ -475,6 +498,7 @@ def main() -> None:
                 "throughput": throughput(scale, federation, coordinator, raw),
                 "memory": memory,
                 "download": download_throughput(scale, federation, coordinator, raw),
+                "raw_beside_floor": raw_beside_floor(scale, coordinator, raw, work),
             }
             summary["throughput_tmpfs"] = throughput_on_tmpfs(scale, raw)
         summary["components"] = components(scale, work / "components")

@@ -27,6 +27,9 @@ def test_wire_quick(tmp_path):
     download = result["download"]
     assert set(download["gib_per_s"]) == {"hydrafl", "raw"} and download["ratio_hydrafl_over_raw"] > 0
     assert download["checks"]["passed"], download["checks"]
+    beside = result["raw_beside_floor"]["runs"]
+    assert len(beside["both"]) == len(beside["raw"]) == len(beside["floor"]) == throughput["reps"]
+    assert all(both >= max(raw, floor) for both, raw, floor in zip(beside["both"], beside["raw"], beside["floor"]))
     memory = result["memory"]
     assert memory["idle_mb"] > 0 and memory["peak_mb"] >= memory["idle_mb"]
     assert {"peak_extra_mb", "peak_extra_updates", "vmhwm_mb", "goal_met", "max_concurrent"} <= set(memory)
