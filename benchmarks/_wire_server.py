@@ -92,28 +92,6 @@ def _push_model(coordinator: Any, models: dict[tuple[int, int], list], request: 
     return {"message_id": message_id, "store_s": time.perf_counter() - started}
 
 
-def _floor(models: dict[tuple[int, int], list], request: dict[str, Any]) -> dict[str, Any]:
-    """`durable_writes` of one model's chunks into `request["floor"]` in this process, as its packs would be
-    written; seconds, then the folder removed."""
-    import shutil
-
-    from hydrafl.benchmarks.wire import make_update
-    from hydrafl.proto.envelope import CHUNK_BYTES
-
-    key = (request["nbytes"], request["seed"])
-    if key not in models:
-        models[key] = make_update(*key)
-    views = [memoryview(array).cast("B") for array in models[key]]
-    pieces = [view[start : start + CHUNK_BYTES] for view in views for start in range(0, len(view), CHUNK_BYTES)]
-    chunks = {str(index): piece for index, piece in enumerate(pieces)}
-    folder = Path(request["floor"])
-    started = time.perf_counter()
-    durable_writes(chunks, folder)
-    seconds = time.perf_counter() - started
-    shutil.rmtree(folder)
-    return {"seconds": seconds}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("kind", choices=("coordinator", "raw"))
@@ -128,6 +106,7 @@ def main() -> None:
         sys.stdin.read()
         server.stop(grace=1).wait()
         return
+    from hydrafl.benchmarks._wire_floor import floor_here
     from hydrafl.malloc_tuning import keep_freed_memory
     from hydrafl.server.config import CoordinatorConfig
     from hydrafl.server.coordinator import Coordinator
@@ -142,7 +121,7 @@ def main() -> None:
     models: dict[tuple[int, int], list] = {}
     for line in sys.stdin:  # until the parent closes it
         request = json.loads(line)
-        answer = _floor(models, request) if "floor" in request else _push_model(coordinator, models, request)
+        answer = floor_here(models, request) if "floor" in request else _push_model(coordinator, models, request)
         print(json.dumps(answer), flush=True)
     coordinator.stop()
     logging.shutdown()
@@ -254,36 +233,6 @@ class ServerProcess:
             self.process.kill()
             self.process.wait()
 
-
-
-def durable_writes(chunks: dict[str, memoryview], folder: Path) -> None:
-    """The disk's part and nothing else: every chunk into its slot of one preallocated file, past the page cache,
-    on the blob store's pool size of threads, then one sync (the layout of `server.packs`, without checks)."""
-    import mmap
-
-    from hydrafl.server.blobs import WRITERS
-    from hydrafl.server.disk import open_file, preallocate, sync_filesystem
-    from hydrafl.server.packs import HEADER_BYTES, SLOT_BYTES
-
-    folder.mkdir()
-    descriptor = open_file(folder / "floor.pack", os.O_RDWR | os.O_CREAT, direct=True)
-    buffers = threading.local()
-
-    def write(item: tuple[int, memoryview]) -> None:
-        if not hasattr(buffers, "slot"):
-            buffers.slot = mmap.mmap(-1, SLOT_BYTES)
-        index, data = item
-        buffers.slot[HEADER_BYTES : HEADER_BYTES + len(data)] = data
-        end = HEADER_BYTES + -(-len(data) // HEADER_BYTES) * HEADER_BYTES
-        os.pwrite(descriptor, memoryview(buffers.slot)[:end], index * SLOT_BYTES)
-
-    try:
-        preallocate(descriptor, 0, len(chunks) * SLOT_BYTES)
-        with futures.ThreadPoolExecutor(WRITERS) as pool:
-            list(pool.map(write, enumerate(chunks.values())))
-    finally:
-        os.close(descriptor)
-    sync_filesystem(folder)
 
 
 def filesystem(path: Path) -> str:

@@ -56,7 +56,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from hydrafl.benchmarks._common import benchmark_parser
 from hydrafl.client.upload import Metadata, upload_reply
-from hydrafl.benchmarks._wire_server import RAW_METHOD, RssSampler, ServerProcess, durable_writes, filesystem
+from hydrafl.benchmarks._wire_floor import durable_writes, raw_beside_floor
+from hydrafl.benchmarks._wire_server import RAW_METHOD, RssSampler, ServerProcess, filesystem
 from hydrafl.identity import claim_server_identity
 from hydrafl.malloc_tuning import keep_freed_memory
 from hydrafl.proto import coordinator_pb2 as pb
@@ -71,7 +72,7 @@ from hydrafl.server.replies import check_reply
 from hydrafl.server.service import CoordinatorService
 from hydrafl.server.store import Store
 
-from hydrafl.benchmarks._wire_download import MODEL_SEED, download_throughput
+from hydrafl.benchmarks._wire_download import download_throughput
 from hydrafl.benchmarks._wire_pairs import mark, paired_runs, rates
 from hydrafl.benchmarks._wire_report import GIB, GOAL_EXTRA_UPDATES, GOAL_RATIO, plot, print_tables
 
@@ -266,27 +267,6 @@ def throughput(scale: Scale, federation: Federation, coordinator: ServerProcess,
         "goal_met": ratio >= GOAL_RATIO,
         "checks": {**checks, "passed": all(checks.values())},
     }
-
-
-def raw_beside_floor(scale: Scale, coordinator: ServerProcess, raw: ServerProcess, workdir: Path) -> dict[str, Any]:
-    """The raw stream while the coordinator's process writes the same bytes durably (`durable_writes`), both
-    started together: what an upload that must both receive and store an update is up against on this machine,
-    where the disk's writes and the stream share the cores. Median seconds until both end, and each alone."""
-    arrays = make_update(scale.update_bytes, seed=MODEL_SEED)
-    floor = {"floor": str(workdir / "floor-beside-raw"), "nbytes": scale.update_bytes, "seed": MODEL_SEED}
-    runs: dict[str, list[float]] = {"both": [], "raw": [], "floor": []}
-    with channel(raw.address) as raw_channel:
-        put = raw_channel.stream_unary(RAW_METHOD)
-        for _ in range(scale.reps):
-            answer: dict[str, Any] = {}
-            writer = threading.Thread(target=lambda: answer.update(coordinator.ask(floor)))
-            started = time.perf_counter()
-            writer.start()
-            runs["raw"].append(raw_push(put, arrays)["seconds"])
-            writer.join()
-            runs["both"].append(time.perf_counter() - started)
-            runs["floor"].append(answer["seconds"])
-    return {"runs": runs, "median_s": {name: statistics.median(values) for name, values in runs.items()}}
 
 
 def components(scale: Scale, workdir: Path) -> dict[str, Any]:
