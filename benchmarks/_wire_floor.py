@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from hydrafl.benchmarks._wire_download import MODEL_SEED
 from hydrafl.benchmarks._wire_server import RAW_METHOD, ServerProcess
-from hydrafl.proto.envelope import CHUNK_BYTES
+from hydrafl.proto.envelope import byte_chunks
 from hydrafl.server.blobs import WRITERS
 from hydrafl.server.disk import open_file, preallocate, sync_filesystem
 from hydrafl.server.packs import HEADER_BYTES, SLOT_BYTES
@@ -61,8 +61,7 @@ def floor_here(models: dict[tuple[int, int], list], request: dict[str, Any]) -> 
     key = (request["nbytes"], request["seed"])
     if key not in models:
         models[key] = make_update(*key)
-    views = [memoryview(array).cast("B") for array in models[key]]
-    pieces = [view[start : start + CHUNK_BYTES] for view in views for start in range(0, len(view), CHUNK_BYTES)]
+    pieces = [piece for array in models[key] for piece in byte_chunks(memoryview(array).cast("B"))]
     chunks = {str(index): piece for index, piece in enumerate(pieces)}
     folder = Path(request["floor"])
     started = time.perf_counter()

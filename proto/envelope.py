@@ -103,7 +103,11 @@ def naming(envelope: Envelope) -> ChunkNaming:
 def chunk_views(array: Array) -> list[memoryview]:
     """An Array's values as raw C-order bytes in chunks; views into its serialised data when it is C-ordered."""
     values = array_view(array) if array.stype == SType.NUMPY else array.numpy()
-    raw = memoryview(np.ascontiguousarray(values).reshape(-1).view(np.uint8))
+    return byte_chunks(memoryview(np.ascontiguousarray(values).reshape(-1).view(np.uint8)))
+
+
+def byte_chunks(raw: memoryview) -> list[memoryview]:
+    """`raw` cut into views of CHUNK_BYTES, in order (the last one may be shorter)."""
     return [raw[start : start + CHUNK_BYTES] for start in range(0, len(raw), CHUNK_BYTES)]
 
 
