@@ -82,6 +82,9 @@ class Deployment:
         while self.store.run(self.run_id).rounds_done < server_round:
             assert time.monotonic() < deadline, f"round {server_round} never completed"
             time.sleep(0.02)
+        return self.measure()
+
+    def measure(self) -> dict[str, int]:
         return _measure(self.store, self.tmp_path / "coordinator.db", self.blobs, self.runs)
 
     def peak_of_round(self, server_round: int, timeout_s: float = 120) -> dict[str, int]:
@@ -90,7 +93,7 @@ class Deployment:
         peak = self.after_round(server_round, timeout_s)
         while (run := self.store.run(self.run_id)).rounds_done <= server_round and run.status == "running":
             time.sleep(0.02)
-            now = _measure(self.store, self.tmp_path / "coordinator.db", self.blobs, self.runs)
+            now = self.measure()
             peak = {key: max(value, now[key]) for key, value in peak.items()}
         return peak
 
@@ -126,7 +129,7 @@ def test_thirty_rounds_keep_blobs_rows_and_the_home_bounded(deployment, capsys):
     # sweep the coordinator runs once it has marked the run finished
     log = deployment.tmp_path / "coordinator.log"
     wait_until(lambda: f"run {deployment.run_id} ended; deleted" in log.read_text(), 60, "no end-of-run sweep")
-    final = _measure(deployment.store, deployment.tmp_path / "coordinator.db", deployment.blobs, deployment.runs)
+    final = deployment.measure()
     assert final["round_rows"] == 0 and final["blob_bytes"] == 0
     assert [entry["round"] for entry in run.history] == list(range(31))
     folder = deployment.runs / str(deployment.run_id)
