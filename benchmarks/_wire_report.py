@@ -58,7 +58,8 @@ def print_tables(summary: dict[str, Any]) -> None:
         console.print(
             f"with the coordinator's database and blobs on tmpfs: hydrafl {shm['gib_per_s']['hydrafl']:.3f} GiB/s, "
             f"raw {shm['gib_per_s']['raw']:.3f} GiB/s, ratio {shm['ratio_hydrafl_over_raw']:.2f} "
-            f"({verdict(shm['goal_met'])}); accepted and byte-exact: {verdict(shm['checks']['passed'], 'PASS', 'FAIL')}"
+            f"(reported, not a goal: the goal is for a disk-backed store); accepted and byte-exact: "
+            f"{verdict(shm['checks']['passed'], 'PASS', 'FAIL')}"
         )
     table = Table(title=f"where hydrafl's time goes ({size:g} GiB; phases median, components timed alone)")
     table.add_column("step")

@@ -92,8 +92,9 @@ class Scale:
     site_bytes: int
 
 
-FULL = Scale(update_bytes=GIB, reps=5, component_reps=3, sites=10, site_bytes=200_000_000)
-"""Five runs each: the raw stream alone varies 2x from run to run on this VM."""
+FULL = Scale(update_bytes=GIB, reps=9, component_reps=3, sites=10, site_bytes=200_000_000)
+"""Nine runs each: the raw stream alone varies 2x from run to run on this VM, so a median of five pairs still
+moved the ratio by 0.1 between benchmark runs."""
 QUICK = Scale(update_bytes=64 << 20, reps=3, component_reps=1, sites=4, site_bytes=20_000_000)
 
 
@@ -440,7 +441,8 @@ def max_overlap(windows: list[tuple[float, float]]) -> int:
 
 
 def throughput_on_tmpfs(scale: Scale, raw: ServerProcess) -> dict[str, Any] | None:
-    """The throughput run against a coordinator whose database and blobs live in /dev/shm (None without it)."""
+    """The throughput run against a coordinator whose database and blobs live in /dev/shm (None without it).
+    Reported beside the goal, which is for a disk-backed store, so it carries no goal of its own."""
     shm = Path("/dev/shm")
     if not (shm.is_dir() and os.access(shm, os.W_OK)):
         return None
@@ -448,7 +450,9 @@ def throughput_on_tmpfs(scale: Scale, raw: ServerProcess) -> dict[str, Any] | No
         work = Path(tmp)
         with ServerProcess("coordinator", *coordinator_args(work), log_path=work / "coordinator.log") as coordinator:
             coordinator.wait_ready()
-            return throughput(scale, new_federation(work, 1), coordinator, raw)
+            result = throughput(scale, new_federation(work, 1), coordinator, raw)
+    del result["goal"], result["goal_met"]
+    return result
 
 
 def main() -> None:

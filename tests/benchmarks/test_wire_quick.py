@@ -30,6 +30,9 @@ def test_wire_quick(tmp_path):
     beside = result["raw_beside_floor"]["runs"]
     assert len(beside["both"]) == len(beside["raw"]) == len(beside["floor"]) == throughput["reps"]
     assert all(both >= max(raw, floor) for both, raw, floor in zip(beside["both"], beside["raw"], beside["floor"]))
+    tmpfs = result["throughput_tmpfs"]
+    if tmpfs is not None:  # reported beside the disk-backed goal, never judged against it
+        assert tmpfs["checks"]["passed"] and "goal_met" not in tmpfs, tmpfs["checks"]
     memory = result["memory"]
     assert memory["idle_mb"] > 0 and memory["peak_mb"] >= memory["idle_mb"]
     assert {"peak_extra_mb", "peak_extra_updates", "vmhwm_mb", "goal_met", "max_concurrent"} <= set(memory)
