@@ -9,7 +9,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -134,39 +134,59 @@ class AuthThrottle:
             return len(failures)
 
 
+@dataclass(frozen=True, slots=True)
+class UploadQuota:
+    """What the messages a site may answer allow to wait for its reply: bytes, and chunks (each stored chunk takes
+    a whole pack slot on disk, however few bytes it holds)."""
+
+    nbytes: int
+    chunks: int
+
+
+@dataclass(slots=True)
+class _Pending:
+    sizes: dict[str, int] = field(default_factory=dict)
+    nbytes: int = 0
+
+
 class UploadLedger:
     """Per site: the chunks it uploaded that no accepted reply references yet, and their bytes. The quota is
     what the site's open messages allow it to answer with; chunks are freed when a push fails or the site has
     nothing left to answer."""
 
     def __init__(self) -> None:
-        self._pending: dict[int, dict[str, int]] = defaultdict(dict)
+        self._pending: dict[int, _Pending] = defaultdict(_Pending)
         self._lock = threading.Lock()
 
-    def reserve(self, node_id: int, digest: str, nbytes: int, quota: int) -> None:
+    def reserve(self, node_id: int, digest: str, nbytes: int, quota: UploadQuota) -> None:
         with self._lock:
             pending = self._pending[node_id]
-            if digest in pending:
+            if digest in pending.sizes:
                 return
-            used = sum(pending.values())
-            if used + nbytes > quota:
+            if pending.nbytes + nbytes > quota.nbytes:
                 raise LimitExceeded(
-                    f"upload quota exceeded: {used + nbytes} bytes would wait for a reply, and the messages this "
-                    f"site may answer allow {quota}"
+                    f"upload quota exceeded: {pending.nbytes + nbytes} bytes would wait for a reply, and the "
+                    f"messages this site may answer allow {quota.nbytes}"
                 )
-            pending[digest] = nbytes
+            if len(pending.sizes) + 1 > quota.chunks:
+                raise LimitExceeded(
+                    f"upload quota exceeded: {len(pending.sizes) + 1} chunks would wait for a reply, and the "
+                    f"messages this site may answer allow {quota.chunks}"
+                )
+            pending.sizes[digest] = nbytes
+            pending.nbytes += nbytes
 
     def referenced(self, node_id: int, digests: set[str]) -> None:
         with self._lock:
             pending = self._pending[node_id]
-            for digest in digests & pending.keys():
-                del pending[digest]
+            for digest in digests & pending.sizes.keys():
+                pending.nbytes -= pending.sizes.pop(digest)
 
     def release(self, node_id: int) -> list[str]:
         """Forget the site's unreferenced chunks; the caller deletes them."""
         with self._lock:
-            return list(self._pending.pop(node_id, {}))
+            return list(self._pending.pop(node_id, _Pending()).sizes)
 
     def pending_bytes(self, node_id: int) -> int:
         with self._lock:
-            return sum(self._pending[node_id].values())
+            return self._pending[node_id].nbytes

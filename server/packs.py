@@ -97,6 +97,11 @@ class UploadPacks:
         self._legacy = legacy if any(self.root.glob("??")) else None
         """The earlier version's chunk files, where there are any (none are ever added)."""
         self._lock = threading.Lock()
+        self._written = threading.Condition(self._lock)
+        """Notified whenever a chunk's write ends (see `_writing`)."""
+        self._writing: set[str] = set()
+        """Chunks being written now. A name arriving again meanwhile (in the same stream or another of this site)
+        counts as present, so a name never has two slots; deleting one waits for its write to end."""
         self._index: dict[str, _Slot] = {}
         self._scanned: set[Path] = set()
         self._scanned_at_ns = -1
@@ -171,7 +176,7 @@ class UploadPacks:
         try:
             for digest, data in chunks:
                 self.naming.check(digest)
-                if self._refresh(digest) or self._legacy_present(digest, data):
+                if self._refresh(digest) or self._legacy_present(digest, data) or not self._claim(digest):
                     present += 1
                     continue
                 pending.append(self._writers.submit(self._write, pack, pack.next_slot(), digest, data))
@@ -186,7 +191,23 @@ class UploadPacks:
             pack.seal()
         return pack.written, present
 
+    def _claim(self, digest: str) -> bool:
+        """Take the chunk to write it; False when it is being written, or was stored since the caller looked."""
+        with self._lock:
+            if digest in self._writing or digest in self._index:
+                return False
+            self._writing.add(digest)
+            return True
+
     def _write(self, pack: _StreamPack, index: int, digest: str, data: bytes | memoryview) -> None:
+        try:
+            self._write_claimed(pack, index, digest, data)
+        finally:
+            with self._written:
+                self._writing.discard(digest)
+                self._written.notify_all()
+
+    def _write_claimed(self, pack: _StreamPack, index: int, digest: str, data: bytes | memoryview) -> None:
         if len(data) > CHUNK_BYTES:
             raise EnvelopeError(f"chunk {digest[:12]} has {len(data)} bytes; at most {CHUNK_BYTES}")
         self.naming.verify(digest, data)
@@ -231,7 +252,10 @@ class UploadPacks:
         return self._legacy is not None and self._legacy.has(digest) and not self._legacy.put(digest, data)
 
     def delete(self, digest: str) -> None:
-        """Erase the chunk's slot; a finished pack goes with its last chunk."""
+        """Erase the chunk's slot (once a write of it in flight has ended); a finished pack goes with its last
+        chunk."""
+        with self._written:
+            self._written.wait_for(lambda: digest not in self._writing)
         found = self._find(digest)
         if found is None:
             with self._lock:
@@ -361,7 +385,7 @@ class _StreamPack:
         finally:
             os.close(self._descriptor)
         partial = self.ref.path
-        if not self.written:
+        if not self.written or not self.ref.indexed:  # none written, or all deleted while the stream ran
             partial.unlink(missing_ok=True)
             return
         try:

@@ -17,7 +17,8 @@ import numpy as np
 from flwr.app import RecordDict
 
 from hydrafl.proto.coordinator_pb2 import Envelope
-from hydrafl.proto.envelope import EnvelopeError, check_manifest, chunk_sizes, declared_nbytes, parse_content
+from hydrafl.proto.envelope import CHUNK_BYTES, EnvelopeError, check_manifest, chunk_sizes, declared_nbytes
+from hydrafl.proto.envelope import parse_content
 from hydrafl.updates import InvalidUpdate, check_metrics
 from hydrafl.server.compressed_replies import check_compressed_layout, check_compressed_values, is_compressed
 from hydrafl.server.compressed_replies import download_model, sent_model
@@ -37,6 +38,26 @@ def allowed_reply_bytes(sent: Envelope, max_model_bytes: int, sent_content: Reco
     if sent_bytes:
         return sent_bytes
     return max_model_bytes if kind == "query" else 0
+
+
+QUERY_REPLY_ARRAYS = 4096
+"""Arrays a reply may carry when the message it answers carried none (the initial model): more tensors than any
+transformer has (a 70B-parameter LLaMA has 723)."""
+LAYOUT_ARRAYS = 3
+"""The most arrays a compressed or secure reply packs its tensors into (PowerSGD's p, q and raw)."""
+
+
+def allowed_reply_chunks(sent: Envelope, max_model_bytes: int) -> int:
+    """The most chunks a reply to `sent` may upload: its allowed bytes in whole chunks, plus a partly filled last
+    chunk for each array it may carry. Bounded apart from bytes because every stored chunk takes a whole pack slot
+    on disk (`server.packs`), however few bytes it holds."""
+    nbytes = allowed_reply_bytes(sent, max_model_bytes)
+    if not nbytes:
+        return 0
+    tensors = len(sent_model(sent, parse_content(sent)))
+    if not tensors and message_kind(sent.message_type) == "query":
+        tensors = QUERY_REPLY_ARRAYS
+    return math.ceil(nbytes / CHUNK_BYTES) + max(tensors, LAYOUT_ARRAYS)
 
 
 def message_kind(message_type: str) -> str:

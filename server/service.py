@@ -34,8 +34,8 @@ from hydrafl.protocol import GRPC_OPTIONS, WEIGHT
 from hydrafl.proto.envelope import CHUNK_BYTES, INLINE_BYTES, MAX_REASON_CHARS, EnvelopeError, chunk_hashes, chunk_sizes
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.mailbox import Mailbox
-from hydrafl.server.limits import AuthThrottle, CallGuard, LimitExceeded, SiteLimits, UploadLedger
-from hydrafl.server.replies import allowed_reply_bytes, check_reply
+from hydrafl.server.limits import AuthThrottle, CallGuard, LimitExceeded, SiteLimits, UploadLedger, UploadQuota
+from hydrafl.server.replies import allowed_reply_bytes, allowed_reply_chunks, check_reply
 from hydrafl.server.retention import was_swept
 from hydrafl.server.store import FIRST_NODE_ID, AuditEvent, OutboundMessage, Site, Store
 
@@ -72,8 +72,11 @@ class CoordinatorService:
         self._lock = threading.Lock()
         self._served_runs: dict[int, set[int]] = {}
         """Node id -> the runs this process sent it a message of (whose status it may ask)."""
-        self._message_chunks: OrderedDict[str, tuple[frozenset[str], int]] = OrderedDict()
-        """Outbound message id -> (its chunks, the array bytes a reply may carry), for the recent messages."""
+        self._message_chunks: OrderedDict[str, tuple[frozenset[str], UploadQuota]] = OrderedDict()
+        """Outbound message id -> (its chunks, what a reply may upload), for the recent messages."""
+        self._upload_locks: dict[int, threading.RLock] = {}
+        """Per site: held by a push from its check until its chunks are referenced, and by freeing the site's
+        pending uploads, so that a concurrent failure of the same site never deletes what a push accepts."""
 
     def stop(self) -> None:
         self.mailbox.close()
@@ -238,7 +241,7 @@ class CoordinatorService:
         """Store a site's uploaded chunks in its namespace, each checked and counted against its upload quota;
         (stored, already present). A bad chunk or an exceeded quota frees its pending uploads and aborts."""
         quota = self._upload_quota(site.node_id)
-        if not quota:
+        if not quota.nbytes:
             self._free_uploads(site.node_id)
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "no message this site may answer takes an upload right now"
@@ -281,43 +284,57 @@ class CoordinatorService:
             if self.store.run(outbound.run_id).status != "running":
                 self._reject(context, site, grpc.StatusCode.FAILED_PRECONDITION, f"run {outbound.run_id} is not running")
             sent = pb.Envelope.FromString(outbound.envelope)
-            if request.chunks:
-                self._store_uploads(site, context, request.chunks, touch=lambda: None)
-            uploads = self.blobs.uploads(site.node_id)
-            try:
-                check_reply(
-                    envelope, sent, chunk_size=uploads.size, chunk_bytes=uploads.get, weighted_by_key=WEIGHT,
-                    max_model_bytes=self.limits.max_model_bytes, known_finite=uploads.finite_float32,
-                )
-            except EnvelopeError as error:  # final: the site failed this message, the round need not wait for it
-                self._free_uploads(site.node_id)
-                refused = pb.Envelope(error_code=1, error_reason=f"the coordinator refused this reply: {error}")
-                self.store.add_reply(outbound, _as_stored(refused, outbound, sent).SerializeToString())
-                self.mailbox.reply_stored()
-                self._reject(context, site, grpc.StatusCode.INVALID_ARGUMENT, str(error), run_id=outbound.run_id)
-            stored = _as_stored(envelope, outbound, sent)
-            uploads.sync()  # the chunks are durable before the row that refers to them
-            event = _reply_event(site, outbound, stored)
-            accepted = self.store.add_reply(outbound, stored.SerializeToString(), event=event)
-            if not accepted and self.store.outbound(outbound.message_id) is None:  # swept while being checked
-                self._reject(context, site, grpc.StatusCode.FAILED_PRECONDITION, "its round is over; late reply refused")
-            self.mailbox.reply_stored()
-            if accepted:
-                self.ledger.referenced(site.node_id, set(chunk_hashes(stored)))
+            with self._upload_lock(site.node_id):
+                accepted = self._accept_reply(site, context, request, outbound, sent)
         self._timed(site, "push_reply", started)
         return pb.PushReplyReply(duplicate=not accepted)
 
+    def _accept_reply(
+        self, site: Site, context: grpc.ServicerContext, request: pb.PushReplyRequest, outbound: OutboundMessage,
+        sent: pb.Envelope,
+    ) -> bool:
+        """Check the reply against `sent` and store it; whether it was new (False: a duplicate push)."""
+        envelope = request.envelope
+        if request.chunks:
+            self._store_uploads(site, context, request.chunks, touch=lambda: None)
+        uploads = self.blobs.uploads(site.node_id)
+        try:
+            check_reply(
+                envelope, sent, chunk_size=uploads.size, chunk_bytes=uploads.get, weighted_by_key=WEIGHT,
+                max_model_bytes=self.limits.max_model_bytes, known_finite=uploads.finite_float32,
+            )
+        except EnvelopeError as error:  # final: the site failed this message, the round need not wait for it
+            self._free_uploads(site.node_id)
+            refused = pb.Envelope(error_code=1, error_reason=f"the coordinator refused this reply: {error}")
+            self.store.add_reply(outbound, _as_stored(refused, outbound, sent).SerializeToString())
+            self.mailbox.reply_stored()
+            self._reject(context, site, grpc.StatusCode.INVALID_ARGUMENT, str(error), run_id=outbound.run_id)
+        stored = _as_stored(envelope, outbound, sent)
+        uploads.sync()  # the chunks are durable before the row that refers to them
+        event = _reply_event(site, outbound, stored)
+        accepted = self.store.add_reply(outbound, stored.SerializeToString(), event=event)
+        if not accepted and self.store.outbound(outbound.message_id) is None:  # swept while being checked
+            self._reject(context, site, grpc.StatusCode.FAILED_PRECONDITION, "its round is over; late reply refused")
+        self.mailbox.reply_stored()
+        if accepted:
+            self.ledger.referenced(site.node_id, set(chunk_hashes(stored)))
+        return accepted
+
     # --- bounds ---------------------------------------------------------------------------------------------
 
-    def _open_messages(self, node_id: int) -> list[tuple[frozenset[str], int]]:
-        """(chunks, allowed reply bytes) of each message this site may still answer."""
+    def _open_messages(self, node_id: int) -> list[tuple[frozenset[str], UploadQuota]]:
+        """(chunks, what a reply may upload) of each message this site may still answer."""
         described = []
         for message in self.store.open_messages_for(node_id):
             with self._lock:
                 known = self._message_chunks.get(message.message_id)
             if known is None:
                 sent = pb.Envelope.FromString(message.envelope)
-                known = frozenset(chunk_hashes(sent)), allowed_reply_bytes(sent, self.limits.max_model_bytes)
+                allowed = UploadQuota(
+                    allowed_reply_bytes(sent, self.limits.max_model_bytes),
+                    allowed_reply_chunks(sent, self.limits.max_model_bytes),
+                )
+                known = frozenset(chunk_hashes(sent)), allowed
                 with self._lock:
                     self._message_chunks[message.message_id] = known
                     while len(self._message_chunks) > 4096:
@@ -328,14 +345,20 @@ class CoordinatorService:
     def _downloadable(self, node_id: int) -> frozenset[str]:
         return frozenset().union(*(chunks for chunks, _ in self._open_messages(node_id)))
 
-    def _upload_quota(self, node_id: int) -> int:
-        return sum(allowed for _, allowed in self._open_messages(node_id))
+    def _upload_quota(self, node_id: int) -> UploadQuota:
+        allowed = [quota for _, quota in self._open_messages(node_id)]
+        return UploadQuota(sum(quota.nbytes for quota in allowed), sum(quota.chunks for quota in allowed))
 
     def _free_uploads(self, node_id: int) -> None:
         """Delete the site's uploads that no accepted reply references (a failed or expired push)."""
         uploads = self.blobs.uploads(node_id)
-        for digest in self.ledger.release(node_id):
-            uploads.delete(digest)
+        with self._upload_lock(node_id):
+            for digest in self.ledger.release(node_id):
+                uploads.delete(digest)
+
+    def _upload_lock(self, node_id: int) -> threading.RLock:
+        with self._lock:
+            return self._upload_locks.setdefault(node_id, threading.RLock())
 
     # --- records --------------------------------------------------------------------------------------------
 

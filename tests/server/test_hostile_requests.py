@@ -4,6 +4,7 @@ and it can neither hold the coordinator's threads nor fill its disk."""
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -22,7 +23,9 @@ from hydrafl.proto.envelope import CHUNK_BYTES, SENT, UPLOADED, split_message
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.grid import CoordinatorGrid
-from hydrafl.server.limits import SiteLimits
+from hydrafl.server.limits import SiteLimits, UploadQuota
+from hydrafl.server.packs import SLOT_BYTES
+from hydrafl.server.replies import LAYOUT_ARRAYS
 from hydrafl.server.store import Reply
 from hydrafl.updates import InvalidUpdate, check_train_reply
 
@@ -263,6 +266,70 @@ def test_uploads_beyond_what_the_open_messages_allow_are_refused_and_freed(live)
     assert live.coordinator.blobs.uploads(node_a).digests() == []
     _, chunks = _reply(live.requests[node_a], _delta())
     assert _upload(live.stub, live.token_a, chunks).stored == 1  # within its quota the site uploads as before
+
+
+def test_tiny_chunks_cannot_fill_the_disk_past_the_chunk_quota(live):
+    """Each stored chunk takes a whole pack slot whatever its size, so a site's uploads are bounded in chunks as
+    well as bytes: 24 distinct 1-byte chunks fit the 24-byte quota but not its chunk count, and are all freed."""
+    node_a, _ = live.nodes
+    quota = live.coordinator.service._upload_quota(node_a)
+    assert quota == UploadQuota(24, math.ceil(24 / CHUNK_BYTES) + LAYOUT_ARRAYS)
+    tiny = {UPLOADED.digest(bytes([i])): bytes([i]) for i in range(quota.nbytes)}
+    code, details = _status(lambda: _upload(live.stub, live.token_a, tiny))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and f"allow {quota.chunks}" in details, details
+    folder = live.coordinator.blobs.uploads(node_a).root
+    assert sum(path.stat().st_blocks * 512 for path in folder.rglob("*") if path.is_file()) < SLOT_BYTES
+    assert live.coordinator.blobs.uploads(node_a).digests() == []
+    _, chunks = _reply(live.requests[node_a], _delta())
+    assert _upload(live.stub, live.token_a, chunks).stored == 1
+
+
+def test_a_chunk_sent_twice_at_once_is_stored_once_and_freed_with_the_rest(live):
+    """The same name twice in one stream used to get two slots; freeing the site's pending uploads erased one and
+    the other was found again, outside any quota."""
+    node_a, _ = live.nodes
+    request = Message(RecordDict({"arrays": ArrayRecord({"w": Array(np.zeros(CHUNK_BYTES // 4, np.float32))})}),
+                      dst_node_id=node_a, message_type="train")
+    request.metadata.group_id = "1"
+    live.grid.push_messages([request])
+    bad = pb.Chunk(digest=UPLOADED.digest(b"x"), data=b"y")
+    sent = []
+    for cycle in range(10):
+        data = np.full(CHUNK_BYTES // 4, cycle, np.float32).tobytes()
+        chunk = pb.Chunk(digest=UPLOADED.digest(data), data=data)
+        code, _ = _status(lambda: live.stub.PutChunks(iter([chunk, chunk, bad]), metadata=_auth(live.token_a)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        sent.append(chunk.digest)
+    assert not live.stub.HasChunks(pb.HasChunksRequest(digests=sent), metadata=_auth(live.token_a)).present
+    assert live.coordinator.blobs.uploads(node_a).digests() == []
+    assert live.coordinator.service.ledger.pending_bytes(node_a) == 0
+
+
+def test_a_push_accepted_while_the_same_site_fails_another_upload_keeps_its_chunks(live):
+    """A failed upload frees the site's pending chunks; one arriving while a push is being accepted used to delete
+    that push's chunks too, leaving an accepted reply the round could not decode."""
+    node_a, _ = live.nodes
+    uploads = live.coordinator.blobs.uploads(node_a)
+    envelope, chunks = _reply(live.requests[node_a], _delta())
+    _upload(live.stub, live.token_a, chunks)
+    bad = pb.Chunk(digest=UPLOADED.digest(b"x"), data=b"")  # within the quota the push's chunk leaves
+    spoiled = []
+    spoiler = threading.Thread(target=lambda: spoiled.append(
+        _status(lambda: live.stub.PutChunks(iter([bad]), metadata=_auth(live.token_a)))[0]))
+    sync = uploads.sync
+
+    def sync_while_spoiled() -> None:  # the failing upload reaches its freeing while the push is past its check
+        spoiler.start()
+        time.sleep(0.3)
+        sync()
+
+    uploads.sync = sync_while_spoiled
+    pushed = live.stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=_auth(live.token_a))
+    spoiler.join(timeout=10)
+    assert not pushed.duplicate and spoiled == [grpc.StatusCode.INVALID_ARGUMENT]
+    assert all(uploads.has(digest) for digest in chunks)
+    [reply] = live.grid.pull_messages([live.message_id(node_a)])
+    assert not reply.has_error() and np.array_equal(reply.content["arrays"]["w"].numpy(), _delta()["arrays"]["w"].numpy())
 
 
 def test_idle_and_flooding_streams_of_one_site_starve_no_one(live):
