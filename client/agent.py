@@ -4,7 +4,8 @@ persistent Context per run, and pushes replies.
 The site trusts the coordinator no more than it must. Before fetching anything it checks the message's
 manifest (dtypes, shapes, sizes) and refuses arrays larger than it is willing to hold (`max_download_bytes`);
 it then asks only for the missing chunks the manifest lists and refuses any chunk it did not ask for, a
-repeat, one of another size than the manifest gives it or one failing its SHA-256. Whatever goes wrong with one message (its content, its
+repeat, one of another size than the manifest gives it or one failing its checksum (XXH3-128, or the BLAKE3
+name where a manifest lists no checksums). Whatever goes wrong with one message (its content, its
 chunks, the ClientApp) becomes an error reply for that message and the agent takes the next one. An error
 reply's reason says what kind of failure it was, never what local data or paths caused it (those go to the
 site's own log). A failure for lack of disk space (the training processes' temporary files) is said as such,
@@ -31,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 import grpc
-from flwr.app import Context, Error, Message, Metadata, RecordDict
+from flwr.app import Context, Error, Message, MessageType, Metadata, RecordDict
 from flwr.app.message.message import make_message
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
@@ -69,12 +70,18 @@ PULL_MARGIN_S = 30.0
 """A PullMessage's deadline beyond the wait it asks for (a coordinator that stops answering is retried)."""
 STOP_CHECK_S = 0.1
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+TOO_LARGE = "larger than max"
+"""What gRPC says when this site refuses to receive a message over its limit (RESOURCE_EXHAUSTED, as the
+coordinator's per-site limits are; those are retried, this is final)."""
 REFUSED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 ENDED = ("finished", "failed")
 """The run statuses after which the coordinator sends a run's sites nothing more."""
 MAX_RUN_CONTEXTS = 4
 """Contexts kept for the most recent runs; a coordinator runs one at a time, so older ones are finished."""
 DEFAULT_TTL_S = 3600.0
+TENSOR_OVERHEAD_BYTES = 4096
+"""What holding one tensor costs besides its data (its header, Array and bookkeeping; measured about 2.4 KB),
+counted against --max-download-mb so that a manifest of many empty tensors is bounded too."""
 FIXED_REASONS: tuple[tuple[type[BaseException], str], ...] = (
     (DataError, "this site's data does not fit this run; see the site's log"),
     (MemoryError, "this site ran out of memory handling the message; see the site's log"),
@@ -277,17 +284,20 @@ class SiteAgent:
         """The message rebuilt from exactly the chunks its manifest lists, once its arrays are known to fit: those
         that came `inline` with it (a small message), the rest downloaded."""
         check_manifest(envelope)  # every dtype, shape and size consistent, no hostile product: nothing allocated yet
-        declared = declared_nbytes(envelope)
-        if declared > self.max_download_bytes:
+        tensors = sum(len(record.tensors) for record in envelope.arrays)
+        held = declared_nbytes(envelope) + tensors * TENSOR_OVERHEAD_BYTES
+        if held > self.max_download_bytes:
             raise MessageRefused(
-                f"message declares {_size(declared)} of arrays; this site accepts at most "
-                f"{_size(self.max_download_bytes)} (--max-download-mb)"
+                f"message declares {_size(held)} of arrays ({tensors} tensors, counted {TENSOR_OVERHEAD_BYTES} "
+                f"bytes each besides their data); this site accepts at most {_size(self.max_download_bytes)} "
+                "(--max-download-mb)"
             )
         sizes = chunk_sizes(envelope)
         self.received.keep_for(envelope)
         assembly = Assembly(envelope, self.received)
         wanted = {digest: sizes[digest] for digest in assembly.missing()}
-        _take(inline, wanted, assembly)  # checked as downloaded chunks are
+        kept = sizes.keys() - wanted.keys()  # filled before a dropped download: a small message brings them again
+        _take((chunk for chunk in inline if chunk.digest not in kept), wanted, assembly)  # checked as downloads are
         self._fetch(stub, wanted, assembly)
         message = join_message(envelope, {}, verified=True, assembled=assembly.arrays())
         self.received.clear()
@@ -303,6 +313,10 @@ class SiteAgent:
         call = stub.GetChunks(pb.GetChunksRequest(digests=list(wanted)), metadata=self.metadata)
         try:
             _take(call, pending, assembly)
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and TOO_LARGE in (error.details() or ""):
+                raise MessageRefused(f"the coordinator sent a chunk over this site's message limit: {error.details()}")
+            raise
         finally:
             call.cancel()
 
@@ -382,21 +396,22 @@ def _check_chunk(chunk: ChunkView | pb.Chunk, pending: dict[str, int]) -> None:
 
 def _request(envelope: pb.Envelope, node_id: int) -> Message:
     """What a reply needs of the message (ids, run, type): its metadata or, when those bytes are garbage, the
-    envelope's own fields, so even a malformed message gets its error reply."""
+    envelope's own fields, so even a malformed message gets its error reply. A type Flower refuses becomes a
+    query: the coordinator takes a reply's type from the message it stored, never from the reply."""
     try:
-        metadata = metadata_from_proto(ProtoMetadata.FromString(envelope.metadata))
-    except Exception:  # protobuf raises several types for garbage bytes
-        metadata = Metadata(
-            run_id=envelope.run_id,
-            message_id=envelope.message_id,
-            src_node_id=SUPERLINK_NODE_ID,
-            dst_node_id=node_id,
-            reply_to_message_id="",
-            group_id=str(envelope.round),
-            created_at=time.time(),
-            ttl=DEFAULT_TTL_S,
-            message_type=envelope.message_type,
-        )
+        return make_message(metadata=metadata_from_proto(ProtoMetadata.FromString(envelope.metadata)),
+                            content=RecordDict())
+    except Exception:  # protobuf and Flower raise several types for garbage bytes and invalid fields
+        pass
+    fields = {
+        "run_id": envelope.run_id, "message_id": envelope.message_id, "src_node_id": SUPERLINK_NODE_ID,
+        "dst_node_id": node_id, "reply_to_message_id": "", "group_id": str(envelope.round),
+        "created_at": time.time(), "ttl": DEFAULT_TTL_S,
+    }
+    try:
+        metadata = Metadata(**fields, message_type=envelope.message_type)
+    except ValueError:
+        metadata = Metadata(**fields, message_type=MessageType.QUERY)
     return make_message(metadata=metadata, content=RecordDict())
 
 

@@ -40,7 +40,9 @@ def unfilled_bytes(size: int) -> tuple[bytes, memoryview]:
     created using PyBytes_FromStringAndSize(NULL, size)". So fill the view before anyone else sees the bytes, and
     drop it then."""
     data = _new_bytes(None, size)
-    return data, memoryview((ctypes.c_char * size).from_address(_bytes_buffer(data))).cast("B")
+    buffer = (ctypes.c_char * size).from_address(_bytes_buffer(data))
+    buffer.owner = data  # the view keeps the bytes it writes into alive, however long it is kept
+    return data, memoryview(buffer).cast("B")
 
 
 @dataclass

@@ -8,12 +8,14 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 
+import grpc
 import numpy as np
 import pytest
 from fake_coordinator import FakeCoordinator, coordinator_message, run_config_bytes, serve_in_thread
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
+from flwr.common.serde_utils import metadata_to_proto
 from helpers import SMALL_RUN
 
 from hydrafl.client.agent import SiteAgent, default_max_download_bytes
@@ -108,6 +110,26 @@ def _garbage_metadata() -> tuple[pb.Envelope, list[pb.Chunk]]:
     return envelope, chunks
 
 
+def _invalid_message_type() -> tuple[pb.Envelope, list[pb.Chunk]]:
+    envelope, chunks, message = _chunks(np.arange(10, dtype=np.float32))
+    metadata = metadata_to_proto(message.metadata)
+    metadata.message_type = envelope.message_type = "bogus type"
+    envelope.metadata = metadata.SerializeToString()
+    return envelope, chunks
+
+
+def _empty_tensors(count: int) -> pb.Envelope:
+    """A manifest of `count` distinct empty tensors: no bytes declared, yet each costs the site to hold."""
+    envelope = _manifest([0, 0], 0, 0)
+    [record] = envelope.arrays
+    template = record.tensors[0]
+    for index in range(1, count):
+        tensor = record.tensors.add()
+        tensor.CopyFrom(template)
+        tensor.name, tensor.shape[:] = f"w{index}", [0, index]
+    return envelope
+
+
 def _manifest(shape: list[int], nbytes: int, chunks: int, name: str = "w") -> pb.Envelope:
     """A manifest declaring `shape`, with `chunks` digests of chunks that exist nowhere."""
     envelope, _, _ = _chunks(np.zeros(1, dtype=np.float32))
@@ -127,6 +149,7 @@ HOSTILE_STREAMS = {
     "a chunk failing its checksum": (_garbage_chunk, "fails its XXH3-128 checksum"),
     "a chunk failing its BLAKE3 check": (_garbage_chunk_without_checksums, "fails its BLAKE3 check"),
     "garbage metadata bytes": (_garbage_metadata, "Metadata"),
+    "a message type Flower refuses": (_invalid_message_type, "bogus type"),
 }
 
 
@@ -148,8 +171,10 @@ def test_chunks_it_did_not_ask_for_or_cannot_trust_refuse_the_message_and_the_si
 HOSTILE_MANIFESTS = {
     "more than this site accepts": (
         lambda: _manifest([1024, 1024], 4 << 20, 4),
-        "message declares 4.2 MB of arrays; this site accepts at most 3.0 MB (--max-download-mb)",
+        "message declares 4.2 MB of arrays (1 tensors, counted 4096 bytes each besides their data); this site "
+        "accepts at most 3.0 MB (--max-download-mb)",
     ),
+    "a thousand empty tensors": (lambda: _empty_tensors(1000), "message declares 4.1 MB of arrays (1000 tensors"),
     "a negative dimension": (lambda: _manifest([-1, 4], 16, 1), "shape [-1, 4]"),
     "an astronomical dimension": (lambda: _manifest([1 << 41, 0], 0, 0), "shape [2199023255552, 0]"),
     "a thousand dimensions": (lambda: _manifest([1] * 1000, 4, 1), "shape"),
@@ -218,6 +243,48 @@ def test_a_demo_site_never_opens_the_file_the_run_config_names(tmp_path):
     for reply in coordinator.replies.values():
         wire = reply.SerializeToString()
         assert SECRET.encode() not in wire and b"lactate" not in wire and str(tmp_path).encode() not in wire
+
+
+def test_a_chunk_over_the_site_s_message_limit_refuses_the_message_instead_of_reconnecting_for_ever():
+    envelope, chunks, _ = _chunks(np.arange(300_000, dtype=np.float32))
+    oversize = [pb.Chunk(digest=chunks[0].digest, data=bytes(9 << 20))]  # over the site's 8 MiB receive limit
+    coordinator = FakeCoordinator()
+    with running(coordinator, echo_app) as (_, alive):
+        reply = coordinator.reply_to(coordinator.send_envelope(envelope, oversize), alive)
+        assert reply.error_code == ErrorCode.MOD_FAILED_PRECONDITION and "message limit" in reply.error_reason
+        assert len(coordinator.chunk_requests) == 1  # asked once: no reconnect and retry
+        _assert_still_serves(coordinator, alive)
+
+
+class _DroppingOnce(FakeCoordinator):
+    """Drops the first chunk stream after one chunk, as a lost connection does."""
+
+    dropped = False
+
+    def GetChunks(self, request: pb.GetChunksRequest, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
+        self.chunk_requests.append(list(request.digests))
+        for index, digest in enumerate(request.digests):
+            if index == 1 and not self.dropped:
+                self.dropped, self.in_hand = True, None
+                context.abort(grpc.StatusCode.UNAVAILABLE, "connection dropped")
+            yield pb.Chunk(digest=digest, data=self.blobs[digest])
+
+
+def test_a_small_message_after_a_dropped_download_may_bring_the_chunks_the_site_kept():
+    """The site keeps what it filled before a drop; the coordinator's next, small message brings all its chunks
+    inline, one of them kept already: taken as held, not refused as a chunk the site did not ask for."""
+    bias = np.arange(100, dtype=np.float32)
+    first, first_chunks = split_message(coordinator_message("query.echo", {"bias": bias, "big": np.ones(300_000, np.float32)}), 1)
+    second, second_chunks = split_message(coordinator_message("query.echo", {"bias": bias}), 2)
+    coordinator = _DroppingOnce()
+    coordinator.blobs.update({digest: bytes(data) for digest, data in first_chunks.items()})
+    with running(coordinator, echo_app) as (_, alive):
+        coordinator.send_envelope(first)
+        inline = [pb.Chunk(digest=digest, data=bytes(data)) for digest, data in second_chunks.items()]
+        reply = coordinator.reply_to(coordinator.send_envelope(second, inline, inline=True), alive)
+        assert not reply.error_reason and parse_content(reply)["metrics"]["sum"] == float(bias.sum())
+        assert coordinator.dropped
+        _assert_still_serves(coordinator, alive)
 
 
 def _arrays(reply: pb.Envelope) -> list[tuple[str, list[int], list[str]]]:

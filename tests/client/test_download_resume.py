@@ -3,6 +3,8 @@ lacks; a chunk that fails its check is refused at once and never copied in."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Message, RecordDict
@@ -91,3 +93,11 @@ def test_unfilled_bytes_are_new_bytes_that_show_what_was_written_into_them():
     view[:] = b"0123456789"
     assert type(first) is bytes and first == b"0123456789" and first is not second
     assert hash(first) == hash(b"0123456789")
+
+
+def test_the_view_of_unfilled_bytes_keeps_them_alive():
+    """Writing through a view whose bytes were freed would write into whatever took their memory."""
+    data, view = unfilled_bytes(64)
+    held = sys.getrefcount(data)
+    del view
+    assert sys.getrefcount(data) == held - 1
