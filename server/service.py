@@ -296,6 +296,8 @@ class CoordinatorService:
         """Check the reply against `sent` and store it; whether it was new (False: a duplicate push)."""
         envelope = request.envelope
         if request.chunks:
+            if outbound.message_id not in {m.message_id for m in self.store.open_messages_for(site.node_id)}:
+                return False  # answered already: a repeated push is a duplicate, as a streamed one is
             self._store_uploads(site, context, request.chunks, touch=lambda: None)
         uploads = self.blobs.uploads(site.node_id)
         try:

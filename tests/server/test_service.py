@@ -105,6 +105,8 @@ def test_a_small_message_and_its_reply_carry_their_chunks_inline(live):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "fails its XXH3-128 check" in details
     assert _replies(coordinator) == 0
     assert stub.PushReply(pb.PushReplyRequest(envelope=envelope, chunks=inline), metadata=_auth(token_a)).duplicate is False
+    # pushed again (its answer lost on the way): a duplicate, as a streamed push is, not a refused upload
+    assert stub.PushReply(pb.PushReplyRequest(envelope=envelope, chunks=inline), metadata=_auth(token_a)).duplicate is True
     [reply] = coordinator.store.replies_to([request.metadata.message_id])
     stored = pb.Envelope.FromString(reply.envelope)
     [[stored_digest]] = [tensor.chunk_digests for record in stored.arrays for tensor in record.tensors if tensor.name == "w"]
