@@ -51,10 +51,11 @@ def allowed_reply_chunks(sent: Envelope, max_model_bytes: int) -> int:
     """The most chunks a reply to `sent` may upload: its allowed bytes in whole chunks, plus a partly filled last
     chunk for each array it may carry. Bounded apart from bytes because every stored chunk takes a whole pack slot
     on disk (`server.packs`), however few bytes it holds."""
-    nbytes = allowed_reply_bytes(sent, max_model_bytes)
+    sent_content = parse_content(sent)
+    nbytes = allowed_reply_bytes(sent, max_model_bytes, sent_content)
     if not nbytes:
         return 0
-    tensors = len(sent_model(sent, parse_content(sent)))
+    tensors = len(sent_model(sent, sent_content))
     if not tensors and message_kind(sent.message_type) == "query":
         tensors = QUERY_REPLY_ARRAYS
     return math.ceil(nbytes / CHUNK_BYTES) + max(tensors, LAYOUT_ARRAYS)
