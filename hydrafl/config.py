@@ -21,6 +21,7 @@ from hydrafl.strategies.registry import (
     UnknownStrategy,
     config_class,
     knob_names,
+    mean_strategies,
     strategies_with,
     strategy_names,
 )
@@ -231,6 +232,9 @@ class RunConfig:
             "a float > 0 with --dp-noise-multiplier or --dp-adaptive (noise is calibrated to the clipping bound)",
         )
         _check(0 < self.dp_delta < 1, "dp-delta", self.dp_delta, "a float in (0, 1)")
+        _check(not self.dp_clip or not self.strategy or self._knob_class.secure_sum, "dp-clip", self.dp_clip,
+               f"0 for strategy {self.strategy!r}: its output is not a post-processing of the noised mean of the "
+               f"clipped updates, so the accounted epsilon would not bound it (use one of {', '.join(mean_strategies())})")
         robust_rule = getattr(self.options, "robust_rule", "mean")
         _check(robust_rule == "mean" or not self.dp_clip, "robust-rule", robust_rule,
                "mean with --dp-clip (central DP calibrates its noise to the clipped mean, not to a median)")

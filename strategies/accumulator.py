@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mmap
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -116,17 +116,20 @@ class WeightedDeltaAccumulator:
                 tasks.append((total, block_terms, fresh))
         self.pool.run(fold.axpy_terms, tasks)
 
-    def mean(self) -> dict[str, torch.Tensor]:
-        """The weighted mean, computed in place: the accumulator is spent afterwards."""
+    def mean(self, names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+        """The weighted mean of the arrays `names` (default: all), computed in place: the accumulator is spent
+        afterwards. Only those are released, so only those get DP noise; the others still counted in each reply's
+        norm (a LoRA baseline's head takes the arrays that are not factors: its factors have their own fold)."""
         if not self.total_weight:
             raise AggregationError("no successful reply to aggregate")
-        tasks = [(*block, self.total_weight) for total in self.sums.values() for block in fold.blocks(total)]
+        means = self.sums if names is None else {name: self.sums[name] for name in names if name in self.sums}
+        tasks = [(*block, self.total_weight) for total in means.values() for block in fold.blocks(total)]
         self.pool.run(fold.divide, tasks)
         if self.dp is not None:
-            for tensor in self.sums.values():
+            for tensor in means.values():
                 self.dp.noise_(tensor, self.total_weight)
             self.dp.end_round()
-        return self.sums
+        return means
 
 
 class MaskedDeltaAccumulator:
@@ -236,9 +239,10 @@ class MaskedDeltaAccumulator:
         self.pool.run(fold.axpy, tasks)
         self.metric_records.append(RecordDict({"metrics": metrics}))
 
-    def mean(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Per name: (masked weighted mean delta, 0 where no site trained; bool mask of trained coordinates).
-        Computed in place: the accumulator is spent afterwards."""
+    def mean(self, names: Collection[str] | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per name of `names` (default: all): (masked weighted mean delta, 0 where no site trained; bool mask of
+        trained coordinates). Computed in place: the accumulator is spent afterwards. Only those are released,
+        so only those get DP noise (`WeightedDeltaAccumulator.mean`)."""
         if not self.metric_records:
             raise AggregationError("no successful reply to aggregate")
         out, tasks = {}, []
@@ -249,6 +253,8 @@ class MaskedDeltaAccumulator:
             out[name] = (total, covered)
             tasks += fold.blocks(total, self.weights[name], covered)
         self.pool.run(fold.masked_mean, tasks)
+        if names is not None:
+            out = {name: out[name] for name in names if name in out}
         if self.dp is not None:
             for name, (total, covered) in out.items():  # the counts were clamped: 1e-30 where none counted
                 self.dp.noise_(total, torch.where(covered, self.weights[name], 0.0))

@@ -91,7 +91,7 @@ class _MaskedFactors:
                 self.robust.add(name, slices[name], slices[name].take(delta), tuple(self.start[name].shape))
 
     def finish(self, weights: dict[str, torch.Tensor], total_weight: float) -> None:
-        means = self.robust.aggregate() if self.robust is not None else self.accumulator.mean()
+        means = self.robust.aggregate() if self.robust is not None else self.accumulator.mean(self.factors)
         for name, (delta, trained) in means.items():
             if name in self.factors:
                 weights[name] = torch.where(trained, weights[name] - delta, weights[name])

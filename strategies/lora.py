@@ -177,7 +177,8 @@ class LoraBaseline(FedAvg):
                 fold.add(reply, self._rank_of(reply))
         if not head.metric_records:
             return None, None
-        means = {n: d for n, (d, _) in robust_head.aggregate().items()} if self.robust.robust else head.mean()
+        head_names = [name for name in weights if name not in factors]
+        means = {n: d for n, (d, _) in robust_head.aggregate().items()} if self.robust.robust else head.mean(head_names)
         for name, delta in means.items():
             if name not in factors:
                 weights[name] = weights[name] - delta

@@ -95,6 +95,12 @@ def strategy_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def mean_strategies() -> list[str]:
+    """The strategies whose output is a function of the sites' (weighted) mean alone (`secure_sum`): what secure
+    aggregation and central DP can serve."""
+    return [name for name in strategy_names() if _REGISTRY[name].secure_sum]
+
+
 def knob_names(config: type[StrategyConfig]) -> tuple[str, ...]:
     """The config's fields, by their snake_case names."""
     return tuple(field.name for field in dataclasses.fields(config))

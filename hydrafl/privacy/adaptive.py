@@ -23,7 +23,7 @@ def model_noise_multiplier(noise_multiplier: float, count_stddev: float) -> floa
     if share <= 0:
         raise ValueError(
             f"noise multiplier {noise_multiplier} is too small for adaptive clipping with clipped-count noise std "
-            f"{count_stddev} (needs z < 2 sigma_b); raise the noise multiplier or the count noise"
+            f"{count_stddev} (needs z < 2 sigma_b); lower the noise multiplier or raise the count noise"
         )
     return share**-0.5
 

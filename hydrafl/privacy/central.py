@@ -1,7 +1,10 @@
 """Central DP on the coordinator: each site's update (all its arrays together) clipped to C, every site counted
 once, Gaussian noise of std z C on each coordinate's sum, i.e. z C / n_k on the mean of coordinate k over the
-n_k sites that trained it (a subnetwork strategy's masked mean included). hydrafl's streaming strategies hold
-a `CentralDp` and hand it to their accumulator; Flower's own strategies get Flower's DP wrappers."""
+n_k sites that trained it (a subnetwork strategy's masked mean included); every server optimizer then steps on
+that noised mean, so what it outputs and keeps is post-processing. hydrafl's streaming strategies hold a
+`CentralDp` and hand it to their accumulator; Flower's own mean-based strategies run behind `NoisedMean`, which
+hands them the noised mean alone. A strategy whose output is not a post-processing of the noised mean (a median,
+a trimmed mean, Krum's selection) is refused."""
 
 from __future__ import annotations
 
@@ -10,11 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from flwr.serverapp.strategy import (
-    DifferentialPrivacyServerSideAdaptiveClipping,
-    DifferentialPrivacyServerSideFixedClipping,
-    Strategy,
-)
+from flwr.serverapp.strategy import FedAvg, Strategy
 
 from hydrafl.privacy.adaptive import AdaptiveClip, model_noise_multiplier
 from hydrafl.privacy.clipping import add_gaussian_, clip_factor, l2_norm, noise_generator
@@ -62,10 +61,11 @@ class CentralDp:
         return self.clip_factor_of_norm(l2_norm(update))
 
     def clip_factor_of_norm(self, norm: float) -> float:
-        """`clip_factor` of an update whose L2 norm the caller computed (the accumulator, block by block)."""
+        """`clip_factor` of an update whose L2 norm the caller computed (the accumulator, block by block). An
+        update whose norm overflowed weighs 0: the site still counts once, and the round goes on."""
         if self.adaptive is not None:
             self.adaptive.observe(norm)
-        return clip_factor(norm, self.clip)
+        return clip_factor(norm, self.clip) if math.isfinite(norm) else 0.0
 
     def noise_(self, mean: torch.Tensor, sites: torch.Tensor | float) -> torch.Tensor:
         """Add the noise of one array's mean in place: std z C / n_k where `sites` (n_k, a scalar or per
@@ -92,25 +92,21 @@ class CentralDp:
 
 
 def central_dp(run: RunConfig, *, seed: int | None = None) -> CentralDp | None:
-    """The run's central DP (None when it clips nothing); adaptive clipping's count noise is sites / 20."""
+    """The run's central DP (None when it clips nothing). Adaptive clipping's count noise is Andrew et al.'s
+    sites / 20, raised to z where that is less, so any z works at any number of sites (the model's noise is
+    then at most 2 / sqrt(3) = 1.155 times z C)."""
     if not run.dp_clip:
         return None
     adaptive = None
     if run.dp_adaptive:
-        count_stddev = run.required_sites / 20 if run.dp_noise_multiplier else 0.0
+        count_stddev = max(run.required_sites / 20, run.dp_noise_multiplier)
         adaptive = AdaptiveClip(clip=run.dp_clip, count_stddev=count_stddev)
-    dp = CentralDp(run.dp_noise_multiplier, run.dp_clip, adaptive=adaptive, seed=seed)
-    try:
-        _ = dp.model_noise_multiplier
-    except ValueError as error:
-        raise ConfigError(f"invalid dp-noise-multiplier={run.dp_noise_multiplier!r}: {error}") from None
-    return dp
+    return CentralDp(run.dp_noise_multiplier, run.dp_clip, adaptive=adaptive, seed=seed)
 
 
 def with_central_dp(strategy: Strategy, run: RunConfig) -> Strategy:
     """`strategy` with the run's central DP: a hydrafl strategy takes it into its own aggregation (it declares
-    `central_dp`), a Flower strategy is wrapped in Flower's server-side DP wrapper, whose noise std is
-    z C / min_sites (conservative: a round has at least that many replies)."""
+    `central_dp`), a Flower strategy built on the mean runs behind `NoisedMean`; any other is refused."""
     dp = central_dp(run)
     if dp is None:
         return strategy
@@ -119,24 +115,17 @@ def with_central_dp(strategy: Strategy, run: RunConfig) -> Strategy:
             raise ConfigError("central DP over LoRA products B A is not supported; set hydra-lora=factors")
         strategy.central_dp = dp
         return strategy
-    if not type(strategy).__module__.startswith("flwr."):
-        raise ConfigError(
-            f"strategy {run.strategy!r} does not support central DP (dp-clip); it works with Flower's strategies, "
-            "diloco, the subnetwork strategies (hydra, heterofl, fjord, fedrolex) and fedit"
-        )
-    if run.dp_adaptive:
-        try:
-            return DifferentialPrivacyServerSideAdaptiveClipping(
-                strategy, run.dp_noise_multiplier, run.required_sites, initial_clipping_norm=run.dp_clip
-            )
-        except ValueError as error:
-            raise ConfigError(f"invalid dp-noise-multiplier={run.dp_noise_multiplier!r}: {error}") from None
-    return DifferentialPrivacyServerSideFixedClipping(strategy, run.dp_noise_multiplier, run.dp_clip, run.required_sites)
+    if isinstance(strategy, FedAvg) and type(strategy).__module__.startswith("flwr.") and run.options.secure_sum:
+        from hydrafl.strategies.noised_mean import NoisedMean
+
+        return NoisedMean(strategy, dp)
+    raise ConfigError(
+        f"strategy {run.strategy!r} does not support central DP (dp-clip): its output is not a post-processing "
+        "of the noised mean of the clipped updates"
+    )
 
 
 def round_clip(strategy: Strategy) -> float | None:
     """The clipping bound `strategy` applies this round (read before it aggregates), None without central DP."""
-    if isinstance(strategy, (DifferentialPrivacyServerSideFixedClipping, DifferentialPrivacyServerSideAdaptiveClipping)):
-        return float(strategy.clipping_norm)
     dp = getattr(strategy, "central_dp", None)
     return None if dp is None else float(dp.clip)

@@ -1,6 +1,6 @@
 """Central DP on hydrafl's accumulators: every reply clipped to C and counted once, noise of std z C / n_k on
 coordinate k's mean; adaptive clipping moves C towards the target quantile; Flower's strategies get Flower's
-wrappers; the bound survives a checkpoint."""
+strategies run behind NoisedMean; the bound survives a checkpoint."""
 
 from __future__ import annotations
 
@@ -9,10 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from flwr.serverapp.strategy import (
-    DifferentialPrivacyServerSideAdaptiveClipping,
-    DifferentialPrivacyServerSideFixedClipping,
-)
+from flwr.serverapp.strategy import FedAdam, FedAvg
 from flwr.supercore.differential_privacy import compute_adaptive_noise_params
 
 from helpers import make_reply
@@ -22,6 +19,7 @@ from hydrafl.privacy.adaptive import AdaptiveClip, model_noise_multiplier
 from hydrafl.privacy.central import CentralDp, round_clip
 from hydrafl.privacy.clipping import clip, l2_norm, noise_generator
 from hydrafl.strategies import MaskedDeltaAccumulator, WeightedDeltaAccumulator, build_strategy
+from hydrafl.strategies.noised_mean import NoisedMean
 from hydrafl.subnet.slices import Slice
 from hydrafl.validation import ConfigError
 
@@ -121,24 +119,33 @@ def test_hydrafl_strategies_hold_central_dp_and_its_adaptive_bound_survives_a_ch
     assert round_clip(resumed) == round_clip(strategy) == resumed.central_dp.adaptive.clip
 
 
-def test_flower_strategies_get_flowers_wrappers_with_the_run_min_sites():
-    fixed = build_strategy(RunConfig.build(strategy="fedavg", sites=5, min_sites=4, dp_noise_multiplier=1.0, dp_clip=0.5))
-    assert isinstance(fixed, DifferentialPrivacyServerSideFixedClipping)
-    assert (fixed.noise_multiplier, fixed.clipping_norm, fixed.num_sampled_clients) == (1.0, 0.5, 4)
-    adaptive = build_strategy(RunConfig.build(strategy="fedadam", sites=40, dp_noise_multiplier=1.0, dp_clip=0.5, dp_adaptive=True))
-    assert isinstance(adaptive, DifferentialPrivacyServerSideAdaptiveClipping)
-    assert round_clip(adaptive) == 0.5
-    state = strategy_state(adaptive)
-    state["clipping_norm"] = 0.8
-    restore_strategy_state(adaptive, state)
-    assert round_clip(adaptive) == 0.8
+def test_flower_strategies_run_behind_the_noised_mean_and_keep_their_state_through_a_checkpoint():
+    fixed = build_strategy(RunConfig.build(strategy="fedavg", sites=5, dp_noise_multiplier=1.0, dp_clip=0.5))
+    assert isinstance(fixed, NoisedMean) and type(fixed.strategy) is FedAvg
+    assert (fixed.central_dp.noise_multiplier, round_clip(fixed)) == (1.0, 0.5)
+    run = RunConfig.build(strategy="fedadam", sites=4, dp_noise_multiplier=1.1, dp_clip=0.5, dp_adaptive=True)
+    adaptive = build_strategy(run)  # README's example at the default sites: the count noise is raised to z
+    assert isinstance(adaptive.strategy, FedAdam) and adaptive.central_dp.adaptive.count_stddev == 1.1
+    adaptive.central_dp.clip, adaptive.strategy.m_t = 0.8, {"w": np.ones(3)}
+    resumed = build_strategy(run)
+    restore_strategy_state(resumed, strategy_state(adaptive))
+    assert round_clip(resumed) == 0.8 == resumed.central_dp.adaptive.clip
+    assert resumed.strategy.m_t["w"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_an_all_zero_update_and_one_at_the_float32_limit_never_crash_a_round():
+    accumulator = WeightedDeltaAccumulator(dp=CentralDp(0.0, 1.0, seed=0))
+    accumulator.add(make_reply({"w": np.zeros(2)}, 10, node_id=1))
+    accumulator.add(make_reply({"w": np.full(2, 3e38)}, 10, node_id=2))  # its norm overflows float32: clipped to C
+    accumulator.add(make_reply({"w": np.array([0.3, 0.4])}, 10, node_id=3))
+    half = math.sqrt(0.5)
+    assert accumulator.mean()["w"].tolist() == pytest.approx([(half + 0.3) / 3, (half + 0.4) / 3], rel=1e-6)
+    assert accumulator.total_weight == 3.0
 
 
 def test_runs_central_dp_cannot_serve_say_so():
     for strategy in ("flora", "hetlora", "flexlora"):  # folds that are not linear in one site's update
-        with pytest.raises(ConfigError, match=f"'{strategy}' does not support central DP"):
-            build_strategy(RunConfig.build(strategy=strategy, lora_rank=4, dp_noise_multiplier=1.0, dp_clip=0.5))
-    with pytest.raises(ConfigError, match="needs z < 2 sigma_b"):
-        build_strategy(RunConfig.build(strategy="diloco", sites=4, dp_noise_multiplier=1.0, dp_clip=0.5, dp_adaptive=True))
+        with pytest.raises(ConfigError, match=f"0 for strategy '{strategy}': its output is not a post-processing"):
+            RunConfig.build(strategy=strategy, lora_rank=4, dp_noise_multiplier=1.0, dp_clip=0.5)
     with pytest.raises(ConfigError, match="LoRA products"):
         build_strategy(RunConfig.build(strategy="hydra", lora_rank=4, dp_noise_multiplier=1.0, dp_clip=0.5))
