@@ -13,8 +13,9 @@ coordinates, did not learn even without DP at this scale).
 The clipping bound C is the median update norm of a non-private run's first round. For each target epsilon
 (1, 4 and 8 at delta 1e-5, and 32, 128 and 1000 to find where learning returns, and no DP) the noise multiplier z is calibrated (`hydrafl.privacy.accountant`) for
 the run's rounds and sample rate (20 of 20 sites), and the run reports the epsilon the accountant gives after
-every round. Written to --out: privacy.json (every run's per-round accuracy and epsilon), privacy.md (the
-table) and privacy.png (accuracy per round, final accuracy against epsilon).
+every round (Renyi DP, which the calibration targets, and beside it the exact PLD one). Written to --out:
+privacy.json (every run's per-round accuracy and epsilon), privacy.md (the table) and privacy.png (accuracy per
+round, final accuracy against epsilon).
 """
 
 from __future__ import annotations
@@ -124,9 +125,11 @@ def summarise(target: float | None, z: float, clip: float, scale: Scale, history
         "noise_multiplier": z,
         "noise_std": z * clip / scale.sites,
         "epsilon": history[-1]["dp_epsilon"],
+        "epsilon_exact": history[-1].get("dp_epsilon_exact"),
         "accuracy": history[-1]["accuracy"],
         "accuracy_per_round": [r["accuracy"] for r in history],
         "epsilon_per_round": [r["dp_epsilon"] for r in history[1:]],
+        "epsilon_exact_per_round": [r.get("dp_epsilon_exact") for r in history[1:]],
     }
 
 
@@ -139,13 +142,15 @@ def markdown(summary: dict[str, Any]) -> str:
         f"Clip C = {summary['clip']:.3f} (median update norm of the non-private run's first round); every site "
         f"trains every round; delta = {summary['delta']:g}.",
         "",
-        "| target epsilon | noise multiplier z | noise std per coordinate (z C / n) | epsilon spent | final accuracy |",
-        "|---|---|---|---|---|",
+        "| target epsilon | noise multiplier z | noise std per coordinate (z C / n) | epsilon spent (RDP) | "
+        "epsilon spent (exact, PLD) | final accuracy |",
+        "|---|---|---|---|---|---|",
     ]
     for run in summary["runs"]:
         target = "no DP" if run["target_epsilon"] is None else f"{run['target_epsilon']:g}"
         spent = "inf" if run["epsilon"] is None else f"{run['epsilon']:.3f}"
-        lines.append(f"| {target} | {run['noise_multiplier']:.3f} | {run['noise_std']:.4f} | {spent} | "
+        exact = "inf" if run["epsilon_exact"] is None else f"{run['epsilon_exact']:.3f}"
+        lines.append(f"| {target} | {run['noise_multiplier']:.3f} | {run['noise_std']:.4f} | {spent} | {exact} | "
                      f"{run['accuracy']:.3f} |")
     return "\n".join(lines) + "\n"
 

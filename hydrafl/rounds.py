@@ -57,7 +57,9 @@ class RoundRecord:
     full_data_cosine: float | None = None
     """Diagnostics: cosine between the averaged delta and the full-data reference site's delta."""
     dp_epsilon: float | None = None
-    """Central DP: the run's epsilon after this round (at the run's `dp_delta`), from the accountant."""
+    """Central DP: the run's epsilon after this round (at the run's `dp_delta`), from the Renyi DP accountant."""
+    dp_epsilon_exact: float | None = None
+    """Central DP: the same from the exact (PLD) accountant; `hydrafl.privacy.accountant` says which is tighter."""
     dp_clip: float | None = None
     """Central DP: the clipping bound this round used (it moves with adaptive clipping)."""
     dp_sites_available: int = 0

@@ -7,6 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 ACCOUNTANT = "Renyi DP (Google dp-accounting)"
+EXACT_ACCOUNTANT = "PLD, exact (Google dp-accounting)"
+NEIGHBOURS = "replace-one site"
+COVERS = "the model updates released each round"
 
 
 def trust_summary(history: list[dict[str, Any]], run_config: dict[str, Any]) -> dict[str, Any]:
@@ -16,15 +19,21 @@ def trust_summary(history: list[dict[str, Any]], run_config: dict[str, Any]) -> 
     trained = [record for record in history if record.get("round", 0) > 0]
     summary: dict[str, Any] = {}
     epsilons = [record.get("dp_epsilon") for record in trained]
+    exact = [record.get("dp_epsilon_exact") for record in trained]
     if config.get("dp_noise_multiplier") or config.get("dp_clip"):
         summary["dp"] = {
             "noise_multiplier": config.get("dp_noise_multiplier", 0.0),
             "clip": config.get("dp_clip", 0.0),
             "adaptive": bool(config.get("dp_adaptive", False)),
             "delta": config.get("dp_delta"),
+            "neighbours": NEIGHBOURS,
+            "covers": COVERS,
             "accountant": ACCOUNTANT,
-            "epsilon": next((e for e in reversed(epsilons) if e is not None), None),
+            "epsilon": _last(epsilons),
             "epsilon_per_round": epsilons,
+            "exact_accountant": EXACT_ACCOUNTANT,
+            "epsilon_exact": _last(exact),
+            "epsilon_exact_per_round": exact,
             "clip_per_round": [record.get("dp_clip") for record in trained],
         }
     local = {}
@@ -48,16 +57,24 @@ def trust_summary(history: list[dict[str, Any]], run_config: dict[str, Any]) -> 
     return summary
 
 
+def _last(values: list[Any]) -> Any:
+    return next((value for value in reversed(values) if value is not None), None)
+
+
 def trust_lines(summary: dict[str, Any]) -> list[str]:
     """The summary as short sentences, for report.md and the status table."""
     lines = []
     if "dp" in summary:
         dp = summary["dp"]
         at_delta = "" if dp["delta"] is None else f" at delta {dp['delta']:g}"
-        spent = "not reported" if dp["epsilon"] is None else f"epsilon {dp['epsilon']:.3g}{at_delta}"
+        spent = "not reported"
+        if dp["epsilon"] is not None:
+            spent = f"epsilon {dp['epsilon']:.3g}{at_delta} ({dp['accountant']})"
+        if dp.get("epsilon_exact") is not None:
+            spent += f", {dp['epsilon_exact']:.3g} ({dp['exact_accountant']})"
         lines.append(
             f"central DP: noise multiplier {dp['noise_multiplier']:g}, clip {dp['clip']:g}"
-            f"{' (adaptive)' if dp['adaptive'] else ''}; spent {spent} ({dp['accountant']})"
+            f"{' (adaptive)' if dp['adaptive'] else ''}; spent {spent}; {NEIGHBOURS} neighbours, covering {COVERS}"
         )
     if "local_dp" in summary:
         worst = max(summary["local_dp"]["epsilon_per_site"].values())

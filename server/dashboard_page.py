@@ -128,6 +128,9 @@ def _run_section(run: Run, runs_dir: Path, service: CoordinatorService | None) -
     ]
     if "dp" in trust:
         curves.append(svg_curve([(r["round"], r.get("dp_epsilon")) for r in records], title="DP epsilon", color="#a5a"))
+        curves.append(svg_curve(
+            [(r["round"], r.get("dp_epsilon_exact")) for r in records], title="DP epsilon, exact (PLD)", color="#759"
+        ))
     parts.append(f"<div class='curves'>{''.join(curves)}</div>")
     parts.append(_rounds_table(records, dp="dp" in trust))
     parts.append(_latency_table(push_latencies(run, runs_dir, service)))
@@ -137,13 +140,13 @@ def _run_section(run: Run, runs_dir: Path, service: CoordinatorService | None) -
 def _rounds_table(records: list[dict], *, dp: bool) -> str:
     shown = records[-SHOWN_ROUNDS:]
     headers = ["round", "loss", "accuracy", "sites ok", "failed", "round s", "aggregation s", "gap s", "MB up",
-               "MB down", *(["epsilon"] if dp else [])]
+               "MB down", *(["epsilon", "epsilon exact"] if dp else [])]
     rows = [
         [
             str(r["round"]), _number(r.get("loss")), _number(r.get("accuracy")), _text(r.get("sites_ok")),
             _text(r.get("sites_failed")), _seconds(r.get("seconds")), _seconds(r.get("aggregation_s")),
             _seconds(r.get("gap_s")), megabytes(r.get("bytes_up")), megabytes(r.get("bytes_down")),
-            *([_number(r.get("dp_epsilon"))] if dp else []),
+            *([_number(r.get("dp_epsilon")), _number(r.get("dp_epsilon_exact"))] if dp else []),
         ]
         for r in reversed(shown)
     ]

@@ -43,7 +43,12 @@ class StoreCollector(Collector):
         aggregation_s = HistogramMetricFamily(
             "hydrafl_aggregation_seconds", "Time the strategy spent aggregating a round.", labels=["run"]
         )
-        epsilon = GaugeMetricFamily("hydrafl_dp_epsilon", "Central DP epsilon a DP run has spent.", labels=["run"])
+        epsilon = GaugeMetricFamily(
+            "hydrafl_dp_epsilon", "Central DP epsilon a DP run has spent (Renyi DP).", labels=["run"]
+        )
+        exact = GaugeMetricFamily(
+            "hydrafl_dp_epsilon_exact", "Central DP epsilon a DP run has spent (exact, PLD).", labels=["run"]
+        )
         for run in runs:
             label = [str(run.id)]
             records = trained_records(run)
@@ -54,10 +59,11 @@ class StoreCollector(Collector):
             aggregation_s.add_metric(
                 label, *_histogram([record.get("aggregation_s") for record in records], AGGREGATION_BUCKETS_S)
             )
-            spent = _epsilon(run)
-            if spent is not None:
-                epsilon.add_metric(label, spent)
-        yield from (rounds, received, sent, round_s, aggregation_s, epsilon)
+            dp = trust_summary(run.history or [], {} if run.server_app else run.config).get("dp") or {}
+            for family, spent in ((epsilon, dp.get("epsilon")), (exact, dp.get("epsilon_exact"))):
+                if spent is not None:
+                    family.add_metric(label, spent)
+        yield from (rounds, received, sent, round_s, aggregation_s, epsilon, exact)
         yield from self._updates(runs)
         yield from self._sites()
 
@@ -107,8 +113,3 @@ def _histogram(values: Sequence[float | None], bounds: Sequence[float]) -> tuple
     buckets = [(floatToGoString(bound), float(sum(value <= bound for value in observed))) for bound in bounds]
     buckets.append(("+Inf", float(len(observed))))
     return buckets, sum(observed)
-
-
-def _epsilon(run: Run) -> float | None:
-    dp = trust_summary(run.history or [], {} if run.server_app else run.config).get("dp")
-    return None if dp is None else dp["epsilon"]

@@ -8,7 +8,7 @@ import pytest
 from helpers import SMALL_RUN
 
 from hydrafl import server_app
-from hydrafl.privacy.accountant import RoundSample, epsilon
+from hydrafl.privacy.accountant import RoundSample, epsilon, exact_epsilon
 from hydrafl.simulation.grid import InProcessGrid
 from hydrafl.site_app import client_app
 from hydrafl.validation import ConfigError
@@ -45,4 +45,6 @@ def test_central_dp_accounts_for_the_sites_a_round_samples():
     assert [r["dp_sites_available"] for r in history[1:]] == [10, 10, 10]
     assert [r["dp_epsilon"] for r in history[1:]] == [
         pytest.approx(epsilon(1.0, RoundSample(3, 10), delta=1e-5, repeat=r), rel=1e-12) for r in (1, 2, 3)]
-    assert history[-1]["dp_epsilon"] != epsilon(1.0, RoundSample(10, 10), delta=1e-5, repeat=3)  # not full participation's
+    assert history[-1]["dp_epsilon"] < epsilon(1.0, RoundSample(10, 10), delta=1e-5, repeat=3)  # amplified by sampling
+    assert history[-1]["dp_epsilon_exact"] == pytest.approx(  # no replace-one PLD event for it: unamplified
+        exact_epsilon(1.0, RoundSample(10, 10), delta=1e-5, repeat=3), rel=1e-12)

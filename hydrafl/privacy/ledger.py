@@ -1,6 +1,7 @@
 """The run's privacy ledger, kept by the round driver: before a round's train messages leave, the epsilon the
-run will have spent after it (each message carries it, so a site can check its budget); after the round,
-the epsilon spent, the clipping bound used, and each site's own (local DP) epsilon from its reply.
+run will have spent after it (each message carries the Renyi DP one, so a site can check its budget); after
+the round, the epsilon spent by both accountants (Renyi DP and the exact PLD), the clipping bound used, and
+each site's own (local DP) epsilon from its reply.
 
 The accountant's input is rebuilt from the run's history on resume: per round with central DP, the sites
 sampled (the round's train messages) out of the sites available."""
@@ -27,8 +28,8 @@ class PrivacyLedger:
     delta: float
     samples: list[Any]
     """Per round with central noise: its `accountant.RoundSample`."""
-    pending: tuple[Any, float, float | None] | None
-    """The open round: its sample, the epsilon after it, and the clipping bound it uses."""
+    pending: tuple[Any, float, float, float | None] | None
+    """The open round: its sample, the epsilon after it (Renyi DP, then exact), and the clipping bound it uses."""
 
     def __init__(self, noise_multiplier: float, delta: float) -> None:
         self.noise_multiplier = noise_multiplier
@@ -58,25 +59,26 @@ class PrivacyLedger:
         """Before the round's train messages are sent: the spending after it goes into each message's config."""
         clip = round_clip(strategy)
         if not self.noise_multiplier or not messages:
-            self.pending = None if clip is None else (None, math.nan, clip)
+            self.pending = None if clip is None else (None, math.nan, math.nan, clip)
             return
-        from hydrafl.privacy.accountant import RoundSample, epsilon
+        from hydrafl.privacy.accountant import RoundSample, epsilon, exact_epsilon
 
         sample = RoundSample(len(messages), max(sites_available, len(messages)))
         spent = epsilon(self.noise_multiplier, [*self.samples, sample], delta=self.delta)
+        exact = exact_epsilon(self.noise_multiplier, [*self.samples, sample], delta=self.delta)
         for message in messages:
             for config in records(message.content, ConfigRecord):
                 config[protocol.RUN_EPSILON] = spent
-        self.pending = (sample, spent, clip)
+        self.pending = (sample, spent, exact, clip)
 
     def close_round(self, record: RoundRecord) -> None:
         """After the round's model was made: the spending and the bound go into its `RoundRecord`."""
         if self.pending is None:
             return
-        sample, spent, record.dp_clip = self.pending
+        sample, spent, exact, record.dp_clip = self.pending
         if sample is not None:
             self.samples.append(sample)
-            record.dp_epsilon, record.dp_sites_available = spent, sample.population
+            record.dp_epsilon, record.dp_epsilon_exact, record.dp_sites_available = spent, exact, sample.population
         self.pending = None
 
     @staticmethod

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hydrafl.cli import app
-from hydrafl.privacy.accountant import RoundSample, epsilon, local_epsilon
+from hydrafl.privacy.accountant import RoundSample, epsilon, exact_epsilon, local_epsilon
 
 ARGS = ["simulate", "--task", "tabular", "--sites", "3", "--samples-per-site", "40", "--rounds", "3",
         "--local-steps", "2", "--batch-size", "8", "--no-progress"]
@@ -29,6 +29,9 @@ def test_simulate_with_central_dp_reports_epsilon_and_clip_per_round(tmp_path):
         assert rounds[0]["dp_epsilon"] is None  # the initial evaluation releases nothing
         spent = [r["dp_epsilon"] for r in rounds[1:]]
         assert spent == [pytest.approx(epsilon(1.1, RoundSample(3, 3), delta=1e-5, repeat=r), rel=1e-12) for r in (1, 2, 3)]
+        exact = [r["dp_epsilon_exact"] for r in rounds[1:]]
+        assert exact == [pytest.approx(exact_epsilon(1.1, RoundSample(3, 3), delta=1e-5, repeat=r), rel=1e-12)
+                         for r in (1, 2, 3)]
         assert [r["dp_clip"] for r in rounds[1:]] == [0.5, 0.5, 0.5]
         assert all(r["dp_sites_available"] == 3 for r in rounds[1:])
 
@@ -70,6 +73,8 @@ def test_a_resumed_run_goes_on_spending_from_where_it_stopped(tmp_path):
     resumed = run_strategy(cfg.replace(rounds=3, resume=True), "inprocess")
     assert resumed[:3] == stopped
     assert resumed[3]["dp_epsilon"] == pytest.approx(epsilon(0.5, RoundSample(20, 20), delta=1e-5, repeat=3), rel=1e-12)
+    exact = exact_epsilon(0.5, RoundSample(20, 20), delta=1e-5, repeat=3)
+    assert resumed[3]["dp_epsilon_exact"] == pytest.approx(exact, rel=1e-12)
     clips = [record["dp_clip"] for record in resumed[1:]]  # every update is far above 0.01: the bound grows
     assert clips[0] == 0.01 and clips[2] > clips[1] > clips[0]  # round 3 goes on from the checkpoint's bound
 

@@ -165,3 +165,11 @@ def test_hydrafl_server_with_a_dashboard_and_no_token_exits_with_one_line(tmp_pa
     result = CliRunner().invoke(app, ["server", "--dashboard", "127.0.0.1:0"], env=env)
     assert result.exit_code == 2
     assert "--dashboard needs an admin token: pass --dashboard-token or set HYDRAFL_DASHBOARD_TOKEN" in result.output
+
+
+def test_a_dp_runs_rounds_show_the_exact_epsilon_beside_renyi_dps():
+    from hydrafl.server.dashboard_page import _rounds_table
+
+    record = dataclasses.asdict(RoundRecord(round=1, sites_ok=4, dp_epsilon=26.5, dp_epsilon_exact=24.92))
+    cells = re.findall(r"<t[dh][^>]*>([^<]*)</t[dh]>", _rounds_table([record], dp=True))
+    assert cells[-2:] == ["26.5", "24.92"] and cells[cells.index("epsilon") + 1] == "epsilon exact"
