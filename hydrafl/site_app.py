@@ -38,7 +38,7 @@ from hydrafl.subnet.apply import apply_spec, trainable_slices
 from hydrafl.subnet.architecture import find_architecture, head_axis_of
 from hydrafl.subnet.measure import measure_layer_cost
 from hydrafl.subnet.planning import COST_FIELDS
-from hydrafl.subnet.scoring import head_importance, layer_importance
+from hydrafl.subnet.scoring import head_importance, layer_importance, weight_magnitude
 from hydrafl.subnet.slices import Slice, extract, read_slices
 from hydrafl.subnet.spec import SubnetSpec
 from hydrafl.data.text_cohort import MINILM
@@ -338,7 +338,7 @@ def curvature(message: Message, context: Context) -> Message:
 @client_app.query("scores")
 def scores(message: Message, context: Context) -> Message:
     """Layer importance (`layer-L`) and head importance (`head-L-G`, per KV group) on a few of the site's
-    training batches, with the site's tier, its measured step cost (`subnet.measure.measure_layer_cost`) and declared
+    training batches (or, asked for `magnitude` in a private run, from the model's weights alone), with the site's tier, its measured step cost (`subnet.measure.measure_layer_cost`) and declared
 memory, and the model's slice layout (see `slice_layout`)."""
     cfg, request = _run_config(message, context), _received_config(message)
     cohort, split = site_data(cfg, context)
@@ -346,8 +346,13 @@ memory, and the model's slice layout (see `slice_layout`)."""
     n = min(int(request[protocol.SCORE_SAMPLES]), len(split.train_y))
     size = cfg.batch_size
     batches = [(split.train_x[i : min(i + size, n)], split.train_y[i : min(i + size, n)]) for i in range(0, n, size)]
-    layers = layer_importance(model, batches, task_loss(cohort.task), method=str(request[protocol.LAYER_SCORE]))
-    heads = head_importance(model, batches, task_loss(cohort.task), method=str(request[protocol.HEAD_SCORE]))
+    layer_method, head_method = str(request[protocol.LAYER_SCORE]), str(request[protocol.HEAD_SCORE])
+    magnitude = protocol.MAGNITUDE_SCORE
+    from_weights = weight_magnitude(model) if magnitude in (layer_method, head_method) else None  # reads no data
+    layers = from_weights[0] if from_weights and layer_method == magnitude else layer_importance(
+        model, batches, task_loss(cohort.task), method=layer_method)
+    heads = from_weights[1] if from_weights and head_method == magnitude else head_importance(
+        model, batches, task_loss(cohort.task), method=head_method)
     memory_bytes = site_memory_mb(cfg, context) * 1e6
     metrics = MetricRecord(
         {

@@ -14,8 +14,8 @@ from hydrafl.validation import check
 if TYPE_CHECKING:
     from hydrafl.config import RunConfig
 
-LAYER_SCORES = ("fisher", "taylor")
-HEAD_SCORES = ("taylor", "confidence")
+LAYER_SCORES = ("fisher", "taylor", protocol.MAGNITUDE_SCORE)
+HEAD_SCORES = ("taylor", "confidence", protocol.MAGNITUDE_SCORE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,9 +31,10 @@ class BudgetConfig(RobustConfig):
     hydra_heads: float = 1.0
     """Fraction of the heads (KV groups) per trained layer an untiered site keeps."""
     layer_score: str = "fisher"
-    """Layer importance at the sites: fisher or taylor."""
+    """Layer importance at the sites: fisher, taylor or magnitude (from the weights; what a private run uses)."""
     head_score: str = "taylor"
-    """Head importance at the sites: taylor (gate gradient) or confidence."""
+    """Head importance at the sites: taylor (gate gradient), confidence or magnitude (from the weights; what a
+    private run uses)."""
     score_samples: int = 64
     """Training samples a site scores on."""
 
@@ -47,15 +48,18 @@ class BudgetConfig(RobustConfig):
 
     def planner(self, run: RunConfig, *, rescore_every: int = 0) -> SitePlanner:
         """The planning-round component sized by these knobs: the untiered fractions and, with the round
-        deadline and local steps, each site's measured step cost against its declared memory and speed."""
+        deadline and local steps, each site's measured step cost against its declared memory and speed. A
+        private run (central DP, secure aggregation) scores by weight magnitude: scores from one site's data
+        would be released outside the epsilon, and seen by a coordinator that must learn only the sum."""
+        private = bool(run.dp_clip or run.secagg)
         return SitePlanner(
             untiered=(self.hydra_layers, self.hydra_heads),
             rescore_every=rescore_every,
             timeout_s=run.round_timeout_s or None,
             local_steps=run.local_steps,
             scoring={
-                protocol.LAYER_SCORE: self.layer_score,
-                protocol.HEAD_SCORE: self.head_score,
+                protocol.LAYER_SCORE: protocol.MAGNITUDE_SCORE if private else self.layer_score,
+                protocol.HEAD_SCORE: protocol.MAGNITUDE_SCORE if private else self.head_score,
                 protocol.SCORE_SAMPLES: self.score_samples,
             },
         )

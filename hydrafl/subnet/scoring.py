@@ -1,6 +1,7 @@
 """Importance scores a site computes on its own data: one per layer (`layer_importance`) and one per head or
 KV group (`head_importance`). They are the few floats the coordinator ranks layers and picks heads from
-(`subnet.planning`); the site's data never leaves it.
+(`subnet.planning`); the site's data never leaves it. Under central DP or secure aggregation a site reports
+`weight_magnitude` instead, which reads no data.
 """
 
 from __future__ import annotations
@@ -109,6 +110,24 @@ def layer_importance(
         sums[layer] += a
     # fisher: trace of the layer's empirical Fisher; taylor: |theta . mean gradient| of the layer.
     return [float(s) / total if method == "fisher" else abs(float(s)) / total for s in sums]
+
+
+def weight_magnitude(model: nn.Module) -> tuple[list[float], list[list[float]]]:
+    """Layer and head scores from the model's weights alone: each layer's squared parameter norm, and per head
+    (KV group) the squared norm of the output projection's columns it feeds. Data-dependent scores from one
+    site would be a release outside the DP budget, and a per-site signal that secure aggregation promises the
+    coordinator never sees; these are a function of the global model, which every site already holds."""
+    arch = find_architecture(model)
+    layers = [0.0] * arch.num_layers
+    for name, parameter in model.named_parameters():
+        layer = arch.layer_of(name)
+        if layer is not None:
+            layers[layer] += float(parameter.detach().double().pow(2).sum())
+    heads = []
+    for ref in arch.layers:
+        weight = model.get_submodule(ref.o).weight.detach().double()  # (hidden, heads x head_dim)
+        heads.append(weight.unflatten(1, (arch.num_groups, -1)).pow(2).sum((0, 2)).tolist())
+    return layers, heads
 
 
 class _HeadGates:
