@@ -5,9 +5,9 @@ on accuracy.
 
 Protocol core (no training): n sites each hold a random update of P float32 parameters and a weight. A plain
 round uploads the n updates and the server takes their weighted sum; a secure round runs the whole protocol
-between real `SiteSession`s and a `ServerSession` (keys, encrypted shares, encoding, masking, unmasking,
-decoding), messages sized as their Flower ConfigRecords travel. Site seconds are per site (sites run in
-parallel in a deployment), server seconds are the coordinator's. Sizes: the tiny tabular model's delta and a
+between real `SiteSession`s and a `ServerSession` (signed keys, encrypted shares, encoding, masking, the
+survivors' signatures, unmasking, decoding), messages sized as their Flower ConfigRecords travel. Site
+seconds are per site (sites run in parallel in a deployment), server seconds are the coordinator's. Sizes: the tiny tabular model's delta and a
 10M-parameter delta, at 5, 10 and 20 sites; every secure sum is checked against the plain one.
 
 Accuracy: the same seeded tabular run in the in-process simulation with and without `--secagg` (FedAvg):
@@ -39,7 +39,10 @@ from rich.table import Table  # noqa: E402
 from hydrafl import server_app, site_app  # noqa: E402
 from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
 from hydrafl.config import RunConfig  # noqa: E402
-from hydrafl.secagg import SecAggParams, ServerSession, SiteSession, decode_sum, encode, quantisation_bound, wire  # noqa: E402
+from hydrafl.secagg import (  # noqa: E402
+    SecAggParams, ServerSession, SiteIdentity, SiteSession, decode_sum, encode, quantisation_bound, wire,
+)
+from hydrafl.secagg.identity import new_signing_key  # noqa: E402
 from hydrafl.simulation.grid import InProcessGrid  # noqa: E402
 
 NAME = "secagg"
@@ -70,8 +73,10 @@ def secure_round(updates: list[np.ndarray], weights: list[int], params: SecAggPa
     length = updates[0].size + 1
     site_s, server_s, protocol_bytes = 0.0, 0.0, 0
     rng = np.random.default_rng(0)
+    consortium = new_signing_key()
+    identities = {node: SiteIdentity.issue(consortium, node) for node in nodes}  # enrolment: not timed
     started = time.perf_counter()
-    sites = {node: SiteSession.start(node, 1, nodes, params) for node in nodes}
+    sites = {node: SiteSession.start(node, 1, nodes, params, identities[node]) for node in nodes}
     keys = {node: site.public_keys() for node, site in sites.items()}
     site_s += time.perf_counter() - started
     started = time.perf_counter()
@@ -100,12 +105,24 @@ def secure_round(updates: list[np.ndarray], weights: list[int], params: SecAggPa
         server.receive_masked(node, masked)
         server_s += time.perf_counter() - started
     started = time.perf_counter()
-    survivors, dropped = server.unmask_request()
-    revealed = {node: sites[node].unmask(survivors, dropped) for node in survivors}
+    survivors = server.check_request()
+    server_s += time.perf_counter() - started
+    started = time.perf_counter()
+    signed = {node: sites[node].sign_survivors(survivors) for node in survivors}
     site_s += time.perf_counter() - started
-    protocol_bytes += len(survivors) * _bytes(wire.unmask_request(survivors, dropped))
+    protocol_bytes += len(survivors) * _bytes(wire.check_request(survivors))
     started = time.perf_counter()
     for node in survivors:
+        server.receive_signature(node, signed[node])
+        protocol_bytes += _bytes(wire.check_reply(signed[node]))
+    survivors, signatures = server.unmask_request()
+    server_s += time.perf_counter() - started
+    started = time.perf_counter()
+    revealed = {node: sites[node].unmask(survivors, signatures) for node in signatures}
+    site_s += time.perf_counter() - started
+    protocol_bytes += len(signatures) * _bytes(wire.unmask_request(survivors, signatures))
+    started = time.perf_counter()
+    for node in signatures:
         server.receive_unmask(node, revealed[node])
         protocol_bytes += _bytes(wire.unmask_reply(revealed[node]))
     total, count = server.result()

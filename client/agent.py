@@ -39,7 +39,9 @@ from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.common.serde_utils import metadata_from_proto
 from flwr.proto.message_pb2 import Metadata as ProtoMetadata  # pylint: disable=no-name-in-module
 
+from hydrafl.secagg.identity import SiteIdentity
 from hydrafl.site_pipeline import answer
+from hydrafl.site_secagg import install_identity
 from hydrafl.site_policy import SitePolicy
 from hydrafl.client.download import Assembly, Received
 from hydrafl.client.tls import SiteTls
@@ -127,6 +129,7 @@ class SiteAgent:
         tls: SiteTls | None = None,
         max_download_bytes: int | None = None,
         inline_bytes: int = INLINE_BYTES,
+        secagg_identity: SiteIdentity | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.inline_bytes = inline_bytes
@@ -137,6 +140,9 @@ class SiteAgent:
         self.demo = demo
         self.policy = policy
         self.tls = tls
+        self.secagg_identity = secagg_identity
+        """What this site signs its secure-aggregation keys with (from its --secagg-identity file); None: it
+        refuses secure-aggregation rounds."""
         self.max_download_bytes = default_max_download_bytes() if max_download_bytes is None else max_download_bytes
         if self.max_download_bytes <= 0:
             raise ValueError(f"max_download_bytes must be positive, got {self.max_download_bytes}")
@@ -275,6 +281,8 @@ class SiteAgent:
             state=RecordDict(),
             run_config=parse_run_config(joined.run_config),
         )
+        if self.secagg_identity is not None:
+            install_identity(context, self.secagg_identity)
         self.contexts[run_id] = context
         while len(self.contexts) > MAX_RUN_CONTEXTS:
             self.contexts.popitem(last=False)

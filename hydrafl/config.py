@@ -239,8 +239,9 @@ class RunConfig:
         _check(robust_rule == "mean" or not self.dp_clip, "robust-rule", robust_rule,
                "mean with --dp-clip (central DP calibrates its noise to the clipped mean, not to a median)")
         _check(self.secagg_max_weight >= 1, "secagg-max-weight", self.secagg_max_weight, "an integer >= 1")
-        _check(self.secagg_threshold == 0 or 2 <= self.secagg_threshold <= self.sites, "secagg-threshold",
-               self.secagg_threshold, f"0 (a majority) or 2..{self.sites}")
+        _check(self.secagg_threshold == 0 or max(2, self.sites // 2 + 1) <= self.secagg_threshold <= self.sites,
+               "secagg-threshold", self.secagg_threshold, f"0 (a majority) or {max(2, self.sites // 2 + 1)}..{self.sites}: "
+               "at or below half the sites, a coordinator that lies can unmask one site's update")
         _check(self.screen_norm == 0 or self.screen_norm >= 1, "screen-norm", self.screen_norm, "0 (off) or >= 1")
         _check(-1 <= self.screen_cosine <= 1, "screen-cosine", self.screen_cosine, "a float in [-1, 1] (-1 = off)")
         self._check_compression()

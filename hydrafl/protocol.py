@@ -17,9 +17,11 @@ QUERY_SECAGG_KEYS = "query.secagg_keys"
 """Secure aggregation, setup: a site makes its round keys and answers with its public keys."""
 QUERY_SECAGG_SHARES = "query.secagg_shares"
 """Secure aggregation, share keys: a site answers with encrypted shares of its secrets, one per neighbour."""
+QUERY_SECAGG_CHECK = "query.secagg_check"
+"""Secure aggregation, consistency check: a survivor answers with its signature over the survivor set."""
 QUERY_SECAGG_UNMASK = "query.secagg_unmask"
 """Secure aggregation, unmask: a survivor answers with the shares that remove the masks."""
-SECAGG_QUERIES = (QUERY_SECAGG_KEYS, QUERY_SECAGG_SHARES, QUERY_SECAGG_UNMASK)
+SECAGG_QUERIES = (QUERY_SECAGG_KEYS, QUERY_SECAGG_SHARES, QUERY_SECAGG_CHECK, QUERY_SECAGG_UNMASK)
 
 # Config keys the coordinator adds to a message for one site.
 SERVER_ROUND = "server-round"

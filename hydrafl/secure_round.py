@@ -6,8 +6,9 @@ A subnetwork strategy's sites train slices: each expands its slices to full shap
 coordinate, and the one reply holds the per-coordinate sums instead (`hooks.TakesSecureSums`).
 
 Stages: a keys query, a shares query, the train messages carrying each site's routed shares (the replies are
-masked vectors, summed as they arrive), an unmask query. Every site message is checked before it reaches the
-`ServerSession`; a bad one fails that site only. Fewer survivors than the threshold halt the round
+masked vectors, summed as they arrive), a check query (survivors sign the survivor set), an unmask query. Every
+site message is checked before it reaches the `ServerSession`; a bad one fails that site only. Fewer survivors
+than the threshold, or a secret that no threshold of shares rebuilds as its owner committed, halt the round
 (SecAggError): nothing is applied.
 """
 
@@ -88,11 +89,14 @@ class SecureRound:
         self.bytes += sum(_config_bytes(m.content[protocol.SECAGG_RECORD]) for m in routed)
         metrics = [self._receive_masked(session, reply) for reply in self.exchange(routed, server_round)]
         started = time.perf_counter()
-        survivors, dropped = session.unmask_request()
-        request = wire.unmask_request(survivors, dropped)
-        self._ask(server_round, protocol.QUERY_SECAGG_UNMASK, {n: request for n in survivors},
+        check = wire.check_request(session.check_request())
+        self._ask(server_round, protocol.QUERY_SECAGG_CHECK, {n: check for n in session.survivors},
+                  lambda node, record: session.receive_signature(node, wire.parse_check_reply(record)))
+        request = wire.unmask_request(*session.unmask_request())
+        self._ask(server_round, protocol.QUERY_SECAGG_UNMASK, {n: request for n in session.signatures},
                   lambda node, record: session.receive_unmask(node, wire.parse_unmask_reply(record)))
         total, count = session.result()
+        survivors = list(session.survivors)
         weights, weighted = decode_sum(total, count, layout.scaled(self.params), per_coordinate=layout.per_coordinate)
         self.seconds += time.perf_counter() - started
         self.survivors = survivors
@@ -128,6 +132,8 @@ class SecureRound:
         malformed (`accept` raised SecAggError, changing nothing) is left out of the rest of the round."""
         queries = [Message(RecordDict({protocol.SECAGG_RECORD: ConfigRecord(request)}), dst_node_id=node,
                            message_type=kind) for node, request in requests.items()]
+        log.info("round %d: secure aggregation waits for %d sites to answer %s (a site that does not answer "
+                 "drops out at the round's deadline)", server_round, len(queries), kind)
         self.bytes += sum(_config_bytes(q.content[protocol.SECAGG_RECORD]) for q in queries)
         for reply in sorted(self.exchange(queries, server_round), key=lambda r: r.metadata.src_node_id):
             node = reply.metadata.src_node_id

@@ -15,6 +15,7 @@ from flwr.common.constant import ErrorCode
 
 from hydrafl import protocol, site_secagg
 from hydrafl.compression.layout import DOWNLOAD_RECORD, CompressionError, Scheme
+from hydrafl.secagg.identity import SiteIdentity, new_signing_key
 from hydrafl.site_policy import SMALL_CELL_REASON, SitePolicy
 from hydrafl.updates import records
 
@@ -82,11 +83,15 @@ class PipelineApp(ClientApp):
     """`inner` answering through `answer` under `policy`, as one ClientApp: for runtimes that call the ClientApp
     themselves, like Flower's Ray simulation engine. It pickles to Ray's actors with its app and policy (both
     importable or plain data), and the secure-aggregation session and the privacy count stay in the
-    `context.state` the engine keeps per node across messages."""
+    `context.state` the engine keeps per node across messages. It plays the consortium for its sites: each
+    gets a certified secure-aggregation identity the first time it answers (the engine picks the node ids)."""
 
     def __init__(self, inner: ClientApp, policy: SitePolicy) -> None:
         super().__init__()
         self.inner, self.policy = inner, policy
+        self.consortium = new_signing_key()
 
     def __call__(self, message: Message, context: Context) -> Message:
+        if site_secagg.IDENTITY_KEY not in context.state:
+            site_secagg.install_identity(context, SiteIdentity.issue(self.consortium, context.node_id))
         return answer(self.inner, message, context, self.policy)

@@ -1,6 +1,8 @@
 """A site's side of secure aggregation over the Message API: it answers the protocol's queries itself (the
 ClientApp never sees them) and masks a train reply after the site policy, so what leaves is the policy's
-update, encoded and masked. The round's session lives in the site's persistent `context.state`."""
+update, encoded and masked. The round's session lives in the site's persistent `context.state`, next to the
+site's identity, which whoever runs the site puts there (`install_identity`: the site agent from its
+`--secagg-identity` file, a simulation from the keys it issues): never anything the coordinator sent."""
 
 from __future__ import annotations
 
@@ -8,11 +10,18 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from hydrafl import protocol
-from hydrafl.secagg import SecAggError, SiteSession, encode, wire
+from hydrafl.secagg import SecAggError, SiteIdentity, SiteSession, encode, wire
 from hydrafl.updates import records
 
 STATE_KEY = "secagg"
 """The `context.state` ConfigRecord holding the current round's setup request and session."""
+IDENTITY_KEY = "secagg.identity"
+"""The `context.state` ConfigRecord holding the site's identity (`SiteIdentity.to_json`)."""
+
+
+def install_identity(context: Context, identity: SiteIdentity) -> None:
+    """Gives a site's Context the identity it signs its secure-aggregation keys with."""
+    context.state[IDENTITY_KEY] = ConfigRecord({"identity": identity.to_json()})
 
 
 def is_secagg_train(message: Message) -> bool:
@@ -25,7 +34,7 @@ def answer_query(message: Message, context: Context) -> Message:
     kind = message.metadata.message_type
     if kind == protocol.QUERY_SECAGG_KEYS:
         server_round, participants, params, _ = wire.parse_keys_request(request)
-        session = SiteSession.start(context.node_id, server_round, participants, params)
+        session = SiteSession.start(context.node_id, server_round, participants, params, _identity(context))
         reply = wire.keys_reply(session.public_keys())
         context.state[STATE_KEY] = ConfigRecord(dict(request))
     elif kind == protocol.QUERY_SECAGG_SHARES:
@@ -34,6 +43,9 @@ def answer_query(message: Message, context: Context) -> Message:
         if node != context.node_id:
             raise SecAggError(f"site {context.node_id}: a share-keys request addressed to site {node}")
         reply = wire.sealed_record(session.share_keys(keys))
+    elif kind == protocol.QUERY_SECAGG_CHECK:
+        session = _load(context)
+        reply = wire.check_reply(session.sign_survivors(wire.parse_check_request(request)))
     else:
         session = _load(context)
         reply = wire.unmask_reply(session.unmask(*wire.parse_unmask_request(request)))
@@ -117,4 +129,11 @@ def _save(context: Context, session: SiteSession) -> None:
 def _load(context: Context) -> SiteSession:
     if STATE_KEY not in context.state or "session" not in context.state[STATE_KEY]:
         raise SecAggError(f"site {context.node_id}: a secure-aggregation message before the round's setup")
-    return SiteSession.from_state(str(context.state[STATE_KEY]["session"]))
+    return SiteSession.from_state(str(context.state[STATE_KEY]["session"]), _identity(context))
+
+
+def _identity(context: Context) -> SiteIdentity:
+    if IDENTITY_KEY not in context.state:
+        raise SecAggError(f"site {context.node_id} has no secure-aggregation identity: start it with "
+                          "--secagg-identity FILE (`hydrafl admin site add --consortium-key` writes one)")
+    return SiteIdentity.from_json(str(context.state[IDENTITY_KEY]["identity"]))

@@ -1,7 +1,8 @@
-"""Secure-aggregation replies, checked at the edge against the message the coordinator sent that site: public
-keys of the right size, encrypted shares addressed to exactly the neighbours the site was given (never to
-itself or to a site outside its round), unmasking shares only of sites the request named, and a masked vector
-of the one length and dtype the round expects. A reply that fails is refused before it is stored."""
+"""Secure-aggregation replies, checked at the edge against the message the coordinator sent that site: signed
+key material of the right sizes, encrypted shares addressed to exactly the neighbours the site was given (never
+to itself or to a site outside its round), a survivor-set signature of the right size, unmasking shares of the
+right size, and a masked vector of the one length and dtype the round expects. A reply that fails is refused
+before it is stored."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from flwr.app import ConfigRecord, RecordDict
 from hydrafl import protocol
 from hydrafl.proto.coordinator_pb2 import Envelope
 from hydrafl.proto.envelope import EnvelopeError, parse_content
-from hydrafl.secagg import SecAggError, crypto, shamir, wire
+from hydrafl.secagg import SecAggError, shamir, wire
+from hydrafl.secagg.identity import SIGNATURE_BYTES
 from hydrafl.secagg.site import SEALED_BYTES
 from hydrafl.updates import InvalidUpdate, check_metrics
 
@@ -39,8 +41,7 @@ def check_secagg_reply(reply: Envelope, content: RecordDict, message_type: str, 
         if reply.arrays or len(content) != 1 or not isinstance(record, ConfigRecord):
             raise EnvelopeError(f"a {message_type} reply holds its one secure-aggregation ConfigRecord and nothing else")
         if message_type == protocol.QUERY_SECAGG_KEYS:
-            if any(len(key) != crypto.KEY_BYTES for key in wire.parse_keys_reply(record)):
-                raise EnvelopeError(f"public keys must be {crypto.KEY_BYTES} bytes")
+            wire.parse_keys_reply(record).check_sizes()
         elif message_type == protocol.QUERY_SECAGG_SHARES:
             node, keys = wire.parse_shares_request(request)
             sealed = wire.parse_sealed(record)
@@ -49,11 +50,11 @@ def check_secagg_reply(reply: Envelope, content: RecordDict, message_type: str, 
                                     f"{sorted(set(keys) - {node})}")
             if any(len(blob) != SEALED_BYTES for blob in sealed.values()):
                 raise EnvelopeError(f"every encrypted share must be {SEALED_BYTES} bytes")
+        elif message_type == protocol.QUERY_SECAGG_CHECK:
+            if len(wire.parse_check_reply(record)) != SIGNATURE_BYTES:
+                raise EnvelopeError(f"a survivor-set signature must be {SIGNATURE_BYTES} bytes")
         else:
-            survivors, dropped = wire.parse_unmask_request(request)
             revealed = wire.parse_unmask_reply(record)
-            if not set(revealed) <= set(survivors) | set(dropped):
-                raise EnvelopeError("unmasking shares of sites the request did not name")
             if any(len(share) != shamir.SHARE_BYTES for share in revealed.values()):
                 raise EnvelopeError(f"every unmasking share must be {shamir.SHARE_BYTES} bytes")
     except SecAggError as error:

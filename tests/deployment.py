@@ -13,6 +13,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hydrafl.config import RunConfig
+from hydrafl.secagg import SiteIdentity
+from hydrafl.secagg.identity import new_signing_key
 from hydrafl.server.store import Store
 
 
@@ -77,12 +79,23 @@ def run_to_end(
                                env=env, log=tmp_path / "coordinator.log")]
     try:
         wait_serving(address, process=processes[0])
-        for i, (token, options) in enumerate(zip(tokens, site_options, strict=True)):
-            processes.append(start_hydrafl("site", "--coordinator", address, "--token", token, *options, env=env,
-                                           log=tmp_path / f"site-{i}.log"))
+        identities = _secagg_identities(tmp_path, store) if cfg.secagg else [()] * len(tokens)
+        for i, (token, options, identity) in enumerate(zip(tokens, site_options, identities, strict=True)):
+            processes.append(start_hydrafl("site", "--coordinator", address, "--token", token, *options, *identity,
+                                           env=env, log=tmp_path / f"site-{i}.log"))
         wait_until(lambda: store.run(run_id).status in ("finished", "failed"), timeout_s, "the run did not finish")
     finally:
         for process in processes:
             process.kill()
             process.wait()
     return store, run_id
+
+
+def _secagg_identities(tmp_path: Path, store: Store) -> list[tuple[str, ...]]:
+    """Per enrolled site, the --secagg-identity option of an identity the test's consortium key certified."""
+    consortium, options = new_signing_key(), []
+    for site in store.sites():
+        path = tmp_path / f"{site.name}.secagg-identity.json"
+        path.write_text(SiteIdentity.issue(consortium, site.node_id).to_json())
+        options.append(("--secagg-identity", str(path)))
+    return options

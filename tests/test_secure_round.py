@@ -5,9 +5,12 @@ and strategies that need one site's update refuse."""
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
+
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord
 from flwr.clientapp import ClientApp
 from helpers import SMALL_RUN, TIERED_RUN
 
@@ -15,6 +18,8 @@ from hydrafl import protocol, server_app, site_app
 from hydrafl.simulation_config import SimulationConfig
 from hydrafl.driver import RoundFailed
 from hydrafl.secagg import SecAggParams, quantisation_bound, wire
+from hydrafl.secagg.crypto import new_private_key, public_key
+from hydrafl.secagg.shamir import split
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
 from hydrafl.updates import records
 from hydrafl.validation import ConfigError
@@ -132,7 +137,63 @@ def test_a_malformed_public_key_leaves_its_site_out_and_the_round_goes_on(caplog
     cfg = ONE_ROUND.replace(min_sites=2, secagg=True)
     result = server_app.run_federation(_ShortKeyGrid(site_app.client_app, cfg.sites, cfg.to_flower()), cfg)
     assert result.history[1]["sites_ok"] == 2
-    assert f"site {FIRST_NODE_ID} failed query.secagg_keys" in caplog.text and "two 32-byte X25519 keys" in caplog.text
+    assert f"site {FIRST_NODE_ID} failed query.secagg_keys" in caplog.text and "malformed key material" in caplog.text
+
+
+class _LyingGrid(InProcessGrid):
+    """A coordinator that lies: it swaps its own keys in for the second site's in every share-keys request
+    (`swap_keys`), and the second site reveals a crafted share of the first site's seed (`craft_share`), with
+    the third site silent while unmasking (`silence_third`)."""
+
+    def __init__(self, *args, swap_keys=False, craft_share=False, silence_third=False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.swap_keys, self.craft_share, self.silence_third = swap_keys, craft_share, silence_third
+        self.errors: dict[int, str] = {}
+
+    def _deliver(self, message: Message) -> Message:
+        kind, node = message.metadata.message_type, message.metadata.dst_node_id
+        if kind == protocol.QUERY_SECAGG_SHARES and self.swap_keys:
+            me, keys = wire.parse_shares_request(message.content[protocol.SECAGG_RECORD])
+            own = public_key(new_private_key())
+            keys[FIRST_NODE_ID + 1] = replace(keys[FIRST_NODE_ID + 1], share_key=own, mask_key=own)
+            message.content[protocol.SECAGG_RECORD] = ConfigRecord(wire.shares_request(me, keys))
+        reply = super()._deliver(message)
+        if kind == protocol.QUERY_SECAGG_UNMASK and node == FIRST_NODE_ID + 2 and self.silence_third:
+            reply = Message(Error(0, "site lost power"), reply_to=message)
+        if kind == protocol.QUERY_SECAGG_UNMASK and node == FIRST_NODE_ID + 1 and self.craft_share:
+            revealed = wire.parse_unmask_reply(reply.content[protocol.SECAGG_RECORD])
+            revealed[FIRST_NODE_ID] = split(os.urandom(32), [2, 3], 2)[2]  # in range, of another secret
+            reply.content[protocol.SECAGG_RECORD] = ConfigRecord(wire.unmask_reply(revealed))
+        if reply.has_error():
+            self.errors[node] = reply.error.reason
+        return reply
+
+
+def test_keys_the_coordinator_swaps_in_are_refused_and_the_round_applies_nothing(tmp_path):
+    cfg = ONE_ROUND.replace(min_sites=1, secagg=True, run_dir=str(tmp_path))
+    grid = _LyingGrid(site_app.client_app, cfg.sites, cfg.to_flower(), swap_keys=True)
+    with pytest.raises(RoundFailed, match=r"round 1: secure aggregation: .*only 0 of 3 sites sent masked vectors"):
+        server_app.run_federation(grid, cfg)
+    assert "the round keys of site 1002: the signature does not verify" in grid.errors[FIRST_NODE_ID]
+    assert "does not hold this site's own public keys" in grid.errors[FIRST_NODE_ID + 1]
+    assert not (tmp_path / "history.json").read_text().count('"round": 1')
+
+
+def test_a_crafted_share_with_a_spare_is_outvoted_its_sender_named_and_the_sum_right(caplog):
+    cfg = ONE_ROUND.replace(secagg=True)
+    plain, _ = _run(cfg.replace(secagg=False))
+    secure = server_app.run_federation(_LyingGrid(site_app.client_app, cfg.sites, cfg.to_flower(), craft_share=True), cfg)
+    assert f"site {FIRST_NODE_ID + 1} revealed a corrupt share of site {FIRST_NODE_ID}'s secret" in caplog.text
+    assert secure.history[1]["sites_ok"] == 3
+    assert _max_difference(plain.arrays, secure.arrays) <= quantisation_bound(3, SecAggParams()) / MIN_WEIGHT
+
+
+def test_a_crafted_share_at_exactly_the_threshold_halts_the_round_and_applies_nothing(tmp_path):
+    cfg = ONE_ROUND.replace(min_sites=1, secagg=True, run_dir=str(tmp_path))
+    grid = _LyingGrid(site_app.client_app, cfg.sites, cfg.to_flower(), craft_share=True, silence_third=True)
+    with pytest.raises(RoundFailed, match=f"site {FIRST_NODE_ID}'s secret: no 2 of the 2 shares .*applies nothing"):
+        server_app.run_federation(grid, cfg)
+    assert not (tmp_path / "history.json").read_text().count('"round": 1')
 
 
 def test_fewer_sites_than_the_threshold_halt_the_round_and_apply_nothing(tmp_path):
@@ -147,8 +208,9 @@ def test_fewer_sites_than_the_threshold_halt_the_round_and_apply_nothing(tmp_pat
 def test_a_subnetwork_strategy_sums_its_sites_slices_securely(strategy, outer_lr):
     """Sites train slices (FedIT: their LoRA rank's components): each uploads full-shape masked vectors with
     per-coordinate weights (HeteroFL weighs every site 1, Hydra and FedIT by their examples); the model is the
-    plain run's within the bound."""
-    cfg = TIERED_RUN.replace(strategy=strategy, rounds=1, run_dir="", **({"lora_rank": 8} if strategy == "fedit" else {}))
+    plain run's within the bound (both planned as a private run plans: from the weights)."""
+    lora = {"lora_rank": 8} if strategy == "fedit" else {}
+    cfg = TIERED_RUN.replace(strategy=strategy, rounds=1, run_dir="", layer_score="magnitude", head_score="magnitude", **lora)
     plain, _ = _run(cfg)
     secure, grid = _run(cfg.replace(secagg=True))
     per_site = SecAggParams(max_weight=1) if strategy == "heterofl" else SecAggParams()

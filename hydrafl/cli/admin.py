@@ -5,7 +5,9 @@ Only `run create` loads the run configuration (and with it torch); the rest need
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -30,15 +32,92 @@ admin_app.add_typer(site_admin, name="site")
 admin_app.add_typer(db_admin, name="db")
 
 
+ConsortiumKeyOption = Annotated[Path | None, typer.Option(
+    help="The consortium's signing key (`hydrafl admin consortium create`): issue the site's secure-aggregation "
+         "identity with it.")]
+IdentityOutOption = Annotated[Path | None, typer.Option(
+    help="Where the site's identity file goes (default NAME.secagg-identity.json); hand it to the site with its token.")]
+
+
 @site_admin.command("add")
-def site_add(name: Annotated[str, typer.Argument(help="Site name, e.g. st-marys.")], db: DbOption = None) -> None:
-    """Enrol a site and print its one-time token (only a hash is stored: copy it now)."""
+def site_add(
+    name: Annotated[str, typer.Argument(help="Site name, e.g. st-marys.")],
+    consortium_key: ConsortiumKeyOption = None,
+    identity_out: IdentityOutOption = None,
+    db: DbOption = None,
+) -> None:
+    """Enrol a site and print its one-time token (only a hash is stored: copy it now); with --consortium-key,
+    also write its secure-aggregation identity."""
+    consortium = _read_consortium_key(consortium_key) if consortium_key else None
     try:
         site, token = open_store(db).add_site(name)
     except ValueError as error:
         fail(str(error), 2)
     console.print(f"enrolled [bold]{site.name}[/] as node {site.node_id}; its token (shown once):")
     print(token)
+    if consortium is not None:
+        _write_identity(consortium, site.node_id, identity_out or Path(f"{name}.secagg-identity.json"))
+
+
+@site_admin.command("certify")
+def site_certify(
+    name: Annotated[str, typer.Argument(help="Site name.")],
+    consortium_key: Annotated[Path, typer.Option(help="The consortium's signing key (`hydrafl admin consortium create`).")],
+    identity_out: IdentityOutOption = None,
+    db: DbOption = None,
+) -> None:
+    """Issue an enrolled site a new secure-aggregation identity (its old one stays valid: the consortium key,
+    not a list, vouches for both)."""
+    consortium = _read_consortium_key(consortium_key)
+    site = next((site for site in open_store(db).sites() if site.name == name and not site.revoked), None)
+    if site is None:
+        fail(f"no active site named {name!r}; `hydrafl admin site list` shows the enrolled sites", 2)
+    _write_identity(consortium, site.node_id, identity_out or Path(f"{name}.secagg-identity.json"))
+
+
+consortium_admin = typer.Typer(help="The consortium's signing key, which certifies sites for secure aggregation.",
+                               no_args_is_help=True)
+admin_app.add_typer(consortium_admin, name="consortium")
+
+
+@consortium_admin.command("create")
+def consortium_create(
+    path: Annotated[Path, typer.Argument(help="Where the key goes; keep it off the coordinator's machine.")],
+) -> None:
+    """Create the consortium's signing key: the coordinator never holds it, so it cannot certify a key of its own."""
+    from hydrafl.secagg.identity import new_signing_key, verifying_key
+
+    key = new_signing_key()
+    try:
+        with open(path, "x", encoding="utf-8", opener=lambda p, flags: os.open(p, flags, 0o600)) as file:
+            file.write(base64.b64encode(key).decode() + "\n")
+    except OSError as error:
+        fail(escape(f"cannot create {path}: {error.strerror or error}"), 2)
+    console.print(f"wrote the consortium key to {escape(str(path))}; its public half (each identity file carries it):")
+    print(base64.b64encode(verifying_key(key)).decode())
+
+
+def _read_consortium_key(path: Path) -> bytes:
+    try:
+        key = base64.b64decode(path.read_text(encoding="utf-8").strip(), validate=True)
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        fail(escape(f"cannot read --consortium-key {path}: {error}"), 2)
+    if len(key) != 32:
+        fail(escape(f"--consortium-key {path} is not a consortium key (`hydrafl admin consortium create` makes one)"), 2)
+    return key
+
+
+def _write_identity(consortium: bytes, node_id: int, path: Path) -> None:
+    """A new certified identity for `node_id`, readable by its owner only: it holds the site's signing key."""
+    from hydrafl.secagg import SiteIdentity
+
+    try:
+        with open(path, "x", encoding="utf-8", opener=lambda p, flags: os.open(p, flags, 0o600)) as file:
+            file.write(SiteIdentity.issue(consortium, node_id).to_json() + "\n")
+    except OSError as error:
+        fail(escape(f"cannot create {path}: {error.strerror or error}"), 2)
+    console.print(f"wrote its secure-aggregation identity to {escape(str(path))}: hand it to the site with its "
+                  "token (`hydrafl site --secagg-identity FILE`)")
 
 
 @site_admin.command("list")

@@ -18,6 +18,8 @@ from hydrafl.cli.common import console, fail, fail_one_line, setup_logging, warn
 if TYPE_CHECKING:
     from flwr.clientapp import ClientApp
 
+    from hydrafl.secagg import SiteIdentity
+
 
 def site(
     ctx: typer.Context,
@@ -55,6 +57,10 @@ def site(
     tls_ca: Annotated[Path | None, typer.Option(help="CA that signed the coordinator's certificate (PEM); enables TLS.")] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="This site's certificate (PEM), for mutual TLS.")] = None,
     tls_key: Annotated[Path | None, typer.Option(help="This site's private key (PEM), for mutual TLS.")] = None,
+    secagg_identity: Annotated[
+        Path | None, typer.Option(help="This site's secure-aggregation identity (JSON, from `hydrafl admin site add "
+                                       "--consortium-key`); without it the site refuses --secagg runs.")
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also log every message and Flower's own messages (joining, rounds and run ends are always logged).")] = False,
 ) -> None:
     """Join a coordinator as a hospital site (outbound connection only) and train when asked."""
@@ -90,12 +96,14 @@ def site(
         tls = SiteTls.from_options(tls_ca, tls_cert, tls_key)
     except ConfigError as error:
         fail(escape(str(error)), 2)
+    identity = _read_identity(secagg_identity) if secagg_identity else None
     warning = plaintext_warning(coordinator, tls)
     if warning:
         warn(warning)
     agent = SiteAgent(
         coordinator, site_token, _load_app(client_app), site_config.to_node_config(), demo=data is None,
         policy=site_policy, tls=tls, max_download_bytes=max_download_mb * 1_000_000 if max_download_mb else None,
+        secagg_identity=identity,
     )
     try:
         agent.run()
@@ -124,6 +132,18 @@ def _site_token(source: ParameterSource | None, token: str, token_file: Path | N
         warn("--token on the command line is visible to every user of this machine in `ps`; "
               "use --token-file or $HYDRAFL_SITE_TOKEN")
     return token
+
+
+def _read_identity(path: Path) -> SiteIdentity:
+    """The identity file the admin issued; a torn or foreign file (its certificate not its own) fails here."""
+    from hydrafl.secagg import SecAggError, SiteIdentity
+
+    try:
+        return SiteIdentity.from_json(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        fail(escape(f"cannot read --secagg-identity {path}: {error}"), 2)
+    except SecAggError as error:
+        fail(escape(f"--secagg-identity {path}: {error}"), 2)
 
 
 def _read_token(path: Path) -> str:

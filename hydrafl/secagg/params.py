@@ -17,7 +17,8 @@ class SecAggParams:
     num_shares: int = 0
     """Sites each site shares its secrets with, itself included (a ring of neighbours); 0 = every site."""
     reconstruction_threshold: int = 0
-    """Shares that rebuild a secret; 0 = a majority of `num_shares` (at least 2)."""
+    """Shares that rebuild a secret; 0 = a majority of `num_shares` (at least 2). Above half the shares, or a
+    coordinator could ask two disjoint groups of sites for the two secrets that unmask one site."""
     clipping_range: float = 8.0
     """Each coordinate of w * delta / max_weight is clipped to [-clipping_range, clipping_range]."""
     quantization_range: int = 1 << 22
@@ -50,6 +51,8 @@ class SecAggParams:
         _require(num_sites >= 2, f"secure aggregation needs at least 2 sites, got {num_sites}")
         _require(threshold <= shares,
                  f"reconstruction_threshold {threshold} exceeds the {shares} shares each secret is split into")
+        _require(2 * threshold > shares,  # else two disjoint groups could each rebuild a different secret of one site
+                 f"reconstruction_threshold {threshold} must be above half the {shares} shares each secret is split into")
         _require(shares == num_sites or shares % 2 == 1,
                  f"num_shares {shares} below the {num_sites} sites must be odd (a ring of equal sides)")
         _require(num_sites * self.quantization_range < MODULUS,

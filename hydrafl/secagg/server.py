@@ -1,21 +1,28 @@
 """The coordinator's side of one secure-aggregation round, as a state machine with validation at every stage.
 
-It holds public keys, encrypted shares it cannot open, the running field sum of the masked vectors (never one
-site's vector beyond the call that adds it) and, at the end, the shares that remove the masks. Every
-`receive_*` checks the whole message first and raises SecAggError without changing anything when it is
-malformed, out of turn, from a site not in the round, or addressed to another site.
+It holds signed public keys it only routes, encrypted shares it cannot open, the running field sum of the masked
+vectors (never one site's vector beyond the call that adds it), the survivors' signatures over the survivor set
+and, at the end, the shares that remove the masks. Every `receive_*` checks the whole message first and raises
+SecAggError without changing anything when it is malformed, out of turn, from a site not in the round, or
+addressed to another site. Every rebuilt secret is checked against what its owner signed: a corrupt share is
+outvoted and its sender named when spare shares arrived, and halts the round otherwise.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 import hydrafl.secagg.crypto as crypto
 import hydrafl.secagg.shamir as shamir
+from hydrafl.secagg.identity import SIGNATURE_BYTES, seed_commitment, verify
 from hydrafl.secagg.params import SecAggError, SecAggParams, neighbours
-from hydrafl.secagg.site import SEALED_BYTES, PublicKeys
+from hydrafl.secagg.site import SEALED_BYTES, SignedKeys, setup_digest, survivors_statement
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -25,15 +32,21 @@ class ServerSession:
     params: SecAggParams
     length: int
     """Elements of every encoded vector in this round."""
-    keys: dict[int, PublicKeys] = field(default_factory=dict)
+    keys: dict[int, SignedKeys] = field(default_factory=dict)
     sealed: dict[int, dict[int, bytes]] = field(default_factory=dict, repr=False)
     """Per sender, its encrypted shares by recipient."""
     routed: dict[int, tuple[int, ...]] = field(default_factory=dict)
     """Per site, the senders whose shares it was given: the sites it masks with."""
     masked: set[int] = field(default_factory=set)
     total: np.ndarray | None = field(default=None, repr=False)
+    survivors: tuple[int, ...] = ()
+    """The survivor set the consistency check asks the sites to sign; fixed once asked."""
+    signatures: dict[int, bytes] = field(default_factory=dict, repr=False)
+    """Per survivor that signed the survivor set, its signature."""
     revealed: dict[int, dict[int, bytes]] = field(default_factory=dict, repr=False)
     """Per unmasking site, the shares it revealed by owner."""
+    culprits: set[int] = field(default_factory=set)
+    """Sites that revealed a share disagreeing with the secret its owner committed to."""
 
     @classmethod
     def start(cls, server_round: int, participants: list[int], params: SecAggParams, length: int) -> "ServerSession":
@@ -50,15 +63,15 @@ class ServerSession:
     def neighbourhood(self, node: int) -> tuple[int, ...]:
         return neighbours(self.participants, node, self.params.shares(len(self.participants)))
 
-    def receive_keys(self, node: int, keys: PublicKeys) -> None:
+    def receive_keys(self, node: int, keys: SignedKeys) -> None:
+        """Stores `node`'s key material, to route; the sites, not the coordinator, check its certificate."""
         self._require_participant(node)
         if node in self.keys:
             raise SecAggError(f"site {node} already sent its public keys this round")
-        if len(keys) != 2 or any(not isinstance(k, bytes) or len(k) != crypto.KEY_BYTES for k in keys):
-            raise SecAggError(f"site {node}: public keys must be two {crypto.KEY_BYTES}-byte X25519 keys")
-        self.keys[node] = (keys[0], keys[1])
+        keys.check_sizes()
+        self.keys[node] = keys
 
-    def keys_for(self, node: int) -> dict[int, PublicKeys]:
+    def keys_for(self, node: int) -> dict[int, SignedKeys]:
         """The public keys `node` shares with: its neighbours' (and its own) that arrived."""
         return {peer: self.keys[peer] for peer in self.neighbourhood(node) if peer in self.keys}
 
@@ -86,29 +99,42 @@ class ServerSession:
     def receive_masked(self, node: int, vector: np.ndarray) -> None:
         """Adds `node`'s masked vector to the running sum."""
         self._require_participant(node)
-        if node not in self.routed or node in self.masked or self.revealed:
+        if node not in self.routed or node in self.masked or self.survivors:
             raise SecAggError(f"site {node}: a masked vector out of turn")
         if not isinstance(vector, np.ndarray) or vector.dtype != np.uint32 or vector.shape != (self.length,):
             raise SecAggError(f"site {node}: a masked vector must be uint32 of shape ({self.length},)")
         self.total = vector.copy() if self.total is None else self.total + vector
         self.masked.add(node)
 
-    def unmask_request(self) -> tuple[list[int], list[int]]:
-        """(survivors, dropped): who sent masked vectors, and who shared keys (so others masked with them) but
-        sent none. Raises SecAggError, the round halting, when survivors are fewer than the threshold."""
-        survivors = sorted(self.masked)
-        if len(survivors) < self.threshold:
-            raise SecAggError(
-                f"round {self.server_round}: only {len(survivors)} of {len(self.participants)} sites sent masked "
-                f"vectors, the reconstruction threshold is {self.threshold}; the round halts and applies nothing"
-            )
-        return survivors, sorted(set(self.sealed) - self.masked)
+    def check_request(self) -> list[int]:
+        """The survivor set (who sent masked vectors), fixed from now on, for each survivor to sign. Raises
+        SecAggError, the round halting, when survivors are fewer than the threshold."""
+        if not self.survivors:
+            self._require_enough(len(self.masked), "sent masked vectors")
+            self.survivors = tuple(sorted(self.masked))
+        return list(self.survivors)
+
+    def receive_signature(self, node: int, signature: bytes) -> None:
+        """Keeps a survivor's signature over the survivor set once it verifies under the key it routed: a bad
+        one leaves that site out of unmasking instead of making its peers refuse the round."""
+        if node not in self.survivors or node in self.signatures:
+            raise SecAggError(f"site {node}: a survivor-set signature out of turn")
+        if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
+            raise SecAggError(f"site {node}: a signature must be {SIGNATURE_BYTES} bytes")
+        verify(self.keys[node].signing_key, signature, survivors_statement(self._setup(), self.survivors),
+               f"site {node}'s survivor set")
+        self.signatures[node] = signature
+
+    def unmask_request(self) -> tuple[list[int], dict[int, bytes]]:
+        """(survivors, their signatures over that set): what each signer checks before it reveals shares.
+        Raises SecAggError, the round halting, when fewer than the threshold signed."""
+        self._require_enough(len(self.signatures), "signed the survivor set")
+        return list(self.survivors), dict(self.signatures)
 
     def receive_unmask(self, node: int, revealed: dict[int, bytes]) -> None:
-        survivors, dropped = self.unmask_request()
-        if node not in self.masked or node in self.revealed:
+        if node not in self.signatures or node in self.revealed:
             raise SecAggError(f"site {node}: unmasking shares out of turn")
-        expected = (set(self.routed[node]) | {node}) & (set(survivors) | set(dropped))
+        expected = set(self.routed[node]) | {node}
         if set(revealed) != expected:
             raise SecAggError(f"site {node}: revealed shares of {sorted(revealed)}, expected exactly {sorted(expected)}")
         if any(not isinstance(share, bytes) or len(share) != shamir.SHARE_BYTES for share in revealed.values()):
@@ -116,31 +142,55 @@ class ServerSession:
         self.revealed[node] = dict(revealed)
 
     def result(self) -> tuple[np.ndarray, int]:
-        """(the field sum of the survivors' encoded vectors, how many survivors): every mask removed."""
-        survivors, dropped = self.unmask_request()
+        """(the field sum of the survivors' encoded vectors, how many survivors): every mask removed, each from
+        a secret that matches what its owner signed."""
+        self.unmask_request()
         total = self.total.copy()
-        for node in survivors:
-            seed = self._rebuild(node)
+        for node in self.survivors:
+            signed = self.keys[node].commitment
+            seed = self._rebuild(
+                node, lambda s, node=node, signed=signed: seed_commitment(self.server_round, node, s) == signed)
             total -= crypto.mask(seed, self.length)
-        for node in dropped:
-            mask_key = self._rebuild(node)
-            if crypto.public_key(mask_key) != self.keys[node][1]:
-                raise SecAggError(f"the rebuilt key of dropped site {node} does not match its public key")
-            for peer in survivors:
+        for node in sorted(set(self.sealed) - set(self.survivors)):
+            public = self.keys[node].mask_key
+            mask_key = self._rebuild(node, lambda k, public=public: crypto.public_key(k) == public)
+            for peer in self.survivors:
                 if node in self.routed[peer]:  # peer added its pairwise mask with node; take it back out
-                    pairwise = crypto.mask(crypto.agree(mask_key, self.keys[peer][1], b"mask"), self.length)
+                    pairwise = crypto.mask(crypto.agree(mask_key, self.keys[peer].mask_key, b"mask"), self.length)
                     total = total - pairwise if peer < node else total + pairwise
-        return total, len(survivors)
+        return total, len(self.survivors)
 
-    def _rebuild(self, owner: int) -> bytes:
-        shares = {self.participants.index(holder) + 1: revealed[owner]
-                  for holder, revealed in self.revealed.items() if owner in revealed}
-        if len(shares) < self.threshold:
+    def _rebuild(self, owner: int, valid: Callable[[bytes], bool]) -> bytes:
+        """`owner`'s secret, which `valid` checks against its signed key material; the holders of shares that
+        disagree with it are named and kept in `culprits`."""
+        holders = {self.participants.index(holder) + 1: holder for holder, revealed in self.revealed.items()
+                   if owner in revealed}
+        if len(holders) < self.threshold:
             raise SecAggError(
-                f"round {self.server_round}: {len(shares)} shares of site {owner}'s secret arrived, "
+                f"round {self.server_round}: {len(holders)} shares of site {owner}'s secret arrived, "
                 f"{self.threshold} needed; the round halts and applies nothing"
             )
-        return shamir.combine(shares, self.threshold)
+        shares = {x: self.revealed[holder][owner] for x, holder in holders.items()}
+        try:
+            secret, bad = shamir.recover(shares, self.threshold, valid)
+        except SecAggError as error:
+            raise SecAggError(f"round {self.server_round}: site {owner}'s secret: {error}; the round halts and "
+                              "applies nothing") from None
+        for x in bad:
+            log.warning("round %d: site %d revealed a corrupt share of site %d's secret; it is outvoted",
+                        self.server_round, holders[x], owner)
+            self.culprits.add(holders[x])
+        return secret
+
+    def _require_enough(self, count: int, what: str) -> None:
+        if count < self.threshold:
+            raise SecAggError(
+                f"round {self.server_round}: only {count} of {len(self.participants)} sites {what}, the "
+                f"reconstruction threshold is {self.threshold}; the round halts and applies nothing"
+            )
+
+    def _setup(self) -> bytes:
+        return setup_digest(self.server_round, self.participants, self.params)
 
     def _require_participant(self, node: int) -> None:
         if node not in self.participants:

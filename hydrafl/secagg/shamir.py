@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import secrets
+from collections.abc import Callable
 
 from hydrafl.secagg.params import SecAggError
 
@@ -19,9 +21,14 @@ def split(secret: bytes, xs: list[int], threshold: int) -> dict[int, bytes]:
     return {x: _evaluate(coefficients, x).to_bytes(SHARE_BYTES, "big") for x in xs}
 
 
-def combine(shares: dict[int, bytes], threshold: int, secret_bytes: int = 32) -> bytes:
-    """The secret from `shares` ({x: value}); every share beyond the first `threshold` must agree with them,
-    so a corrupt share is caught whenever more than `threshold` arrive."""
+MAX_SUBSETS = 4096
+"""Subsets `recover` tries before giving up: enough to leave out any one or two of 90 shares."""
+
+
+def recover(shares: dict[int, bytes], threshold: int, valid: Callable[[bytes], bool]) -> tuple[bytes, list[int]]:
+    """(the secret, the xs of the shares that disagree with it): the secret `valid` accepts, rebuilt from
+    `shares` leaving out as few as it must. A corrupt share is outvoted only when more than `threshold` arrive;
+    SecAggError when no subset rebuilds a valid secret (with exactly `threshold` shares: one is corrupt)."""
     if len(shares) < threshold:
         raise SecAggError(f"{len(shares)} shares cannot rebuild a secret that needs {threshold}")
     points = []
@@ -29,14 +36,16 @@ def combine(shares: dict[int, bytes], threshold: int, secret_bytes: int = 32) ->
         if len(value) != SHARE_BYTES or not 1 <= x < PRIME:
             raise SecAggError(f"malformed share at x={x}")
         points.append((x, int.from_bytes(value, "big") % PRIME))
-    basis, extra = points[:threshold], points[threshold:]
-    for x, y in extra:
-        if _interpolate(basis, x) != y:
-            raise SecAggError(f"the share at x={x} disagrees with the others: one of them is corrupt")
-    secret = _interpolate(basis, 0)
-    if secret >= 1 << (8 * secret_bytes):
-        raise SecAggError("the shares rebuild no valid secret: one of them is corrupt")
-    return secret.to_bytes(secret_bytes, "big")
+    subsets = (
+        [p for p in points if p[0] not in left_out][:threshold]
+        for dropped in range(len(points) - threshold + 1)
+        for left_out in map(set, itertools.combinations([x for x, _ in points], dropped))
+    )
+    for basis in itertools.islice(subsets, MAX_SUBSETS):
+        value = _interpolate(basis, 0)
+        if value < 1 << 256 and valid(secret := value.to_bytes(32, "big")):
+            return secret, [x for x, y in points if _interpolate(basis, x) != y]
+    raise SecAggError(f"no {threshold} of the {len(points)} shares rebuild the committed secret: a share is corrupt")
 
 
 def _evaluate(coefficients: list[int], x: int) -> int:

@@ -1,13 +1,16 @@
-"""A site's side of one secure-aggregation round, as a state machine: keys -> shared -> masked -> done.
+"""A site's side of one secure-aggregation round, as a state machine: keys -> shared -> masked -> checked -> done.
 
-Each call checks what the coordinator sent before changing anything, and the session answers the unmask stage
-once: a site never reveals both the self-mask share and the key share of the same site, so a coordinator that
-lies about who dropped can learn no single site's update.
+It trusts the coordinator with nothing: every peer's keys must carry the consortium's certificate and the peer's
+signature over this round's setup; it signs one survivor set, once, and reveals shares only for that set, after
+checking that at least a threshold of its neighbours signed it. So a site never reveals both the self-mask share
+and the key share of the same site, and no two sites reveal under different survivor sets: with a threshold
+above half the shares, a coordinator that lies about who dropped can learn no single site's update.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -16,15 +19,55 @@ import numpy as np
 
 import hydrafl.secagg.crypto as crypto
 import hydrafl.secagg.shamir as shamir
+from hydrafl.secagg.identity import SIGNATURE_BYTES, SiteIdentity, seed_commitment, verify
 from hydrafl.secagg.params import SecAggError, SecAggParams, neighbours
-
-PublicKeys = tuple[bytes, bytes]
-"""(share-encryption key, mask-agreement key) of one site, X25519 raw bytes."""
 
 _ID_BYTES = 8
 PLAIN_BYTES = 2 * _ID_BYTES + 2 * shamir.SHARE_BYTES
 SEALED_BYTES = crypto.NONCE_BYTES + PLAIN_BYTES + 16
 """One encrypted share pair on the wire (AES-GCM nonce + plaintext + tag)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SignedKeys:
+    """One site's key material for a round, as the coordinator routes it to the site's neighbours."""
+
+    share_key: bytes
+    """X25519: encrypts the shares sent to this site."""
+    mask_key: bytes
+    """X25519: agrees the pairwise masks."""
+    commitment: bytes
+    """SHA-256 of the self-mask seed (`seed_commitment`): a rebuilt seed is checked against it."""
+    signing_key: bytes
+    """Ed25519 public key of the site's identity."""
+    certificate: bytes
+    """The consortium's signature binding `signing_key` to the site's node id."""
+    signature: bytes
+    """The site's signature over the round's setup and the three fields above (`keys_statement`)."""
+
+    SIZES = (crypto.KEY_BYTES, crypto.KEY_BYTES, 32, 32, SIGNATURE_BYTES, SIGNATURE_BYTES)
+
+    def check_sizes(self) -> None:
+        if any(not isinstance(v, bytes) or len(v) != n for v, n in zip(self.fields(), self.SIZES)):
+            raise SecAggError(f"malformed key material: fields of {list(self.SIZES)} bytes expected")
+
+    def fields(self) -> tuple[bytes, ...]:
+        return (self.share_key, self.mask_key, self.commitment, self.signing_key, self.certificate, self.signature)
+
+
+def setup_digest(server_round: int, participants: tuple[int, ...], params: SecAggParams) -> bytes:
+    """What every signature of a round is bound to: its number, its participants and its parameters (so a
+    coordinator cannot give two sites two different thresholds or participant lists)."""
+    text = json.dumps([server_round, list(participants), params.to_config()], sort_keys=True)
+    return hashlib.sha256(text.encode()).digest()
+
+
+def keys_statement(setup: bytes, node: int, share_key: bytes, mask_key: bytes, commitment: bytes) -> bytes:
+    return b"hydrafl-secagg-keys|" + setup + _id(node) + share_key + mask_key + commitment
+
+
+def survivors_statement(setup: bytes, survivors: list[int] | tuple[int, ...]) -> bytes:
+    return b"hydrafl-secagg-survivors|" + setup + b"".join(_id(node) for node in sorted(survivors))
 
 
 def associated(server_round: int, src: int, dst: int) -> bytes:
@@ -38,28 +81,46 @@ class SiteSession:
     server_round: int
     participants: tuple[int, ...]
     params: SecAggParams
+    identity: SiteIdentity = field(repr=False)
     share_key: bytes = field(default_factory=crypto.new_private_key, repr=False)
     mask_key: bytes = field(default_factory=crypto.new_private_key, repr=False)
     self_seed: bytes = field(default_factory=lambda: os.urandom(crypto.KEY_BYTES), repr=False)
     stage: str = "keys"
-    peer_keys: dict[int, PublicKeys] = field(default_factory=dict)
+    peer_keys: dict[int, SignedKeys] = field(default_factory=dict)
+    """The verified key material of each neighbour that sent some (this site's own included)."""
     held: dict[int, tuple[bytes, bytes]] = field(default_factory=dict, repr=False)
     """Per site whose shares this site holds (itself included): (key share, self-mask share)."""
+    survivors: tuple[int, ...] = ()
+    """The one survivor set this site signed."""
 
     @classmethod
-    def start(cls, node: int, server_round: int, participants: list[int], params: SecAggParams) -> "SiteSession":
-        """A new round: fresh keys; refuses a round this site is not in or that the parameters cannot run."""
+    def start(
+        cls, node: int, server_round: int, participants: list[int], params: SecAggParams, identity: SiteIdentity
+    ) -> "SiteSession":
+        """A new round: fresh keys; refuses a round this site is not in, one its identity is not for, or one the
+        parameters cannot run (a threshold at or below half the shares among them)."""
         ordered = tuple(sorted(int(p) for p in participants))
         if node not in ordered or len(set(ordered)) != len(ordered):
             raise SecAggError(f"site {node} is not among the round's distinct participants {list(ordered)}")
+        if identity.node != node:
+            raise SecAggError(f"site {node}: its secure-aggregation identity is for node {identity.node}")
         params.check_round(len(ordered))
-        return cls(node=node, server_round=server_round, participants=ordered, params=params)
+        return cls(node=node, server_round=server_round, participants=ordered, params=params, identity=identity)
 
-    def public_keys(self) -> PublicKeys:
-        return crypto.public_key(self.share_key), crypto.public_key(self.mask_key)
+    @property
+    def setup(self) -> bytes:
+        return setup_digest(self.server_round, self.participants, self.params)
 
-    def share_keys(self, public_keys: dict[int, PublicKeys]) -> dict[int, bytes]:
-        """Encrypted shares of this site's mask key and self-mask seed, one per neighbour that sent keys."""
+    def public_keys(self) -> SignedKeys:
+        """This site's key material for the round, signed."""
+        share, mask = crypto.public_key(self.share_key), crypto.public_key(self.mask_key)
+        commitment = seed_commitment(self.server_round, self.node, self.self_seed)
+        signature = self.identity.sign(keys_statement(self.setup, self.node, share, mask, commitment))
+        return SignedKeys(share, mask, commitment, self.identity.public_key, self.identity.certificate, signature)
+
+    def share_keys(self, public_keys: dict[int, SignedKeys]) -> dict[int, bytes]:
+        """Encrypted shares of this site's mask key and self-mask seed, one per neighbour whose keys the
+        consortium's certificate and the neighbour's own signature vouch for; any other key refuses the round."""
         self._expect("keys")
         mine = neighbours(self.participants, self.node, self.params.shares(len(self.participants)))
         if public_keys.get(self.node) != self.public_keys():
@@ -69,8 +130,11 @@ class SiteSession:
             raise SecAggError(f"site {self.node}: public keys from sites outside its neighbourhood: {strangers}")
         self._require_threshold(len(public_keys), "neighbours sent keys")
         for peer, keys in public_keys.items():
-            if len(keys) != 2 or any(len(key) != crypto.KEY_BYTES for key in keys):
-                raise SecAggError(f"site {self.node}: malformed public keys from site {peer}")
+            keys.check_sizes()
+            self.identity.check_peer(peer, keys.signing_key, keys.certificate)
+            verify(keys.signing_key, keys.signature,
+                   keys_statement(self.setup, peer, keys.share_key, keys.mask_key, keys.commitment),
+                   f"site {self.node}: the round keys of site {peer}")
         peers = sorted(public_keys)
         xs = [self._x(peer) for peer in peers]
         key_shares = shamir.split(self.mask_key, xs, self._threshold())
@@ -80,7 +144,7 @@ class SiteSession:
             if peer == self.node:
                 continue
             plain = _ids(self.node, peer) + key_shares[x] + seed_shares[x]
-            secret = crypto.agree(self.share_key, public_keys[peer][0], b"share")
+            secret = crypto.agree(self.share_key, public_keys[peer].share_key, b"share")
             sealed[peer] = crypto.seal(secret, plain, associated(self.server_round, self.node, peer))
         x = self._x(self.node)
         self.peer_keys = dict(public_keys)
@@ -97,7 +161,7 @@ class SiteSession:
         for src, blob in sealed.items():
             if src == self.node or src not in self.peer_keys:
                 raise SecAggError(f"site {self.node}: a share from site {src}, which is not one of its neighbours")
-            secret = crypto.agree(self.share_key, self.peer_keys[src][0], b"share")
+            secret = crypto.agree(self.share_key, self.peer_keys[src].share_key, b"share")
             plain = crypto.open_sealed(secret, bytes(blob), associated(self.server_round, src, self.node))
             if plain[: 2 * _ID_BYTES] != _ids(src, self.node) or len(plain) != PLAIN_BYTES:
                 raise SecAggError(f"site {self.node}: the share from site {src} names another sender or recipient")
@@ -106,23 +170,41 @@ class SiteSession:
         self._require_threshold(len(opened) + 1, "neighbours sent shares")
         masked = encoded + crypto.mask(self.self_seed, encoded.size)
         for peer in opened:
-            pairwise = crypto.mask(crypto.agree(self.mask_key, self.peer_keys[peer][1], b"mask"), encoded.size)
+            pairwise = crypto.mask(crypto.agree(self.mask_key, self.peer_keys[peer].mask_key, b"mask"), encoded.size)
             masked = masked + pairwise if self.node < peer else masked - pairwise
         self.held.update(opened)
         self.stage = "masked"
         return masked
 
-    def unmask(self, survivors: list[int], dropped: list[int]) -> dict[int, bytes]:
-        """The self-mask share of each survivor and the key share of each dropped site this site holds; once."""
+    def sign_survivors(self, survivors: list[int]) -> bytes:
+        """The consistency check: this site's signature over the survivor set, given once. It refuses a set
+        without itself or with fewer than a threshold of its neighbours."""
         self._expect("masked")
-        alive, gone = set(survivors), set(dropped)
-        if self.node not in alive or alive & gone or not (alive | gone) <= set(self.participants):
-            raise SecAggError(f"site {self.node}: inconsistent unmask request (survivors {sorted(alive)}, dropped {sorted(gone)})")
-        self._require_threshold(len(alive), "sites survived")
+        alive = set(survivors)
+        if self.node not in alive or len(alive) != len(survivors) or not alive <= set(self.participants):
+            raise SecAggError(f"site {self.node}: inconsistent survivor set {sorted(alive)}")
+        self._require_threshold(len(alive & set(self.peer_keys)), "neighbours survived")
+        self.survivors = tuple(sorted(alive))
+        self.stage = "checked"
+        return self.identity.sign(survivors_statement(self.setup, self.survivors))
+
+    def unmask(self, survivors: list[int], signatures: dict[int, bytes]) -> dict[int, bytes]:
+        """The self-mask share of each survivor and the key share of each other site this site holds shares of;
+        once, and only for the set it signed, when at least a threshold of its neighbours signed that same set."""
+        self._expect("checked")
+        if tuple(sorted(set(survivors))) != self.survivors or len(survivors) != len(self.survivors):
+            raise SecAggError(f"site {self.node}: asked to unmask for survivors {sorted(set(survivors))}, "
+                              f"but it signed {list(self.survivors)}")
+        if not set(signatures) <= set(self.survivors) or self.node not in signatures:
+            raise SecAggError(f"site {self.node}: survivor signatures from {sorted(signatures)}, outside the survivors")
+        statement = survivors_statement(self.setup, self.survivors)
+        signers = set(signatures) & set(self.peer_keys)
+        for signer in signers:
+            verify(self.peer_keys[signer].signing_key, signatures[signer], statement,
+                   f"site {self.node}: site {signer}'s survivor set")
+        self._require_threshold(len(signers), "neighbours signed the survivor set")
         self.stage = "done"
-        revealed = {node: shares[1] for node, shares in self.held.items() if node in alive}
-        revealed.update({node: shares[0] for node, shares in self.held.items() if node in gone})
-        return revealed
+        return {node: shares[1] if node in self.survivors else shares[0] for node, shares in self.held.items()}
 
     def to_state(self) -> str:
         """The session as text, for a site's persistent Context between a round's messages."""
@@ -130,20 +212,23 @@ class SiteSession:
             "node": self.node, "server_round": self.server_round, "participants": list(self.participants),
             "params": self.params.to_config(), "stage": self.stage,
             "keys": [_text(self.share_key), _text(self.mask_key), _text(self.self_seed)],
-            "peer_keys": {str(p): [_text(k) for k in keys] for p, keys in self.peer_keys.items()},
+            "peer_keys": {str(p): [_text(k) for k in keys.fields()] for p, keys in self.peer_keys.items()},
             "held": {str(p): [_text(s) for s in shares] for p, shares in self.held.items()},
+            "survivors": list(self.survivors),
         })
 
     @classmethod
-    def from_state(cls, text: str) -> "SiteSession":
+    def from_state(cls, text: str, identity: SiteIdentity) -> "SiteSession":
+        """The session `to_state` wrote; the identity is the site's own, kept apart from any one round."""
         data = json.loads(text)
         share_key, mask_key, self_seed = (base64.b64decode(raw) for raw in data["keys"])
         return cls(
             node=data["node"], server_round=data["server_round"], participants=tuple(data["participants"]),
-            params=SecAggParams.from_config(data["params"]), stage=data["stage"],
+            params=SecAggParams.from_config(data["params"]), stage=data["stage"], identity=identity,
             share_key=share_key, mask_key=mask_key, self_seed=self_seed,
-            peer_keys={int(p): tuple(base64.b64decode(k) for k in keys) for p, keys in data["peer_keys"].items()},
+            peer_keys={int(p): SignedKeys(*(base64.b64decode(k) for k in keys)) for p, keys in data["peer_keys"].items()},
             held={int(p): tuple(base64.b64decode(s) for s in shares) for p, shares in data["held"].items()},
+            survivors=tuple(data["survivors"]),
         )
 
     def _x(self, node: int) -> int:
@@ -168,5 +253,9 @@ def _text(raw: bytes) -> str:
     return base64.b64encode(raw).decode()
 
 
+def _id(node: int) -> bytes:
+    return node.to_bytes(_ID_BYTES, "big")
+
+
 def _ids(src: int, dst: int) -> bytes:
-    return src.to_bytes(_ID_BYTES, "big") + dst.to_bytes(_ID_BYTES, "big")
+    return _id(src) + _id(dst)

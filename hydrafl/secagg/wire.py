@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hydrafl.secagg.params import SecAggError, SecAggParams
-from hydrafl.secagg.site import PublicKeys
+from hydrafl.secagg.site import SignedKeys
 
 Record = dict[str, Any]
 
@@ -67,25 +67,29 @@ def parse_slices(record: Mapping[str, Any]) -> dict[str, tuple[int | None, tuple
             for name, dim, start, length in zip(names, dims, starts, lengths)}
 
 
-def keys_reply(keys: PublicKeys) -> Record:
-    return {"share-key": keys[0], "mask-key": keys[1]}
+_KEY_FIELDS = ("share-key", "mask-key", "commitment", "signing-key", "certificate", "signature")
+"""`SignedKeys`' fields on the wire, in its order."""
 
 
-def parse_keys_reply(record: Mapping[str, Any]) -> PublicKeys:
-    return _typed(record, "share-key", bytes), _typed(record, "mask-key", bytes)
+def keys_reply(keys: SignedKeys) -> Record:
+    return dict(zip(_KEY_FIELDS, keys.fields()))
 
 
-def shares_request(node: int, keys: Mapping[int, PublicKeys]) -> Record:
-    """Share keys, for site `node`: the public keys of its neighbours (its own included)."""
+def parse_keys_reply(record: Mapping[str, Any]) -> SignedKeys:
+    return SignedKeys(*(_typed(record, key, bytes) for key in _KEY_FIELDS))
+
+
+def shares_request(node: int, keys: Mapping[int, SignedKeys]) -> Record:
+    """Share keys, for site `node`: the signed key material of its neighbours (its own included)."""
     nodes = sorted(keys)
-    return {"node": node, "nodes": nodes, "share-keys": [keys[n][0] for n in nodes], "mask-keys": [keys[n][1] for n in nodes]}
+    return {"node": node, "nodes": nodes, **{key: [keys[n].fields()[i] for n in nodes] for i, key in enumerate(_KEY_FIELDS)}}
 
 
-def parse_shares_request(record: Mapping[str, Any]) -> tuple[int, dict[int, PublicKeys]]:
-    """(the site it was sent to, the public keys by site)."""
-    nodes, share_keys, mask_keys = _ints(record, "nodes"), _list(record, "share-keys", bytes), _list(record, "mask-keys", bytes)
-    _same_length(nodes, share_keys, mask_keys)
-    return _int(record, "node"), {node: (share, mask) for node, share, mask in zip(nodes, share_keys, mask_keys)}
+def parse_shares_request(record: Mapping[str, Any]) -> tuple[int, dict[int, SignedKeys]]:
+    """(the site it was sent to, the signed key material by site)."""
+    nodes, columns = _ints(record, "nodes"), [_list(record, key, bytes) for key in _KEY_FIELDS]
+    _same_length(nodes, *columns)
+    return _int(record, "node"), {node: SignedKeys(*fields) for node, *fields in zip(nodes, *columns)}
 
 
 def sealed_record(sealed: Mapping[int, bytes]) -> Record:
@@ -98,12 +102,30 @@ def parse_sealed(record: Mapping[str, Any]) -> dict[int, bytes]:
     return _parse_by_node(record, "nodes", "sealed")
 
 
-def unmask_request(survivors: list[int], dropped: list[int]) -> Record:
-    return {"survivors": list(survivors), "dropped": list(dropped)}
+def check_request(survivors: list[int]) -> Record:
+    """The consistency check: the survivor set each survivor is asked to sign."""
+    return {"survivors": list(survivors)}
 
 
-def parse_unmask_request(record: Mapping[str, Any]) -> tuple[list[int], list[int]]:
-    return _ints(record, "survivors"), _ints(record, "dropped")
+def parse_check_request(record: Mapping[str, Any]) -> list[int]:
+    return _ints(record, "survivors")
+
+
+def check_reply(signature: bytes) -> Record:
+    return {"signature": signature}
+
+
+def parse_check_reply(record: Mapping[str, Any]) -> bytes:
+    return _typed(record, "signature", bytes)
+
+
+def unmask_request(survivors: list[int], signatures: Mapping[int, bytes]) -> Record:
+    """Unmask: the survivor set and the signatures over it that the coordinator collected."""
+    return {"survivors": list(survivors), **_by_node(signatures, "signers", "signatures")}
+
+
+def parse_unmask_request(record: Mapping[str, Any]) -> tuple[list[int], dict[int, bytes]]:
+    return _ints(record, "survivors"), _parse_by_node(record, "signers", "signatures")
 
 
 def unmask_reply(revealed: Mapping[int, bytes]) -> Record:

@@ -26,7 +26,9 @@ from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=no
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
+from hydrafl.secagg.identity import SiteIdentity, new_signing_key
 from hydrafl.site_pipeline import answer
+from hydrafl.site_secagg import install_identity
 from hydrafl.site_policy import SitePolicy
 from hydrafl.identity import claim_server_identity
 from hydrafl.simulation.workers import Job, WorkerPool, emit_logs, make_job, worker_count
@@ -70,6 +72,9 @@ class InProcessGrid(Grid):
             )
             for i in range(num_sites)
         }
+        consortium = new_signing_key()  # the simulation certifies its own sites' secure-aggregation keys
+        for node, context in self.contexts.items():
+            install_identity(context, SiteIdentity.issue(consortium, node))
         self.reference_node: int | None = POOLED_NODE_ID if pooled_site else None
         self._pooled: dict[int, Context] = {}
         if pooled_site:  # partition-id one past the sites': its own data order

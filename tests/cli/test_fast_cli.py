@@ -3,6 +3,7 @@ interpreter on what it actually imported."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -53,3 +54,25 @@ def test_admin_site_commands_load_only_the_database(tmp_path):
         assert "sqlalchemy" in modules
         assert sorted(name for name in modules if name.startswith(HEAVY)) == []
     assert "st-marys" in output and "active" in output
+
+
+def test_the_admin_issues_a_site_identity_certified_by_a_consortium_key_it_keeps(tmp_path):
+    """`admin consortium create` then `admin site add --consortium-key`: the identity file is the site's (its
+    node id), certified by that key, readable by its owner only; the coordinator's database holds no key."""
+    from hydrafl.secagg import SiteIdentity
+    from hydrafl.server.store import Store
+
+    env = {**os.environ, "HYDRAFL_HOME": str(tmp_path)}
+    db = ["--db", f"sqlite:///{tmp_path / 'coordinator.db'}"]
+    key, identity = tmp_path / "consortium.key", tmp_path / "st-marys.json"
+    code, _, created = _run(["admin", "consortium", "create", str(key)], env)
+    assert code == 0 and oct(key.stat().st_mode & 0o777) == "0o600"
+    code, modules, _ = _run(["admin", "site", "add", "st-marys", "--consortium-key", str(key),
+                             "--identity-out", str(identity), *db], env)
+    assert code == 0 and sorted(name for name in modules if name.startswith(HEAVY)) == []
+    issued = SiteIdentity.from_json(identity.read_text())  # checks its certificate against its consortium key
+    assert issued.node == Store(f"sqlite:///{tmp_path / 'coordinator.db'}").sites()[0].node_id
+    assert base64.b64encode(issued.consortium_key).decode() in created
+    assert oct(identity.stat().st_mode & 0o777) == "0o600"
+    code, _, _ = _run(["admin", "site", "certify", "nobody", "--consortium-key", str(key), *db], env)
+    assert code == 2  # no such site

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import numpy as np
 import pytest
-from secagg_rounds import started
+from secagg_rounds import checked, sessions, started
 
-from hydrafl.secagg import SecAggError, SecAggParams, ServerSession, SiteSession
+from hydrafl.secagg import SecAggError, SecAggParams, ServerSession
 
 NODES = [1, 2, 3, 4, 5]
 
@@ -19,11 +20,11 @@ def snapshot(server: ServerSession) -> dict:
 
 def test_keys_from_a_site_not_in_the_round_or_malformed_are_refused():
     server = ServerSession.start(1, NODES, SecAggParams(), 10)
-    keys = SiteSession.start(9, 1, [9, 1, 2], SecAggParams()).public_keys()
+    keys = sessions([9, 1, 2], SecAggParams())[9].public_keys()
     with pytest.raises(SecAggError, match="site 9 is not in round 1"):
         server.receive_keys(9, keys)
-    with pytest.raises(SecAggError, match="two 32-byte X25519 keys"):
-        server.receive_keys(1, (keys[0], keys[1][:5]))
+    with pytest.raises(SecAggError, match="malformed key material"):
+        server.receive_keys(1, replace(keys, mask_key=keys.mask_key[:5]))
     assert server.keys == {}
 
 
@@ -34,7 +35,7 @@ def test_keys_from_a_site_not_in_the_round_or_malformed_are_refused():
 ])
 def test_a_malformed_share_or_one_for_another_site_changes_nothing(edit, message):
     params = SecAggParams()
-    sites = {node: SiteSession.start(node, 1, NODES, params) for node in NODES}
+    sites = sessions(NODES, params)
     server = ServerSession.start(1, NODES, params, 10)
     for node, site in sites.items():
         server.receive_keys(node, site.public_keys())
@@ -61,8 +62,9 @@ def test_revealed_shares_must_be_exactly_those_expected():
     server, sites = started(NODES, SecAggParams(), 4)
     for node in NODES[:4]:
         server.receive_masked(node, sites[node].mask(np.zeros(4, np.uint32), server.shares_for(node)))
-    survivors, dropped = server.unmask_request()
-    revealed = sites[1].unmask(survivors, dropped)
+    checked(server, sites)
+    survivors, signatures = server.unmask_request()
+    revealed = sites[1].unmask(survivors, signatures)
     with pytest.raises(SecAggError, match="expected exactly"):
         server.receive_unmask(1, {k: v for k, v in revealed.items() if k != 5})
     with pytest.raises(SecAggError, match="66 bytes"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from secagg_rounds import started
+from secagg_rounds import identities, sessions, started
 
 from hydrafl.secagg import SecAggError, SecAggParams, SiteSession
 
@@ -32,8 +32,8 @@ def test_a_share_from_a_site_outside_the_neighbourhood_is_refused():
 
 
 def test_keys_without_its_own_or_from_strangers_are_refused():
-    site = SiteSession.start(1, 1, [1, 2, 3, 4, 5, 6, 7], SecAggParams(num_shares=3, reconstruction_threshold=2))
-    other = SiteSession.start(4, 1, [1, 2, 3, 4, 5, 6, 7], site.params)
+    ring = sessions([1, 2, 3, 4, 5, 6, 7], SecAggParams(num_shares=3, reconstruction_threshold=2))
+    site, other = ring[1], ring[4]
     with pytest.raises(SecAggError, match="does not hold this site's own public keys"):
         site.share_keys({2: other.public_keys()})
     with pytest.raises(SecAggError, match=r"outside its neighbourhood: \[4\]"):
@@ -41,24 +41,35 @@ def test_keys_without_its_own_or_from_strangers_are_refused():
     assert site.stage == "keys"
 
 
-def test_a_site_answers_unmasking_once_and_never_for_a_site_called_both_alive_and_dropped():
+def test_a_site_signs_one_survivor_set_and_answers_unmasking_once_for_it():
     server, sites = started(NODES, SecAggParams(), 4)
-    sites[1].mask(np.zeros(4, np.uint32), server.shares_for(1))
-    with pytest.raises(SecAggError, match="inconsistent unmask request"):
-        sites[1].unmask([1, 2, 3], [3, 4])
-    revealed = sites[1].unmask([1, 2, 3], [4, 5])
-    assert set(revealed) == {1, 2, 3, 4, 5}
+    for node in (1, 2, 3):
+        sites[node].mask(np.zeros(4, np.uint32), server.shares_for(node))
+    with pytest.raises(SecAggError, match="inconsistent survivor set"):
+        sites[1].sign_survivors([2, 3, 4])  # without itself
+    with pytest.raises(SecAggError, match="only 2 neighbours survived"):
+        sites[1].sign_survivors([1, 2])
+    signatures = {node: sites[node].sign_survivors([1, 2, 3]) for node in (1, 2, 3)}
+    with pytest.raises(SecAggError, match="in stage 'checked'"):
+        sites[1].sign_survivors([1, 2, 3, 4])  # a second set, for another group of sites
+    with pytest.raises(SecAggError, match=r"but it signed \[1, 2, 3\]"):
+        sites[1].unmask([1, 2, 3, 4], signatures)
+    revealed = sites[1].unmask([1, 2, 3], signatures)
+    key, seed = 0, 1
+    assert revealed == {n: sites[1].held[n][seed if n in (1, 2, 3) else key] for n in NODES}
     with pytest.raises(SecAggError, match="in stage 'done'"):
-        sites[1].unmask([1, 2, 3, 4], [5])
+        sites[1].unmask([1, 2, 3], signatures)
 
 
 def test_a_session_survives_its_round_trip_through_text():
     server, sites = started(NODES, SecAggParams(), 4)
-    restored = SiteSession.from_state(sites[2].to_state())
+    restored = SiteSession.from_state(sites[2].to_state(), sites[2].identity)
     assert restored == sites[2]
     assert restored.mask(np.zeros(4, np.uint32), server.shares_for(2)).shape == (4,)
 
 
 def test_a_round_without_this_site_is_refused():
     with pytest.raises(SecAggError, match="site 9 is not among"):
-        SiteSession.start(9, 1, [1, 2, 3], SecAggParams())
+        SiteSession.start(9, 1, [1, 2, 3], SecAggParams(), identities([9])[9])
+    with pytest.raises(SecAggError, match="site 1: its secure-aggregation identity is for node 2"):
+        SiteSession.start(1, 1, [1, 2, 3], SecAggParams(), identities([2])[2])

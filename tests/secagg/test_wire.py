@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hydrafl.secagg import SecAggError, SecAggParams, wire
+from hydrafl.secagg.site import SignedKeys
 
 
 def test_a_setup_request_round_trips_with_its_layout():
@@ -12,6 +13,17 @@ def test_a_setup_request_round_trips_with_its_layout():
     record = wire.keys_request(7, [3, 1, 2], SecAggParams(num_shares=3), layout)
     assert wire.parse_keys_request(record) == (7, [3, 1, 2], SecAggParams(num_shares=3), layout)
     assert layout.scaled(SecAggParams()).max_weight == 1  # every site weighs 1: nothing scales the update down
+
+
+def test_the_signed_keys_and_the_survivor_signatures_round_trip():
+    keys = {2: SignedKeys(*(bytes([i]) * n for i, n in enumerate(SignedKeys.SIZES))), 1: SignedKeys(*[b"k"] * 6)}
+    assert wire.parse_keys_reply(wire.keys_reply(keys[2])) == keys[2]
+    assert wire.parse_shares_request(wire.shares_request(1, keys)) == (1, keys)
+    assert wire.parse_check_request(wire.check_request([1, 2])) == [1, 2]
+    assert wire.parse_check_reply(wire.check_reply(b"s")) == b"s"
+    assert wire.parse_unmask_request(wire.unmask_request([1, 2], {2: b"b", 1: b"a"})) == ([1, 2], {1: b"a", 2: b"b"})
+    with pytest.raises(SecAggError, match="'signature' must be bytes"):
+        wire.parse_keys_reply({**wire.keys_reply(keys[2]), "signature": "text"})
 
 
 def test_slices_round_trip():

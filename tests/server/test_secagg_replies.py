@@ -14,12 +14,12 @@ from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
 from hydrafl.proto.envelope import split_message
 from hydrafl.secagg import wire
-from hydrafl.secagg.site import SEALED_BYTES
+from hydrafl.secagg.site import SEALED_BYTES, SignedKeys
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.grid import CoordinatorGrid
 
-KEY = bytes(range(32))
+KEY = SignedKeys(bytes(32), bytes(32), bytes(32), bytes(32), bytes(64), bytes(64))
 
 
 class Live:
@@ -79,7 +79,7 @@ def _secagg(record: dict) -> RecordDict:
 
 def test_shares_for_another_site_or_malformed_are_refused_and_a_good_reply_accepted(live):
     a, b = live.nodes
-    keys = {a: (KEY, KEY), b: (KEY, KEY), 77: (KEY, KEY)}
+    keys = {a: KEY, b: KEY, 77: KEY}
     requests = live.push(protocol.QUERY_SECAGG_SHARES, lambda node: _secagg(wire.shares_request(node, keys)))
     neighbours = lambda node: sorted(set(keys) - {node})  # noqa: E731
     stranger = {n: bytes(SEALED_BYTES) for n in [*neighbours(a), 999]}
@@ -94,7 +94,7 @@ def test_shares_for_another_site_or_malformed_are_refused_and_a_good_reply_accep
 
 def test_a_short_share_is_refused(live):
     a, b = live.nodes
-    keys = {a: (KEY, KEY), b: (KEY, KEY)}
+    keys = {a: KEY, b: KEY}
     requests = live.push(protocol.QUERY_SECAGG_SHARES, lambda node: _secagg(wire.shares_request(node, keys)))
     assert live.answer(requests[a], _secagg(wire.sealed_record({b: bytes(SEALED_BYTES - 1)}))) == (
         grpc.StatusCode.INVALID_ARGUMENT)
@@ -112,3 +112,14 @@ def test_a_masked_vector_must_be_uint32_of_the_rounds_length(live):
     masked = RecordDict({"arrays": ArrayRecord({protocol.SECAGG_MASKED: Array(np.arange(7, dtype=np.uint32))}),
                          "metrics": MetricRecord({"train_loss": 0.5})})
     assert live.answer(requests[b], masked) == grpc.StatusCode.OK
+
+
+def test_key_material_and_survivor_signatures_of_the_wrong_size_are_refused(live):
+    a, b = live.nodes
+    requests = live.push(protocol.QUERY_SECAGG_KEYS, lambda node: _secagg({"round": 1}))
+    short = {**wire.keys_reply(KEY), "signature": bytes(63)}
+    assert live.answer(requests[a], _secagg(short)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert live.answer(requests[b], _secagg(wire.keys_reply(KEY))) == grpc.StatusCode.OK
+    requests = live.push(protocol.QUERY_SECAGG_CHECK, lambda node: _secagg(wire.check_request([a, b])))
+    assert live.answer(requests[a], _secagg(wire.check_reply(bytes(65)))) == grpc.StatusCode.INVALID_ARGUMENT
+    assert live.answer(requests[b], _secagg(wire.check_reply(bytes(64)))) == grpc.StatusCode.OK
