@@ -54,5 +54,6 @@ def test_hydra_sites_sum_their_slices_securely_over_the_wire(tmp_path):
     cfg = RunConfig.from_flower({**RUN.to_flower(), **HYDRA})
     run, deployed = _deploy(tmp_path, cfg, [("--tier", tier) for tier in TIERS])
     assert run.history[1]["sites_ok"] == 3
-    plain = _plain(RunConfig.from_flower({**cfg.to_flower(), "site-tiers": ",".join(TIERS)}))
+    plain_cfg = cfg.replace(site_tiers=",".join(TIERS), layer_score="magnitude", head_score="magnitude")
+    plain = _plain(plain_cfg)  # planned as the secure run plans: from the weights
     assert _difference(deployed, plain) <= 0.7 * quantisation_bound(3, SecAggParams()) / 10  # Hydra's outer_lr 0.7
