@@ -35,6 +35,8 @@ ATTACKS = ("signflip", "scale", "gaussian", "alie", "ipm")
 """The simulated Byzantine attacks (`hydrafl.simulation.attacks`)."""
 DEFAULT_STRATEGIES = ("fedavg", "fedprox", "fedadam", "diloco")
 COMPARISON_LORA_RANK = 8
+SECAGG_ROUND_TIMEOUT_S = 600.0
+"""A secure round's deadline when the run sets none (`RunConfig.round_deadline_s`)."""
 """The rank a LoRA-only strategy runs at in a comparison whose run has no LoRA (`lora_rank` 0)."""
 
 
@@ -76,12 +78,13 @@ class RunConfig:
     rounds: int = 15
     """Federated rounds."""
     min_sites: int = 0
-    """A round with fewer successful replies fails the run; 0 means every sampled site must answer."""
+    """A round with fewer successful replies fails the run; 0 means every sampled site must answer (under
+    --secagg: the protocol's threshold)."""
     fraction_train: float = 1.0
     """Fraction of the sites each training round samples (seeded, as Flower's strategies sample: int(sites x
     fraction) of them, at least `--min-sites`); evaluation asks every site. 1 = every site trains every round."""
     round_timeout_s: float = 0.0
-    """How long a round waits for replies; 0 waits for all."""
+    """How long a round waits for replies; 0 waits for all (under --secagg: SECAGG_ROUND_TIMEOUT_S)."""
     site_wait_s: float = 120.0
     """How long the run waits at start for `--min-sites` sites to connect."""
     local_steps: int = 10
@@ -332,7 +335,27 @@ class RunConfig:
 
     @property
     def required_sites(self) -> int:
+        """Successful replies a training round needs: `--min-sites`, else every sampled site; under `--secagg`
+        the protocol's threshold, since the survivors' shares recover the masks of the sites that dropped."""
+        if self.min_sites or not self.secagg:
+            return self.min_sites or self.sites_per_round
+        from hydrafl.secagg.params import SecAggParams
+
+        params = SecAggParams(max_weight=self.secagg_max_weight, reconstruction_threshold=self.secagg_threshold)
+        return params.threshold(self.sites_per_round)
+
+    @property
+    def available_sites(self) -> int:
+        """Sites that must be connected before the run starts and before a round samples: `--min-sites`, else
+        every site a round samples."""
         return self.min_sites or self.sites_per_round
+
+    @property
+    def round_deadline_s(self) -> float | None:
+        """How long a round waits for replies: `--round-timeout-s`; under `--secagg` without one,
+        SECAGG_ROUND_TIMEOUT_S, so a site that vanishes mid-protocol cannot stall the round for ever (the
+        survivors recover it while a threshold of them remain). None waits for every site."""
+        return self.round_timeout_s or (SECAGG_ROUND_TIMEOUT_S if self.secagg else None)
 
     @property
     def sites_per_round(self) -> int:

@@ -63,7 +63,7 @@ def run_federation(
     `virtual_speeds` (simulation: per node its relative speed) runs an asynchronous strategy on a virtual clock
     instead of the wall clock."""
     strategy = strategy or build_strategy(cfg)
-    wait_for_sites(grid, cfg.required_sites, cfg.site_wait_s)
+    wait_for_sites(grid, cfg.available_sites, cfg.site_wait_s)
     initial = request_initial_arrays(grid, cfg)
     if cfg.options.probes_curvature:
         check_outer_stability(grid, cfg, initial)
@@ -71,7 +71,7 @@ def run_federation(
         num_rounds=cfg.rounds,
         required_sites=cfg.required_sites,
         seed=cfg.seed,
-        timeout_s=cfg.round_timeout_s or None,
+        timeout_s=cfg.round_deadline_s,
         train_config=cfg.to_flower(),
         evaluate_config=cfg.to_flower(),
         run_dir=Path(cfg.run_dir) if cfg.run_dir else None,

@@ -124,16 +124,16 @@ def describe() -> Iterator[tuple[str, str, list[tuple[str, str, str]]]]:
 
 
 def build_strategy(run: RunConfig) -> Strategy:
-    """The strategy of `run`: each training round samples `run.sites_per_round` sites (all by default) and needs
-    `run.required_sites` replies, evaluation asks every site; with the run's central DP (`dp_clip`,
+    """The strategy of `run`: each training round samples `run.sites_per_round` sites (all by default) once
+    `run.available_sites` are connected, evaluation asks every site; with the run's central DP (`dp_clip`,
     `dp_noise_multiplier`) when it has one."""
     strategy = run.options.build(
         run,
         fraction_train=run.fraction_train,
         fraction_evaluate=1.0,
-        min_train_nodes=run.required_sites,
-        min_evaluate_nodes=run.required_sites,
-        min_available_nodes=run.required_sites,
+        min_train_nodes=run.available_sites,
+        min_evaluate_nodes=run.available_sites,
+        min_available_nodes=run.available_sites,
     )
     if not run.dp_clip:
         return strategy

@@ -15,6 +15,7 @@ from flwr.clientapp import ClientApp
 from helpers import SMALL_RUN, TIERED_RUN
 
 from hydrafl import protocol, server_app, site_app
+from hydrafl.config import SECAGG_ROUND_TIMEOUT_S
 from hydrafl.simulation_config import SimulationConfig
 from hydrafl.driver import RoundFailed
 from hydrafl.secagg import SecAggParams, quantisation_bound, wire
@@ -91,6 +92,19 @@ def test_a_site_failing_after_sharing_keys_is_recovered_exactly():
     secure, _ = _run(cfg.replace(secagg=True), app)
     assert secure.history[1]["sites_ok"] == 2 and secure.history[1]["sites_failed"] == 1
     assert _max_difference(plain.arrays, secure.arrays) <= quantisation_bound(2, SecAggParams()) / (2 * 10)
+
+
+def test_a_secure_run_needs_only_the_threshold_by_default_and_has_a_deadline():
+    """Without --min-sites a secure round succeeds with the protocol's threshold of survivors (the others' masks
+    are rebuilt from shares), and waits at most SECAGG_ROUND_TIMEOUT_S without --round-timeout-s."""
+    cfg = ONE_ROUND.replace(secagg=True)
+    assert (cfg.required_sites, cfg.available_sites, cfg.round_deadline_s) == (2, 3, SECAGG_ROUND_TIMEOUT_S)
+    assert (ONE_ROUND.required_sites, ONE_ROUND.round_deadline_s) == (3, None)
+    assert cfg.replace(round_timeout_s=30.0).round_deadline_s == 30.0
+    secure, _ = _run(cfg, _app_failing({1}))
+    assert secure.history[1]["sites_ok"] == 2 and secure.history[1]["sites_failed"] == 1
+    with pytest.raises(RoundFailed, match="only 1 of 3 sites"):
+        _run(cfg, _app_failing({0, 1}))
 
 
 class _TamperingGrid(InProcessGrid):
