@@ -1,29 +1,37 @@
-"""Accuracy against epsilon: central differential privacy on the clinical-text task.
+"""Accuracy against epsilon: central differential privacy for FedAvg, FedAdam, DiLoCo and Hydra on an unequal split.
 
-    python -m hydrafl.benchmarks.privacy [--out DIR] [--quick]
+    python -m hydrafl.benchmarks.privacy [--out DIR] [--quick] [--strategies ...] [--targets ...]
 
-Many small hospitals (20 sites of 40 notes each) train the tiny transformer (205,829 coordinates) with DiLoCo at
-outer lr 1 and no momentum (FedAvg over the streamed pseudo-gradients, on hydrafl's own central-DP path). Every
-site trains every round, so each round is one Gaussian mechanism on the sum of the clipped updates (noise
-z C / n per coordinate of the mean), and the run's epsilon is that mechanism composed over the rounds. The
-noise's norm grows with the square root of the coordinates while the clipped signal does not: at this many
-sites it is the measure of what central DP costs, not a recipe (rank-2 LoRA on the from-scratch model, 2,373
-coordinates, did not learn even without DP at this scale).
+Many small hospitals (20 sites, 800 clinical-text notes dealt by a Dirichlet(0.5) label partition, so sites hold
+14 to 75 notes with skewed labels) train the tiny transformer (205,829 coordinates: 2 layers x 4 heads, which
+Hydra's Hydra-nets slice) with each strategy at its defaults: fedavg, fedadam (server lr 0.03), diloco (outer
+lr 0.7, Nesterov momentum 0.9) and hydra (the same outer step; sites in small, medium and large tiers train
+different subnetworks), all on hydrafl's one central-DP mechanism. Every site trains every round, so each round
+is one Gaussian mechanism on the sum of the clipped updates (noise z C / n per coordinate of the mean; for
+Hydra z C / n_k on a coordinate n_k sites trained), and the run's epsilon is that mechanism composed over the
+rounds. Central DP only: distributed DP (sites adding their share of the noise under secure aggregation) does
+not exist in hydrafl yet. The noise's norm grows with the square root of the coordinates while the clipped
+signal does not: at this many sites it is the measure of what central DP costs, not a recipe.
 
-The clipping bound C is the median update norm of a non-private run's first round. For each target epsilon
-(1, 4 and 8 at delta 1e-5, and 32, 128 and 1000 to find where learning returns, and no DP) the noise multiplier z is calibrated (`hydrafl.privacy.accountant`) for
-the run's rounds and sample rate (20 of 20 sites), and the run reports the epsilon the accountant gives after
-every round (Renyi DP, which the calibration targets, and beside it the exact PLD one). Written to --out:
-privacy.json (every run's per-round accuracy and epsilon), privacy.md (the table) and privacy.png (accuracy per
-round, final accuracy against epsilon).
+Per strategy, the clipping bound C is the median update norm of its non-private run's first round. For each
+target epsilon (8, 4 and 1 at delta 1e-5, and 1000 and 128 to see where learning returns; `--targets` picks
+others) the noise multiplier z is calibrated (`hydrafl.privacy.accountant`) for the run's rounds and sample
+rate (20 of 20 sites), and the run reports the epsilon the accountants give after every round: `dp_epsilon`
+(Renyi DP, which the calibration targets) and `dp_epsilon_exact` (the PLD accountant). Under DP, Hydra's
+planning round scores from the global model's weights, so it reads no site data. 8 rounds (10 before the four strategies,
+cut to keep the default run near a quarter of an hour on 2 cores). Written to --out: privacy.json (every
+run's per-round accuracy and epsilon), privacy.md (the table) and privacy.png (accuracy per round per
+strategy, final accuracy against epsilon).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import statistics
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +55,11 @@ from hydrafl.strategies import build_strategy  # noqa: E402
 
 NAME = "privacy"
 DELTA = 1e-5
+PARTITION = "dirichlet:0.5"
+"""Unequal sites: Dirichlet(0.5) over the labels (0.3 cannot deal 800 notes to 20 sites of at least 10)."""
+STRATEGIES = ("fedavg", "fedadam", "diloco", "hydra")
+TIERS = "small,medium,large"
+"""Hydra's resource tiers, cycling over the sites, so they train different subnetworks."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,17 +70,20 @@ class Scale:
     local_steps: int
     targets: tuple[float, ...]
     """Target epsilons of the private runs (the non-private run comes first)."""
+    partition: str = PARTITION
+    strategies: tuple[str, ...] = STRATEGIES
 
 
-FULL = Scale(sites=20, samples_per_site=40, rounds=10, local_steps=10, targets=(1000.0, 128.0, 32.0, 8.0, 4.0, 1.0))
-QUICK = Scale(sites=3, samples_per_site=30, rounds=2, local_steps=2, targets=(4.0,))
+FULL = Scale(sites=20, samples_per_site=40, rounds=8, local_steps=10, targets=(1000.0, 128.0, 8.0, 4.0, 1.0))
+QUICK = Scale(sites=3, samples_per_site=40, rounds=2, local_steps=2, targets=(4.0,))
 
 
-def run_config(scale: Scale, **dp: Any) -> RunConfig:
+def run_config(scale: Scale, strategy: str, **dp: Any) -> RunConfig:
+    tiers = {"site_tiers": TIERS} if strategy == "hydra" else {}
     return RunConfig.build(
-        task="clinical-text", strategy="diloco", outer_lr=1.0, outer_momentum=0.0, sites=scale.sites,
+        task="clinical-text", strategy=strategy, partition=scale.partition, sites=scale.sites,
         samples_per_site=scale.samples_per_site, rounds=scale.rounds, local_steps=scale.local_steps, batch_size=16,
-        lr=5e-3, **dp,
+        lr=5e-3, **tiers, **dp,
     )
 
 
@@ -102,27 +118,34 @@ def one_run(cfg: RunConfig, progress: Progress, label: str) -> tuple[list[dict[s
 
 
 def run(scale: Scale) -> dict[str, Any]:
-    """The non-private run (which sets the clip), then one run per target epsilon."""
-    columns = (TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    runs = []
+    """Per strategy: the non-private run (which sets its clip), then one run per target epsilon."""
+    columns = (TextColumn("{task.description:<20}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    runs, clips = [], {}
+    started = time.perf_counter()
+    sample = RoundSample(scale.sites, scale.sites)
+    noise = {target: calibrate_noise_multiplier(target, sample, scale.rounds, delta=DELTA) for target in scale.targets}
     with Progress(*columns) as progress:
-        history, grid = one_run(run_config(scale), progress, "no DP")
-        clip = statistics.median(grid.norms[0])
-        runs.append(summarise(None, 0.0, clip, scale, history))
-        sample = RoundSample(scale.sites, scale.sites)
-        for target in scale.targets:
-            z = calibrate_noise_multiplier(target, sample, scale.rounds, delta=DELTA)
-            cfg = run_config(scale, dp_noise_multiplier=z, dp_clip=clip, dp_delta=DELTA)
-            history, _ = one_run(cfg, progress, f"epsilon {target:g}")
-            runs.append(summarise(target, z, clip, scale, history))
-    return {"benchmark": NAME, "scale": asdict(scale), "delta": DELTA, "clip": clip, "runs": runs}
+        for strategy in scale.strategies:
+            history, grid = one_run(run_config(scale, strategy), progress, f"{strategy} no DP")
+            clip = clips[strategy] = statistics.median(grid.norms[0])
+            runs.append(summarise(None, 0.0, clip, scale, history, strategy=strategy))
+            for target, z in noise.items():
+                cfg = run_config(scale, strategy, dp_noise_multiplier=z, dp_clip=clip, dp_delta=DELTA)
+                history, _ = one_run(cfg, progress, f"{strategy} epsilon {target:g}")
+                runs.append(summarise(target, z, clip, scale, history, strategy=strategy))
+    return {"benchmark": NAME, "scale": asdict(scale), "delta": DELTA, "clips": clips, "runs": runs,
+            "seconds": time.perf_counter() - started}
 
 
-def summarise(target: float | None, z: float, clip: float, scale: Scale, history: list[dict[str, Any]]) -> dict[str, Any]:
-    """One run: its noise, the epsilon it spent (the accountant's, as the run reported it) and its accuracy."""
+def summarise(
+    target: float | None, z: float, clip: float, scale: Scale, history: list[dict[str, Any]], *, strategy: str = "",
+) -> dict[str, Any]:
+    """One run: its noise, the epsilon it spent (both accountants', as the run reported them) and its accuracy."""
     return {
+        "strategy": strategy,
         "target_epsilon": target,
         "noise_multiplier": z,
+        "clip": clip,
         "noise_std": z * clip / scale.sites,
         "epsilon": history[-1]["dp_epsilon"],
         "epsilon_exact": history[-1].get("dp_epsilon_exact"),
@@ -136,51 +159,76 @@ def summarise(target: float | None, z: float, clip: float, scale: Scale, history
 def markdown(summary: dict[str, Any]) -> str:
     scale = summary["scale"]
     lines = [
-        f"# Accuracy against epsilon (clinical-text, {scale['sites']} sites x {scale['samples_per_site']} notes, "
-        f"{scale['rounds']} rounds)",
+        f"# Accuracy against epsilon (clinical-text, {scale['sites']} sites, {scale['sites'] * scale['samples_per_site']} "
+        f"notes dealt by {scale['partition']}, {scale['rounds']} rounds)",
         "",
-        f"Clip C = {summary['clip']:.3f} (median update norm of the non-private run's first round); every site "
-        f"trains every round; delta = {summary['delta']:g}.",
+        "Central DP only (distributed DP, `--secagg --dp-clip`, is not in this benchmark). Clip C per strategy = the median update "
+        "norm of its non-private run's first round; every site trains every round; delta = "
+        f"{summary['delta']:g}. Under DP, Hydra plans from the weights (no site data).",
         "",
-        "| target epsilon | noise multiplier z | noise std per coordinate (z C / n) | epsilon spent (RDP) | "
-        "epsilon spent (exact, PLD) | final accuracy |",
-        "|---|---|---|---|---|---|",
+        "| strategy | target epsilon | noise multiplier z | clip C | noise std per coordinate (z C / n) | "
+        "epsilon spent (RDP) | epsilon spent (exact, PLD) | final accuracy |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for run in summary["runs"]:
         target = "no DP" if run["target_epsilon"] is None else f"{run['target_epsilon']:g}"
         spent = "inf" if run["epsilon"] is None else f"{run['epsilon']:.3f}"
         exact = "inf" if run["epsilon_exact"] is None else f"{run['epsilon_exact']:.3f}"
-        lines.append(f"| {target} | {run['noise_multiplier']:.3f} | {run['noise_std']:.4f} | {spent} | {exact} | "
-                     f"{run['accuracy']:.3f} |")
+        lines.append(f"| {run['strategy']} | {target} | {run['noise_multiplier']:.3f} | {run['clip']:.3f} | "
+                     f"{run['noise_std']:.4f} | {spent} | {exact} | {run['accuracy']:.3f} |")
+    if "seconds" in summary:
+        lines += ["", f"{len(summary['runs'])} runs in {summary['seconds'] / 60:.1f} minutes."]
     return "\n".join(lines) + "\n"
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
-    fig, (per_round, final) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for run in summary["runs"]:
-        label = "no DP" if run["target_epsilon"] is None else f"epsilon {run['target_epsilon']:g} (z {run['noise_multiplier']:.2f})"
-        per_round.plot(range(len(run["accuracy_per_round"])), run["accuracy_per_round"], marker="o", label=label)
-    per_round.set_xlabel("round")
-    per_round.set_ylabel("accuracy")
-    per_round.legend(fontsize="small")
-    private = [run for run in summary["runs"] if run["epsilon"] is not None]
-    final.plot([run["epsilon"] for run in private], [run["accuracy"] for run in private], marker="o", label="central DP")
-    baseline = next((run["accuracy"] for run in summary["runs"] if run["target_epsilon"] is None), math.nan)
-    final.axhline(baseline, linestyle="--", color="grey", label="no DP")
+    strategies = list(dict.fromkeys(run["strategy"] for run in summary["runs"]))
+    fig = plt.figure(figsize=(3.2 * max(len(strategies), 2), 7.5))
+    grid = fig.add_gridspec(2, len(strategies))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    final = fig.add_subplot(grid[1, :])
+    for column, strategy in enumerate(strategies):
+        per_round = fig.add_subplot(grid[0, column])
+        runs = [run for run in summary["runs"] if run["strategy"] == strategy]
+        for run in runs:
+            label = "no DP" if run["target_epsilon"] is None else f"epsilon {run['target_epsilon']:g} (z {run['noise_multiplier']:.2f})"
+            per_round.plot(range(len(run["accuracy_per_round"])), run["accuracy_per_round"], marker="o", label=label)
+        per_round.set_title(strategy)
+        per_round.set_ylim(0.0, 1.0)
+        per_round.set_xlabel("round")
+        per_round.set_ylabel("accuracy")
+        per_round.legend(fontsize="x-small")
+        colour = colours[column % len(colours)]
+        private = [run for run in runs if run["epsilon"] is not None]
+        final.plot([run["epsilon"] for run in private], [run["accuracy"] for run in private],
+                   marker="osD^v<>"[column % 7], markersize=max(9 - column, 3), color=colour, label=f"{strategy}, central DP")
+        baseline = next((run["accuracy"] for run in runs if run["target_epsilon"] is None), math.nan)
+        final.axhline(baseline, linestyle="--", color=colour, label=f"{strategy}, no DP")
     final.set_xscale("log")
-    final.set_xlabel(f"epsilon spent (delta {summary['delta']:g})")
+    final.set_xlabel(f"epsilon spent, RDP (delta {summary['delta']:g})")
     final.set_ylabel("final accuracy")
-    final.legend(fontsize="small")
+    final.legend(fontsize="small", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(value) for value in text.split(",") if value.strip())
+
+
 def main() -> None:
-    args = benchmark_parser(__doc__, "3 sites, 2 rounds, no DP and epsilon 4").parse_args()
+    parser = benchmark_parser(__doc__, "3 sites, 2 rounds, each strategy without DP and at epsilon 4")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated strategies")
+    parser.add_argument("--targets", default="", help="comma-separated target epsilons (default: 1000,128,8,4,1; quick: 4)")
+    args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    summary = {**run(QUICK if args.quick else FULL), "quick": args.quick}
+    logging.getLogger("flwr").setLevel(logging.WARNING)  # Flower logs every round's sampling: hundreds of lines
+    scale = QUICK if args.quick else FULL
+    strategies = tuple(name.strip() for name in args.strategies.split(",") if name.strip())
+    scale = replace(scale, strategies=strategies, targets=_floats(args.targets) or scale.targets)
+    summary = {**run(scale), "quick": args.quick}
     (args.out / f"{NAME}.json").write_text(json.dumps(summary, indent=1))
     (args.out / f"{NAME}.md").write_text(markdown(summary))
     plot(summary, args.out / f"{NAME}.png")
