@@ -127,7 +127,8 @@ class RunConfig:
     the averaged delta and a full-data delta, which costs one extra training run per round."""
     dp_noise_multiplier: float = 0.0
     """Central differential privacy: Gaussian noise of std z * dp_clip on the sum of the sites' clipped updates
-    (z / n per coordinate of the mean, n the sites that trained it); 0 = no noise."""
+    (z / n per coordinate of the mean, n the sites that trained it); 0 = no noise. With --secagg the sites add
+    it, each a Skellam share before masking (`hydrafl.secagg.noise`)."""
     dp_clip: float = 0.0
     """Central DP: L2 bound on each site's update (the initial bound with `--dp-adaptive`); 0 = no clipping."""
     dp_adaptive: bool = False
@@ -251,7 +252,12 @@ class RunConfig:
         # secure aggregation hands the coordinator the sites' sum alone: whatever needs one site's update refuses
         _check(not self.secagg or not self.strategy or self._knob_class.secure_sum, "secagg", self.secagg,
                f"off for strategy {self.strategy!r}: it needs each site's own update, not their sum")
-        for key, value, off in (("dp-clip", self.dp_clip, 0.0), ("screen-norm", self.screen_norm, 0.0),
+        _check(not (self.secagg and self.dp_clip) or not self._knob_class.slices_transformer, "dp-clip", self.dp_clip,
+               f"0 with --secagg for strategy {self.strategy!r}: distributed DP noises whole-model sums, and its "
+               "sites train slices")
+        _check(not (self.secagg and self.dp_adaptive), "dp-adaptive", self.dp_adaptive,
+               "off with --secagg: adaptive clipping needs each site's clipped-or-not bit, which the coordinator never sees")
+        for key, value, off in (("screen-norm", self.screen_norm, 0.0),
                                 ("screen-cosine", self.screen_cosine, -1.0), ("diagnostics", self.diagnostics, False),
                                 ("robust-rule", getattr(self.options, "robust_rule", "mean"), "mean")):
             _check(not self.secagg or value == off, key, value, f"{off} with --secagg: the coordinator never sees one site's update")

@@ -104,7 +104,7 @@ class RoundDriver:
         self.config = config
         self.weights_from_deltas = not (isinstance(strategy, ConsumesDeltas) and strategy.consumes_deltas)
         self.weighted_by_key: str = strategy.weighted_by_key if isinstance(strategy, FedAvg) else protocol.WEIGHT
-        self.privacy = PrivacyLedger.from_run_config(config.run_config)
+        self.privacy = PrivacyLedger.from_run_config(config.run_config, config.secagg)
         self.scheme = Scheme.from_config(config.train_config)
         """How sites compress their updates (`--compress`); replies are decoded as they arrive."""
         self.downloads = DownloadCompression.from_config(config.train_config)

@@ -62,6 +62,9 @@ class RoundRecord:
     """Central DP: the same from the exact (PLD) accountant; `hydrafl.privacy.accountant` says which is tighter."""
     dp_clip: float | None = None
     """Central DP: the clipping bound this round used (it moves with adaptive clipping)."""
+    dp_noise_multiplier: float | None = None
+    """Central DP: the noise multiplier the round is accounted with; with secure aggregation, the effective one of
+    the noise its surviving sites added (`hydrafl.secagg.noise`)."""
     dp_sites_available: int = 0
     """Central DP: the sites the round could sample (the accountant's population; its sample: the messages)."""
     local_epsilon_per_site: dict[str, float] = field(default_factory=dict)

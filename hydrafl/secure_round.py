@@ -2,6 +2,9 @@
 around the strategy's own train messages, ending in one synthetic reply that holds the survivors' weighted
 mean update and their total weight (what a weighted-mean strategy computes from all replies: the same result).
 
+With distributed DP (`secagg.noise`) every site weighs 1 and adds its noise share before masking: the reply
+holds the survivors' noised mean, which the strategy steps on as it is (no coordinator noise on top).
+
 A subnetwork strategy's sites train slices: each expands its slices to full shapes with a 0/1 weight per
 coordinate, and the one reply holds the per-coordinate sums instead (`hooks.TakesSecureSums`).
 
@@ -27,6 +30,7 @@ from flwr.common.serde import config_record_to_proto
 from hydrafl import protocol
 from hydrafl.arrays import record_nbytes
 from hydrafl.secagg import SecAggError, SecAggParams, ServerSession, decode_sum, wire
+from hydrafl.secagg.noise import DistributedNoise
 from hydrafl.strategies.hooks import TakesSecureSums
 from hydrafl.updates import InvalidUpdate, check_metrics, records
 
@@ -75,6 +79,8 @@ class SecureRound:
         size = sum(math.prod(arrays[name].shape) for name in layout.names)
         length = 2 * size if layout.per_coordinate else 1 + size
         participants = [m.metadata.dst_node_id for m in messages]
+        if self.params.dp_clip:  # before any site is asked: a sum that could wrap is refused, not decoded
+            DistributedNoise.of(layout.scaled(self.params), size, len(participants)).check_range()
         started = time.perf_counter()
         session = ServerSession.start(server_round, participants, self.params, length)
         setup = wire.keys_request(server_round, participants, self.params, layout)
@@ -118,7 +124,7 @@ class SecureRound:
         names = list(records(messages[0].content, ArrayRecord)[0])
         if any(list(records(m.content, ArrayRecord)[0]) != names for m in messages):
             raise SecAggError("the strategy sent sites different arrays: their updates cannot be summed")
-        return wire.Layout(self.weighted_by_key, names)
+        return wire.Layout(self.weighted_by_key, names, count_once=bool(self.params.dp_clip))
 
     def _routed(self, session: ServerSession, node: int) -> dict:
         """What a site's train message carries for the protocol: its shares, and a subnetwork's slices."""

@@ -1,8 +1,9 @@
 """A site's side of secure aggregation over the Message API: it answers the protocol's queries itself (the
 ClientApp never sees them) and masks a train reply after the site policy, so what leaves is the policy's
-update, encoded and masked. The round's session lives in the site's persistent `context.state`, next to the
-site's identity, which whoever runs the site puts there (`install_identity`: the site agent from its
-`--secagg-identity` file, a simulation from the keys it issues): never anything the coordinator sent."""
+update, encoded and masked (with distributed DP, clipped and noised first: `secagg.noise`). The round's
+session lives in the site's persistent `context.state`, next to the site's identity, which whoever runs the site
+puts there (`install_identity`: the site agent from its `--secagg-identity` file, a simulation from the keys it
+issues): never anything the coordinator sent."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 
 from hydrafl import protocol
 from hydrafl.secagg import SecAggError, SiteIdentity, SiteSession, encode, wire
+from hydrafl.secagg.noise import DistributedNoise
 from hydrafl.updates import records
 
 STATE_KEY = "secagg"
@@ -65,7 +67,10 @@ def masked_reply(message: Message, reply: Message, context: Context, routed: Con
     if reply.has_error():
         return reply
     session = _load(context)
-    _, _, _, layout = wire.parse_keys_request(context.state[STATE_KEY])
+    _, participants, _, layout = wire.parse_keys_request(context.state[STATE_KEY])
+    distributed = bool(session.params.dp_clip)
+    if distributed and (layout.per_coordinate or not layout.count_once):
+        raise SecAggError("distributed DP needs every site to weigh 1 on the whole model, and this layout does not")
     [(array_key, delta)] = [(k, r) for k, r in reply.content.items() if isinstance(r, ArrayRecord)]
     [metrics] = records(reply.content, MetricRecord)
     weight = metrics[layout.weight_key]
@@ -76,7 +81,12 @@ def masked_reply(message: Message, reply: Message, context: Context, routed: Con
         if list(delta) != layout.names or any(tuple(delta[n].shape) != tuple(sent[n].shape) for n in layout.names):
             raise SecAggError("the update's arrays differ from the model the round sent: it cannot be summed securely")
         flat, weights = np.concatenate([delta[name].numpy().astype(np.float64).ravel() for name in layout.names]), weight
-    masked = session.mask(encode(flat, weights, layout.scaled(session.params), np.random.default_rng()), wire.parse_sealed(routed))
+    params, rng = layout.scaled(session.params), np.random.default_rng()
+    if distributed:  # the site's own clip and noise share: the coordinator only ever sees a noised sum
+        encoded = DistributedNoise.of(params, flat.size, len(participants)).encode(flat, params, rng)
+    else:
+        encoded = encode(flat, weights, params, rng)
+    masked = session.mask(encoded, wire.parse_sealed(routed))
     _save(context, session)
     content = RecordDict()
     for key, record in reply.content.items():

@@ -243,7 +243,7 @@ def test_strategies_that_need_each_sites_update_refuse_secure_aggregation(strate
         SMALL_RUN.replace(strategy=strategy, secagg=True, lora_rank=4)
 
 
-@pytest.mark.parametrize(("key", "value"), [("dp_clip", 1.0), ("screen_norm", 3.0), ("diagnostics", True),
+@pytest.mark.parametrize(("key", "value"), [("screen_norm", 3.0), ("diagnostics", True),
                                             ("robust_rule", "median")])
 def test_what_needs_one_sites_update_at_the_coordinator_refuses_secure_aggregation(key, value):
     with pytest.raises(ConfigError, match=f"invalid --{key.replace('_', '-')}=.*with --secagg"):

@@ -92,10 +92,11 @@ class CentralDp:
 
 
 def central_dp(run: RunConfig, *, seed: int | None = None) -> CentralDp | None:
-    """The run's central DP (None when it clips nothing). Adaptive clipping's count noise is Andrew et al.'s
-    sites / 20, raised to z where that is less, so any z works at any number of sites (the model's noise is
-    then at most 2 / sqrt(3) = 1.155 times z C)."""
-    if not run.dp_clip:
+    """The run's central DP (None when it clips nothing, or under secure aggregation, where the sites clip and
+    noise: `hydrafl.secagg.noise`). Adaptive clipping's count noise is Andrew et al.'s sites / 20, raised to z
+    where that is less, so any z works at any number of sites (the model's noise is then at most
+    2 / sqrt(3) = 1.155 times z C)."""
+    if not run.dp_clip or run.secagg:
         return None
     adaptive = None
     if run.dp_adaptive:
@@ -106,7 +107,8 @@ def central_dp(run: RunConfig, *, seed: int | None = None) -> CentralDp | None:
 
 def with_central_dp(strategy: Strategy, run: RunConfig) -> Strategy:
     """`strategy` with the run's central DP: a hydrafl strategy takes it into its own aggregation (it declares
-    `central_dp`), a Flower strategy built on the mean runs behind `NoisedMean`; any other is refused."""
+    `central_dp`), a Flower strategy built on the mean runs behind `NoisedMean`; any other is refused. Under
+    secure aggregation the strategy is returned as it is: its one reply already holds the noised mean."""
     dp = central_dp(run)
     if dp is None:
         return strategy

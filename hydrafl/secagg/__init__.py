@@ -6,7 +6,8 @@ state machines and `wire` their messages' flat form; `hydrafl.secure_round` (coo
 Stages: setup (signed public keys and a commitment to the self-mask seed), share keys (encrypted Shamir shares
 of the pairwise secret key and the self-mask seed, routed through the coordinator), collect masked vectors,
 consistency check (survivors sign the survivor set), unmask (survivors reveal the self-mask shares of survivors
-and the key shares of sites that dropped after sharing keys). `identity` is what makes the coordinator's routing
+and the key shares of sites that dropped after sharing keys). `noise` is distributed DP: each site's clip and
+Skellam noise share, added before masking. `identity` is what makes the coordinator's routing
 checkable: the consortium certifies each site's signing key (Bonawitz et al., CCS 2017, active adversary).
 """
 

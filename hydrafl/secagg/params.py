@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MODULUS = 1 << 32
@@ -25,6 +26,10 @@ class SecAggParams:
     """Levels of the quantiser; n sites need n * quantization_range < 2^32."""
     max_weight: int = 1000
     """A site's weight (num-examples) above this is refused: it scales the update into the clipping range."""
+    dp_clip: float = 0.0
+    """Distributed DP (`noise`): each site clips its whole update to this L2 norm and weighs 1; 0 = off."""
+    dp_noise_multiplier: float = 0.0
+    """Distributed DP: the survivors' noise shares sum to std z * dp_clip (slightly more: `noise`) per coordinate."""
 
     def __post_init__(self) -> None:
         _require(self.num_shares == 0 or self.num_shares >= 2, f"num_shares must be 0 (all) or >= 2, got {self.num_shares}")
@@ -34,6 +39,10 @@ class SecAggParams:
         _require(2 <= self.quantization_range < MODULUS and self.quantization_range % 2 == 0,
                  f"quantization_range must be an even integer in [2, 2^32), got {self.quantization_range}")
         _require(self.max_weight >= 1, f"max_weight must be >= 1, got {self.max_weight}")
+        _require(math.isfinite(self.dp_clip) and self.dp_clip >= 0, f"dp_clip must be a number >= 0, got {self.dp_clip}")
+        _require(math.isfinite(self.dp_noise_multiplier) and self.dp_noise_multiplier >= 0 and
+                 (self.dp_clip > 0 or not self.dp_noise_multiplier),
+                 f"dp_noise_multiplier must be a number >= 0, and 0 without dp_clip, got {self.dp_noise_multiplier}")
 
     def shares(self, num_sites: int) -> int:
         """Shares per secret in a round of `num_sites` sites (the neighbourhood size, itself included)."""

@@ -4,7 +4,9 @@ Layout: the weight part (exact integers: one element, or one per coordinate for 
 the quantised part, w * delta / max_weight clipped to [-c, c] and mapped by x -> x * Q / (2c) + Q / 2 onto
 [0, Q] with stochastic rounding (unbiased: E[q] = the unrounded value; 0 maps exactly to Q / 2). Each site's
 rounding moves a coordinate of w * delta by less than max_weight * 2c / Q, so the decoded weighted sum of n
-sites is within n * max_weight * 2c / Q of the exact one (`quantisation_bound`) when nothing was clipped.
+sites is within n * max_weight * 2c / Q of the exact one (`quantisation_bound`) when nothing was clipped. The
+sum, less n * Q / 2, is read as a signed 32-bit integer: without noise it lies in [-n Q / 2, n Q / 2], and the
+sites' distributed-DP noise (`noise`) may take it anywhere in [-2^31, 2^31).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def decode_sum(total: np.ndarray, num_sites: int, params: SecAggParams, *, per_c
         raise SecAggError(f"a summed vector of {total.size} elements does not fit the layout")
     weights = total[:width].astype(np.int64)
     scale = params.quantization_range / (2 * params.clipping_range)
-    centred = total[width:].astype(np.float64) - num_sites * params.quantization_range / 2
+    centred = (total[width:] - np.uint32(num_sites * params.quantization_range // 2)).view(np.int32).astype(np.float64)
     return weights, centred / scale * params.max_weight
 
 
