@@ -1,5 +1,5 @@
 """The configuration's keys as the command line sees them: each key's type (to parse `--key value`) and its
-default and documentation (`hydrafl simulate keys`)."""
+default and documentation (`hydrafl keys`)."""
 
 from __future__ import annotations
 

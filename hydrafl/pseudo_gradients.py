@@ -1,4 +1,5 @@
-"""Per-round diagnostics of the sites' pseudo-gradients (delta = end weights - start weights of a round).
+"""Per-round diagnostics of the sites' pseudo-gradients (delta = start weights - end weights of a round, as
+sites send them; both diagnostics are the same for the opposite sign).
 
 They check the replica-scaling claim (whitening inner optimizers scale best with more sites):
 

@@ -112,7 +112,7 @@ def strategies_with(knob: str) -> list[str]:
 
 
 def describe() -> Iterator[tuple[str, str, list[tuple[str, str, str]]]]:
-    """Per strategy: its name, the first line of its build's strategy docstring, and (knob, default, doc)."""
+    """Per strategy: its name, the first line of its config class's docstring, and (knob, default, doc)."""
     for name in strategy_names():
         config = _REGISTRY[name]
         docs = field_docs(config)

@@ -105,7 +105,7 @@ def test_no_source_file_is_over_500_lines():
 
 
 def test_the_coordinator_process_loads_no_model_code():
-    """DESIGN.md: the coordinator handles named arrays only. Checked on what a real import pulls in: the
+    """The coordinator handles named arrays only (README, Layout). Checked on what a real import pulls in: the
     coordinator, the ServerApp it runs with every strategy loaded, and the CLI's server and admin commands."""
     modules = set(import_probes.loaded("coordinator"))
     assert {"hydrafl.server_app", "hydrafl.strategies.hydra", "hydrafl.strategies.flora"} <= modules

@@ -22,7 +22,7 @@ import pydicom
 from PIL import Image
 from pydicom.errors import InvalidDicomError
 
-from hydrafl.data.files import LABELS_FILE, encode_labels, read_csv
+from hydrafl.data.csv_table import LABELS_FILE, encode_labels, read_csv
 from hydrafl.data.image_cohort import IMAGE_SIZE
 from hydrafl.data.schema import DataError, TaskSpec
 

@@ -8,26 +8,19 @@ because of one empty cell.
 
 from __future__ import annotations
 
-import csv
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from hydrafl.catalog import TABLE_SUFFIXES
+from hydrafl.data.csv_table import LABELS_FILE, Rows, encode_labels, is_finite_number, is_number, read_csv
 from hydrafl.data.image_cohort import IMAGE_SIZE
 from hydrafl.data.schema import DataError, TaskSpec
 from hydrafl.data.tokenizer import SEQ_LEN, VOCAB_SIZE, tokenize
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
-
-LABELS_FILE = "labels.csv"
-"""The file that makes a folder a DICOM folder: one row per study (its file and label)."""
-
-Rows = list[tuple[int, list[str]]]  # (1-based line number, one cell per column)
-
 
 def read_dataset(path: Path, label_column: str | None) -> tuple[TaskSpec, np.ndarray, np.ndarray]:
     """The task, raw features and int64 labels of a file or image folder (features not yet standardised).
@@ -55,32 +48,6 @@ def read_dataset(path: Path, label_column: str | None) -> tuple[TaskSpec, np.nda
     except UnicodeDecodeError as err:
         raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); re-export it as UTF-8") from err
     return _table_task(path, columns, rows, label_column)
-
-
-def read_csv(path: Path) -> tuple[list[str], Rows]:
-    """The header and the non-blank rows of a CSV file, each row as long as the header (else a DataError)."""
-    with path.open(newline="", encoding="utf-8-sig") as handle:
-        reader = csv.reader(handle)
-        header = next(reader, None)
-        if not header:
-            raise DataError(f"{path}: the file is empty; it needs a header line and at least one data row")
-        columns = [name.strip() for name in header]
-        for position, name in enumerate(columns, start=1):
-            if not name:
-                raise DataError(f"{path}, line 1: column {position} has no name; give every column a header")
-            if columns.index(name) != position - 1:
-                raise DataError(f"{path}, line 1: column {name!r} appears twice; rename one of them")
-        rows: Rows = []
-        for fields in reader:
-            if not fields:  # blank line
-                continue
-            if len(fields) != len(columns):
-                raise DataError(
-                    f"{path}, line {reader.line_num}: expected {len(columns)} fields ({', '.join(columns)}) "
-                    f"but found {len(fields)}; check delimiters and quoting on that line"
-                )
-            rows.append((reader.line_num, [field.strip() for field in fields]))
-    return columns, rows
 
 
 def _read_jsonl(path: Path) -> tuple[list[str], Rows]:
@@ -145,7 +112,7 @@ def _table_task(
     if not features:
         raise DataError(f"{path}: {label_column!r} is the only column; add feature columns (numbers or one text)")
 
-    numeric = {i: _is_number(_first_value(rows, i)) for i in features}
+    numeric = {i: is_number(_first_value(rows, i)) for i in features}
     text_columns = [columns[i] for i in features if not numeric[i]]
     numeric_columns = [columns[i] for i in features if numeric[i]]
     if text_columns and (numeric_columns or len(text_columns) > 1):
@@ -160,7 +127,7 @@ def _table_task(
                 raise DataError(
                     f"{path}, line {line_number}, column {columns[i]!r}: empty cell; fill it in or drop the row"
                 )
-            if numeric.get(i, False) and not _is_finite_number(cells[i]):
+            if numeric.get(i, False) and not is_finite_number(cells[i]):
                 raise DataError(
                     f"{path}, line {line_number}, column {columns[i]!r}: {cells[i]!r} is not a finite number, but "
                     "the column is numeric (its first value is); fix the value, or if the column is text make "
@@ -189,34 +156,6 @@ def _table_task(
 
 def _first_value(rows: Rows, column: int) -> str:
     return next((cells[column] for _, cells in rows if cells[column]), "")
-
-
-def _is_number(value: str) -> bool:
-    try:
-        float(value)
-    except ValueError:
-        return False
-    return True
-
-
-def _is_finite_number(value: str) -> bool:
-    return _is_number(value) and math.isfinite(float(value))
-
-
-def encode_labels(path: Path, label_column: str, values: list[str]) -> tuple[np.ndarray, tuple[str, ...]]:
-    """Int64 labels and the class names; class index = rank of the label among the sorted unique labels
-    (numerically if all are numbers), so every site that holds the same classes numbers them the same way."""
-    unique = set(values)
-    if all(_is_finite_number(value) for value in unique):
-        class_names = tuple(sorted(unique, key=lambda value: (float(value), value)))
-    else:
-        class_names = tuple(sorted(unique))
-    if len(class_names) < 2:
-        raise DataError(
-            f"{path}: column {label_column!r} has a single class ({class_names[0]!r}); a classifier needs at least 2"
-        )
-    index = {value: k for k, value in enumerate(class_names)}
-    return np.array([index[value] for value in values], dtype=np.int64), class_names
 
 
 def _read_image_folder(path: Path) -> tuple[TaskSpec, np.ndarray, np.ndarray]:

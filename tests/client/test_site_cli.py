@@ -104,7 +104,8 @@ def test_is_loopback():
 
 
 def test_a_site_on_this_machine_sends_its_token_without_a_clear_text_warning(refusing):
-    _, output = _site(refusing, env=TOKEN_ENV)
+    result, output = _site(refusing, env=TOKEN_ENV)
+    assert result.exit_code == 3 and refusing.joins == ["Bearer s3cret-token"]  # it got as far as sending it
     assert "without TLS" not in output  # loopback: a test on one machine
 
 
