@@ -16,6 +16,7 @@ from typing import Any
 
 from hydrafl.catalog import IMAGE_MODELS, INNER_OPTIMIZERS, NEXT_TOKEN_TASKS, SITE_TIERS, has_images, run_model
 from hydrafl.compression.layout import CompressionError, Scheme
+from hydrafl.field_docs import field_types
 from hydrafl.strategies.registry import (
     StrategyConfig,
     UnknownStrategy,
@@ -463,7 +464,7 @@ def valid_keys(strategies: tuple[str, ...] = (), *, simulation: bool = False) ->
 
 def coerce(cls: type, name: str, key: str, value: Any, source: str) -> Any:
     """Accept an int where a float is expected; reject any other type mismatch with the key named."""
-    expected = {f.name: f.type for f in dataclasses.fields(cls)}[name]
+    expected = field_types(cls)[name]
     kind = {"int": int, "float": float, "str": str, "bool": bool}[expected]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)

@@ -7,7 +7,7 @@ import dataclasses
 
 from hydrafl.config import DEFAULT_STRATEGIES, RunConfig
 from hydrafl.simulation_config import SimulationConfig
-from hydrafl.field_docs import field_docs
+from hydrafl.field_docs import field_docs, field_types
 from hydrafl.strategies.registry import config_class, strategies_with
 
 
@@ -15,13 +15,13 @@ def key_type(key: str) -> str | None:
     """The type name (bool, int, float or str) of a run-wide, simulation or strategy key; None if unknown."""
     name = key.replace("-", "_")
     for cls in (SimulationConfig, RunConfig):
-        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        types = field_types(cls)
         if name in types and types[name] in ("bool", "int", "float", "str"):
             return types[name]
     if name == "strategies":
         return "str"
     for strategy in strategies_with(name):
-        return {f.name: f.type for f in dataclasses.fields(config_class(strategy))}[name]
+        return field_types(config_class(strategy))[name]
     return None
 
 

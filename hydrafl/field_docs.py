@@ -1,9 +1,10 @@
 """Attribute docstrings of a dataclass (the string literal under each field): the one place a configuration
-key is documented, read back for `--help` and `hydrafl strategies`."""
+key is documented, read back for `--help` and `hydrafl strategies`; and each field's type by name."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import textwrap
 from functools import cache
@@ -29,3 +30,10 @@ def field_docs(cls: type) -> dict[str, str]:
             ):
                 docs[statement.target.id] = " ".join(following.value.value.split())
     return docs
+
+
+def field_types(cls: type) -> dict[str, str]:
+    """Per field name, its type's name ("int", "float", ...): a string annotation (a module with `from __future__
+    import annotations`) or the type itself (a module without), so a config class may be written either way."""
+    return {f.name: f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            for f in dataclasses.fields(cls)}

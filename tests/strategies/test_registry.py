@@ -4,7 +4,11 @@ path (flat keys -> SimulationConfig -> compare_strategies) runs it without any o
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterable
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,3 +87,27 @@ def test_its_knob_is_checked_by_name_and_listed_with_its_doc():
     listed = {name: knobs for name, _, knobs in describe()}
     assert listed["damped-average"] == [("damping", "0.5", "How much of the mean delta the global model takes.")]
     assert RunConfig.from_flower(RunConfig.build(strategy="damped-average", damping=0.25).to_flower()).options.damping == 0.25
+
+
+def test_readmes_strategy_example_works_as_written_without_postponed_annotations(tmp_path):
+    """README's "Adding a strategy" block, verbatim, in a module without `from __future__ import annotations` (its
+    knob annotated with the type `float`, not the string): its flag parses, a config file's int is taken as a float,
+    and it builds."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    example = readme.split("### Adding a strategy", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert "from __future__" not in example
+    strategy = "class MyFedAvg(FedAvg):\n    def __init__(self, *, damping, **common):\n        super().__init__(**common)\n" \
+               "        self.damping = damping\n"
+    (tmp_path / "my_strategy.py").write_text(example.replace("\n@register", f"\n{strategy}\n\n@register", 1))
+    probe = (
+        "import my_strategy\n"
+        "from hydrafl.config_keys import key_type\n"
+        "from hydrafl.config import RunConfig\n"
+        "from hydrafl.strategies import build_strategy\n"
+        "run = RunConfig.from_flower({'strategy': 'my-fedavg', 'damping': 1}, source='a config file')\n"
+        "print(key_type('damping'), type(run.options.damping).__name__, build_strategy(run).damping)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["float", "float", "1.0"]
