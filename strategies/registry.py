@@ -3,7 +3,8 @@
 A strategy module declares a frozen `StrategyConfig` subclass for its knobs (attribute docstrings are their
 help) whose `build` makes the Flower strategy, and decorates it with `@register("name")`. The first lookup
 of a name no module registered yet imports every module of `hydrafl.strategies`, so a module dropped there
-registers itself; a strategy defined anywhere else registers when its module is imported. This module imports
+registers itself; a strategy defined anywhere else registers when its module is imported, or, from an
+installed package, through the `hydrafl.strategies` entry-point group. This module imports
 neither torch nor Flower, so configuration can be read and checked without loading the strategies' code.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.metadata
 import pkgutil
 from functools import cache
 from collections.abc import Callable, Iterator
@@ -73,12 +75,20 @@ def register(name: str) -> Callable[[C], C]:
     return decorate
 
 
+ENTRY_POINT_GROUP = "hydrafl.strategies"
+"""Where an installed package declares its strategy modules (`[project.entry-points."hydrafl.strategies"]`,
+`name = "package.module"`): each is imported with the built-ins, and registers itself as they do."""
+
+
 @cache
 def _load_builtins() -> None:
-    """Import every module of the strategies package, once, so each registers what it defines."""
+    """Import every module of the strategies package, and every module an installed package declares under
+    ENTRY_POINT_GROUP, once, so each registers what it defines."""
     package = importlib.import_module("hydrafl.strategies")
     for module in pkgutil.iter_modules(package.__path__):
         importlib.import_module(f"{package.__name__}.{module.name}")
+    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        entry_point.load()
 
 
 def config_class(name: str) -> type[StrategyConfig]:

@@ -89,16 +89,38 @@ def test_its_knob_is_checked_by_name_and_listed_with_its_doc():
     assert RunConfig.from_flower(RunConfig.build(strategy="damped-average", damping=0.25).to_flower()).options.damping == 0.25
 
 
-def test_readmes_strategy_example_works_as_written_without_postponed_annotations(tmp_path):
-    """README's "Adding a strategy" block, verbatim, in a module without `from __future__ import annotations` (its
-    knob annotated with the type `float`, not the string): its flag parses, a config file's int is taken as a float,
-    and it builds."""
+def _readme_strategy_module(folder: Path) -> None:
+    """README's "Adding a strategy" block, verbatim, as `folder/my_strategy.py` (with the MyFedAvg it builds)."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     example = readme.split("### Adding a strategy", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     assert "from __future__" not in example
     strategy = "class MyFedAvg(FedAvg):\n    def __init__(self, *, damping, **common):\n        super().__init__(**common)\n" \
                "        self.damping = damping\n"
-    (tmp_path / "my_strategy.py").write_text(example.replace("\n@register", f"\n{strategy}\n\n@register", 1))
+    (folder / "my_strategy.py").write_text(example.replace("\n@register", f"\n{strategy}\n\n@register", 1))
+
+
+def _python(folder: Path, code: str) -> str:
+    result = subprocess.run([sys.executable, "-c", code], cwd=folder, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(folder)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+def test_an_installed_package_adds_a_strategy_through_the_entry_point_group(tmp_path):
+    _readme_strategy_module(tmp_path)
+    info = tmp_path / "my_strategy-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-strategy\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[hydrafl.strategies]\nmy-fedavg = my_strategy\n")
+    listed = _python(tmp_path, "from hydrafl.strategies.registry import strategy_names\nprint(*strategy_names())")
+    assert "my-fedavg" in listed.split() and "fedavg" in listed.split()  # beside the built-ins, never imported by hand
+
+
+def test_readmes_strategy_example_works_as_written_without_postponed_annotations(tmp_path):
+    """README's "Adding a strategy" block, verbatim, in a module without `from __future__ import annotations` (its
+    knob annotated with the type `float`, not the string): its flag parses, a config file's int is taken as a float,
+    and it builds."""
+    _readme_strategy_module(tmp_path)
     probe = (
         "import my_strategy\n"
         "from hydrafl.config_keys import key_type\n"
@@ -107,7 +129,4 @@ def test_readmes_strategy_example_works_as_written_without_postponed_annotations
         "run = RunConfig.from_flower({'strategy': 'my-fedavg', 'damping': 1}, source='a config file')\n"
         "print(key_type('damping'), type(run.options.damping).__name__, build_strategy(run).damping)\n"
     )
-    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "PYTHONPATH": str(tmp_path)})
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split() == ["float", "float", "1.0"]
+    assert _python(tmp_path, probe).split() == ["float", "float", "1.0"]
