@@ -81,6 +81,8 @@ class HydraConfig(BudgetConfig, OuterConfig):
         check(self.hydra_head_mode in HEAD_MODES, "hydra-head-mode", self.hydra_head_mode, ", ".join(HEAD_MODES))
         check(self.hydra_lora in HYDRA_LORA, "hydra-lora", self.hydra_lora, ", ".join(HYDRA_LORA))
         check(self.outer in OUTER_OPTIMIZERS, "outer", self.outer, ", ".join(OUTER_OPTIMIZERS))
+        self.refuse_ignored(("outer_lr", "outer_momentum", "outer_nesterov"), used=self.outer == "nesterov",
+                            why="with --outer none (hydra's default: the plain masked mean); set --outer nesterov")
 
     def build(self, run: RunConfig, **common: Any) -> Hydra:
         check(

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from hydrafl.field_docs import field_docs
+from hydrafl.validation import ConfigError
 
 if TYPE_CHECKING:
     from flwr.serverapp.strategy import Strategy
@@ -55,6 +56,16 @@ class StrategyConfig:
     def build(self, run: RunConfig, **common: Any) -> Strategy:
         """The strategy for `run`; `common` are Flower's sampling arguments (fractions, minimum nodes)."""
         raise NotImplementedError
+
+    def refuse_ignored(self, knobs: tuple[str, ...], *, used: bool, why: str) -> None:
+        """Refuse, by name, a knob set away from its default where the chosen configuration (`used` False)
+        never reads it: a silently ignored setting is a misconfiguration found only in the results."""
+        if used:
+            return
+        for field in dataclasses.fields(self):
+            if field.name in knobs and getattr(self, field.name) != field.default:
+                flag = field.name.replace("_", "-")
+                raise ConfigError(f"invalid --{flag}={getattr(self, field.name)!r}: it is ignored {why}")
 
 
 

@@ -15,7 +15,7 @@ from helpers import FakeGrid, configure_round, make_reply, make_scores_reply, se
 from flwr.app import ConfigRecord
 
 from hydrafl.site_app import slice_layout
-from hydrafl.config import RunConfig
+from hydrafl.config import ConfigError, RunConfig
 from hydrafl.data import TaskSpec
 from hydrafl.backbones import TinyShape, build_causal_lm
 from hydrafl.models import build_model
@@ -203,3 +203,10 @@ def test_declared_memory_and_the_round_deadline_shrink_a_sites_hydra_net_by_hand
     specs = _sized(Hydra(planner=SitePlanner(local_steps=10, timeout_s=2.5)), {1: {"cost": cost}, 2: {}})
     assert specs[1].layers == (0, 1) and specs[1].heads_for(0) == (0,) and specs[1].heads_for(1) == (0,)
     assert specs[2].layers == (0, 1, 2, 3)  # measured nothing: nothing to size against the deadline
+
+
+def test_outer_knobs_that_the_default_outer_step_ignores_are_refused_by_name():
+    for knob, value in (("outer_lr", 0.5), ("outer_momentum", 0.0), ("outer_nesterov", False)):
+        with pytest.raises(ConfigError, match=f"--{knob.replace('_', '-')}=.*ignored with --outer none"):
+            RunConfig.build(strategy="hydra", **{knob: value})
+        assert getattr(RunConfig.build(strategy="hydra", outer="nesterov", **{knob: value}).options, knob) == value
