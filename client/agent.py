@@ -248,9 +248,11 @@ class SiteAgent:
             reply = _error_reply(request, ErrorCode.MOD_FAILED_PRECONDITION, reason)
         except Exception as error:  # the site's own failure: the full story stays in its log
             name = type(error).__name__
-            log.warning("message %s failed: %s: %s", envelope.message_id[:8], name, error, exc_info=True)
+            # one line; the traceback with -v (DEBUG), where a site's operator looks for it
+            log.warning("message %s failed: %s: %s", envelope.message_id[:8], name, " ".join(str(error).split()),
+                        exc_info=log.isEnabledFor(logging.DEBUG))
             full = disk_full(error, _probe_bytes(envelope))
-            if full:  # said on its own line: the operator's fix is space, not the traceback above
+            if full:  # said on its own line: the operator's fix is space, not the failure above
                 log.error("disk full: %s; this message fails, the site serves the next one once there is space", full[1])
             reason = f"disk full ({full[0]}): {DISK_FULL_REASON}" if full else local_reason(error)
             reply = _error_reply(request, ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
-from hydrafl.catalog import IMAGE_MODELS, INNER_OPTIMIZERS, NEXT_TOKEN_TASKS, SITE_TIERS, has_images, run_model
+from hydrafl.catalog import IMAGE_MODELS, INNER_OPTIMIZERS, NEXT_TOKEN_TASKS, SITE_TIERS, TASKS, has_images, run_model
 from hydrafl.compression.layout import CompressionError, Scheme
 from hydrafl.field_docs import field_types
 from hydrafl.strategies.registry import (
@@ -23,6 +24,7 @@ from hydrafl.strategies.registry import (
     config_class,
     knob_names,
     mean_strategies,
+    refuse_unknown,
     strategies_with,
     strategy_names,
 )
@@ -143,6 +145,10 @@ class RunConfig:
     into the quantiser's range, so a larger bound costs precision (error <= sites x bound x 16 / 2^22)."""
     secagg_threshold: int = 0
     """Secure aggregation: sites whose shares rebuild a dropped site's masks; 0 = a majority of the sites."""
+    secagg_clip: float = 0.0
+    """Secure aggregation: each honest site clips its whole update to this L2 norm before masking (a bound on
+    what one site adds to the sum); 0 = off. Enforced by the sites only: a modified site skips it, nothing
+    proves it was applied. With --dp-clip the sites clip to that instead."""
     screen_norm: float = 0.0
     """Screening: reject a reply whose update norm is above this many times the round's median; 0 = off."""
     screen_cosine: float = -1.0
@@ -173,6 +179,9 @@ class RunConfig:
                 self.strategy,
                 f"a strategy whose knobs are {type(self.options).__name__} (got them for another strategy)",
             )
+        if not self.data and self.task not in TASKS + NEXT_TOKEN_TASKS:  # the words the cohort loader uses
+            raise ConfigError(f"unknown task {self.task!r}; choose one of {', '.join(TASKS + NEXT_TOKEN_TASKS)}, or "
+                              "pass --data for your own data")
         _check(self.sites >= 1, "sites", self.sites, "an integer >= 1")
         _check(self.rounds >= 1, "rounds", self.rounds, "an integer >= 1")
         _check(self.local_steps >= 1, "local-steps", self.local_steps, "an integer >= 1")
@@ -237,9 +246,10 @@ class RunConfig:
             "a float > 0 with --dp-noise-multiplier or --dp-adaptive (noise is calibrated to the clipping bound)",
         )
         _check(0 < self.dp_delta < 1, "dp-delta", self.dp_delta, "a float in (0, 1)")
-        _check(not self.dp_clip or not self.strategy or self._knob_class.secure_sum, "dp-clip", self.dp_clip,
-               f"0 for strategy {self.strategy!r}: its output is not a post-processing of the noised mean of the "
-               f"clipped updates, so the accounted epsilon would not bound it (use one of {', '.join(mean_strategies())})")
+        if self.dp_clip and self.strategy and not self._knob_class.secure_sum:  # the list loads every strategy
+            _check(False, "dp-clip", self.dp_clip,
+                   f"0 for strategy {self.strategy!r}: its output is not a post-processing of the noised mean of the "
+                   f"clipped updates, so the accounted epsilon would not bound it (use one of {', '.join(mean_strategies())})")
         robust_rule = getattr(self.options, "robust_rule", "mean")
         _check(robust_rule == "mean" or not self.dp_clip, "robust-rule", robust_rule,
                "mean with --dp-clip (central DP calibrates its noise to the clipped mean, not to a median)")
@@ -247,6 +257,9 @@ class RunConfig:
         _check(self.secagg_threshold == 0 or max(2, self.sites // 2 + 1) <= self.secagg_threshold <= self.sites,
                "secagg-threshold", self.secagg_threshold, f"0 (a majority) or {max(2, self.sites // 2 + 1)}..{self.sites}: "
                "at or below half the sites, a coordinator that lies can unmask one site's update")
+        _check(math.isfinite(self.secagg_clip) and self.secagg_clip >= 0, "secagg-clip", self.secagg_clip, "a number >= 0 (0 = off)")
+        _check(not self.secagg_clip or (self.secagg and not self.dp_clip), "secagg-clip", self.secagg_clip,
+               "0 without --secagg, and 0 with --dp-clip (the sites already clip to --dp-clip)")
         _check(self.screen_norm == 0 or self.screen_norm >= 1, "screen-norm", self.screen_norm, "0 (off) or >= 1")
         _check(-1 <= self.screen_cosine <= 1, "screen-cosine", self.screen_cosine, "a float in [-1, 1] (-1 = off)")
         self._check_compression()
@@ -382,6 +395,14 @@ class RunConfig:
         older hydrafl, which kept every strategy's knobs in every run, still starts."""
         values = {key.replace("-", "_"): value for key, value in run_config.items()}
         strategy = str(values.get("strategy", "fedavg"))
+        try:
+            refuse_unknown([strategy])
+        except UnknownStrategy as error:
+            raise ConfigError(f"--strategy: {error}") from None
+        run_wide = {name: value for name, value in values.items() if name in RUN_WIDE_KEYS}
+        # the run-wide values first, without a strategy: before its module (and torch) loads, as simulate does
+        cls(**{name: coerce(cls, name, name.replace("_", "-"), value, source) for name, value in run_wide.items()},
+            strategy="")
         if other_knobs:
             own = set(knob_names(checked_config_class(strategy)))
             dropped = sorted(k for k in values if k not in RUN_KEYS and k not in own and strategies_with(k))

@@ -132,6 +132,8 @@ class RoundDriver:
             record.loss, record.accuracy = evaluation.loss, evaluation.accuracy
             record.bytes_down += evaluation.bytes_down
             record.bytes_up += evaluation.bytes_up
+            record.secagg_bytes += evaluation.secagg_bytes
+            record.secagg_s += evaluation.secagg_s
             record.gap_s = started - last_end if server_round > first_round else 0.0
             last_end = time.perf_counter()
             record.seconds = last_end - started
@@ -293,6 +295,8 @@ class RoundDriver:
         messages = self.downloads.prepare(messages, server_round, full=server_round == self.config.num_rounds)
         record = RoundRecord(round=server_round)
         self._count_down(messages, record)
+        if self.config.secagg is not None:  # the sites' metrics and example counts are summed masked, too
+            return self._secure_evaluation(server_round, messages, record)
         replies = []
         for reply in sorted(self._exchange(messages, server_round), key=lambda reply: reply.metadata.src_node_id):
             reason = reply.error.reason if reply.has_error() else self._invalid_evaluation(reply)
@@ -306,6 +310,22 @@ class RoundDriver:
             self._count_up(reply, record)
         record.sites_ok = len(replies)
         metrics = self.strategy.aggregate_evaluate(server_round, replies) if replies else None
+        record.loss, record.accuracy = _metric(metrics, "loss"), _metric(metrics, "accuracy")
+        return record
+
+    def _secure_evaluation(self, server_round: int, messages: Sequence[Message], record: RoundRecord) -> RoundRecord:
+        """Evaluation under secure aggregation (`SecureRound.evaluate`); when it cannot complete, the round
+        reports no loss or accuracy rather than any site's in the clear."""
+        if len(messages) < 2:
+            log.warning("round %d: secure evaluation needs at least 2 sites, %d asked; no evaluation", server_round, len(messages))
+            return record
+        secure = SecureRound(self._exchange, self.config.secagg, self.weighted_by_key, self.strategy)
+        try:
+            reply = secure.evaluate(server_round, messages, record)
+        except SecAggError as error:
+            log.warning("round %d: secure evaluation failed, no evaluation this round: %s", server_round, error)
+            return record
+        metrics = self.strategy.aggregate_evaluate(server_round, [reply])
         record.loss, record.accuracy = _metric(metrics, "loss"), _metric(metrics, "accuracy")
         return record
 

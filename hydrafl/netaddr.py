@@ -62,3 +62,27 @@ def _host(target: str) -> str:
     if target.count(":") == 1:
         return target.partition(":")[0]
     return target  # a bare host, or a bare IPv6 address
+
+
+GRPC_SCHEMES = ("dns:", "ipv4:", "ipv6:")
+MAX_PORT = 65535
+
+
+def check_address(flag: str, text: str, *, bare_port: bool = False) -> None:
+    """Refuse an address whose port no socket can have, before anything starts: gRPC would otherwise serve a
+    port out of range modulo 65536 (--listen 127.0.0.1:70000 listens on 4464). HOST:PORT, [V6]:PORT, a unix:
+    or dns:/ipv4:/ipv6: target (left to gRPC), or with `bare_port` a PORT alone. Pure: no name is resolved."""
+    from hydrafl.validation import ConfigError
+
+    target = text.strip()
+    if target.startswith(LOCAL_SCHEMES + GRPC_SCHEMES):
+        return
+    host, colon, port = target.rpartition(":")
+    if not colon and bare_port:
+        host, port = "127.0.0.1", target
+    wanted = "HOST:PORT" + (" or PORT" if bare_port else "")
+    if not host or not port.isdigit():
+        raise ConfigError(f"invalid {flag}={text!r}: expected {wanted}, the port a number in 0..{MAX_PORT}")
+    if int(port) > MAX_PORT:
+        raise ConfigError(f"invalid {flag}={text!r}: port {int(port)} is out of range; expected {wanted} with the "
+                          f"port in 0..{MAX_PORT}")

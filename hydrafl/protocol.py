@@ -58,7 +58,8 @@ SECAGG_RECORD = "secagg"
 """The ConfigRecord of every secure-aggregation message, both ways (`hydrafl.secagg.wire` fields); in a train
 message it carries the encrypted shares routed to the site."""
 SECAGG_MASKED = "secagg.masked"
-"""Secure aggregation: the one array (uint32) of a train reply, the site's masked encoded update."""
+"""Secure aggregation: the one array (uint32) of a train or evaluate reply, the site's masked encoded update
+and metrics (nothing else travels in the clear)."""
 
 # Record keys of a site's replies.
 WEIGHT = "num-examples"

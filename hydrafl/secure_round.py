@@ -1,6 +1,9 @@
 """The coordinator's side of secure aggregation over the Message API: one training round's protocol stages
 around the strategy's own train messages, ending in one synthetic reply that holds the survivors' weighted
-mean update and their total weight (what a weighted-mean strategy computes from all replies: the same result).
+mean update, their total weight and the weighted mean of their train loss, all decoded from one masked sum
+(what a weighted-mean strategy computes from all replies: the same result). Evaluation runs the same protocol
+on the evaluate messages (purpose "evaluate"): the sites' loss and accuracy, weighted by their test examples,
+are summed masked too, so under --secagg no per-site metric or example count travels in the clear.
 
 With distributed DP (`secagg.noise`) every site weighs 1 and adds its noise share before masking: the reply
 holds the survivors' noised mean, which the strategy steps on as it is (no coordinator noise on top).
@@ -20,7 +23,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
@@ -29,14 +33,25 @@ from flwr.common.serde import config_record_to_proto
 
 from hydrafl import protocol
 from hydrafl.arrays import record_nbytes
-from hydrafl.secagg import SecAggError, SecAggParams, ServerSession, decode_sum, wire
+from hydrafl.secagg import SecAggError, SecAggParams, ServerSession, decode_metrics, decode_sum, wire
 from hydrafl.secagg.noise import DistributedNoise
+from hydrafl.secagg.quantize import METRIC_SLOTS
 from hydrafl.strategies.hooks import TakesSecureSums
-from hydrafl.updates import InvalidUpdate, check_metrics, records
+from hydrafl.updates import InvalidUpdate, records
 
 log = logging.getLogger(__name__)
 
 Exchange = Callable[[Sequence[Message], int], Iterator[Message]]
+
+METRIC_RANGE = 64.0
+"""Loss-like metrics are summed clipped to [0, 64): a site's loss above 64 counts as 64 (a cross-entropy that
+high is a diverged site; a class-balanced guess over 1000 classes is 6.9). With Q = 2^22 levels, each site's
+rounding moves the decoded mean by under max_weight x 64 / 2^22 / total weight (`quantize.metric_bound`)."""
+TRAIN_METRICS = (("train_loss", METRIC_RANGE),)
+"""What a secure train round sums of each site's train metrics, and their ranges; the site's other train
+metrics (throughput, memory, MFU, restarts, data hash, local epsilon) never leave it under --secagg."""
+EVALUATE_METRICS = (("loss", METRIC_RANGE), ("accuracy", 1.0))
+"""What a secure evaluation sums of each site's evaluate reply (accuracy lies in [0, 1])."""
 
 
 class RoundCounters(Protocol):
@@ -74,26 +89,58 @@ class SecureRound:
         record.bytes_up += sum(self.bytes_up_per_site.values())
         return reply
 
+    def evaluate(self, server_round: int, messages: Sequence[Message], record: RoundCounters) -> Message:
+        """The synthetic evaluate reply of the round's evaluate `messages`: the survivors' weighted mean of each
+        of EVALUATE_METRICS and their total weight, summed by the same protocol (a round of its own, purpose
+        "evaluate"), so no site's loss, accuracy or example count reaches the coordinator."""
+        layout = wire.Layout(self.weighted_by_key, [], metrics=list(EVALUATE_METRICS))
+        try:
+            weights, _, means = self._protocol(server_round, messages, layout, 1, "evaluate")
+        finally:
+            record.secagg_bytes, record.secagg_s = self.bytes, self.seconds
+        record.sites_ok = len(self.survivors)
+        record.bytes_up_per_site.update(self.bytes_up_per_site)
+        record.bytes_up += sum(self.bytes_up_per_site.values())
+        content = RecordDict({"metrics": MetricRecord({**means, self.weighted_by_key: int(weights[0])})})
+        return Message(content, reply_to=messages[0])
+
     def _train(self, server_round: int, messages: Sequence[Message], arrays: ArrayRecord) -> Message:
         layout = self._layout(messages, arrays)
         size = sum(math.prod(arrays[name].shape) for name in layout.names)
         length = 2 * size if layout.per_coordinate else 1 + size
-        participants = [m.metadata.dst_node_id for m in messages]
         if self.params.dp_clip:  # before any site is asked: a sum that could wrap is refused, not decoded
-            DistributedNoise.of(layout.scaled(self.params), size, len(participants)).check_range()
+            DistributedNoise.of(layout.scaled(self.params), size, len(messages)).check_range()
+        weights, weighted, means = self._protocol(server_round, messages, layout, length, "train", arrays)
+        if layout.per_coordinate:
+            content = {"sums": _unflatten(weighted, arrays, layout.names, "float32"),
+                       "weights": _unflatten(weights.astype(np.float64), arrays, layout.names, "float32")}
+        else:
+            content = {"arrays": _unflatten(weighted / weights[0], arrays, layout.names)}
+        return _summed_reply(messages[0], content, int(weights.max()), self.weighted_by_key, means)
+
+    def _protocol(
+        self, server_round: int, messages: Sequence[Message], layout: wire.Layout, length: int, purpose: str,
+        arrays: ArrayRecord | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
+        """One secure round over `messages` (vectors of `length` elements, then the layout's metric slots):
+        the decoded weights, weighted sum (of the update in `arrays`; empty without) and metric means."""
+        params = replace(self.params, purpose=purpose)
+        length += METRIC_SLOTS * len(layout.metrics)
+        participants = [m.metadata.dst_node_id for m in messages]
         started = time.perf_counter()
-        session = ServerSession.start(server_round, participants, self.params, length)
-        setup = wire.keys_request(server_round, participants, self.params, layout)
+        session = ServerSession.start(server_round, participants, params, length)
+        setup = wire.keys_request(server_round, participants, params, layout)
         self._ask(server_round, protocol.QUERY_SECAGG_KEYS, {n: setup for n in participants},
                   lambda node, record: session.receive_keys(node, wire.parse_keys_reply(record)))
         requests = {node: wire.shares_request(node, session.keys_for(node)) for node in session.keys}
         self._ask(server_round, protocol.QUERY_SECAGG_SHARES, requests,
                   lambda node, record: session.receive_shares(node, wire.parse_sealed(record)))
         self.seconds += time.perf_counter() - started
-        routed = [_with_record(m, self._routed(session, m.metadata.dst_node_id)) for m in messages
+        routed = [_with_record(m, self._routed(session, m.metadata.dst_node_id, arrays is not None)) for m in messages
                   if m.metadata.dst_node_id in session.sealed]
         self.bytes += sum(_config_bytes(m.content[protocol.SECAGG_RECORD]) for m in routed)
-        metrics = [self._receive_masked(session, reply) for reply in self.exchange(routed, server_round)]
+        for reply in self.exchange(routed, server_round):
+            self._receive_masked(session, reply)
         started = time.perf_counter()
         check = wire.check_request(session.check_request())
         self._ask(server_round, protocol.QUERY_SECAGG_CHECK, {n: check for n in session.survivors},
@@ -103,33 +150,34 @@ class SecureRound:
                   lambda node, record: session.receive_unmask(node, wire.parse_unmask_reply(record)))
         total, count = session.result()
         survivors = list(session.survivors)
-        weights, weighted = decode_sum(total, count, layout.scaled(self.params), per_coordinate=layout.per_coordinate)
+        cut = total.size - METRIC_SLOTS * len(layout.metrics)
+        scaled = layout.scaled(params)
+        if arrays is None:
+            weights, weighted = total[:1].astype(np.int64), np.zeros(0)
+        else:
+            weights, weighted = decode_sum(total[:cut], count, scaled, per_coordinate=layout.per_coordinate)
+        decoded = decode_metrics(total[cut:], [r for _, r in layout.metrics], scaled)
         self.seconds += time.perf_counter() - started
         self.survivors = survivors
         if not weights.any():
             raise SecAggError(f"round {server_round}: the survivors' weights sum to 0; the round halts")
-        kept = [m for m in metrics if m is not None]
-        if layout.per_coordinate:
-            content = {"sums": _unflatten(weighted, arrays, layout.names, "float32"),
-                       "weights": _unflatten(weights.astype(np.float64), arrays, layout.names, "float32")}
-        else:
-            content = {"arrays": _unflatten(weighted / weights[0], arrays, layout.names)}
-        return _summed_reply(messages[0], content, int(weights.max()), self.weighted_by_key, kept)
+        means = {name: mean for (name, _), (mean, _) in zip(layout.metrics, decoded) if mean is not None}
+        return weights, weighted, means
 
     def _layout(self, messages: Sequence[Message], arrays: ArrayRecord) -> wire.Layout:
         if self.subnets is not None:
             names = list(arrays)
             return wire.Layout(self.weighted_by_key, names, True, self.subnets.count_once,
-                               [tuple(arrays[name].shape) for name in names])
+                               [tuple(arrays[name].shape) for name in names], list(TRAIN_METRICS))
         names = list(records(messages[0].content, ArrayRecord)[0])
         if any(list(records(m.content, ArrayRecord)[0]) != names for m in messages):
             raise SecAggError("the strategy sent sites different arrays: their updates cannot be summed")
-        return wire.Layout(self.weighted_by_key, names, count_once=bool(self.params.dp_clip))
+        return wire.Layout(self.weighted_by_key, names, count_once=bool(self.params.dp_clip), metrics=list(TRAIN_METRICS))
 
-    def _routed(self, session: ServerSession, node: int) -> dict:
+    def _routed(self, session: ServerSession, node: int, train: bool) -> dict:
         """What a site's train message carries for the protocol: its shares, and a subnetwork's slices."""
         routed = {**wire.sealed_record(session.shares_for(node)), "length": session.length}
-        if self.subnets is not None:
+        if self.subnets is not None and train:
             routed.update(wire.slices_record({n: (sl.dim, sl.index) for n, sl in self.subnets.site_slices(node).items()}))
         return routed
 
@@ -156,25 +204,24 @@ class SecureRound:
             except SecAggError as error:
                 log.warning("round %d: site %d failed %s: %s", server_round, node, kind, error)
 
-    def _receive_masked(self, session: ServerSession, reply: Message) -> MetricRecord | None:
-        """Adds a site's masked vector to the session's sum; its metrics (weight excluded) when accepted."""
+    def _receive_masked(self, session: ServerSession, reply: Message) -> None:
+        """Adds a site's masked vector to the session's sum: the reply must hold that one array and nothing
+        else (no metric, count or hash travels in the clear)."""
         node = reply.metadata.src_node_id
         try:
             if reply.has_error():
                 raise SecAggError(reply.error.reason)
-            arrays, metrics = records(reply.content, ArrayRecord), records(reply.content, MetricRecord)
-            if len(arrays) != 1 or list(arrays[0]) != [protocol.SECAGG_MASKED] or len(metrics) != 1:
-                raise SecAggError(f"expected one ArrayRecord holding {protocol.SECAGG_MASKED!r} and one MetricRecord")
-            check_metrics(metrics[0], None)
+            arrays = records(reply.content, ArrayRecord)
+            if len(arrays) != 1 or list(arrays[0]) != [protocol.SECAGG_MASKED] or len(reply.content) != 1:
+                raise SecAggError(f"expected one ArrayRecord holding {protocol.SECAGG_MASKED!r} and nothing else")
             array = arrays[0][protocol.SECAGG_MASKED]
             if array.dtype != "uint32" or tuple(array.shape) != (session.length,):
                 raise SecAggError(f"the masked vector must be uint32 of shape ({session.length},)")
             session.receive_masked(node, array.numpy())
         except (SecAggError, InvalidUpdate, ValueError) as error:
             log.warning("site %d failed: secure aggregation: %s", node, error)
-            return None
+            return
         self.bytes_up_per_site[str(node)] = record_nbytes(arrays[0])
-        return metrics[0]
 
 
 def _with_record(message: Message, routed: dict) -> Message:
@@ -196,15 +243,10 @@ def _unflatten(flat: np.ndarray, arrays: ArrayRecord, names: list[str], dtype: s
 
 
 def _summed_reply(
-    template: Message, arrays: dict[str, ArrayRecord], total_weight: int, weighted_by_key: str,
-    metrics: Iterable[MetricRecord],
+    template: Message, arrays: dict[str, ArrayRecord], total_weight: int, weighted_by_key: str, means: dict[str, float],
 ) -> Message:
     """One reply standing for all survivors: their weighted mean delta (or per-coordinate sums), their total
-    weight, and the plain mean of each metric every survivor reported (their own weights are secret)."""
-    metrics = list(metrics)
-    shared = set.intersection(*(set(m) for m in metrics)) if metrics else set()
-    means = {key: float(np.mean([m[key] for m in metrics])) for key in sorted(shared)
-             if all(not isinstance(m[key], list) for m in metrics)}
+    weight, and the weighted mean of each metric decoded from the masked sum (`TRAIN_METRICS`)."""
     content = RecordDict({**arrays, "metrics": MetricRecord({**means, weighted_by_key: total_weight})})
     return Message(content, reply_to=template)
 

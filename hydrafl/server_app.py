@@ -81,7 +81,7 @@ def run_federation(
         reference_node=reference_node if cfg.diagnostics else None,
         screening=Screening(norm_factor=cfg.screen_norm, min_cosine=cfg.screen_cosine),
         secagg=SecAggParams(max_weight=cfg.secagg_max_weight, reconstruction_threshold=cfg.secagg_threshold,
-                            dp_clip=cfg.dp_clip, dp_noise_multiplier=cfg.dp_noise_multiplier)
+                            dp_clip=cfg.dp_clip, dp_noise_multiplier=cfg.dp_noise_multiplier, site_clip=cfg.secagg_clip)
         if cfg.secagg else None,
     )
     if isinstance(strategy, BuffersUpdates):

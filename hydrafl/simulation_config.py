@@ -20,8 +20,13 @@ from hydrafl.config import (
     coerce,
     unknown_key,
 )
-from hydrafl.run_folders import new_run_folder
-from hydrafl.strategies.registry import config_class, knob_names
+from hydrafl.run_folders import new_run_folder, newest_run
+from hydrafl.strategies.registry import (
+    UnknownStrategy,
+    config_class,
+    knob_names,
+    refuse_unknown,
+)
 from hydrafl.validation import ConfigError
 from hydrafl.validation import check as _check
 
@@ -40,7 +45,8 @@ class SimulationConfig:
     """inprocess (default) or ray (needs hydrafl[ray])."""
     out: str = ""
     """Output folder; empty: a new folder under hydrafl-runs/ named by the start time, linked as
-    hydrafl-runs/latest. A folder holding an earlier run is refused unless the run resumes it."""
+    hydrafl-runs/latest (with --resume: the newest run there). A folder holding an earlier run is refused unless
+    the run resumes it."""
     attack: str = ""
     """Simulated attack by a fraction of the sites (`attackers`): signflip, scale, gaussian, alie or ipm; empty:
     every site is honest (in-process backend only)."""
@@ -54,8 +60,6 @@ class SimulationConfig:
     this process, one after another. The results are the same, bit for bit, whatever the number."""
 
     def __post_init__(self) -> None:
-        if not self.out:
-            object.__setattr__(self, "out", new_run_folder())
         _check(len(self.strategies) >= 1, "strategies", self.strategies, "at least one strategy name")
         _check(not self.attack or (self.attack in ATTACKS and self.backend == "inprocess"), "attack", self.attack,
                f"empty, or one of {', '.join(ATTACKS)} on the inprocess backend")
@@ -73,6 +77,8 @@ class SimulationConfig:
             owners = [s for s in self.strategies if knob in knob_names(config_class(s))]
             if not owners:
                 raise ConfigError(unknown_key(knob.replace("_", "-"), "options", self.strategies, simulation=True))
+        if not self.out:  # once the names are known good: a new folder, or with --resume the newest run's
+            object.__setattr__(self, "out", newest_run(self.strategies) if self.run.resume else new_run_folder())
         for strategy in self.strategies:  # fail before the first strategy runs, not after it
             self.run_config(strategy)
 
@@ -108,6 +114,11 @@ def build_simulation_config(values: dict[str, Any], *, source: str = "options") 
     elif "strategies" in sim_values:
         sim_values["strategies"] = tuple(sim_values["strategies"])
     strategies = sim_values.get("strategies", DEFAULT_STRATEGIES)
+    try:  # every name and run-wide value, before the first known name loads the strategies' modules (and torch)
+        refuse_unknown(strategies)
+        RunConfig(**run_values, strategy="")  # no strategy: the checks of the run-wide values alone
+    except UnknownStrategy as error:
+        raise ConfigError(f"--strategies: {error}") from None
     for strategy in strategies:
         checked_config_class(strategy, "--strategies")
     knobs = {}

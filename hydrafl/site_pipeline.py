@@ -1,7 +1,7 @@
 """What a site does with one message, in every runtime: a compressed download is rebuilt into its model
 (`hydrafl.compression.reference`), the ClientApp answers, then the site operator's policy
 shapes what may leave (small cells, clipping, noise, privacy budget), then a train reply is compressed as the
-run asks (`hydrafl.compression.feedback`) or, under secure aggregation, masked. The site agent, the in-process
+run asks (`hydrafl.compression.feedback`) or, under secure aggregation, masked (train and evaluate replies). The site agent, the in-process
 simulation grid and Ray's simulated sites (`PipelineApp`) all answer through here, so a simulated site behaves
 as a real one."""
 
@@ -33,7 +33,7 @@ def answer(client_app: ClientApp, message: Message, context: Context, policy: Si
         return policy.decline(message, refusal)
     if _has_small_cells(message, context, policy):
         return policy.decline(message, SMALL_CELL_REASON)
-    if site_secagg.is_secagg_train(message):
+    if site_secagg.is_secagg_reply(message):
         routed = site_secagg.take_record(message)
         reply = policy.release(client_app(message=message, context=context), context)
         return site_secagg.masked_reply(message, reply, context, routed)

@@ -1,6 +1,7 @@
 """A site's side of secure aggregation over the Message API: it answers the protocol's queries itself (the
-ClientApp never sees them) and masks a train reply after the site policy, so what leaves is the policy's
-update, encoded and masked (with distributed DP, clipped and noised first: `secagg.noise`). The round's
+ClientApp never sees them) and masks a train or evaluate reply after the site policy, so what leaves is one
+masked vector: the policy's update (clipped to the run's honest-site bound, if any; with distributed DP clipped
+and noised: `secagg.noise`), the site's weight and the metrics the round sums, and nothing in the clear. The round's
 session lives in the site's persistent `context.state`, next to the site's identity, which whoever runs the site
 puts there (`install_identity`: the site agent from its `--secagg-identity` file, a simulation from the keys it
 issues): never anything the coordinator sent."""
@@ -11,7 +12,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from hydrafl import protocol
-from hydrafl.secagg import SecAggError, SiteIdentity, SiteSession, encode, wire
+from hydrafl.secagg import SecAggError, SiteIdentity, SiteSession, encode, encode_metrics, wire
 from hydrafl.secagg.noise import DistributedNoise
 from hydrafl.updates import records
 
@@ -26,8 +27,9 @@ def install_identity(context: Context, identity: SiteIdentity) -> None:
     context.state[IDENTITY_KEY] = ConfigRecord({"identity": identity.to_json()})
 
 
-def is_secagg_train(message: Message) -> bool:
-    return message.metadata.message_type == "train" and protocol.SECAGG_RECORD in message.content
+def is_secagg_reply(message: Message) -> bool:
+    """A train or evaluate message of a secure round: its reply leaves the site only masked."""
+    return message.metadata.message_type in ("train", "evaluate") and protocol.SECAGG_RECORD in message.content
 
 
 def answer_query(message: Message, context: Context) -> Message:
@@ -62,41 +64,72 @@ def take_record(message: Message) -> ConfigRecord:
     return record
 
 
-def masked_reply(message: Message, reply: Message, context: Context, routed: ConfigRecord) -> Message:
-    """`reply` (the policy's) with its delta and weight encoded and masked; its other metrics stay."""
+def masked_reply(message: Message, reply: Message, context: Context, routed: ConfigRecord, *,
+                 honest: bool = True) -> Message:
+    """`reply` (the policy's) as the one masked vector that leaves the site: a train reply's delta (clipped to
+    the run's honest-site bound, if any) and weight, then the metrics the round sums (`Layout.metrics`); an
+    evaluate reply's weight and metrics only. Nothing else of the reply leaves: no metric, count, data hash
+    or epsilon in the clear. `honest=False` plays a modified site that skips the bound (benchmarks, tests)."""
     if reply.has_error():
         return reply
     session = _load(context)
     _, participants, _, layout = wire.parse_keys_request(context.state[STATE_KEY])
+    kind = message.metadata.message_type
+    if kind != session.params.purpose:
+        raise SecAggError(f"a {kind} message in a secure round set up to sum {session.params.purpose} replies")
     distributed = bool(session.params.dp_clip)
-    if distributed and (layout.per_coordinate or not layout.count_once):
-        raise SecAggError("distributed DP needs every site to weigh 1 on the whole model, and this layout does not")
-    [(array_key, delta)] = [(k, r) for k, r in reply.content.items() if isinstance(r, ArrayRecord)]
     [metrics] = records(reply.content, MetricRecord)
     weight = metrics[layout.weight_key]
-    if layout.per_coordinate:
-        flat, weights = _expanded(delta, wire.parse_slices(routed), layout, 1 if layout.count_once else weight)
-    else:
-        sent = next(iter(message.content.array_records.values()))
-        if list(delta) != layout.names or any(tuple(delta[n].shape) != tuple(sent[n].shape) for n in layout.names):
-            raise SecAggError("the update's arrays differ from the model the round sent: it cannot be summed securely")
-        flat, weights = np.concatenate([delta[name].numpy().astype(np.float64).ravel() for name in layout.names]), weight
     params, rng = layout.scaled(session.params), np.random.default_rng()
-    if distributed:  # the site's own clip and noise share: the coordinator only ever sees a noised sum
-        encoded = DistributedNoise.of(params, flat.size, len(participants)).encode(flat, params, rng)
+    if kind == "evaluate":
+        weight = _weight(weight, layout.count_once)
+        encoded = encode(np.zeros(0), weight, params, rng)
     else:
-        encoded = encode(flat, weights, params, rng)
-    masked = session.mask(encoded, wire.parse_sealed(routed))
-    _save(context, session)
-    content = RecordDict()
-    for key, record in reply.content.items():
-        if key == array_key:
-            content[key] = ArrayRecord({protocol.SECAGG_MASKED: Array(masked)})
-        elif isinstance(record, MetricRecord):
-            content[key] = MetricRecord({k: v for k, v in record.items() if k != layout.weight_key})
+        if distributed and (layout.per_coordinate or not layout.count_once):
+            raise SecAggError("distributed DP needs every site to weigh 1 on the whole model, and this layout does not")
+        [delta] = [r for r in reply.content.values() if isinstance(r, ArrayRecord)]
+        if layout.per_coordinate:
+            flat, weights = _expanded(delta, wire.parse_slices(routed), layout, _weight(weight, layout.count_once))
         else:
-            content[key] = record
-    return Message(content, reply_to=message)
+            sent = next(iter(message.content.array_records.values()))
+            if list(delta) != layout.names or any(tuple(delta[n].shape) != tuple(sent[n].shape) for n in layout.names):
+                raise SecAggError("the update's arrays differ from the model the round sent: it cannot be summed securely")
+            flat = np.concatenate([delta[name].numpy().astype(np.float64).ravel() for name in layout.names])
+            weights = weight
+        if honest and session.params.site_clip:
+            flat = clip_norm(flat, session.params.site_clip)
+        if distributed:  # the site's own clip and noise share: the coordinator only ever sees a noised sum
+            encoded = DistributedNoise.of(params, flat.size, len(participants)).encode(flat, params, rng)
+        else:
+            encoded = encode(flat, weights, params, rng)
+        weight = _weight(weight, layout.count_once or distributed)
+    values = [_metric_value(metrics, name) for name, _ in layout.metrics]
+    slots = encode_metrics(values, weight, [r for _, r in layout.metrics], params, rng)
+    masked = session.mask(np.concatenate([encoded, slots]), wire.parse_sealed(routed))
+    _save(context, session)
+    return Message(RecordDict({"arrays": ArrayRecord({protocol.SECAGG_MASKED: Array(masked)})}), reply_to=message)
+
+
+def clip_norm(flat: np.ndarray, bound: float) -> np.ndarray:
+    """`flat` scaled down to L2 norm `bound` when above it (the honest-site bound, `--secagg-clip`)."""
+    norm = float(np.linalg.norm(flat))
+    if not np.isfinite(norm):
+        raise SecAggError("the update has NaN or infinite values")
+    return flat * (bound / norm) if norm > bound else flat
+
+
+def _weight(weight: object, count_once: bool) -> int:
+    """The integer weight a site encodes: 1 when every site counts once, else its reported example count."""
+    if count_once:
+        return 1
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight != int(weight):
+        raise SecAggError(f"a site's weight must be a whole number of examples, got {weight!r}")
+    return int(weight)
+
+
+def _metric_value(metrics: MetricRecord, name: str) -> float | None:
+    value = metrics.get(name) if name in metrics else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _expanded(delta: ArrayRecord, slices: dict, layout: wire.Layout, weight: int) -> tuple[np.ndarray, np.ndarray]:

@@ -12,6 +12,8 @@ from typing import TypeVar
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from hydrafl.bounded import bounded, quoted
+
 MAX_WEIGHT = 1e15
 """A reply's example count above this is not a count (and sums of such weights overflow)."""
 
@@ -46,19 +48,19 @@ def check_train_reply(
     check_metrics(metric_record, weighted_by_key)
     for name, array in delta.items():
         if name not in global_arrays:
-            raise InvalidUpdate(f"array {name!r} is not a coordinate of the global model")
+            raise InvalidUpdate(f"array {quoted(name)} is not a coordinate of the global model")
         expected = global_arrays[name]
         shape = tuple(expected.shape) if shapes is None else shapes.get(name)
         if shape is None:
-            raise InvalidUpdate(f"array {name!r} is outside the subnetwork the site was assigned")
+            raise InvalidUpdate(f"array {quoted(name)} is outside the subnetwork the site was assigned")
         values = array.numpy()  # the values' own shape: an Array's declared shape is not checked against its bytes
         if tuple(values.shape) != tuple(shape) or tuple(array.shape) != tuple(shape) or values.dtype != expected.dtype:
             raise InvalidUpdate(
-                f"array {name!r} has shape {tuple(values.shape)} dtype {values.dtype}, expected "
+                f"array {quoted(name)} has shape {tuple(values.shape)} dtype {values.dtype}, expected "
                 f"{tuple(shape)} dtype {expected.dtype}"
             )
         if not np.isfinite(values).all():
-            raise InvalidUpdate(f"array {name!r} contains NaN or Inf")
+            raise InvalidUpdate(f"array {quoted(name)} contains NaN or Inf")
 
 
 def check_evaluate_reply(reply: Message, weighted_by_key: str = "num-examples") -> None:
@@ -77,12 +79,14 @@ def check_metrics(metrics: MetricRecord, weighted_by_key: str | None) -> None:
     for name, value in metrics.items():
         values = value if isinstance(value, list) else [value]
         if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
-            raise InvalidUpdate(f"metric {name!r} is not a finite number")
+            raise InvalidUpdate(f"metric {quoted(name)} is not a finite number")
     if weighted_by_key is None:
         return
     weight = metrics.get(weighted_by_key)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= MAX_WEIGHT:
-        raise InvalidUpdate(f"metric {weighted_by_key!r} must be a number in (0, {MAX_WEIGHT:g}], got {weight!r}")
+        raise InvalidUpdate(
+            f"metric {quoted(weighted_by_key)} must be a number in (0, {MAX_WEIGHT:g}], got {bounded(repr(weight), 80)}"
+        )
 
 
 def metric_layout(reply: Message) -> tuple[tuple[str, int], ...]:

@@ -31,6 +31,7 @@ from flwr.proto.message_pb2 import Metadata as ProtoMetadata  # pylint: disable=
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=no-name-in-module
 
 from hydrafl.arrays import array_view
+from hydrafl.bounded import MAX_NAME_CHARS, quoted
 from hydrafl.proto.coordinator_pb2 import Envelope, RecordManifest, TensorManifest
 
 CHUNK_BYTES = 1 << 20
@@ -170,17 +171,21 @@ def check_manifest(envelope: Envelope) -> None:
     chunk_names = naming(envelope)
     keys = set()
     for record in envelope.arrays:
+        check_name(record.key, "array record key")
         if not record.key or record.key in keys:
             raise EnvelopeError(f"array record key {record.key!r} is empty or repeated")
         keys.add(record.key)
         names = set()
         for tensor in record.tensors:
+            check_name(tensor.name, f"array {record.key}: tensor name")
             where = f"array {record.key}/{tensor.name}"
             if not tensor.name or tensor.name in names:
                 raise EnvelopeError(f"{where}: tensor name is empty or repeated in its record")
             names.add(tensor.name)
             if tensor.dtype not in ALLOWED_DTYPES:
-                raise EnvelopeError(f"{where}: dtype {tensor.dtype!r} is not allowed ({', '.join(sorted(ALLOWED_DTYPES))})")
+                raise EnvelopeError(
+                    f"{where}: dtype {quoted(tensor.dtype)} is not allowed ({', '.join(sorted(ALLOWED_DTYPES))})"
+                )
             if len(tensor.shape) > MAX_RANK or any(not 0 <= dim <= MAX_DIMENSION for dim in tensor.shape):
                 raise EnvelopeError(f"{where}: shape {list(tensor.shape)} is not a tensor shape (rank <= {MAX_RANK}, "
                                     f"0 <= dimension <= 2^40)")
@@ -194,6 +199,12 @@ def check_manifest(envelope: Envelope) -> None:
                 raise EnvelopeError(f"{where}: {bad[:80]!r} is not a {chunk_names.algorithm} hex digest")
             _check_checksums(tensor, where, chunk_names)
         ChunkCheck.of(envelope)  # a chunk listed with two checksums
+
+
+def check_name(name: str, what: str) -> None:
+    """EnvelopeError for a name or key longer than MAX_NAME_CHARS, before any message quotes it whole."""
+    if len(name) > MAX_NAME_CHARS:
+        raise EnvelopeError(f"{what} has {len(name)} characters; at most {MAX_NAME_CHARS}: {quoted(name)}")
 
 
 def _check_checksums(tensor: TensorManifest, where: str, chunk_names: ChunkNaming) -> None:
@@ -278,6 +289,10 @@ def parse_content(envelope: Envelope) -> RecordDict:
     # the `array_records` view, whose reference cycle would keep the arrays joined in later alive after use.
     if any(isinstance(record, ArrayRecord) for record in content.values()):
         raise EnvelopeError("arrays must travel through the manifest, not inside the message content")
+    for key, record in content.items():  # the names a reply's metrics and configs are quoted by
+        check_name(key, "record key")
+        for name in record:
+            check_name(name, f"record {quoted(key)}: key")
     clash = set(content) & {record.key for record in envelope.arrays}
     if clash:
         raise EnvelopeError(f"record key {sorted(clash)[0]!r} is both in the content and the manifest")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hydrafl.configfile import load_toml
+from hydrafl.netaddr import check_address
 from hydrafl.server.limits import SiteLimits
 from hydrafl.server.paths import data_dir, default_blob_dir, default_db_url
 from hydrafl.server.tls import ServerTls
@@ -62,6 +63,7 @@ class CoordinatorConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.listen, str) or not self.listen.strip():
             raise ConfigError(f"listen must be HOST:PORT, got {self.listen!r}")
+        check_address("--listen", self.listen)
         if not isinstance(self.db_url, str) or not self.db_url:
             raise ConfigError(f"db must be a SQLAlchemy URL, got {self.db_url!r}")
         stale_s = self.lease_stale_s

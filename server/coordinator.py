@@ -9,25 +9,29 @@ through Flower's own entry point (`hydrafl.server.stock_apps`).
 
 One coordinator per port and per database, or two would drive the same runs: the port is bound without
 SO_REUSEPORT, and the database holds a lease that the coordinator takes at start, renews on a heartbeat thread
-and releases at stop. A second coordinator is refused while the lease is fresh and takes it over once stale;
-a coordinator that finds its lease taken over stops driving runs.
+and releases at stop. A second coordinator is refused while the lease is fresh and takes it over once stale,
+or at once when the lease is its own previous process's (`LeaseMark`); a coordinator that finds its lease taken
+over stops driving runs. Nothing the loop cannot do or record (a locked database, no descriptors) ends it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import logging
 import os
+import re
 import socket
 import threading
 import uuid
 from collections.abc import Iterable
 from concurrent import futures
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 import grpc
 from flwr.app import Message, MessageType
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
 from hydrafl.malloc_tuning import keep_chunk_buffers
 from hydrafl.server_app import run_federation
@@ -45,28 +49,99 @@ from hydrafl.server.tls import ServerTls, plaintext_warning
 
 log = logging.getLogger(__name__)
 
+LEASE_MARK = "coordinator.lease"
+"""The `LeaseMark` file's name in the coordinator's state folder ($HYDRAFL_HOME)."""
+HOLDER_ID = re.compile(r"[0-9a-f]{32}")
+RETRY_AFTER_ERROR_S = 5.0
+"""After the loop that drives runs failed (the database refused it, descriptors ran out): wait, then try again."""
+
 
 class LeaseLost(RuntimeError):
     """Another coordinator took this one's lease over (its heartbeats had stopped): it must stop driving runs."""
 
 
+class LeaseMark:
+    """`coordinator.lease` in the coordinator's state folder: the holder id this folder's coordinator last took
+    the lease as, kept locked (flock) while that process lives; the kernel drops the lock when it dies, kill -9
+    included. Found unlocked, the mark names a holder that is gone: a lease of that holder on this host is this
+    coordinator's own, whatever its pid (a container restarted with pid 1) or heartbeat. Found locked, another
+    live coordinator keeps this folder, and nothing is claimed. On a network file system without working locks,
+    give each coordinator its own folder."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / LEASE_MARK
+        self._file: IO[str] | None = None
+
+    def lock(self) -> str | None:
+        """Lock the mark and return the holder id it names; None when there is none, or another live process
+        holds the mark (then this one never claims a lease as its own)."""
+        if not self.path.parent.is_dir():  # `hydrafl server` creates it; a coordinator in a test may have none
+            return None
+        try:
+            handle = self.path.open("a+")
+        except OSError as error:
+            log.warning("cannot keep %s (%s): a restart waits for this coordinator's lease to go stale", self.path, error)
+            return None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live coordinator keeps this folder
+            handle.close()
+            return None
+        self._file = handle
+        handle.seek(0)
+        holder = handle.read(64).strip()
+        return holder if HOLDER_ID.fullmatch(holder) else None
+
+    def record(self, holder: str) -> None:
+        """Name `holder` as this folder's, for the next process on it (only while this one holds the mark)."""
+        if self._file is None:
+            return
+        try:
+            self._file.seek(0)
+            self._file.truncate()
+            self._file.write(holder + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as error:
+            log.warning("cannot write %s (%s): a restart waits for this coordinator's lease to go stale", self.path, error)
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # drops the lock
+            self._file = None
+
+
 class LeaseKeeper:
     """This process's coordinator lease on the database: taken at start, renewed on a daemon thread, released at
-    stop. Losing it sets `lost`; the run being driven stops at its next poll of the grid."""
+    stop. Losing it sets `lost`; the run being driven stops at its next poll of the grid. `state_dir` keeps the
+    `LeaseMark` by which a restarted coordinator knows the lease its previous process left."""
 
-    def __init__(self, store: Store, *, listen: str, stale_s: float) -> None:
+    def __init__(self, store: Store, *, listen: str, stale_s: float, state_dir: Path | None = None) -> None:
         self.store = store
         self.claim = LeaseClaim(
             holder=uuid.uuid4().hex, host=socket.gethostname(), pid=os.getpid(), listen=listen, stale_s=stale_s
         )
+        self.mark = LeaseMark(state_dir) if state_dir is not None else None
         self.lost = threading.Event()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, name="coordinator-lease", daemon=True)
 
     def acquire(self) -> None:
         """Raises LeaseHeld while another coordinator's lease is fresh."""
-        previous = self.store.acquire_lease(self.claim)
-        if previous is not None:
+        if self.mark is not None:
+            self.claim = dataclasses.replace(self.claim, restarted_from=self.mark.lock())
+        try:
+            previous = self.store.acquire_lease(self.claim)
+        except BaseException:
+            if self.mark is not None:
+                self.mark.release()
+            raise
+        if self.mark is not None:
+            self.mark.record(self.claim.holder)
+        if previous is not None and previous.holder == self.claim.restarted_from:
+            log.warning("took over the lease this coordinator's previous process left (%s)",
+                        describe_lease(previous, lease_age_s(previous)))
+        elif previous is not None:
             log.warning("took over the stale coordinator lease of %s", describe_lease(previous, lease_age_s(previous)))
         self._thread.start()
 
@@ -86,6 +161,8 @@ class LeaseKeeper:
                 error,
                 self.claim.stale_s,
             )
+        if self.mark is not None:
+            self.mark.release()
 
     def _heartbeat(self) -> None:
         interval_s = self.claim.stale_s / 6
@@ -171,11 +248,14 @@ class Coordinator:
         self.service = CoordinatorService(self.store, self.blobs, config.limits)
         self.health = health.HealthServicer()
         workers = futures.ThreadPoolExecutor(max_workers=config.limits.handler_threads)
-        self.server = grpc.server(workers, options=SERVER_OPTIONS)
-        add_coordinator_service(self.service, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        listener = (
+            ("grpc.max_allowed_incoming_connections", config.limits.max_connections),
+            ("grpc.server_handshake_timeout_ms", round(config.limits.handshake_timeout_s * 1000)),
+        )
+        self.server = grpc.server(workers, options=(*SERVER_OPTIONS, *listener))
+        add_coordinator_service(self.service, self.health, self.server)
         self.port = bind(self.server, config.listen, config.tls)
-        self.lease = LeaseKeeper(self.store, listen=config.listen, stale_s=config.lease_stale_s)
+        self.lease = LeaseKeeper(self.store, listen=config.listen, stale_s=config.lease_stale_s, state_dir=config.home)
         self.retention = Retention(self.store, self.blobs, config.runs_dir, keep_checkpoints=config.keep_checkpoints)
         self.stopping = threading.Event()
 
@@ -204,15 +284,24 @@ class Coordinator:
         self.lease.release()
 
     def serve_forever(self, idle_poll_s: float = 0.5) -> None:
-        """Drive pending runs until stopped; raises LeaseLost once another coordinator took the database over."""
+        """Drive pending runs until stopped; raises LeaseLost once another coordinator took the database over.
+        Anything else (a database that is locked or cannot be opened, a process out of descriptors) is logged and
+        tried again after `RETRY_AFTER_ERROR_S`: a run left `running` is resumed then, as after a restart."""
         while not self.stopping.is_set():
             self.lease.check()
-            run = self.store.next_run()
-            if run is None:
-                self.stopping.wait(idle_poll_s)
+            try:
+                run = self.store.next_run()
+                if run is not None:
+                    self.drive(run)
+                    self.retention.after_run(run.id)
+                    continue
+            except LeaseLost:
+                raise
+            except Exception as error:  # noqa: BLE001  (the coordinator outlives what it cannot do or record now)
+                log.error("coordinator: %s: %s; trying again in %g s", type(error).__name__, error, RETRY_AFTER_ERROR_S)
+                self.stopping.wait(RETRY_AFTER_ERROR_S)
                 continue
-            self.drive(run)
-            self.retention.after_run(run.id)
+            self.stopping.wait(idle_poll_s)
 
     def drive(self, run: Run) -> None:
         if run.server_app:
@@ -222,7 +311,7 @@ class Coordinator:
             stored = RunConfig.from_flower(run.config, source=f"run {run.id}", other_knobs=True)
         except ConfigError as error:  # a run this hydrafl cannot read fails alone; the coordinator keeps serving
             log.error("run %d failed: %s", run.id, error)
-            self.store.set_run_status(run.id, "failed", detail=f"ConfigError: {error}")
+            self._record_failure(run.id, detail=f"ConfigError: {error}")
             return
         cfg = dataclasses.replace(stored, run_dir=str(self.config.runs_dir / str(run.id)), resume=True)
         self.store.set_run_status(run.id, "running")
@@ -247,7 +336,7 @@ class Coordinator:
             raise
         except Exception as error:  # any failure ends this run, loudly, and the coordinator keeps serving
             log.error("run %d failed: %s", run.id, error)
-            self.store.set_run_status(run.id, "failed", detail=f"{type(error).__name__}: {error}")
+            self._record_failure(run.id, detail=f"{type(error).__name__}: {error}")
             return
         finally:
             self._write_latencies(run.id)
@@ -270,17 +359,27 @@ class Coordinator:
             raise
         except ServerAppError as error:
             log.error("run %d failed: %s", run.id, error)
-            self.store.set_run_status(run.id, "failed", detail=str(error))
+            self._record_failure(run.id, detail=str(error))
             return
         except (Exception, SystemExit) as error:  # noqa: BLE001  (the app's failure, even sys.exit, ends its run only)
             log.error("run %d failed: ServerApp %s raised %s: %s", run.id, run.server_app, type(error).__name__, error)
             detail = f"ServerApp {run.server_app} raised {type(error).__name__}: {error}"
-            self.store.set_run_status(run.id, "failed", detail=detail, rounds_done=max(grid.train_rounds - 1, 0))
+            self._record_failure(run.id, detail=detail, rounds_done=max(grid.train_rounds - 1, 0))
             return
         finally:
             self._write_latencies(run.id)
         self.store.set_run_status(run.id, "finished", rounds_done=grid.train_rounds)
         log.info("run %d finished: ServerApp %s, %d rounds", run.id, run.server_app, grid.train_rounds)
+
+    def _record_failure(self, run_id: int, *, detail: str, rounds_done: int | None = None) -> None:
+        """Mark the run failed; when even that fails (the database, the descriptors), say so, wait
+        `RETRY_AFTER_ERROR_S` and go on: the run is tried again (from its checkpoint) and may fail again."""
+        try:
+            self.store.set_run_status(run_id, "failed", detail=detail, rounds_done=rounds_done)
+        except Exception as error:  # noqa: BLE001  (a failure to record a failure is never fatal)
+            log.error("run %d: could not record its failure (%s: %s); trying again in %g s",
+                      run_id, type(error).__name__, error, RETRY_AFTER_ERROR_S)
+            self.stopping.wait(RETRY_AFTER_ERROR_S)
 
     def _write_latencies(self, run_id: int) -> None:
         """push_latency.tsv in the run's folder: per-site P50/P99 of this run's pushes."""

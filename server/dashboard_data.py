@@ -15,7 +15,9 @@ from datetime import datetime
 from pathlib import Path
 
 from sqlalchemy import func, select
+from sqlalchemy.orm import defer
 
+from hydrafl.bounded import MAX_DETAIL_CHARS, marked
 from hydrafl.server.service import CoordinatorService
 from hydrafl.server.store import AuditEvent, Run, Store
 
@@ -24,6 +26,8 @@ NO_RUN = "none"
 """The `run` label of refusals that no run can be named for (an upload with nothing to answer)."""
 SCREENING = "screening"
 """The refusal reason of replies the strategy's screening rejected (the gRPC code names the others)."""
+REASON_CHARS = 32
+"""An `update-rejected` detail's reason label is its gRPC code, read from this prefix of the detail."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,6 +48,20 @@ class SiteRow:
     """Replies the coordinator refused (an audit `update-rejected`) plus those screening rejected."""
     declined: int
     """Messages the site itself declined or failed (an audit `site-declined`)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AuditRow:
+    """One audit row as the page shows it, its detail cut to MAX_DETAIL_CHARS when it was read."""
+
+    at: datetime
+    last_at: datetime | None
+    kind: str
+    site_name: str
+    run_id: int | None
+    server_round: int | None
+    count: int
+    detail: str
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,14 +96,15 @@ def refused_per_run(store: Store, runs: list[Run]) -> Counter[tuple[str, str]]:
     """Refused replies by (run label, reason): the coordinator's refusals by gRPC code, and `screening`."""
     refused: Counter[tuple[str, str]] = Counter()
     with store.session() as session:
+        reason = func.substr(AuditEvent.detail, 1, REASON_CHARS)  # never a whole detail: rows may be old and long
         query = (
-            select(AuditEvent.run_id, AuditEvent.detail, func.count())
+            select(AuditEvent.run_id, reason, func.sum(AuditEvent.count))
             .where(AuditEvent.kind == "update-rejected")
-            .group_by(AuditEvent.run_id, AuditEvent.detail)
+            .group_by(AuditEvent.run_id, reason)
         )
         for run_id, detail, count in session.execute(query):
             label = NO_RUN if run_id is None else str(run_id)
-            refused[label, refusal_reason(detail)] += count
+            refused[label, refusal_reason(detail)] += int(count)
     for run in runs:
         screened = sum(len(record.get("rejected_per_site") or {}) for record in trained_records(run))
         if screened:
@@ -106,7 +125,8 @@ def site_rows(store: Store, runs: list[Run], service: CoordinatorService | None)
     counts = {kind: dict(_count_by(store, AuditEvent.site_name, kind))
               for kind in ("update-accepted", "update-rejected", "site-declined")}
     with store.session() as session:
-        latest = select(AuditEvent.site_name, func.max(AuditEvent.at)).group_by(AuditEvent.site_name)
+        when = func.coalesce(AuditEvent.last_at, AuditEvent.at)  # a row of counted refusals: the last one
+        latest = select(AuditEvent.site_name, func.max(when)).group_by(AuditEvent.site_name)
         last_events = dict(session.execute(latest).all())
     seen = service.seconds_since_seen() if service is not None else {}
     rows = []
@@ -123,13 +143,25 @@ def site_rows(store: Store, runs: list[Run], service: CoordinatorService | None)
     return rows
 
 
-def audit_tail(store: Store, limit: int, run_id: int | None = None) -> list[AuditEvent]:
-    """The latest `limit` audit events, newest first (of one run when `run_id` is given)."""
-    query = select(AuditEvent).order_by(AuditEvent.id.desc()).limit(limit)
+def audit_tail(store: Store, limit: int, run_id: int | None = None) -> list[AuditRow]:
+    """The latest `limit` audit rows, newest first (of one run when `run_id` is given). Each detail is cut to
+    MAX_DETAIL_CHARS in SQL: a row an older coordinator wrote may hold megabytes, and is never loaded whole."""
+    detail_head, detail_chars = func.substr(AuditEvent.detail, 1, MAX_DETAIL_CHARS), func.length(AuditEvent.detail)
+    query = (
+        select(AuditEvent, detail_head, detail_chars).options(defer(AuditEvent.detail))
+        .order_by(AuditEvent.id.desc()).limit(limit)
+    )
     if run_id is not None:
         query = query.where(AuditEvent.run_id == run_id)
     with store.session() as session:
-        return list(session.scalars(query))
+        rows = session.execute(query).all()
+    return [
+        AuditRow(
+            at=event.at, last_at=event.last_at, kind=event.kind, site_name=event.site_name, run_id=event.run_id,
+            server_round=event.server_round, count=event.count, detail=marked(head, size - len(head)),
+        )
+        for event, head, size in rows
+    ]
 
 
 def push_latencies(run: Run, runs_dir: Path, service: CoordinatorService | None) -> list[LatencyRow]:
@@ -147,7 +179,7 @@ def push_latencies(run: Run, runs_dir: Path, service: CoordinatorService | None)
 
 
 def _count_by(store: Store, column: object, kind: str) -> list[tuple]:
-    """(value of `column`, number of audit events of `kind`) pairs."""
+    """(value of `column`, number of audit events of `kind`) pairs; a row of counted refusals counts `count`."""
     with store.session() as session:
-        query = select(column, func.count()).where(AuditEvent.kind == kind).group_by(column)
-        return [tuple(row) for row in session.execute(query)]
+        query = select(column, func.sum(AuditEvent.count)).where(AuditEvent.kind == kind).group_by(column)
+        return [(value, int(total)) for value, total in session.execute(query)]

@@ -3,6 +3,9 @@
 Curves are inline SVG polylines, so the page works offline in a hospital network and under a Content Security
 Policy that allows no script at all. Every value read from the database (site names, run configs, audit
 details a site's error text ends up in) goes through `html.escape`: a site could otherwise inject markup.
+
+The page has a size bound whatever the database holds (MAX_PAGE_CHARS): every text cell is cut
+(`hydrafl.bounded`), and each table lists a bounded number of rows (the latest runs, audit rows and rounds).
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from datetime import UTC, datetime
 from html import escape
 from pathlib import Path
 
+from hydrafl.bounded import MAX_DETAIL_CHARS, bounded
 from hydrafl.rounds import megabytes
 from hydrafl.server.dashboard_data import (
+    AuditRow,
     LatencyRow,
     SiteRow,
     audit_tail,
@@ -23,13 +28,20 @@ from hydrafl.server.dashboard_data import (
     trained_records,
 )
 from hydrafl.server.service import CoordinatorService
-from hydrafl.server.store import AuditEvent, Run, Store
+from hydrafl.server.store import Run, Store
 from hydrafl.trust import trust_lines, trust_summary
 
 REFRESH_S = 30
 SHOWN_ROUNDS = 50
 """The round table lists the last rounds only; the curves draw every round."""
 SHOWN_EVENTS = 100
+SHOWN_RUNS = 100
+SHOWN_SITES = 500
+CELL_CHARS = 100
+"""A name or label in a table cell (site names, strategies, tasks) is cut to this; details to MAX_DETAIL_CHARS."""
+MAX_PAGE_CHARS = 2_000_000
+"""What the page can reach with every table full and every cell at its cut, each character escaped to six (about
+1.2 M): a database written by a hostile site (or by a coordinator from before the cuts) renders within it."""
 CURVE_WIDTH, CURVE_HEIGHT, CURVE_PAD = 420, 180, 40
 MARKED_POINTS = 60
 """Curves of up to this many rounds also mark each round with a dot (a one-round polyline draws nothing)."""
@@ -100,16 +112,17 @@ def _default_run(runs: list[Run]) -> Run | None:
 
 def _runs_table(runs: list[Run], chosen: Run | None) -> str:
     rows = []
-    for run in reversed(runs):
+    for run in reversed(runs[-SHOWN_RUNS:]):
         what = f"ServerApp {run.server_app}" if run.server_app else str(run.config.get("strategy"))
         marker = " ◀" if chosen is not None and run.id == chosen.id else ""
         rows.append([
-            f"<a href='/runs/{run.id}'>{run.id}</a>{marker}", escape(what), escape(str(run.config.get("task", "-"))),
+            f"<a href='/runs/{run.id}'>{run.id}</a>{marker}", _cell(what), _cell(run.config.get("task", "-")),
             _status(run.status), f"{run.rounds_done}/{_text(run.total_rounds)}", _time(run.created_at),
             _time(run.finished_at),
         ])
     headers = ["run", "strategy or app", "task", "status", "rounds", "created", "finished"]
-    return "<h2>Runs</h2>" + _table(headers, rows, text_columns=(1, 2, 3))
+    earlier = f", the latest {SHOWN_RUNS} of {len(runs)}" if len(runs) > SHOWN_RUNS else ""
+    return f"<h2>Runs{earlier}</h2>" + _table(headers, rows, text_columns=(1, 2, 3))
 
 
 def _run_section(run: Run, runs_dir: Path, service: CoordinatorService | None) -> str:
@@ -118,9 +131,9 @@ def _run_section(run: Run, runs_dir: Path, service: CoordinatorService | None) -
         f"<h2 id='run'>Run {run.id}: {_status(run.status)}, {run.rounds_done}/{_text(run.total_rounds)} rounds</h2>"
     ]
     if run.detail:
-        parts.append(f"<p>{escape(run.detail)}</p>")
+        parts.append(f"<p>{_cell(run.detail, MAX_DETAIL_CHARS)}</p>")
     trust = trust_summary(run.history or [], {} if run.server_app else run.config)
-    parts.extend(f"<p class='privacy'>{escape(line)}</p>" for line in trust_lines(trust))
+    parts.extend(f"<p class='privacy'>{_cell(line, MAX_DETAIL_CHARS)}</p>" for line in trust_lines(trust))
     curves = [
         svg_curve([(r["round"], r.get("loss")) for r in records], title="loss", color="#c33"),
         svg_curve([(r["round"], r.get("accuracy")) for r in records], title="accuracy", color="#27a"),
@@ -157,30 +170,35 @@ def _rounds_table(records: list[dict], *, dp: bool) -> str:
 def _latency_table(rows: list[LatencyRow]) -> str:
     if not rows:
         return "<h2>Push latency</h2><p class='muted'>none recorded for this run</p>"
-    cells = [[escape(r.site), escape(r.call), str(r.count), f"{r.p50_ms:.1f}", f"{r.p99_ms:.1f}"] for r in rows]
+    cells = [[_cell(r.site), _cell(r.call), str(r.count), f"{r.p50_ms:.1f}", f"{r.p99_ms:.1f}"] for r in rows]
     return "<h2>Push latency</h2>" + _table(["site", "call", "count", "P50 ms", "P99 ms"], cells, text_columns=(0, 1))
 
 
 def _sites_table(sites: list[SiteRow]) -> str:
     rows = []
-    for site in sites:
+    for site in sites[:SHOWN_SITES]:
         seen = "-" if site.seen_s_ago is None else f"{site.seen_s_ago:.0f} s ago"
         rows.append([
-            escape(site.name), str(site.node_id), "revoked" if site.revoked else "active", seen,
+            _cell(site.name), str(site.node_id), "revoked" if site.revoked else "active", seen,
             _time(site.last_event_at), megabytes(site.bytes_up), megabytes(site.bytes_down), str(site.accepted),
             str(site.refused), str(site.declined),
         ])
     headers = ["site", "node id", "status", "last call", "last event", "train MB up", "train MB down", "accepted",
                "refused", "declined"]
-    return "<h2>Sites</h2>" + _table(headers, rows, text_columns=(0, 2))
+    first = f", the first {SHOWN_SITES} of {len(sites)}" if len(sites) > SHOWN_SITES else ""
+    return f"<h2>Sites{first}</h2>" + _table(headers, rows, text_columns=(0, 2))
 
 
-def _audit_table(events: list[AuditEvent]) -> str:
+def _audit_table(events: list[AuditRow]) -> str:
+    """Refusals of one site in one round are one row: its count, the first and the last time."""
     rows = [
-        [_time(e.at), escape(e.kind), escape(e.site_name), _text(e.run_id), escape(e.detail)] for e in events
+        [_time(e.at), _time(e.last_at), _cell(e.kind), _cell(e.site_name), _text(e.run_id), _text(e.server_round),
+         str(e.count), _cell(e.detail, MAX_DETAIL_CHARS + 40)]
+        for e in events
     ]
-    title = f"Audit log, the latest {len(events)} events" if len(events) == SHOWN_EVENTS else "Audit log"
-    return f"<h2>{title}</h2>" + _table(["at", "event", "site", "run", "detail"], rows, text_columns=(0, 1, 2, 4))
+    title = f"Audit log, the latest {len(events)} rows" if len(events) == SHOWN_EVENTS else "Audit log"
+    headers = ["at", "last", "event", "site", "run", "round", "count", "detail"]
+    return f"<h2>{title}</h2>" + _table(headers, rows, text_columns=(0, 1, 2, 3, 7))
 
 
 def _table(headers: list[str], rows: Iterable[list[str]], *, text_columns: tuple[int, ...] = (), css: str = "") -> str:
@@ -196,11 +214,16 @@ def _table(headers: list[str], rows: Iterable[list[str]], *, text_columns: tuple
 
 def _status(status: str) -> str:
     css = status if status in STATUSES else ""
-    return f"<span class='{css}'>{escape(status)}</span>"
+    return f"<span class='{css}'>{_cell(status)}</span>"
+
+
+def _cell(value: object, limit: int = CELL_CHARS) -> str:
+    """A text read from the database, cut to `limit` characters (and a marker), escaped."""
+    return escape(bounded(value, limit))
 
 
 def _text(value: object) -> str:
-    return "-" if value is None else escape(str(value))
+    return "-" if value is None else _cell(value)
 
 
 def _number(value: float | None) -> str:

@@ -4,10 +4,11 @@ the health check and the other sites keep their threads, disk and bandwidth."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -25,9 +26,18 @@ class SiteLimits:
     max_model_bytes: int = 16 << 30
     """Arrays a reply may carry when the message it answers carried none (the initial model)."""
     max_auth_failures: int = 10
-    """Failed logins per client address within `auth_window_s`; beyond them the address is refused outright."""
+    """Failed logins per client address within `auth_window_s`; beyond them the address is refused outright,
+    unless the token it presents is a site's (guessers behind a site's NAT or proxy never lock the site out)."""
     auth_window_s: float = 60.0
+    known_tokens_refresh_s: float = 1.0
+    """How often, at most, the enrolled sites' token hashes are read again for a token not yet known: a site
+    enrolled while its address is throttled gets in within this long, and guesses cost one read per period."""
     handler_threads: int = 64
+    max_connections: int = 512
+    """gRPC connections open at once, from sites and anyone else; one more is closed as soon as it is accepted
+    (gRPC's `max_allowed_incoming_connections`), so idle peers cannot use up the coordinator's descriptors."""
+    handshake_timeout_s: float = 10.0
+    """A connection that has not finished its TLS and HTTP/2 handshake this long after it was accepted is closed."""
 
 
 class LimitExceeded(Exception):
@@ -100,12 +110,28 @@ class CallGuard:
 
 class AuthThrottle:
     """Failed logins per client address in a sliding window; an address over the limit is refused before its
-    token is even looked up, so guessing tokens costs the coordinator (and its audit log) a bounded amount."""
+    token is looked up in the database, so guessing tokens costs the coordinator (and its audit log) a bounded
+    amount. A token whose hash is a site's (`known`, in memory) passes whatever its address did."""
 
-    def __init__(self, limits: SiteLimits) -> None:
+    def __init__(self, limits: SiteLimits, token_hashes: Callable[[], Collection[str]]) -> None:
         self.limits = limits
         self._failures: dict[str, deque[float]] = defaultdict(deque)
         self._lock = threading.Lock()
+        self._token_hashes = token_hashes
+        self._known: frozenset[str] = frozenset()
+        self._known_at = -math.inf
+        self._reload_lock = threading.Lock()
+
+    def known(self, digest: str) -> bool:
+        """Whether `digest` is an enrolled, unrevoked site's token hash, as of at most `known_tokens_refresh_s`
+        ago; an unknown one reloads the hashes at most once per that period, whoever asks."""
+        if digest in self._known:
+            return True
+        with self._reload_lock:
+            if time.monotonic() - self._known_at >= self.limits.known_tokens_refresh_s:
+                self._known = frozenset(self._token_hashes())
+                self._known_at = time.monotonic()
+        return digest in self._known
 
     def _recent(self, peer: str, now: float) -> deque[float]:
         failures = self._failures[peer]

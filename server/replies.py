@@ -27,12 +27,12 @@ from hydrafl.server.secagg_replies import check_secagg_reply, is_secagg, secagg_
 def allowed_reply_bytes(sent: Envelope, max_model_bytes: int, sent_content: RecordDict | None = None) -> int:
     """The most array bytes a reply to `sent` may carry: the model it stands for (what was sent, or what a
     compressed download changes), or, for a query that sent no arrays (the initial model), the coordinator's
-    model limit; evaluate replies carry none. `sent_content`: `sent`'s records, when the caller has parsed them."""
+    model limit; evaluate replies carry none (under secure aggregation, their masked vector). `sent_content`: `sent`'s records, when the caller has parsed them."""
     kind = message_kind(sent.message_type)
+    if kind in ("train", "evaluate") and (length := secagg_length(sent)) is not None:
+        return 4 * length  # a masked uint32 vector, whatever the site was sent
     if kind == "evaluate":
         return 0
-    if kind == "train" and (length := secagg_length(sent)) is not None:
-        return 4 * length  # a masked uint32 vector, whatever the site was sent
     downloaded = download_model(parse_content(sent) if sent_content is None else sent_content)
     sent_bytes = declared_nbytes(sent) if downloaded is None else sum(4 * math.prod(s) for s in downloaded.values())
     if sent_bytes:

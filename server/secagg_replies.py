@@ -1,7 +1,8 @@
 """Secure-aggregation replies, checked at the edge against the message the coordinator sent that site: signed
 key material of the right sizes, encrypted shares addressed to exactly the neighbours the site was given (never
 to itself or to a site outside its round), a survivor-set signature of the right size, unmasking shares of the
-right size, and a masked vector of the one length and dtype the round expects. A reply that fails is refused
+right size, and a masked vector of the one length and dtype the round expects, with nothing in the clear beside
+it (train and evaluate replies alike). A reply that fails is refused
 before it is stored."""
 
 from __future__ import annotations
@@ -14,16 +15,19 @@ from hydrafl.proto.envelope import EnvelopeError, parse_content
 from hydrafl.secagg import SecAggError, shamir, wire
 from hydrafl.secagg.identity import SIGNATURE_BYTES
 from hydrafl.secagg.site import SEALED_BYTES
-from hydrafl.updates import InvalidUpdate, check_metrics
 
 
 def is_secagg(message_type: str, sent: RecordDict) -> bool:
-    """A protocol query, or a train message that carries the shares routed to its site."""
-    return message_type in protocol.SECAGG_QUERIES or (message_type == "train" and protocol.SECAGG_RECORD in sent)
+    """A protocol query, or a train or evaluate message that carries the shares routed to its site."""
+    return message_type in protocol.SECAGG_QUERIES or (message_type in MASKED_KINDS and protocol.SECAGG_RECORD in sent)
+
+
+MASKED_KINDS = ("train", "evaluate")
+"""Messages whose reply, under secure aggregation, is one masked vector and nothing else."""
 
 
 def secagg_length(sent: Envelope) -> int | None:
-    """The masked vector's length a secure-aggregation train message asks for; None for any other message."""
+    """The masked vector's length a secure-aggregation train or evaluate message asks for; None for any other."""
     content = parse_content(sent)
     record = content.get(protocol.SECAGG_RECORD) if protocol.SECAGG_RECORD in content else None
     length = record.get("length") if isinstance(record, ConfigRecord) and "length" in record else None
@@ -34,7 +38,7 @@ def check_secagg_reply(reply: Envelope, content: RecordDict, message_type: str, 
     """Raise EnvelopeError unless `reply` is what this stage allows in answer to `sent`."""
     try:
         request = sent[protocol.SECAGG_RECORD]
-        if message_type == "train":
+        if message_type in MASKED_KINDS:
             _check_masked(reply, content, request)
             return
         record = content.get(protocol.SECAGG_RECORD) if protocol.SECAGG_RECORD in content else None
@@ -62,17 +66,14 @@ def check_secagg_reply(reply: Envelope, content: RecordDict, message_type: str, 
 
 
 def _check_masked(reply: Envelope, content: RecordDict, request: ConfigRecord) -> None:
-    """One array, `secagg.masked`, uint32 of the round's length; metrics finite (the weight is inside the sum)."""
+    """One array, `secagg.masked`, uint32 of the round's length, and nothing else: the weight and the metrics are
+    inside the sum, so a reply carrying any MetricRecord or ConfigRecord in the clear is refused."""
     length = request.get("length") if "length" in request else None
     tensors = [tensor for record in reply.arrays for tensor in record.tensors]
     if (len(reply.arrays) != 1 or len(tensors) != 1 or tensors[0].name != protocol.SECAGG_MASKED
             or tensors[0].dtype != "uint32" or list(tensors[0].shape) != [length]):
-        raise EnvelopeError(f"a secure-aggregation train reply holds one array {protocol.SECAGG_MASKED!r}, uint32 "
+        raise EnvelopeError(f"a secure-aggregation reply holds one array {protocol.SECAGG_MASKED!r}, uint32 "
                             f"of shape [{length}]")
-    metrics = content.metric_records
-    if len(metrics) != 1:
-        raise EnvelopeError(f"a train reply holds one MetricRecord, not {len(metrics)}")
-    try:
-        check_metrics(next(iter(metrics.values())), None)
-    except InvalidUpdate as error:
-        raise EnvelopeError(str(error)) from None
+    if content.metric_records or content.config_records:
+        raise EnvelopeError("a secure-aggregation reply carries nothing in the clear besides its masked vector "
+                            "(no MetricRecord or ConfigRecord)")

@@ -27,17 +27,21 @@ from typing import NoReturn, TypeVar
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError, Message as ProtoMessage
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import HealthServicer
 
+from hydrafl.bounded import bounded
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.chunk_wire import ChunkView, decode_chunk
 from hydrafl.protocol import GRPC_OPTIONS, WEIGHT
 from hydrafl.proto.envelope import CHUNK_BYTES, INLINE_BYTES, MAX_REASON_CHARS, EnvelopeError, chunk_hashes, chunk_sizes
+from hydrafl.server.audit import record_refusal
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.mailbox import Mailbox
 from hydrafl.server.limits import AuthThrottle, CallGuard, LimitExceeded, SiteLimits, UploadLedger, UploadQuota
 from hydrafl.server.replies import allowed_reply_bytes, allowed_reply_chunks, check_reply
 from hydrafl.server.retention import was_swept
-from hydrafl.server.store import FIRST_NODE_ID, AuditEvent, OutboundMessage, Site, Store
+from hydrafl.server.store import FIRST_NODE_ID, AuditEvent, OutboundMessage, Site, Store, hash_token
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +66,7 @@ class CoordinatorService:
         self.blobs = blobs
         self.limits = limits
         self.guard = CallGuard(limits)
-        self.throttle = AuthThrottle(limits)
+        self.throttle = AuthThrottle(limits, store.token_hashes)
         self.ledger = UploadLedger()
         self.last_seen: dict[int, float] = {}
         self.latencies: dict[tuple[str, str], list[float]] = {}
@@ -70,6 +74,8 @@ class CoordinatorService:
         self.mailbox = Mailbox(slots=limits.handler_threads // 2)
         """Long polls wait here; the grid posts each stored message and the driver waits for replies."""
         self._lock = threading.Lock()
+        self._joined: dict[int, str] = {}
+        """Node id -> the connection (gRPC peer) it last joined on: a site asks Join again for each run's config."""
         self._served_runs: dict[int, set[int]] = {}
         """Node id -> the runs this process sent it a message of (whose status it may ask)."""
         self._message_chunks: OrderedDict[str, tuple[frozenset[str], UploadQuota]] = OrderedDict()
@@ -100,16 +106,18 @@ class CoordinatorService:
 
     def _site(self, context: grpc.ServicerContext) -> Site:
         peer = _peer_address(context.peer())
-        wait_s = self.throttle.blocked_for(peer)
-        if wait_s:
-            context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"too many failed authentications from this address; try again in {wait_s:.0f} s",
-            )
         headers = [value for key, value in context.invocation_metadata() if key == "authorization"]
-        if len(headers) != 1 or not headers[0].startswith("Bearer ") or not headers[0][7:].strip():
+        token = headers[0][7:].strip() if len(headers) == 1 and headers[0].startswith("Bearer ") else ""
+        if not (token and self.throttle.known(hash_token(token))):  # a site's own token is never throttled
+            wait_s = self.throttle.blocked_for(peer)
+            if wait_s:
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"too many failed authentications from this address; try again in {wait_s:.0f} s",
+                )
+        if not token:
             self._auth_failed(context, peer, "no 'authorization: Bearer <token>' header")
-        site = self.store.authenticate(headers[0][7:].strip())
+        site = self.store.authenticate(token)
         if site is None:
             self._auth_failed(context, peer, "unknown or revoked site token")
         names = _certificate_names(context)
@@ -122,6 +130,7 @@ class CoordinatorService:
         return site
 
     def _auth_failed(self, context: grpc.ServicerContext, peer: str, reason: str) -> None:
+        reason = bounded(reason)  # it may quote the names on a peer's certificate
         failures = self.throttle.failed(peer)
         if failures <= self.limits.max_auth_failures:  # beyond it the address is refused without a record each time
             log.warning("authentication failed from %s: %s", peer, reason)
@@ -136,7 +145,7 @@ class CoordinatorService:
                 yield handle
         except LimitExceeded as error:
             log.warning("site %s: %s", site.name, error)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, bounded(error))
 
     # --- the calls ------------------------------------------------------------------------------------------
 
@@ -144,7 +153,11 @@ class CoordinatorService:
         site = self._site(context)
         with self._bounded(site, context):
             run = next((r for r in self.store.runs() if r.status == "running"), None)
-            log.info("site %s joined (node %d)%s", site.name, site.node_id, f"; run {run.id} is running" if run else "")
+            with self._lock:  # one line per site and connection, not per run it asks the config of
+                again = self._joined.get(site.node_id) == context.peer()
+                self._joined[site.node_id] = context.peer()
+            log.log(logging.DEBUG if again else logging.INFO, "site %s joined (node %d)%s", site.name, site.node_id,
+                    f"; run {run.id} is running" if run else "")
             return pb.JoinReply(
                 site_name=site.name,
                 node_id=site.node_id,
@@ -210,7 +223,7 @@ class CoordinatorService:
                 try:
                     wire = self.blobs.wire(digest)
                 except (KeyError, EnvelopeError) as error:
-                    context.abort(grpc.StatusCode.NOT_FOUND, str(error))
+                    context.abort(grpc.StatusCode.NOT_FOUND, bounded(error))
                 stream.touch()
                 yield wire
 
@@ -223,7 +236,7 @@ class CoordinatorService:
             try:
                 missing = set(uploads.missing(wanted))
             except EnvelopeError as error:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(error))
             return pb.HasChunksReply(present=[digest for digest in wanted if digest not in missing])
 
     def PutChunks(self, request_iterator: Iterator[ChunkView], context: grpc.ServicerContext) -> pb.PutChunksReply:
@@ -310,7 +323,7 @@ class CoordinatorService:
             refused = pb.Envelope(error_code=1, error_reason=f"the coordinator refused this reply: {error}")
             self.store.add_reply(outbound, _as_stored(refused, outbound, sent).SerializeToString())
             self.mailbox.reply_stored()
-            self._reject(context, site, grpc.StatusCode.INVALID_ARGUMENT, str(error), run_id=outbound.run_id)
+            self._reject(context, site, grpc.StatusCode.INVALID_ARGUMENT, str(error), answering=outbound)
         stored = _as_stored(envelope, outbound, sent)
         uploads.sync()  # the chunks are durable before the row that refers to them
         event = _reply_event(site, outbound, stored)
@@ -378,17 +391,21 @@ class CoordinatorService:
         return "\n".join(rows) + "\n"
 
     def _reject(
-        self, context: grpc.ServicerContext, site: Site, code: grpc.StatusCode, reason: str, *, run_id: int | None = None
+        self, context: grpc.ServicerContext, site: Site, code: grpc.StatusCode, reason: str, *,
+        answering: OutboundMessage | None = None,
     ) -> NoReturn:
+        """Refuse with `reason` cut to MAX_DETAIL_CHARS, counted on the site's audit row of its round (`audit`)."""
+        reason = bounded(reason)
         log.warning("refused %s from site %s: %s", code.name, site.name, reason)
-        self.store.audit("update-rejected", site_name=site.name, run_id=run_id, detail=f"{code.name}: {reason}")
+        where = (answering.run_id, answering.server_round) if answering else (None, None)
+        record_refusal(self.store, site.name, f"{code.name}: {reason}", *where)
         context.abort(code, reason)
 
 
 def _reply_event(site: Site, outbound: OutboundMessage, stored: pb.Envelope) -> AuditEvent:
     """The audit event of a stored reply: an accepted update, or the site's declining with its reason."""
     if stored.error_reason or stored.error_code:
-        detail = f"round {outbound.server_round} {stored.message_type}: {stored.error_reason}"
+        detail = bounded(f"round {outbound.server_round} {stored.message_type}: {stored.error_reason}")
         return AuditEvent(kind="site-declined", site_name=site.name, run_id=outbound.run_id, detail=detail)
     return AuditEvent(kind="update-accepted", site_name=site.name, run_id=outbound.run_id, detail=outbound.message_id)
 
@@ -433,13 +450,13 @@ def _parse(parse: Callable[[bytes], Request], name: str, data: bytes, context: g
     try:
         return parse(data)
     except (DecodeError, ValueError, RuntimeError) as error:
-        log.warning("malformed %s from %s: %s", name, context.peer(), error)
+        log.warning("malformed %s from %s: %s", name, context.peer(), bounded(error))
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {name}: not a valid protobuf message")
 
 
-def add_coordinator_service(service: CoordinatorService, server: grpc.Server) -> None:
-    """Register the service with request bytes parsed by the service itself, so garbage bytes get
-    INVALID_ARGUMENT and one log line (gRPC's own deserializer answers INTERNAL with a traceback)."""
+def add_coordinator_service(service: CoordinatorService, health: HealthServicer, server: grpc.Server) -> None:
+    """Register the service and gRPC's standard health service with request bytes parsed here, so garbage bytes
+    get INVALID_ARGUMENT and one log line (gRPC's own deserializer answers INTERNAL with a traceback)."""
 
     def unary(method: Callable, kind: type[ProtoMessage]) -> Callable:
         return lambda data, context: method(_parse(kind.FromString, kind.__name__, data, context), context)
@@ -466,4 +483,12 @@ def add_coordinator_service(service: CoordinatorService, server: grpc.Server) ->
             unary(service.PushReply, pb.PushReplyRequest), response_serializer=serialize
         ),
     }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    check = health_pb2.HealthCheckRequest
+    health_handlers = {
+        "Check": grpc.unary_unary_rpc_method_handler(unary(health.Check, check), response_serializer=serialize),
+        "Watch": grpc.unary_stream_rpc_method_handler(unary(health.Watch, check), response_serializer=serialize),
+    }
+    server.add_generic_rpc_handlers((
+        grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),
+        grpc.method_handlers_generic_handler(health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, health_handlers),
+    ))

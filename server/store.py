@@ -23,6 +23,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     LargeBinary,
     String,
@@ -38,6 +39,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
+from hydrafl.bounded import bounded
 from hydrafl.server.migrations import prepare_schema
 
 FIRST_NODE_ID = 10_001
@@ -120,6 +122,7 @@ class Reply(Base):
 
 class AuditEvent(Base):
     __tablename__ = "audit_events"
+    __table_args__ = (Index("ix_audit_events_kind_site", "kind", "site_name", "id"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
     kind: Mapped[str] = mapped_column(String(32))
@@ -128,6 +131,13 @@ class AuditEvent(Base):
     site_name: Mapped[str] = mapped_column(String(128), default="")
     run_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     detail: Mapped[str] = mapped_column(Text, default="")
+    """Cut to MAX_DETAIL_CHARS (`hydrafl.bounded`); of counted refusals, the first one's."""
+    server_round: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    count: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    """Refusals of one site in one round (`server_round`, when the refused call named one) counted on this row
+    (`audit.record_refusal`); 1 for any other event."""
+    last_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    """When the last refusal counted on this row came (`at` is the first); None for a single event."""
 
 
 class CoordinatorLease(Base):
@@ -155,6 +165,9 @@ class LeaseClaim:
     pid: int
     listen: str
     stale_s: float
+    restarted_from: str | None = None
+    """The holder id of this coordinator's previous process, now gone (`coordinator.LeaseMark`): its lease on
+    this host is taken at once (a container restarted with the same hostname and pid 1)."""
 
 
 def _utc(moment: datetime) -> datetime:
@@ -204,7 +217,7 @@ class Store:
 
     def audit(self, kind: str, *, site_name: str = "", run_id: int | None = None, detail: str = "") -> None:
         with self.session() as session, session.begin():
-            session.add(AuditEvent(kind=kind, site_name=site_name, run_id=run_id, detail=detail))
+            session.add(AuditEvent(kind=kind, site_name=site_name, run_id=run_id, detail=bounded(detail)))
 
     def add_site(self, name: str) -> tuple[Site, str]:
         """Enrol a site; returns it and its one-time token (shown once, stored only as a hash)."""
@@ -238,6 +251,10 @@ class Store:
         if site is None or site.revoked or not hmac.compare_digest(site.token_hash, digest):
             return None
         return site
+
+    def token_hashes(self) -> frozenset[str]:  # what `AuthThrottle` lets past its limit
+        with self.session() as session:
+            return frozenset(session.scalars(select(Site.token_hash).where(Site.revoked.is_(False))))
 
     def audit_events(self, kind: str | None = None) -> list[AuditEvent]:
         with self.session() as session:
@@ -293,7 +310,7 @@ class Store:
             if status in ("finished", "failed"):
                 run.finished_at = now()
             if changed:
-                session.add(AuditEvent(kind=f"run-{status}", run_id=run_id, detail=detail))
+                session.add(AuditEvent(kind=f"run-{status}", run_id=run_id, detail=bounded(detail)))
 
     def add_outbound(self, message_id: str, run_id: int, server_round: int, node_id: int, envelope: bytes) -> None:
         self.add_outbounds(run_id, [(message_id, server_round, node_id, envelope)])
@@ -386,7 +403,10 @@ class Store:
             if current is None:  # released between the insert and the read
                 continue
             age_s = lease_age_s(current)
-            if current.holder != claim.holder and age_s < current.stale_s and not _holder_died(current, claim):
+            if (
+                current.holder != claim.holder and age_s < current.stale_s
+                and not _restarted_self(current, claim) and not _holder_died(current, claim)
+            ):
                 raise LeaseHeld(current, age_s)
             if self._swap_lease(current, claim, age_s):
                 return current if current.holder != claim.holder else None
@@ -458,6 +478,11 @@ def _open_messages(node_id: int) -> Select:
         .where(OutboundMessage.run_id.in_(running))
         .order_by(OutboundMessage.created_at, OutboundMessage.message_id)
     )
+
+
+def _restarted_self(lease: CoordinatorLease, claim: LeaseClaim) -> bool:
+    """Hostname and pid cannot tell a restart from another live container; the holder its folder recorded can."""
+    return claim.restarted_from is not None and lease.holder == claim.restarted_from and lease.host == claim.host
 
 
 def _holder_died(lease: CoordinatorLease, claim: LeaseClaim) -> bool:

@@ -3,9 +3,10 @@
 A strategy module declares a frozen `StrategyConfig` subclass for its knobs (attribute docstrings are their
 help) whose `build` makes the Flower strategy, and decorates it with `@register("name")`. The first lookup
 of a name no module registered yet imports every module of `hydrafl.strategies`, so a module dropped there
-registers itself; a strategy defined anywhere else registers when its module is imported, or, from an
-installed package, through the `hydrafl.strategies` entry-point group. This module imports
-neither torch nor Flower, so configuration can be read and checked without loading the strategies' code.
+registers itself (a name none of them declares is refused from their sources, before any is imported); a
+strategy defined anywhere else registers when its module is imported, or, from an installed package, through
+the `hydrafl.strategies` entry-point group. This module imports neither torch nor Flower, so configuration can
+be read and checked without loading the strategies' code.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import dataclasses
 import importlib
 import importlib.metadata
 import pkgutil
+import re
 from functools import cache
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -102,8 +105,47 @@ def _load_builtins() -> None:
         entry_point.load()
 
 
+REGISTER_LINE = re.compile(r'^@register\("([^"]+)"\)', re.MULTILINE)
+
+
+def _declared_names() -> tuple[str, ...] | None:
+    """Every name a run may choose, known without importing a strategy's module when possible (so a typo is
+    refused without loading torch): the registered names once the modules are loaded, else those the package's
+    sources declare and those registered from elsewhere; None when only importing tells (`_scanned_builtins`)."""
+    if _load_builtins.cache_info().currsize:
+        return tuple(_REGISTRY)
+    scanned = _scanned_builtins()
+    return None if scanned is None else (*scanned, *(name for name in _REGISTRY if name not in scanned))
+
+
+@cache
+def _scanned_builtins() -> tuple[str, ...] | None:
+    """The names the strategies package's modules register, read from their source (`@register("name")` lines);
+    None when an installed package declares strategies too (only importing it tells its names) or a module is
+    not a plain source file."""
+    if importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        return None
+    package = importlib.import_module("hydrafl.strategies")
+    names: list[str] = []
+    for module in pkgutil.iter_modules(package.__path__):
+        source = Path(getattr(module.module_finder, "path", "")) / f"{module.name}.py"
+        if module.ispkg or not source.is_file():
+            return None
+        names.extend(REGISTER_LINE.findall(source.read_text(encoding="utf-8")))
+    return tuple(names)
+
+
+def refuse_unknown(names: Iterable[str]) -> None:
+    """UnknownStrategy for the first of `names` that no module declares, before any strategy's module loads."""
+    for name in names:
+        declared = None if name in _REGISTRY else _declared_names()
+        if declared is not None and name not in declared:
+            raise UnknownStrategy(f"unknown strategy {name!r}; choose one of {', '.join(declared)}")
+
+
 def config_class(name: str) -> type[StrategyConfig]:
     """The config class of strategy `name`; UnknownStrategy lists the registered names."""
+    refuse_unknown([name])
     if name not in _REGISTRY:
         _load_builtins()
     if name not in _REGISTRY:

@@ -15,13 +15,16 @@ from flwr.clientapp import ClientApp
 from helpers import SMALL_RUN, TIERED_RUN
 
 from hydrafl import protocol, server_app, site_app
+from hydrafl.benchmarks.secagg import ModifiedSitesGrid
 from hydrafl.config import SECAGG_ROUND_TIMEOUT_S
-from hydrafl.simulation_config import SimulationConfig
 from hydrafl.driver import RoundFailed
-from hydrafl.secagg import SecAggParams, quantisation_bound, wire
+from hydrafl.secagg import SecAggParams, metric_bound, quantisation_bound, wire
 from hydrafl.secagg.crypto import new_private_key, public_key
+from hydrafl.secagg.quantize import METRIC_SLOTS
 from hydrafl.secagg.shamir import split
-from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
+from hydrafl.secure_round import METRIC_RANGE, TRAIN_METRICS
+from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid, _wire_copy
+from hydrafl.simulation_config import SimulationConfig
 from hydrafl.updates import records
 from hydrafl.validation import ConfigError
 
@@ -36,11 +39,14 @@ class _RecordingGrid(InProcessGrid):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.train_replies: list[Message] = []
+        self.evaluate_replies: list[Message] = []
 
     def _deliver(self, message: Message) -> Message:
         reply = super()._deliver(message)
-        if message.metadata.message_type == "train":
-            self.train_replies.append(reply)
+        if message.metadata.message_type == "train":  # copies: the driver turns a plain reply's delta into weights
+            self.train_replies.append(_wire_copy(reply))
+        elif message.metadata.message_type == "evaluate":
+            self.evaluate_replies.append(_wire_copy(reply))
         return reply
 
 
@@ -80,9 +86,68 @@ def test_a_secure_round_gives_the_plain_model_within_the_quantisation_bound(stra
     assert record["sites_ok"] == 3 and record["secagg_bytes"] > 3 * 2 * 32 and record["secagg_s"] > 0
     assert plain.history[1]["secagg_bytes"] == 0
     for reply in grid.train_replies:  # all the coordinator ever held of one site's update
-        [arrays], [metrics] = records(reply.content, ArrayRecord), records(reply.content, MetricRecord)
+        [arrays] = records(reply.content, ArrayRecord)
         assert list(arrays) == [protocol.SECAGG_MASKED] and arrays[protocol.SECAGG_MASKED].dtype == "uint32"
-        assert protocol.WEIGHT not in metrics
+        assert len(reply.content) == 1  # no MetricRecord, no data hash: nothing else in the clear
+
+
+def _clear_values(reply: Message) -> list:
+    """Everything a reply carries in the clear outside its masked vector."""
+    return [(key, dict(record)) for key, record in reply.content.items()
+            if not (isinstance(record, ArrayRecord) and list(record) == [protocol.SECAGG_MASKED])]
+
+
+def test_secure_replies_carry_nothing_per_site_in_the_clear_and_the_round_reports_the_plain_weighted_means():
+    """Train and evaluate replies under --secagg are one masked vector each; the round's train loss (weighted by
+    examples, as FedAvg weighs it) and its evaluation loss and accuracy are decoded from the masked sums and
+    equal the plain run's within the quantisation bound of `metric_bound`."""
+    cfg = ONE_ROUND
+    plain, plain_grid = _run(cfg)
+    secure, grid = _run(cfg.replace(secagg=True))
+    assert len(grid.train_replies) == 3 and len(grid.evaluate_replies) == 6  # round 0 and round 1
+    for reply in grid.train_replies + grid.evaluate_replies:
+        assert _clear_values(reply) == []
+        [arrays] = records(reply.content, ArrayRecord)
+        assert arrays[protocol.SECAGG_MASKED].dtype == "uint32"
+    # the plain run's per-site values, which the secure run never sent: the means must match within the bound
+    train_weights = [records(r.content, MetricRecord)[0][protocol.WEIGHT] for r in plain_grid.train_replies]
+    assert protocol.WEIGHT in records(plain_grid.train_replies[0].content, MetricRecord)[0]  # the plain run sends it
+    bound = metric_bound(3, METRIC_RANGE, SecAggParams(), sum(train_weights))
+    assert abs(secure.history[1]["train_loss"] - plain.history[1]["train_loss"]) <= bound
+    test_weight = sum(records(r.content, MetricRecord)[0][protocol.WEIGHT] for r in plain_grid.evaluate_replies[:3])
+    assert abs(secure.history[0]["loss"] - plain.history[0]["loss"]) <= metric_bound(3, METRIC_RANGE, SecAggParams(), test_weight)
+    assert abs(secure.history[0]["accuracy"] - plain.history[0]["accuracy"]) <= metric_bound(3, 1.0, SecAggParams(), test_weight)
+    assert secure.history[0]["loss"] != plain.history[0]["loss"]  # decoded, not copied from a clear value
+    assert abs(secure.history[1]["accuracy"] - plain.history[1]["accuracy"]) <= 0.01
+    assert secure.history[0]["secagg_bytes"] > 0  # the evaluation's own protocol round
+
+
+def test_the_honest_site_bound_clips_each_update_before_masking_and_a_modified_site_escapes_it():
+    """--secagg-clip C: the secure mean is the weighted mean of the updates each clipped to L2 norm C (within
+    the quantisation bound); a site that skips the bound (a modified site) lands in the sum unclipped."""
+    plain, plain_grid = _run(ONE_ROUND)
+    deltas, weights = [], []
+    for reply in plain_grid.train_replies:
+        [arrays], [metrics] = records(reply.content, ArrayRecord), records(reply.content, MetricRecord)
+        deltas.append(np.concatenate([arrays[n].numpy().astype(np.float64).ravel() for n in arrays]))
+        weights.append(metrics[protocol.WEIGHT])
+    names = list(records(plain_grid.train_replies[0].content, ArrayRecord)[0])
+    norms = [float(np.linalg.norm(d)) for d in deltas]
+    clip = 0.5 * min(norms)  # every honest update is above it
+    mean = sum(w * d for w, d in zip(weights, deltas)) / sum(weights)
+    clipped = sum(w * d * clip / n for w, d, n in zip(weights, deltas, norms)) / sum(weights)
+    flat = lambda arrays: np.concatenate([arrays[n].numpy().astype(np.float64).ravel() for n in names])  # noqa: E731
+    start = flat(plain.arrays) + mean  # FedAvg steps by the mean delta (start - end)
+    bounded, _ = _run(ONE_ROUND.replace(secagg=True, secagg_clip=clip))
+    step = start - flat(bounded.arrays)
+    assert np.abs(step - clipped).max() <= quantisation_bound(3, SecAggParams()) / MIN_WEIGHT + 1e-6
+    assert np.linalg.norm(step) <= clip * 1.001 < np.linalg.norm(mean)
+
+    grid = ModifiedSitesGrid(site_app.client_app, 3, ONE_ROUND.to_flower(), modified={FIRST_NODE_ID})
+    escaped = server_app.run_federation(grid, ONE_ROUND.replace(secagg=True, secagg_clip=clip))
+    step = start - flat(escaped.arrays)
+    unbounded = (weights[0] * deltas[0] + sum(w * d * clip / n for w, d, n in zip(weights[1:], deltas[1:], norms[1:])))
+    assert np.abs(step - unbounded / sum(weights)).max() <= quantisation_bound(3, SecAggParams()) / MIN_WEIGHT + 1e-6
 
 
 def test_a_site_failing_after_sharing_keys_is_recovered_exactly():
@@ -234,7 +299,7 @@ def test_a_subnetwork_strategy_sums_its_sites_slices_securely(strategy, outer_lr
     size = sum(int(np.prod(a.shape)) for a in plain.arrays.values())
     for reply in grid.train_replies:  # full shapes and a weight per coordinate, whatever slice a site trained
         [arrays] = records(reply.content, ArrayRecord)
-        assert tuple(arrays[protocol.SECAGG_MASKED].shape) == (2 * size,)
+        assert tuple(arrays[protocol.SECAGG_MASKED].shape) == (2 * size + METRIC_SLOTS * len(TRAIN_METRICS),)
 
 
 @pytest.mark.parametrize("strategy", ["fedmedian", "fedtrimmedavg", "krum", "flora", "hetlora", "flexlora"])
@@ -265,3 +330,13 @@ def test_a_site_weighing_more_than_secagg_max_weight_fails_naming_the_key_and_a_
     assert "secagg-max-weight" in caplog.text
     result, _ = _run(cfg.replace(secagg_max_weight=10_000))
     assert result.history[1]["sites_ok"] == 3
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"secagg_clip": 1.0}, "invalid --secagg-clip=1.0: expected 0 without --secagg"),
+    ({"secagg": True, "secagg_clip": 1.0, "dp_clip": 1.0}, "invalid --secagg-clip=1.0: expected .*0 with --dp-clip"),
+    ({"secagg": True, "secagg_clip": -1.0}, "invalid --secagg-clip=-1.0: expected a number >= 0"),
+])
+def test_the_honest_site_bound_needs_secure_aggregation_and_gives_way_to_dp_clip(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        ONE_ROUND.replace(**changes)

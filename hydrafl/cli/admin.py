@@ -12,10 +12,12 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
+import click
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
 
 from hydrafl.cli.common import DbOption, console, fail, fail_one_line, open_store, warn
 from hydrafl.cli.db import db_admin
@@ -26,7 +28,38 @@ if TYPE_CHECKING:
     from hydrafl.server.retention import Retention
     from hydrafl.server.store import AuditEvent
 
-admin_app = typer.Typer(help="Administer a coordinator's database: sites (and runs).", no_args_is_help=True)
+VERBOSE = "hydrafl.admin.verbose"
+"""`ctx.meta` key: `hydrafl admin -v` was given."""
+
+
+class OneLineErrors(TyperGroup):
+    """An admin command that fails unexpectedly (a database gone, a disk full) says so in one line, exit 1; the
+    traceback comes with `hydrafl admin -v`. Expected refusals are each command's own one-line exits."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort):
+            raise
+        except Exception as error:  # one line for anything a command did not expect
+            if ctx.meta.get(VERBOSE):
+                raise
+            fail_one_line(f"{type(error).__name__}: {error} (`hydrafl admin -v ...` shows the traceback)", 1)
+
+
+admin_app = typer.Typer(help="Administer a coordinator's database: sites (and runs).", no_args_is_help=True,
+                        cls=OneLineErrors)
+
+
+@admin_app.callback()
+def _admin_options(
+    ctx: typer.Context,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the traceback of an unexpected error.")] = False,
+) -> None:
+    """Administer a coordinator's database: sites (and runs)."""
+    ctx.meta[VERBOSE] = verbose
+
+
 site_admin = typer.Typer(help="Enrol, list and revoke hospital sites.", no_args_is_help=True)
 admin_app.add_typer(site_admin, name="site")
 admin_app.add_typer(db_admin, name="db")
@@ -50,7 +83,7 @@ def site_add(
     also write its secure-aggregation identity."""
     consortium = _read_consortium_key(consortium_key) if consortium_key else None
     try:
-        site, token = open_store(db).add_site(name)
+        site, token = open_store(db, create=True).add_site(name)
     except ValueError as error:
         fail(str(error), 2)
     console.print(f"enrolled [bold]{site.name}[/] as node {site.node_id}; its token (shown once):")
@@ -182,7 +215,7 @@ def run_create(
     except ConfigError as error:
         fail(str(error), 2)
     stored = {k: v for k, v in run_config.to_flower().items() if k not in ("run-dir", "resume")}
-    run = open_store(db).create_run(stored)
+    run = open_store(db, create=True).create_run(stored)
     console.print(f"created run {run.id} ({run_config.strategy}, {run_config.rounds} rounds, task {run_config.task})")
     print(run.id)
 
@@ -199,7 +232,7 @@ def _create_server_app_run(reference: str, entries: list[str], db: str | None) -
         warn(f"{error} here; queued anyway: the coordinator loads it when it starts the run (or fails the run)")
     except ServerAppError as error:
         fail_one_line(str(error), 2)
-    run = open_store(db).create_run(values, server_app=reference)
+    run = open_store(db, create=True).create_run(values, server_app=reference)
     console.print(escape(f"created run {run.id} (ServerApp {reference}, run config {values})"), soft_wrap=True)
     print(run.id)
 

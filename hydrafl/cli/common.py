@@ -11,8 +11,11 @@ from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.console import Console
+from rich.highlighter import NullHighlighter
 from rich.logging import RichHandler
 from rich.markup import escape
+
+from hydrafl.bounded import BoundedRecords
 
 if TYPE_CHECKING:
     from hydrafl.server.store import Store
@@ -25,13 +28,14 @@ DbOption = Annotated[str | None, typer.Option("--db", help="SQLAlchemy URL (defa
 def setup_logging(verbose: bool, *, quiet_rounds: bool = False) -> None:
     """Through rich on stderr: hydrafl's own events (a site joins, each round, a run ends) at INFO, and with
     --verbose its DEBUG details and Flower's INFO; other libraries say warnings only. `quiet_rounds` (simulate,
-    whose progress bars or per-round lines already say it) keeps hydrafl at WARNING without --verbose."""
-    logging.basicConfig(
-        level=logging.WARNING,
-        format="%(message)s",
-        handlers=[RichHandler(console=console, show_path=False)],
-        force=True,
-    )
+    whose progress bars or per-round lines already say it) keeps hydrafl at WARNING without --verbose.
+
+    Messages quote values from outside (a site's tensor names, a coordinator's reasons), so rich neither
+    highlights nor reads markup in them (its highlighter's regexes take quadratic time on a long word: 40 s for
+    80,000 characters, holding the GIL), and every message is cut to MAX_LOG_CHARS (`BoundedRecords`)."""
+    handler = RichHandler(console=console, show_path=False, highlighter=NullHighlighter(), markup=False, keywords=[])
+    handler.addFilter(BoundedRecords())
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", handlers=[handler], force=True)
     own = logging.DEBUG if verbose else logging.WARNING if quiet_rounds else logging.INFO
     logging.getLogger("hydrafl").setLevel(own)
     flower = logging.getLogger("flwr")
@@ -54,16 +58,28 @@ def warn(message: str) -> None:
     console.print(f"[bold yellow]warning:[/] {escape(message)}")
 
 
-def open_store(db: str | None) -> Store:
-    """The coordinator's database at `db`, or the default SQLite file in $HYDRAFL_HOME (created if missing).
-    An older schema is refused, not upgraded: `hydrafl admin db upgrade` or the coordinator's start does that."""
-    from hydrafl.server.migrations import SchemaError
-    from hydrafl.server.paths import data_dir, default_db_url
-    from hydrafl.server.store import Store
+def open_store(db: str | None, *, create: bool = False) -> Store:
+    """The coordinator's database at `db`, or the default SQLite file in $HYDRAFL_HOME; only a command that
+    writes (`create`) creates a missing one (`hydrafl.cli.db.database_url`), and says so. An older schema is
+    refused, not upgraded: `hydrafl admin db upgrade` or the coordinator's start does that. Whatever stops it
+    opening is one line, exit 2."""
+    from sqlalchemy.exc import SQLAlchemyError
 
-    if db is None:
-        data_dir().mkdir(parents=True, exist_ok=True)
+    from hydrafl.cli.db import database_url, sqlite_file
+    from hydrafl.server.migrations import SchemaError
+    from hydrafl.server.store import Store
+    from hydrafl.validation import ConfigError
+
     try:
-        return Store(db or default_db_url(), upgrade=False)
-    except SchemaError as error:
+        url = database_url(db, create=create)
+        file = sqlite_file(url)
+        missing = file is not None and not file.exists()
+        store = Store(url, upgrade=False)
+    except (ConfigError, SchemaError) as error:
         fail_one_line(str(error), 2)
+    except SQLAlchemyError as error:
+        reason = str(getattr(error, "orig", None) or error).splitlines()[0]
+        fail_one_line(f"cannot open the database {db or 'in $HYDRAFL_HOME'}: {reason}; check --db", 2)
+    if missing:
+        console.print(escape(f"created the database {url}"))
+    return store

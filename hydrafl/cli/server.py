@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -15,13 +16,19 @@ if TYPE_CHECKING:
     from hydrafl.server.config import CoordinatorConfig
     from hydrafl.server.dashboard import Dashboard, DashboardConfig
 
+log = logging.getLogger(__name__)
+
 CLI_ONLY_OPTIONS = ("config", "verbose", "dashboard", "dashboard_token")
 """`server`'s options that are not CoordinatorConfig's (its TOML keys)."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, told apart from Ctrl-C in the line that says why the coordinator stopped."""
+
+
 def _interrupt(signum: int, frame: object) -> None:
     """SIGTERM (docker stop, systemd) stops the coordinator as Ctrl-C does: it releases its database lease."""
-    raise KeyboardInterrupt
+    raise Terminated
 
 
 def server(
@@ -57,16 +64,22 @@ def server(
 ) -> None:
     """Run the coordinator: serves sites over gRPC and drives queued runs."""
     flags = {k.replace("_", "-"): v for k, v in locals().items() if v is not None and k not in CLI_ONLY_OPTIONS}
+    from hydrafl.netaddr import check_address
     from hydrafl.server.config import CoordinatorConfig
-    from hydrafl.server.dashboard import DashboardConfig
     from hydrafl.validation import ConfigError
 
-    setup_logging(verbose)
-    try:
+    try:  # the addresses and keys first, torch-free: a typo is refused before the dashboard's imports
         coordinator_config = CoordinatorConfig.load(config, flags)
+        if dashboard:
+            check_address("--dashboard", dashboard, bare_port=True)
+            from hydrafl.server.dashboard import DashboardConfig
+
         board = DashboardConfig(listen=dashboard, token=dashboard_token or "") if dashboard else None
     except ConfigError as error:
         fail_one_line(str(error), 2)
+    import flwr.common.logger  # noqa: F401  (Flower sets its logger's level when imported: before ours, not after)
+
+    setup_logging(verbose)
     serve(coordinator_config, board)
 
 
@@ -97,16 +110,21 @@ def serve(config: CoordinatorConfig, dashboard: DashboardConfig | None = None) -
     )
     if board is not None:
         _start_dashboard(board)
+    why = "an unexpected error (the traceback follows)"
     try:
         coordinator.serve_forever()
+    except Terminated:
+        why = "SIGTERM"
     except KeyboardInterrupt:
-        pass
+        why = "Ctrl-C"
     except LeaseLost as error:
+        why = "it lost its database lease"
         fail_one_line(str(error), 1)
     finally:
         if board is not None:
             board.stop()
         coordinator.stop()
+        log.info("coordinator stopped: %s", why)
 
 
 def _start_dashboard(board: Dashboard) -> None:

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -13,7 +14,10 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperCommand
 
-from hydrafl.cli.common import fail, setup_logging
+from hydrafl.cli.common import console, fail, setup_logging
+
+if TYPE_CHECKING:
+    from hydrafl.simulation_config import SimulationConfig
 
 FLAG_SETTINGS = {"allow_extra_args": True, "ignore_unknown_options": True}
 """Configuration keys arrive as extra arguments (`hydrafl.cli.flags`): every key is a flag without a list here."""
@@ -52,32 +56,105 @@ def simulate(
     `hydrafl keys` lists the run-wide keys with their defaults, `hydrafl strategies` each strategy's knobs; a
     knob applies to every compared strategy that has it.
     """
-    from hydrafl.checkpoint import CheckpointError
     from hydrafl.cli.flags import parse_flags
-    from hydrafl.simulation_config import build_simulation_config
     from hydrafl.config_keys import key_type
     from hydrafl.configfile import load_toml
-    from hydrafl.data import DataError
-    from hydrafl.driver import RoundFailed
-    from hydrafl.simulation.compare import compare_strategies
-    from hydrafl.simulation.report import SUMMARY_COLUMNS, summary_rows
+    from hydrafl.simulation_config import build_simulation_config
     from hydrafl.validation import ConfigError
 
-    setup_logging(verbose, quiet_rounds=True)
-    try:
+    try:  # every key, name and path, before torch and Flower are imported (a typo costs a second, not 20)
         values: dict[str, Any] = {**(load_toml(config) if config else {}), **parse_flags(ctx.args, key_type)}
+        _check_paths(values)
         simulation = build_simulation_config(values, source=str(config) if config else "options")
-        results = compare_strategies(simulation, show_progress=progress)
-    except (ConfigError, DataError, CheckpointError) as error:
+    except ConfigError as error:
         fail(str(error), 2)
-    except RoundFailed as error:
-        fail(str(error), 1)
+    import flwr.common.logger  # noqa: F401  (Flower sets its logger's level when imported: before ours, not after)
+
+    setup_logging(verbose, quiet_rounds=True)
+    newest = simulation.run.resume and "out" not in values
+    if newest:
+        console.print(f"continuing {escape(simulation.out)} (the newest run; --out DIR --resume continues another)")
+    try:
+        results = _compare(simulation, progress, newest)
+    except KeyboardInterrupt:
+        _stopped(simulation.out, ctx.args, config)
+    from hydrafl.simulation.report import SUMMARY_COLUMNS, summary_rows
+
     table = Table(title=f"hydrafl simulate -> {simulation.out}")
     for column in SUMMARY_COLUMNS:
         table.add_column(column, justify="left" if column == "strategy" else "right")
     for row in summary_rows(results):
         table.add_row(*row)
     Console().print(table)
+
+
+def _compare(simulation: SimulationConfig, progress: bool, newest: bool) -> dict[str, Any]:
+    """`compare_strategies`, its errors as exits: a configuration the run's data or checkpoint refuses 2 (with
+    the runs to choose from when --resume picked the newest), a failed round 1."""
+    from hydrafl.checkpoint import CheckpointError
+    from hydrafl.data import DataError
+    from hydrafl.driver import RoundFailed
+    from hydrafl.run_folders import describe_run, runs
+    from hydrafl.simulation.compare import compare_strategies
+    from hydrafl.validation import ConfigError
+
+    try:
+        return compare_strategies(simulation, show_progress=progress)
+    except CheckpointError as error:
+        listed = "; ".join(describe_run(folder) for folder in runs()) if newest else ""
+        fail(escape(f"{error}" + (f"; give --out DIR --resume with another run: {listed}" if listed else "")), 2)
+    except (ConfigError, DataError) as error:
+        fail(str(error), 2)
+    except RoundFailed as error:
+        fail(str(error), 1)
+
+
+def _check_paths(values: dict[str, Any]) -> None:
+    """The files a simulation reads exist (their contents are the cohort loader's to check, after the imports)."""
+    from hydrafl.validation import ConfigError
+
+    for key in ("data", "site-policy", "out"):
+        path = values.get(key, values.get(key.replace("-", "_")))
+        if not isinstance(path, str) or not path:
+            continue
+        if key == "out" and Path(path).is_file():
+            raise ConfigError(f"--out {path} is a file; give a folder")
+        if key != "out" and not Path(path).exists():
+            raise ConfigError(f"--{key} {path}: no such file or folder; check --{key}")
+
+
+ONE_WORD_FLAGS = ("--resume", "--no-resume")
+BOOL_WORDS = ("true", "false", "1", "0", "yes", "no")
+
+
+def continue_command(args: list[str], config: Path | None, out: str) -> str:
+    """The command that continues a stopped run: the same configuration, `--out` its folder, `--resume`."""
+    kept, i = [], 0
+    while i < len(args):
+        token = args[i]
+        key = token.partition("=")[0]
+        if key == "--out":
+            i += 1 if "=" in token else 2
+        elif key in ONE_WORD_FLAGS:
+            takes_word = "=" not in token and i + 1 < len(args) and args[i + 1].lower() in BOOL_WORDS
+            i += 2 if takes_word else 1
+        else:
+            kept.append(token)
+            i += 1
+    return shlex.join(["hydrafl", "simulate", *(["--config", str(config)] if config else []), *kept, "--out", out,
+                       "--resume"])
+
+
+def _stopped(out: str, args: list[str], config: Path | None) -> NoReturn:
+    """After Ctrl-C: where the partial run is and the command that continues it; exit 130, as a shell's."""
+    from hydrafl.run_folders import earlier_run
+
+    if earlier_run(Path(out)):
+        console.print(escape(f"stopped: the partial run is in {out}; continue it with: "
+                             f"{continue_command(args, config, out)}"), soft_wrap=True)
+    else:
+        console.print("stopped before a round ended: nothing to continue")
+    raise typer.Exit(130)
 
 
 def keys() -> None:

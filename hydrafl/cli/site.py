@@ -64,13 +64,19 @@ def site(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also log every message and Flower's own messages (joining, rounds and run ends are always logged).")] = False,
 ) -> None:
     """Join a coordinator as a hospital site (outbound connection only) and train when asked."""
+    from hydrafl.netaddr import check_address
+    from hydrafl.validation import ConfigError
+
+    try:  # before the imports below (torch among them): a typo costs a second
+        check_address("--coordinator", coordinator)
+    except ConfigError as error:
+        fail_one_line(str(error), 2)
     import grpc
 
     from hydrafl.client.agent import SiteAgent, SiteRefused, Unreachable
     from hydrafl.site_policy import PolicyError, SitePolicy, load_policy
     from hydrafl.client.tls import SiteTls, plaintext_warning
     from hydrafl.site_config import SiteConfig
-    from hydrafl.validation import ConfigError
 
     setup_logging(verbose)
     site_token = _site_token(ctx.get_parameter_source("token"), token, token_file)

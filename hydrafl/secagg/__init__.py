@@ -1,4 +1,5 @@
-"""Secure aggregation (SecAgg+-style): the coordinator learns only the sum of the sites' updates and weights.
+"""Secure aggregation (SecAgg+-style): the coordinator learns only the sum of the sites' updates, weights and
+weighted metrics (`quantize.encode_metrics`).
 
 Pure: numpy and `cryptography`, no Flower, no torch. `SiteSession` and `ServerSession` are the two ends'
 state machines and `wire` their messages' flat form; `hydrafl.secure_round` (coordinator) and
@@ -13,7 +14,7 @@ checkable: the consortium certifies each site's signing key (Bonawitz et al., CC
 
 from hydrafl.secagg.identity import SiteIdentity
 from hydrafl.secagg.params import SecAggError, SecAggParams
-from hydrafl.secagg.quantize import decode_sum, encode, quantisation_bound
+from hydrafl.secagg.quantize import decode_metrics, decode_sum, encode, encode_metrics, metric_bound, quantisation_bound
 from hydrafl.secagg.server import ServerSession
 from hydrafl.secagg.site import SiteSession
 
@@ -23,7 +24,10 @@ __all__ = [
     "ServerSession",
     "SiteIdentity",
     "SiteSession",
+    "decode_metrics",
     "decode_sum",
     "encode",
+    "encode_metrics",
+    "metric_bound",
     "quantisation_bound",
 ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+PURPOSES = ("train", "evaluate")
+"""What a secure round sums (`SecAggParams.purpose`)."""
 MODULUS = 1 << 32
 """Every masked vector lives in Z_{2^32}: uint32 arithmetic wraps exactly there."""
 
@@ -30,6 +32,12 @@ class SecAggParams:
     """Distributed DP (`noise`): each site clips its whole update to this L2 norm and weighs 1; 0 = off."""
     dp_noise_multiplier: float = 0.0
     """Distributed DP: the survivors' noise shares sum to std z * dp_clip (slightly more: `noise`) per coordinate."""
+    site_clip: float = 0.0
+    """Honest-site bound (`--secagg-clip`): each site clips its whole update to this L2 norm before encoding and
+    masking; 0 = off. Enforced by the sites, not checked by anyone: a modified site skips it (no range proofs)."""
+    purpose: str = "train"
+    """What the round's sum is for: "train" (the update and train metrics) or "evaluate" (evaluation metrics
+    only). It is part of every signature of the round, so a signature given in one never counts in the other."""
 
     def __post_init__(self) -> None:
         _require(self.num_shares == 0 or self.num_shares >= 2, f"num_shares must be 0 (all) or >= 2, got {self.num_shares}")
@@ -43,6 +51,8 @@ class SecAggParams:
         _require(math.isfinite(self.dp_noise_multiplier) and self.dp_noise_multiplier >= 0 and
                  (self.dp_clip > 0 or not self.dp_noise_multiplier),
                  f"dp_noise_multiplier must be a number >= 0, and 0 without dp_clip, got {self.dp_noise_multiplier}")
+        _require(math.isfinite(self.site_clip) and self.site_clip >= 0, f"site_clip must be a number >= 0, got {self.site_clip}")
+        _require(self.purpose in PURPOSES, f"purpose must be one of {PURPOSES}, got {self.purpose!r}")
 
     def shares(self, num_sites: int) -> int:
         """Shares per secret in a round of `num_sites` sites (the neighbourhood size, itself included)."""

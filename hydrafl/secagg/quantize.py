@@ -7,6 +7,9 @@ rounding moves a coordinate of w * delta by less than max_weight * 2c / Q, so th
 sites is within n * max_weight * 2c / Q of the exact one (`quantisation_bound`) when nothing was clipped. The
 sum, less n * Q / 2, is read as a signed 32-bit integer: without noise it lies in [-n Q / 2, n Q / 2], and the
 sites' distributed-DP noise (`noise`) may take it anywhere in [-2^31, 2^31).
+
+Metric slots (`encode_metrics`) may follow: two per metric, each site's weighted metric value quantised onto
+[0, Q] after clipping it to the metric's documented range, so the coordinator decodes only weighted means.
 """
 
 from __future__ import annotations
@@ -54,3 +57,48 @@ def decode_sum(total: np.ndarray, num_sites: int, params: SecAggParams, *, per_c
 def quantisation_bound(num_sites: int, params: SecAggParams) -> float:
     """The most rounding can move one coordinate of the decoded weighted sum (unclipped inputs)."""
     return num_sites * params.max_weight * 2 * params.clipping_range / params.quantization_range
+
+
+METRIC_SLOTS = 2
+"""Elements one metric takes at the end of an encoded vector: the weight of the sites that reported it, and its
+weighted value."""
+
+
+def encode_metrics(values: list[float | None], weight: int, ranges: list[float], params: SecAggParams,
+                   rng: np.random.Generator) -> np.ndarray:
+    """A site's metrics as slots appended to its encoded vector, so the coordinator decodes only their weighted
+    sums (`decode_metrics`). Per metric i: [w, w / max_weight * clip(v_i, 0, R_i) * Q / R_i], the second
+    stochastically rounded (unbiased) onto [0, Q] like every other coordinate, so n sites' sum stays below
+    n Q < 2^32. Values below 0 count as 0 and values above R_i as R_i; a missing or non-finite value sends
+    [0, 0] (the site is left out of that metric's mean)."""
+    if len(values) != len(ranges):
+        raise SecAggError(f"{len(values)} metric values for {len(ranges)} metric slots")
+    if not (0 <= weight <= params.max_weight) or weight != int(weight):
+        raise SecAggError(f"the metrics' weight must be an integer in [0, max_weight={params.max_weight}], got {weight}")
+    slots = np.zeros(METRIC_SLOTS * len(values), dtype=np.uint32)
+    for i, (value, limit) in enumerate(zip(values, ranges)):
+        if value is None or not np.isfinite(value):
+            continue
+        scaled = weight / params.max_weight * min(max(float(value), 0.0), limit) * params.quantization_range / limit
+        floor = np.floor(scaled)
+        slots[METRIC_SLOTS * i] = int(weight)
+        slots[METRIC_SLOTS * i + 1] = int(floor + (rng.random() < scaled - floor))
+    return slots
+
+
+def decode_metrics(slots: np.ndarray, ranges: list[float], params: SecAggParams) -> list[tuple[float | None, int]]:
+    """Per metric, (the weighted mean of what the summed sites reported (None when none did), their weight)."""
+    slots = np.asarray(slots, dtype=np.uint32).astype(np.int64)
+    if slots.size != METRIC_SLOTS * len(ranges):
+        raise SecAggError(f"{slots.size} metric slots for {len(ranges)} metrics")
+    out = []
+    for i, limit in enumerate(ranges):
+        weight, value = int(slots[METRIC_SLOTS * i]), int(slots[METRIC_SLOTS * i + 1])
+        out.append((value * limit / params.quantization_range * params.max_weight / weight if weight else None, weight))
+    return out
+
+
+def metric_bound(num_sites: int, limit: float, params: SecAggParams, total_weight: int) -> float:
+    """The most rounding can move a decoded metric mean (values inside [0, limit]): each site's rounding moves
+    its weighted value by less than one step, max_weight * limit / Q."""
+    return num_sites * params.max_weight * limit / params.quantization_range / total_weight

@@ -17,13 +17,16 @@ Record = dict[str, Any]
 @dataclass(frozen=True, slots=True)
 class Layout:
     """What a site encodes: the arrays in this order, each flattened; per coordinate (a subnetwork strategy's
-    sites train slices) the full `shapes` with a 0/1 weight per coordinate, `count_once` weighing every site 1."""
+    sites train slices) the full `shapes` with a 0/1 weight per coordinate, `count_once` weighing every site 1;
+    then two slots per metric in `metrics` (`quantize.encode_metrics`), each clipped to [0, its range]."""
 
     weight_key: str
     names: list[str]
     per_coordinate: bool = False
     count_once: bool = False
     shapes: list[tuple[int, ...]] = field(default_factory=list)
+    metrics: list[tuple[str, float]] = field(default_factory=list)
+    """(name, range) of each metric the sites sum securely, in this order."""
 
     def scaled(self, params: SecAggParams) -> SecAggParams:
         """The parameters both ends encode with: weighing every site 1, nothing need scale the update down."""
@@ -35,6 +38,7 @@ def keys_request(server_round: int, participants: list[int], params: SecAggParam
     return {"round": server_round, "participants": list(participants), "weight-key": layout.weight_key,
             "names": list(layout.names), "per-coordinate": layout.per_coordinate, "count-once": layout.count_once,
             "ranks": [len(shape) for shape in layout.shapes], "sizes": [n for shape in layout.shapes for n in shape],
+            "metric-names": [name for name, _ in layout.metrics], "metric-ranges": [float(r) for _, r in layout.metrics],
             **{f"param.{key}": value for key, value in params.to_config().items()}}
 
 
@@ -45,7 +49,12 @@ def parse_keys_request(record: Mapping[str, Any]) -> tuple[int, list[int], SecAg
     if (per_coordinate and len(ranks) != len(names)) or sum(ranks) != len(sizes) or min(sizes, default=1) < 1:
         raise SecAggError("secure-aggregation layout: the shapes do not match the array names")
     shapes = [tuple(sizes[sum(ranks[:i]):sum(ranks[:i + 1])]) for i in range(len(ranks))]
-    layout = Layout(_typed(record, "weight-key", str), names, per_coordinate, _typed(record, "count-once", bool), shapes)
+    metric_names, metric_ranges = _list(record, "metric-names", str), _list(record, "metric-ranges", float)
+    _same_length(metric_names, metric_ranges)
+    if any(not (0 < r < float("inf")) for r in metric_ranges) or len(set(metric_names)) != len(metric_names):
+        raise SecAggError("secure-aggregation layout: metric ranges must be finite and > 0, metric names distinct")
+    layout = Layout(_typed(record, "weight-key", str), names, per_coordinate, _typed(record, "count-once", bool), shapes,
+                    list(zip(metric_names, metric_ranges)))
     return _int(record, "round"), _ints(record, "participants"), params, layout
 
 

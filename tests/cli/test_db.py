@@ -61,8 +61,9 @@ def test_a_newer_database_is_refused_by_every_command(tmp_path, monkeypatch):
 
 def test_the_default_database_in_hydrafl_home(tmp_path, monkeypatch):
     monkeypatch.setenv("HYDRAFL_HOME", str(tmp_path / "home"))
-    empty = _hydrafl("admin", "db", "current")
-    assert empty.exit_code == 0 and empty.stdout.startswith("empty database")
+    none = _hydrafl("admin", "db", "current")  # reads: creates nothing
+    assert none.exit_code == 2 and "no coordinator database" in none.output
+    assert not (tmp_path / "home" / "coordinator.db").exists()
     assert _hydrafl("admin", "db", "upgrade").exit_code == 0
     assert (tmp_path / "home" / "coordinator.db").exists()
     assert _hydrafl("admin", "db", "current").stdout.strip() == f"{head_revision()} (head)"

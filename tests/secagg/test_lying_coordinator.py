@@ -156,3 +156,17 @@ def test_a_survivor_that_signs_badly_or_not_at_all_is_left_out_of_unmasking_and_
         server.receive_unmask(node, sites[node].unmask(survivors, signatures))
     weights, _ = decode_sum(*server.result(), SecAggParams(), per_coordinate=False)
     assert weights.tolist() == [plain(data, NODES)[0]]  # sites 2 and 3 still count: they masked and survived
+
+
+def test_survivor_signatures_from_a_rounds_training_do_not_count_in_its_evaluation():
+    """A round runs two secure sums (train, then evaluate) with the same number and sites; the purpose is part
+    of every signature, so survivor signatures collected in one cannot make a site of the other reveal."""
+    data = updates(NODES, 20)
+    _, train_sites = masked(data, SecAggParams())
+    everyone = list(NODES)
+    train_signed = {n: train_sites[n].sign_survivors(everyone) for n in NODES}
+    _, evaluate_sites = masked(data, SecAggParams(purpose="evaluate"))
+    evaluate_sites[1].sign_survivors(everyone)
+    with pytest.raises(SecAggError, match="survivor set: the signature does not verify"):
+        evaluate_sites[1].unmask(everyone, train_signed)
+    assert evaluate_sites[1].stage == "checked"

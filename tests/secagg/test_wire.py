@@ -9,9 +9,15 @@ from hydrafl.secagg.site import SignedKeys
 
 
 def test_a_setup_request_round_trips_with_its_layout():
-    layout = wire.Layout("num-examples", ["a", "b"], per_coordinate=True, count_once=True, shapes=[(2, 3), (4,)])
-    record = wire.keys_request(7, [3, 1, 2], SecAggParams(num_shares=3), layout)
-    assert wire.parse_keys_request(record) == (7, [3, 1, 2], SecAggParams(num_shares=3), layout)
+    layout = wire.Layout("num-examples", ["a", "b"], per_coordinate=True, count_once=True, shapes=[(2, 3), (4,)],
+                         metrics=[("train_loss", 64.0)])
+    params = SecAggParams(num_shares=3, site_clip=2.5, purpose="evaluate")
+    record = wire.keys_request(7, [3, 1, 2], params, layout)
+    assert wire.parse_keys_request(record) == (7, [3, 1, 2], params, layout)
+    with pytest.raises(SecAggError, match="metric ranges must be finite and > 0"):
+        wire.parse_keys_request({**record, "metric-ranges": [0.0]})
+    with pytest.raises(SecAggError, match="purpose must be one of"):
+        wire.parse_keys_request({**record, "param.purpose": "plan"})
     assert layout.scaled(SecAggParams()).max_weight == 1  # every site weighs 1: nothing scales the update down
 
 

@@ -4,6 +4,7 @@ and it can neither hold the coordinator's threads nor fill its disk."""
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import threading
@@ -127,6 +128,19 @@ def test_garbage_request_bytes_get_invalid_argument_on_every_method(live):
     assert _healthy(live)
 
 
+def test_garbage_bytes_to_the_health_service_get_invalid_argument_not_internal(live, caplog):
+    check = live.channel.unary_unary("/grpc.health.v1.Health/Check", lambda data: data, lambda data: data)
+    with caplog.at_level(logging.DEBUG):
+        code, details = _status(lambda: check(b"\xff\xff\xff", timeout=5))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert "not a valid protobuf message" in details
+    assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+    watch = live.channel.unary_stream("/grpc.health.v1.Health/Watch", lambda data: data, lambda data: data)
+    code, _ = _status(lambda: list(watch(b"\xff\xff\xff", timeout=5)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert _healthy(live)
+
+
 def test_only_bearer_tokens_failures_are_audited_and_throttled_per_address(live):
     join = live.stub.Join
     for header in (live.token_a, f"bearer {live.token_a}", "Bearer ", "Bearer forged"):
@@ -135,12 +149,55 @@ def test_only_bearer_tokens_failures_are_audited_and_throttled_per_address(live)
     assert len(live.store.audit_events("auth-failed")) == 4
     for _ in range(SiteLimits().max_auth_failures - 4):
         _status(lambda: join(pb.JoinRequest(), metadata=_auth("forged")))
-    code, details = _status(lambda: join(pb.JoinRequest(), metadata=_auth(live.token_a)))  # even a valid token now
+    code, details = _status(lambda: join(pb.JoinRequest(), metadata=_auth("another guess")))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "too many failed authentications" in details
     events = len(live.store.audit_events("auth-failed")) + len(live.store.audit_events("auth-throttled"))
     for _ in range(50):  # refused before the token is looked up: no audit row, no database work per attempt
         _status(lambda: join(pb.JoinRequest(), metadata=_auth("forged")))
     assert len(live.store.audit_events("auth-failed")) + len(live.store.audit_events("auth-throttled")) == events == 10
+    assert _healthy(live)
+
+
+def test_a_wrong_token_flood_from_one_address_never_refuses_a_valid_site_beside_it(live):
+    """Guessers and an enrolled site share 127.0.0.1 (one NAT, proxy or host): the guessers are throttled, the
+    site's calls all go through, and a site enrolled during the flood gets in too."""
+    stop = threading.Event()
+    refused: list[tuple] = []
+    guesses = [0]
+
+    def flood() -> None:
+        while not stop.is_set():
+            _status(lambda: live.stub.Join(pb.JoinRequest(), metadata=_auth(f"guess-{guesses[0]}")))
+            guesses[0] += 1
+
+    flooders = [threading.Thread(target=flood) for _ in range(4)]
+    for thread in flooders:
+        thread.start()
+    try:
+        deadline, calls = time.monotonic() + 3, 0
+        while guesses[0] < 200 or time.monotonic() < deadline:
+            code, details = _status(lambda: live.stub.Join(pb.JoinRequest(), metadata=_auth(live.token_a)))
+            calls += 1
+            if code != grpc.StatusCode.OK:
+                refused.append((code, details))
+        print(f"\n{guesses[0]} wrong tokens beside {calls} calls of a valid site: {len(refused)} of them refused")
+        _, token_c = live.store.add_site("c")  # known once the enrolled tokens are read again (each second)
+        enrolled = time.monotonic()
+        while _status(lambda: live.stub.Join(pb.JoinRequest(), metadata=_auth(token_c)))[0] != grpc.StatusCode.OK:
+            assert time.monotonic() - enrolled < SiteLimits().known_tokens_refresh_s + 1
+            time.sleep(0.1)
+        code, _ = _status(lambda: live.stub.Join(pb.JoinRequest(), metadata=_auth("yet another guess")))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED  # the guessers stay throttled
+    finally:
+        stop.set()
+        for thread in flooders:
+            thread.join()
+    assert refused == []
+    live.store.revoke_site("c")
+    code, _ = _status(lambda: live.stub.Join(pb.JoinRequest(), metadata=_auth(token_c)))
+    assert code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED)  # revoked: a guesser now
+    audited = len(live.store.audit_events("auth-failed")) + len(live.store.audit_events("auth-throttled"))
+    assert audited == SiteLimits().max_auth_failures  # the database work guesses cause stays bounded
     assert _healthy(live)
 
 

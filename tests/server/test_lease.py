@@ -3,6 +3,7 @@ acquisitions, heartbeat, loss), on SQLite and PostgreSQL, and real `hydrafl serv
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -215,3 +216,93 @@ def test_after_kill_9_a_new_server_takes_the_stale_lease_over_and_sigterm_releas
         second.kill()
         second.communicate()
     assert store.lease() is None
+
+
+def _pretend_pid(db_url: str, pid: int) -> None:
+    """The lease row as a coordinator restarted in the same container writes it: docker's pid 1 is every
+    incarnation's pid (this test's own pid stands in for it)."""
+    engine = create_engine(db_url)
+    with engine.begin() as connection:
+        connection.execute(CoordinatorLease.__table__.update().values(pid=pid))
+    engine.dispose()
+
+
+@pytest.mark.slow
+def test_a_coordinator_restarted_with_the_same_host_and_pid_takes_its_own_lease_and_a_live_one_is_refused(tmp_path):
+    """Same hostname, same pid, fresh heartbeat: while the coordinator that wrote the lease lives (it holds its
+    state folder), a second one on that folder is refused; once it is killed -9, the restart takes the lease at
+    once instead of waiting the 30 s for it to go stale."""
+    db_url = f"sqlite:///{tmp_path / 'coordinator.db'}"
+    home = tmp_path / "home"
+    config = CoordinatorConfig(listen="127.0.0.1:0", db_url=db_url, home=home, blob_dir=tmp_path / "blobs",
+                               runs_dir=tmp_path / "runs")
+    address = f"127.0.0.1:{free_port()}"
+    first = _server(tmp_path, "--db", db_url, "--listen", address)  # HYDRAFL_HOME is `home`
+    try:
+        wait_serving(address, process=first)
+        store = Store(db_url)
+        held = store.lease()
+        _pretend_pid(db_url, os.getpid())
+        with pytest.raises(LeaseHeld, match=f"{socket.gethostname()} pid {os.getpid()}, listening on {address}"):
+            Coordinator(config).start()  # the same host and pid, but the first is alive: another coordinator
+        first.send_signal(signal.SIGKILL)
+        first.communicate()
+        assert lease_age_s(store.lease()) < 5  # fresh: only knowing itself lets the restart in now
+        (tmp_path / "other-home").mkdir()  # another container: the same hostname and pid 1, its own volume
+        with pytest.raises(LeaseHeld, match="wait 2\\d s if it died"):
+            Coordinator(dataclasses.replace(config, home=tmp_path / "other-home")).start()
+        restarted = Coordinator(config)
+        restarted.start()
+        try:
+            assert store.lease().holder == restarted.lease.claim.holder != held.holder
+            [event] = store.audit_events("lease-taken-over")
+            assert held.holder in event.detail
+        finally:
+            restarted.stop()
+        assert store.lease() is None
+    finally:
+        first.kill()
+        first.communicate()
+
+
+def _pid_one_server(tmp_path, home, *args: str) -> subprocess.Popen:
+    """`hydrafl server` as pid 1 of its own pid namespace, as in a container: every start has the same hostname
+    and pid 1. SIGKILL to the returned process kills the server too (`--kill-child`), as `docker kill` does."""
+    env = {**os.environ, "HYDRAFL_HOME": str(home)}
+    command = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
+               sys.executable, "-m", "hydrafl", "server", "--blobs", str(tmp_path / "blobs"), *args]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_a_coordinator_killed_and_restarted_as_pid_1_takes_its_own_lease_at_once(tmp_path):
+    if subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode:
+        pytest.skip("no pid namespaces here (unshare needs root)")
+    db_url = f"sqlite:///{tmp_path / 'coordinator.db'}"
+    home, other_home = tmp_path / "home", tmp_path / "other-home"
+    address = f"127.0.0.1:{free_port()}"
+    first = _pid_one_server(tmp_path, home, "--db", db_url, "--listen", address)
+    try:
+        wait_serving(address, process=first)
+        store = Store(db_url)
+        held = store.lease()
+        assert (held.host, held.pid) == (socket.gethostname(), 1)
+        for folder in (other_home, home):  # another container (its own volume), and one on this one: both live
+            second = _pid_one_server(tmp_path, folder, "--db", db_url, "--listen", f"127.0.0.1:{free_port()}")
+            assert second.wait(timeout=60) == 2
+            assert f"another coordinator holds this database: {socket.gethostname()} pid 1, " in second.stderr.read()
+        first.send_signal(signal.SIGKILL)
+        first.communicate()
+        restarted = _pid_one_server(tmp_path, home, "--db", db_url, "--listen", address)
+        try:
+            wait_serving(address, timeout_s=30, process=restarted)
+            lease = store.lease()
+            assert lease.pid == 1 and lease.holder != held.holder and lease_age_s(lease) < 5
+            [event] = store.audit_events("lease-taken-over")
+            assert held.holder in event.detail
+        finally:
+            restarted.kill()
+            restarted.communicate()
+    finally:
+        first.kill()
+        first.communicate()

@@ -16,6 +16,7 @@ from sqlalchemy import MetaData, create_engine, insert, inspect, text
 
 from deployment import free_port, start_hydrafl, wait_serving, wait_until
 from hydrafl.proto import coordinator_pb2 as pb
+from hydrafl.server.audit import record_refusal
 from hydrafl.server.migrations import FIRST_TABLES, SchemaError, alembic_config, head_revision, schema_state
 from hydrafl.server.store import Base, Store, hash_token
 
@@ -89,6 +90,7 @@ def _assert_rows_kept(store: Store) -> None:
     assert store.outbound("m-1").envelope == ASSIGNMENT
     assert [r.envelope for r in store.replies_to(["m-1"])] == [REPLY]
     assert [(e.kind, e.site_name, e.run_id) for e in store.audit_events()] == EVENTS
+    assert [(e.count, e.server_round, e.last_at) for e in store.audit_events()] == [(1, None, None)] * len(EVENTS)
 
 
 def test_upgrade_from_the_first_revision_keeps_every_row(db_url, caplog):
@@ -103,6 +105,10 @@ def test_upgrade_from_the_first_revision_keeps_every_row(db_url, caplog):
     _assert_rows_kept(store)
     new = store.create_run({"num-server-rounds": 2}, server_app="app:server_app")
     assert store.run(new.id).server_app == "app:server_app"
+    for _ in range(3):  # 0003: refusals of one site in one round are counted on one row
+        record_refusal(store, "st-marys", "INVALID_ARGUMENT: shape", new.id, 1)
+    [counted] = [e for e in store.audit_events("update-rejected") if e.run_id == new.id]
+    assert (counted.count, counted.server_round) == (3, 1) and counted.last_at is not None
 
 
 def test_downgrade_to_base_and_upgrade_again(db_url):
@@ -132,20 +138,21 @@ def test_the_models_match_the_head_revision(db_url):
 
 @pytest.mark.parametrize("server_app_column", [False, True], ids=["before-server-app", "with-server-app"])
 def test_a_database_from_before_migrations_is_stamped_and_upgraded(db_url, server_app_column):
-    """What `create_all` made (the schema of 0001, or of 0002 once the ad-hoc column upgrade had run)."""
+    """What `create_all` made (the schema of 0001, or of 0002 once the ad-hoc column upgrade had run): the
+    head's models without what later revisions added (0003's audit columns and index)."""
     engine = create_engine(db_url)
     Base.metadata.create_all(engine)
-    if not server_app_column:
-        with engine.begin() as connection:
+    with engine.begin() as connection:
+        connection.execute(text("DROP INDEX ix_audit_events_kind_site"))
+        for column in ("server_round", "count", "last_at"):
+            connection.execute(text(f'ALTER TABLE audit_events DROP COLUMN "{column}"'))
+        if not server_app_column:
             connection.execute(text("ALTER TABLE runs DROP COLUMN server_app"))
     legacy = "0002" if server_app_column else "0001"
     assert (_state(db_url).revision, _state(db_url).legacy) == (legacy, True)
-    if server_app_column:
-        assert Store(db_url, upgrade=False).runs() == []  # already the head's schema: read as it is, not stamped
-        assert _state(db_url).legacy
-    else:
-        with pytest.raises(SchemaError, match=r"revision 0001 \(unversioned\), older than this hydrafl's 0002"):
-            Store(db_url, upgrade=False)
+    older = rf"revision {legacy} \(unversioned\), older than this hydrafl's {head_revision()}"
+    with pytest.raises(SchemaError, match=older):
+        Store(db_url, upgrade=False)
     Store(db_url).create_run({"strategy": "fedavg"})
     assert (_state(db_url).revision, _state(db_url).legacy) == (head_revision(), False)
     assert _drift(db_url) == []

@@ -101,17 +101,27 @@ def test_a_short_share_is_refused(live):
     assert live.answer(requests[b], _secagg(wire.sealed_record({a: bytes(SEALED_BYTES)}))) == grpc.StatusCode.OK
 
 
-def test_a_masked_vector_must_be_uint32_of_the_rounds_length(live):
+@pytest.mark.parametrize("kind", ["train", "evaluate"])
+def test_a_masked_vector_must_be_uint32_of_the_rounds_length_with_nothing_in_the_clear(live, kind):
+    """Train and evaluate replies of a secure round: the one masked vector, and no metric, count or hash in the
+    clear (the weight and the metrics are inside the sum)."""
     a, b = live.nodes
     arrays = ArrayRecord({"w": Array(np.zeros((3, 2), dtype=np.float32))})
     routed = lambda node: RecordDict({"arrays": arrays, protocol.SECAGG_RECORD: ConfigRecord(  # noqa: E731
         {**wire.sealed_record({}), "length": 7})})
-    requests = live.push("train", routed)
-    plain = RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 5})})
-    assert live.answer(requests[a], plain) == grpc.StatusCode.INVALID_ARGUMENT  # the update in the clear
-    masked = RecordDict({"arrays": ArrayRecord({protocol.SECAGG_MASKED: Array(np.arange(7, dtype=np.uint32))}),
-                         "metrics": MetricRecord({"train_loss": 0.5})})
-    assert live.answer(requests[b], masked) == grpc.StatusCode.OK
+    requests = live.push(kind, routed)
+    if kind == "train":
+        plain = RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 5})})
+    else:
+        plain = RecordDict({"metrics": MetricRecord({"num-examples": 5, "loss": 0.3, "accuracy": 0.5})})
+    assert live.answer(requests[a], plain) == grpc.StatusCode.INVALID_ARGUMENT  # the site's values in the clear
+    vector = ArrayRecord({protocol.SECAGG_MASKED: Array(np.arange(7, dtype=np.uint32))})
+    assert live.answer(requests[b], RecordDict({"arrays": vector})) == grpc.StatusCode.OK
+    requests = live.push(kind, routed)
+    with_metric = RecordDict({"arrays": vector, "metrics": MetricRecord({"train_loss": 0.5})})
+    assert live.answer(requests[a], with_metric) == grpc.StatusCode.INVALID_ARGUMENT  # one metric in the clear
+    with_hash = RecordDict({"arrays": vector, "train-info": ConfigRecord({protocol.DATA_HASH: "abc"})})
+    assert live.answer(requests[b], with_hash) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_key_material_and_survivor_signatures_of_the_wrong_size_are_refused(live):

@@ -1,0 +1,218 @@
+"""The dashboard's listener has limits, and nothing that reaches them reaches the coordinator: idle and slow
+connections are dropped, connections over the cap are closed at once, and a real `hydrafl server --dashboard`
+at 1,024 descriptors outlives 1,100 idle connections with its health check, its runs and its dashboard intact."""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from dashboard_http import fetch
+from deployment import enrol, free_port, queue_run, start_hydrafl, wait_serving, wait_until
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import SMALL_RUN
+
+from hydrafl.server.dashboard import Dashboard, DashboardConfig
+from hydrafl.server.store import Store
+
+TOKEN = "dashboard-token-for-tests-0123456789"
+IDLE_CONNECTIONS = 1_100
+DESCRIPTORS = 1_024
+
+
+def _closed_within(conn: socket.socket, timeout_s: float, trickle: bytes = b"") -> float | None:
+    """Seconds until the server closed `conn` (sending `trickle` a byte at a time meanwhile), or None."""
+    start = time.monotonic()
+    conn.settimeout(0.2)
+    sent = 0
+    while time.monotonic() - start < timeout_s:
+        if sent < len(trickle):
+            try:
+                conn.sendall(trickle[sent:sent + 1])
+            except OSError:
+                return time.monotonic() - start
+            sent += 1
+        try:
+            data = conn.recv(4096)
+        except TimeoutError:
+            continue
+        except OSError:
+            return time.monotonic() - start
+        if not data or data.startswith(b"HTTP/1.0 408"):
+            return time.monotonic() - start
+    return None
+
+
+@pytest.fixture
+def board(tmp_path):
+    config = DashboardConfig(listen="127.0.0.1:0", token=TOKEN, max_connections=8, workers=2, request_timeout_s=2.0)
+    dashboard = Dashboard(config, Store(f"sqlite:///{tmp_path / 'c.db'}"), tmp_path / "runs")
+    dashboard.start()
+    yield dashboard
+    dashboard.stop()
+
+
+def test_idle_slow_and_surplus_connections_are_dropped_and_real_requests_still_served(board):
+    host, port = board.server.server_address[:2]
+    idle = socket.create_connection((host, port))
+    assert _closed_within(idle, 4.0) == pytest.approx(2.0, abs=0.6)  # never sent a byte
+    # a byte every 0.2 s keeps every read short; the request's deadline still drops it
+    slow = socket.create_connection((host, port))
+    trickled_s = _closed_within(slow, 4.0, trickle=b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100)
+    assert trickled_s is not None and 1.4 < trickled_s < 2.8, trickled_s
+    idle.close(), slow.close()
+
+    held = [socket.create_connection((host, port)) for _ in range(7)]
+    time.sleep(0.3)  # seven idle connections hold no worker: a real request beside them is answered at once
+    start = time.monotonic()
+    assert fetch(f"{board.url}/metrics", {"Authorization": f"Bearer {TOKEN}"})[0] == 200
+    assert time.monotonic() - start < 0.9
+    held.append(socket.create_connection((host, port)))
+    time.sleep(0.3)
+    surplus = [socket.create_connection((host, port)) for _ in range(20)]
+    assert all(_closed_within(conn, 0.5) is not None for conn in surplus)  # over the cap: closed at once
+    assert board.open_connections() <= 8
+    for conn in held + surplus:
+        conn.close()
+    wait_until(lambda: board.open_connections() == 0, 5, "closed connections were not forgotten")
+    status, _, body = fetch(f"{board.url}/metrics", {"Authorization": f"Bearer {TOKEN}"})
+    assert status == 200 and "hydrafl" in body
+    assert fetch(f"{board.url}/metrics")[0] == 401
+
+
+def test_the_dashboard_refuses_limits_that_are_not_positive():
+    for bad in ({"max_connections": 0}, {"workers": 0}, {"request_timeout_s": 0.0}, {"request_timeout_s": float("nan")}):
+        with pytest.raises(ValueError, match=next(iter(bad)).replace("_", "-")):
+            DashboardConfig(listen="127.0.0.1:0", token=TOKEN, **bad)
+
+
+def _limit_descriptors() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (DESCRIPTORS, DESCRIPTORS))
+
+
+def _idlers(port: int, pid: int) -> list[socket.socket]:
+    """Connections that never send a byte, each opened once the listener took the one before (a connection
+    the kernel completed but the listener never accepted holds nothing of the coordinator's); stops when the
+    coordinator is out of descriptors or three connects in a row fail."""
+    conns, failures = [], 0
+    while len(conns) < IDLE_CONNECTIONS and failures < 3 and _descriptors(pid) < DESCRIPTORS - 8:
+        conn = socket.socket()
+        conn.settimeout(2)
+        try:
+            conn.connect(("127.0.0.1", port))
+        except OSError:
+            conn.close()
+            failures += 1
+            continue
+        conns.append(conn)
+        accepted_by = time.monotonic() + 0.5
+        while _unaccepted(port) and time.monotonic() < accepted_by:
+            time.sleep(0.002)
+    return conns
+
+
+def _unaccepted(port: int) -> int:
+    """Connections to `port` the kernel holds for the listener: its accept queue and half-open handshakes."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local_port, state = int(fields[1].split(":")[1], 16), fields[3]
+        if local_port == port and state == "0A":  # listening: the accept queue's length
+            count += int(fields[4].split(":")[1], 16)
+        elif local_port == port and state == "03":  # SYN_RECV
+            count += 1
+    return count
+
+
+def _descriptors(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except FileNotFoundError:  # it exited
+        return DESCRIPTORS
+
+
+@pytest.mark.slow
+def test_a_coordinator_at_1024_descriptors_outlives_1100_idle_connections_to_each_listener(tmp_path):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < IDLE_CONNECTIONS + 200:
+        pytest.skip(f"this test process may open only {hard} descriptors")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    cfg = SMALL_RUN.replace(sites=2, rounds=2)
+    env, db, store, tokens, address = enrol(tmp_path, cfg)
+    board_port = free_port()
+    with (tmp_path / "coordinator.log").open("a") as log:
+        coordinator = subprocess.Popen(
+            [sys.executable, "-m", "hydrafl", "server", "--listen", address, "--db", db, "--blobs",
+             str(tmp_path / "blobs"), "--dashboard", str(board_port), "-v"],
+            env={**env, "HYDRAFL_DASHBOARD_TOKEN": TOKEN}, stdout=log, stderr=log, preexec_fn=_limit_descriptors,
+        )
+    processes = [coordinator]
+    idlers: list[socket.socket] = []
+    try:
+        wait_serving(address, process=coordinator)
+        url = f"http://127.0.0.1:{board_port}"
+        wait_until(lambda: fetch(f"{url}/metrics", {"Authorization": f"Bearer {TOKEN}"})[0] == 200, 30, "no dashboard")
+        assert resource.prlimit(coordinator.pid, resource.RLIMIT_NOFILE) == (DESCRIPTORS, DESCRIPTORS)
+        idlers = _idlers(board_port, coordinator.pid)
+        print(f"\ncoordinator descriptors {_descriptors(coordinator.pid)} after the idle connections")
+        run_id = queue_run(store, cfg)  # the coordinator starts it during the attack: imports, files, database
+        latencies, peak = [], 0
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 8
+            while time.monotonic() < deadline:
+                start = time.monotonic()
+                reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                latencies.append(time.monotonic() - start)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                peak = max(peak, _descriptors(coordinator.pid))
+                time.sleep(0.25)
+        assert coordinator.poll() is None, (tmp_path / "coordinator.log").read_text()[-3000:]
+        wait_serving(address, timeout_s=10, process=coordinator)  # a new connection gets a descriptor too
+        assert peak < DESCRIPTORS - 200, peak
+        assert store.run(run_id).status in ("pending", "running"), store.run(run_id).detail
+        print(f"\ncoordinator descriptors at most {peak} during {len(idlers)} idle connections; health check "
+              f"median {statistics.median(latencies) * 1e3:.1f} ms, max {max(latencies) * 1e3:.1f} ms")
+        for conn in idlers:
+            conn.close()
+        # the same on the sites' port: gRPC closes connections over its cap, the health check keeps answering
+        idlers = _idlers(int(address.rsplit(":", 1)[1]), coordinator.pid)
+        with grpc.insecure_channel(address) as channel:  # opened before: the cap refuses new connections
+            health = health_pb2_grpc.HealthStub(channel)
+            grpc_latencies, grpc_peak = [], 0
+            for _ in range(10):
+                start = time.monotonic()
+                assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == 1
+                grpc_latencies.append(time.monotonic() - start)
+                grpc_peak = max(grpc_peak, _descriptors(coordinator.pid))
+                time.sleep(0.25)
+        assert coordinator.poll() is None and grpc_peak < DESCRIPTORS - 200, grpc_peak
+        print(f"gRPC port: coordinator descriptors at most {grpc_peak} during {len(idlers)} idle connections; "
+              f"health check median {statistics.median(grpc_latencies) * 1e3:.1f} ms")
+        for conn in idlers:
+            conn.close()
+        idlers = []
+        wait_serving(address, timeout_s=20, process=coordinator)
+        for i, token in enumerate(tokens):
+            processes.append(start_hydrafl("site", "--coordinator", address, "--token", token,
+                                           env=env, log=tmp_path / f"site-{i}.log"))
+        wait_until(lambda: store.run(run_id).status in ("finished", "failed"), 240, "the run did not finish")
+        assert store.run(run_id).status == "finished", store.run(run_id).detail
+        status, _, page = fetch(f"{url}/", {"Authorization": f"Bearer {TOKEN}"})
+        assert status == 200 and f"run {run_id}" in page.lower()
+        assert coordinator.poll() is None
+    finally:
+        for conn in idlers:
+            conn.close()
+        for process in processes:
+            process.kill()
+            process.wait()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
