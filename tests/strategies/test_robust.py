@@ -1,9 +1,11 @@
 """The masked robust rules against a numpy reference computed coordinate by coordinate over only the sites that
-trained it, through the rule itself, a subnetwork strategy's and a LoRA baseline's aggregation; and the knobs'
-refusals (FLoRA, central DP, Hydra's LoRA products, bad values)."""
+trained it, through the rule itself, a subnetwork strategy's and a LoRA baseline's aggregation; the trimmed
+mean's cut on coordinates of 3 or 4 sites and the count of coordinates of 1 or 2 it cannot protect; the
+clipped mean's sizes per site; and the knobs' refusals (FLoRA, central DP, Hydra's LoRA products, bad values)."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -17,7 +19,13 @@ from hydrafl import protocol
 from hydrafl.config import ConfigError, RunConfig
 from hydrafl.strategies import FedIT, FlexLoRA, HetLoRA, build_strategy
 from hydrafl.strategies.lora import rank_slices, truncate
-from hydrafl.strategies.robust import MaskedRobustAggregator, RobustRule, masked_median, masked_trimmed_mean
+from hydrafl.strategies.robust import (
+    MaskedRobustAggregator,
+    RobustRule,
+    masked_median,
+    masked_trimmed_mean,
+    trim_counts,
+)
 from hydrafl.strategies.subnet_strategy import SubnetStrategy
 from hydrafl.subnet.slices import Slice, extract
 from hydrafl.subnet.spec import SubnetSpec
@@ -34,8 +42,9 @@ def _reference(stacked: np.ndarray, rule: str, beta: float = 0.0) -> tuple[np.nd
         covered[j] = True
         if rule == "median":
             out[j] = np.median(values)
-        else:
+        else:  # at least one cut at each end once 3 values allow it
             cut = math.floor(beta * values.size)
+            cut = max(cut, 1) if beta > 0 and values.size >= 3 else cut
             out[j] = values[cut:values.size - cut].mean()
     return out.reshape(stacked.shape[1:]), covered.reshape(stacked.shape[1:])
 
@@ -64,7 +73,7 @@ def test_masked_median_is_each_coordinates_median_over_the_sites_that_trained_it
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.2, 0.34, 0.49])
-def test_masked_trimmed_mean_cuts_floor_beta_n_of_each_coordinates_own_n_sites(beta):
+def test_masked_trimmed_mean_cuts_at_least_one_of_each_coordinates_own_k_sites_once_k_is_3(beta):
     values = _masked_values(7, sites=9)
     mean, covered = masked_trimmed_mean(torch.from_numpy(values), beta)
     expected, expected_covered = _reference(values, "trimmed", beta)
@@ -76,6 +85,87 @@ def test_a_trimmed_mean_of_five_values_drops_the_outlier_at_each_end():
     stacked = torch.tensor([[1.0], [2.0], [3.0], [4.0], [1000.0]])
     mean, _ = masked_trimmed_mean(stacked, 0.2)
     assert mean.item() == pytest.approx(3.0)  # (2 + 3 + 4) / 3: one cut at each end
+
+
+def test_the_trimmed_mean_trims_coordinates_of_three_and_four_sites_and_none_of_two():
+    # one column per coordinate, NaN: that site did not train it; k = 3, 4, 2, 10 sites
+    nan = math.nan
+    stacked = torch.tensor([
+        [1.0, 1.0, 1.0, 1.0], [2.0, 2.0, 100.0, 2.0], [100.0, 3.0, nan, 3.0], [nan, 100.0, nan, 4.0],
+        *([[nan, nan, nan, v] for v in (5.0, 6.0, 7.0, 8.0, -50.0, 90.0)]),
+    ])
+    mean, covered = masked_trimmed_mean(stacked, 0.2)
+    assert covered.tolist() == [True] * 4
+    assert mean[0].item() == pytest.approx(2.0)  # k 3: floor(0.6) = 0 would have given 34.33; 1 cut: the middle one
+    assert mean[1].item() == pytest.approx(2.5)  # k 4: (2 + 3) / 2, not 26.5
+    assert mean[2].item() == pytest.approx(50.5)  # k 2: nothing to trim, the plain mean
+    assert mean[3].item() == pytest.approx((2 + 3 + 4 + 5 + 6 + 7) / 6)  # k 10: floor(2) at each end, as before
+    k = torch.tensor([0, 1, 2, 3, 4, 5, 9, 10, 15])
+    assert trim_counts(k, 0.2).tolist() == [0, 0, 0, 1, 1, 1, 1, 2, 3]
+    assert trim_counts(k, 0.0).tolist() == [0] * 9  # beta 0 is the plain mean everywhere
+    assert trim_counts(k, 0.49).tolist() == [0, 0, 0, 1, 1, 2, 4, 4, 7]  # always leaves one value
+
+
+@pytest.mark.parametrize("rule", ["trimmed-mean", "median"])
+def test_the_coordinates_no_majority_protects_are_counted_and_logged(rule, caplog):
+    shape = (2, 3)  # site 0 all of it, site 1 columns 0-1, site 2 row 0: (0, 0) and (0, 1) have 3 sites,
+    # (0, 2) sites 0 and 2, (1, 0) and (1, 1) sites 0 and 1, (1, 2) site 0 alone
+    aggregator = MaskedRobustAggregator(RobustRule(name=rule))
+    aggregator.add_slices({"w": torch.ones(2, 3), "b": torch.ones(4)}, {"w": Slice(None), "b": Slice(None)},
+                          {"w": shape, "b": (4,)})
+    aggregator.add_slices({"w": torch.full((2, 2), 2.0), "b": torch.ones(4)}, {"w": Slice(1, (0, 1)), "b": Slice(None)},
+                          {"w": shape, "b": (4,)})
+    aggregator.add_slices({"w": torch.full((1, 3), 9.0)}, {"w": Slice(0, (0,))}, {"w": shape})
+    with caplog.at_level(logging.WARNING, logger="hydrafl.strategies.robust"):
+        out = aggregator.aggregate()
+    assert aggregator.unprotected == {"w": 4, "b": 4}  # b: two sites everywhere
+    assert f"{rule}: 8 of 10 trained coordinates had only 1 or 2 sites" in caplog.text
+    w, covered = out["w"]
+    assert covered.all()
+    assert w[0].tolist() == pytest.approx([2.0, 2.0, 5.0])  # (1, 2, 9): the 9 cut; (1, 9): no majority, the mean
+    assert w[1].tolist() == pytest.approx([1.5, 1.5, 1.0])
+
+
+def test_nothing_is_logged_when_every_coordinate_has_a_majority(caplog):
+    aggregator = MaskedRobustAggregator(RobustRule(name="trimmed-mean"))
+    for value in (1.0, 2.0, 3.0):
+        aggregator.add_slices({"w": torch.full((2,), value)}, {"w": Slice(None)}, {"w": (2,)})
+    with caplog.at_level(logging.WARNING, logger="hydrafl.strategies.robust"):
+        [(mean, _)] = aggregator.aggregate().values()
+    assert mean.tolist() == [2.0, 2.0] and aggregator.unprotected == {"w": 0} and caplog.text == ""
+
+
+def test_the_clipped_mean_scales_each_site_down_to_the_median_size_then_averages():
+    aggregator = MaskedRobustAggregator(RobustRule(name="clipped-mean"))
+    for values in ([1.0, 1.0], [2.0, 0.0], [100.0, 100.0]):  # RMS 1, sqrt 2, 100: the median sqrt 2
+        aggregator.add_slices({"w": torch.tensor(values)}, {"w": Slice(None)}, {"w": (2,)})
+    [(mean, covered)] = aggregator.aggregate().values()
+    clipped = math.sqrt(2) / 100  # the third site scaled to RMS sqrt 2: (sqrt 2, sqrt 2)
+    assert covered.all() and aggregator.unprotected == {}
+    assert mean.tolist() == pytest.approx([(1 + 2 + 100 * clipped) / 3, (1 + 0 + 100 * clipped) / 3])
+
+
+def test_the_clipped_mean_sizes_a_site_by_its_rms_so_a_small_tier_is_not_judged_by_its_norm():
+    shape = (4,)  # sites 0 and 1 train coordinate 0 only (norm 1), site 2 all four (norm 2); every RMS is 1
+    aggregator = MaskedRobustAggregator(RobustRule(name="clipped-mean"))
+    aggregator.add_slices({"w": torch.ones(1)}, {"w": Slice(0, (0,))}, {"w": shape})
+    aggregator.add_slices({"w": torch.ones(1)}, {"w": Slice(0, (0,))}, {"w": shape})
+    aggregator.add_slices({"w": torch.ones(4)}, {"w": Slice(None)}, {"w": shape})
+    [(mean, _)] = aggregator.aggregate().values()
+    assert mean.tolist() == [1.0, 1.0, 1.0, 1.0]  # clipping to the median norm (1) would give site 2's 0.5
+    loud = MaskedRobustAggregator(RobustRule(name="clipped-mean", clip_factor=2.0))
+    for site, value in enumerate((1.0, 1.0, 1.0, 50.0)):  # the fourth at 50x: cut to 2 x the median RMS
+        loud.add("w", Slice(None), torch.full((3,), value), (3,), site=site)
+    assert loud.aggregate()["w"][0].tolist() == pytest.approx([(3 + 2) / 4] * 3)
+
+
+def test_sites_are_numbered_by_arrival_per_tensor_unless_named():
+    aggregator = MaskedRobustAggregator(RobustRule(name="clipped-mean"))
+    for value in (1.0, 1.0, 40.0):  # no site given: the i-th value of each tensor is site i
+        aggregator.add("a", Slice(None), torch.full((2,), value), (2,))
+        aggregator.add("b", Slice(None), torch.full((2,), value), (2,))
+    out = aggregator.aggregate()
+    assert out["a"][0].tolist() == pytest.approx([1.0, 1.0]) and out["b"][0].tolist() == pytest.approx([1.0, 1.0])
 
 
 def test_the_aggregator_places_compact_slices_before_taking_the_rule():
@@ -135,6 +225,34 @@ def test_a_subnetwork_strategy_takes_the_masked_median_of_the_slices_its_sites_t
         median, covered = _reference(stacked, "median")
         np.testing.assert_allclose(new[name].numpy(), np.where(covered, array - median, array), rtol=1e-6)
     assert np.abs(new["w"].numpy()).max() < 10  # the 1e6 never reached the model
+
+
+def test_a_subnetwork_strategys_trimmed_mean_cuts_a_hostile_site_on_a_row_three_sites_trained():
+    start = {"w": np.zeros((3, 2), dtype=np.float32)}
+    slices = {1: {"w": Slice(0, (0, 1))}, 2: {"w": Slice(0, (0, 1, 2))}, 3: {"w": Slice(0, (1, 2))},
+              4: {"w": Slice(0, (1, 2))}}  # row 0: sites 1-2 (no majority), rows 1 and 2: 4 and 3 sites
+    deltas = {1: [[1.0, 1.0], [1.0, 1.0]], 2: [[3.0, 3.0], [2.0, 2.0], [2.0, 2.0]], 3: [[3.0, 3.0], [4.0, 4.0]],
+              4: [[-1e6, -1e6], [-1e6, -1e6]]}  # site 4 hostile on rows 1 and 2
+    strategy = _FixedSlices(slices, robust=RobustRule(name="trimmed-mean", trim_fraction=0.2))
+    strategy.current_arrays = ArrayRecord({"w": Array(start["w"])})
+    strategy.specs = {node: SubnetSpec(layers=(0,)) for node in slices}
+    replies = [make_reply({"w": np.asarray(d, dtype=np.float32)}, num_examples=10, node_id=n) for n, d in deltas.items()]
+    new, _ = strategy.aggregate_train(1, iter(replies))
+    # new = start - delta; row 0: mean(1, 3); row 1: 4 sites, (1, 2, 3, -1e6) cut 1 each end -> (1 + 2) / 2;
+    # row 2: 3 sites (2, 4, -1e6) cut 1 each end -> 2. floor(0.2 k) cut nothing: -249999 and -333331
+    np.testing.assert_allclose(new["w"].numpy(), -np.array([[2.0, 2.0], [1.5, 1.5], [2.0, 2.0]]))
+
+
+def test_a_subnetwork_strategys_clipped_mean_bounds_a_hostile_site():
+    start = {"w": np.zeros((2, 2), dtype=np.float32)}
+    slices = {node: {"w": Slice(None)} for node in (1, 2, 3, 4)}
+    deltas = {1: 1.0, 2: 2.0, 3: 3.0, 4: 1e6}  # RMS 1, 2, 3, 1e6: the median 2.5
+    strategy = _FixedSlices(slices, robust=RobustRule(name="clipped-mean"))
+    strategy.current_arrays = ArrayRecord({"w": Array(start["w"])})
+    strategy.specs = {node: SubnetSpec(layers=(0,)) for node in slices}
+    replies = [make_reply({"w": np.full((2, 2), d, dtype=np.float32)}, num_examples=10, node_id=n) for n, d in deltas.items()]
+    new, _ = strategy.aggregate_train(1, iter(replies))
+    np.testing.assert_allclose(new["w"].numpy(), np.full((2, 2), -(1 + 2 + 2.5 + 2.5) / 4), rtol=1e-6)
 
 
 # FedIT's toy (as in test_lora_baselines): A [R=2, in=2], B [out=2, R=2], one layer of two heads; rank 1 is
@@ -211,6 +329,8 @@ def test_flora_refuses_a_robust_rule_and_bad_knobs_are_named():
         RunConfig.build(**{**SMALL_RUN.flat(), "strategy": "flora", "lora_rank": 2, "robust_rule": "median"})
     with pytest.raises(ConfigError, match="robust-rule='mode'.*mean, median, trimmed-mean"):
         RunConfig.build(**{**SMALL_RUN.flat(), "strategy": "hydra", "robust_rule": "mode"})
+    with pytest.raises(ConfigError, match="clip-factor=0"):
+        RunConfig.build(**{**SMALL_RUN.flat(), "strategy": "hydra", "robust_rule": "clipped-mean", "clip_factor": 0})
     with pytest.raises(ConfigError, match="trim-fraction=0.5"):
         RunConfig.build(**{**SMALL_RUN.flat(), "strategy": "heterofl", "trim_fraction": 0.5})
     with pytest.raises(ConfigError, match="robust-rule.*dp-clip"):
@@ -222,6 +342,8 @@ def test_flora_refuses_a_robust_rule_and_bad_knobs_are_named():
         run = RunConfig.build(**{**SMALL_RUN.flat(), "strategy": strategy, "lora_rank": 2, "robust_rule": "trimmed-mean",
                                  "trim_fraction": 0.3, **({"hydra_lora": "factors"} if strategy == "hydra" else {})})
         assert build_strategy(run).robust == RobustRule(name="trimmed-mean", trim_fraction=0.3)
+    clipped = RunConfig.build(**{**SMALL_RUN.flat(), "strategy": "fjord", "robust_rule": "clipped-mean", "clip_factor": 1.5})
+    assert build_strategy(clipped).robust == RobustRule(name="clipped-mean", clip_factor=1.5)
 
 
 def test_multikrum_and_bulyan_are_flowers_own_with_their_knobs():
