@@ -101,14 +101,16 @@ class Cluster:
         self._processes.append(process)
         return process
 
-    def start_coordinator(self, timeout_s: float = 120) -> subprocess.Popen:
-        """A coordinator on the cluster's database and blobs, waited for until SERVING. A restart right after a
-        kill may find the dead one's lease still fresh (exit 2): it is started again until it takes over."""
+    def start_coordinator(self, timeout_s: float = 120, *options: str, extra_env: dict[str, str] | None = None,
+                          preexec: Callable[[], None] | None = None) -> subprocess.Popen:
+        """A coordinator on the cluster's database and blobs (and `options`, e.g. `--dashboard`), waited for until
+        SERVING. A restart right after a kill may find the dead one's lease still fresh (exit 2): it is started
+        again until it takes over."""
         deadline = time.monotonic() + timeout_s
         while True:
             self.coordinator = self._spawn(
                 ["server", "--listen", self.listen, "--db", self.db, "--blobs", str(self.root / "blobs"),
-                 "--lease-stale-s", str(LEASE_STALE_S)], self.root / "coordinator.log",
+                 "--lease-stale-s", str(LEASE_STALE_S), *options], self.root / "coordinator.log", extra_env, preexec,
             )
             if self.wait_serving(deadline - time.monotonic()):
                 return self.coordinator

@@ -4,14 +4,12 @@ at 1,024 descriptors outlives 1,100 idle connections with its health check, its 
 
 from __future__ import annotations
 
-import os
 import resource
 import socket
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -20,6 +18,7 @@ from deployment import enrol, free_port, queue_run, start_hydrafl, wait_serving,
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import SMALL_RUN
 
+from hydrafl.benchmarks._reliability_hostile import descriptors, idlers, limit_descriptors
 from hydrafl.server.dashboard import Dashboard, DashboardConfig
 from hydrafl.server.store import Store
 
@@ -94,51 +93,6 @@ def test_the_dashboard_refuses_limits_that_are_not_positive():
             DashboardConfig(listen="127.0.0.1:0", token=TOKEN, **bad)
 
 
-def _limit_descriptors() -> None:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (DESCRIPTORS, DESCRIPTORS))
-
-
-def _idlers(port: int, pid: int) -> list[socket.socket]:
-    """Connections that never send a byte, each opened once the listener took the one before (a connection
-    the kernel completed but the listener never accepted holds nothing of the coordinator's); stops when the
-    coordinator is out of descriptors or three connects in a row fail."""
-    conns, failures = [], 0
-    while len(conns) < IDLE_CONNECTIONS and failures < 3 and _descriptors(pid) < DESCRIPTORS - 8:
-        conn = socket.socket()
-        conn.settimeout(2)
-        try:
-            conn.connect(("127.0.0.1", port))
-        except OSError:
-            conn.close()
-            failures += 1
-            continue
-        conns.append(conn)
-        accepted_by = time.monotonic() + 0.5
-        while _unaccepted(port) and time.monotonic() < accepted_by:
-            time.sleep(0.002)
-    return conns
-
-
-def _unaccepted(port: int) -> int:
-    """Connections to `port` the kernel holds for the listener: its accept queue and half-open handshakes."""
-    count = 0
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        local_port, state = int(fields[1].split(":")[1], 16), fields[3]
-        if local_port == port and state == "0A":  # listening: the accept queue's length
-            count += int(fields[4].split(":")[1], 16)
-        elif local_port == port and state == "03":  # SYN_RECV
-            count += 1
-    return count
-
-
-def _descriptors(pid: int) -> int:
-    try:
-        return len(os.listdir(f"/proc/{pid}/fd"))
-    except FileNotFoundError:  # it exited
-        return DESCRIPTORS
-
-
 @pytest.mark.slow
 def test_a_coordinator_at_1024_descriptors_outlives_1100_idle_connections_to_each_listener(tmp_path):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -152,17 +106,17 @@ def test_a_coordinator_at_1024_descriptors_outlives_1100_idle_connections_to_eac
         coordinator = subprocess.Popen(
             [sys.executable, "-m", "hydrafl", "server", "--listen", address, "--db", db, "--blobs",
              str(tmp_path / "blobs"), "--dashboard", str(board_port), "-v"],
-            env={**env, "HYDRAFL_DASHBOARD_TOKEN": TOKEN}, stdout=log, stderr=log, preexec_fn=_limit_descriptors,
+            env={**env, "HYDRAFL_DASHBOARD_TOKEN": TOKEN}, stdout=log, stderr=log, preexec_fn=limit_descriptors(DESCRIPTORS),
         )
     processes = [coordinator]
-    idlers: list[socket.socket] = []
+    idle: list[socket.socket] = []
     try:
         wait_serving(address, process=coordinator)
         url = f"http://127.0.0.1:{board_port}"
         wait_until(lambda: fetch(f"{url}/metrics", {"Authorization": f"Bearer {TOKEN}"})[0] == 200, 30, "no dashboard")
         assert resource.prlimit(coordinator.pid, resource.RLIMIT_NOFILE) == (DESCRIPTORS, DESCRIPTORS)
-        idlers = _idlers(board_port, coordinator.pid)
-        print(f"\ncoordinator descriptors {_descriptors(coordinator.pid)} after the idle connections")
+        idle = idlers(board_port, coordinator.pid, IDLE_CONNECTIONS, DESCRIPTORS)
+        print(f"\ncoordinator descriptors {descriptors(coordinator.pid, DESCRIPTORS)} after the idle connections")
         run_id = queue_run(store, cfg)  # the coordinator starts it during the attack: imports, files, database
         latencies, peak = [], 0
         with grpc.insecure_channel(address) as channel:
@@ -173,18 +127,18 @@ def test_a_coordinator_at_1024_descriptors_outlives_1100_idle_connections_to_eac
                 reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
                 latencies.append(time.monotonic() - start)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
-                peak = max(peak, _descriptors(coordinator.pid))
+                peak = max(peak, descriptors(coordinator.pid, DESCRIPTORS))
                 time.sleep(0.25)
         assert coordinator.poll() is None, (tmp_path / "coordinator.log").read_text()[-3000:]
         wait_serving(address, timeout_s=10, process=coordinator)  # a new connection gets a descriptor too
         assert peak < DESCRIPTORS - 200, peak
         assert store.run(run_id).status in ("pending", "running"), store.run(run_id).detail
-        print(f"\ncoordinator descriptors at most {peak} during {len(idlers)} idle connections; health check "
+        print(f"\ncoordinator descriptors at most {peak} during {len(idle)} idle connections; health check "
               f"median {statistics.median(latencies) * 1e3:.1f} ms, max {max(latencies) * 1e3:.1f} ms")
-        for conn in idlers:
+        for conn in idle:
             conn.close()
         # the same on the sites' port: gRPC closes connections over its cap, the health check keeps answering
-        idlers = _idlers(int(address.rsplit(":", 1)[1]), coordinator.pid)
+        idle = idlers(int(address.rsplit(":", 1)[1]), coordinator.pid, IDLE_CONNECTIONS, DESCRIPTORS)
         with grpc.insecure_channel(address) as channel:  # opened before: the cap refuses new connections
             health = health_pb2_grpc.HealthStub(channel)
             grpc_latencies, grpc_peak = [], 0
@@ -192,14 +146,14 @@ def test_a_coordinator_at_1024_descriptors_outlives_1100_idle_connections_to_eac
                 start = time.monotonic()
                 assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == 1
                 grpc_latencies.append(time.monotonic() - start)
-                grpc_peak = max(grpc_peak, _descriptors(coordinator.pid))
+                grpc_peak = max(grpc_peak, descriptors(coordinator.pid, DESCRIPTORS))
                 time.sleep(0.25)
         assert coordinator.poll() is None and grpc_peak < DESCRIPTORS - 200, grpc_peak
-        print(f"gRPC port: coordinator descriptors at most {grpc_peak} during {len(idlers)} idle connections; "
+        print(f"gRPC port: coordinator descriptors at most {grpc_peak} during {len(idle)} idle connections; "
               f"health check median {statistics.median(grpc_latencies) * 1e3:.1f} ms")
-        for conn in idlers:
+        for conn in idle:
             conn.close()
-        idlers = []
+        idle = []
         wait_serving(address, timeout_s=20, process=coordinator)
         for i, token in enumerate(tokens):
             processes.append(start_hydrafl("site", "--coordinator", address, "--token", token,
@@ -210,7 +164,7 @@ def test_a_coordinator_at_1024_descriptors_outlives_1100_idle_connections_to_eac
         assert status == 200 and f"run {run_id}" in page.lower()
         assert coordinator.poll() is None
     finally:
-        for conn in idlers:
+        for conn in idle:
             conn.close()
         for process in processes:
             process.kill()
