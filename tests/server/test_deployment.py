@@ -93,7 +93,8 @@ def test_coordinator_and_three_sites_match_the_simulation(deployment, tmp_path):
 def test_hydra_nets_over_the_wire_match_the_simulation(deployment, tmp_path):
     """Compact downloads and uploads (each site only its Hydra-net's slices) through the real transport; each
     site declares its own tier (`hydrafl site --tier`), the simulation gets the same tiers from the run."""
-    hydra = {"strategy": "hydra", "hydra-bypass": True, "hydra-head-mode": "drop", "score-samples": 16}
+    hydra = {"strategy": "hydra", "hydra-bypass": True, "hydra-head-mode": "drop", "score-samples": 16,
+             "outer-lr": 0.7}  # the run's diloco outer-lr back at its default: hydra's default outer step ignores it
     _set_run_config(deployment, hydra)
     run = _finished_run(deployment, [("--tier", tier) for tier in ("small", "medium", "large")])
     cfg = RunConfig.from_flower(

@@ -249,7 +249,7 @@ def test_a_coordinator_restarted_with_the_same_host_and_pid_takes_its_own_lease_
         first.communicate()
         assert lease_age_s(store.lease()) < 5  # fresh: only knowing itself lets the restart in now
         (tmp_path / "other-home").mkdir()  # another container: the same hostname and pid 1, its own volume
-        with pytest.raises(LeaseHeld, match="wait 2\\d s if it died"):
+        with pytest.raises(LeaseHeld, match="wait (2\\d|30) s if it died"):  # 29.6 s prints as 30
             Coordinator(dataclasses.replace(config, home=tmp_path / "other-home")).start()
         restarted = Coordinator(config)
         restarted.start()
