@@ -232,6 +232,20 @@ def test_compose_runs_a_federated_job_to_the_end(docker_env, images):
         coordinator = container("coordinator")
         health = run([client, "inspect", "-f", "{{.State.Health.Status}}", coordinator], env).stdout.strip()
         assert health == "healthy", logs[-3000:]
+        # Killed and started again as the same container (same hostname, pid 1), the coordinator takes its own
+        # lease at once: it serves well before the lease would go stale (30 s), and never exits in between.
+        run([client, "kill", coordinator], env)
+        run([client, "start", coordinator], env)
+        restarted, serving = time.monotonic(), None
+        while serving is None or (serving.returncode != 0 and time.monotonic() - restarted < 25):
+            time.sleep(1)
+            serving = run([client, "exec", coordinator, "python", "/opt/hydrafl/bin/hydrafl-healthcheck"], env,
+                          check=False, timeout=60)
+        own_lease_s = time.monotonic() - restarted
+        restarted_logs = run([client, "logs", "--tail=30", coordinator], env, check=False)
+        log(f"the restarted coordinator served {own_lease_s:.0f} s after docker start")
+        assert serving.returncode == 0, f"not serving {own_lease_s:.0f} s after a restart:\n{restarted_logs.stderr[-3000:]}"
+        assert "another coordinator" not in restarted_logs.stdout + restarted_logs.stderr
         for service in ("postgres", "coordinator", *SITES):
             uid = run([client, "exec", container(service), "id", "-u"], env).stdout.strip()
             assert uid != "0", f"{service} runs as root"
