@@ -7,18 +7,23 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+from dicom_files import pattern_folder
 from fake_coordinator import FakeCoordinator, coordinator_message, run_config_bytes, serve_in_thread
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from PIL import Image
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.common.serde_utils import metadata_to_proto
 from helpers import SMALL_RUN
 
+from hydrafl import protocol
 from hydrafl.client.agent import SiteAgent, default_max_download_bytes
+from hydrafl.compression.layout import DOWNLOAD_RECORD
 from hydrafl.data import DataError
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.envelope import CHUNK_BYTES, SENT, XXH3, chunk_hashes, parse_content, split_message
@@ -303,3 +308,57 @@ def _assert_still_serves(coordinator: FakeCoordinator, alive: Callable[[], bool]
     requests = coordinator.chunk_requests[asked_before:]
     listed = chunk_hashes(split_message(message)[0])
     assert len(listed) == 2 and requests == [listed]
+
+
+HOSTILE_NEW_WIRE = {
+    "secagg keys with a garbage setup": (protocol.QUERY_SECAGG_KEYS, {"round": "x" * 100_000, "sites": [1]}, "SecAggError"),
+    "secagg shares out of turn": (protocol.QUERY_SECAGG_SHARES, {"keys": SECRET}, "SecAggError"),
+    "secagg check out of turn": (protocol.QUERY_SECAGG_CHECK, {"survivors": [1, 2, 3]}, "SecAggError"),
+    "secagg unmask out of turn": (protocol.QUERY_SECAGG_UNMASK, {"survivors": [1], "dropped": [2]}, "SecAggError"),
+    "a compressed download that names no model": ("train", {"scheme": "int8"}, "download refused"),
+}
+"""Messages of the wire the site speaks since secure aggregation and compressed downloads, as a hostile
+coordinator may write them, each with the refusal it must get: the secure-aggregation queries' record under
+`secagg`, the download's under `download` (a train message)."""
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_NEW_WIRE))
+def test_hostile_secure_aggregation_and_compressed_download_messages_get_error_replies_and_the_site_keeps_serving(case):
+    message_type, record, refusal = HOSTILE_NEW_WIRE[case]
+    message = coordinator_message(message_type, {"w": np.ones(3, dtype=np.float32)})
+    message.content[DOWNLOAD_RECORD if message_type == "train" else protocol.SECAGG_RECORD] = ConfigRecord(record)
+    coordinator = FakeCoordinator()
+    with running(coordinator, echo_app) as (_, alive):
+        reply = coordinator.reply_to(coordinator.send(message), alive)
+        assert reply.error_reason.startswith(refusal) and len(reply.error_reason) <= 1_000, reply.error_reason
+        assert SECRET.encode() not in reply.SerializeToString()
+        _assert_still_serves(coordinator, alive)
+
+
+def _image_folder(folder: Path) -> Path:
+    for label in ("left", "right"):
+        (folder / label).mkdir(parents=True)
+        for k in range(4):
+            Image.fromarray(np.full((8, 8), 40 * k, dtype=np.uint8)).save(folder / label / f"{k}.png")
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["image folder", "DICOM folder"])
+def test_a_demo_site_never_opens_the_image_or_dicom_folder_the_run_config_names(tmp_path, kind):
+    from hydrafl import site_app
+
+    folder = tmp_path / f"{SECRET}_{kind.split()[0]}"
+    folder = _image_folder(folder) if kind == "image folder" else pattern_folder(folder, per_class=2)
+    clean = SMALL_RUN.replace(sites=2, samples_per_site=40).to_flower()
+    named = {"data": str(folder), "label-column": "label"}
+    coordinator = FakeCoordinator(run_configs={1: run_config_bytes(clean), 2: run_config_bytes({**clean, **named}),
+                                               3: run_config_bytes({**clean, "task": "", **named})})
+    with running(coordinator, site_app.client_app, demo=True) as (_, alive):
+        demo = coordinator.reply_to(coordinator.send(coordinator_message("query.init")), alive)
+        hostile = coordinator.reply_to(coordinator.send(coordinator_message("query.init", config=named, run_id=2)), alive)
+        assert not demo.error_reason and not hostile.error_reason
+        assert _arrays(hostile) == _arrays(demo)  # the run task's synthetic cohort, bit for bit
+        file_only = coordinator.reply_to(coordinator.send(coordinator_message("query.init", run_id=3)), alive)
+        assert file_only.error_reason == "DataError: this site's data does not fit this run; see the site's log"
+    for reply in coordinator.replies.values():
+        assert SECRET.encode() not in reply.SerializeToString() and str(tmp_path).encode() not in reply.SerializeToString()
