@@ -218,3 +218,12 @@ def run_clean(root: Path, cfg: RunConfig, timeout_s: float = 600) -> tuple[RunOu
         return cluster.outcome(run_id), time.perf_counter() - started
     finally:
         cluster.close()
+
+
+def cluster_wait(predicate: Callable[[], bool], cluster: Cluster, run_id: int, timeout_s: float = 600) -> None:
+    """Until `predicate()`; the run failing first is an error naming its reason."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if cluster.store.run_status(run_id) in ("finished", "failed") or time.monotonic() > deadline:
+            raise RuntimeError(f"run {run_id} ended ({cluster.store.run(run_id).detail}) before the attacker was ready")
+        time.sleep(0.2)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from rich.progress import Progress
 
-from hydrafl.benchmarks.reliability import DASHBOARD_CAP, GRPC_CAP, listener_campaign, listener_markdown
+from hydrafl.benchmarks._reliability_listeners import DASHBOARD_CAP, GRPC_CAP, listener_campaign, listener_markdown
 
 IDLE = 300
 MARGIN = 4

@@ -18,7 +18,7 @@ from deployment import enrol, free_port, queue_run, start_hydrafl, wait_serving,
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import SMALL_RUN
 
-from hydrafl.benchmarks._reliability_hostile import descriptors, idlers, limit_descriptors
+from hydrafl.benchmarks._reliability_sockets import descriptors, idlers, limit_descriptors
 from hydrafl.server.dashboard import Dashboard, DashboardConfig
 from hydrafl.server.store import Store
 
