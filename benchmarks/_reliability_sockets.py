@@ -3,18 +3,35 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+
+
+@contextlib.contextmanager
+def descriptors_raised(needed: int) -> Iterator[bool]:
+    """This process's soft descriptor limit lifted to its hard one while inside (it opens the attack's
+    connections itself), and put back after; yields False, changing nothing, when the hard limit is below
+    `needed`."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < needed:
+        yield False
+        return
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    try:
+        yield True
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def limit_descriptors(limit: int) -> Callable[[], None]:

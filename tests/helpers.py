@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -180,3 +181,18 @@ def started_coordinator_run(tmp_path: Path, *sites: str) -> tuple[Coordinator, C
     run = store.create_run({"rounds": 1})
     store.set_run_status(run.id, "running")
     return coordinator, CoordinatorGrid(store, coordinator.blobs, coordinator.service, run.id), enrolled
+
+
+def site_app_failing(partitions: set[int]) -> ClientApp:
+    """hydrafl's ClientApp whose sites in `partitions` crash while training (after any key stages)."""
+    app = ClientApp()
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        if context.node_config["partition-id"] in partitions:
+            raise RuntimeError("site lost power")
+        return site_app.train(message, context)
+
+    app.evaluate()(site_app.evaluate_site)
+    app.query("init")(site_app.initial_model)
+    return app

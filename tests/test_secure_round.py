@@ -10,9 +10,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord
-from flwr.clientapp import ClientApp
-from helpers import SMALL_RUN, TIERED_RUN
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord
+from helpers import SMALL_RUN, TIERED_RUN, site_app_failing
 
 from hydrafl import protocol, server_app, site_app
 from hydrafl.benchmarks.secagg import ModifiedSitesGrid
@@ -48,21 +47,6 @@ class _RecordingGrid(InProcessGrid):
         elif message.metadata.message_type == "evaluate":
             self.evaluate_replies.append(_wire_copy(reply))
         return reply
-
-
-def _app_failing(partitions: set[int]) -> ClientApp:
-    """hydrafl's ClientApp whose sites in `partitions` crash while training (after the key stages)."""
-    app = ClientApp()
-
-    @app.train()
-    def train(message: Message, context: Context) -> Message:
-        if context.node_config["partition-id"] in partitions:
-            raise RuntimeError("site lost power")
-        return site_app.train(message, context)
-
-    app.evaluate()(site_app.evaluate_site)
-    app.query("init")(site_app.initial_model)
-    return app
 
 
 def _run(cfg, client_app=site_app.client_app):
@@ -152,7 +136,7 @@ def test_the_honest_site_bound_clips_each_update_before_masking_and_a_modified_s
 
 def test_a_site_failing_after_sharing_keys_is_recovered_exactly():
     cfg = ONE_ROUND.replace(min_sites=2)
-    app = _app_failing({1})
+    app = site_app_failing({1})
     plain, _ = _run(cfg, app)
     secure, _ = _run(cfg.replace(secagg=True), app)
     assert secure.history[1]["sites_ok"] == 2 and secure.history[1]["sites_failed"] == 1
@@ -166,10 +150,10 @@ def test_a_secure_run_needs_only_the_threshold_by_default_and_has_a_deadline():
     assert (cfg.required_sites, cfg.available_sites, cfg.round_deadline_s) == (2, 3, SECAGG_ROUND_TIMEOUT_S)
     assert (ONE_ROUND.required_sites, ONE_ROUND.round_deadline_s) == (3, None)
     assert cfg.replace(round_timeout_s=30.0).round_deadline_s == 30.0
-    secure, _ = _run(cfg, _app_failing({1}))
+    secure, _ = _run(cfg, site_app_failing({1}))
     assert secure.history[1]["sites_ok"] == 2 and secure.history[1]["sites_failed"] == 1
     with pytest.raises(RoundFailed, match="only 1 of 3 sites"):
-        _run(cfg, _app_failing({0, 1}))
+        _run(cfg, site_app_failing({0, 1}))
 
 
 class _TamperingGrid(InProcessGrid):
@@ -197,7 +181,7 @@ def test_an_altered_share_fails_only_its_site_and_the_round_goes_on():
     secure = server_app.run_federation(grid, cfg)
     assert list(grid.errors) == [FIRST_NODE_ID + 1] and "failed authentication" in grid.errors[FIRST_NODE_ID + 1]
     assert secure.history[1]["sites_ok"] == 2
-    plain, _ = _run(cfg.replace(secagg=False), _app_failing({1}))  # the same round without that site
+    plain, _ = _run(cfg.replace(secagg=False), site_app_failing({1}))  # the same round without that site
     assert _max_difference(plain.arrays, secure.arrays) <= quantisation_bound(2, SecAggParams()) / (2 * 10)
 
 
@@ -278,7 +262,7 @@ def test_a_crafted_share_at_exactly_the_threshold_halts_the_round_and_applies_no
 def test_fewer_sites_than_the_threshold_halt_the_round_and_apply_nothing(tmp_path):
     cfg = ONE_ROUND.replace(min_sites=1, secagg=True, run_dir=str(tmp_path))
     with pytest.raises(RoundFailed, match=r"round 1: secure aggregation: .*only 1 of 3 sites .*threshold is 2.*halts"):
-        _run(cfg, _app_failing({0, 1}))
+        _run(cfg, site_app_failing({0, 1}))
     assert not (tmp_path / "history.json").read_text().count('"round": 1')
 
 

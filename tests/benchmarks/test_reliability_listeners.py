@@ -5,12 +5,12 @@ hundred bytes."""
 
 from __future__ import annotations
 
-import resource
 
 import pytest
 import torch
 from rich.progress import Progress
 
+from hydrafl.benchmarks._reliability_sockets import descriptors_raised
 from hydrafl.benchmarks._reliability_listeners import DASHBOARD_CAP, GRPC_CAP, listener_campaign, listener_markdown
 
 IDLE = 300
@@ -23,16 +23,11 @@ BYTES_PER_REFUSAL = 4_096
 
 @pytest.mark.slow
 def test_slow_clients_and_long_strings_stay_within_the_coordinators_limits(tmp_path):
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard < IDLE + 200:
-        pytest.skip(f"this test process may open only {hard} descriptors")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    torch.set_num_threads(1)  # mallory's agent trains in this process
-    try:
-        with Progress(disable=True) as progress:
-            result = listener_campaign(tmp_path, IDLE, long_pushes=3, huge_pushes=2, seed=0, progress=progress)
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with descriptors_raised(IDLE + 200) as raised, Progress(disable=True) as progress:
+        if not raised:
+            pytest.skip(f"this test process may not open {IDLE + 200} descriptors")
+        torch.set_num_threads(1)  # mallory's agent trains in this process
+        result = listener_campaign(tmp_path, IDLE, long_pushes=3, huge_pushes=2, seed=0, progress=progress)
     print("\n" + "\n".join(listener_markdown(result)))
     assert result["ok"] and result["alive"] and result["run_status"] == "running", result
     pushes, slow = [a for a in result["attacks"] if "refused" in a], [a for a in result["attacks"] if "held_peak" in a]

@@ -10,9 +10,8 @@ import math
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord, Context, Message
-from flwr.clientapp import ClientApp
-from helpers import SMALL_RUN, TIERED_RUN
+from flwr.app import ConfigRecord, Message
+from helpers import SMALL_RUN, TIERED_RUN, site_app_failing
 from typer.testing import CliRunner
 
 from hydrafl import protocol, server_app, site_app
@@ -41,21 +40,6 @@ class _RecordingGrid(InProcessGrid):
         return super()._deliver(message)
 
 
-def _app_failing(partition: int) -> ClientApp:
-    """hydrafl's ClientApp whose site `partition` crashes while training (after the key stages)."""
-    app = ClientApp()
-
-    @app.train()
-    def train(message: Message, context: Context) -> Message:
-        if context.node_config["partition-id"] == partition:
-            raise RuntimeError("site lost power")
-        return site_app.train(message, context)
-
-    app.evaluate()(site_app.evaluate_site)
-    app.query("init")(site_app.initial_model)
-    return app
-
-
 def _run(cfg, client_app=site_app.client_app):
     grid = _RecordingGrid(client_app, cfg.sites, cfg.to_flower())
     return server_app.run_federation(grid, cfg), grid
@@ -64,7 +48,7 @@ def _run(cfg, client_app=site_app.client_app):
 @pytest.mark.parametrize(("strategy", "failing"), [("fedavg", None), ("diloco", None), ("fedavg", 1)])
 def test_each_round_accounts_the_noise_its_survivors_added(strategy, failing):
     cfg = PRIVATE.replace(strategy=strategy)
-    result, grid = _run(cfg, site_app.client_app if failing is None else _app_failing(failing))
+    result, grid = _run(cfg, site_app.client_app if failing is None else site_app_failing({failing}))
     survivors = 3 if failing is None else 2
     effective = 1.1 * math.sqrt(survivors / 3)
     rounds = result.history[1:]

@@ -18,7 +18,7 @@ from deployment import enrol, free_port, queue_run, start_hydrafl, wait_serving,
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import SMALL_RUN
 
-from hydrafl.benchmarks._reliability_sockets import descriptors, idlers, limit_descriptors
+from hydrafl.benchmarks._reliability_sockets import descriptors, descriptors_raised, idlers, limit_descriptors
 from hydrafl.server.dashboard import Dashboard, DashboardConfig
 from hydrafl.server.store import Store
 
@@ -95,78 +95,76 @@ def test_the_dashboard_refuses_limits_that_are_not_positive():
 
 @pytest.mark.slow
 def test_a_coordinator_at_1024_descriptors_outlives_1100_idle_connections_to_each_listener(tmp_path):
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard < IDLE_CONNECTIONS + 200:
-        pytest.skip(f"this test process may open only {hard} descriptors")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    cfg = SMALL_RUN.replace(sites=2, rounds=2)
-    env, db, store, tokens, address = enrol(tmp_path, cfg)
-    board_port = free_port()
-    with (tmp_path / "coordinator.log").open("a") as log:
-        coordinator = subprocess.Popen(
-            [sys.executable, "-m", "hydrafl", "server", "--listen", address, "--db", db, "--blobs",
-             str(tmp_path / "blobs"), "--dashboard", str(board_port), "-v"],
-            env={**env, "HYDRAFL_DASHBOARD_TOKEN": TOKEN}, stdout=log, stderr=log, preexec_fn=limit_descriptors(DESCRIPTORS),
-        )
-    processes = [coordinator]
-    idle: list[socket.socket] = []
-    try:
-        wait_serving(address, process=coordinator)
-        url = f"http://127.0.0.1:{board_port}"
-        wait_until(lambda: fetch(f"{url}/metrics", {"Authorization": f"Bearer {TOKEN}"})[0] == 200, 30, "no dashboard")
-        assert resource.prlimit(coordinator.pid, resource.RLIMIT_NOFILE) == (DESCRIPTORS, DESCRIPTORS)
-        idle = idlers(board_port, coordinator.pid, IDLE_CONNECTIONS, DESCRIPTORS)
-        print(f"\ncoordinator descriptors {descriptors(coordinator.pid, DESCRIPTORS)} after the idle connections")
-        run_id = queue_run(store, cfg)  # the coordinator starts it during the attack: imports, files, database
-        latencies, peak = [], 0
-        with grpc.insecure_channel(address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            deadline = time.monotonic() + 8
-            while time.monotonic() < deadline:
-                start = time.monotonic()
-                reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-                latencies.append(time.monotonic() - start)
-                assert reply.status == health_pb2.HealthCheckResponse.SERVING
-                peak = max(peak, descriptors(coordinator.pid, DESCRIPTORS))
-                time.sleep(0.25)
-        assert coordinator.poll() is None, (tmp_path / "coordinator.log").read_text()[-3000:]
-        wait_serving(address, timeout_s=10, process=coordinator)  # a new connection gets a descriptor too
-        assert peak < DESCRIPTORS - 200, peak
-        assert store.run(run_id).status in ("pending", "running"), store.run(run_id).detail
-        print(f"\ncoordinator descriptors at most {peak} during {len(idle)} idle connections; health check "
-              f"median {statistics.median(latencies) * 1e3:.1f} ms, max {max(latencies) * 1e3:.1f} ms")
-        for conn in idle:
-            conn.close()
-        # the same on the sites' port: gRPC closes connections over its cap, the health check keeps answering
-        idle = idlers(int(address.rsplit(":", 1)[1]), coordinator.pid, IDLE_CONNECTIONS, DESCRIPTORS)
-        with grpc.insecure_channel(address) as channel:  # opened before: the cap refuses new connections
-            health = health_pb2_grpc.HealthStub(channel)
-            grpc_latencies, grpc_peak = [], 0
-            for _ in range(10):
-                start = time.monotonic()
-                assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == 1
-                grpc_latencies.append(time.monotonic() - start)
-                grpc_peak = max(grpc_peak, descriptors(coordinator.pid, DESCRIPTORS))
-                time.sleep(0.25)
-        assert coordinator.poll() is None and grpc_peak < DESCRIPTORS - 200, grpc_peak
-        print(f"gRPC port: coordinator descriptors at most {grpc_peak} during {len(idle)} idle connections; "
-              f"health check median {statistics.median(grpc_latencies) * 1e3:.1f} ms")
-        for conn in idle:
-            conn.close()
-        idle = []
-        wait_serving(address, timeout_s=20, process=coordinator)
-        for i, token in enumerate(tokens):
-            processes.append(start_hydrafl("site", "--coordinator", address, "--token", token,
-                                           env=env, log=tmp_path / f"site-{i}.log"))
-        wait_until(lambda: store.run(run_id).status in ("finished", "failed"), 240, "the run did not finish")
-        assert store.run(run_id).status == "finished", store.run(run_id).detail
-        status, _, page = fetch(f"{url}/", {"Authorization": f"Bearer {TOKEN}"})
-        assert status == 200 and f"run {run_id}" in page.lower()
-        assert coordinator.poll() is None
-    finally:
-        for conn in idle:
-            conn.close()
-        for process in processes:
-            process.kill()
-            process.wait()
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with descriptors_raised(IDLE_CONNECTIONS + 200) as raised:
+        if not raised:
+            pytest.skip(f"this test process may not open {IDLE_CONNECTIONS + 200} descriptors")
+        cfg = SMALL_RUN.replace(sites=2, rounds=2)
+        env, db, store, tokens, address = enrol(tmp_path, cfg)
+        board_port = free_port()
+        with (tmp_path / "coordinator.log").open("a") as log:
+            coordinator = subprocess.Popen(
+                [sys.executable, "-m", "hydrafl", "server", "--listen", address, "--db", db, "--blobs",
+                 str(tmp_path / "blobs"), "--dashboard", str(board_port), "-v"],
+                env={**env, "HYDRAFL_DASHBOARD_TOKEN": TOKEN}, stdout=log, stderr=log, preexec_fn=limit_descriptors(DESCRIPTORS),
+            )
+        processes = [coordinator]
+        idle: list[socket.socket] = []
+        try:
+            wait_serving(address, process=coordinator)
+            url = f"http://127.0.0.1:{board_port}"
+            wait_until(lambda: fetch(f"{url}/metrics", {"Authorization": f"Bearer {TOKEN}"})[0] == 200, 30, "no dashboard")
+            assert resource.prlimit(coordinator.pid, resource.RLIMIT_NOFILE) == (DESCRIPTORS, DESCRIPTORS)
+            idle = idlers(board_port, coordinator.pid, IDLE_CONNECTIONS, DESCRIPTORS)
+            print(f"\ncoordinator descriptors {descriptors(coordinator.pid, DESCRIPTORS)} after the idle connections")
+            run_id = queue_run(store, cfg)  # the coordinator starts it during the attack: imports, files, database
+            latencies, peak = [], 0
+            with grpc.insecure_channel(address) as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                deadline = time.monotonic() + 8
+                while time.monotonic() < deadline:
+                    start = time.monotonic()
+                    reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                    latencies.append(time.monotonic() - start)
+                    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                    peak = max(peak, descriptors(coordinator.pid, DESCRIPTORS))
+                    time.sleep(0.25)
+            assert coordinator.poll() is None, (tmp_path / "coordinator.log").read_text()[-3000:]
+            wait_serving(address, timeout_s=10, process=coordinator)  # a new connection gets a descriptor too
+            assert peak < DESCRIPTORS - 200, peak
+            assert store.run(run_id).status in ("pending", "running"), store.run(run_id).detail
+            print(f"\ncoordinator descriptors at most {peak} during {len(idle)} idle connections; health check "
+                  f"median {statistics.median(latencies) * 1e3:.1f} ms, max {max(latencies) * 1e3:.1f} ms")
+            for conn in idle:
+                conn.close()
+            # the same on the sites' port: gRPC closes connections over its cap, the health check keeps answering
+            idle = idlers(int(address.rsplit(":", 1)[1]), coordinator.pid, IDLE_CONNECTIONS, DESCRIPTORS)
+            with grpc.insecure_channel(address) as channel:  # opened before: the cap refuses new connections
+                health = health_pb2_grpc.HealthStub(channel)
+                grpc_latencies, grpc_peak = [], 0
+                for _ in range(10):
+                    start = time.monotonic()
+                    assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == 1
+                    grpc_latencies.append(time.monotonic() - start)
+                    grpc_peak = max(grpc_peak, descriptors(coordinator.pid, DESCRIPTORS))
+                    time.sleep(0.25)
+            assert coordinator.poll() is None and grpc_peak < DESCRIPTORS - 200, grpc_peak
+            print(f"gRPC port: coordinator descriptors at most {grpc_peak} during {len(idle)} idle connections; "
+                  f"health check median {statistics.median(grpc_latencies) * 1e3:.1f} ms")
+            for conn in idle:
+                conn.close()
+            idle = []
+            wait_serving(address, timeout_s=20, process=coordinator)
+            for i, token in enumerate(tokens):
+                processes.append(start_hydrafl("site", "--coordinator", address, "--token", token,
+                                               env=env, log=tmp_path / f"site-{i}.log"))
+            wait_until(lambda: store.run(run_id).status in ("finished", "failed"), 240, "the run did not finish")
+            assert store.run(run_id).status == "finished", store.run(run_id).detail
+            status, _, page = fetch(f"{url}/", {"Authorization": f"Bearer {TOKEN}"})
+            assert status == 200 and f"run {run_id}" in page.lower()
+            assert coordinator.poll() is None
+        finally:
+            for conn in idle:
+                conn.close()
+            for process in processes:
+                process.kill()
+                process.wait()
