@@ -6,8 +6,11 @@ other tests run, and `loaded` waits for the one asked for."""
 from __future__ import annotations
 
 import functools
+import json
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 PROBES = {
     "site": "import sys, hydrafl.site_app, hydrafl.client.agent\nprint(' '.join(sorted(sys.modules)))",
@@ -45,3 +48,25 @@ def stop() -> None:
         if process.poll() is None:
             process.kill()
             process.communicate()
+
+
+CLI = """
+import json, sys, time
+started = time.perf_counter()
+from hydrafl.cli import main
+sys.argv = ["hydrafl", *json.loads(sys.argv[1])]
+code = 0
+try:
+    main()
+except SystemExit as exit:
+    code = exit.code
+print(json.dumps({"code": code, "modules": sorted(sys.modules), "seconds": time.perf_counter() - started}))
+"""
+
+
+def cli(args: list[str], env: dict[str, str], cwd: Path | None = None) -> tuple[dict[str, Any], subprocess.CompletedProcess]:
+    """`hydrafl ARGS` in a fresh interpreter: its exit code, the modules it had loaded and the seconds it took
+    (from its first import), with the finished process (stdout, stderr)."""
+    done = subprocess.run([sys.executable, "-c", CLI, json.dumps(args)], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=120, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1]), done

@@ -4,30 +4,17 @@ in one line (the traceback only with -v)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 from typer.testing import CliRunner
 
+import import_probes
+
 from hydrafl.cli import app
 
 WIDE = {"COLUMNS": "200"}
-PROBE = """
-import json, sys, time
-started = time.perf_counter()
-from hydrafl.cli import main
-sys.argv = ["hydrafl", *json.loads(sys.argv[1])]
-code = 0
-try:
-    main()
-except SystemExit as exit:
-    code = exit.code
-print(json.dumps({"code": code, "modules": sorted(sys.modules), "seconds": time.perf_counter() - started}))
-"""
 HEAVY = ("torch", "transformers", "peft", "flwr", "matplotlib")
 
 
@@ -35,10 +22,8 @@ def _probe(args: list[str], tmp_path) -> tuple[int, set[str], float, str, str]:
     """Exit code, loaded modules and seconds of `hydrafl ARGS` in a fresh interpreter, and its stdout, stderr."""
     env = {**os.environ, "HYDRAFL_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args)], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=120, check=True)
+    report, done = import_probes.cli(args, env, cwd=tmp_path)
     wall_s = time.perf_counter() - started
-    report = json.loads(done.stdout.strip().splitlines()[-1])
     return report["code"], set(report["modules"]), wall_s, done.stdout, done.stderr
 
 

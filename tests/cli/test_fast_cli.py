@@ -4,33 +4,18 @@ interpreter on what it actually imported."""
 from __future__ import annotations
 
 import base64
-import json
 import os
-import subprocess
-import sys
 
+import import_probes
 import pytest
 
 HEAVY = ("torch", "matplotlib", "transformers", "peft", "flwr", "hydrafl.config", "hydrafl.stability", "hydrafl.data")
 """What the command line loaded before it parsed its arguments, and must not load for these commands."""
-PROBE = """
-import json, sys
-from hydrafl.cli import main
-sys.argv = ["hydrafl", *json.loads(sys.argv[1])]
-code = 0
-try:
-    main()
-except SystemExit as exit:
-    code = exit.code
-print(json.dumps({"code": code, "modules": sorted(sys.modules)}))
-"""
 
 
 def _run(args: list[str], env: dict[str, str]) -> tuple[int, set[str], str]:
     """Exit code, loaded modules and output of `hydrafl ARGS` in a fresh interpreter."""
-    done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args)], capture_output=True, text=True, env=env,
-                          timeout=120, check=True)
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report, done = import_probes.cli(args, env)
     return report["code"], set(report["modules"]), done.stdout
 
 
