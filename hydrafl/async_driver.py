@@ -18,7 +18,7 @@ import heapq
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
@@ -120,14 +120,17 @@ class AsyncDriver(RoundDriver):
         self.failures: Counter[int] = Counter()
         self.local_rounds: Counter[int] = Counter()
 
-    def run(self, initial_arrays: ArrayRecord, *, resume: bool = False, on_round: RoundCallback | None = None) -> RunResult:
-        arrays, history, version = initial_arrays, [], 0
+    def run(self, start: Callable[[], ArrayRecord], *, resume: bool = False, on_round: RoundCallback | None = None) -> RunResult:
+        """`start` gives the initial arrays; it is called only when there is no checkpoint to resume from, so a
+        restarted coordinator asks no site for a model (or a curvature probe) it already has."""
+        history, version = [], 0
         checkpoint = self._load_for_resume() if resume else None
         if checkpoint is not None:
             arrays, history, version = checkpoint.arrays, checkpoint.history, checkpoint.server_round
             restore_strategy_state(self.strategy, checkpoint.strategy_state)
             log.info("resuming after model version %d", version)
         else:
+            arrays = start()
             self._close(self._evaluate_round(0, arrays), history, arrays, on_round)
         if version >= self.config.num_rounds:
             return RunResult(arrays=arrays, history=history)

@@ -110,8 +110,10 @@ class RoundDriver:
         self.downloads = DownloadCompression.from_config(config.train_config)
         """What each site holds of the model (`--compress-downloads`): train and evaluate messages carry changes."""
 
-    def run(self, initial_arrays: ArrayRecord, *, resume: bool = False, on_round: RoundCallback | None = None) -> RunResult:
-        arrays, history, first_round = initial_arrays, [], 1
+    def run(self, start: Callable[[], ArrayRecord], *, resume: bool = False, on_round: RoundCallback | None = None) -> RunResult:
+        """`start` gives the initial arrays; it is called only when there is no checkpoint to resume from, so a
+        restarted coordinator asks no site for a model (or a curvature probe) it already has."""
+        history, first_round = [], 1
         checkpoint = self._load_for_resume() if resume else None
         if checkpoint is not None:
             arrays, history, first_round = checkpoint.arrays, checkpoint.history, checkpoint.server_round + 1
@@ -119,6 +121,7 @@ class RoundDriver:
             self.privacy.restore(history)
             log.info("resuming after round %d", checkpoint.server_round)
         else:
+            arrays = start()
             record = self._evaluate_round(0, arrays)
             history.append(asdict(record))
             self._log_round(record, history, arrays)

@@ -64,9 +64,13 @@ def run_federation(
     instead of the wall clock."""
     strategy = strategy or build_strategy(cfg)
     wait_for_sites(grid, cfg.available_sites, cfg.site_wait_s)
-    initial = request_initial_arrays(grid, cfg)
-    if cfg.options.probes_curvature:
-        check_outer_stability(grid, cfg, initial)
+
+    def start() -> ArrayRecord:
+        initial = request_initial_arrays(grid, cfg)
+        if cfg.options.probes_curvature:
+            check_outer_stability(grid, cfg, initial)
+        return initial
+
     config = DriverConfig(
         num_rounds=cfg.rounds,
         required_sites=cfg.required_sites,
@@ -89,7 +93,7 @@ def run_federation(
         driver = AsyncDriver(grid, strategy, config, clock, evaluate_every=cfg.options.evaluate_every)
     else:
         driver = RoundDriver(grid, strategy, config)
-    return driver.run(initial, resume=cfg.resume, on_round=on_round)
+    return driver.run(start, resume=cfg.resume, on_round=on_round)
 
 
 def wait_for_sites(grid: Grid, required: int, timeout_s: float) -> list[int]:

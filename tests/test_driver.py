@@ -72,6 +72,33 @@ def test_resume_ends_with_the_same_numbers_as_an_uninterrupted_run(small_run, tm
     assert [line.split("\t")[0] for line in tsv[1:]] == ["0", "1", "2"]
 
 
+def test_a_resumed_run_asks_no_site_for_the_initial_model_or_a_curvature_probe(small_run):
+    """A restarted coordinator has the model in its checkpoint: a second `query.init` (to whichever site connected
+    first) would be one more accepted update than the uninterrupted run had."""
+    cfg = small_run.replace(strategy="diloco", outer_lr=0.5, outer_momentum=0.9)
+    _run(cfg.replace(rounds=1))
+    queries = []
+
+    def counting_app() -> ClientApp:
+        app = ClientApp()
+        app.train()(site_app.train)
+        app.evaluate()(site_app.evaluate_site)
+
+        @app.query("curvature")
+        def curvature(message: Message, context: Context) -> Message:
+            queries.append("curvature")
+            return site_app.curvature(message, context)
+
+        app.query("init")(lambda message, context: queries.append("init") or site_app.initial_model(message, context))
+        return app
+
+    resumed = _run(cfg.replace(rounds=2, resume=True), counting_app())
+    assert [record["round"] for record in resumed.history] == [0, 1, 2]
+    assert queries == []
+    _run(cfg.replace(rounds=1, run_dir=""), counting_app())
+    assert queries == ["init"] + ["curvature"] * cfg.sites  # the same app asks both on a fresh start
+
+
 def test_resume_refuses_a_changed_configuration(small_run):
     _run(small_run.replace(rounds=1))
     with pytest.raises(CheckpointError, match="lr"):
@@ -206,7 +233,7 @@ def test_the_strategy_gets_each_valid_reply_before_the_next_site_runs():
     grid = _CountingGrid(_delta_app(crashing=frozenset({1})), 4)
     strategy = _RecordingDiLoCo(grid, **_diloco(4))
     start = ArrayRecord({"w": Array(np.zeros((3, 2), dtype=np.float32))})
-    result = RoundDriver(grid, strategy, DriverConfig(num_rounds=1, required_sites=3)).run(start)
+    result = RoundDriver(grid, strategy, DriverConfig(num_rounds=1, required_sites=3)).run(lambda: start)
     assert strategy.produced_at_pull == [1, 3, 4]  # reply k pulled before reply k+1 was produced; site 2 failed
     assert (result.history[1]["sites_ok"], result.history[1]["sites_failed"]) == (3, 1)
     np.testing.assert_allclose(result.arrays["w"].numpy(), np.full((3, 2), -1e-3, dtype=np.float32))
@@ -217,7 +244,7 @@ def test_a_streamed_round_with_too_few_valid_replies_is_discarded(tmp_path):
     start = ArrayRecord({"w": Array(np.zeros((3, 2), dtype=np.float32))})
     config = DriverConfig(num_rounds=2, required_sites=2, run_dir=tmp_path)
     with pytest.raises(RoundFailed, match="round 1: only 1 of 3 sites replied without error, 2 required"):
-        RoundDriver(grid, DiLoCo(**_diloco(3)), config).run(start)  # DiLoCo made a model of the one reply
+        RoundDriver(grid, DiLoCo(**_diloco(3)), config).run(lambda: start)  # DiLoCo made a model of the one reply
     saved = load_checkpoint(tmp_path)
     assert saved.server_round == 0
     np.testing.assert_array_equal(saved.arrays["w"].numpy(), start["w"].numpy())
@@ -236,7 +263,7 @@ def _peak_round_bytes(strategy_class: type[DiLoCo], sites: int, model: ArrayReco
     driver = RoundDriver(grid, strategy_class(**_diloco(sites)), DriverConfig(num_rounds=1, required_sites=sites))
     tracemalloc.start()
     try:
-        driver.run(model)
+        driver.run(lambda: model)
         return tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

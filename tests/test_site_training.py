@@ -196,7 +196,7 @@ def test_diagnostics_stream_the_noise_scale_and_compare_with_the_full_data_delta
     grid = InProcessGrid(_scripted_app(), 3, pooled_site=True)
     assert grid.reference_node == POOLED_NODE_ID and POOLED_NODE_ID not in grid.get_node_ids()
     config = DriverConfig(num_rounds=1, required_sites=3, diagnostics=True, reference_node=grid.reference_node)
-    history = RoundDriver(grid, FedAvg(), config).run(to_record({"w": torch.zeros(3)})).history
+    history = RoundDriver(grid, FedAvg(), config).run(lambda: to_record({"w": torch.zeros(3)})).history
     deltas = [{"w": torch.tensor(SITE_DELTAS[i], dtype=torch.float64)} for i in range(3)]
     weights = [SITE_WEIGHTS[i] for i in range(3)]
     average = {"w": sum(w * d["w"] for w, d in zip(weights, deltas)) / sum(weights)}
