@@ -19,8 +19,8 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sqlalchemy import func, select
 
-from hydrafl.checkpoint import load_checkpoint
 from hydrafl.config import RunConfig
+from hydrafl.server.aggregation.checkpoint import load_checkpoint
 from hydrafl.server.store import OutboundMessage, Reply, Store
 
 RUN = RunConfig(task="tabular", sites=3, samples_per_site=60, rounds=10, local_steps=3, batch_size=16, lr=3e-3)

@@ -10,8 +10,8 @@ import subprocess
 import threading
 import time
 import urllib.request
-from pathlib import Path
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import matplotlib
@@ -19,13 +19,29 @@ import matplotlib
 matplotlib.use("Agg")
 from rich.progress import Progress  # noqa: E402
 
-from hydrafl.benchmarks._reliability_cluster import RUN, Cluster, free_port  # noqa: E402
-from hydrafl.benchmarks._reliability_cluster import cluster_wait  # noqa: E402
+from hydrafl.benchmarks._reliability_cluster import (  # noqa: E402
+    RUN,
+    Cluster,
+    cluster_wait,  # noqa: E402
+    free_port,
+)
 from hydrafl.benchmarks._reliability_hostile import (  # noqa: E402
-    INVALID, Attacker, SerialisedAgent, add_earlier_run, open_train_message, push_long_name, start_agent,
+    INVALID,
+    Attacker,
+    SerialisedAgent,
+    add_earlier_run,
+    open_train_message,
+    push_long_name,
+    start_agent,
 )
 from hydrafl.benchmarks._reliability_sockets import (  # noqa: E402
-    HealthProbe, Trickle, closed_by_peer, descriptors, held_connections, idlers, limit_descriptors,
+    HealthProbe,
+    Trickle,
+    closed_by_peer,
+    descriptors,
+    held_connections,
+    idlers,
+    limit_descriptors,
 )
 
 LONG_NAME, HUGE_NAME = 100_000, 7 << 20

@@ -17,7 +17,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-
 @contextlib.contextmanager
 def descriptors_raised(needed: int) -> Iterator[bool]:
     """This process's soft descriptor limit lifted to its hard one while inside (it opens the attack's

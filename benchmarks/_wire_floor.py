@@ -23,7 +23,7 @@ from hydrafl.benchmarks._wire_server import RAW_METHOD, ServerProcess
 from hydrafl.proto.envelope import byte_chunks
 from hydrafl.server.blobs import WRITERS
 from hydrafl.server.disk import open_file, preallocate, sync_filesystem
-from hydrafl.server.packs import HEADER_BYTES, SLOT_BYTES
+from hydrafl.server.transport.packs import HEADER_BYTES, SLOT_BYTES
 
 if TYPE_CHECKING:
     from hydrafl.benchmarks.wire import Scale

@@ -56,7 +56,7 @@ def _raw_get(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
 
 
 def _serve_raw() -> grpc.Server:
-    from hydrafl.server.service import SERVER_OPTIONS
+    from hydrafl.server.transport.service import SERVER_OPTIONS
 
     service, put = RAW_METHOD.strip("/").split("/")
     get = RAW_GET_METHOD.rsplit("/", 1)[1]
@@ -78,7 +78,7 @@ def _push_model(coordinator: Any, models: dict[tuple[int, int], list], request: 
     from hydrafl.benchmarks._wire_download import model_message
     from hydrafl.benchmarks._wire_pairs import mark
     from hydrafl.benchmarks.wire import make_update
-    from hydrafl.server.grid import CoordinatorGrid
+    from hydrafl.server.transport.grid import CoordinatorGrid
 
     key = (request["nbytes"], request["seed"])
     if key not in models:  # generated once: 1 GiB of random values takes seconds

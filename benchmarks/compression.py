@@ -76,8 +76,9 @@ QUICK_SCHEMES = ("none", "topk", "topk-down")
 def run_one(setup: dict[str, Any], scheme: str, seed: int) -> dict[str, Any]:
     """One run's final accuracy, upload and download bytes (all rounds) and seconds."""
     logging.getLogger("flwr").setLevel(logging.WARNING)
-    from hydrafl import server_app, site_app
+    from hydrafl.client import site_app
     from hydrafl.config import RunConfig
+    from hydrafl.server import server_app
     from hydrafl.simulation.grid import InProcessGrid
 
     cfg = RunConfig.build(**setup, seed=seed, **{"compress": scheme, **SCHEMES[scheme]})

@@ -29,9 +29,9 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
+from hydrafl.client.site_app import run_cohort  # noqa: E402
 from hydrafl.config import RunConfig  # noqa: E402
 from hydrafl.simulation.compare import run_strategy  # noqa: E402
-from hydrafl.site_app import run_cohort  # noqa: E402
 
 NAME = "fedbuff"
 GOAL_TIME_RATIO = 0.5

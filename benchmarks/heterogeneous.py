@@ -50,9 +50,9 @@ from rich.table import Table  # noqa: E402
 
 from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
 from hydrafl.config import RunConfig  # noqa: E402
-from hydrafl.simulation_config import SimulationConfig  # noqa: E402
 from hydrafl.simulation.compare import compare_strategies  # noqa: E402
 from hydrafl.simulation.grid import FIRST_NODE_ID  # noqa: E402
+from hydrafl.simulation_config import SimulationConfig  # noqa: E402
 
 NAME = "heterogeneous"
 TIERS = ("small", "medium", "large")

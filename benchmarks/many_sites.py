@@ -111,8 +111,8 @@ def run_benchmark(scale: Scale, work: Path) -> dict[str, Any]:
         # imported while the coordinator process imports the same: the two start in parallel
         import torch
 
-        from hydrafl.site_app import client_app
         from hydrafl.client.agent import SiteAgent
+        from hydrafl.client.site_app import client_app
 
         torch.set_num_threads(1)
         site_process = psutil.Process().memory_info().rss

@@ -45,12 +45,12 @@ from rich.markdown import Markdown  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 
 from hydrafl.benchmarks._common import benchmark_parser  # noqa: E402
+from hydrafl.client.site_app import client_app  # noqa: E402
 from hydrafl.config import RunConfig  # noqa: E402
 from hydrafl.privacy.accountant import RoundSample, calibrate_noise_multiplier  # noqa: E402
 from hydrafl.privacy.clipping import l2_norm  # noqa: E402
-from hydrafl.server_app import run_federation  # noqa: E402
+from hydrafl.server.server_app import run_federation  # noqa: E402
 from hydrafl.simulation.grid import InProcessGrid  # noqa: E402
-from hydrafl.site_app import client_app  # noqa: E402
 from hydrafl.strategies import build_strategy  # noqa: E402
 
 NAME = "privacy"

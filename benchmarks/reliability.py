@@ -38,8 +38,8 @@ import random
 import shutil
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import matplotlib
@@ -52,15 +52,15 @@ from rich.progress import Progress, TaskID  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
-from hydrafl.benchmarks._reliability_cluster import RUN, Cluster, RunOutcome, run_clean  # noqa: E402
-from hydrafl.benchmarks._reliability_cluster import cluster_wait  # noqa: E402
-from hydrafl.benchmarks._reliability_listeners import (  # noqa: E402
-    listener_campaign, listener_markdown,
+from hydrafl.benchmarks._reliability_cluster import (  # noqa: E402
+    RUN,
+    Cluster,
+    RunOutcome,
+    cluster_wait,  # noqa: E402
+    run_clean,
 )
-from hydrafl.benchmarks._reliability_hostile import (  # noqa: E402
-    FORGED, KINDS, Attacker, Tally, add_earlier_run, attack,
-    start_agent,
-)
+from hydrafl.benchmarks._reliability_hostile import FORGED, KINDS, Attacker, Tally, add_earlier_run, attack, start_agent  # noqa: E402
+from hydrafl.benchmarks._reliability_listeners import listener_campaign, listener_markdown  # noqa: E402
 from hydrafl.benchmarks._reliability_site import site_disk_full, site_upload_resume  # noqa: E402
 from hydrafl.config import RunConfig  # noqa: E402
 

@@ -6,7 +6,7 @@ Ten simulated hospitals, 20% of them attackers (`hydrafl.simulation.attacks`: si
 ipm), on the clinical-text and tabular cohorts, several seeds. Methods: FedAvg, Hydra with its masked mean
 (three resource tiers, so sites train different subnetworks), Flower's dense robust rules (FedMedian,
 FedTrimmedAvg, Krum, Multi-Krum, Bulyan) and Hydra with the masked median, trimmed mean and norm-clipped mean
-(`strategies.robust`), and FedAvg and Hydra behind screening (`hydrafl.screening`: norm above 3 x the round's
+(`strategies.robust`), and FedAvg and Hydra behind screening (`hydrafl.server.aggregation.screening`: norm above 3 x the round's
 median, cosine to the round's mean below 0). Every method runs the same seeds, data, rounds and attackers.
 The Markdown gives each gap with its standard error over seeds: at this scale the clean run itself moves by
 several points from seed to seed.
@@ -39,8 +39,8 @@ from rich.table import Table  # noqa: E402
 
 from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
 from hydrafl.config import ATTACKS, RunConfig  # noqa: E402
-from hydrafl.simulation_config import SimulationConfig  # noqa: E402
 from hydrafl.simulation.compare import compare_strategies  # noqa: E402
+from hydrafl.simulation_config import SimulationConfig  # noqa: E402
 
 NAME = "robust"
 CLEAN = "none"

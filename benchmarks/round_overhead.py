@@ -40,18 +40,13 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
-from hydrafl.benchmarks._flower_deployment import (  # noqa: E402
-    STOCK_CLIENT_APP,
-    STOCK_SERVER_APP,
-    flower_round_seconds,
-    free_port,
-)
+from hydrafl.benchmarks._flower_deployment import STOCK_CLIENT_APP, STOCK_SERVER_APP, flower_round_seconds, free_port  # noqa: E402
 from hydrafl.benchmarks._stock_app import ROUND_TIMES_KEY  # noqa: E402
+from hydrafl.client.site_app import client_app  # noqa: E402
 from hydrafl.config import RunConfig  # noqa: E402
+from hydrafl.server.server_app import run_federation  # noqa: E402
 from hydrafl.server.store import Run, Store  # noqa: E402
-from hydrafl.server_app import run_federation  # noqa: E402
 from hydrafl.simulation.grid import InProcessGrid  # noqa: E402
-from hydrafl.site_app import client_app  # noqa: E402
 
 NAME = "round_overhead"
 GOAL_S = 0.2

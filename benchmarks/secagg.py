@@ -45,13 +45,21 @@ from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from hydrafl import server_app, site_app, site_secagg  # noqa: E402
 from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
+from hydrafl.client import site_app, site_secagg  # noqa: E402
 from hydrafl.config import RunConfig  # noqa: E402
 from hydrafl.secagg import (  # noqa: E402
-    SecAggParams, ServerSession, SiteIdentity, SiteSession, decode_sum, encode, quantisation_bound, wire,
+    SecAggParams,
+    ServerSession,
+    SiteIdentity,
+    SiteSession,
+    decode_sum,
+    encode,
+    quantisation_bound,
+    wire,
 )
 from hydrafl.secagg.identity import new_signing_key  # noqa: E402
+from hydrafl.server import server_app  # noqa: E402
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid  # noqa: E402
 
 NAME = "secagg"

@@ -86,7 +86,7 @@ def _children_cpu_s() -> float:
 
 def scale_runs(sites: int, work: Path) -> dict[str, Any]:
     """Part 1: the three runs of `hydrafl simulate` on `sites` sites, and whether the worker runs agree."""
-    from hydrafl.checkpoint import load_checkpoint
+    from hydrafl.server.aggregation.checkpoint import load_checkpoint
 
     runs, arrays = {}, {}
     for label, extra in SCALE_RUNS.items():

@@ -55,9 +55,12 @@ import psutil
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from hydrafl.benchmarks._common import benchmark_parser
-from hydrafl.client.upload import Metadata, upload_reply
+from hydrafl.benchmarks._wire_download import download_throughput
 from hydrafl.benchmarks._wire_floor import durable_writes, raw_beside_floor
+from hydrafl.benchmarks._wire_pairs import mark, paired_runs, rates
+from hydrafl.benchmarks._wire_report import GIB, GOAL_EXTRA_UPDATES, GOAL_RATIO, plot, print_tables
 from hydrafl.benchmarks._wire_server import RAW_METHOD, RssSampler, ServerProcess, filesystem
+from hydrafl.client.upload import Metadata, upload_reply
 from hydrafl.identity import claim_server_identity
 from hydrafl.malloc_tuning import keep_freed_memory
 from hydrafl.proto import coordinator_pb2 as pb
@@ -65,16 +68,12 @@ from hydrafl.proto.chunk_wire import CoordinatorClient
 from hydrafl.proto.envelope import CHUNK_BYTES, INLINE_BYTES, SENT, UPLOADED, join_message, split_message
 from hydrafl.protocol import GRPC_OPTIONS, WEIGHT
 from hydrafl.server.blobs import BlobStore
-from hydrafl.server.grid import CoordinatorGrid
-from hydrafl.server.limits import SiteLimits
-from hydrafl.server.packs import UploadPacks
-from hydrafl.server.replies import check_reply
-from hydrafl.server.service import CoordinatorService
 from hydrafl.server.store import Store
-
-from hydrafl.benchmarks._wire_download import download_throughput
-from hydrafl.benchmarks._wire_pairs import mark, paired_runs, rates
-from hydrafl.benchmarks._wire_report import GIB, GOAL_EXTRA_UPDATES, GOAL_RATIO, plot, print_tables
+from hydrafl.server.transport.grid import CoordinatorGrid
+from hydrafl.server.transport.limits import SiteLimits
+from hydrafl.server.transport.packs import UploadPacks
+from hydrafl.server.transport.replies import check_reply
+from hydrafl.server.transport.service import CoordinatorService
 
 NAME = "wire"
 ARRAYS = 16

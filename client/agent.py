@@ -39,15 +39,15 @@ from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.common.serde_utils import metadata_from_proto
 from flwr.proto.message_pb2 import Metadata as ProtoMetadata  # pylint: disable=no-name-in-module
 
-from hydrafl.secagg.identity import SiteIdentity
-from hydrafl.site_pipeline import answer
-from hydrafl.site_secagg import install_identity
-from hydrafl.site_policy import SitePolicy
 from hydrafl.client.download import Assembly, Received
+from hydrafl.client.site_pipeline import answer
+from hydrafl.client.site_policy import SitePolicy
+from hydrafl.client.site_secagg import install_identity
 from hydrafl.client.tls import SiteTls
 from hydrafl.client.upload import upload_reply
-from hydrafl.malloc_tuning import keep_chunk_buffers
 from hydrafl.data import DataError
+from hydrafl.malloc_tuning import keep_chunk_buffers
+from hydrafl.netaddr import unreachable_reason
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.chunk_wire import ChunkView, CoordinatorClient
 from hydrafl.proto.envelope import (
@@ -59,8 +59,8 @@ from hydrafl.proto.envelope import (
     declared_nbytes,
     join_message,
 )
-from hydrafl.netaddr import unreachable_reason
 from hydrafl.protocol import GRPC_OPTIONS
+from hydrafl.secagg.identity import SiteIdentity
 
 log = logging.getLogger(__name__)
 

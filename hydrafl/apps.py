@@ -2,7 +2,7 @@
 (`hydrafl site --app hydrafl.apps:client_app`). They live in `server_app` and `site_app` so that the
 coordinator imports no model code."""
 
-from hydrafl.server_app import server_app
-from hydrafl.site_app import client_app
+from hydrafl.client.site_app import client_app
+from hydrafl.server.server_app import server_app
 
 __all__ = ["client_app", "server_app"]

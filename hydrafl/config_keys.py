@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from hydrafl.config import DEFAULT_STRATEGIES, RunConfig
-from hydrafl.simulation_config import SimulationConfig
 from hydrafl.field_docs import field_docs, field_types
+from hydrafl.simulation_config import SimulationConfig
 from hydrafl.strategies.registry import config_class, strategies_with
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 ROUNDS_TSV_COLUMNS = (
     "round",
     "duration_s",

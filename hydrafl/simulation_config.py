@@ -21,12 +21,7 @@ from hydrafl.config import (
     unknown_key,
 )
 from hydrafl.run_folders import new_run_folder, newest_run
-from hydrafl.strategies.registry import (
-    UnknownStrategy,
-    config_class,
-    knob_names,
-    refuse_unknown,
-)
+from hydrafl.strategies.registry import UnknownStrategy, config_class, knob_names, refuse_unknown
 from hydrafl.validation import ConfigError
 from hydrafl.validation import check as _check
 

@@ -23,8 +23,8 @@ import blake3
 import numpy as np
 import xxhash
 from flwr.app import Array, ArrayRecord, Error, Message, Metadata, RecordDict
-from flwr.common.constant import SType
 from flwr.app.message.message import make_message
+from flwr.common.constant import SType
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.common.serde_utils import metadata_from_proto, metadata_to_proto
 from flwr.proto.message_pb2 import Metadata as ProtoMetadata  # pylint: disable=no-name-in-module

@@ -31,8 +31,8 @@ from pathlib import Path
 from hydrafl.proto.chunk_wire import encode_chunk
 from hydrafl.proto.envelope import SENT, UPLOADED, ChunkNaming
 from hydrafl.server.disk import ChunkStat, sync_filesystem
-from hydrafl.server.packs import UploadPacks
-from hydrafl.server.sent_cache import SentCache
+from hydrafl.server.transport.packs import UploadPacks
+from hydrafl.server.transport.sent_cache import SentCache
 
 WRITERS = 8
 CHUNKS_IN_FLIGHT = 16

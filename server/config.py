@@ -14,9 +14,9 @@ from typing import Any
 
 from hydrafl.configfile import load_toml
 from hydrafl.netaddr import check_address
-from hydrafl.server.limits import SiteLimits
 from hydrafl.server.paths import data_dir, default_blob_dir, default_db_url
-from hydrafl.server.tls import ServerTls
+from hydrafl.server.transport.limits import SiteLimits
+from hydrafl.server.transport.tls import ServerTls
 from hydrafl.validation import ConfigError
 
 DEFAULT_LISTEN = "127.0.0.1:9091"

@@ -33,19 +33,19 @@ import grpc
 from flwr.app import Message, MessageType
 from grpc_health.v1 import health, health_pb2
 
-from hydrafl.malloc_tuning import keep_chunk_buffers
-from hydrafl.server_app import run_federation
 from hydrafl.config import ConfigError, RunConfig
+from hydrafl.malloc_tuning import keep_chunk_buffers
 from hydrafl.rounds import RoundRecord, metric
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.config import CoordinatorConfig
-from hydrafl.server.grid import CoordinatorGrid
 from hydrafl.server.retention import Retention
-from hydrafl.server.sent_cache import SentCache
-from hydrafl.server.service import SERVER_OPTIONS, SERVICE_NAME, CoordinatorService, add_coordinator_service
+from hydrafl.server.server_app import run_federation
 from hydrafl.server.stock_apps import ServerAppError, run_server_app
 from hydrafl.server.store import LeaseClaim, Run, Store, describe_lease, lease_age_s
-from hydrafl.server.tls import ServerTls, plaintext_warning
+from hydrafl.server.transport.grid import CoordinatorGrid
+from hydrafl.server.transport.sent_cache import SentCache
+from hydrafl.server.transport.service import SERVER_OPTIONS, SERVICE_NAME, CoordinatorService, add_coordinator_service
+from hydrafl.server.transport.tls import ServerTls, plaintext_warning
 
 log = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from hydrafl.netaddr import is_loopback
 from hydrafl.server.dashboard_page import render_page
 from hydrafl.server.metrics import metrics_text
-from hydrafl.server.service import CoordinatorService
 from hydrafl.server.store import Store
+from hydrafl.server.transport.service import CoordinatorService
 from hydrafl.validation import ConfigError
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import defer
 
 from hydrafl.bounded import MAX_DETAIL_CHARS, marked
-from hydrafl.server.service import CoordinatorService
 from hydrafl.server.store import AuditEvent, Run, Store
+from hydrafl.server.transport.service import CoordinatorService
 
 """The run_config key of a stock Flower ServerApp's rounds (as `hydrafl admin run status` reads it)."""
 NO_RUN = "none"

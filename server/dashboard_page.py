@@ -27,8 +27,8 @@ from hydrafl.server.dashboard_data import (
     site_rows,
     trained_records,
 )
-from hydrafl.server.service import CoordinatorService
 from hydrafl.server.store import Run, Store
+from hydrafl.server.transport.service import CoordinatorService
 from hydrafl.trust import trust_lines, trust_summary
 
 REFRESH_S = 30

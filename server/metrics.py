@@ -16,8 +16,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from hydrafl.server.dashboard_data import accepted_per_run, refused_per_run, trained_records
-from hydrafl.server.service import CoordinatorService
 from hydrafl.server.store import Run, Store
+from hydrafl.server.transport.service import CoordinatorService
 from hydrafl.trust import trust_summary
 
 ROUND_BUCKETS_S = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)

@@ -7,7 +7,7 @@ What goes, and when:
   under the same message ids and reuses the stored replies.
 - An ended run (finished or failed) loses its messages, replies and chunks; it keeps its run row (history), its
   audit events and its run folder (rounds.tsv, history.json, its last checkpoints: the newest is its final model).
-- Each run folder keeps the last `keep_checkpoints` rounds' checkpoints (`hydrafl.checkpoint.archive_checkpoint`).
+- Each run folder keeps the last `keep_checkpoints` rounds' checkpoints (`hydrafl.server.aggregation.checkpoint.archive_checkpoint`).
 - A stock Flower ServerApp restarts from its beginning and reuses its stored replies: its rows go at its end only.
 - A chunk goes only when no remaining row refers to it (messages refer to chunks at the blob store's root, replies
   to chunks in their site's namespace). A site that may still answer a message has uploads in flight: its
@@ -40,13 +40,13 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from hydrafl.checkpoint import archive_checkpoint, stale_checkpoints
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.envelope import EnvelopeError, chunk_hashes
+from hydrafl.server.aggregation.checkpoint import archive_checkpoint, stale_checkpoints
 from hydrafl.server.blobs import BlobStore
-from hydrafl.server.packs import UploadPacks
 from hydrafl.server.config import DEFAULT_KEEP_CHECKPOINTS
 from hydrafl.server.store import AuditEvent, OutboundMessage, Reply, Run, Store, lease_age_s
+from hydrafl.server.transport.packs import UploadPacks
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """FedBuff: asynchronous buffered aggregation. The coordinator sends each site the newest model as soon as the
 site has answered, and takes an outer step whenever K updates have arrived, whichever model version each started
 from; stale updates weigh less (`staleness.StalenessBuffer`). The asynchronous round driver
-(`hydrafl.async_driver`) drives it; one of its "rounds" is one buffer.
+(`hydrafl.server.aggregation.async_driver`) drives it; one of its "rounds" is one buffer.
 
 Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation", AISTATS 2022.
 """

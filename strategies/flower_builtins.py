@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from flwr.serverapp.strategy import (
+    Bulyan,
     FedAdagrad,
     FedAdam,
     FedAvg,
@@ -16,7 +17,6 @@ from flwr.serverapp.strategy import (
     FedYogi,
     Krum,
     MultiKrum,
-    Bulyan,
     Strategy,
 )
 

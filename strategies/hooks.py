@@ -4,10 +4,11 @@ protocols: a strategy offers one by having its members, and callers check with `
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
 
 if TYPE_CHECKING:
     from hydrafl.strategies.staleness import BufferReport
@@ -68,7 +69,7 @@ class QueriesSites(Protocol):
 @runtime_checkable
 class BuffersUpdates(Protocol):
     """Asynchronous: takes each site's update as it arrives and steps whenever its buffer is full
-    (`hydrafl.async_driver` drives it instead of rounds)."""
+    (`hydrafl.server.aggregation.async_driver` drives it instead of rounds)."""
 
     buffer_full: bool
 
@@ -80,3 +81,18 @@ class BuffersUpdates(Protocol):
 
     def step(self, arrays: ArrayRecord) -> tuple[ArrayRecord, MetricRecord | None, BufferReport]:
         """The model after the full buffer's step (`arrays` itself when the buffer is skipped), and the buffer emptied."""
+
+
+def strategy_state(strategy: Strategy) -> dict[str, Any]:
+    """hydrafl strategies export `state_dict()`; Flower's keep state (FedOpt moments, FedAvgM momentum,
+    current arrays) in plain attributes, which are saved whole."""
+    if hasattr(strategy, "state_dict"):
+        return strategy.state_dict()
+    return dict(vars(strategy))
+
+
+def restore_strategy_state(strategy: Strategy, state: dict[str, Any]) -> None:
+    if hasattr(strategy, "load_state_dict"):
+        strategy.load_state_dict(state)
+    else:
+        vars(strategy).update(state)

@@ -24,13 +24,13 @@ from flwr.serverapp.strategy import FedAvg
 
 from hydrafl import protocol
 from hydrafl.arrays import from_record, sliced_record, to_record
+from hydrafl.lora_pairs import LoraPair, lora_pairs
 from hydrafl.strategies.accumulator import AggregationError, WeightedDeltaAccumulator
+from hydrafl.strategies.budgets import BudgetConfig
 from hydrafl.strategies.lora_factors import reply_delta
 from hydrafl.strategies.planner import BudgetError, SitePlanner
 from hydrafl.strategies.robust import MaskedRobustAggregator, RobustRule
 from hydrafl.subnet.slices import Slice
-from hydrafl.lora_pairs import LoraPair, lora_pairs
-from hydrafl.strategies.budgets import BudgetConfig
 
 if TYPE_CHECKING:
     from hydrafl.privacy.central import CentralDp

@@ -18,6 +18,7 @@ from hydrafl.strategies.accumulator import AggregationError
 from hydrafl.subnet.slices import Slice
 from hydrafl.updates import records
 
+
 def svd_factors(product: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B [out, rank], A [rank, in]) with B A the best rank-`rank` approximation of `product` (Eckart-Young),
     components ordered by singular value so that every prefix is the best approximation of its own rank.

@@ -17,9 +17,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Strategy
 
 from hydrafl.arrays import from_record, to_record
-from hydrafl.checkpoint import restore_strategy_state, strategy_state
 from hydrafl.privacy.central import CentralDp
 from hydrafl.strategies.accumulator import WeightedDeltaAccumulator
+from hydrafl.strategies.hooks import restore_strategy_state, strategy_state
 
 
 class NoisedMean(Strategy):

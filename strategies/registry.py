@@ -16,10 +16,10 @@ import importlib
 import importlib.metadata
 import pkgutil
 import re
-from functools import cache
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from hydrafl.field_docs import field_docs

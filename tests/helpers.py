@@ -18,13 +18,15 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
-from hydrafl import protocol, server_app, site_app
+from hydrafl import protocol
+from hydrafl.client import site_app
 from hydrafl.config import RunConfig
 from hydrafl.identity import claim_server_identity
 from hydrafl.models import build_model
+from hydrafl.server import server_app
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
-from hydrafl.server.grid import CoordinatorGrid
+from hydrafl.server.transport.grid import CoordinatorGrid
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
 from hydrafl.strategies.hooks import QueriesSites
 from hydrafl.subnet.apply import trainable_slices

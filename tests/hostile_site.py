@@ -15,10 +15,10 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.common.serde import recorddict_to_proto
 
 from hydrafl.client.agent import SiteAgent
+from hydrafl.client.site_app import client_app
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.chunk_wire import CoordinatorClient
 from hydrafl.proto.envelope import CHUNK_BYTES, UPLOADED, split_message
-from hydrafl.site_app import client_app
 
 TRAIN_ATTACKS = ("smuggle-array-in-content", "forge-another-site", "repeat-one-chunk", "huge-zero-size-dimension", "nan")
 EVALUATE_ATTACKS = ("no-metrics", "nan-loss-forged-metadata", "object-array-in-content", "evaluate-with-arrays")

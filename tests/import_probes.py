@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 PROBES = {
-    "site": "import sys, hydrafl.site_app, hydrafl.client.agent\nprint(' '.join(sorted(sys.modules)))",
+    "site": "import sys, hydrafl.client.site_app, hydrafl.client.agent\nprint(' '.join(sorted(sys.modules)))",
     "coordinator": (
-        "import sys, hydrafl.server.coordinator, hydrafl.server_app, hydrafl.cli.server, hydrafl.cli.admin\n"
+        "import sys, hydrafl.server.coordinator, hydrafl.server.server_app, hydrafl.cli.server, hydrafl.cli.admin\n"
         "from hydrafl.strategies.registry import strategy_names\n"
         "strategy_names()\n"
         "print(' '.join(sorted(sys.modules)))"

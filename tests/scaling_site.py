@@ -11,8 +11,8 @@ from flwr.app import Array, ArrayRecord, Message
 from flwr.common import MessageType
 
 from hydrafl.client.agent import SiteAgent
+from hydrafl.client.site_app import client_app
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
-from hydrafl.site_app import client_app
 
 SCALE = 1000.0
 

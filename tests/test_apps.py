@@ -8,11 +8,12 @@ import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 from helpers import SMALL_RUN
 
-from hydrafl import server_app, site_app
 from hydrafl.arrays import from_record
+from hydrafl.client import site_app
+from hydrafl.client.training import SiteTrainConfig, site_seed, train_site
 from hydrafl.models import build_model, federated_state
+from hydrafl.server import server_app
 from hydrafl.simulation.grid import InProcessGrid
-from hydrafl.training import SiteTrainConfig, site_seed, train_site
 
 CFG = SMALL_RUN.replace(sites=2, samples_per_site=50, rounds=15, local_steps=4, batch_size=8)
 

@@ -8,10 +8,12 @@ import pytest
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from hydrafl import async_driver, server_app, site_app
-from hydrafl.async_driver import simulated_speeds
+from hydrafl.client import site_app
 from hydrafl.config import RunConfig
-from hydrafl.driver import RoundFailed
+from hydrafl.server import server_app
+from hydrafl.server.aggregation import async_driver
+from hydrafl.server.aggregation.async_driver import simulated_speeds
+from hydrafl.server.aggregation.driver import RoundFailed
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
 
 SMALL = dict(task="tabular", sites=4, samples_per_site=32, local_steps=2, batch_size=8, site_speeds="1,1,1,0.1")

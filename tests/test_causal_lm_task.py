@@ -9,26 +9,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 from flwr.app import ConfigRecord, Message, RecordDict
-
 from helpers import SMALL_RUN, TIERED_RUN
-from hydrafl import server_app, site_app
+
 from hydrafl.backbones import TinyShape, build_causal_lm
 from hydrafl.causal_lm import CausalLM, DistillationError
+from hydrafl.client import site_app
+from hydrafl.client.training import SiteTrainConfig, evaluate, train_site
 from hydrafl.config import ConfigError, RunConfig
-from hydrafl.simulation_config import SimulationConfig, build_simulation_config
 from hydrafl.data import DataError, load_cohort
 from hydrafl.data.notes_lm_cohort import IGNORE_INDEX
-from hydrafl.models import (
-    LoraSpec,
-    build_model,
-    federated_state,
-    task_loss,
-    training_loss,
-)
+from hydrafl.models import LoraSpec, build_model, federated_state, task_loss, training_loss
+from hydrafl.server import server_app
 from hydrafl.simulation.compare import compare_strategies
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
+from hydrafl.simulation_config import SimulationConfig, build_simulation_config
 from hydrafl.subnet.scoring import head_importance, layer_importance
-from hydrafl.training import SiteTrainConfig, evaluate, train_site
 
 TASK = "clinical-notes-lm"
 
@@ -216,7 +211,7 @@ def test_two_process_ddp_delta_equals_one_process(cohort):
     """Ranks hold different numbers of padded positions; the global-count normaliser keeps the mean exact."""
     from functools import partial
 
-    from hydrafl.training import build_site_model
+    from hydrafl.client.training import build_site_model
 
     split = cohort.sites[0]
     model = build_model(cohort.task, seed=0)

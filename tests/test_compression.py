@@ -12,13 +12,14 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from helpers import SMALL_RUN, TIERED_RUN, make_reply
 
-from hydrafl import server_app, site_app
 from hydrafl.arrays import from_record, to_record
+from hydrafl.client import site_app
 from hydrafl.compression.codecs import decode, encode
 from hydrafl.compression.feedback import ErrorFeedback, compress_reply, coordinates_key
 from hydrafl.compression.layout import RECORD, CompressionError, Scheme, expected_arrays
 from hydrafl.compression.receive import decode_reply
 from hydrafl.config import RunConfig
+from hydrafl.server import server_app
 from hydrafl.simulation.grid import InProcessGrid
 from hydrafl.validation import ConfigError
 

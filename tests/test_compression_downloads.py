@@ -15,14 +15,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from helpers import SMALL_RUN, TIERED_RUN
 
-from hydrafl import server_app, site_app
 from hydrafl.arrays import array_view, from_record, record_nbytes, to_record
+from hydrafl.client import site_app
 from hydrafl.compression.codecs import decode
 from hydrafl.compression.downloads import DownloadCompression, content_hash
 from hydrafl.compression.feedback import coordinates_key
 from hydrafl.compression.layout import DOWNLOAD_RECORD, Scheme, download_shapes, expected_arrays
 from hydrafl.compression.reference import STATE_CONFIG, site_references
 from hydrafl.config import RunConfig
+from hydrafl.server import server_app
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
 from hydrafl.validation import ConfigError
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hydrafl.config import ConfigError, RunConfig
-from hydrafl.simulation_config import build_simulation_config
 from hydrafl.configfile import load_toml
+from hydrafl.simulation_config import build_simulation_config
 
 
 def test_flags_and_toml_keys_build_one_frozen_config(tmp_path):

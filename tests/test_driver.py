@@ -14,10 +14,11 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 from flwr.clientapp import ClientApp
 from helpers import SMALL_RUN
 
-from hydrafl import server_app, site_app
 from hydrafl.arrays import from_record, to_record
-from hydrafl.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from hydrafl.driver import DriverConfig, RoundDriver, RoundFailed
+from hydrafl.client import site_app
+from hydrafl.server import server_app
+from hydrafl.server.aggregation.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from hydrafl.server.aggregation.driver import DriverConfig, RoundDriver, RoundFailed
 from hydrafl.simulation.grid import InProcessGrid
 from hydrafl.strategies import DiLoCo
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from helpers import SMALL_RUN
 
-from hydrafl import server_app
+from hydrafl.client.site_app import client_app
 from hydrafl.privacy.accountant import RoundSample, epsilon, exact_epsilon
+from hydrafl.server import server_app
 from hydrafl.simulation.grid import InProcessGrid
-from hydrafl.site_app import client_app
 from hydrafl.validation import ConfigError
 
 RUN = SMALL_RUN.replace(strategy="fedavg", sites=10, samples_per_site=30, rounds=3, local_steps=1, fraction_train=0.3)

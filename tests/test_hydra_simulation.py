@@ -8,23 +8,24 @@ import math
 import pytest
 import torch
 from flwr.app import ConfigRecord, Message, RecordDict
-
 from helpers import (
-    TIERED_RUN,
     TIER_OF_NODE,
+    TIERED_RUN,
     assert_resume_matches_a_straight_run,
     reply_layout,
     sent_specs,
     site_read_slices,
 )
-from hydrafl import server_app, site_app
+
 from hydrafl.arrays import from_record, record_nbytes, to_record
-from hydrafl.simulation_config import SimulationConfig
+from hydrafl.client import site_app
+from hydrafl.lora_pairs import lora_pairs
 from hydrafl.models import build_model, task_loss
+from hydrafl.server import server_app
 from hydrafl.simulation.compare import compare_strategies
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
+from hydrafl.simulation_config import SimulationConfig
 from hydrafl.strategies import Hydra, build_strategy
-from hydrafl.lora_pairs import lora_pairs
 from hydrafl.subnet.apply import trainable_slices
 from hydrafl.subnet.planning import COST_FIELDS, LayerCost, plan_budget
 from hydrafl.subnet.scoring import head_importance, layer_importance

@@ -7,15 +7,16 @@ import ast
 from pathlib import Path
 
 import import_probes
+from package_layout import ROOT, package_dirs
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"hydrafl": "hydrafl", "strategies": "hydrafl.strategies", "server": "hydrafl.server",
-            "client": "hydrafl.client", "proto": "hydrafl.proto", "benchmarks": "hydrafl.benchmarks"}
+PACKAGES = package_dirs()
+WIRING = ("cli", "simulation", "apps.py")
+"""The shared modules that wire both sides together: the command line, the simulation and the apps' one name."""
 GENERATED = ("_pb2.py", "_pb2_grpc.py")
 
 MODEL_CODE = (
     "transformers", "peft", "matplotlib", "hydrafl.models", "hydrafl.causal_lm", "hydrafl.backbones",
-    "hydrafl.site_app", "hydrafl.training", "hydrafl.footprint", "hydrafl.losses", "hydrafl.data",
+    "hydrafl.client.site_app", "hydrafl.client.training", "hydrafl.footprint", "hydrafl.losses", "hydrafl.data",
     "hydrafl.kernels", "hydrafl.subnet.apply", "hydrafl.subnet.architecture", "hydrafl.subnet.scoring",
     "hydrafl.subnet.measure",
 )
@@ -54,14 +55,14 @@ def test_strategies_and_core_do_not_import_server_or_client():
     offenders = {
         str(path.relative_to(ROOT)): sorted(name for name in _imports(path) if f"{name}.".startswith(runtime))
         for path in checked
-        if path.parent.name != "cli"  # the command line is the one place that wires every runtime together
+        if not set(path.relative_to(ROOT).parts) & set(WIRING)
     }
     assert {path: names for path, names in offenders.items() if names} == {}
     assert len(checked) > 20
 
 
 def test_strategies_import_no_site_or_model_code():
-    forbidden = ("hydrafl.server", "hydrafl.client", "hydrafl.site_app", *MODEL_CODE)
+    forbidden = ("hydrafl.server", "hydrafl.client", "hydrafl.client.site_app", *MODEL_CODE)
     offenders = {
         path.name: sorted(name for name in _imports(path) if name.startswith(forbidden))
         for path in ROOT.joinpath("strategies").glob("*.py")
@@ -70,7 +71,7 @@ def test_strategies_import_no_site_or_model_code():
 
 
 def test_the_site_app_imports_no_strategy_and_the_agent_not_the_coordinator():
-    assert not [name for name in _imports(ROOT / "hydrafl" / "site_app.py") if name.startswith("hydrafl.strategies")]
+    assert not [name for name in _imports(ROOT / "client" / "site_app.py") if name.startswith("hydrafl.strategies")]
     loaded = import_probes.loaded("site")
     assert [name for name in loaded if name.startswith("hydrafl.strategies.")] == ["hydrafl.strategies.registry"]
     for path in ROOT.joinpath("client").glob("*.py"):
@@ -108,5 +109,5 @@ def test_the_coordinator_process_loads_no_model_code():
     """The coordinator handles named arrays only (README, Layout). Checked on what a real import pulls in: the
     coordinator, the ServerApp it runs with every strategy loaded, and the CLI's server and admin commands."""
     modules = set(import_probes.loaded("coordinator"))
-    assert {"hydrafl.server_app", "hydrafl.strategies.hydra", "hydrafl.strategies.flora"} <= modules
+    assert {"hydrafl.server.server_app", "hydrafl.strategies.hydra", "hydrafl.strategies.flora"} <= modules
     assert sorted(name for name in modules if name.startswith(MODEL_CODE)) == []

@@ -11,7 +11,8 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from helpers import SMALL_RUN
 
-from hydrafl import server_app, site_app
+from hydrafl.client import site_app
+from hydrafl.server import server_app
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
 
 CFG = SMALL_RUN.replace(samples_per_site=40, rounds=1, local_steps=2, batch_size=8, lr=2e-3, min_sites=2)
@@ -39,13 +40,13 @@ def _declining_app(declining: set[int]) -> ClientApp:
 
 def test_the_next_site_builds_the_initial_model_when_the_first_declines(caplog):
     grid = InProcessGrid(_declining_app({FIRST_NODE_ID}), CFG.sites, CFG.to_flower())
-    with caplog.at_level(logging.WARNING, logger="hydrafl.server_app"):
+    with caplog.at_level(logging.WARNING, logger="hydrafl.server.server_app"):
         arrays = server_app.request_initial_arrays(grid, CFG)
     expected = server_app.request_initial_arrays(InProcessGrid(site_app.client_app, CFG.sites, CFG.to_flower()), CFG)
     assert list(arrays) == list(expected)
     for name in expected:
         np.testing.assert_array_equal(arrays[name].numpy(), expected[name].numpy())
-    declines = [r.getMessage() for r in caplog.records if r.name == "hydrafl.server_app"]
+    declines = [r.getMessage() for r in caplog.records if r.name == "hydrafl.server.server_app"]
     assert declines == [f"site {FIRST_NODE_ID} declined to build the initial model: {REASON}"]
 
 

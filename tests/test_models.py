@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from transformers import ViTForImageClassification
 
 from hydrafl.benchmarks.image_models import write_digits_folder

@@ -7,11 +7,9 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from package_layout import ROOT, package_dirs
 
 
 @pytest.mark.slow
@@ -42,8 +40,7 @@ def test_wheel_installs_every_subpackage_under_hydrafl(tmp_path):
 
 def _source_modules() -> list[str]:
     """Every module of the checkout, as the path the wheel should hold it at (`hydrafl/...`)."""
-    folders = {"hydrafl": "hydrafl", "server": "hydrafl/server", "client": "hydrafl/client", "proto": "hydrafl/proto",
-               "strategies": "hydrafl/strategies", "benchmarks": "hydrafl/benchmarks"}
+    folders = {folder: package.replace(".", "/") for folder, package in package_dirs().items()}
     return [
         f"{installed}/{path.relative_to(ROOT / folder).as_posix()}"
         for folder, installed in folders.items()

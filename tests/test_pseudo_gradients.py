@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hydrafl.pseudo_gradients import (
+from hydrafl.server.aggregation.pseudo_gradients import (
     DeltaMoments,
     ZeroDeltaError,
     cosine_to_reference,

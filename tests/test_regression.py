@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 from hydrafl.config import RunConfig
-from hydrafl.simulation_config import SimulationConfig
 from hydrafl.simulation.compare import compare_strategies
+from hydrafl.simulation_config import SimulationConfig
 
 BASELINE = Path(__file__).parent / "assets" / "regression.json"
 
@@ -45,7 +45,7 @@ def numbers(case: str, out: Path) -> dict[str, Any]:
     run, strategies, knobs = CASES[case]
     config = SimulationConfig(run=run, out=str(out), knobs=knobs, **({"strategies": strategies} if strategies else {}))
     results = compare_strategies(config, show_progress=False)
-    from hydrafl.checkpoint import load_checkpoint
+    from hydrafl.server.aggregation.checkpoint import load_checkpoint
 
     summary = {}
     for strategy, result in results["strategies"].items():

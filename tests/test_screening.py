@@ -9,9 +9,10 @@ import pytest
 from flwr.app import Array, ArrayRecord
 from helpers import SMALL_RUN
 
-from hydrafl import server_app, site_app
+from hydrafl.client import site_app
 from hydrafl.config import RunConfig
-from hydrafl.screening import AuditsRejections, Screening, cosines_to_mean, update_norm
+from hydrafl.server import server_app
+from hydrafl.server.aggregation.screening import AuditsRejections, Screening, cosines_to_mean, update_norm
 from hydrafl.simulation.attacks import Attack, AttackedGrid
 from hydrafl.simulation.grid import InProcessGrid
 from hydrafl.validation import ConfigError

@@ -13,15 +13,17 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord
 from helpers import SMALL_RUN, TIERED_RUN, site_app_failing
 
-from hydrafl import protocol, server_app, site_app
+from hydrafl import protocol
 from hydrafl.benchmarks.secagg import ModifiedSitesGrid
+from hydrafl.client import site_app
 from hydrafl.config import SECAGG_ROUND_TIMEOUT_S
-from hydrafl.driver import RoundFailed
 from hydrafl.secagg import SecAggParams, metric_bound, quantisation_bound, wire
 from hydrafl.secagg.crypto import new_private_key, public_key
 from hydrafl.secagg.quantize import METRIC_SLOTS
 from hydrafl.secagg.shamir import split
-from hydrafl.secure_round import METRIC_RANGE, TRAIN_METRICS
+from hydrafl.server import server_app
+from hydrafl.server.aggregation.driver import RoundFailed
+from hydrafl.server.aggregation.secure_round import METRIC_RANGE, TRAIN_METRICS
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid, _wire_copy
 from hydrafl.simulation_config import SimulationConfig
 from hydrafl.updates import records

@@ -11,7 +11,7 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
 from hydrafl import protocol
-from hydrafl.site_policy import PRIVACY_STATE, PolicyError, SitePolicy, load_policy
+from hydrafl.client.site_policy import PRIVACY_STATE, PolicyError, SitePolicy, load_policy
 
 
 def _reply(values: dict[str, np.ndarray], message_type: str = "train") -> Message:

@@ -12,25 +12,26 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
+from helpers import SMALL_RUN, site_read_slices
 from typer.testing import CliRunner
 
-from hydrafl import server_app, site_app
-from helpers import SMALL_RUN, site_read_slices
 from hydrafl.arrays import from_record, sliced_record, to_record
 from hydrafl.cli import app
+from hydrafl.client import site_app
+from hydrafl.client.training import train_flops_per_sample
 from hydrafl.config import ConfigError, RunConfig
-from hydrafl.driver import DriverConfig, RoundDriver
-from hydrafl.rounds import RoundRecord
 from hydrafl.kernels.elastic_loader import hash_global_batches, round_order
-from hydrafl.pseudo_gradients import cosine_to_reference, noise_scale
 from hydrafl.models import build_model
+from hydrafl.rounds import RoundRecord
+from hydrafl.server import server_app
+from hydrafl.server.aggregation.driver import DriverConfig, RoundDriver
+from hydrafl.server.aggregation.pseudo_gradients import cosine_to_reference, noise_scale
 from hydrafl.simulation.compare import run_strategy
 from hydrafl.simulation.grid import POOLED_NODE_ID, InProcessGrid
 from hydrafl.subnet.apply import apply_spec
 from hydrafl.subnet.counts import forward_flops
 from hydrafl.subnet.slices import Slice
 from hydrafl.subnet.spec import SubnetSpec
-from hydrafl.training import train_flops_per_sample
 
 CFG = SMALL_RUN.replace(sites=2, samples_per_site=50, rounds=15, local_steps=6, batch_size=8)
 

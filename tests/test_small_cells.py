@@ -9,17 +9,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
-
 from deployment import run_to_end
 from dicom_files import pattern_folder
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from helpers import SMALL_RUN
-from hydrafl import protocol, server_app, site_app
+
+from hydrafl import protocol
+from hydrafl.client import site_app
+from hydrafl.client.site_pipeline import answer
+from hydrafl.client.site_policy import SMALL_CELL_REASON, PolicyError, SitePolicy, load_policy
 from hydrafl.data import load_cohort
 from hydrafl.identity import claim_server_identity
+from hydrafl.server import server_app
 from hydrafl.simulation.grid import InProcessGrid
-from hydrafl.site_pipeline import answer
-from hydrafl.site_policy import SMALL_CELL_REASON, PolicyError, SitePolicy, load_policy
 
 CFG = SMALL_RUN.replace(sites=1, local_steps=2, batch_size=8)
 NODE = 7

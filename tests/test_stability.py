@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from hydrafl.stability import (
+from hydrafl.server.aggregation.stability import (
     OuterSetup,
     StabilityVerdict,
     check,

@@ -9,14 +9,14 @@ import pytest
 import torch
 from spawned_ranks import RankOneDiesOnFirstAttempt
 
+from hydrafl.client import training
+from hydrafl.client.training import SiteTrainConfig, evaluate, site_seed, train_flops_per_sample, train_site
 from hydrafl.data import load_cohort
+from hydrafl.kernels.distributed import train_distributed
 from hydrafl.kernels.elastic_loader import ElasticLoader
 from hydrafl.kernels.lm_dual import HeadLM
 from hydrafl.kernels.optimizers import build_inner_optimizer
 from hydrafl.models import build_model, federated_state
-from hydrafl.kernels.distributed import train_distributed
-from hydrafl import training
-from hydrafl.training import SiteTrainConfig, evaluate, site_seed, train_flops_per_sample, train_site
 
 
 @pytest.fixture(scope="module")

@@ -90,7 +90,7 @@ def serve(config: CoordinatorConfig, dashboard: DashboardConfig | None = None) -
     from hydrafl.server.dashboard import Dashboard
     from hydrafl.server.migrations import SchemaError
     from hydrafl.server.store import LeaseHeld
-    from hydrafl.server.tls import plaintext_warning
+    from hydrafl.server.transport.tls import plaintext_warning
 
     config.home.mkdir(parents=True, exist_ok=True)
     try:

@@ -91,10 +91,10 @@ def simulate(
 def _compare(simulation: SimulationConfig, progress: bool, newest: bool) -> dict[str, Any]:
     """`compare_strategies`, its errors as exits: a configuration the run's data or checkpoint refuses 2 (with
     the runs to choose from when --resume picked the newest), a failed round 1."""
-    from hydrafl.checkpoint import CheckpointError
     from hydrafl.data import DataError
-    from hydrafl.driver import RoundFailed
     from hydrafl.run_folders import describe_run, runs
+    from hydrafl.server.aggregation.checkpoint import CheckpointError
+    from hydrafl.server.aggregation.driver import RoundFailed
     from hydrafl.simulation.compare import compare_strategies
     from hydrafl.validation import ConfigError
 

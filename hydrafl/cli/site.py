@@ -74,7 +74,7 @@ def site(
     import grpc
 
     from hydrafl.client.agent import SiteAgent, SiteRefused, Unreachable
-    from hydrafl.site_policy import PolicyError, SitePolicy, load_policy
+    from hydrafl.client.site_policy import PolicyError, SitePolicy, load_policy
     from hydrafl.client.tls import SiteTls, plaintext_warning
     from hydrafl.site_config import SiteConfig
 

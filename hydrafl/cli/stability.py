@@ -26,7 +26,7 @@ def stability(
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of the stable region here.")] = None,
 ) -> None:
     """Exact mean-square stability of DiLoCo's outer momentum on the stochastic quadratic model."""
-    from hydrafl.stability import OuterSetup, check, plot_stable_region
+    from hydrafl.server.aggregation.stability import OuterSetup, check, plot_stable_region
 
     try:
         setup = OuterSetup(

@@ -2,8 +2,8 @@
 weighted metrics (`quantize.encode_metrics`).
 
 Pure: numpy and `cryptography`, no Flower, no torch. `SiteSession` and `ServerSession` are the two ends'
-state machines and `wire` their messages' flat form; `hydrafl.secure_round` (coordinator) and
-`hydrafl.site_secagg` (site) carry them over the Message API.
+state machines and `wire` their messages' flat form; `hydrafl.server.aggregation.secure_round` (coordinator) and
+`hydrafl.client.site_secagg` (site) carry them over the Message API.
 Stages: setup (signed public keys and a commitment to the self-mask seed), share keys (encrypted Shamir shares
 of the pairwise secret key and the self-mask seed, routed through the coordinator), collect masked vectors,
 consistency check (survivors sign the survivor set), unmask (survivors reveal the self-mask shares of survivors

@@ -13,22 +13,22 @@ import torch
 from flwr.serverapp.strategy import Strategy
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hydrafl.async_driver import simulated_speeds
-from hydrafl.server_app import build_server_app, run_federation
-from hydrafl.site_app import client_app, run_cohort
+from hydrafl.client.site_app import client_app, run_cohort
+from hydrafl.client.site_pipeline import PipelineApp
+from hydrafl.client.site_policy import PolicyError, SitePolicy, load_policy
 from hydrafl.config import RUN_WIDE_KEYS, RunConfig
-from hydrafl.simulation_config import SimulationConfig
 from hydrafl.rounds import RoundRecord
 from hydrafl.run_folders import claim
+from hydrafl.server.aggregation.async_driver import simulated_speeds
+from hydrafl.server.server_app import build_server_app, run_federation
 from hydrafl.simulation.attacks import Attack, AttackedGrid
 from hydrafl.simulation.grid import InProcessGrid
-from hydrafl.site_pipeline import PipelineApp
-from hydrafl.site_policy import PolicyError, SitePolicy, load_policy
-from hydrafl.validation import ConfigError
+from hydrafl.simulation.report import write_report
+from hydrafl.simulation_config import SimulationConfig
 from hydrafl.strategies import build_strategy
 from hydrafl.strategies.hooks import PlansSubnetworks
-from hydrafl.simulation.report import write_report
 from hydrafl.trust import trust_summary
+from hydrafl.validation import ConfigError
 
 OnRound = Callable[[RoundRecord], None]
 

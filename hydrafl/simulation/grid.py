@@ -26,11 +26,11 @@ from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=no
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
-from hydrafl.secagg.identity import SiteIdentity, new_signing_key
-from hydrafl.site_pipeline import answer
-from hydrafl.site_secagg import install_identity
-from hydrafl.site_policy import SitePolicy
+from hydrafl.client.site_pipeline import answer
+from hydrafl.client.site_policy import SitePolicy
+from hydrafl.client.site_secagg import install_identity
 from hydrafl.identity import claim_server_identity
+from hydrafl.secagg.identity import SiteIdentity, new_signing_key
 from hydrafl.simulation.workers import Job, WorkerPool, emit_logs, make_job, worker_count
 
 log = logging.getLogger(__name__)

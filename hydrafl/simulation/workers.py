@@ -32,8 +32,14 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from flwr.app import Context, Message
-from flwr.common.serde import context_from_proto, context_to_proto, message_from_proto, message_to_proto
-from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
+from flwr.common.serde import (
+    context_from_proto,
+    context_to_proto,
+    message_from_proto,
+    message_to_proto,
+    recorddict_from_proto,
+    recorddict_to_proto,
+)
 from flwr.proto.message_pb2 import Context as ProtoContext  # pylint: disable=no-name-in-module
 from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=no-name-in-module
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=no-name-in-module

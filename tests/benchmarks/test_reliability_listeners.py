@@ -5,13 +5,12 @@ hundred bytes."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from rich.progress import Progress
 
-from hydrafl.benchmarks._reliability_sockets import descriptors_raised
 from hydrafl.benchmarks._reliability_listeners import DASHBOARD_CAP, GRPC_CAP, listener_campaign, listener_markdown
+from hydrafl.benchmarks._reliability_sockets import descriptors_raised
 
 IDLE = 300
 MARGIN = 4

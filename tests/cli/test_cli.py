@@ -9,10 +9,10 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from hydrafl import site_app
 from hydrafl.cli import app
+from hydrafl.client import site_app
 from hydrafl.config import RunConfig
-from hydrafl.stability import OuterSetup, check
+from hydrafl.server.aggregation.stability import OuterSetup, check
 
 SMALL = """
 task = "tabular"

@@ -7,10 +7,9 @@ from __future__ import annotations
 import os
 import time
 
+import import_probes
 import pytest
 from typer.testing import CliRunner
-
-import import_probes
 
 from hydrafl.cli import app
 
@@ -46,11 +45,7 @@ def test_a_misspelled_strategy_is_refused_before_torch_is_imported_in_under_2_s(
 
 
 def test_the_names_read_from_the_strategies_sources_are_the_registered_ones():
-    from hydrafl.strategies.registry import (
-        _scanned_builtins,
-        config_class,
-        strategy_names,
-    )
+    from hydrafl.strategies.registry import _scanned_builtins, config_class, strategy_names
 
     packaged = {name for name in strategy_names() if config_class(name).__module__.startswith("hydrafl.strategies.")}
     assert set(_scanned_builtins()) == packaged

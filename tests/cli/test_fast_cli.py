@@ -9,7 +9,7 @@ import os
 import import_probes
 import pytest
 
-HEAVY = ("torch", "matplotlib", "transformers", "peft", "flwr", "hydrafl.config", "hydrafl.stability", "hydrafl.data")
+HEAVY = ("torch", "matplotlib", "transformers", "peft", "flwr", "hydrafl.config", "hydrafl.server.aggregation.stability", "hydrafl.data")
 """What the command line loaded before it parsed its arguments, and must not load for these commands."""
 
 

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from dicom_files import pattern_folder
 from fake_coordinator import FakeCoordinator, coordinator_message, run_config_bytes, serve_in_thread
-from PIL import Image
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.common.serde_utils import metadata_to_proto
 from helpers import SMALL_RUN
+from PIL import Image
 
 from hydrafl import protocol
 from hydrafl.client.agent import SiteAgent, default_max_download_bytes
@@ -224,7 +224,7 @@ def test_a_garbage_run_config_and_a_failing_app_get_error_replies_and_only_recen
 
 
 def test_a_demo_site_never_opens_the_file_the_run_config_names(tmp_path):
-    from hydrafl import site_app
+    from hydrafl.client import site_app
 
     export = tmp_path / f"{SECRET}_export.csv"
     rows = "".join(f"{i},{i * 0.5},{'icu' if i % 2 else 'ward'}\n" for i in range(20))
@@ -345,7 +345,7 @@ def _image_folder(folder: Path) -> Path:
 
 @pytest.mark.parametrize("kind", ["image folder", "DICOM folder"])
 def test_a_demo_site_never_opens_the_image_or_dicom_folder_the_run_config_names(tmp_path, kind):
-    from hydrafl import site_app
+    from hydrafl.client import site_app
 
     folder = tmp_path / f"{SECRET}_{kind.split()[0]}"
     folder = _image_folder(folder) if kind == "image folder" else pattern_folder(folder, per_class=2)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from hydrafl.client.site_app import check_checkpoint_paths
 from hydrafl.config import RunConfig
-from hydrafl.site_app import check_checkpoint_paths
 from hydrafl.site_config import SiteConfig
 
 

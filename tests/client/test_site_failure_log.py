@@ -9,6 +9,7 @@ import numpy as np
 from fake_coordinator import FakeCoordinator, coordinator_message, serve_in_thread
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
+
 from hydrafl.client.agent import SiteAgent
 
 failing_app = ClientApp()

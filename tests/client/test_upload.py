@@ -14,7 +14,7 @@ from hydrafl.client.upload import upload_reply
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.chunk_wire import CoordinatorClient
 from hydrafl.proto.envelope import CHUNK_BYTES, split_message
-from hydrafl.server.grid import CoordinatorGrid
+from hydrafl.server.transport.grid import CoordinatorGrid
 
 MIB_FLOATS = CHUNK_BYTES // 4
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pydicom
 import pytest
-
 from dicom_files import pattern_folder, write_dicom, write_labels
 from helpers import SMALL_RUN
+
 from hydrafl.data import DataError, load_cohort
 from hydrafl.data.files import read_dataset
 from hydrafl.simulation.compare import run_strategy

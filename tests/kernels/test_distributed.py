@@ -9,8 +9,8 @@ import os
 import signal
 import tempfile
 import threading
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from rich.console import Console
 
 from hydrafl.benchmarks.inner_optimizers import Sweep, plot, run, table

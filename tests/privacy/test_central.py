@@ -11,14 +11,14 @@ import pytest
 import torch
 from flwr.serverapp.strategy import FedAdam, FedAvg
 from flwr.supercore.differential_privacy import compute_adaptive_noise_params
-
 from helpers import make_reply
-from hydrafl.checkpoint import restore_strategy_state, strategy_state
+
 from hydrafl.config import RunConfig
 from hydrafl.privacy.adaptive import AdaptiveClip, model_noise_multiplier
 from hydrafl.privacy.central import CentralDp, round_clip
 from hydrafl.privacy.clipping import clip, l2_norm, noise_generator
 from hydrafl.strategies import MaskedDeltaAccumulator, WeightedDeltaAccumulator, build_strategy
+from hydrafl.strategies.hooks import restore_strategy_state, strategy_state
 from hydrafl.strategies.noised_mean import NoisedMean
 from hydrafl.subnet.slices import Slice
 from hydrafl.validation import ConfigError

@@ -14,10 +14,12 @@ from flwr.app import ConfigRecord, Message
 from helpers import SMALL_RUN, TIERED_RUN, site_app_failing
 from typer.testing import CliRunner
 
-from hydrafl import protocol, server_app, site_app
+from hydrafl import protocol
 from hydrafl.cli import app
+from hydrafl.client import site_app
 from hydrafl.privacy.accountant import RoundSample, distributed_epsilon, epsilon
 from hydrafl.secagg import SecAggParams, quantisation_bound
+from hydrafl.server import server_app
 from hydrafl.simulation.grid import InProcessGrid
 from hydrafl.strategies import build_strategy
 from hydrafl.strategies.noised_mean import NoisedMean

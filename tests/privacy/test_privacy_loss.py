@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-
 from helpers import TIERED_RUN
-from hydrafl import server_app, site_app
+
+from hydrafl.client import site_app
 from hydrafl.config import RunConfig
 from hydrafl.privacy import central
+from hydrafl.server import server_app
 from hydrafl.simulation.grid import InProcessGrid
 from hydrafl.strategies import build_strategy
 from hydrafl.strategies.hooks import QueriesSites

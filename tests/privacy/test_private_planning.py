@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 from flwr.app import ConfigRecord, MetricRecord
-
 from helpers import TIERED_RUN
-from hydrafl import protocol, server_app, site_app
+
+from hydrafl import protocol
+from hydrafl.client import site_app
+from hydrafl.server import server_app
 from hydrafl.simulation.grid import InProcessGrid
 from hydrafl.strategies import build_strategy
 from hydrafl.updates import records

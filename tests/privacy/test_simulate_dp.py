@@ -65,6 +65,7 @@ def test_simulate_with_a_site_policy_reports_each_sites_local_epsilon(tmp_path):
 
 def test_a_resumed_run_goes_on_spending_from_where_it_stopped(tmp_path):
     from helpers import SMALL_RUN
+
     from hydrafl.simulation.compare import run_strategy
 
     cfg = SMALL_RUN.replace(strategy="diloco", sites=20, samples_per_site=10, rounds=2, local_steps=2,
@@ -81,6 +82,7 @@ def test_a_resumed_run_goes_on_spending_from_where_it_stopped(tmp_path):
 
 def test_a_subnetwork_strategy_runs_with_central_dp_on_its_masked_mean():
     from helpers import TIERED_RUN
+
     from hydrafl.simulation.compare import run_strategy
 
     for strategy in ("hydra", "heterofl"):
@@ -93,9 +95,10 @@ def test_a_subnetwork_strategy_runs_with_central_dp_on_its_masked_mean():
 
 def test_simulated_sites_refuse_the_round_that_would_pass_their_budget(tmp_path):
     from helpers import SMALL_RUN
-    from hydrafl.driver import RoundFailed
+
+    from hydrafl.client.site_policy import SitePolicy
+    from hydrafl.server.aggregation.driver import RoundFailed
     from hydrafl.simulation.compare import run_strategy
-    from hydrafl.site_policy import SitePolicy
 
     spent = [epsilon(2.0, RoundSample(3, 3), delta=1e-5, repeat=r) for r in (1, 2)]
     cfg = SMALL_RUN.replace(strategy="diloco", dp_noise_multiplier=2.0, dp_clip=0.5, run_dir=str(tmp_path / "run"))
@@ -109,8 +112,10 @@ def test_simulated_sites_refuse_the_round_that_would_pass_their_budget(tmp_path)
 def test_fedit_takes_central_dp_with_noise_scaled_to_the_sites_whose_rank_covers_each_component():
     import numpy as np
     from helpers import TIERED_RUN
-    from hydrafl import server_app, site_app
+
+    from hydrafl.client import site_app
     from hydrafl.lora_pairs import lora_pairs
+    from hydrafl.server import server_app
     from hydrafl.simulation.grid import InProcessGrid
     from hydrafl.strategies import build_strategy
 

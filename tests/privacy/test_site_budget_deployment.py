@@ -4,9 +4,9 @@ the run's spending stays within it, then refuses, says why in its log, and the c
 from __future__ import annotations
 
 import pytest
-
 from deployment import run_to_end
 from helpers import SMALL_RUN
+
 from hydrafl.privacy.accountant import RoundSample, epsilon
 
 RUN = SMALL_RUN.replace(strategy="diloco", min_sites=2, dp_noise_multiplier=2.0, dp_clip=0.5)

@@ -9,7 +9,14 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
 from hydrafl.proto.envelope import (
-    CHUNK_BYTES, SENT, XXH3, EnvelopeError, check_manifest, chunk_hashes, join_message, split_message,
+    CHUNK_BYTES,
+    SENT,
+    XXH3,
+    EnvelopeError,
+    check_manifest,
+    chunk_hashes,
+    join_message,
+    split_message,
 )
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from secagg_rounds import secure_sum, updates
 from scipy import stats
+from secagg_rounds import secure_sum, updates
 
 from hydrafl.secagg import SecAggError, SecAggParams, quantisation_bound
 

@@ -3,9 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hydrafl.secagg import (
-    SecAggError, SecAggParams, decode_metrics, decode_sum, encode, encode_metrics, metric_bound,
-)
+from hydrafl.secagg import SecAggError, SecAggParams, decode_metrics, decode_sum, encode, encode_metrics, metric_bound
 
 
 def test_zero_encodes_exactly_and_the_range_is_clipped():

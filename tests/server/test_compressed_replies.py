@@ -22,8 +22,8 @@ from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
 from hydrafl.proto.envelope import EnvelopeError, split_message
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
-from hydrafl.server.grid import CoordinatorGrid
-from hydrafl.server.replies import allowed_reply_bytes, check_reply
+from hydrafl.server.transport.grid import CoordinatorGrid
+from hydrafl.server.transport.replies import allowed_reply_bytes, check_reply
 
 SENT = {"w": np.ones((64, 32), dtype=np.float32), "b": np.ones(32, dtype=np.float32)}
 

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from hydrafl.cli import app
 from hydrafl.server.config import DEFAULT_LISTEN, LEASE_STALE_S, CoordinatorConfig
-from hydrafl.server.tls import ServerTls
+from hydrafl.server.transport.tls import ServerTls
 from hydrafl.validation import ConfigError
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from deployment import enrol, queue_run, start_hydrafl, wait_serving, wait_until
 from helpers import SMALL_RUN
 

@@ -10,9 +10,9 @@ import signal
 import subprocess
 
 import pytest
-
 from deployment import enrol, queue_run, start_hydrafl, wait_serving, wait_until
 from helpers import SMALL_RUN
+
 from hydrafl.config import RunConfig
 from hydrafl.server.store import Run as StoredRun
 from hydrafl.simulation.compare import run_strategy

@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 
 import pytest
-
 from deployment import run_to_end
+
 from hydrafl.config import RunConfig
 
 TESTS = Path(__file__).resolve().parents[1]

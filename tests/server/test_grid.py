@@ -12,9 +12,9 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
 from hydrafl.proto.envelope import split_message
 from hydrafl.server.blobs import BlobStore
-from hydrafl.server.grid import CoordinatorGrid
-from hydrafl.server.service import CoordinatorService
 from hydrafl.server.store import Reply, Store
+from hydrafl.server.transport.grid import CoordinatorGrid
+from hydrafl.server.transport.service import CoordinatorService
 
 
 class _CountingGrid(CoordinatorGrid):

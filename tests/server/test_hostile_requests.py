@@ -23,11 +23,11 @@ from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
 from hydrafl.proto.envelope import CHUNK_BYTES, SENT, UPLOADED, split_message
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
-from hydrafl.server.grid import CoordinatorGrid
-from hydrafl.server.limits import SiteLimits, UploadQuota
-from hydrafl.server.packs import SLOT_BYTES
-from hydrafl.server.replies import LAYOUT_ARRAYS
 from hydrafl.server.store import Reply
+from hydrafl.server.transport.grid import CoordinatorGrid
+from hydrafl.server.transport.limits import SiteLimits, UploadQuota
+from hydrafl.server.transport.packs import SLOT_BYTES
+from hydrafl.server.transport.replies import LAYOUT_ARRAYS
 from hydrafl.updates import InvalidUpdate, check_train_reply
 
 SHAPE = (3, 2)

@@ -10,13 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from deployment import enrol, queue_run, start_hydrafl, wait_serving, wait_until
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
-
-from deployment import enrol, queue_run, start_hydrafl, wait_serving, wait_until
 from helpers import SMALL_RUN
 from hostile_site import EVALUATE_ATTACKS, TRAIN_ATTACKS
-from hydrafl import server_app, site_app
+
+from hydrafl.client import site_app
+from hydrafl.server import server_app
 from hydrafl.simulation.grid import InProcessGrid
 
 RUN = SMALL_RUN.replace(strategy="fedavg", rounds=len(TRAIN_ATTACKS), min_sites=2, round_timeout_s=60)

@@ -15,8 +15,8 @@ from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
-from hydrafl.server.grid import CoordinatorGrid
-from hydrafl.server.mailbox import Mailbox
+from hydrafl.server.transport.grid import CoordinatorGrid
+from hydrafl.server.transport.mailbox import Mailbox
 
 HOUR_S = 3600.0
 

@@ -12,9 +12,9 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from deployment import free_port, start_hydrafl, wait_serving, wait_until
 from sqlalchemy import MetaData, create_engine, insert, inspect, text
 
-from deployment import free_port, start_hydrafl, wait_serving, wait_until
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.server.audit import record_refusal
 from hydrafl.server.migrations import FIRST_TABLES, SchemaError, alembic_config, head_revision, schema_state

@@ -28,9 +28,9 @@ from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.dashboard_data import refused_per_run, site_rows
 from hydrafl.server.dashboard_page import MAX_PAGE_CHARS, render_page
-from hydrafl.server.grid import CoordinatorGrid
-from hydrafl.server.limits import SiteLimits
 from hydrafl.server.store import AuditEvent, Reply, Run, Site, Store
+from hydrafl.server.transport.grid import CoordinatorGrid
+from hydrafl.server.transport.limits import SiteLimits
 
 SHAPE = (3, 2)
 MARKER_CHARS = 40
@@ -125,7 +125,7 @@ def _log_bytes(path) -> int:
 def test_a_log_line_quoting_a_100k_word_takes_milliseconds(server_log):
     word = "w" * 100_000
     started = time.perf_counter()
-    logging.getLogger("hydrafl.server.service").warning("refused INVALID_ARGUMENT from site a: array %s", word)
+    logging.getLogger("hydrafl.server.transport.service").warning("refused INVALID_ARGUMENT from site a: array %s", word)
     elapsed_s = time.perf_counter() - started
     print(f"\nlogging a 100,000-character word took {elapsed_s * 1e3:.1f} ms, {_log_bytes(server_log)} bytes")
     assert elapsed_s < 0.1, elapsed_s

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from hydrafl.proto.envelope import CHUNK_BYTES, UPLOADED, EnvelopeError
-from hydrafl.server import packs
 from hydrafl.server.blobs import BlobStore
-from hydrafl.server.packs import SLOT_BYTES, UploadPacks, _StreamPack
+from hydrafl.server.transport import packs
+from hydrafl.server.transport.packs import SLOT_BYTES, UploadPacks, _StreamPack
 
 WRITERS = ThreadPoolExecutor(4)
 

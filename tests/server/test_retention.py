@@ -13,18 +13,18 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from sqlalchemy import func, select
 from typer.testing import CliRunner
 
-from hydrafl.checkpoint import CHECKPOINT_FILE
 from hydrafl.cli import app
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
 from hydrafl.proto.envelope import chunk_hashes, split_message
+from hydrafl.server.aggregation.checkpoint import CHECKPOINT_FILE
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
-from hydrafl.server.grid import CoordinatorGrid
 from hydrafl.server.retention import Retention, was_swept
-from hydrafl.server.service import CoordinatorService
 from hydrafl.server.store import AuditEvent, OutboundMessage, Reply, Store
+from hydrafl.server.transport.grid import CoordinatorGrid
+from hydrafl.server.transport.service import CoordinatorService
 from hydrafl.validation import ConfigError
 
 

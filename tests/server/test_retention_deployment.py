@@ -13,10 +13,10 @@ from pathlib import Path
 from stat import S_ISREG
 
 import pytest
-from sqlalchemy import func, select
-
 from deployment import enrol, queue_run, start_hydrafl, wait_serving, wait_until
 from helpers import SMALL_RUN
+from sqlalchemy import func, select
+
 from hydrafl.config import RunConfig
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.retention import SWEEP_PAUSE_ENV, Retention

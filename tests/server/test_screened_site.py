@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from deployment import enrol, queue_run, start_hydrafl, wait_serving, wait_until
 from helpers import SMALL_RUN
 

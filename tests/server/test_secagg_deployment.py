@@ -12,10 +12,11 @@ import pytest
 from deployment import run_to_end
 from helpers import SMALL_RUN
 
-from hydrafl import server_app, site_app
-from hydrafl.checkpoint import load_checkpoint
+from hydrafl.client import site_app
 from hydrafl.config import RunConfig
 from hydrafl.secagg import SecAggParams, quantisation_bound
+from hydrafl.server import server_app
+from hydrafl.server.aggregation.checkpoint import load_checkpoint
 from hydrafl.simulation.grid import InProcessGrid
 
 RUN = SMALL_RUN.replace(rounds=1, secagg=True)

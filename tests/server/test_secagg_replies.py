@@ -17,7 +17,7 @@ from hydrafl.secagg import wire
 from hydrafl.secagg.site import SEALED_BYTES, SignedKeys
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
-from hydrafl.server.grid import CoordinatorGrid
+from hydrafl.server.transport.grid import CoordinatorGrid
 
 KEY = SignedKeys(bytes(32), bytes(32), bytes(32), bytes(32), bytes(64), bytes(64))
 

@@ -10,7 +10,7 @@ import pytest
 from hydrafl.proto.chunk_wire import decode_chunk, encode_chunk
 from hydrafl.proto.envelope import SENT
 from hydrafl.server.blobs import BlobStore
-from hydrafl.server.sent_cache import SentCache
+from hydrafl.server.transport.sent_cache import SentCache
 
 
 def _chunks(count: int, size: int = 1000) -> list[tuple[str, bytes]]:

@@ -16,7 +16,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
-from hydrafl.server.grid import CoordinatorGrid
+from hydrafl.server.transport.grid import CoordinatorGrid
 
 TESTS = Path(__file__).resolve().parents[1]
 

@@ -13,14 +13,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from hydrafl.site_app import client_app
 from hydrafl.client.agent import SiteAgent
+from hydrafl.client.site_app import client_app
 from hydrafl.client.tls import SiteTls
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
-from hydrafl.server.tls import ServerTls
+from hydrafl.server.transport.tls import ServerTls
 
 
 def _certificate(name: str, issuer_key, issuer_name, *, ca: bool, san: bool):

@@ -12,14 +12,15 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common import MessageType
 from helpers import SMALL_RUN
 
-from hydrafl import server_app, site_app
 from hydrafl.cli.flags import parse_flags
+from hydrafl.client import site_app
 from hydrafl.config import ConfigError
-from hydrafl.simulation_config import SimulationConfig, build_simulation_config
 from hydrafl.config_keys import key_type
+from hydrafl.server import server_app
 from hydrafl.simulation.attacks import Attack, AttackedGrid, alie_z, honest_statistics
 from hydrafl.simulation.compare import compare_strategies
 from hydrafl.simulation.grid import InProcessGrid
+from hydrafl.simulation_config import SimulationConfig, build_simulation_config
 
 
 def _updates(seed: int = 0, sites: int = 10) -> dict[int, dict[str, np.ndarray]]:

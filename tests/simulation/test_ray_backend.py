@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hydrafl.checkpoint import load_checkpoint
-from hydrafl.simulation_config import SimulationConfig
 from hydrafl.privacy.accountant import local_epsilon
 from hydrafl.secagg import SecAggParams, quantisation_bound
+from hydrafl.server.aggregation.checkpoint import load_checkpoint
 from hydrafl.simulation.compare import _site_policy, run_strategy
+from hydrafl.simulation_config import SimulationConfig
 
 pytest.importorskip("ray")
 

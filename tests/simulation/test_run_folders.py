@@ -12,9 +12,9 @@ from helpers import SMALL_RUN
 from typer.testing import CliRunner
 
 from hydrafl.cli import app
-from hydrafl.simulation_config import SimulationConfig
 from hydrafl.run_folders import RUNS_DIR, earlier_run
 from hydrafl.simulation.compare import compare_strategies
+from hydrafl.simulation_config import SimulationConfig
 
 ONE_ROUND = SMALL_RUN.replace(rounds=1, local_steps=1)
 

@@ -17,7 +17,7 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import ServerApp
 from flwr.serverapp.strategy import FedAvg, FedMedian, Krum
 
-from hydrafl.checkpoint import load_checkpoint
+from hydrafl.server.aggregation.checkpoint import load_checkpoint
 from hydrafl.simulation import InProcessGrid, run_app
 from hydrafl.simulation.compare import run_strategy
 from hydrafl.simulation.workers import WorkerPool, available_cores, make_job, worker_count

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import FakeGrid, make_reply
 from flwr.app import Array, ArrayRecord, ConfigRecord
+from helpers import FakeGrid, make_reply
 
 from hydrafl.strategies import DiLoCo
 

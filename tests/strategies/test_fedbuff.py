@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 import pytest
-from helpers import make_reply
 from flwr.app import Array, ArrayRecord
+from helpers import make_reply
 
 from hydrafl.config import RunConfig
 from hydrafl.strategies.fedbuff import FedBuff

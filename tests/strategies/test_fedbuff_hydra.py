@@ -4,9 +4,9 @@ weight, the masked weighted mean and the buffer's scale."""
 from __future__ import annotations
 
 import numpy as np
-from toy_hydra import START, SPEC_A, SPEC_B, DELTA_A, DELTA_B, toy_record, toy_scores
-from helpers import FakeGrid, make_reply, sent_specs
 from flwr.app import ConfigRecord
+from helpers import FakeGrid, make_reply, sent_specs
+from toy_hydra import DELTA_A, DELTA_B, SPEC_A, SPEC_B, START, toy_record, toy_scores
 
 from hydrafl.strategies.fedbuff_hydra import FedBuffHydra
 from hydrafl.strategies.planner import SitePlanner

@@ -10,14 +10,14 @@ import logging
 import numpy as np
 import pytest
 import torch
-from toy_hydra import START, SPEC_A, SPEC_B, DELTA_A, DELTA_B, toy_record, toy_scores
-from helpers import FakeGrid, configure_round, make_reply, make_scores_reply, sent_specs
 from flwr.app import ConfigRecord
+from helpers import FakeGrid, configure_round, make_reply, make_scores_reply, sent_specs
+from toy_hydra import DELTA_A, DELTA_B, SPEC_A, SPEC_B, START, toy_record, toy_scores
 
-from hydrafl.site_app import slice_layout
+from hydrafl.backbones import TinyShape, build_causal_lm
+from hydrafl.client.site_app import slice_layout
 from hydrafl.config import ConfigError, RunConfig
 from hydrafl.data import TaskSpec
-from hydrafl.backbones import TinyShape, build_causal_lm
 from hydrafl.models import build_model
 from hydrafl.strategies import AggregationError, Hydra, MaskedDeltaAccumulator, build_strategy
 from hydrafl.strategies.planner import SitePlanner
@@ -25,6 +25,7 @@ from hydrafl.subnet.apply import trainable_slices
 from hydrafl.subnet.planning import LayerCost
 from hydrafl.subnet.slices import layout_slices
 from hydrafl.subnet.spec import SubnetSpec
+
 
 def _hydra(**kwargs) -> Hydra:
     """Hydra whose untiered sites train every layer and half the heads of each."""

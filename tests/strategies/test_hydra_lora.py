@@ -10,8 +10,8 @@ from flwr.app import Array, ArrayRecord
 from helpers import configure_round, make_reply, make_scores_reply, sent_specs
 
 from hydrafl.config import RunConfig
-from hydrafl.strategies import AggregationError, Hydra, build_strategy
 from hydrafl.lora_pairs import lora_pairs
+from hydrafl.strategies import AggregationError, Hydra, build_strategy
 from hydrafl.strategies.lora_factors import MaskedProductAccumulator, product_slice
 from hydrafl.strategies.planner import SitePlanner
 from hydrafl.subnet.slices import Slice, layout_slices

@@ -14,19 +14,22 @@ import torch.nn.functional as F
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from helpers import SMALL_RUN, configure_round, make_reply, make_scores_reply
 
-from hydrafl import server_app, site_app
 from hydrafl.arrays import from_record, to_record
+from hydrafl.client import site_app
 from hydrafl.config import ConfigError, RunConfig
-from hydrafl.simulation_config import SimulationConfig
 from hydrafl.data import load_cohort
+from hydrafl.lora_pairs import LoraPairError, lora_pairs
+from hydrafl.losses import TailPenalised
 from hydrafl.models import LoraSpec, build_model, federated_state, lora_base_state
+from hydrafl.protocol import SITE_RANK as SITE_RANK_KEY
+from hydrafl.protocol import TAIL_PENALTY as TAIL_PENALTY_KEY
+from hydrafl.protocol import TAIL_PRUNE as PRUNE_KEY
+from hydrafl.server import server_app
 from hydrafl.simulation.compare import compare_strategies
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
-from hydrafl.strategies import AggregationError, build_strategy, FedIT, FlexLoRA, FLoRA, HetLoRA
-from hydrafl.losses import TailPenalised
+from hydrafl.simulation_config import SimulationConfig
+from hydrafl.strategies import AggregationError, FedIT, FlexLoRA, FLoRA, HetLoRA, build_strategy
 from hydrafl.strategies.lora import rank_slices, truncate
-from hydrafl.protocol import SITE_RANK as SITE_RANK_KEY, TAIL_PENALTY as TAIL_PENALTY_KEY, TAIL_PRUNE as PRUNE_KEY
-from hydrafl.lora_pairs import LoraPairError, lora_pairs
 from hydrafl.subnet.apply import apply_spec
 from hydrafl.subnet.architecture import find_architecture
 from hydrafl.subnet.slices import extract

@@ -8,8 +8,8 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterable
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,8 +19,8 @@ from helpers import SMALL_RUN
 
 from hydrafl.arrays import from_record, to_record
 from hydrafl.config import ConfigError, RunConfig
-from hydrafl.simulation_config import build_simulation_config
 from hydrafl.simulation.compare import compare_strategies
+from hydrafl.simulation_config import build_simulation_config
 from hydrafl.strategies import StrategyConfig, WeightedDeltaAccumulator, register
 from hydrafl.strategies.registry import describe
 

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from flwr.app import Array, ArrayRecord, ConfigRecord
 from helpers import (
-    TIERED_RUN,
     TIER_OF_NODE,
+    TIERED_RUN,
     assert_resume_matches_a_straight_run,
     configure_round,
     make_reply,
@@ -19,15 +20,15 @@ from helpers import (
     reply_layout,
     sent_specs,
 )
-from flwr.app import Array, ArrayRecord, ConfigRecord
 
-from hydrafl import server_app, site_app
-from hydrafl.simulation_config import SimulationConfig
-from hydrafl.data import TaskSpec
 from hydrafl.backbones import TinyShape, build_causal_lm, with_lora
+from hydrafl.client import site_app
+from hydrafl.data import TaskSpec
 from hydrafl.models import build_model
+from hydrafl.server import server_app
 from hydrafl.simulation.compare import compare_strategies
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
+from hydrafl.simulation_config import SimulationConfig
 from hydrafl.strategies import FedRolex, FjORD, HeteroFL, build_strategy
 from hydrafl.subnet.apply import apply_spec, trainable_slices, width_layout
 from hydrafl.subnet.slices import extract

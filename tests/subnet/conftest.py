@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
-from hydrafl.data import TaskSpec
 from hydrafl.backbones import TinyShape, build_causal_lm
+from hydrafl.data import TaskSpec
 from hydrafl.models import Classifier, build_model
 
 TEXT = TaskSpec(name="text", modality="text", num_classes=3, class_names=("a", "b", "c"), vocab_size=40, seq_len=8)

@@ -16,6 +16,7 @@ from collections import OrderedDict
 
 from hydrafl.proto.chunk_wire import encode_chunk
 
+
 class SentCache:
     """Wire forms by chunk name, at most `max_bytes` of them; safe to share between threads."""
 

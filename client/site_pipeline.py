@@ -13,10 +13,11 @@ from flwr.app import ConfigRecord, Context, Error, Message
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
-from hydrafl import protocol, site_secagg
+from hydrafl import protocol
+from hydrafl.client import site_secagg
+from hydrafl.client.site_policy import SMALL_CELL_REASON, SitePolicy
 from hydrafl.compression.layout import DOWNLOAD_RECORD, CompressionError, Scheme
 from hydrafl.secagg.identity import SiteIdentity, new_signing_key
-from hydrafl.site_policy import SMALL_CELL_REASON, SitePolicy
 from hydrafl.updates import records
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,9 @@ def _has_small_cells(message: Message, context: Context, policy: SitePolicy) -> 
     break it go to the site's log only."""
     if policy.min_class_count is None or not message.metadata.message_type.startswith("train"):
         return False
-    from hydrafl.site_app import train_class_counts  # the site's data, read here only for a policy that counts it
+    from hydrafl.client.site_app import (
+        train_class_counts,  # the site's data, read here only for a policy that counts it
+    )
 
     detail = policy.small_cell_refusal(train_class_counts(message, context))
     if detail:

@@ -10,7 +10,7 @@ resource tier and the model's slice layout; a `train` message whose config carri
 keys) trains only that subnetwork and replies with the deltas of exactly its slices, compact (`subnet.slices.extract`:
 rows/columns of the kept heads or widths, tensors it does not touch omitted); the strategy knows the spec it
 assigned and folds them back. Every train reply reports the site's trainable parameters and peak training
-memory (`hydrafl.footprint`), its throughput and the round's data hash (`hydrafl.training`).
+memory (`hydrafl.footprint`), its throughput and the round's data hash (`hydrafl.client.training`).
 """
 
 from __future__ import annotations
@@ -23,16 +23,20 @@ from functools import lru_cache, partial
 from pathlib import Path
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hydrafl import protocol
 from hydrafl.arrays import from_record, to_record
 from hydrafl.catalog import IMAGE_MODELS
+from hydrafl.client.training import SiteTrainConfig, build_site_model, evaluate, site_seed, train_site
 from hydrafl.config import RunConfig
 from hydrafl.data import NEXT_TOKEN_TASKS, TASKS, Cohort, DataError, SiteSplit, TaskSpec, load_cohort
+from hydrafl.data.text_cohort import MINILM
 from hydrafl.footprint import training_footprint
+from hydrafl.losses import LossFn, TailPenalised, classification_loss
+from hydrafl.models import Classifier, LoraSpec, build_model, federated_state, lora_base_state, task_loss, training_loss
 from hydrafl.site_config import SiteConfig
 from hydrafl.subnet.apply import apply_spec, trainable_slices
 from hydrafl.subnet.architecture import find_architecture, head_axis_of
@@ -41,18 +45,6 @@ from hydrafl.subnet.planning import COST_FIELDS
 from hydrafl.subnet.scoring import head_importance, layer_importance, weight_magnitude
 from hydrafl.subnet.slices import Slice, extract, read_slices
 from hydrafl.subnet.spec import SubnetSpec
-from hydrafl.data.text_cohort import MINILM
-from hydrafl.losses import LossFn, TailPenalised, classification_loss
-from hydrafl.models import (
-    Classifier,
-    LoraSpec,
-    build_model,
-    federated_state,
-    lora_base_state,
-    task_loss,
-    training_loss,
-)
-from hydrafl.training import SiteTrainConfig, build_site_model, evaluate, site_seed, train_site
 
 log = logging.getLogger(__name__)
 

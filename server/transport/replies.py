@@ -17,12 +17,24 @@ import numpy as np
 from flwr.app import RecordDict
 
 from hydrafl.proto.coordinator_pb2 import Envelope
-from hydrafl.proto.envelope import CHUNK_BYTES, EnvelopeError, check_manifest, chunk_sizes, declared_nbytes
-from hydrafl.proto.envelope import parse_content
+from hydrafl.proto.envelope import (
+    CHUNK_BYTES,
+    EnvelopeError,
+    check_manifest,
+    chunk_sizes,
+    declared_nbytes,
+    parse_content,
+)
+from hydrafl.server.transport.compressed_replies import (
+    check_compressed_layout,
+    check_compressed_values,
+    download_model,
+    is_compressed,
+    sent_model,
+)
+from hydrafl.server.transport.secagg_replies import check_secagg_reply, is_secagg, secagg_length
 from hydrafl.updates import InvalidUpdate, check_metrics
-from hydrafl.server.compressed_replies import check_compressed_layout, check_compressed_values, is_compressed
-from hydrafl.server.compressed_replies import download_model, sent_model
-from hydrafl.server.secagg_replies import check_secagg_reply, is_secagg, secagg_length
+
 
 def allowed_reply_bytes(sent: Envelope, max_model_bytes: int, sent_content: RecordDict | None = None) -> int:
     """The most array bytes a reply to `sent` may carry: the model it stands for (what was sent, or what a

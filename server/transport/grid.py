@@ -25,8 +25,8 @@ from hydrafl.identity import claim_server_identity
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.envelope import EnvelopeError, Named, chunk_hashes, join_message, split_message
 from hydrafl.server.blobs import BlobStore
-from hydrafl.server.service import CoordinatorService
 from hydrafl.server.store import Reply, Store
+from hydrafl.server.transport.service import CoordinatorService
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class CoordinatorGrid(Grid):
         return self.service.connected_nodes()
 
     def record_rejection(self, node_id: int, server_round: int, reason: str) -> None:
-        """The driver rejected this site's reply (`hydrafl.screening.AuditsRejections`): an audit event."""
+        """The driver rejected this site's reply (`hydrafl.server.aggregation.screening.AuditsRejections`): an audit event."""
         name = next((site.name for site in self.store.sites() if site.node_id == node_id), str(node_id))
         self.store.audit("update-screened", site_name=name, run_id=self._run.run_id, detail=f"round {server_round}: {reason}")
 

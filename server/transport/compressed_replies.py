@@ -14,8 +14,17 @@ from collections.abc import Callable
 import numpy as np
 from flwr.app import ConfigRecord, RecordDict
 
-from hydrafl.compression.layout import DOWNLOAD_RECORD, PREFIX, RECORD, CompressionError, Scheme, check_layout
-from hydrafl.compression.layout import check_values, download_shapes, read_description
+from hydrafl.compression.layout import (
+    DOWNLOAD_RECORD,
+    PREFIX,
+    RECORD,
+    CompressionError,
+    Scheme,
+    check_layout,
+    check_values,
+    download_shapes,
+    read_description,
+)
 from hydrafl.proto.coordinator_pb2 import Envelope
 from hydrafl.proto.envelope import EnvelopeError
 

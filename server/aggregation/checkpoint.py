@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from flwr.app import ArrayRecord
-from flwr.serverapp.strategy import Strategy
 
 CHECKPOINT_FILE = "checkpoint.pkl"
 ARCHIVE_DIR = "checkpoints"
@@ -32,21 +31,6 @@ class Checkpoint:
     strategy_state: dict[str, Any]
     history: list[dict[str, Any]]
     run_config: dict[str, Any]
-
-
-def strategy_state(strategy: Strategy) -> dict[str, Any]:
-    """hydrafl strategies export `state_dict()`; Flower's keep state (FedOpt moments, FedAvgM momentum,
-    current arrays) in plain attributes, which are saved whole."""
-    if hasattr(strategy, "state_dict"):
-        return strategy.state_dict()
-    return dict(vars(strategy))
-
-
-def restore_strategy_state(strategy: Strategy, state: dict[str, Any]) -> None:
-    if hasattr(strategy, "load_state_dict"):
-        strategy.load_state_dict(state)
-    else:
-        vars(strategy).update(state)
 
 
 def save_checkpoint(run_dir: Path, checkpoint: Checkpoint) -> None:

@@ -27,10 +27,9 @@ from flwr.serverapp.strategy import Strategy
 
 from hydrafl import protocol
 from hydrafl.arrays import keep_dtypes
-from hydrafl.checkpoint import restore_strategy_state
-from hydrafl.driver import DriverConfig, RoundCallback, RoundDriver, RoundFailed, RunResult
 from hydrafl.rounds import RoundRecord
-from hydrafl.strategies.hooks import BuffersUpdates, QueriesSites
+from hydrafl.server.aggregation.driver import DriverConfig, RoundCallback, RoundDriver, RoundFailed, RunResult
+from hydrafl.strategies.hooks import BuffersUpdates, QueriesSites, restore_strategy_state
 
 log = logging.getLogger(__name__)
 

@@ -26,22 +26,23 @@ from typing import NoReturn, TypeVar
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError, Message as ProtoMessage
+from google.protobuf.message import DecodeError
+from google.protobuf.message import Message as ProtoMessage
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import HealthServicer
 
 from hydrafl.bounded import bounded
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.chunk_wire import ChunkView, decode_chunk
-from hydrafl.protocol import GRPC_OPTIONS, WEIGHT
 from hydrafl.proto.envelope import CHUNK_BYTES, INLINE_BYTES, MAX_REASON_CHARS, EnvelopeError, chunk_hashes, chunk_sizes
+from hydrafl.protocol import GRPC_OPTIONS, WEIGHT
 from hydrafl.server.audit import record_refusal
 from hydrafl.server.blobs import BlobStore
-from hydrafl.server.mailbox import Mailbox
-from hydrafl.server.limits import AuthThrottle, CallGuard, LimitExceeded, SiteLimits, UploadLedger, UploadQuota
-from hydrafl.server.replies import allowed_reply_bytes, allowed_reply_chunks, check_reply
 from hydrafl.server.retention import was_swept
 from hydrafl.server.store import FIRST_NODE_ID, AuditEvent, OutboundMessage, Site, Store, hash_token
+from hydrafl.server.transport import limits as bounds
+from hydrafl.server.transport.mailbox import Mailbox
+from hydrafl.server.transport.replies import allowed_reply_bytes, allowed_reply_chunks, check_reply
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +62,13 @@ Request = TypeVar("Request")
 
 
 class CoordinatorService:
-    def __init__(self, store: Store, blobs: BlobStore, limits: SiteLimits = SiteLimits()) -> None:
+    def __init__(self, store: Store, blobs: BlobStore, limits: bounds.SiteLimits = bounds.SiteLimits()) -> None:
         self.store = store
         self.blobs = blobs
         self.limits = limits
-        self.guard = CallGuard(limits)
-        self.throttle = AuthThrottle(limits, store.token_hashes)
-        self.ledger = UploadLedger()
+        self.guard = bounds.CallGuard(limits)
+        self.throttle = bounds.AuthThrottle(limits, store.token_hashes)
+        self.ledger = bounds.UploadLedger()
         self.last_seen: dict[int, float] = {}
         self.latencies: dict[tuple[str, str], list[float]] = {}
         """(site name, call) -> seconds the coordinator spent on each PutChunks stream / PushReply."""
@@ -78,7 +79,7 @@ class CoordinatorService:
         """Node id -> the connection (gRPC peer) it last joined on: a site asks Join again for each run's config."""
         self._served_runs: dict[int, set[int]] = {}
         """Node id -> the runs this process sent it a message of (whose status it may ask)."""
-        self._message_chunks: OrderedDict[str, tuple[frozenset[str], UploadQuota]] = OrderedDict()
+        self._message_chunks: OrderedDict[str, tuple[frozenset[str], bounds.UploadQuota]] = OrderedDict()
         """Outbound message id -> (its chunks, what a reply may upload), for the recent messages."""
         self._upload_locks: dict[int, threading.RLock] = {}
         """Per site: held by a push from its check until its chunks are referenced, and by freeing the site's
@@ -143,7 +144,7 @@ class CoordinatorService:
         try:
             with self.guard.stream(site.node_id, context) if stream else self.guard.call(site.node_id) as handle:
                 yield handle
-        except LimitExceeded as error:
+        except bounds.LimitExceeded as error:
             log.warning("site %s: %s", site.name, error)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, bounded(error))
 
@@ -275,7 +276,7 @@ class CoordinatorService:
         except EnvelopeError as error:
             self._free_uploads(site.node_id)
             self._reject(context, site, grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        except LimitExceeded as error:
+        except bounds.LimitExceeded as error:
             self._free_uploads(site.node_id)
             self._reject(context, site, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
 
@@ -337,7 +338,7 @@ class CoordinatorService:
 
     # --- bounds ---------------------------------------------------------------------------------------------
 
-    def _open_messages(self, node_id: int) -> list[tuple[frozenset[str], UploadQuota]]:
+    def _open_messages(self, node_id: int) -> list[tuple[frozenset[str], bounds.UploadQuota]]:
         """(chunks, what a reply may upload) of each message this site may still answer."""
         described = []
         for message in self.store.open_messages_for(node_id):
@@ -345,7 +346,7 @@ class CoordinatorService:
                 known = self._message_chunks.get(message.message_id)
             if known is None:
                 sent = pb.Envelope.FromString(message.envelope)
-                allowed = UploadQuota(
+                allowed = bounds.UploadQuota(
                     allowed_reply_bytes(sent, self.limits.max_model_bytes),
                     allowed_reply_chunks(sent, self.limits.max_model_bytes),
                 )
@@ -360,9 +361,9 @@ class CoordinatorService:
     def _downloadable(self, node_id: int) -> frozenset[str]:
         return frozenset().union(*(chunks for chunks, _ in self._open_messages(node_id)))
 
-    def _upload_quota(self, node_id: int) -> UploadQuota:
+    def _upload_quota(self, node_id: int) -> bounds.UploadQuota:
         allowed = [quota for _, quota in self._open_messages(node_id)]
-        return UploadQuota(sum(quota.nbytes for quota in allowed), sum(quota.chunks for quota in allowed))
+        return bounds.UploadQuota(sum(quota.nbytes for quota in allowed), sum(quota.chunks for quota in allowed))
 
     def _free_uploads(self, node_id: int) -> None:
         """Delete the site's uploads that no accepted reply references (a failed or expired push)."""

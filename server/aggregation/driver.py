@@ -32,18 +32,17 @@ from flwr.serverapp.strategy import FedAvg, Strategy
 
 from hydrafl import protocol
 from hydrafl.arrays import array_view, keep_dtypes, record_nbytes, weights_from_delta
-from hydrafl.checkpoint import Checkpoint, CheckpointError, load_checkpoint, restore_strategy_state, save_checkpoint
-from hydrafl.checkpoint import strategy_state
 from hydrafl.compression.downloads import DownloadCompression
 from hydrafl.compression.layout import CompressionError, Scheme
 from hydrafl.compression.receive import decode_reply
-from hydrafl.strategies.hooks import ChecksReplyShapes, ConsumesDeltas, QueriesSites, TakesSecureSums
 from hydrafl.privacy.ledger import PrivacyLedger
 from hydrafl.rounds import ROUNDS_TSV_COLUMNS, RoundRecord, metric
-from hydrafl.pseudo_gradients import DeltaMoments, ZeroDeltaError, cosine_to_reference
 from hydrafl.secagg import SecAggError, SecAggParams
-from hydrafl.secure_round import SecureRound
-from hydrafl.screening import AuditsRejections, Screening, screen_replies
+from hydrafl.server.aggregation.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
+from hydrafl.server.aggregation.pseudo_gradients import DeltaMoments, ZeroDeltaError, cosine_to_reference
+from hydrafl.server.aggregation.screening import AuditsRejections, Screening, screen_replies
+from hydrafl.server.aggregation.secure_round import SecureRound
+from hydrafl.strategies import hooks
 from hydrafl.updates import (
     InvalidUpdate,
     array_names,
@@ -55,6 +54,7 @@ from hydrafl.updates import (
 )
 
 log = logging.getLogger(__name__)
+
 
 class RoundFailed(RuntimeError):
     """Too few sites answered a round without error; the run stops instead of silently keeping old weights."""
@@ -81,9 +81,9 @@ class DriverConfig:
     reference_node: int | None = None
     """A node outside the sampled sites that trains on all sites' pooled data (the simulation grid's)."""
     secagg: SecAggParams | None = None
-    """Secure aggregation: train rounds learn only the sites' summed update and weight (`hydrafl.secure_round`)."""
+    """Secure aggregation: train rounds learn only the sites' summed update and weight (`hydrafl.server.aggregation.secure_round`)."""
     screening: Screening = field(default_factory=Screening)
-    """Reject outlying updates before aggregation (`hydrafl.screening`); on, it holds each round's replies."""
+    """Reject outlying updates before aggregation (`hydrafl.server.aggregation.screening`); on, it holds each round's replies."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -102,7 +102,7 @@ class RoundDriver:
         self.grid = grid
         self.strategy = strategy
         self.config = config
-        self.weights_from_deltas = not (isinstance(strategy, ConsumesDeltas) and strategy.consumes_deltas)
+        self.weights_from_deltas = not (isinstance(strategy, hooks.ConsumesDeltas) and strategy.consumes_deltas)
         self.weighted_by_key: str = strategy.weighted_by_key if isinstance(strategy, FedAvg) else protocol.WEIGHT
         self.privacy = PrivacyLedger.from_run_config(config.run_config, config.secagg)
         self.scheme = Scheme.from_config(config.train_config)
@@ -117,7 +117,7 @@ class RoundDriver:
         checkpoint = self._load_for_resume() if resume else None
         if checkpoint is not None:
             arrays, history, first_round = checkpoint.arrays, checkpoint.history, checkpoint.server_round + 1
-            restore_strategy_state(self.strategy, checkpoint.strategy_state)
+            hooks.restore_strategy_state(self.strategy, checkpoint.strategy_state)
             self.privacy.restore(history)
             log.info("resuming after round %d", checkpoint.server_round)
         else:
@@ -150,7 +150,7 @@ class RoundDriver:
         random.seed(self.config.seed * 100_003 + server_round)  # Flower samples nodes with `random`
         config = ConfigRecord(dict(self.config.train_config))
         record = RoundRecord(round=server_round)
-        if isinstance(self.strategy, QueriesSites):
+        if isinstance(self.strategy, hooks.QueriesSites):
             self._query_round(server_round, arrays, config, record)
         messages = list(self.strategy.configure_train(server_round, arrays, config, self.grid))
         self.privacy.open_round(messages, len(list(self.grid.get_node_ids())), self.strategy)
@@ -176,7 +176,7 @@ class RoundDriver:
         waited = _Waited()
         aggregation_started = time.perf_counter()
         try:
-            summed = self.config.secagg is not None and isinstance(self.strategy, TakesSecureSums)
+            summed = self.config.secagg is not None and isinstance(self.strategy, hooks.TakesSecureSums)
             aggregate = self.strategy.aggregate_summed if summed else self.strategy.aggregate_train
             new_arrays, train_metrics = aggregate(server_round, _timed(received, waited))
         except Exception:
@@ -342,7 +342,7 @@ class RoundDriver:
 
     def _invalid_reason(self, reply: Message, arrays: ArrayRecord) -> str:
         # a subnetwork strategy (Hydra and the width baselines) accepts each site's slices, not whole tensors
-        checks = isinstance(self.strategy, ChecksReplyShapes)
+        checks = isinstance(self.strategy, hooks.ChecksReplyShapes)
         shapes = self.strategy.reply_shapes(reply.metadata.src_node_id, arrays) if checks else None
         try:
             check_train_reply(reply, arrays, self.weighted_by_key, shapes=shapes)
@@ -431,7 +431,7 @@ class RoundDriver:
             Checkpoint(
                 server_round=record.round,
                 arrays=arrays,
-                strategy_state=strategy_state(self.strategy),
+                strategy_state=hooks.strategy_state(self.strategy),
                 history=history,
                 run_config=self.config.run_config,
             ),

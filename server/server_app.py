@@ -18,13 +18,13 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
 from hydrafl import protocol
-from hydrafl.async_driver import AsyncDriver, VirtualClock, WallClock
 from hydrafl.config import RunConfig
-from hydrafl.driver import DriverConfig, RoundDriver, RunResult
 from hydrafl.rounds import RoundRecord
-from hydrafl.screening import Screening
 from hydrafl.secagg import SecAggParams
-from hydrafl.stability import OuterSetup, check_spectrum
+from hydrafl.server.aggregation.async_driver import AsyncDriver, VirtualClock, WallClock
+from hydrafl.server.aggregation.driver import DriverConfig, RoundDriver, RunResult
+from hydrafl.server.aggregation.screening import Screening
+from hydrafl.server.aggregation.stability import OuterSetup, check_spectrum
 from hydrafl.strategies import build_strategy
 from hydrafl.strategies.hooks import BuffersUpdates
 
