@@ -45,7 +45,10 @@ def make_reply(site: int, params: int) -> Message:
     rng = np.random.default_rng(site)
     size = params // ARRAYS_PER_MODEL
     arrays = ArrayRecord(
-        {f"layer{i}": Array(rng.standard_normal(size, dtype=np.float32)) for i in range(ARRAYS_PER_MODEL)}
+        {
+            f"layer{i}": Array(rng.standard_normal(size, dtype=np.float32))
+            for i in range(ARRAYS_PER_MODEL)
+        }
     )
     content = RecordDict({"arrays": arrays, "metrics": MetricRecord({WEIGHT: num_examples(site)})})
     return Message(content, reply_to=request)
@@ -67,7 +70,9 @@ def lazy_replies(sites: int, params: int) -> Iterator[Message]:
         yield make_reply(site, params)
 
 
-def hydrafl_aggregate(replies: Iterable[Message], threads: int | None = None) -> dict[str, torch.Tensor]:
+def hydrafl_aggregate(
+    replies: Iterable[Message], threads: int | None = None
+) -> dict[str, torch.Tensor]:
     """The streaming weighted mean (as DiLoCo folds a round): a list is folded a group at a time, an iterator
     one reply at a time."""
     accumulator = WeightedDeltaAccumulator(threads=threads)
@@ -75,7 +80,9 @@ def hydrafl_aggregate(replies: Iterable[Message], threads: int | None = None) ->
     return accumulator.mean()
 
 
-def hydrafl_one_by_one(replies: Iterable[Message], threads: int | None = None) -> dict[str, torch.Tensor]:
+def hydrafl_one_by_one(
+    replies: Iterable[Message], threads: int | None = None
+) -> dict[str, torch.Tensor]:
     """The same mean, each reply folded as it arrives (`add`), as a coordinator streaming replies does."""
     accumulator = WeightedDeltaAccumulator(threads=threads)
     for reply in replies:  # the benchmark passes a list: the replies are resident anyway
@@ -84,7 +91,10 @@ def hydrafl_one_by_one(replies: Iterable[Message], threads: int | None = None) -
 
 
 def hydrafl_masked(
-    replies: Iterable[Message], threads: int | None = None, masks: list[dict[str, torch.Tensor]] | None = None, *,
+    replies: Iterable[Message],
+    threads: int | None = None,
+    masks: list[dict[str, torch.Tensor]] | None = None,
+    *,
     params: int = 0,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The masked mean of subnetwork updates (`MaskedDeltaAccumulator.add`, as FedIT folds a round); masks are
@@ -118,7 +128,9 @@ PROBES = ("baseline", "hydrafl", "hydrafl masked", "flower")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("what", choices=PROBES, help="baseline: imports and one reply (and its masks) only")
+    parser.add_argument(
+        "what", choices=PROBES, help="baseline: imports and one reply (and its masks) only"
+    )
     parser.add_argument("--sites", type=int, required=True)
     parser.add_argument("--params", type=int, required=True)
     args = parser.parse_args()

@@ -8,8 +8,12 @@ from pathlib import Path
 
 def benchmark_parser(doc: str | None, quick_help: str) -> argparse.ArgumentParser:
     """--out (JSON and PNG go there) and --quick (a smoke-test size); callers add their own options."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where JSON and PNG go")
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results"), help="where JSON and PNG go"
+    )
     parser.add_argument("--quick", action="store_true", help=f"smoke-test size: {quick_help}")
     return parser
 

@@ -72,7 +72,9 @@ def wait_listening(port: int, process: subprocess.Popen[bytes], timeout_s: float
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"flower-superlink exited with {process.returncode} before listening")
+            raise RuntimeError(
+                f"flower-superlink exited with {process.returncode} before listening"
+            )
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
             return
@@ -94,22 +96,34 @@ def stop(processes: list[subprocess.Popen[bytes]], grace_s: float = 10) -> None:
         except subprocess.TimeoutExpired:
             pass
         try:
-            os.killpg(process.pid, signal.SIGKILL)  # also any child of the group that outlived its parent
+            os.killpg(
+                process.pid, signal.SIGKILL
+            )  # also any child of the group that outlived its parent
         except ProcessLookupError:
             pass
         process.wait()
 
 
-def flower_round_seconds(rounds: int, sites: int, work: Path, timeout_s: float = 900) -> list[float]:
+def flower_round_seconds(
+    rounds: int, sites: int, work: Path, timeout_s: float = 900
+) -> list[float]:
     """Each round's seconds of the stock app on a SuperLink with `sites` SuperNodes, as its ServerApp timed them."""
-    bin_dir = str(Path(sys.executable).parent)  # the SuperLink and SuperNodes start `flower-superexec` by name
-    env = {**os.environ, "FLWR_HOME": str(work / "flwr-home"), "FLWR_TELEMETRY_ENABLED": "0",
-           "FLWR_DISABLE_UPDATE_CHECK": "1", "OMP_NUM_THREADS": "1",
-           "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "")])}
+    bin_dir = str(
+        Path(sys.executable).parent
+    )  # the SuperLink and SuperNodes start `flower-superexec` by name
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(work / "flwr-home"),
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "OMP_NUM_THREADS": "1",
+        "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "")]),
+    }
     port = free_port()
     (work / "flwr-home").mkdir(parents=True)
     (work / "flwr-home" / "config.toml").write_text(
-        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
+    )
     app_dir = work / "flower-app"
     app_dir.mkdir()
     (app_dir / "pyproject.toml").write_text(PYPROJECT)
@@ -119,26 +133,59 @@ def flower_round_seconds(rounds: int, sites: int, work: Path, timeout_s: float =
     processes: list[subprocess.Popen[bytes]] = []
 
     def start(*command: str) -> subprocess.Popen[bytes]:
-        process = subprocess.Popen([os.path.join(bin_dir, command[0]), *command[1:]], env=env, stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            [os.path.join(bin_dir, command[0]), *command[1:]],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         processes.append(process)
         return process
 
     try:
-        superlink = start("flower-superlink", "--insecure", "--disable-runtime-dependency-installation",
-                          "--port", str(port))
+        superlink = start(
+            "flower-superlink",
+            "--insecure",
+            "--disable-runtime-dependency-installation",
+            "--port",
+            str(port),
+        )
         for site in range(sites):
-            start("flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
-                  "--node-config", f"partition-id={site} num-partitions={sites}")
+            start(
+                "flower-supernode",
+                "--insecure",
+                "--superlink",
+                f"127.0.0.1:{port}",
+                "--port",
+                str(free_port()),
+                "--node-config",
+                f"partition-id={site} num-partitions={sites}",
+            )
         wait_listening(port, superlink)
         run_config = f'num-server-rounds={rounds} {ROUND_TIMES_KEY}="{times}"'
-        submitted = subprocess.run([os.path.join(bin_dir, "flwr"), "run", str(app_dir), CONNECTION, "--run-config",
-                                    run_config, "--stream"], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   timeout=timeout_s, check=False)  # --stream returns when the run has ended
+        submitted = subprocess.run(
+            [
+                os.path.join(bin_dir, "flwr"),
+                "run",
+                str(app_dir),
+                CONNECTION,
+                "--run-config",
+                run_config,
+                "--stream",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout_s,
+            check=False,
+        )  # --stream returns when the run has ended
         if submitted.returncode != 0 or not times.exists():
             log.flush()
             tail = (work / "flower.log").read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"the Flower run failed (flwr run exited {submitted.returncode}); log tail:\n{tail}")
+            raise RuntimeError(
+                f"the Flower run failed (flwr run exited {submitted.returncode}); log tail:\n{tail}"
+            )
         return [float(seconds) for seconds in json.loads(times.read_text())]
     finally:
         stop(processes)

@@ -23,7 +23,9 @@ from hydrafl.config import RunConfig
 from hydrafl.server.aggregation.checkpoint import load_checkpoint
 from hydrafl.server.store import OutboundMessage, Reply, Store
 
-RUN = RunConfig(task="tabular", sites=3, samples_per_site=60, rounds=10, local_steps=3, batch_size=16, lr=3e-3)
+RUN = RunConfig(
+    task="tabular", sites=3, samples_per_site=60, rounds=10, local_steps=3, batch_size=16, lr=3e-3
+)
 """Three small tabular sites under FedAvg with the default seed: a deterministic 10-round run of ~30 s."""
 LEASE_STALE_S = 1.0
 """A restarted coordinator takes over the killed one's lease after this long (the default 30 s would only
@@ -62,7 +64,9 @@ class RunOutcome:
     def same_model(self, other: RunOutcome) -> bool:
         """Bitwise equality of every final array (same names, dtypes, shapes and bytes)."""
         return self.arrays.keys() == other.arrays.keys() and all(
-            a.dtype == other.arrays[k].dtype and a.shape == other.arrays[k].shape and a.tobytes() == other.arrays[k].tobytes()
+            a.dtype == other.arrays[k].dtype
+            and a.shape == other.arrays[k].shape
+            and a.tobytes() == other.arrays[k].tobytes()
             for k, a in self.arrays.items()
         )
 
@@ -71,11 +75,17 @@ class Cluster:
     """One coordinator home (SQLite database, blobs, run folders) under `root`, enrolled sites, and the processes
     started on it; `close()` kills every process still alive."""
 
-    def __init__(self, root: Path, site_names: Sequence[str], *, listen_host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, root: Path, site_names: Sequence[str], *, listen_host: str = "127.0.0.1"
+    ) -> None:
         root.mkdir(parents=True, exist_ok=True)
         self.root = root
-        self.env = {**os.environ, "HYDRAFL_HOME": str(root / "home"), "FLWR_TELEMETRY_ENABLED": "0",
-                    "COLUMNS": "200"}
+        self.env = {
+            **os.environ,
+            "HYDRAFL_HOME": str(root / "home"),
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "COLUMNS": "200",
+        }
         self.db = f"sqlite:///{root / 'coordinator.db'}"
         self.store = Store(self.db)
         self.tokens = {name: self.store.add_site(name)[1] for name in site_names}
@@ -91,32 +101,60 @@ class Cluster:
         config = {k: v for k, v in cfg.to_flower().items() if k not in ("run-dir", "resume")}
         return self.store.create_run(config).id
 
-    def _spawn(self, args: Sequence[str], log: Path, extra_env: dict[str, str] | None = None,
-               preexec: Callable[[], None] | None = None) -> subprocess.Popen:
+    def _spawn(
+        self,
+        args: Sequence[str],
+        log: Path,
+        extra_env: dict[str, str] | None = None,
+        preexec: Callable[[], None] | None = None,
+    ) -> subprocess.Popen:
         with log.open("a") as handle:
             process = subprocess.Popen(
-                [sys.executable, "-m", "hydrafl", *args], env={**self.env, **(extra_env or {})}, stdout=handle,
-                stderr=handle, preexec_fn=preexec,
+                [sys.executable, "-m", "hydrafl", *args],
+                env={**self.env, **(extra_env or {})},
+                stdout=handle,
+                stderr=handle,
+                preexec_fn=preexec,
             )
         self._processes.append(process)
         return process
 
-    def start_coordinator(self, timeout_s: float = 120, *options: str, extra_env: dict[str, str] | None = None,
-                          preexec: Callable[[], None] | None = None) -> subprocess.Popen:
+    def start_coordinator(
+        self,
+        timeout_s: float = 120,
+        *options: str,
+        extra_env: dict[str, str] | None = None,
+        preexec: Callable[[], None] | None = None,
+    ) -> subprocess.Popen:
         """A coordinator on the cluster's database and blobs (and `options`, e.g. `--dashboard`), waited for until
         SERVING. A restart right after a kill may find the dead one's lease still fresh (exit 2): it is started
         again until it takes over."""
         deadline = time.monotonic() + timeout_s
         while True:
             self.coordinator = self._spawn(
-                ["server", "--listen", self.listen, "--db", self.db, "--blobs", str(self.root / "blobs"),
-                 "--lease-stale-s", str(LEASE_STALE_S), *options], self.root / "coordinator.log", extra_env, preexec,
+                [
+                    "server",
+                    "--listen",
+                    self.listen,
+                    "--db",
+                    self.db,
+                    "--blobs",
+                    str(self.root / "blobs"),
+                    "--lease-stale-s",
+                    str(LEASE_STALE_S),
+                    *options,
+                ],
+                self.root / "coordinator.log",
+                extra_env,
+                preexec,
             )
             if self.wait_serving(deadline - time.monotonic()):
                 return self.coordinator
             if self.coordinator.poll() != 2 or time.monotonic() > deadline:
-                raise RuntimeError(f"the coordinator did not start (exit {self.coordinator.poll()}); see "
-                                   f"{self.root / 'coordinator.log'}")
+                raise RuntimeError(
+                    f"the coordinator did not start (exit {self.coordinator.poll()}); see "
+                    f"{self.root / 'coordinator.log'}"
+                )
             time.sleep(0.3)
 
     def wait_serving(self, timeout_s: float) -> bool:
@@ -124,10 +162,17 @@ class Cluster:
         deadline = time.monotonic() + timeout_s
         with grpc.insecure_channel(self.address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline and self.coordinator is not None and self.coordinator.poll() is None:
+            while (
+                time.monotonic() < deadline
+                and self.coordinator is not None
+                and self.coordinator.poll() is None
+            ):
                 try:
                     request = health_pb2.HealthCheckRequest(service="hydrafl.proto.Coordinator")
-                    if stub.Check(request, timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    if (
+                        stub.Check(request, timeout=1).status
+                        == health_pb2.HealthCheckResponse.SERVING
+                    ):
                         return True
                 except grpc.RpcError:
                     time.sleep(0.1)
@@ -135,7 +180,11 @@ class Cluster:
 
     def healthy(self) -> bool:
         """The coordinator process is alive and answers its health check."""
-        return self.coordinator is not None and self.coordinator.poll() is None and self.wait_serving(5)
+        return (
+            self.coordinator is not None
+            and self.coordinator.poll() is None
+            and self.wait_serving(5)
+        )
 
     def kill_coordinator(self) -> None:
         """kill -9: no shutdown code runs, the lease stays as it was."""
@@ -143,11 +192,18 @@ class Cluster:
         self.coordinator.send_signal(signal.SIGKILL)
         self.coordinator.wait()
 
-    def start_site(self, name: str, *options: str, extra_env: dict[str, str] | None = None,
-                   preexec: Callable[[], None] | None = None) -> subprocess.Popen:
+    def start_site(
+        self,
+        name: str,
+        *options: str,
+        extra_env: dict[str, str] | None = None,
+        preexec: Callable[[], None] | None = None,
+    ) -> subprocess.Popen:
         """`hydrafl site` for enrolled site `name` (its token through the environment), logging to site-NAME.log."""
         env = {"HYDRAFL_SITE_TOKEN": self.tokens[name], **(extra_env or {})}
-        self.sites[name] = self._spawn(["site", "--coordinator", self.address, *options], self.site_log(name), env, preexec)
+        self.sites[name] = self._spawn(
+            ["site", "--coordinator", self.address, *options], self.site_log(name), env, preexec
+        )
         return self.sites[name]
 
     def site_log(self, name: str) -> Path:
@@ -156,21 +212,40 @@ class Cluster:
 
     def wait_run(self, run_id: int, timeout_s: float) -> str:
         """The run's status once it has finished or failed."""
-        wait_until(lambda: self.store.run_status(run_id) in ("finished", "failed"), timeout_s, f"run {run_id} did not end")
+        wait_until(
+            lambda: self.store.run_status(run_id) in ("finished", "failed"),
+            timeout_s,
+            f"run {run_id} did not end",
+        )
         return self.store.run_status(run_id) or ""
 
     def outcome(self, run_id: int) -> RunOutcome:
         """What run `run_id` left: its final checkpoint's arrays, per-round sites, audited replies."""
         run = self.store.run(run_id)
         checkpoint = load_checkpoint(self.root / "home" / "runs" / str(run_id))
-        arrays = {} if checkpoint is None else {k: np.array(v.numpy()) for k, v in checkpoint.arrays.items()}
+        arrays = (
+            {}
+            if checkpoint is None
+            else {k: np.array(v.numpy()) for k, v in checkpoint.arrays.items()}
+        )
         with self.store.session() as session:
-            replies = session.scalar(select(func.count()).select_from(Reply).where(Reply.run_id == run_id)) or 0
+            replies = (
+                session.scalar(
+                    select(func.count()).select_from(Reply).where(Reply.run_id == run_id)
+                )
+                or 0
+            )
         return RunOutcome(
-            status=run.status, detail=run.detail or "", arrays=arrays,
+            status=run.status,
+            detail=run.detail or "",
+            arrays=arrays,
             sites_ok=[int(r.get("sites_ok", 0)) for r in run.history if r["round"] >= 1],
-            accepted=[e.detail for e in self.store.audit_events("update-accepted") if e.run_id == run_id],
-            declined=[e.detail for e in self.store.audit_events("site-declined") if e.run_id == run_id],
+            accepted=[
+                e.detail for e in self.store.audit_events("update-accepted") if e.run_id == run_id
+            ],
+            declined=[
+                e.detail for e in self.store.audit_events("site-declined") if e.run_id == run_id
+            ],
             replies=int(replies),
         )
 
@@ -190,10 +265,16 @@ class Cluster:
         """Every stored reply and outbound message (by id) and every blob file (by path): what a hostile
         request must not add to."""
         with self.store.session() as session:
-            replies = {f"{r.reply_to_message_id}@{r.node_id}" for r in session.scalars(select(Reply))}
+            replies = {
+                f"{r.reply_to_message_id}@{r.node_id}" for r in session.scalars(select(Reply))
+            }
             outbound = set(session.scalars(select(OutboundMessage.message_id)))
         blobs_dir = self.root / "blobs"
-        blobs = {str(p.relative_to(blobs_dir)) for p in blobs_dir.rglob("*") if p.is_file()} if blobs_dir.exists() else set()
+        blobs = (
+            {str(p.relative_to(blobs_dir)) for p in blobs_dir.rglob("*") if p.is_file()}
+            if blobs_dir.exists()
+            else set()
+        )
         return {"replies": replies, "outbound": outbound, "blobs": blobs}
 
     def close(self) -> None:
@@ -220,10 +301,17 @@ def run_clean(root: Path, cfg: RunConfig, timeout_s: float = 600) -> tuple[RunOu
         cluster.close()
 
 
-def cluster_wait(predicate: Callable[[], bool], cluster: Cluster, run_id: int, timeout_s: float = 600) -> None:
+def cluster_wait(
+    predicate: Callable[[], bool], cluster: Cluster, run_id: int, timeout_s: float = 600
+) -> None:
     """Until `predicate()`; the run failing first is an error naming its reason."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
-        if cluster.store.run_status(run_id) in ("finished", "failed") or time.monotonic() > deadline:
-            raise RuntimeError(f"run {run_id} ended ({cluster.store.run(run_id).detail}) before the attacker was ready")
+        if (
+            cluster.store.run_status(run_id) in ("finished", "failed")
+            or time.monotonic() > deadline
+        ):
+            raise RuntimeError(
+                f"run {run_id} ended ({cluster.store.run(run_id).detail}) before the attacker was ready"
+            )
         time.sleep(0.2)

@@ -40,7 +40,11 @@ from hydrafl.protocol import GRPC_OPTIONS, MAX_GRPC_MESSAGE_BYTES
 from hydrafl.server.store import OutboundMessage, Reply, Store
 
 SERVICE = "/hydrafl.proto.Coordinator/"
-OK, UNAUTH, DENIED = grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED
+OK, UNAUTH, DENIED = (
+    grpc.StatusCode.OK,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+)
 PRECONDITION, INVALID = grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 AUTH_KINDS = ("no token", "not Bearer", "wrong token", "revoked token")
@@ -64,8 +68,18 @@ KINDS: dict[str, tuple[frozenset[grpc.StatusCode], float]] = {
 RESOURCE_EXHAUSTED once the address is throttled; an upload is FAILED_PRECONDITION while the site has no
 message to answer, else checked (INVALID_ARGUMENT); an exact replay of an accepted reply is acknowledged as a
 duplicate (OK, duplicate=true, nothing stored): that is what lets a site retry a push whose answer it lost."""
-FORGED = frozenset({"truncated protobuf", "wrong shape", "wrong dtype", "NaN", "Inf", "replay of an answered message",
-                    "another site's message id", "oversize message (8 MiB + 1)"})
+FORGED = frozenset(
+    {
+        "truncated protobuf",
+        "wrong shape",
+        "wrong dtype",
+        "NaN",
+        "Inf",
+        "replay of an answered message",
+        "another site's message id",
+        "oversize message (8 MiB + 1)",
+    }
+)
 """Kinds built on a reply mallory pushed. Its message is deleted once its round is checkpointed (retention), and
 a reply to it is then late: FAILED_PRECONDITION "late reply refused" is right for these kinds too."""
 LATE = "late reply refused"
@@ -88,7 +102,9 @@ def start_agent(address: str, token: str) -> tuple[threading.Thread, threading.E
     """The attacker's own honest agent, in a thread of this process."""
     stop = threading.Event()
     agent = SerialisedAgent(address, token, client_app, {}, demo=True)
-    thread = threading.Thread(target=agent.run, kwargs={"stop": stop, "max_backoff_s": 2.0}, daemon=True)
+    thread = threading.Thread(
+        target=agent.run, kwargs={"stop": stop, "max_backoff_s": 2.0}, daemon=True
+    )
     thread.start()
     return thread, stop
 
@@ -98,8 +114,17 @@ def add_earlier_run(store: Store, config: dict, node_id: int) -> str:
     old message answers. Its message id."""
     run = store.create_run(config)
     message_id = f"{run.id}-1-train-{node_id}-0"
-    metadata = Metadata(run_id=run.id, message_id=message_id, src_node_id=SUPERLINK_NODE_ID, dst_node_id=node_id,
-                        reply_to_message_id="", group_id="1", created_at=time.time(), ttl=3600.0, message_type="train")
+    metadata = Metadata(
+        run_id=run.id,
+        message_id=message_id,
+        src_node_id=SUPERLINK_NODE_ID,
+        dst_node_id=node_id,
+        reply_to_message_id="",
+        group_id="1",
+        created_at=time.time(),
+        ttl=3600.0,
+        message_type="train",
+    )
     content = RecordDict({"arrays": ArrayRecord({"w": Array(np.zeros((3, 2), np.float32))})})
     envelope, _ = split_message(make_message(metadata=metadata, content=content), 1)
     store.add_outbound(message_id, run.id, 1, node_id, envelope.SerializeToString())
@@ -121,17 +146,33 @@ class Tally:
         late = code == PRECONDITION and LATE in details and kind in FORGED
         own = code == OK and details == SENT_TO_IT and kind == "another site's chunk"
         self.sent[kind] += 1
-        label = f"{code.name} (late)" if late else f"OK ({details})" if code == OK and details else code.name
+        label = (
+            f"{code.name} (late)"
+            if late
+            else f"OK ({details})"
+            if code == OK and details
+            else code.name
+        )
         self.got.setdefault(kind, Counter())[label] += 1
-        if (code not in KINDS[kind][0] and not late and not own) or (code == OK and details and not own):
+        if (code not in KINDS[kind][0] and not late and not own) or (
+            code == OK and details and not own
+        ):
             self.wrong.setdefault(kind, Counter())[f"{code.name}: {details[:80]}"] += 1
 
 
 class Attacker:
     """Crafts and sends each kind of hostile request with mallory's token (or none, or a wrong one)."""
 
-    def __init__(self, address: str, v6_address: str, store: Store, run_id: int, tokens: dict[str, str],
-                 earlier_message: str, seed: int) -> None:
+    def __init__(
+        self,
+        address: str,
+        v6_address: str,
+        store: Store,
+        run_id: int,
+        tokens: dict[str, str],
+        earlier_message: str,
+        seed: int,
+    ) -> None:
         self.rng = random.Random(seed)
         self.store, self.run_id, self.earlier_message = store, run_id, earlier_message
         self.token, self.revoked = tokens["mallory"], tokens["revoked"]
@@ -150,8 +191,11 @@ class Attacker:
         """Mallory has answered a train message of the run: forged replies have something to answer. The
         newest such reply still stored becomes the template (the last one seen stays when its round is gone)."""
         with self.store.session() as session:
-            rows = session.scalars(select(Reply).where(Reply.run_id == self.run_id, Reply.node_id == self.node)
-                                   .order_by(Reply.id.desc()))
+            rows = session.scalars(
+                select(Reply)
+                .where(Reply.run_id == self.run_id, Reply.node_id == self.node)
+                .order_by(Reply.id.desc())
+            )
             for row in rows:
                 envelope = pb.Envelope.FromString(row.envelope)
                 if envelope.message_type == "train" and envelope.arrays:
@@ -183,7 +227,9 @@ class Attacker:
         self._call_v6(())
 
     def _not_Bearer(self) -> None:
-        self._call_v6((("authorization", self.rng.choice([self.token, f"Basic {self.token}", "Bearer "])),))
+        self._call_v6(
+            (("authorization", self.rng.choice([self.token, f"Basic {self.token}", "Bearer "])),)
+        )
 
     def _wrong_token(self) -> None:
         self._call_v6(self._auth(f"{self.rng.getrandbits(128):032x}"))
@@ -197,14 +243,22 @@ class Attacker:
 
     def _random_bytes(self) -> None:
         junk = bytes(self.rng.getrandbits(8) for _ in range(self.rng.randrange(1, 200)))
-        self._raw(self.rng.choice(["Join", "PullMessage", "HasChunks", "PushReply"]), b"\x0f" + junk)  # wire type 7
+        self._raw(
+            self.rng.choice(["Join", "PullMessage", "HasChunks", "PushReply"]), b"\x0f" + junk
+        )  # wire type 7
 
     def _truncated_protobuf(self) -> None:
         whole = pb.PushReplyRequest(envelope=self._forged()).SerializeToString()
-        self._raw("PushReply", whole[: self.rng.randrange(3, len(whole))])  # inside the envelope's declared length
+        self._raw(
+            "PushReply", whole[: self.rng.randrange(3, len(whole))]
+        )  # inside the envelope's declared length
 
     def _upload(self, chunks: dict[str, bytes]) -> None:
-        self.stub.PutChunks(iter(pb.Chunk(digest=d, data=c) for d, c in chunks.items()), metadata=self._auth(), timeout=30)
+        self.stub.PutChunks(
+            iter(pb.Chunk(digest=d, data=c) for d, c in chunks.items()),
+            metadata=self._auth(),
+            timeout=30,
+        )
 
     def _oversize_chunk(self) -> None:
         data = self.rng.randbytes(CHUNK_BYTES + 1)
@@ -226,17 +280,23 @@ class Attacker:
         return forged
 
     def _push(self, envelope: pb.Envelope) -> None:
-        self.stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=self._auth(), timeout=30)
+        self.stub.PushReply(
+            pb.PushReplyRequest(envelope=envelope), metadata=self._auth(), timeout=30
+        )
 
     def _wrong_shape(self) -> None:
         forged = self._forged()
         tensor = forged.arrays[0].tensors[self.rng.randrange(len(forged.arrays[0].tensors))]
-        tensor.shape[:] = self.rng.choice([[*tensor.shape, 1], [x + 1 for x in tensor.shape], [2**40], []])
+        tensor.shape[:] = self.rng.choice(
+            [[*tensor.shape, 1], [x + 1 for x in tensor.shape], [2**40], []]
+        )
         self._push(forged)
 
     def _wrong_dtype(self) -> None:
         forged = self._forged()
-        forged.arrays[0].tensors[0].dtype = self.rng.choice(["float64", "int8", "object", "<U8", "bool", ""])
+        forged.arrays[0].tensors[0].dtype = self.rng.choice(
+            ["float64", "int8", "object", "<U8", "bool", ""]
+        )
         self._push(forged)
 
     def _non_finite(self, value: float) -> None:
@@ -245,7 +305,10 @@ class Attacker:
         values = np.zeros(tensor.nbytes // 4, np.float32)
         values[self.rng.randrange(values.size)] = value
         data = values.tobytes()
-        chunks = {UPLOADED.digest(data[i: i + CHUNK_BYTES]): data[i: i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)}
+        chunks = {
+            UPLOADED.digest(data[i : i + CHUNK_BYTES]): data[i : i + CHUNK_BYTES]
+            for i in range(0, len(data), CHUNK_BYTES)
+        }
         tensor.chunk_digests[:] = list(chunks)
         try:
             self._upload(chunks)
@@ -265,13 +328,20 @@ class Attacker:
         self._push(forged)
 
     def _replay_of_an_answered_message(self) -> str:
-        reply = self.stub.PushReply(pb.PushReplyRequest(envelope=self._forged()), metadata=self._auth(), timeout=30)
+        reply = self.stub.PushReply(
+            pb.PushReplyRequest(envelope=self._forged()), metadata=self._auth(), timeout=30
+        )
         return "" if reply.duplicate else "stored as a new reply"
 
     def _other_messages(self) -> list[OutboundMessage]:
         with self.store.session() as session:
-            return list(session.scalars(select(OutboundMessage).where(
-                OutboundMessage.run_id == self.run_id, OutboundMessage.node_id != self.node)))
+            return list(
+                session.scalars(
+                    select(OutboundMessage).where(
+                        OutboundMessage.run_id == self.run_id, OutboundMessage.node_id != self.node
+                    )
+                )
+            )
 
     def _another_sites_message_id(self) -> None:
         forged = self._forged()
@@ -280,27 +350,53 @@ class Attacker:
 
     def _another_sites_chunk(self) -> str:
         digest = self.rng.choice([SENT.digest(self.rng.randbytes(16)), *self._foreign_uploads()])
-        list(self.stub.GetChunks(pb.GetChunksRequest(digests=[digest]), metadata=self._auth(), timeout=30))
-        return SENT_TO_IT if digest in self._chunks_sent_to_mallory() else "downloaded another site's chunk"
+        list(
+            self.stub.GetChunks(
+                pb.GetChunksRequest(digests=[digest]), metadata=self._auth(), timeout=30
+            )
+        )
+        return (
+            SENT_TO_IT
+            if digest in self._chunks_sent_to_mallory()
+            else "downloaded another site's chunk"
+        )
 
     def _chunks_sent_to_mallory(self) -> set[str]:
         with self.store.session() as session:
-            rows = session.scalars(select(OutboundMessage.envelope).where(OutboundMessage.node_id == self.node))
-            return {d for envelope in rows for a in pb.Envelope.FromString(envelope).arrays for t in a.tensors
-                    for d in t.chunk_digests}
+            rows = session.scalars(
+                select(OutboundMessage.envelope).where(OutboundMessage.node_id == self.node)
+            )
+            return {
+                d
+                for envelope in rows
+                for a in pb.Envelope.FromString(envelope).arrays
+                for t in a.tensors
+                for d in t.chunk_digests
+            }
 
     def _foreign_uploads(self) -> list[str]:
         """Chunks the honest sites uploaded with their replies (none of them sent to mallory)."""
         foreign: set[str] = set()
         with self.store.session() as session:
-            for row in session.scalars(select(Reply).where(Reply.run_id == self.run_id, Reply.node_id != self.node)):
-                foreign.update(d for a in pb.Envelope.FromString(row.envelope).arrays for t in a.tensors
-                                       for d in t.chunk_digests)
+            for row in session.scalars(
+                select(Reply).where(Reply.run_id == self.run_id, Reply.node_id != self.node)
+            ):
+                foreign.update(
+                    d
+                    for a in pb.Envelope.FromString(row.envelope).arrays
+                    for t in a.tensors
+                    for d in t.chunk_digests
+                )
         return sorted(foreign)[:20]
 
 
-def attack(attacker: Attacker, requests: int, healthy: Callable[[], bool], running: Callable[[], bool],
-           progress: Callable[[int], None]) -> Tally:
+def attack(
+    attacker: Attacker,
+    requests: int,
+    healthy: Callable[[], bool],
+    running: Callable[[], bool],
+    progress: Callable[[int], None],
+) -> Tally:
     """`requests` hostile requests, kinds drawn by their shares, while the run is running; the coordinator's
     health checked every 250 requests (a failed check is a crash)."""
     tally = Tally()
@@ -323,8 +419,10 @@ def _while(running: Callable[[], bool], requests: int) -> Iterator[int]:
     started = time.monotonic()
     for i in range(requests):
         if i % 50 == 0 and not running():
-            raise RuntimeError(f"the honest run ended after {i} of {requests} hostile requests "
-                               f"({time.monotonic() - started:.0f} s): give it more rounds")
+            raise RuntimeError(
+                f"the honest run ended after {i} of {requests} hostile requests "
+                f"({time.monotonic() - started:.0f} s): give it more rounds"
+            )
         yield i
 
 
@@ -334,13 +432,17 @@ def _while(running: Callable[[], bool], requests: int) -> Iterator[int]:
 def open_train_message(attacker: Attacker) -> str | None:
     """The id of a train message of the attacked run that mallory may still answer, if it has one."""
     for message in attacker.store.open_messages_for(attacker.node):
-        if message.run_id == attacker.run_id and pb.Envelope.FromString(message.envelope).message_type == "train":
+        if (
+            message.run_id == attacker.run_id
+            and pb.Envelope.FromString(message.envelope).message_type == "train"
+        ):
             return message.message_id
     return None
 
 
-def push_long_name(attacker: Attacker, chars: int, key: bool = False,
-                   reply_to: str | None = None) -> tuple[grpc.StatusCode, str, float]:
+def push_long_name(
+    attacker: Attacker, chars: int, key: bool = False, reply_to: str | None = None
+) -> tuple[grpc.StatusCode, str, float]:
     """A reply forged on mallory's newest reply (answering `reply_to` when given) whose first tensor's name (or
     its record's key) is `chars` characters long; its status, details and seconds. Call with
     `SerialisedAgent.lock` held."""

@@ -49,8 +49,12 @@ class DyingAgent(SiteAgent):
         def stream() -> Iterator[tuple[str, memoryview]]:
             for digest in half:
                 yield digest, chunks[digest]
-            time.sleep(1.0)  # the half in flight reaches the coordinator; then the process dies mid-stream
-            logging.getLogger(__name__).warning("killing this site mid-upload after %d of %d chunks", len(half), len(chunks))
+            time.sleep(
+                1.0
+            )  # the half in flight reaches the coordinator; then the process dies mid-stream
+            logging.getLogger(__name__).warning(
+                "killing this site mid-upload after %d of %d chunks", len(half), len(chunks)
+            )
             os.kill(os.getpid(), signal.SIGKILL)
 
         stub.PutChunks(stream(), metadata=self.metadata)
@@ -71,24 +75,53 @@ def site_upload_resume(root: Path, timeout_s: float = 600) -> dict[str, Any]:
             cluster.start_site(name)
         env = {**cluster.env, "HYDRAFL_SITE_TOKEN": cluster.tokens["dying"]}
         with cluster.site_log("dying").open("a") as log:
-            dying = subprocess.Popen([sys.executable, "-m", "hydrafl.benchmarks._reliability_site", "--coordinator",
-                                      cluster.address], env=env, stdout=log, stderr=log)
+            dying = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "hydrafl.benchmarks._reliability_site",
+                    "--coordinator",
+                    cluster.address,
+                ],
+                env=env,
+                stdout=log,
+                stderr=log,
+            )
         killed = dying.wait(timeout_s) == -signal.SIGKILL
         node = next(site.node_id for site in cluster.store.sites() if site.name == "dying")
         held = sum(1 for p in (root / "blobs" / "sites" / str(node)).rglob("*") if p.is_file())
         with cluster.site_log("dying").open("a") as log:
-            restarted = subprocess.Popen([sys.executable, "-m", "hydrafl.benchmarks._reliability_site", "--coordinator",
-                                          cluster.address, "--restarted"], env=env, stdout=log, stderr=log)
+            restarted = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "hydrafl.benchmarks._reliability_site",
+                    "--coordinator",
+                    cluster.address,
+                    "--restarted",
+                ],
+                env=env,
+                stdout=log,
+                stderr=log,
+            )
         status = cluster.wait_run(run_id, timeout_s)
         outcome = cluster.outcome(run_id)
         match = RESUMED.search(_read(cluster.site_log("dying")))
         return {
-            "killed_mid_upload": killed, "chunks_held_after_kill": held,
+            "killed_mid_upload": killed,
+            "chunks_held_after_kill": held,
             "chunks_skipped_on_restart": int(match.group(1)) if match else 0,
             "chunks_in_reply": int(match.group(2)) if match else 0,
-            "run_status": status, "sites_ok": outcome.sites_ok, "seconds": time.perf_counter() - started,
-            "ok": bool(killed and match and int(match.group(1)) > 0 and status == "finished"
-                       and outcome.sites_ok == [cfg.sites] * cfg.rounds),
+            "run_status": status,
+            "sites_ok": outcome.sites_ok,
+            "seconds": time.perf_counter() - started,
+            "ok": bool(
+                killed
+                and match
+                and int(match.group(1)) > 0
+                and status == "finished"
+                and outcome.sites_ok == [cfg.sites] * cfg.rounds
+            ),
         }
     finally:
         if restarted is not None:
@@ -109,11 +142,20 @@ def site_disk_full(root: Path, rounds: int = 3, timeout_s: float = 900) -> dict[
         full = cluster.start_site("full", "--nproc", "2", preexec=_limit_file_size)
         for name in ("steady-0", "steady-1"):
             cluster.start_site(name)
-        wait_until(lambda: all("joined as" in _read(cluster.site_log(n)) for n in cluster.tokens), timeout_s,
-                   "the sites did not join")
-        run_id = cluster.queue(cfg)  # queued once all three have joined: every round samples all three
-        wait_until(lambda: _declined(cluster, run_id), timeout_s, "the disk-full site never failed a round")
-        resource.prlimit(full.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        wait_until(
+            lambda: all("joined as" in _read(cluster.site_log(n)) for n in cluster.tokens),
+            timeout_s,
+            "the sites did not join",
+        )
+        run_id = cluster.queue(
+            cfg
+        )  # queued once all three have joined: every round samples all three
+        wait_until(
+            lambda: _declined(cluster, run_id), timeout_s, "the disk-full site never failed a round"
+        )
+        resource.prlimit(
+            full.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
+        )
         status = cluster.wait_run(run_id, timeout_s)
         outcome = cluster.outcome(run_id)
         reasons = _declined(cluster, run_id)
@@ -121,10 +163,20 @@ def site_disk_full(root: Path, rounds: int = 3, timeout_s: float = 900) -> dict[
         failed_round = int(reasons[0].split()[1]) if reasons else 0
         back = [i + 1 for i, ok in enumerate(outcome.sites_ok) if ok == 3 and i + 1 > failed_round]
         return {
-            "reply_reason": reasons[0] if reasons else "", "site_log_line": log_lines[0] if log_lines else "",
-            "failed_round": failed_round, "rounds_back_with_all_sites": back, "run_status": status,
-            "sites_ok": outcome.sites_ok, "seconds": time.perf_counter() - started,
-            "ok": bool(reasons and "disk full" in reasons[0] and log_lines and back and status == "finished"),
+            "reply_reason": reasons[0] if reasons else "",
+            "site_log_line": log_lines[0] if log_lines else "",
+            "failed_round": failed_round,
+            "rounds_back_with_all_sites": back,
+            "run_status": status,
+            "sites_ok": outcome.sites_ok,
+            "seconds": time.perf_counter() - started,
+            "ok": bool(
+                reasons
+                and "disk full" in reasons[0]
+                and log_lines
+                and back
+                and status == "finished"
+            ),
         }
     finally:
         cluster.close()
@@ -135,7 +187,11 @@ def _limit_file_size() -> None:
 
 
 def _declined(cluster: Cluster, run_id: int) -> list[str]:
-    return [e.detail for e in cluster.store.audit_events("site-declined") if e.run_id == run_id and e.site_name == "full"]
+    return [
+        e.detail
+        for e in cluster.store.audit_events("site-declined")
+        if e.run_id == run_id and e.site_name == "full"
+    ]
 
 
 def _read(path: Path) -> str:
@@ -146,13 +202,24 @@ def _read(path: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--coordinator", required=True)
-    parser.add_argument("--restarted", action="store_true", help="the site restarted after the kill: it does not die")
+    parser.add_argument(
+        "--restarted",
+        action="store_true",
+        help="the site restarted after the kill: it does not die",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     agent = SiteAgent if args.restarted else DyingAgent
     # every reply streams (the campaign's small model would otherwise travel inline, in one call, with nothing
     # to resume): what a model larger than one chunk does
-    agent(args.coordinator, os.environ["HYDRAFL_SITE_TOKEN"], client_app, {}, demo=True, inline_bytes=0).run()
+    agent(
+        args.coordinator,
+        os.environ["HYDRAFL_SITE_TOKEN"],
+        client_app,
+        {},
+        demo=True,
+        inline_bytes=0,
+    ).run()
 
 
 if __name__ == "__main__":

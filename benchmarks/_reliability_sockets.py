@@ -35,8 +35,10 @@ def descriptors_raised(needed: int) -> Iterator[bool]:
 
 def limit_descriptors(limit: int) -> Callable[[], None]:
     """A `preexec_fn` that caps a child's descriptors at `limit` (soft and hard), as a default Linux login does."""
+
     def limited() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
     return limited
 
 
@@ -77,8 +79,13 @@ def held_connections(pid: int, port: int) -> int:
         inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")}
     except (FileNotFoundError, ProcessLookupError):
         return 0
-    return sum(1 for fields in _tcp_rows()
-               if fields[3] in ("01", "08") and int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] in inodes)
+    return sum(
+        1
+        for fields in _tcp_rows()
+        if fields[3] in ("01", "08")
+        and int(fields[1].rsplit(":", 1)[1], 16) == port
+        and fields[9] in inodes
+    )
 
 
 def idlers(port: int, pid: int, count: int, limit: int) -> list[socket.socket]:
@@ -146,7 +153,9 @@ class Trickle:
                 if i in self.closed_after:
                     continue
                 try:
-                    conn.sendall(self.REQUEST[sent % len(self.REQUEST): sent % len(self.REQUEST) + 1])
+                    conn.sendall(
+                        self.REQUEST[sent % len(self.REQUEST) : sent % len(self.REQUEST) + 1]
+                    )
                     conn.setblocking(False)
                     data = conn.recv(4096)
                     if not data or data.startswith(b"HTTP/1.0 408"):
@@ -184,19 +193,26 @@ class HealthProbe:
         while not self.stop.is_set():
             phase, started = self.phase, time.perf_counter()
             try:
-                reply = self.stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.timeout_s)
+                reply = self.stub.Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=self.timeout_s
+                )
                 ok = reply.status == health_pb2.HealthCheckResponse.SERVING
             except grpc.RpcError:
                 ok = False
-            self.latencies.setdefault(phase, []).append(time.perf_counter() - started if ok else float("inf"))
+            self.latencies.setdefault(phase, []).append(
+                time.perf_counter() - started if ok else float("inf")
+            )
             self.stop.wait(max(0.0, self.every_s - (time.perf_counter() - started)))
 
     def summary(self, phase: str) -> dict[str, float | int]:
         """Checks in `phase`, failed ones, median and max latency in ms (inf when one failed)."""
         values = self.latencies.get(phase, [])
-        return {"checks": len(values), "failed": sum(v == float("inf") for v in values),
-                "median_ms": statistics.median(values) * 1e3 if values else float("nan"),
-                "max_ms": max(values) * 1e3 if values else float("nan")}
+        return {
+            "checks": len(values),
+            "failed": sum(v == float("inf") for v in values),
+            "median_ms": statistics.median(values) * 1e3 if values else float("nan"),
+            "max_ms": max(values) * 1e3 if values else float("nan"),
+        }
 
     def close(self) -> None:
         self.stop.set()

@@ -26,8 +26,12 @@ from hydrafl.simulation.compare import run_strategy  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("backend", choices=("inprocess", "ray"))
-    parser.add_argument("--config", required=True, help="RunConfig as JSON (Flower run_config form)")
-    parser.add_argument("--result", type=Path, required=True, help="where to write the run's history as JSON")
+    parser.add_argument(
+        "--config", required=True, help="RunConfig as JSON (Flower run_config form)"
+    )
+    parser.add_argument(
+        "--result", type=Path, required=True, help="where to write the run's history as JSON"
+    )
     args = parser.parse_args()
     # hydrafl's own runner (compare_strategies) uses one torch thread, and Ray gives each one-CPU actor
     # OMP_NUM_THREADS=1: the same thread count on both backends keeps their floating-point results comparable.

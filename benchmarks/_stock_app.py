@@ -39,12 +39,15 @@ class TimedFedAvg(FedAvg):
         self.started: dict[int, float] = {}
         self.seconds: list[float] = []
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         self.started[server_round] = time.monotonic()
         return super().configure_train(server_round, arrays, config, grid)
 
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
         metrics = super().aggregate_evaluate(server_round, replies)
         self.seconds.append(time.monotonic() - self.started[server_round])
         return metrics
@@ -82,8 +85,12 @@ def train(message: Message, context: Context) -> Message:
     for _ in range(STEPS):
         loss, gradient = _loss_and_gradient(w, x, y)
         w -= LR * gradient
-    content = RecordDict({"arrays": ArrayRecord({"w": Array(w)}),
-                          "metrics": MetricRecord({"num-examples": SAMPLES, "train_loss": loss})})
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord({"w": Array(w)}),
+            "metrics": MetricRecord({"num-examples": SAMPLES, "train_loss": loss}),
+        }
+    )
     return Message(content, reply_to=message)
 
 
@@ -91,7 +98,10 @@ def train(message: Message, context: Context) -> Message:
 def evaluate(message: Message, context: Context) -> Message:
     x, y = _site_data(_partition(context))
     loss, _ = _loss_and_gradient(message.content["arrays"]["w"].numpy(), x, y)
-    return Message(RecordDict({"metrics": MetricRecord({"num-examples": SAMPLES, "loss": loss})}), reply_to=message)
+    return Message(
+        RecordDict({"metrics": MetricRecord({"num-examples": SAMPLES, "loss": loss})}),
+        reply_to=message,
+    )
 
 
 @server_app.main()

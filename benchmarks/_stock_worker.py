@@ -22,10 +22,15 @@ def main() -> None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         from flwr.simulation import run_simulation
 
-        run_simulation(server_app=server_app, client_app=client_app, num_supernodes=SITES, backend_config={
-            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            "init_args": {"num_cpus": os.cpu_count() or 1, "include_dashboard": False},
-        })
+        run_simulation(
+            server_app=server_app,
+            client_app=client_app,
+            num_supernodes=SITES,
+            backend_config={
+                "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                "init_args": {"num_cpus": os.cpu_count() or 1, "include_dashboard": False},
+            },
+        )
     else:
         raise SystemExit(f"unknown runtime {runtime!r}; choose hydrafl or ray")
 

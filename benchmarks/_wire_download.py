@@ -30,20 +30,29 @@ MODEL_SEED = 3
 
 
 def _site(address: str, token: str, update_bytes: int) -> SiteAgent:
-    return SiteAgent(address, token, client_app=None, node_config={}, max_download_bytes=2 * update_bytes)
+    return SiteAgent(
+        address, token, client_app=None, node_config={}, max_download_bytes=2 * update_bytes
+    )
 
 
 def model_message(arrays: list[np.ndarray], node_id: int, server_round: int) -> Message:
     """A round's train message carrying `arrays` to site `node_id`."""
     record = ArrayRecord({f"w{i:02d}": Array(array) for i, array in enumerate(arrays)})
-    message = Message(RecordDict({"arrays": record, "config": ConfigRecord({"server-round": server_round})}),
-                      dst_node_id=node_id, message_type="train")
+    message = Message(
+        RecordDict({"arrays": record, "config": ConfigRecord({"server-round": server_round})}),
+        dst_node_id=node_id,
+        message_type="train",
+    )
     message.metadata.group_id = str(server_round)
     return message
 
 
 def hydrafl_download(
-    stub: CoordinatorClient, agent: SiteAgent, federation: Federation, coordinator: ServerProcess, push: dict[str, Any],
+    stub: CoordinatorClient,
+    agent: SiteAgent,
+    federation: Federation,
+    coordinator: ServerProcess,
+    push: dict[str, Any],
     arrays: list[np.ndarray],
 ) -> dict[str, Any]:
     """Untimed: the coordinator process stores a message carrying `arrays` (`push` says how to build them).
@@ -54,9 +63,13 @@ def hydrafl_download(
     pulled = stub.PullMessage(pb.PullMessageRequest(), metadata=agent.metadata)
     received = agent._receive(stub, pulled.envelope)
     seconds = time.perf_counter() - started
-    federation.store.close_messages([stored["message_id"]])  # answered as far as this benchmark goes
+    federation.store.close_messages(
+        [stored["message_id"]]
+    )  # answered as far as this benchmark goes
     got = received.content["arrays"]
-    exact = len(got) == len(arrays) and all(np.array_equal(got[f"w{i:02d}"].numpy(), a) for i, a in enumerate(arrays))
+    exact = len(got) == len(arrays) and all(
+        np.array_equal(got[f"w{i:02d}"].numpy(), a) for i, a in enumerate(arrays)
+    )
     return {"seconds": seconds, "store_s": stored["store_s"], "byte_exact": exact}
 
 
@@ -77,14 +90,24 @@ def download_throughput(
     node_id, token = federation.sites[0]
     agent = _site(coordinator.address, token, scale.update_bytes)
 
-    def push(rep: int) -> dict[str, Any]:  # the child builds the arrays the parent marked for this rep
-        return {"nbytes": scale.update_bytes, "seed": MODEL_SEED, "mark": -(rep + 1.0), "node_id": node_id,
-                "round": DOWNLOAD_ROUND + rep, "run_id": federation.grid.run.run_id}
+    def push(
+        rep: int,
+    ) -> dict[str, Any]:  # the child builds the arrays the parent marked for this rep
+        return {
+            "nbytes": scale.update_bytes,
+            "seed": MODEL_SEED,
+            "mark": -(rep + 1.0),
+            "node_id": node_id,
+            "round": DOWNLOAD_ROUND + rep,
+            "run_id": federation.grid.run.run_id,
+        }
 
     with channel(coordinator.address) as hydrafl_channel, channel(raw.address) as raw_channel:
         stub, get = CoordinatorClient(hydrafl_channel), raw_channel.unary_stream(RAW_GET_METHOD)
         runs = paired_runs(
-            scale.reps, arrays, lambda rep: hydrafl_download(stub, agent, federation, coordinator, push(rep), arrays),
+            scale.reps,
+            arrays,
+            lambda rep: hydrafl_download(stub, agent, federation, coordinator, push(rep), arrays),
             lambda: raw_download(get, scale.update_bytes),
         )
     median, gib_per_s, ratio = rates(runs, scale.update_bytes)

@@ -71,14 +71,20 @@ def floor_here(models: dict[tuple[int, int], list], request: dict[str, Any]) -> 
     return {"seconds": seconds}
 
 
-def raw_beside_floor(scale: Scale, coordinator: ServerProcess, raw: ServerProcess, workdir: Path) -> dict[str, Any]:
+def raw_beside_floor(
+    scale: Scale, coordinator: ServerProcess, raw: ServerProcess, workdir: Path
+) -> dict[str, Any]:
     """The raw stream while the coordinator's process writes the same bytes durably (`durable_writes`), both
     started together: what an upload that must both receive and store an update is up against on this machine,
     where the disk's writes and the stream share the cores. Median seconds until both end, and each alone."""
     from hydrafl.benchmarks.wire import channel, make_update, raw_push
 
     arrays = make_update(scale.update_bytes, seed=MODEL_SEED)
-    floor = {"floor": str(workdir / "floor-beside-raw"), "nbytes": scale.update_bytes, "seed": MODEL_SEED}
+    floor = {
+        "floor": str(workdir / "floor-beside-raw"),
+        "nbytes": scale.update_bytes,
+        "seed": MODEL_SEED,
+    }
     runs: dict[str, list[float]] = {"both": [], "raw": [], "floor": []}
     with channel(raw.address) as raw_channel:
         put = raw_channel.stream_unary(RAW_METHOD)
@@ -91,4 +97,7 @@ def raw_beside_floor(scale: Scale, coordinator: ServerProcess, raw: ServerProces
             writer.join()
             runs["both"].append(time.perf_counter() - started)
             runs["floor"].append(answer["seconds"])
-    return {"runs": runs, "median_s": {name: statistics.median(values) for name, values in runs.items()}}
+    return {
+        "runs": runs,
+        "median_s": {name: statistics.median(values) for name, values in runs.items()},
+    }

@@ -30,8 +30,12 @@ def paired_runs(
     return runs
 
 
-def rates(runs: dict[str, list[dict]], update_bytes: int) -> tuple[dict[str, float], dict[str, float], float]:
+def rates(
+    runs: dict[str, list[dict]], update_bytes: int
+) -> tuple[dict[str, float], dict[str, float], float]:
     """Median seconds and GiB/s of each, and hydrafl's GiB/s over the raw stream's."""
-    median = {name: statistics.median(run["seconds"] for run in done) for name, done in runs.items()}
+    median = {
+        name: statistics.median(run["seconds"] for run in done) for name, done in runs.items()
+    }
     gib_per_s = {name: update_bytes / seconds / GIB for name, seconds in median.items()}
     return median, gib_per_s, gib_per_s["hydrafl"] / gib_per_s["raw"]

@@ -60,11 +60,16 @@ def _serve_raw() -> grpc.Server:
 
     service, put = RAW_METHOD.strip("/").split("/")
     get = RAW_GET_METHOD.rsplit("/", 1)[1]
-    handler = grpc.method_handlers_generic_handler(service, {
-        put: grpc.stream_unary_rpc_method_handler(_raw_put),
-        get: grpc.unary_stream_rpc_method_handler(_raw_get),
-    })
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=SERVER_WORKERS), options=SERVER_OPTIONS)
+    handler = grpc.method_handlers_generic_handler(
+        service,
+        {
+            put: grpc.stream_unary_rpc_method_handler(_raw_put),
+            get: grpc.unary_stream_rpc_method_handler(_raw_get),
+        },
+    )
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=SERVER_WORKERS), options=SERVER_OPTIONS
+    )
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
@@ -72,7 +77,9 @@ def _serve_raw() -> grpc.Server:
     return server
 
 
-def _push_model(coordinator: Any, models: dict[tuple[int, int], list], request: dict[str, Any]) -> dict[str, Any]:
+def _push_model(
+    coordinator: Any, models: dict[tuple[int, int], list], request: dict[str, Any]
+) -> dict[str, Any]:
     """The coordinator stores a model message for one site, as a round does: in its own process, whose blob store
     (and its cache of what it sends) then serves the download. `models` keeps each (bytes, seed)'s arrays."""
     from hydrafl.benchmarks._wire_download import model_message
@@ -85,8 +92,12 @@ def _push_model(coordinator: Any, models: dict[tuple[int, int], list], request: 
         models[key] = make_update(*key)
     arrays = models[key]
     mark(arrays, request["mark"])
-    grid = CoordinatorGrid(coordinator.store, coordinator.blobs, coordinator.service, request["run_id"])
-    message = model_message(arrays, request["node_id"], request["round"])  # after the grid claims the run
+    grid = CoordinatorGrid(
+        coordinator.store, coordinator.blobs, coordinator.service, request["run_id"]
+    )
+    message = model_message(
+        arrays, request["node_id"], request["round"]
+    )  # after the grid claims the run
     started = time.perf_counter()
     [message_id] = grid.push_messages([message])
     return {"message_id": message_id, "store_s": time.perf_counter() - started}
@@ -98,9 +109,13 @@ def main() -> None:
     parser.add_argument("--db", default="")
     parser.add_argument("--blobs", type=Path)
     parser.add_argument("--runs", type=Path)
-    parser.add_argument("--serve", action="store_true", help="also drive queued runs (serve_forever)")
+    parser.add_argument(
+        "--serve", action="store_true", help="also drive queued runs (serve_forever)"
+    )
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     if args.kind == "raw":
         server = _serve_raw()
         sys.stdin.read()
@@ -112,16 +127,24 @@ def main() -> None:
     from hydrafl.server.coordinator import Coordinator
 
     keep_freed_memory()  # as `hydrafl server` does
-    config = CoordinatorConfig(listen="127.0.0.1:0", db_url=args.db, blob_dir=args.blobs, runs_dir=args.runs)
+    config = CoordinatorConfig(
+        listen="127.0.0.1:0", db_url=args.db, blob_dir=args.blobs, runs_dir=args.runs
+    )
     coordinator = Coordinator(config)
     coordinator.start()
     if args.serve:
-        threading.Thread(target=coordinator.serve_forever, name="serve_forever", daemon=True).start()
+        threading.Thread(
+            target=coordinator.serve_forever, name="serve_forever", daemon=True
+        ).start()
     print(json.dumps({"port": coordinator.port}), flush=True)
     models: dict[tuple[int, int], list] = {}
     for line in sys.stdin:  # until the parent closes it
         request = json.loads(line)
-        answer = floor_here(models, request) if "floor" in request else _push_model(coordinator, models, request)
+        answer = (
+            floor_here(models, request)
+            if "floor" in request
+            else _push_model(coordinator, models, request)
+        )
         print(json.dumps(answer), flush=True)
     coordinator.stop()
     logging.shutdown()
@@ -186,7 +209,11 @@ class ServerProcess:
         with log_path.open("w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "hydrafl.benchmarks._wire_server", kind, *args],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **ENV},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env={**os.environ, **ENV},
             )
 
     @property
@@ -234,10 +261,13 @@ class ServerProcess:
             self.process.wait()
 
 
-
 def filesystem(path: Path) -> str:
     """The filesystem holding the blobs (fsync costs depend on it)."""
-    mounts = [part for part in psutil.disk_partitions(all=True) if str(path.resolve()).startswith(part.mountpoint)]
+    mounts = [
+        part
+        for part in psutil.disk_partitions(all=True)
+        if str(path.resolve()).startswith(part.mountpoint)
+    ]
     best = max(mounts, key=lambda part: len(part.mountpoint))
     return f"{best.fstype} on {best.device} ({best.mountpoint})"
 

@@ -68,9 +68,17 @@ GOAL_RATIO = 0.85
 GOAL_EXTRA_MODELS = 3.0
 TOLERANCE = 1e-5
 MB = 1e6  # decimal megabytes: one 10M-parameter fp32 model is 40 MB
-SETTINGS = {"1 thread": (1, False), "2 threads": (2, False), "2 threads, other core busy": (2, True)}
-BASELINE_OF = {"hydrafl": "torch adds", "hydrafl one by one": "torch adds", "flower": "torch adds",
-               "hydrafl masked": "torch masked adds"}
+SETTINGS = {
+    "1 thread": (1, False),
+    "2 threads": (2, False),
+    "2 threads, other core busy": (2, True),
+}
+BASELINE_OF = {
+    "hydrafl": "torch adds",
+    "hydrafl one by one": "torch adds",
+    "flower": "torch adds",
+    "hydrafl masked": "torch masked adds",
+}
 GOALS = ("hydrafl", "hydrafl masked")
 
 
@@ -107,7 +115,10 @@ class Workload:
         masks = [make_masks(site, scale.params) for site in range(scale.sites)]
         return cls(
             replies=replies,
-            tensors=[[torch.from_numpy(array_view(a)) for a in reply.content["arrays"].values()] for reply in replies],
+            tensors=[
+                [torch.from_numpy(array_view(a)) for a in reply.content["arrays"].values()]
+                for reply in replies
+            ],
             masks=masks,
             float_masks=[[mask.float() for mask in site.values()] for site in masks],
             weights=[float(num_examples(site)) for site in range(scale.sites)],
@@ -131,7 +142,10 @@ def torch_masked_adds(work: Workload, sums: list[torch.Tensor], counts: list[tor
 def aggregators(work: Workload, threads: int) -> dict[str, Callable[[], Any]]:
     """Each timed call: what it does and nothing else (the baselines' sums are zeroed, not allocated, outside)."""
     shapes = [tensor.shape for tensor in work.tensors[0]]
-    sums, counts = [torch.zeros(shape) for shape in shapes], [torch.zeros(shape) for shape in shapes]
+    sums, counts = (
+        [torch.zeros(shape) for shape in shapes],
+        [torch.zeros(shape) for shape in shapes],
+    )
     return {
         "torch adds": lambda: torch_adds(work, sums),
         "torch masked adds": lambda: torch_masked_adds(work, sums, counts),
@@ -155,7 +169,7 @@ def timed_setting(work: Workload, scale: Scale, threads: int, busy: bool) -> dic
         seconds: dict[str, list[float]] = {name: [] for name in calls}
         names = list(calls)
         for rep in range(scale.reps):
-            for name in names[rep % len(names):] + names[: rep % len(names)]:
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
                 gc.collect()
                 started = time.perf_counter()
                 calls[name]()
@@ -174,7 +188,9 @@ def timed_setting(work: Workload, scale: Scale, threads: int, busy: bool) -> dic
         "busy": busy,
         "seconds": seconds,
         "median_s": {name: statistics.median(times) for name, times in seconds.items()},
-        "gb_per_s": {name: input_bytes / statistics.median(times) / 1e9 for name, times in seconds.items()},
+        "gb_per_s": {
+            name: input_bytes / statistics.median(times) / 1e9 for name, times in seconds.items()
+        },
         "ratio_vs_baseline": ratios,
         "goal_met": {name: ratios[name] >= GOAL_RATIO for name in GOALS},
     }
@@ -195,11 +211,17 @@ def equality(work: Workload) -> dict[str, Any]:
     masked = {}
     for i, name in enumerate(names):
         counts = sum(w * m[i].double() for m, w in zip(work.float_masks, work.weights))
-        sums = sum(w * m[i].double() * t[i].double() for t, m, w in zip(work.tensors, work.float_masks, work.weights))
+        sums = sum(
+            w * m[i].double() * t[i].double()
+            for t, m, w in zip(work.tensors, work.float_masks, work.weights)
+        )
         masked[name] = torch.where(counts > 0, sums / counts.clamp(min=1e-30), 0.0)
     one, two = hydrafl_aggregate(work.replies, 1), hydrafl_aggregate(work.replies, 2)
     streamed = hydrafl_one_by_one(work.replies, 2)
-    masked_one, masked_two = hydrafl_masked(work.replies, 1, work.masks), hydrafl_masked(work.replies, 2, work.masks)
+    masked_one, masked_two = (
+        hydrafl_masked(work.replies, 1, work.masks),
+        hydrafl_masked(work.replies, 2, work.masks),
+    )
     flower = from_record(flower_aggregate(work.replies))
     diffs = {
         "hydrafl": max_abs_diff({n: t.double() for n, t in one.items()}, weighted),
@@ -209,7 +231,9 @@ def equality(work: Workload) -> dict[str, Any]:
     identical = {
         "1 vs 2 threads": all(torch.equal(one[n], two[n]) for n in names),
         "grouped vs one by one": all(torch.equal(one[n], streamed[n]) for n in names),
-        "masked 1 vs 2 threads": all(torch.equal(masked_one[n][0], masked_two[n][0]) for n in names),
+        "masked 1 vs 2 threads": all(
+            torch.equal(masked_one[n][0], masked_two[n][0]) for n in names
+        ),
     }
     return {
         "max_abs_diff_vs_float64": diffs,
@@ -223,7 +247,10 @@ def probe(what: str, sites: int, scale: Scale) -> int:
     """Peak RSS (bytes) of a fresh process running `what` over `sites` lazily built replies."""
     command = [sys.executable, "-m", "hydrafl.benchmarks._aggregation_worker", what]
     done = subprocess.run(
-        [*command, "--sites", str(sites), "--params", str(scale.params)], capture_output=True, text=True, check=False
+        [*command, "--sites", str(sites), "--params", str(scale.params)],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode != 0:
         raise RuntimeError(f"memory probe {what} ({sites} sites) failed:\n{done.stderr[-3000:]}")
@@ -236,8 +263,13 @@ def memory(scale: Scale) -> dict[str, Any]:
     measured = [name for name in PROBES if name != "baseline"]
     jobs = [("baseline", 1)] + [(name, count) for count in scale.memory_sites for name in measured]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {job: [pool.submit(probe, *job, scale) for _ in range(scale.memory_reps)] for job in jobs}
-        peaks = {job: statistics.median(future.result() for future in done) for job, done in futures.items()}
+        futures = {
+            job: [pool.submit(probe, *job, scale) for _ in range(scale.memory_reps)] for job in jobs
+        }
+        peaks = {
+            job: statistics.median(future.result() for future in done)
+            for job, done in futures.items()
+        }
     baseline = peaks["baseline", 1]
     sites = {
         str(count): {
@@ -250,7 +282,9 @@ def memory(scale: Scale) -> dict[str, Any]:
         }
         for count in scale.memory_sites
     }
-    worst = {name: max(entry[name]["extra_models"] for entry in sites.values()) for name in measured}
+    worst = {
+        name: max(entry[name]["extra_models"] for entry in sites.values()) for name in measured
+    }
     return {
         "baseline_mb": baseline / MB,
         "model_mb": scale.model_bytes / MB,
@@ -297,15 +331,24 @@ def print_tables(summary: dict[str, Any]) -> None:
         f"in models of {mem['model_mb']:.0f} MB (goal < {GOAL_EXTRA_MODELS:g} for hydrafl)"
     )
     names = list(mem["worst_extra_models"])
-    for column in ("sites", *(f"{name} MB" for name in names), *(f"{name} models" for name in names)):
+    for column in (
+        "sites",
+        *(f"{name} MB" for name in names),
+        *(f"{name} models" for name in names),
+    ):
         table.add_column(column, justify="right")
     for count, entry in mem["sites"].items():
         table.add_row(
-            count, *(f"{entry[n]['extra_mb']:.0f}" for n in names), *(f"{entry[n]['extra_models']:.1f}" for n in names)
+            count,
+            *(f"{entry[n]['extra_mb']:.0f}" for n in names),
+            *(f"{entry[n]['extra_models']:.1f}" for n in names),
         )
     console.print(table)
     console.print(
-        ", ".join(f"{name} under {GOAL_EXTRA_MODELS:g} models: {verdict(ok)}" for name, ok in mem["goal_met"].items())
+        ", ".join(
+            f"{name} under {GOAL_EXTRA_MODELS:g} models: {verdict(ok)}"
+            for name, ok in mem["goal_met"].items()
+        )
     )
 
 
@@ -319,12 +362,21 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         left.bar(np.arange(len(names)) + i * width, rates, width, label=setting)
     left.set_xticks(np.arange(len(names)) + width, names, rotation=20, ha="right")
     left.set_ylabel("GB/s of replies")
-    left.set_title(f"{summary['config']['sites']} sites x {summary['config']['params'] / 1e6:g}M fp32")
+    left.set_title(
+        f"{summary['config']['sites']} sites x {summary['config']['params'] / 1e6:g}M fp32"
+    )
     left.legend(fontsize=8)
     counts = [int(count) for count in mem["sites"]]
     for name in mem["worst_extra_models"]:
-        right.plot(counts, [mem["sites"][str(c)][name]["extra_models"] for c in counts], marker="o", label=name)
-    right.axhline(GOAL_EXTRA_MODELS, color="gray", linestyle=":", label=f"goal: {GOAL_EXTRA_MODELS:g} models")
+        right.plot(
+            counts,
+            [mem["sites"][str(c)][name]["extra_models"] for c in counts],
+            marker="o",
+            label=name,
+        )
+    right.axhline(
+        GOAL_EXTRA_MODELS, color="gray", linestyle=":", label=f"goal: {GOAL_EXTRA_MODELS:g} models"
+    )
     right.set_xlabel("sites")
     right.set_ylabel(f"extra peak memory (models of {mem['model_mb']:.0f} MB)")
     right.set_title("peak memory beyond imports + one reply")
@@ -352,13 +404,20 @@ def main() -> None:
         "cores": len(os.sched_getaffinity(0)),
         "load_before": load(),
     }
-    with warnings.catch_warnings():  # the baselines' tensors are read-only views of the replies, as hydrafl's
+    with (
+        warnings.catch_warnings()
+    ):  # the baselines' tensors are read-only views of the replies, as hydrafl's
         warnings.simplefilter("ignore", UserWarning)
         work = Workload.build(scale)
     throughput = {setting: timed_setting(work, scale, *how) for setting, how in SETTINGS.items()}
     config["load_after"] = load()
-    summary = {"benchmark": NAME, "quick": args.quick, "config": config, "throughput": throughput,
-               "equality": equality(work)}
+    summary = {
+        "benchmark": NAME,
+        "quick": args.quick,
+        "config": config,
+        "throughput": throughput,
+        "equality": equality(work),
+    }
     del work
     summary["memory"] = memory(scale)
     (args.out / f"{NAME}.json").write_text(json.dumps(summary, indent=1))

@@ -65,15 +65,19 @@ def measure(reps: int, work: Path) -> dict[str, Any]:
     """Every command, warm-up first, then `reps` rotating rounds; the database holds one enrolled site."""
     env = {**os.environ, "HYDRAFL_HOME": str(work), "COLUMNS": "100"}
     db_url = f"sqlite:///{work / 'coordinator.db'}"
-    subprocess.run([sys.executable, "-m", "hydrafl", "admin", "site", "add", "st-marys", "--db", db_url],
-                   capture_output=True, env=env, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "hydrafl", "admin", "site", "add", "st-marys", "--db", db_url],
+        capture_output=True,
+        env=env,
+        check=True,
+    )
     argvs = commands(db_url)
     labels = list(argvs)
     for label in labels:
         wall_s(argvs[label], env)
     seconds: dict[str, list[float]] = {label: [] for label in labels}
     for rep in range(reps):
-        for label in labels[rep % len(labels):] + labels[: rep % len(labels)]:
+        for label in labels[rep % len(labels) :] + labels[: rep % len(labels)]:
             seconds[label].append(wall_s(argvs[label], env))
     return {
         label: {"argv": argvs[label][1:], "seconds": values, "median_s": statistics.median(values)}
@@ -89,7 +93,9 @@ def summarise(results: dict[str, Any], reps: int, quick: bool) -> dict[str, Any]
         "reps": reps,
         "python": sys.version.split()[0],
         "commands": results,
-        "speedup_over_baseline": {label: baseline / results[label]["median_s"] for label in (HELP, SITE_LIST)},
+        "speedup_over_baseline": {
+            label: baseline / results[label]["median_s"] for label in (HELP, SITE_LIST)
+        },
         "help_faster_than_baseline": results[HELP]["median_s"] < baseline,
         "site_list_faster_than_baseline": results[SITE_LIST]["median_s"] < baseline,
     }
@@ -98,13 +104,17 @@ def summarise(results: dict[str, Any], reps: int, quick: bool) -> dict[str, Any]
 def print_table(summary: dict[str, Any]) -> None:
     commands_run = summary["commands"]
     baseline = commands_run[BASELINE]["median_s"]
-    table = Table(title=f"wall time of a fresh process, median of {summary['reps']} (Python {summary['python']})")
+    table = Table(
+        title=f"wall time of a fresh process, median of {summary['reps']} (Python {summary['python']})"
+    )
     for column in ("command", "median s", "min s", "max s", "vs baseline"):
         table.add_column(column, justify="left" if column == "command" else "right")
     for label, entry in commands_run.items():
         values = entry["seconds"]
         ratio = f"{baseline / entry['median_s']:.1f}x faster" if label in (HELP, SITE_LIST) else ""
-        table.add_row(label, f"{entry['median_s']:.2f}", f"{min(values):.2f}", f"{max(values):.2f}", ratio)
+        table.add_row(
+            label, f"{entry['median_s']:.2f}", f"{min(values):.2f}", f"{max(values):.2f}", ratio
+        )
     console = Console()
     console.print(table)
     console.print(
@@ -125,7 +135,9 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     ax.invert_yaxis()
     ax.set_xlabel(f"wall time of a fresh process (s), median of {summary['reps']}")
     speedup = summary["speedup_over_baseline"][HELP]
-    ax.set_title(f"hydrafl --help is {speedup:.1f}x faster than importing torch, flwr and matplotlib")
+    ax.set_title(
+        f"hydrafl --help is {speedup:.1f}x faster than importing torch, flwr and matplotlib"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -58,18 +58,49 @@ SCHEMES: dict[str, dict[str, Any]] = {
 }
 """Run keys per benchmark scheme: a codec's knobs (`compress` is the scheme's name), or a whole `-down` variant."""
 SETUPS: dict[str, dict[str, Any]] = {
-    "clinical-text": dict(task="clinical-text", strategy="diloco", sites=3, rounds=6, local_steps=6,
-                          samples_per_site=160),
-    "tiny-lora": dict(task="clinical-text", lora_rank=8, lr=5e-3, strategy="fedavg", sites=3, rounds=6,
-                      local_steps=6, samples_per_site=160),
-    "minilm-lora": dict(task="clinical-text", model="minilm", lora_rank=8, lr=5e-3, strategy="fedavg", sites=3,
-                        rounds=4, local_steps=4, samples_per_site=256),
+    "clinical-text": dict(
+        task="clinical-text",
+        strategy="diloco",
+        sites=3,
+        rounds=6,
+        local_steps=6,
+        samples_per_site=160,
+    ),
+    "tiny-lora": dict(
+        task="clinical-text",
+        lora_rank=8,
+        lr=5e-3,
+        strategy="fedavg",
+        sites=3,
+        rounds=6,
+        local_steps=6,
+        samples_per_site=160,
+    ),
+    "minilm-lora": dict(
+        task="clinical-text",
+        model="minilm",
+        lora_rank=8,
+        lr=5e-3,
+        strategy="fedavg",
+        sites=3,
+        rounds=4,
+        local_steps=4,
+        samples_per_site=256,
+    ),
 }
 DEFAULT_SETUPS = ("clinical-text", "tiny-lora")
 """minilm-lora (the pretrained encoder) is opt-in: its 8 schemes x 3 seeds took 37 minutes on this 2-core CPU
 (about 90 s a run, with the test suite running beside it)."""
-QUICK_SETUPS = {"clinical-text": dict(SETUPS["clinical-text"], strategy="fedavg", sites=2, rounds=1, local_steps=1,
-                                      samples_per_site=32)}
+QUICK_SETUPS = {
+    "clinical-text": dict(
+        SETUPS["clinical-text"],
+        strategy="fedavg",
+        sites=2,
+        rounds=1,
+        local_steps=1,
+        samples_per_site=32,
+    )
+}
 QUICK_SCHEMES = ("none", "topk", "topk-down")
 
 
@@ -83,7 +114,9 @@ def run_one(setup: dict[str, Any], scheme: str, seed: int) -> dict[str, Any]:
 
     cfg = RunConfig.build(**setup, seed=seed, **{"compress": scheme, **SCHEMES[scheme]})
     started = time.perf_counter()
-    history = server_app.run_federation(InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower()), cfg).history
+    history = server_app.run_federation(
+        InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower()), cfg
+    ).history
     return {
         "accuracy": float(history[-1]["accuracy"]),
         "bytes_up": sum(r["bytes_up"] for r in history),
@@ -115,27 +148,38 @@ def summarise(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any
                 "accuracy_gap_points": 100 * (base_accuracy - accuracy),
             }
             rows[scheme]["meets_goal"] = scheme != "none" and (
-                rows[scheme]["upload_ratio"] >= GOAL_RATIO and rows[scheme]["accuracy_gap_points"] <= GOAL_POINTS
+                rows[scheme]["upload_ratio"] >= GOAL_RATIO
+                and rows[scheme]["accuracy_gap_points"] <= GOAL_POINTS
             )
         out[setup] = {"schemes": rows, "goal_met": any(row["meets_goal"] for row in rows.values())}
     return out
 
 
 def merged(
-    previous: dict[str, Any] | None, runs: dict[str, Any], setups: dict[str, Any], schemes: tuple[str, ...]
+    previous: dict[str, Any] | None,
+    runs: dict[str, Any],
+    setups: dict[str, Any],
+    schemes: tuple[str, ...],
 ) -> tuple[dict[str, Any], dict[str, Any], tuple[str, ...]]:
     """This run's runs laid over a previous full run's (`--schemes int4` adds a scheme without rerunning the
     others): a (setup, scheme) pair this run measured replaces the previous one; a setup whose config changed
     starts afresh."""
     if previous is None or previous.get("quick"):
         return runs, setups, schemes
-    kept = {setup: dict(by_scheme) for setup, by_scheme in previous["runs"].items()
-            if setup not in setups or previous["setups"].get(setup) == setups[setup]}
+    kept = {
+        setup: dict(by_scheme)
+        for setup, by_scheme in previous["runs"].items()
+        if setup not in setups or previous["setups"].get(setup) == setups[setup]
+    }
     for setup, by_scheme in runs.items():
         kept.setdefault(setup, {}).update(by_scheme)
     all_setups = {**previous["setups"], **setups}
     all_schemes = tuple(dict.fromkeys([*previous["schemes"], *schemes]))
-    return kept, {name: all_setups[name] for name in kept}, tuple(s for s in all_schemes if s in SCHEMES)
+    return (
+        kept,
+        {name: all_setups[name] for name in kept},
+        tuple(s for s in all_schemes if s in SCHEMES),
+    )
 
 
 def wire_times(mib: int, link_gbps: float, schemes: tuple[str, ...]) -> dict[str, Any]:
@@ -149,13 +193,26 @@ def wire_times(mib: int, link_gbps: float, schemes: tuple[str, ...]) -> dict[str
     side = 1024
     count = max(1, mib * (1 << 20) // (4 * side * side))
     generator = torch.Generator().manual_seed(0)
-    update = {f"layer{i}.weight": torch.randn(side, side, generator=generator) for i in range(count)}
+    update = {
+        f"layer{i}.weight": torch.randn(side, side, generator=generator) for i in range(count)
+    }
     measured = count * side * side * 4
     scale = GIB / measured
-    out: dict[str, Any] = {"measured_mib": measured / (1 << 20), "scale_to_gib": scale, "link_gbps": link_gbps}
-    for name in (s for s in schemes if "compress" not in SCHEMES[s]):  # each codec once: `-down` reuses it
+    out: dict[str, Any] = {
+        "measured_mib": measured / (1 << 20),
+        "scale_to_gib": scale,
+        "link_gbps": link_gbps,
+    }
+    for name in (
+        s for s in schemes if "compress" not in SCHEMES[s]
+    ):  # each codec once: `-down` reuses it
         if name == "none":
-            out[name] = {"encode_s": 0.0, "decode_s": 0.0, "gib_bytes": GIB, "wire_s": GIB * 8 / (link_gbps * 1e9)}
+            out[name] = {
+                "encode_s": 0.0,
+                "decode_s": 0.0,
+                "gib_bytes": GIB,
+                "wire_s": GIB * 8 / (link_gbps * 1e9),
+            }
             continue
         knobs = {key.removeprefix("compress_"): value for key, value in SCHEMES[name].items()}
         scheme = Scheme(name=name, **knobs)
@@ -185,10 +242,17 @@ def plot(summary: dict[str, Any], wire: dict[str, Any], path: Path) -> None:
         axis.axvline(GOAL_RATIO, color="grey", linestyle=":")
         axis.axhline(-GOAL_POINTS, color="grey", linestyle=":")
         axis.set_xscale("log")
-        axis.set(title=setup, xlabel="upload bytes: uncompressed / scheme", ylabel="accuracy vs uncompressed (points)")
+        axis.set(
+            title=setup,
+            xlabel="upload bytes: uncompressed / scheme",
+            ylabel="accuracy vs uncompressed (points)",
+        )
     schemes = [s for s in wire if isinstance(wire[s], dict)]
     axes[-1].bar(schemes, [wire[s]["wire_s"] for s in schemes])
-    axes[-1].set(title=f"1 GiB pseudo-gradient at {wire['link_gbps']:g} Gbit/s", ylabel="encode + decode + bytes (s)")
+    axes[-1].set(
+        title=f"1 GiB pseudo-gradient at {wire['link_gbps']:g} Gbit/s",
+        ylabel="encode + decode + bytes (s)",
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -196,37 +260,67 @@ def plot(summary: dict[str, Any], wire: dict[str, Any], path: Path) -> None:
 
 def report(console: Console, summary: dict[str, Any], wire: dict[str, Any]) -> None:
     for setup, result in summary.items():
-        table = Table(title=f"{setup}: goal >= {GOAL_RATIO:g}x fewer upload bytes within {GOAL_POINTS:g} point: "
-                            f"{verdict(result['goal_met'])}")
-        columns = ("scheme", "accuracy", "MB up", "MB down", "up ratio", "down ratio", "up+down ratio", "gap (points)",
-                   "goal")
+        table = Table(
+            title=f"{setup}: goal >= {GOAL_RATIO:g}x fewer upload bytes within {GOAL_POINTS:g} point: "
+            f"{verdict(result['goal_met'])}"
+        )
+        columns = (
+            "scheme",
+            "accuracy",
+            "MB up",
+            "MB down",
+            "up ratio",
+            "down ratio",
+            "up+down ratio",
+            "gap (points)",
+            "goal",
+        )
         for column in columns:
             table.add_column(column, justify="left" if column == "scheme" else "right")
         for scheme, row in result["schemes"].items():
-            table.add_row(scheme, f"{row['mean_accuracy']:.3f}", f"{row['mean_bytes_up'] / 1e6:.2f}",
-                          f"{row['mean_bytes_down'] / 1e6:.2f}", f"{row['upload_ratio']:.1f}x",
-                          f"{row['download_ratio']:.2f}x",
-                          f"{row['total_ratio']:.2f}x", f"{row['accuracy_gap_points']:+.1f}",
-                          "" if scheme == "none" else verdict(row["meets_goal"], "yes", "no"))
+            table.add_row(
+                scheme,
+                f"{row['mean_accuracy']:.3f}",
+                f"{row['mean_bytes_up'] / 1e6:.2f}",
+                f"{row['mean_bytes_down'] / 1e6:.2f}",
+                f"{row['upload_ratio']:.1f}x",
+                f"{row['download_ratio']:.2f}x",
+                f"{row['total_ratio']:.2f}x",
+                f"{row['accuracy_gap_points']:+.1f}",
+                "" if scheme == "none" else verdict(row["meets_goal"], "yes", "no"),
+            )
         console.print(table)
-    table = Table(title=f"wire time of a 1 GiB pseudo-gradient (measured on {wire['measured_mib']:.0f} MiB, scaled "
-                        f"x{wire['scale_to_gib']:.0f}; bytes at {wire['link_gbps']:g} Gbit/s)")
+    table = Table(
+        title=f"wire time of a 1 GiB pseudo-gradient (measured on {wire['measured_mib']:.0f} MiB, scaled "
+        f"x{wire['scale_to_gib']:.0f}; bytes at {wire['link_gbps']:g} Gbit/s)"
+    )
     for column in ("scheme", "encode s", "decode s", "MiB sent", "wire s"):
         table.add_column(column, justify="left" if column == "scheme" else "right")
     for scheme, row in wire.items():
         if isinstance(row, dict):
-            table.add_row(scheme, f"{row['encode_s']:.2f}", f"{row['decode_s']:.2f}",
-                          f"{row['gib_bytes'] / (1 << 20):.0f}", f"{row['wire_s']:.2f}")
+            table.add_row(
+                scheme,
+                f"{row['encode_s']:.2f}",
+                f"{row['decode_s']:.2f}",
+                f"{row['gib_bytes'] / (1 << 20):.0f}",
+                f"{row['wire_s']:.2f}",
+            )
     console.print(table)
 
 
 def main() -> None:
-    parser = benchmark_parser(__doc__, "clinical-text only, none and topk, 1 seed, 1 round, 4 MiB wire sample")
+    parser = benchmark_parser(
+        __doc__, "clinical-text only, none and topk, 1 seed, 1 round, 4 MiB wire sample"
+    )
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--setups", nargs="+", choices=sorted(SETUPS), default=list(DEFAULT_SETUPS))
     parser.add_argument("--schemes", nargs="+", choices=list(SCHEMES), default=list(SCHEMES))
-    parser.add_argument("--wire-mib", type=int, default=128, help="pseudo-gradient MiB timed for the wire time")
-    parser.add_argument("--link-gbps", type=float, default=1.0, help="link rate the encoded bytes travel at")
+    parser.add_argument(
+        "--wire-mib", type=int, default=128, help="pseudo-gradient MiB timed for the wire time"
+    )
+    parser.add_argument(
+        "--link-gbps", type=float, default=1.0, help="link rate the encoded bytes travel at"
+    )
     parser.add_argument("--workers", type=int, default=2, help="runs in parallel worker processes")
     args = parser.parse_args()
     setups = QUICK_SETUPS if args.quick else {name: SETUPS[name] for name in args.setups}
@@ -234,28 +328,44 @@ def main() -> None:
     seeds = 1 if args.quick else args.seeds
     console = Console()
     started = time.perf_counter()
-    jobs = [(setup, scheme, seed) for setup in setups for scheme in schemes for seed in range(seeds)]
+    jobs = [
+        (setup, scheme, seed) for setup in setups for scheme in schemes for seed in range(seeds)
+    ]
     with ProcessPoolExecutor(max_workers=1 if args.quick else args.workers) as pool:
         futures = {job: pool.submit(run_one, setups[job[0]], job[1], job[2]) for job in jobs}
         runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
         for (setup, scheme, seed), future in futures.items():
-            runs.setdefault(setup, {}).setdefault(scheme, []).append({"seed": seed, **future.result()})
-            console.print(f"{setup} {scheme} seed {seed}: accuracy {runs[setup][scheme][-1]['accuracy']:.3f}")
+            runs.setdefault(setup, {}).setdefault(scheme, []).append(
+                {"seed": seed, **future.result()}
+            )
+            console.print(
+                f"{setup} {scheme} seed {seed}: accuracy {runs[setup][scheme][-1]['accuracy']:.3f}"
+            )
     path = args.out / f"{NAME}.json"
     if not args.quick:
-        runs, setups, schemes = merged(json.loads(path.read_text()) if path.exists() else None, runs, setups, schemes)
+        runs, setups, schemes = merged(
+            json.loads(path.read_text()) if path.exists() else None, runs, setups, schemes
+        )
     summary = summarise(runs)
     wire = wire_times(4 if args.quick else args.wire_mib, args.link_gbps, schemes)
     result = {
-        "quick": args.quick, "seeds": seeds, "setups": setups, "schemes": {s: SCHEMES[s] for s in schemes},
-        "runs": runs, "summary": summary, "wire": wire, "seconds": time.perf_counter() - started,
+        "quick": args.quick,
+        "seeds": seeds,
+        "setups": setups,
+        "schemes": {s: SCHEMES[s] for s in schemes},
+        "runs": runs,
+        "summary": summary,
+        "wire": wire,
+        "seconds": time.perf_counter() - started,
         "goal": {"upload_ratio": GOAL_RATIO, "accuracy_points": GOAL_POINTS},
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     plot(summary, wire, args.out / f"{NAME}.png")
     report(console, summary, wire)
-    console.print(f"{time.perf_counter() - started:.0f} s; results in {args.out / NAME}.json and .png")
+    console.print(
+        f"{time.perf_counter() - started:.0f} s; results in {args.out / NAME}.json and .png"
+    )
 
 
 if __name__ == "__main__":

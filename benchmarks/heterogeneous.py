@@ -81,23 +81,41 @@ class Group:
     quick: Scale
 
 
-TINY_FULL, TINY_QUICK = Scale(sites=6, rounds=12, local_steps=10, seeds=3), Scale(sites=3, rounds=2, local_steps=2, seeds=1)
+TINY_FULL, TINY_QUICK = (
+    Scale(sites=6, rounds=12, local_steps=10, seeds=3),
+    Scale(sites=3, rounds=2, local_steps=2, seeds=1),
+)
 # 6 rounds x 8 local steps for both groups: at 4 x 5 LoRA was still climbing; this is what a 2-core CPU affords
-MINILM_FULL, MINILM_QUICK = Scale(sites=3, rounds=6, local_steps=8, seeds=3), Scale(sites=3, rounds=1, local_steps=1, seeds=1)
+MINILM_FULL, MINILM_QUICK = (
+    Scale(sites=3, rounds=6, local_steps=8, seeds=3),
+    Scale(sites=3, rounds=1, local_steps=1, seeds=1),
+)
 GROUPS = {
-    "full": Group(strategies=("fedavg", "hydra", "heterofl", "fjord", "fedrolex"), full=TINY_FULL, quick=TINY_QUICK),
+    "full": Group(
+        strategies=("fedavg", "hydra", "heterofl", "fjord", "fedrolex"),
+        full=TINY_FULL,
+        quick=TINY_QUICK,
+    ),
     "lora": Group(
-        strategies=("fedit", "hydra", "flora", "hetlora", "flexlora"), lora_rank=LORA_RANK, full=TINY_FULL,
+        strategies=("fedit", "hydra", "flora", "hetlora", "flexlora"),
+        lora_rank=LORA_RANK,
+        full=TINY_FULL,
         quick=TINY_QUICK,
     ),
     # the bytes-vs-accuracy goal: pretrained MiniLM, full-model FedAvg against Hydra over LoRA
     # learning rates: 1e-4 for full fine-tuning of a pretrained encoder (the usual recipe); 5e-3 for LoRA, chosen
     # by a 1-seed check of Hydra at MINILM_FULL (seed 0, final accuracy: 2e-3 0.69, 5e-3 0.79, 1e-2 diverged to
     # the majority class 0.35; full FedAvg at 1e-4 reached 0.83 there)
-    "minilm-full": Group(strategies=("fedavg",), model="minilm", lr=1e-4, full=MINILM_FULL, quick=MINILM_QUICK),
+    "minilm-full": Group(
+        strategies=("fedavg",), model="minilm", lr=1e-4, full=MINILM_FULL, quick=MINILM_QUICK
+    ),
     "minilm-lora": Group(
-        strategies=("hydra", "fedit", "flora", "hetlora", "flexlora"), model="minilm", lora_rank=LORA_RANK, lr=5e-3,
-        full=MINILM_FULL, quick=MINILM_QUICK,
+        strategies=("hydra", "fedit", "flora", "hetlora", "flexlora"),
+        model="minilm",
+        lora_rank=LORA_RANK,
+        lr=5e-3,
+        full=MINILM_FULL,
+        quick=MINILM_QUICK,
     ),
 }
 BYTES_GOAL = (("minilm-full", "fedavg"), ("minilm-lora", "hydra"))
@@ -130,7 +148,9 @@ def per_tier(values: dict[str, int]) -> dict[str, int]:
     return out
 
 
-def summarise(history: list[dict[str, Any]], assigned: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
+def summarise(
+    history: list[dict[str, Any]], assigned: dict[str, dict[str, int]] | None = None
+) -> dict[str, Any]:
     """One run's numbers: final accuracy, mean bytes per training round, per-tier trainable parameters (what
     the strategy assigned, when it assigns budgets: a LoRA site trains its rank of the rank-R factors, which
     it cannot count itself; else what the sites reported) and per-tier peak memory (measured by the sites)."""
@@ -151,15 +171,21 @@ def summarise(history: list[dict[str, Any]], assigned: dict[str, dict[str, int]]
     }
 
 
-def run(groups: dict[str, Group], quick: bool, seeds: int | None, work: Path, first_seed: int = 0) -> dict[str, Any]:
+def run(
+    groups: dict[str, Group], quick: bool, seeds: int | None, work: Path, first_seed: int = 0
+) -> dict[str, Any]:
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {name: {} for name in groups}
     for name, group in groups.items():
         scale = group.quick if quick else group.full
         for seed in range(first_seed, first_seed + (seeds or scale.seeds)):
             config = SimulationConfig(
-                run=run_config(group, scale, seed), strategies=group.strategies, out=str(work / f"{name}-seed{seed}")
+                run=run_config(group, scale, seed),
+                strategies=group.strategies,
+                out=str(work / f"{name}-seed{seed}"),
             )
-            results = json.loads(json.dumps(compare_strategies(config)))  # JSON keys, as results.json has them
+            results = json.loads(
+                json.dumps(compare_strategies(config))
+            )  # JSON keys, as results.json has them
             for strategy in group.strategies:
                 done = results["strategies"][strategy]
                 summary = summarise(done["rounds"], done.get("trainable_params_per_site"))
@@ -174,7 +200,9 @@ def method_stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "accuracy_std": statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0,
         "bytes_per_round": statistics.mean(run["bytes_per_round"] for run in runs),
         "params": runs[0]["params"],
-        "peak_memory": {tier: max(run["peak_memory"].get(tier, 0) for run in runs) for tier in TIERS},
+        "peak_memory": {
+            tier: max(run["peak_memory"].get(tier, 0) for run in runs) for tier in TIERS
+        },
     }
 
 
@@ -201,13 +229,15 @@ def goals(stats: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
         gap = 100 * (reference["accuracy_mean"] - hydra["accuracy_mean"])
         out[f"bytes ratio {ref_group} {ref} / {group} {method}"] = ratio
         out[f"accuracy points {group} {method} below {ref_group} {ref}"] = gap
-        out[f"{group} {method}: >= {GOAL_BYTES_RATIO:g}x fewer bytes within {GOAL_ACCURACY_POINTS:g} point"] = (
-            ratio >= GOAL_BYTES_RATIO and gap <= GOAL_ACCURACY_POINTS
-        )
+        out[
+            f"{group} {method}: >= {GOAL_BYTES_RATIO:g}x fewer bytes within {GOAL_ACCURACY_POINTS:g} point"
+        ] = ratio >= GOAL_BYTES_RATIO and gap <= GOAL_ACCURACY_POINTS
     return out
 
 
-def paired(runs: dict[str, dict[str, list[dict[str, Any]]]], stats: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+def paired(
+    runs: dict[str, dict[str, list[dict[str, Any]]]], stats: dict[str, dict[str, dict[str, Any]]]
+) -> dict[str, Any]:
     """Per group, Hydra minus the best baseline in accuracy points over the seeds both ran: mean and standard
     error of the per-seed differences (the seed moves every method alike, so pairing removes most spread)."""
     out: dict[str, Any] = {}
@@ -216,17 +246,22 @@ def paired(runs: dict[str, dict[str, list[dict[str, Any]]]], stats: dict[str, di
             continue
         hydra = {run["seed"]: run["accuracy"] for run in runs[group]["hydra"]}
         other = {run["seed"]: run["accuracy"] for run in runs[group][best]}
-        differences = [100 * (hydra[seed] - other[seed]) for seed in sorted(hydra.keys() & other.keys())]
+        differences = [
+            100 * (hydra[seed] - other[seed]) for seed in sorted(hydra.keys() & other.keys())
+        ]
         if len(differences) > 1:
             out[f"{group}: hydra - {best}"] = {
                 "seeds": len(differences),
                 "mean_points": statistics.mean(differences),
-                "standard_error_points": statistics.stdev(differences) / math.sqrt(len(differences)),
+                "standard_error_points": statistics.stdev(differences)
+                / math.sqrt(len(differences)),
             }
     return out
 
 
-def merged(previous: dict[str, Any] | None, runs: dict[str, Any], scales: dict[str, Any], quick: bool) -> tuple[dict, dict]:
+def merged(
+    previous: dict[str, Any] | None, runs: dict[str, Any], scales: dict[str, Any], quick: bool
+) -> tuple[dict, dict]:
     """`runs` merged into a previous results file's runs: per group of the same scale and mode, by seed (this
     run's seeds replace the previous ones); a group run at another scale starts afresh; other groups stay."""
     if previous is None or previous.get("quick") != quick:
@@ -237,7 +272,11 @@ def merged(previous: dict[str, Any] | None, runs: dict[str, Any], scales: dict[s
         return {key: value for key, value in scale.items() if key != "seeds"}
 
     for group, methods in runs.items():
-        kept = all_runs.get(group, {}) if group in all_scales and shape(all_scales[group]) == shape(scales[group]) else {}
+        kept = (
+            all_runs.get(group, {})
+            if group in all_scales and shape(all_scales[group]) == shape(scales[group])
+            else {}
+        )
         group_runs = {name: list(method_runs) for name, method_runs in kept.items()}
         for name, method_runs in methods.items():
             seeds = {run["seed"] for run in method_runs}
@@ -252,9 +291,11 @@ def print_tables(summary: dict[str, Any]) -> None:
     console = Console()
     for group, methods in summary["stats"].items():
         scale = summary["scales"][group]
-        table = Table(title=f"{group} ({GROUPS[group].model}{', LoRA' if GROUPS[group].lora_rank else ''}): "
-                            f"{len(summary['runs'][group][next(iter(methods))])} seeds, {scale['sites']} sites, "
-                            f"{scale['rounds']} rounds, tiers {', '.join(TIERS)}")
+        table = Table(
+            title=f"{group} ({GROUPS[group].model}{', LoRA' if GROUPS[group].lora_rank else ''}): "
+            f"{len(summary['runs'][group][next(iter(methods))])} seeds, {scale['sites']} sites, "
+            f"{scale['rounds']} rounds, tiers {', '.join(TIERS)}"
+        )
         for column in ("method", "accuracy", "MB / round", "params s/m/l", "peak MB s/m/l"):
             table.add_column(column, justify="right")
         for name, s in methods.items():
@@ -266,8 +307,10 @@ def print_tables(summary: dict[str, Any]) -> None:
     for goal, value in summary["goals"].items():
         console.print(f"{goal}: {verdict(value) if isinstance(value, bool) else f'{value:.2f}'}")
     for pair, value in summary["paired"].items():
-        console.print(f"{pair}, paired over {value['seeds']} seeds: {value['mean_points']:+.2f} ± "
-                      f"{value['standard_error_points']:.2f} points (standard error)")
+        console.print(
+            f"{pair}, paired over {value['seeds']} seeds: {value['mean_points']:+.2f} ± "
+            f"{value['standard_error_points']:.2f} points (standard error)"
+        )
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
@@ -275,8 +318,14 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, len(stats), figsize=(6 * len(stats), 4.5), squeeze=False)
     for ax, (group, methods) in zip(axes[0], stats.items(), strict=True):
         for name, s in methods.items():
-            ax.errorbar(s["bytes_per_round"] / 1e6, s["accuracy_mean"], yerr=s["accuracy_std"], fmt="o", capsize=4,
-                        label=name)
+            ax.errorbar(
+                s["bytes_per_round"] / 1e6,
+                s["accuracy_mean"],
+                yerr=s["accuracy_std"],
+                fmt="o",
+                capsize=4,
+                label=name,
+            )
         ax.set_xscale("log")
         ax.set_xlabel("MB per round (up + down, all sites)")
         ax.set_ylabel("final accuracy (mean ± sd over seeds)")
@@ -289,9 +338,15 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     parser = benchmark_parser(__doc__, "1 seed, 1-2 rounds, 3 sites")
-    parser.add_argument("--seeds", type=int, default=None, help="seeds per method (default: 3, quick: 1)")
-    parser.add_argument("--first-seed", type=int, default=0, help="the first seed (seeds run from it upward)")
-    parser.add_argument("--groups", default=",".join(GROUPS), help=f"which of {', '.join(GROUPS)} to run")
+    parser.add_argument(
+        "--seeds", type=int, default=None, help="seeds per method (default: 3, quick: 1)"
+    )
+    parser.add_argument(
+        "--first-seed", type=int, default=0, help="the first seed (seeds run from it upward)"
+    )
+    parser.add_argument(
+        "--groups", default=",".join(GROUPS), help=f"which of {', '.join(GROUPS)} to run"
+    )
     args = parser.parse_args()
     names = [name.strip() for name in args.groups.split(",") if name.strip()]
     unknown = sorted(set(names) - set(GROUPS))
@@ -301,12 +356,27 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="hydrafl-hetero-") as tmp:
         runs = run(groups, args.quick, args.seeds, Path(tmp), args.first_seed)
-    scales = {name: dataclasses.asdict(group.quick if args.quick else group.full) for name, group in groups.items()}
+    scales = {
+        name: dataclasses.asdict(group.quick if args.quick else group.full)
+        for name, group in groups.items()
+    }
     path = args.out / f"{NAME}.json"
-    runs, scales = merged(json.loads(path.read_text()) if path.exists() else None, runs, scales, args.quick)
-    stats = {group: {name: method_stats(r) for name, r in methods.items()} for group, methods in runs.items()}
-    summary = {"benchmark": NAME, "quick": args.quick, "scales": scales, "runs": runs, "stats": stats,
-               "goals": goals(stats), "paired": paired(runs, stats)}
+    runs, scales = merged(
+        json.loads(path.read_text()) if path.exists() else None, runs, scales, args.quick
+    )
+    stats = {
+        group: {name: method_stats(r) for name, r in methods.items()}
+        for group, methods in runs.items()
+    }
+    summary = {
+        "benchmark": NAME,
+        "quick": args.quick,
+        "scales": scales,
+        "runs": runs,
+        "stats": stats,
+        "goals": goals(stats),
+        "paired": paired(runs, stats),
+    }
     partial = path.with_suffix(".json.partial")  # a reader never sees half a file
     partial.write_text(json.dumps(summary, indent=1))
     partial.replace(path)

@@ -60,7 +60,9 @@ QUICK = Sweep(seeds=(0,), rounds=2, per_class=30)
 def write_digits_folder(root: Path, per_class: int | None = None) -> Path:
     """scikit-learn's scanned digits as a user's image folder: root/<digit>/<index>.png, grayscale, upscaled from
     8x8 to `PIXELS` (bilinear); `per_class` keeps the first that many of each digit."""
-    from sklearn.datasets import load_digits  # the test extra's; only this benchmark and its test read it
+    from sklearn.datasets import (
+        load_digits,
+    )  # the test extra's; only this benchmark and its test read it
 
     digits = load_digits()
     written = dict.fromkeys(range(10), 0)
@@ -69,7 +71,9 @@ def write_digits_folder(root: Path, per_class: int | None = None) -> Path:
             continue
         folder = root / str(label)
         folder.mkdir(parents=True, exist_ok=True)
-        gray = Image.fromarray((image * (255 / 16)).astype(np.uint8), mode="L")  # scanner values are 0..16
+        gray = Image.fromarray(
+            (image * (255 / 16)).astype(np.uint8), mode="L"
+        )  # scanner values are 0..16
         gray.resize((PIXELS, PIXELS), Image.Resampling.BILINEAR).save(folder / f"{index:04d}.png")
         written[int(label)] += 1
     return root
@@ -77,7 +81,9 @@ def write_digits_folder(root: Path, per_class: int | None = None) -> Path:
 
 def measure(folder: Path, model: str, sweep: Sweep, seed: int) -> dict[str, Any]:
     """One fedavg federation on the folder: test accuracy per round (round 0 is the initial model)."""
-    cfg = RunConfig(data=str(folder), model=model, sites=sweep.sites, rounds=sweep.rounds, seed=seed)
+    cfg = RunConfig(
+        data=str(folder), model=model, sites=sweep.sites, rounds=sweep.rounds, seed=seed
+    )
     started = time.perf_counter()
     history = run_strategy(cfg, "inprocess")
     return {
@@ -101,7 +107,10 @@ def summarise(runs: list[dict[str, Any]], model: str) -> dict[str, Any]:
     own = [run for run in runs if run["model"] == model]
     finals = [run["accuracy"][-1] for run in own]
     return {
-        "mean_accuracy": [statistics.fmean(column) for column in zip(*(run["accuracy"] for run in own), strict=True)],
+        "mean_accuracy": [
+            statistics.fmean(column)
+            for column in zip(*(run["accuracy"] for run in own), strict=True)
+        ],
         "final_mean": statistics.fmean(finals),
         "final_spread": max(finals) - min(finals),
         "seconds": statistics.fmean(run["seconds"] for run in own),
@@ -114,12 +123,21 @@ def table(summary: dict[str, Any]) -> Table:
         title=f"from-scratch image models on real digits ({summary['images']} images, {config['sites']} sites iid, "
         f"fedavg, {len(config['seeds'])} seeds): seed-mean test accuracy per round"
     )
-    for column in ("model", "params", *(f"r{r}" for r in range(config["rounds"] + 1)), "final ± spread", "s/run"):
+    for column in (
+        "model",
+        "params",
+        *(f"r{r}" for r in range(config["rounds"] + 1)),
+        "final ± spread",
+        "s/run",
+    ):
         result.add_column(column, justify="right")
     for model, entry in summary["models"].items():
         result.add_row(
-            model, f"{entry['params']:,}", *(f"{a:.3f}" for a in entry["mean_accuracy"]),
-            f"{entry['final_mean']:.3f} ± {entry['final_spread']:.3f}", f"{entry['seconds']:.1f}",
+            model,
+            f"{entry['params']:,}",
+            *(f"{a:.3f}" for a in entry["mean_accuracy"]),
+            f"{entry['final_mean']:.3f} ± {entry['final_spread']:.3f}",
+            f"{entry['seconds']:.1f}",
         )
     return result
 
@@ -129,9 +147,16 @@ def plot(path: Path, summary: dict[str, Any]) -> None:
     for run in summary["runs"]:
         axis.plot(run["accuracy"], color=f"C{MODELS.index(run['model'])}", alpha=0.25)
     for index, (model, entry) in enumerate(summary["models"].items()):
-        axis.plot(entry["mean_accuracy"], color=f"C{index}", marker="o", label=f"{model} (seed mean)")
+        axis.plot(
+            entry["mean_accuracy"], color=f"C{index}", marker="o", label=f"{model} (seed mean)"
+        )
     axis.axhline(0.1, color="gray", linestyle=":", label="chance")
-    axis.set(xlabel="round", ylabel="test accuracy", ylim=(0, 1), title="Real digits as an image folder, fedavg")
+    axis.set(
+        xlabel="round",
+        ylabel="test accuracy",
+        ylim=(0, 1),
+        title="Real digits as an image folder, fedavg",
+    )
     axis.grid(alpha=0.3)
     axis.legend()
     figure.tight_layout()
@@ -142,26 +167,45 @@ def plot(path: Path, summary: dict[str, Any]) -> None:
 def run(sweep: Sweep, folder: Path, *, show_progress: bool = True) -> dict[str, Any]:
     write_digits_folder(folder, sweep.per_class)
     images = sum(1 for _ in folder.rglob("*.png"))
-    summary: dict[str, Any] = {"benchmark": NAME, "config": dataclasses.asdict(sweep), "images": images, "runs": []}
+    summary: dict[str, Any] = {
+        "benchmark": NAME,
+        "config": dataclasses.asdict(sweep),
+        "images": images,
+        "runs": [],
+    }
     settings = list(itertools.product(MODELS, sweep.seeds))
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, disable=not show_progress) as progress:
         for model, seed in progress.track(settings, description="models x seeds"):
             summary["runs"].append(measure(folder, model, sweep, seed))
     summary["models"] = {
-        model: {**summarise(summary["runs"], model), "params": parameter_count(folder, model)} for model in MODELS
+        model: {**summarise(summary["runs"], model), "params": parameter_count(folder, model)}
+        for model in MODELS
     }
-    summary["winner"] = max(summary["models"], key=lambda model: summary["models"][model]["final_mean"])
+    summary["winner"] = max(
+        summary["models"], key=lambda model: summary["models"][model]["final_mean"]
+    )
     summary["default"] = IMAGE_FOLDER_MODEL
     return summary
 
 
 def main() -> None:
     parser = benchmark_parser(__doc__, f"{QUICK}")
-    parser.add_argument("--seeds", default="", help="comma-separated seeds (default 0,1,2; --quick 0)")
-    parser.add_argument("--rounds", type=int, default=0, help="rounds per run (default 8; --quick 2)")
+    parser.add_argument(
+        "--seeds", default="", help="comma-separated seeds (default 0,1,2; --quick 0)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=0, help="rounds per run (default 8; --quick 2)"
+    )
     args = parser.parse_args()
-    logging.getLogger("flwr").setLevel(logging.WARNING)  # one progress bar, not Flower's per-round lines
+    logging.getLogger("flwr").setLevel(
+        logging.WARNING
+    )  # one progress bar, not Flower's per-round lines
     sweep = QUICK if args.quick else FULL
     if args.seeds:
         sweep = dataclasses.replace(sweep, seeds=tuple(int(seed) for seed in args.seeds.split(",")))
@@ -176,8 +220,10 @@ def main() -> None:
     console = Console(record=True, width=160)
     console.print(table(summary))
     agrees = summary["winner"] == summary["default"]
-    console.print(f"measured winner {summary['winner']}, default for an image folder {summary['default']}: "
-                  + verdict(agrees, "the default is the winner", "DEFAULT IS NOT THE WINNER"))
+    console.print(
+        f"measured winner {summary['winner']}, default for an image folder {summary['default']}: "
+        + verdict(agrees, "the default is the winner", "DEFAULT IS NOT THE WINNER")
+    )
     (args.out / f"{NAME}.txt").write_text(console.export_text())
 
 

@@ -57,7 +57,9 @@ FULL = Sweep(sites=(2, 4, 8, 16), rounds=4, local_steps=20, samples_per_site=200
 QUICK = Sweep(sites=(2, 4, 8, 16), rounds=2, local_steps=5, samples_per_site=60)
 
 
-def run_config(sweep: Sweep, optimizer: str, sites: int, *, strategy: str, partition: str, seed: int) -> RunConfig:
+def run_config(
+    sweep: Sweep, optimizer: str, sites: int, *, strategy: str, partition: str, seed: int
+) -> RunConfig:
     return RunConfig(
         task="tabular",
         partition=partition,
@@ -82,7 +84,9 @@ def measure(cfg: RunConfig) -> dict[str, Any]:
     scales = [r["noise_scale"] for r in rounds]
     cosines = [r["full_data_cosine"] for r in rounds]
     if any(value is None for value in scales + cosines):
-        raise RuntimeError(f"{cfg.inner_optimizer} with {cfg.sites} sites: a round has no diagnostics; see the log")
+        raise RuntimeError(
+            f"{cfg.inner_optimizer} with {cfg.sites} sites: a round has no diagnostics; see the log"
+        )
     return {
         "optimizer": cfg.inner_optimizer,
         "sites": cfg.sites,
@@ -102,8 +106,15 @@ def table(summary: dict[str, Any]) -> Table:
         f"{config['rounds']} rounds x {config['local_steps']} steps, {config['samples_per_site']} samples/site; "
         "means over rounds"
     )
-    for column in ("sites", "AdamW B_pg", "Muon B_pg", "AdamW cos(avg, full)", "Muon cos(avg, full)",
-                   "AdamW loss", "Muon loss"):
+    for column in (
+        "sites",
+        "AdamW B_pg",
+        "Muon B_pg",
+        "AdamW cos(avg, full)",
+        "Muon cos(avg, full)",
+        "AdamW loss",
+        "Muon loss",
+    ):
         result.add_column(column, justify="right")
     by_key = {(entry["optimizer"], entry["sites"]): entry for entry in summary["settings"]}
     for sites in config["sites"]:
@@ -123,14 +134,28 @@ def table(summary: dict[str, Any]) -> Table:
 def plot(path: Path, summary: dict[str, Any]) -> None:
     figure, (scale_axis, cosine_axis) = plt.subplots(1, 2, figsize=(11, 4))
     for optimizer in OPTIMIZERS:
-        entries = sorted((e for e in summary["settings"] if e["optimizer"] == optimizer), key=lambda e: e["sites"])
+        entries = sorted(
+            (e for e in summary["settings"] if e["optimizer"] == optimizer),
+            key=lambda e: e["sites"],
+        )
         sites = [e["sites"] for e in entries]
-        scale_axis.plot(sites, [e["mean_noise_scale"] for e in entries], marker="o", label=optimizer)
+        scale_axis.plot(
+            sites, [e["mean_noise_scale"] for e in entries], marker="o", label=optimizer
+        )
         cosine_axis.plot(sites, [e["mean_cosine"] for e in entries], marker="o", label=optimizer)
-    scale_axis.set(xscale="log", yscale="log", xlabel="sites M", ylabel="B_pg (mean over rounds)",
-                   title="Pseudo-gradient noise scale")
-    cosine_axis.set(xscale="log", xlabel="sites M", ylabel="cos(averaged delta, full-data delta)",
-                    title="Direction vs full data")
+    scale_axis.set(
+        xscale="log",
+        yscale="log",
+        xlabel="sites M",
+        ylabel="B_pg (mean over rounds)",
+        title="Pseudo-gradient noise scale",
+    )
+    cosine_axis.set(
+        xscale="log",
+        xlabel="sites M",
+        ylabel="cos(averaged delta, full-data delta)",
+        title="Direction vs full data",
+    )
     for axis in (scale_axis, cosine_axis):
         axis.set_xticks(summary["config"]["sites"], [str(m) for m in summary["config"]["sites"]])
         axis.grid(alpha=0.3)
@@ -140,16 +165,30 @@ def plot(path: Path, summary: dict[str, Any]) -> None:
     plt.close(figure)
 
 
-def run(sweep: Sweep, *, strategy: str, partition: str, seed: int, show_progress: bool = True) -> dict[str, Any]:
-    config = {**dataclasses.asdict(sweep), "strategy": strategy, "partition": partition, "seed": seed}
+def run(
+    sweep: Sweep, *, strategy: str, partition: str, seed: int, show_progress: bool = True
+) -> dict[str, Any]:
+    config = {
+        **dataclasses.asdict(sweep),
+        "strategy": strategy,
+        "partition": partition,
+        "seed": seed,
+    }
     summary: dict[str, Any] = {"benchmark": NAME, "config": config, "settings": []}
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, disable=not show_progress) as progress:
         task = progress.add_task("settings", total=len(OPTIMIZERS) * len(sweep.sites))
         for optimizer in OPTIMIZERS:
             for sites in sweep.sites:
                 progress.update(task, description=f"{optimizer}, {sites} sites")
-                cfg = run_config(sweep, optimizer, sites, strategy=strategy, partition=partition, seed=seed)
+                cfg = run_config(
+                    sweep, optimizer, sites, strategy=strategy, partition=partition, seed=seed
+                )
                 summary["settings"].append(measure(cfg))
                 progress.advance(task)
     by_key = {(e["optimizer"], e["sites"]): e for e in summary["settings"]}
@@ -162,19 +201,32 @@ def run(sweep: Sweep, *, strategy: str, partition: str, seed: int, show_progress
 def main() -> None:
     parser = benchmark_parser(__doc__, f"{QUICK}")
     parser.add_argument("--strategy", default="diloco", help="the outer strategy (default diloco)")
-    parser.add_argument("--partition", default="iid", help="iid (default), natural, dirichlet:ALPHA, ...")
+    parser.add_argument(
+        "--partition", default="iid", help="iid (default), natural, dirichlet:ALPHA, ..."
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    logging.getLogger("flwr").setLevel(logging.WARNING)  # one progress bar, not Flower's per-round lines
-    summary = run(QUICK if args.quick else FULL, strategy=args.strategy, partition=args.partition, seed=args.seed)
+    logging.getLogger("flwr").setLevel(
+        logging.WARNING
+    )  # one progress bar, not Flower's per-round lines
+    summary = run(
+        QUICK if args.quick else FULL,
+        strategy=args.strategy,
+        partition=args.partition,
+        seed=args.seed,
+    )
     summary["quick"] = args.quick
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{NAME}.json").write_text(json.dumps(summary, indent=1))
     plot(args.out / f"{NAME}.png", summary)
     console = Console(record=True, width=160)
     console.print(table(summary))
-    claim = verdict(summary["muon_closer_at_every_m"], "Muon closer to full data at every M", "not at every M")
-    console.print(f"MuLoCo claim (Muon inner keeps the averaged delta closer to the full-data delta): {claim}")
+    claim = verdict(
+        summary["muon_closer_at_every_m"], "Muon closer to full data at every M", "not at every M"
+    )
+    console.print(
+        f"MuLoCo claim (Muon inner keeps the averaged delta closer to the full-data delta): {claim}"
+    )
     (args.out / f"{NAME}.txt").write_text(console.export_text())
 
 

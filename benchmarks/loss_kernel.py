@@ -54,7 +54,9 @@ def inputs(rows: int, dim: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor,
     return hidden, weight, torch.randint(0, vocab, (rows,), generator=gen)
 
 
-def loss(variant: str, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def loss(
+    variant: str, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
     if variant == "full":
         return F.cross_entropy(hidden @ weight.T, target)
     return chunked_cross_entropy(hidden, weight, target)
@@ -120,8 +122,19 @@ def table(summary: dict[str, Any]) -> Table:
         title=f"cross-entropy forward + backward, N={config['rows']} D={config['dim']} fp32, "
         f"1 thread, median of {config['reps']}"
     )
-    columns = ("V", "logits MB", "[V,D] grad MB", "full extra MB", "chunked extra MB", "memory full/chunked",
-               "full s", "chunked s", "time chunked/full", "|loss diff|", "|grad diff|")
+    columns = (
+        "V",
+        "logits MB",
+        "[V,D] grad MB",
+        "full extra MB",
+        "chunked extra MB",
+        "memory full/chunked",
+        "full s",
+        "chunked s",
+        "time chunked/full",
+        "|loss diff|",
+        "|grad diff|",
+    )
     for column in columns:
         result.add_column(column, justify="right")
     for entry in summary["vocabularies"]:
@@ -142,20 +155,34 @@ def table(summary: dict[str, Any]) -> Table:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where JSON and the table go")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results"), help="where JSON and the table go"
+    )
     parser.add_argument("--quick", action="store_true", help=f"smoke-test sizes: {QUICK_SIZES}")
     parser.add_argument("--probe", choices=("baseline", *VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--rows", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--dim", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--reps", type=int, help="timed runs per variant (default 3, 1 with --quick)")
+    parser.add_argument(
+        "--reps", type=int, help="timed runs per variant (default 3, 1 with --quick)"
+    )
     args = parser.parse_args()
     if args.probe:
         print(json.dumps(probe(args.probe, args.rows, args.dim, args.vocab, args.reps)))
         return
-    sizes = {**(QUICK_SIZES if args.quick else FULL_SIZES), **({"reps": args.reps} if args.reps else {})}
-    summary: dict[str, Any] = {"benchmark": NAME, "quick": args.quick, "config": sizes, "vocabularies": []}
+    sizes = {
+        **(QUICK_SIZES if args.quick else FULL_SIZES),
+        **({"reps": args.reps} if args.reps else {}),
+    }
+    summary: dict[str, Any] = {
+        "benchmark": NAME,
+        "quick": args.quick,
+        "config": sizes,
+        "vocabularies": [],
+    }
     for vocab in sizes["vocabs"]:
         summary["vocabularies"].append(measure(sizes["rows"], sizes["dim"], vocab, sizes["reps"]))
     args.out.mkdir(parents=True, exist_ok=True)

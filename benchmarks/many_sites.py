@@ -64,8 +64,14 @@ QUICK = Scale(sites=10, rounds=2, timeout_s=240, poll_window_s=1.0)
 
 
 def workload(scale: Scale) -> RunConfig:
-    return RunConfig(task="tabular", sites=scale.sites, samples_per_site=40, local_steps=2, strategy="fedavg",
-                     rounds=scale.rounds)
+    return RunConfig(
+        task="tabular",
+        sites=scale.sites,
+        samples_per_site=40,
+        local_steps=2,
+        strategy="fedavg",
+        rounds=scale.rounds,
+    )
 
 
 class SerialClientApp(ClientApp):
@@ -104,9 +110,20 @@ def run_benchmark(scale: Scale, work: Path) -> dict[str, Any]:
     db_url = f"sqlite:///{work / 'coordinator.db'}"
     store = Store(db_url)
     tokens = [store.add_site(f"hospital-{i:03d}")[1] for i in range(scale.sites)]
-    run_id = store.create_run({k: v for k, v in cfg.to_flower().items() if k not in ("run-dir", "resume")}).id
-    coordinator = ServerProcess("coordinator", "--serve", "--db", db_url, "--blobs", str(work / "blobs"),
-                                "--runs", str(work / "runs"), log_path=work / "coordinator.log")
+    run_id = store.create_run(
+        {k: v for k, v in cfg.to_flower().items() if k not in ("run-dir", "resume")}
+    ).id
+    coordinator = ServerProcess(
+        "coordinator",
+        "--serve",
+        "--db",
+        db_url,
+        "--blobs",
+        str(work / "blobs"),
+        "--runs",
+        str(work / "runs"),
+        log_path=work / "coordinator.log",
+    )
     with coordinator:
         # imported while the coordinator process imports the same: the two start in parallel
         import torch
@@ -132,22 +149,33 @@ def run_benchmark(scale: Scale, work: Path) -> dict[str, Any]:
         def serve(agent: SiteAgent) -> None:
             try:
                 agent.run(stop)
-            except Exception as error:  # an agent that stops is an error of this benchmark's run, reported
+            except (
+                Exception
+            ) as error:  # an agent that stops is an error of this benchmark's run, reported
                 agent_errors.append(f"{type(error).__name__}: {error}")
 
         started = time.monotonic()
         threads = [
-            threading.Thread(target=serve, args=(SiteAgent(coordinator.address, token, app, {}, demo=True),),
-                             name=f"site-{i}", daemon=True)
+            threading.Thread(
+                target=serve,
+                args=(SiteAgent(coordinator.address, token, app, {}, demo=True),),
+                name=f"site-{i}",
+                daemon=True,
+            )
             for i, token in enumerate(tokens)
         ]
         for thread in threads:
             thread.start()
         progress, run = watch(store, run_id, started, started + scale.timeout_s, threads)
         finished = time.monotonic()
-        cpu_s, sites_cpu_s = cpu_seconds(coordinator.pid) - cpu_start, cpu_seconds() - sites_cpu_start
+        cpu_s, sites_cpu_s = (
+            cpu_seconds(coordinator.pid) - cpu_start,
+            cpu_seconds() - sites_cpu_start,
+        )
         polling_start = cpu_seconds(coordinator.pid)
-        time.sleep(scale.poll_window_s)  # the run is over: the sites only poll for their next message
+        time.sleep(
+            scale.poll_window_s
+        )  # the run is over: the sites only poll for their next message
         polling_share = (cpu_seconds(coordinator.pid) - polling_start) / scale.poll_window_s
         stop.set()
         for thread in threads:
@@ -175,11 +203,26 @@ def run_benchmark(scale: Scale, work: Path) -> dict[str, Any]:
         "wall_s": finished - started,
         "startup_s": progress[0][0] if progress else None,
         "rounds": [
-            {key: entry[key] for key in ("round", "seconds", "gap_s", "aggregation_s", "sites_ok", "sites_failed",
-                                         "loss", "accuracy", "bytes_up", "bytes_down")}
+            {
+                key: entry[key]
+                for key in (
+                    "round",
+                    "seconds",
+                    "gap_s",
+                    "aggregation_s",
+                    "sites_ok",
+                    "sites_failed",
+                    "loss",
+                    "accuracy",
+                    "bytes_up",
+                    "bytes_down",
+                )
+            }
             for entry in rounds
         ],
-        "round_s_median": statistics.median(entry["seconds"] for entry in rounds) if rounds else None,
+        "round_s_median": statistics.median(entry["seconds"] for entry in rounds)
+        if rounds
+        else None,
         "errors": {
             "agent_errors": agent_errors,
             "site_warnings": dict(counter.counts.most_common(10)),
@@ -195,7 +238,9 @@ def run_benchmark(scale: Scale, work: Path) -> dict[str, Any]:
             "cpu_s": cpu_s,
             "cpu_share_of_one_core": cpu_s / (finished - started),
             "idle_polling_cpu_share_of_one_core": polling_share,
-            "rss_trace": [(round(at - started, 2), round(rss / MB, 1)) for at, rss in sampler.samples[::4]],
+            "rss_trace": [
+                (round(at - started, 2), round(rss / MB, 1)) for at, rss in sampler.samples[::4]
+            ],
         },
         "sites_process": {
             "site_process_mb": site_process / MB,
@@ -228,7 +273,9 @@ def watch(
         run = store.run(run_id)
         done = len(run.history) - 1 if run.history else -1
         if done > seen:
-            progress.extend((round(time.monotonic() - started, 2), r) for r in range(seen + 1, done + 1))
+            progress.extend(
+                (round(time.monotonic() - started, 2), r) for r in range(seen + 1, done + 1)
+            )
             seen = done
         if run.status in ("finished", "failed") or time.monotonic() > deadline:
             return progress, run
@@ -239,18 +286,37 @@ def watch(
 
 def print_tables(summary: dict[str, Any]) -> None:
     console = Console()
-    work, run, coordinator, errors = summary["workload"], summary["run"], summary["coordinator"], summary["errors"]
+    work, run, coordinator, errors = (
+        summary["workload"],
+        summary["run"],
+        summary["coordinator"],
+        summary["errors"],
+    )
     table = Table(
         title=f"{work['sites']} site agents, {work['task']} {work['strategy']}, {work['rounds']} rounds: run "
         f"{run['status']} ({run['rounds_done']} rounds) in {summary['wall_s']:.1f} s "
         f"(start-up to the initial evaluation {summary['startup_s'] or 0:.1f} s)"
     )
-    for column in ("round", "seconds", "gap s", "aggregation s", "sites ok", "sites failed", "loss", "accuracy"):
+    for column in (
+        "round",
+        "seconds",
+        "gap s",
+        "aggregation s",
+        "sites ok",
+        "sites failed",
+        "loss",
+        "accuracy",
+    ):
         table.add_column(column, justify="right")
     for entry in summary["rounds"]:
         table.add_row(
-            str(entry["round"]), f"{entry['seconds']:.2f}", f"{entry['gap_s']:.2f}", f"{entry['aggregation_s']:.3f}",
-            str(entry["sites_ok"]), str(entry["sites_failed"]), f"{entry['loss'] or 0:.4f}",
+            str(entry["round"]),
+            f"{entry['seconds']:.2f}",
+            f"{entry['gap_s']:.2f}",
+            f"{entry['aggregation_s']:.3f}",
+            str(entry["sites_ok"]),
+            str(entry["sites_failed"]),
+            f"{entry['loss'] or 0:.4f}",
             f"{entry['accuracy'] or 0:.4f}",
         )
     console.print(table)
@@ -278,23 +344,46 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     rounds = summary["rounds"]
     numbers = [entry["round"] for entry in rounds]
-    left.bar(numbers, [entry["seconds"] for entry in rounds], color="tab:blue", label="round (train + evaluate)")
-    left.bar(numbers, [entry["gap_s"] for entry in rounds], bottom=[entry["seconds"] for entry in rounds],
-             color="tab:gray", label="gap before the round")
+    left.bar(
+        numbers,
+        [entry["seconds"] for entry in rounds],
+        color="tab:blue",
+        label="round (train + evaluate)",
+    )
+    left.bar(
+        numbers,
+        [entry["gap_s"] for entry in rounds],
+        bottom=[entry["seconds"] for entry in rounds],
+        color="tab:gray",
+        label="gap before the round",
+    )
     left.set_xlabel("round")
     left.set_ylabel("seconds")
-    left.set_title(f"{summary['workload']['sites']} sites: {summary['run']['status']}, "
-                   f"{sum(entry['sites_failed'] for entry in rounds)} failed site-rounds")
+    left.set_title(
+        f"{summary['workload']['sites']} sites: {summary['run']['status']}, "
+        f"{sum(entry['sites_failed'] for entry in rounds)} failed site-rounds"
+    )
     left.legend()
     trace = summary["coordinator"]["rss_trace"]
-    right.plot([at for at, _ in trace], [rss for _, rss in trace], color="tab:blue", label="coordinator RSS")
+    right.plot(
+        [at for at, _ in trace],
+        [rss for _, rss in trace],
+        color="tab:blue",
+        label="coordinator RSS",
+    )
     for at, number in summary["progress"]:
         right.axvline(at, color="gray", linestyle=":", linewidth=0.8)
-        right.annotate(str(number), (at, 0.02), xycoords=("data", "axes fraction"), fontsize="small")
-    right.set_xlabel("seconds since the agents started (dotted: round recorded; 0 = initial evaluation)")
+        right.annotate(
+            str(number), (at, 0.02), xycoords=("data", "axes fraction"), fontsize="small"
+        )
+    right.set_xlabel(
+        "seconds since the agents started (dotted: round recorded; 0 = initial evaluation)"
+    )
     right.set_ylabel("MB")
-    right.set_title(f"coordinator RSS: idle {summary['coordinator']['idle_mb']:.0f} MB, "
-                    f"peak {summary['coordinator']['peak_mb']:.0f} MB")
+    right.set_title(
+        f"coordinator RSS: idle {summary['coordinator']['idle_mb']:.0f} MB, "
+        f"peak {summary['coordinator']['peak_mb']:.0f} MB"
+    )
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -307,7 +396,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="override the number of rounds")
     args = parser.parse_args()
     scale = QUICK if args.quick else FULL
-    scale = dataclasses.replace(scale, sites=args.sites or scale.sites, rounds=args.rounds or scale.rounds)
+    scale = dataclasses.replace(
+        scale, sites=args.sites or scale.sites, rounds=args.rounds or scale.rounds
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="hydrafl-sites-") as tmp:

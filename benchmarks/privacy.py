@@ -74,16 +74,26 @@ class Scale:
     strategies: tuple[str, ...] = STRATEGIES
 
 
-FULL = Scale(sites=20, samples_per_site=40, rounds=8, local_steps=10, targets=(1000.0, 128.0, 8.0, 4.0, 1.0))
+FULL = Scale(
+    sites=20, samples_per_site=40, rounds=8, local_steps=10, targets=(1000.0, 128.0, 8.0, 4.0, 1.0)
+)
 QUICK = Scale(sites=3, samples_per_site=40, rounds=2, local_steps=2, targets=(4.0,))
 
 
 def run_config(scale: Scale, strategy: str, **dp: Any) -> RunConfig:
     tiers = {"site_tiers": TIERS} if strategy == "hydra" else {}
     return RunConfig.build(
-        task="clinical-text", strategy=strategy, partition=scale.partition, sites=scale.sites,
-        samples_per_site=scale.samples_per_site, rounds=scale.rounds, local_steps=scale.local_steps, batch_size=16,
-        lr=5e-3, **tiers, **dp,
+        task="clinical-text",
+        strategy=strategy,
+        partition=scale.partition,
+        sites=scale.sites,
+        samples_per_site=scale.samples_per_site,
+        rounds=scale.rounds,
+        local_steps=scale.local_steps,
+        batch_size=16,
+        lr=5e-3,
+        **tiers,
+        **dp,
     )
 
 
@@ -98,7 +108,8 @@ class NormProbe(InProcessGrid):
         replies = list(super().send_and_receive(messages, timeout=timeout))
         norms = [
             l2_norm({name: torch.from_numpy(array.numpy()) for name, array in record.items()})
-            for reply in replies if reply.metadata.message_type == "train" and not reply.has_error()
+            for reply in replies
+            if reply.metadata.message_type == "train" and not reply.has_error()
             for record in reply.content.array_records.values()
         ]
         if norms:
@@ -106,7 +117,9 @@ class NormProbe(InProcessGrid):
         return replies
 
 
-def one_run(cfg: RunConfig, progress: Progress, label: str) -> tuple[list[dict[str, Any]], NormProbe]:
+def one_run(
+    cfg: RunConfig, progress: Progress, label: str
+) -> tuple[list[dict[str, Any]], NormProbe]:
     task = progress.add_task(label, total=cfg.rounds)
     grid = NormProbe(client_app, cfg.sites, cfg.to_flower())
 
@@ -119,26 +132,48 @@ def one_run(cfg: RunConfig, progress: Progress, label: str) -> tuple[list[dict[s
 
 def run(scale: Scale) -> dict[str, Any]:
     """Per strategy: the non-private run (which sets its clip), then one run per target epsilon."""
-    columns = (TextColumn("{task.description:<20}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.description:<20}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     runs, clips = [], {}
     started = time.perf_counter()
     sample = RoundSample(scale.sites, scale.sites)
-    noise = {target: calibrate_noise_multiplier(target, sample, scale.rounds, delta=DELTA) for target in scale.targets}
+    noise = {
+        target: calibrate_noise_multiplier(target, sample, scale.rounds, delta=DELTA)
+        for target in scale.targets
+    }
     with Progress(*columns) as progress:
         for strategy in scale.strategies:
             history, grid = one_run(run_config(scale, strategy), progress, f"{strategy} no DP")
             clip = clips[strategy] = statistics.median(grid.norms[0])
             runs.append(summarise(None, 0.0, clip, scale, history, strategy=strategy))
             for target, z in noise.items():
-                cfg = run_config(scale, strategy, dp_noise_multiplier=z, dp_clip=clip, dp_delta=DELTA)
+                cfg = run_config(
+                    scale, strategy, dp_noise_multiplier=z, dp_clip=clip, dp_delta=DELTA
+                )
                 history, _ = one_run(cfg, progress, f"{strategy} epsilon {target:g}")
                 runs.append(summarise(target, z, clip, scale, history, strategy=strategy))
-    return {"benchmark": NAME, "scale": asdict(scale), "delta": DELTA, "clips": clips, "runs": runs,
-            "seconds": time.perf_counter() - started}
+    return {
+        "benchmark": NAME,
+        "scale": asdict(scale),
+        "delta": DELTA,
+        "clips": clips,
+        "runs": runs,
+        "seconds": time.perf_counter() - started,
+    }
 
 
 def summarise(
-    target: float | None, z: float, clip: float, scale: Scale, history: list[dict[str, Any]], *, strategy: str = "",
+    target: float | None,
+    z: float,
+    clip: float,
+    scale: Scale,
+    history: list[dict[str, Any]],
+    *,
+    strategy: str = "",
 ) -> dict[str, Any]:
     """One run: its noise, the epsilon it spent (both accountants', as the run reported them) and its accuracy."""
     return {
@@ -174,8 +209,10 @@ def markdown(summary: dict[str, Any]) -> str:
         target = "no DP" if run["target_epsilon"] is None else f"{run['target_epsilon']:g}"
         spent = "inf" if run["epsilon"] is None else f"{run['epsilon']:.3f}"
         exact = "inf" if run["epsilon_exact"] is None else f"{run['epsilon_exact']:.3f}"
-        lines.append(f"| {run['strategy']} | {target} | {run['noise_multiplier']:.3f} | {run['clip']:.3f} | "
-                     f"{run['noise_std']:.4f} | {spent} | {exact} | {run['accuracy']:.3f} |")
+        lines.append(
+            f"| {run['strategy']} | {target} | {run['noise_multiplier']:.3f} | {run['clip']:.3f} | "
+            f"{run['noise_std']:.4f} | {spent} | {exact} | {run['accuracy']:.3f} |"
+        )
     if "seconds" in summary:
         lines += ["", f"{len(summary['runs'])} runs in {summary['seconds'] / 60:.1f} minutes."]
     return "\n".join(lines) + "\n"
@@ -191,8 +228,17 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         per_round = fig.add_subplot(grid[0, column])
         runs = [run for run in summary["runs"] if run["strategy"] == strategy]
         for run in runs:
-            label = "no DP" if run["target_epsilon"] is None else f"epsilon {run['target_epsilon']:g} (z {run['noise_multiplier']:.2f})"
-            per_round.plot(range(len(run["accuracy_per_round"])), run["accuracy_per_round"], marker="o", label=label)
+            label = (
+                "no DP"
+                if run["target_epsilon"] is None
+                else f"epsilon {run['target_epsilon']:g} (z {run['noise_multiplier']:.2f})"
+            )
+            per_round.plot(
+                range(len(run["accuracy_per_round"])),
+                run["accuracy_per_round"],
+                marker="o",
+                label=label,
+            )
         per_round.set_title(strategy)
         per_round.set_ylim(0.0, 1.0)
         per_round.set_xlabel("round")
@@ -200,9 +246,17 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         per_round.legend(fontsize="x-small")
         colour = colours[column % len(colours)]
         private = [run for run in runs if run["epsilon"] is not None]
-        final.plot([run["epsilon"] for run in private], [run["accuracy"] for run in private],
-                   marker="osD^v<>"[column % 7], markersize=max(9 - column, 3), color=colour, label=f"{strategy}, central DP")
-        baseline = next((run["accuracy"] for run in runs if run["target_epsilon"] is None), math.nan)
+        final.plot(
+            [run["epsilon"] for run in private],
+            [run["accuracy"] for run in private],
+            marker="osD^v<>"[column % 7],
+            markersize=max(9 - column, 3),
+            color=colour,
+            label=f"{strategy}, central DP",
+        )
+        baseline = next(
+            (run["accuracy"] for run in runs if run["target_epsilon"] is None), math.nan
+        )
         final.axhline(baseline, linestyle="--", color=colour, label=f"{strategy}, no DP")
     final.set_xscale("log")
     final.set_xlabel(f"epsilon spent, RDP (delta {summary['delta']:g})")
@@ -218,13 +272,23 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def main() -> None:
-    parser = benchmark_parser(__doc__, "3 sites, 2 rounds, each strategy without DP and at epsilon 4")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated strategies")
-    parser.add_argument("--targets", default="", help="comma-separated target epsilons (default: 1000,128,8,4,1; quick: 4)")
+    parser = benchmark_parser(
+        __doc__, "3 sites, 2 rounds, each strategy without DP and at epsilon 4"
+    )
+    parser.add_argument(
+        "--strategies", default=",".join(STRATEGIES), help="comma-separated strategies"
+    )
+    parser.add_argument(
+        "--targets",
+        default="",
+        help="comma-separated target epsilons (default: 1000,128,8,4,1; quick: 4)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    logging.getLogger("flwr").setLevel(logging.WARNING)  # Flower logs every round's sampling: hundreds of lines
+    logging.getLogger("flwr").setLevel(
+        logging.WARNING
+    )  # Flower logs every round's sampling: hundreds of lines
     scale = QUICK if args.quick else FULL
     strategies = tuple(name.strip() for name in args.strategies.split(",") if name.strip())
     scale = replace(scale, strategies=strategies, targets=_floats(args.targets) or scale.targets)

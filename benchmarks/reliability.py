@@ -59,7 +59,15 @@ from hydrafl.benchmarks._reliability_cluster import (  # noqa: E402
     cluster_wait,  # noqa: E402
     run_clean,
 )
-from hydrafl.benchmarks._reliability_hostile import FORGED, KINDS, Attacker, Tally, add_earlier_run, attack, start_agent  # noqa: E402
+from hydrafl.benchmarks._reliability_hostile import (
+    FORGED,
+    KINDS,
+    Attacker,
+    Tally,
+    add_earlier_run,
+    attack,
+    start_agent,
+)  # noqa: E402
 from hydrafl.benchmarks._reliability_listeners import listener_campaign, listener_markdown  # noqa: E402
 from hydrafl.benchmarks._reliability_site import site_disk_full, site_upload_resume  # noqa: E402
 from hydrafl.config import RunConfig  # noqa: E402
@@ -71,27 +79,48 @@ SITES = [f"hospital-{i}" for i in range(RUN.sites)]
 PARTS = ("kills", "hostile", "sites", "listeners")
 
 
-def kill_campaign(work: Path, cfg: RunConfig, kills: int, seed: int, progress: Progress) -> dict[str, Any]:
+def kill_campaign(
+    work: Path, cfg: RunConfig, kills: int, seed: int, progress: Progress
+) -> dict[str, Any]:
     """The reference run, then killed runs until `kills` kills; per run what the goal checks."""
     task = progress.add_task("reference run", total=None)
     reference, reference_s = run_clean(work / "reference", cfg)
-    progress.update(task, description=f"kills (reference {reference_s:.0f} s)", total=kills, completed=0)
+    progress.update(
+        task, description=f"kills (reference {reference_s:.0f} s)", total=kills, completed=0
+    )
     rng = random.Random(seed)
     runs: list[dict[str, Any]] = []
     done = 0
     while done < kills:
-        run = _killed_run(work / f"killed-{len(runs)}", cfg, min(KILLS_PER_RUN, kills - done), reference_s, rng,
-                          lambda: progress.advance(task))
+        run = _killed_run(
+            work / f"killed-{len(runs)}",
+            cfg,
+            min(KILLS_PER_RUN, kills - done),
+            reference_s,
+            rng,
+            lambda: progress.advance(task),
+        )
         run.update(_compare(run.pop("outcome"), reference))
         runs.append(run)
         done += run["kills"]
     progress.remove_task(task)
-    return {"reference_s": reference_s, "reference_accepted": len(reference.accepted), "runs": runs,
-            "kills": done, "ok": all(run["ok"] for run in runs)}
+    return {
+        "reference_s": reference_s,
+        "reference_accepted": len(reference.accepted),
+        "runs": runs,
+        "kills": done,
+        "ok": all(run["ok"] for run in runs),
+    }
 
 
-def _killed_run(root: Path, cfg: RunConfig, kills: int, reference_s: float, rng: random.Random,
-                advance: Callable[[], None]) -> dict[str, Any]:
+def _killed_run(
+    root: Path,
+    cfg: RunConfig,
+    kills: int,
+    reference_s: float,
+    rng: random.Random,
+    advance: Callable[[], None],
+) -> dict[str, Any]:
     """One run whose coordinator is killed `kills` times (fewer when it finishes first) at moments drawn
     uniformly over the reference's duration, each measured from the restart before it."""
     moments = sorted(rng.uniform(0, reference_s) for _ in range(kills))
@@ -106,18 +135,29 @@ def _killed_run(root: Path, cfg: RunConfig, kills: int, reference_s: float, rng:
             cluster.start_site(name)
         for gap in gaps:
             deadline = time.monotonic() + gap
-            while time.monotonic() < deadline and cluster.store.run_status(run_id) not in ("finished", "failed"):
+            while time.monotonic() < deadline and cluster.store.run_status(run_id) not in (
+                "finished",
+                "failed",
+            ):
                 time.sleep(0.05)
             if cluster.store.run_status(run_id) in ("finished", "failed"):
                 break
             cluster.kill_coordinator()
-            killed_at.append({"after_s": round(time.perf_counter() - started, 2),
-                              "rounds_done": cluster.store.run(run_id).rounds_done})
+            killed_at.append(
+                {
+                    "after_s": round(time.perf_counter() - started, 2),
+                    "rounds_done": cluster.store.run(run_id).rounds_done,
+                }
+            )
             advance()
             cluster.start_coordinator()
         cluster.wait_run(run_id, 20 * reference_s + 300)
-        return {"kills": len(killed_at), "killed_at": killed_at, "seconds": time.perf_counter() - started,
-                "outcome": cluster.outcome(run_id)}
+        return {
+            "kills": len(killed_at),
+            "killed_at": killed_at,
+            "seconds": time.perf_counter() - started,
+            "outcome": cluster.outcome(run_id),
+        }
     finally:
         cluster.close()
 
@@ -127,52 +167,88 @@ def _compare(outcome: RunOutcome, reference: RunOutcome) -> dict[str, Any]:
     checks = {
         "finished": outcome.status == "finished",
         "same_model": outcome.same_model(reference),
-        "all_sites_every_round": outcome.sites_ok == reference.sites_ok == [RUN.sites] * len(reference.sites_ok),
-        "accepted_once": len(outcome.accepted) == len(set(outcome.accepted)) == len(reference.accepted),
+        "all_sites_every_round": outcome.sites_ok
+        == reference.sites_ok
+        == [RUN.sites] * len(reference.sites_ok),
+        "accepted_once": len(outcome.accepted)
+        == len(set(outcome.accepted))
+        == len(reference.accepted),
     }
-    return {**checks, "detail": outcome.detail, "accepted": len(outcome.accepted), "ok": all(checks.values())}
+    return {
+        **checks,
+        "detail": outcome.detail,
+        "accepted": len(outcome.accepted),
+        "ok": all(checks.values()),
+    }
 
 
-def hostile_campaign(work: Path, requests: int, rounds: int, seed: int, progress: Progress) -> dict[str, Any]:
+def hostile_campaign(
+    work: Path, requests: int, rounds: int, seed: int, progress: Progress
+) -> dict[str, Any]:
     """A clean run and the same run under `requests` hostile requests; the tallies and what must match."""
     cfg = RUN.replace(sites=RUN.sites + 1, rounds=rounds)
     task = progress.add_task("hostile: clean run", total=None)
     clean, clean_stored, _, _ = _attacked_run(work / "clean", cfg, 0, seed, progress, task)
     progress.update(task, description="hostile requests", total=requests, completed=0)
-    attacked, stored, tally, seconds = _attacked_run(work / "attacked", cfg, requests, seed, progress, task)
+    attacked, stored, tally, seconds = _attacked_run(
+        work / "attacked", cfg, requests, seed, progress, task
+    )
     progress.remove_task(task)
     kinds = {
-        kind: {"sent": tally.sent[kind],
-               "expected": sorted(code.name for code in KINDS[kind][0]) + (["FAILED_PRECONDITION (late)"] if kind in FORGED else []),
-               "got": dict(tally.got.get(kind, {})), "wrong": dict(tally.wrong.get(kind, {}))}
+        kind: {
+            "sent": tally.sent[kind],
+            "expected": sorted(code.name for code in KINDS[kind][0])
+            + (["FAILED_PRECONDITION (late)"] if kind in FORGED else []),
+            "got": dict(tally.got.get(kind, {})),
+            "wrong": dict(tally.wrong.get(kind, {})),
+        }
         for kind in KINDS
     }
     checks = {
         "no_crash": tally.crashes == 0,
         "right_status": not tally.wrong,
-        "nothing_stored": stored == clean_stored and sorted(attacked.accepted) == sorted(clean.accepted)
+        "nothing_stored": stored == clean_stored
+        and sorted(attacked.accepted) == sorted(clean.accepted)
         and attacked.declined == clean.declined == [],
-        "run_unaffected": attacked.status == clean.status == "finished" and attacked.same_model(clean)
+        "run_unaffected": attacked.status == clean.status == "finished"
+        and attacked.same_model(clean)
         and attacked.sites_ok == clean.sites_ok,
     }
-    return {"requests": sum(tally.sent.values()), "seconds": seconds, "health_checks": tally.health_checks,
-            "crashes": tally.crashes, "kinds": kinds, **checks,
-            "stored_difference": {k: sorted(stored[k] ^ clean_stored[k])[:10] for k in stored},
-            "ok": all(checks.values())}
+    return {
+        "requests": sum(tally.sent.values()),
+        "seconds": seconds,
+        "health_checks": tally.health_checks,
+        "crashes": tally.crashes,
+        "kinds": kinds,
+        **checks,
+        "stored_difference": {k: sorted(stored[k] ^ clean_stored[k])[:10] for k in stored},
+        "ok": all(checks.values()),
+    }
 
 
-def _attacked_run(root: Path, cfg: RunConfig, requests: int, seed: int, progress: Progress,
-                  task: TaskID) -> tuple[RunOutcome, dict[str, set[str]], Tally, float]:
+def _attacked_run(
+    root: Path, cfg: RunConfig, requests: int, seed: int, progress: Progress, task: TaskID
+) -> tuple[RunOutcome, dict[str, set[str]], Tally, float]:
     """`cfg` driven by the three site processes and mallory's own agent; with `requests`, attacked once mallory
     has a reply to forge. The run's outcome, its storage once settled, the tally and the attack's seconds."""
     names = [*SITES, "mallory", "revoked"]
-    cluster = Cluster(root, names, listen_host="localhost")  # [::1] too: the address auth failures come from
+    cluster = Cluster(
+        root, names, listen_host="localhost"
+    )  # [::1] too: the address auth failures come from
     cluster.store.revoke_site("revoked")
     mallory = next(site.node_id for site in cluster.store.sites() if site.name == "mallory")
     config = {k: v for k, v in cfg.to_flower().items() if k not in ("run-dir", "resume")}
     earlier = add_earlier_run(cluster.store, config, mallory)
     run_id = cluster.queue(cfg)
-    attacker = Attacker(cluster.address, f"[::1]:{cluster.port}", cluster.store, run_id, cluster.tokens, earlier, seed)
+    attacker = Attacker(
+        cluster.address,
+        f"[::1]:{cluster.port}",
+        cluster.store,
+        run_id,
+        cluster.tokens,
+        earlier,
+        seed,
+    )
     thread = stop = None
     try:
         cluster.start_coordinator()
@@ -183,8 +259,13 @@ def _attacked_run(root: Path, cfg: RunConfig, requests: int, seed: int, progress
         if requests:
             cluster_wait(attacker.ready, cluster, run_id)
             started = time.perf_counter()
-            tally = attack(attacker, requests, cluster.healthy, lambda: cluster.store.run_status(run_id) == "running",
-                           lambda n: progress.update(task, completed=n))
+            tally = attack(
+                attacker,
+                requests,
+                cluster.healthy,
+                lambda: cluster.store.run_status(run_id) == "running",
+                lambda n: progress.update(task, completed=n),
+            )
             seconds = time.perf_counter() - started
         cluster.wait_run(run_id, 1800)
         return cluster.outcome(run_id), cluster.settled(), tally, seconds
@@ -200,22 +281,47 @@ def print_tables(summary: dict[str, Any]) -> None:
     """The three parts' tables and one line of verdicts."""
     console = Console()
     kills = summary["kills"]
-    table = Table(title=f"kill -9 of the coordinator: {kills['kills']} kills, reference run {kills['reference_s']:.0f} s")
-    for column in ("run", "kills", "rounds done at kills", "seconds", "finished", "same model", "all sites", "accepted once"):
+    table = Table(
+        title=f"kill -9 of the coordinator: {kills['kills']} kills, reference run {kills['reference_s']:.0f} s"
+    )
+    for column in (
+        "run",
+        "kills",
+        "rounds done at kills",
+        "seconds",
+        "finished",
+        "same model",
+        "all sites",
+        "accepted once",
+    ):
         table.add_column(column, justify="right")
     for i, run in enumerate(kills["runs"]):
-        table.add_row(str(i), str(run["kills"]), ",".join(str(k["rounds_done"]) for k in run["killed_at"]),
-                      f"{run['seconds']:.0f}", *(_yes(run[k]) for k in ("finished", "same_model", "all_sites_every_round",
-                                                                        "accepted_once")))
+        table.add_row(
+            str(i),
+            str(run["kills"]),
+            ",".join(str(k["rounds_done"]) for k in run["killed_at"]),
+            f"{run['seconds']:.0f}",
+            *(
+                _yes(run[k])
+                for k in ("finished", "same_model", "all_sites_every_round", "accepted_once")
+            ),
+        )
     console.print(table)
     hostile = summary["hostile"]
-    table = Table(title=f"{hostile['requests']} hostile requests in {hostile['seconds']:.0f} s, "
-                        f"{hostile['health_checks']} health checks, {hostile['crashes']} crashes")
+    table = Table(
+        title=f"{hostile['requests']} hostile requests in {hostile['seconds']:.0f} s, "
+        f"{hostile['health_checks']} health checks, {hostile['crashes']} crashes"
+    )
     for column in ("kind", "sent", "right status", "got"):
         table.add_column(column, justify="left" if column in ("kind", "got") else "right")
     for kind, entry in hostile["kinds"].items():
         got = ", ".join(f"{code} {n}" for code, n in sorted(entry["got"].items()))
-        table.add_row(kind, str(entry["sent"]), " or ".join(entry["expected"]), got if not entry["wrong"] else f"[red]{got}[/]")
+        table.add_row(
+            kind,
+            str(entry["sent"]),
+            " or ".join(entry["expected"]),
+            got if not entry["wrong"] else f"[red]{got}[/]",
+        )
     console.print(table)
     sites = summary["sites"]
     console.print(
@@ -225,7 +331,9 @@ def print_tables(summary: dict[str, Any]) -> None:
         f"{verdict(sites['upload']['ok'])}; disk full said and rejoined: {verdict(sites['disk_full']['ok'])}"
     )
     if "listeners" in summary:
-        console.print("\n".join(listener_markdown(summary["listeners"])), markup=False, highlight=False)
+        console.print(
+            "\n".join(listener_markdown(summary["listeners"])), markup=False, highlight=False
+        )
         console.print(f"slow clients and long strings: {verdict(summary['listeners']['ok'])}")
 
 
@@ -236,29 +344,51 @@ def _yes(value: bool) -> str:
 def markdown(summary: dict[str, Any]) -> str:
     """reliability.md: the same tables as the console's, for the record."""
     kills, hostile, sites = summary["kills"], summary["hostile"], summary["sites"]
-    lines = [f"# Reliability campaign{' (quick)' if summary['quick'] else ''}", "",
-             f"## kill -9 of the coordinator: {kills['kills']} kills (reference run {kills['reference_s']:.0f} s, "
-             f"{kills['reference_accepted']} accepted updates)", "",
-             "| run | kills | rounds done at each kill | seconds | finished | identical final model | 3 sites every round | each update accepted once |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Reliability campaign{' (quick)' if summary['quick'] else ''}",
+        "",
+        f"## kill -9 of the coordinator: {kills['kills']} kills (reference run {kills['reference_s']:.0f} s, "
+        f"{kills['reference_accepted']} accepted updates)",
+        "",
+        "| run | kills | rounds done at each kill | seconds | finished | identical final model | 3 sites every round | each update accepted once |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for i, run in enumerate(kills["runs"]):
-        marks = ["yes" if run[k] else "NO" for k in ("finished", "same_model", "all_sites_every_round", "accepted_once")]
-        lines.append(f"| {i} | {run['kills']} | {', '.join(str(k['rounds_done']) for k in run['killed_at'])} | "
-                     f"{run['seconds']:.0f} | {' | '.join(marks)} |")
-    lines += ["", f"## {hostile['requests']} hostile requests ({hostile['seconds']:.0f} s, {hostile['crashes']} crashes in "
-              f"{hostile['health_checks']} health checks)", "", "| kind | sent | right status | got |", "|---|---|---|---|"]
+        marks = [
+            "yes" if run[k] else "NO"
+            for k in ("finished", "same_model", "all_sites_every_round", "accepted_once")
+        ]
+        lines.append(
+            f"| {i} | {run['kills']} | {', '.join(str(k['rounds_done']) for k in run['killed_at'])} | "
+            f"{run['seconds']:.0f} | {' | '.join(marks)} |"
+        )
+    lines += [
+        "",
+        f"## {hostile['requests']} hostile requests ({hostile['seconds']:.0f} s, {hostile['crashes']} crashes in "
+        f"{hostile['health_checks']} health checks)",
+        "",
+        "| kind | sent | right status | got |",
+        "|---|---|---|---|",
+    ]
     for kind, entry in hostile["kinds"].items():
         got = ", ".join(f"{code} {n}" for code, n in sorted(entry["got"].items()))
         lines.append(f"| {kind} | {entry['sent']} | {' or '.join(entry['expected'])} | {got} |")
-    lines += ["", f"Nothing stored: {hostile['nothing_stored']}; run unaffected (same final model as without the "
-              f"attack): {hostile['run_unaffected']}.", "", "## Sites", "",
-              f"- killed mid-upload: {sites['upload']['chunks_held_after_kill']} chunks held by the coordinator after "
-              f"the kill, {sites['upload']['chunks_skipped_on_restart']} of {sites['upload']['chunks_in_reply']} not "
-              f"sent again after the restart; run {sites['upload']['run_status']}, sites per round "
-              f"{sites['upload']['sites_ok']}.",
-              f"- disk full: reply `{sites['disk_full']['reply_reason']}`; site log `{sites['disk_full']['site_log_line']}`; "
-              f"back with all sites in rounds {sites['disk_full']['rounds_back_with_all_sites']}; run "
-              f"{sites['disk_full']['run_status']}.", ""]
+    lines += [
+        "",
+        f"Nothing stored: {hostile['nothing_stored']}; run unaffected (same final model as without the "
+        f"attack): {hostile['run_unaffected']}.",
+        "",
+        "## Sites",
+        "",
+        f"- killed mid-upload: {sites['upload']['chunks_held_after_kill']} chunks held by the coordinator after "
+        f"the kill, {sites['upload']['chunks_skipped_on_restart']} of {sites['upload']['chunks_in_reply']} not "
+        f"sent again after the restart; run {sites['upload']['run_status']}, sites per round "
+        f"{sites['upload']['sites_ok']}.",
+        f"- disk full: reply `{sites['disk_full']['reply_reason']}`; site log `{sites['disk_full']['site_log_line']}`; "
+        f"back with all sites in rounds {sites['disk_full']['rounds_back_with_all_sites']}; run "
+        f"{sites['disk_full']['run_status']}.",
+        "",
+    ]
     if "listeners" in summary:
         lines += listener_markdown(summary["listeners"])
     return "\n".join(lines)
@@ -266,15 +396,23 @@ def markdown(summary: dict[str, Any]) -> str:
 
 def plot(summary: dict[str, Any], path: Path) -> None:
     """Left: when each kill happened; right: the statuses of the hostile requests by kind."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [1, 1.6]})
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [1, 1.6]}
+    )
     for i, run in enumerate(summary["kills"]["runs"]):
-        left.scatter([k["after_s"] for k in run["killed_at"]], [i] * run["kills"], marker="x",
-                     color="tab:green" if run["ok"] else "tab:red")
+        left.scatter(
+            [k["after_s"] for k in run["killed_at"]],
+            [i] * run["kills"],
+            marker="x",
+            color="tab:green" if run["ok"] else "tab:red",
+        )
     left.set_xlabel("seconds into the run")
     left.set_ylabel("run")
     left.set_title(f"{summary['kills']['kills']} kill -9 moments (green: identical final model)")
     kinds = list(summary["hostile"]["kinds"])
-    codes = sorted({code for entry in summary["hostile"]["kinds"].values() for code in entry["got"]})
+    codes = sorted(
+        {code for entry in summary["hostile"]["kinds"].values() for code in entry["got"]}
+    )
     bottom = [0] * len(kinds)
     for code in codes:
         counts = [summary["hostile"]["kinds"][kind]["got"].get(code, 0) for kind in kinds]
@@ -291,16 +429,34 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    parser = benchmark_parser(__doc__, "3 kills of a 3-round run, 500 hostile requests, 300 idle connections")
-    parser.add_argument("--kills", type=int, help="coordinator kills in all (default 20; 3 with --quick)")
-    parser.add_argument("--requests", type=int, help="hostile requests (default 10000; 500 with --quick)")
-    parser.add_argument("--idle", type=int, help="idle connections to each port (default 1100; 300 with --quick)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the kill moments and the hostile requests")
-    parser.add_argument("--only", choices=PARTS, action="append",
-                        help="run only this part (repeatable); the other parts' results already in --out are kept")
-    parser.add_argument("--keep", action="store_true", help="keep the runs' folders (logs, databases) under --out")
+    parser = benchmark_parser(
+        __doc__, "3 kills of a 3-round run, 500 hostile requests, 300 idle connections"
+    )
+    parser.add_argument(
+        "--kills", type=int, help="coordinator kills in all (default 20; 3 with --quick)"
+    )
+    parser.add_argument(
+        "--requests", type=int, help="hostile requests (default 10000; 500 with --quick)"
+    )
+    parser.add_argument(
+        "--idle", type=int, help="idle connections to each port (default 1100; 300 with --quick)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the kill moments and the hostile requests"
+    )
+    parser.add_argument(
+        "--only",
+        choices=PARTS,
+        action="append",
+        help="run only this part (repeatable); the other parts' results already in --out are kept",
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the runs' folders (logs, databases) under --out"
+    )
     args = parser.parse_args()
-    torch.set_num_threads(1)  # the attacker's own site trains in this process: the same arithmetic every run
+    torch.set_num_threads(
+        1
+    )  # the attacker's own site trains in this process: the same arithmetic every run
     kills = args.kills or (3 if args.quick else 20)
     requests = args.requests or (500 if args.quick else 10_000)
     idle = args.idle or (300 if args.quick else 1_100)
@@ -309,9 +465,17 @@ def main() -> None:
     parts = args.only or PARTS
     work = Path(tempfile.mkdtemp(prefix="hydrafl-reliability-"))
     started = time.perf_counter()
-    summary: dict[str, Any] = {"benchmark": NAME, "quick": args.quick, "seed": args.seed,
-                               "run": {"task": cfg.task, "strategy": cfg.strategy, "rounds": cfg.rounds,
-                                       "sites": cfg.sites}}
+    summary: dict[str, Any] = {
+        "benchmark": NAME,
+        "quick": args.quick,
+        "seed": args.seed,
+        "run": {
+            "task": cfg.task,
+            "strategy": cfg.strategy,
+            "rounds": cfg.rounds,
+            "sites": cfg.sites,
+        },
+    }
     earlier = args.out / f"{NAME}.json"
     if args.only and earlier.exists():  # the parts not run now keep their recorded results
         summary = json.loads(earlier.read_text())
@@ -320,15 +484,25 @@ def main() -> None:
             if "kills" in parts:
                 summary["kills"] = kill_campaign(work / "kills", cfg, kills, args.seed, progress)
             if "hostile" in parts:
-                summary["hostile"] = hostile_campaign(work / "hostile", requests, hostile_rounds, args.seed, progress)
+                summary["hostile"] = hostile_campaign(
+                    work / "hostile", requests, hostile_rounds, args.seed, progress
+                )
             if "sites" in parts:
                 task = progress.add_task("sites: killed mid-upload, disk full", total=None)
-                summary["sites"] = {"upload": site_upload_resume(work / "upload"),
-                                    "disk_full": site_disk_full(work / "disk-full")}
+                summary["sites"] = {
+                    "upload": site_upload_resume(work / "upload"),
+                    "disk_full": site_disk_full(work / "disk-full"),
+                }
                 progress.remove_task(task)
             if "listeners" in parts:
-                summary["listeners"] = listener_campaign(work / "listeners", idle, 3 if args.quick else 10,
-                                                         2 if args.quick else 8, args.seed, progress)
+                summary["listeners"] = listener_campaign(
+                    work / "listeners",
+                    idle,
+                    3 if args.quick else 10,
+                    2 if args.quick else 8,
+                    args.seed,
+                    progress,
+                )
                 summary["listeners"]["quick"] = args.quick
     finally:
         if args.keep:

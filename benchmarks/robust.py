@@ -71,20 +71,29 @@ METHODS = {
     "multikrum": Method(strategy="multikrum", knobs={"krum_malicious": 2, "krum_selected": 6}),
     "bulyan": Method(strategy="bulyan", knobs={"krum_malicious": 1}),
     "hydra-median": Method(strategy="hydra", knobs={"robust_rule": "median"}),
-    "hydra-trimmed": Method(strategy="hydra", knobs={"robust_rule": "trimmed-mean", "trim_fraction": 0.2}),
+    "hydra-trimmed": Method(
+        strategy="hydra", knobs={"robust_rule": "trimmed-mean", "trim_fraction": 0.2}
+    ),
     "fedavg-screened": Method(strategy="fedavg", run=SCREENING),
     "hydra-screened": Method(strategy="hydra", run=SCREENING),
-    "hydra-median-screened": Method(strategy="hydra", knobs={"robust_rule": "median"}, run=SCREENING),
-    "hydra-clipped": Method(strategy="hydra", knobs={"robust_rule": "clipped-mean", "clip_factor": 1.0}),
-    "hydra-clipped-screened": Method(strategy="hydra", knobs={"robust_rule": "clipped-mean", "clip_factor": 1.0},
-                                     run=SCREENING),
+    "hydra-median-screened": Method(
+        strategy="hydra", knobs={"robust_rule": "median"}, run=SCREENING
+    ),
+    "hydra-clipped": Method(
+        strategy="hydra", knobs={"robust_rule": "clipped-mean", "clip_factor": 1.0}
+    ),
+    "hydra-clipped-screened": Method(
+        strategy="hydra", knobs={"robust_rule": "clipped-mean", "clip_factor": 1.0}, run=SCREENING
+    ),
 }
 
 SCALE = {  # per task: the shortest run in which the clean FedAvg clearly learns on a CPU (clinical-text at 5
     # rounds of 64 notes: 43% clean, the best robust rule 3-4 points below it under scale and gaussian; at 10
     # rounds of 128: 54%, every attack's best robust method within 2 points, 86 minutes on 2 busy cores)
     "tabular": dict(sites=10, samples_per_site=64, rounds=6, local_steps=4, batch_size=16, lr=3e-3),
-    "clinical-text": dict(sites=10, samples_per_site=128, rounds=10, local_steps=5, batch_size=16, lr=5e-3),
+    "clinical-text": dict(
+        sites=10, samples_per_site=128, rounds=10, local_steps=5, batch_size=16, lr=5e-3
+    ),
 }
 QUICK = {
     "tabular": dict(sites=7, samples_per_site=16, rounds=2, local_steps=2, batch_size=8, lr=5e-3),
@@ -97,13 +106,19 @@ TIERS = "small,medium,large"
 
 def run_one(task: str, attack: str, method: str, seed: int, scale: dict[str, Any]) -> float:
     """One method's final accuracy on `task` under `attack` (CLEAN: none) for `seed`, at `scale` (run keys)."""
-    logging.getLogger("flwr").setLevel(logging.WARNING)  # Flower logs every sampling: thousands of lines
+    logging.getLogger("flwr").setLevel(
+        logging.WARNING
+    )  # Flower logs every sampling: thousands of lines
     spec = METHODS[method]
     run = RunConfig(task=task, seed=seed, site_tiers=TIERS, **{**scale, **spec.run})
     with tempfile.TemporaryDirectory() as out:
         config = SimulationConfig(
-            run=run, strategies=(spec.strategy,), knobs=dict(spec.knobs), out=out,
-            attack="" if attack == CLEAN else attack, attackers=0.0 if attack == CLEAN else ATTACKERS,
+            run=run,
+            strategies=(spec.strategy,),
+            knobs=dict(spec.knobs),
+            out=out,
+            attack="" if attack == CLEAN else attack,
+            attackers=0.0 if attack == CLEAN else ATTACKERS,
         )
         results = compare_strategies(config, show_progress=False)
     return float(results["strategies"][spec.strategy]["rounds"][-1]["accuracy"])
@@ -114,7 +129,10 @@ def summarise(accuracy: dict[str, dict[str, dict[str, list[float]]]]) -> dict[st
     goal's verdict where it applies."""
     out = {}
     for task, by_attack in accuracy.items():
-        means = {a: {m: statistics.fmean(v) for m, v in by_method.items()} for a, by_method in by_attack.items()}
+        means = {
+            a: {m: statistics.fmean(v) for m, v in by_method.items()}
+            for a, by_method in by_attack.items()
+        }
         clean = means[CLEAN]["fedavg"]
         verdicts = {}
         for attack, by_method in means.items():
@@ -125,12 +143,28 @@ def summarise(accuracy: dict[str, dict[str, dict[str, list[float]]]]) -> dict[st
             best = max(robust, key=robust.get) if robust else None
             gap = 100 * (clean - robust[best]) if best else None
             verdicts[attack] = {
-                "fedavg_loss_points": loss, "best_robust": best, "best_robust_gap_points": gap,
-                "best_robust_gap_se_points": _gap_se(by_attack[CLEAN]["fedavg"], by_attack[attack][best]) if best else None,
-                "applies": loss > GOAL_FEDAVG_LOSS, "met": loss <= GOAL_FEDAVG_LOSS or (gap is not None and gap <= GOAL_ROBUST_GAP),
+                "fedavg_loss_points": loss,
+                "best_robust": best,
+                "best_robust_gap_points": gap,
+                "best_robust_gap_se_points": _gap_se(
+                    by_attack[CLEAN]["fedavg"], by_attack[attack][best]
+                )
+                if best
+                else None,
+                "applies": loss > GOAL_FEDAVG_LOSS,
+                "met": loss <= GOAL_FEDAVG_LOSS or (gap is not None and gap <= GOAL_ROBUST_GAP),
             }
-        spread = statistics.stdev(by_attack[CLEAN]["fedavg"]) if len(by_attack[CLEAN]["fedavg"]) > 1 else 0.0
-        out[task] = {"mean_accuracy": means, "clean_fedavg": clean, "clean_fedavg_seed_std": spread, "goal": verdicts}
+        spread = (
+            statistics.stdev(by_attack[CLEAN]["fedavg"])
+            if len(by_attack[CLEAN]["fedavg"]) > 1
+            else 0.0
+        )
+        out[task] = {
+            "mean_accuracy": means,
+            "clean_fedavg": clean,
+            "clean_fedavg_seed_std": spread,
+            "goal": verdicts,
+        }
     return out
 
 
@@ -139,7 +173,9 @@ def _gap_se(clean: list[float], attacked: list[float]) -> float:
     order), 0 with a single seed: how far apart two equally good methods may land by chance."""
     if min(len(clean), len(attacked)) < 2:
         return 0.0
-    return 100 * math.sqrt(statistics.variance(clean) / len(clean) + statistics.variance(attacked) / len(attacked))
+    return 100 * math.sqrt(
+        statistics.variance(clean) / len(clean) + statistics.variance(attacked) / len(attacked)
+    )
 
 
 def _ran(entry: dict[str, Any], methods: list[str]) -> list[str]:
@@ -148,33 +184,56 @@ def _ran(entry: dict[str, Any], methods: list[str]) -> list[str]:
 
 
 def table(task: str, summary: dict[str, Any], methods: list[str], attacks: list[str]) -> Table:
-    result = Table(title=f"{task}: final accuracy (mean over seeds), {int(ATTACKERS * 100)}% attackers")
+    result = Table(
+        title=f"{task}: final accuracy (mean over seeds), {int(ATTACKERS * 100)}% attackers"
+    )
     result.add_column("method")
     for attack in attacks:
         result.add_column(attack, justify="right")
     for method in _ran(summary, methods):
-        result.add_row(method, *(f"{100 * summary['mean_accuracy'][a][method]:.1f}" for a in attacks))
+        result.add_row(
+            method, *(f"{100 * summary['mean_accuracy'][a][method]:.1f}" for a in attacks)
+        )
     return result
 
 
-def markdown(summary: dict[str, Any], methods: list[str], attacks: list[str], scales: dict[str, Any],
-             seeds: dict[str, int]) -> str:
+def markdown(
+    summary: dict[str, Any],
+    methods: list[str],
+    attacks: list[str],
+    scales: dict[str, Any],
+    seeds: dict[str, int],
+) -> str:
     lines = []
     for task, entry in summary.items():
         run = ", ".join(f"{key} {value}" for key, value in scales.get(task, {}).items())
-        header = (f"{run}; {seeds[task]} seeds; clean FedAvg {100 * entry['clean_fedavg']:.1f} "
-                  f"(std over seeds {100 * entry['clean_fedavg_seed_std']:.1f} points)")
-        lines += [f"### {task}", "", header, "", "| method | " + " | ".join(attacks) + " |",
-                  "|---" * (len(attacks) + 1) + "|"]
+        header = (
+            f"{run}; {seeds[task]} seeds; clean FedAvg {100 * entry['clean_fedavg']:.1f} "
+            f"(std over seeds {100 * entry['clean_fedavg_seed_std']:.1f} points)"
+        )
+        lines += [
+            f"### {task}",
+            "",
+            header,
+            "",
+            "| method | " + " | ".join(attacks) + " |",
+            "|---" * (len(attacks) + 1) + "|",
+        ]
         for method in _ran(entry, methods):
-            lines.append(f"| {method} | " + " | ".join(f"{100 * entry['mean_accuracy'][a][method]:.1f}" for a in attacks) + " |")
+            lines.append(
+                f"| {method} | "
+                + " | ".join(f"{100 * entry['mean_accuracy'][a][method]:.1f}" for a in attacks)
+                + " |"
+            )
         lines.append("")
         for attack, goal in entry["goal"].items():
             state = "goal met" if goal["met"] else "BELOW GOAL"
             applies = "" if goal["applies"] else " (FedAvg loses <= 10: goal does not apply)"
-            lines.append(f"- {attack}: FedAvg {-goal['fedavg_loss_points']:+.1f} points against its clean run; best robust "
-                         f"{goal['best_robust']} {-goal['best_robust_gap_points']:+.1f} (standard error "
-                         f"{goal['best_robust_gap_se_points']:.1f}): {state}{applies}")
+            lines.append(
+                f"- {attack}: FedAvg {-goal['fedavg_loss_points']:+.1f} points against its clean run; best robust "
+                f"{goal['best_robust']} {-goal['best_robust_gap_points']:+.1f} (standard error "
+                f"{goal['best_robust_gap_se_points']:.1f}): {state}{applies}"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -185,15 +244,34 @@ def plot(summary: dict[str, Any], methods: list[str], attacks: list[str], path: 
     for ax, (task, entry) in zip(axes[0], summary.items()):
         for i, method in enumerate(methods):
             values = [100 * entry["mean_accuracy"][a].get(method, float("nan")) for a in attacks]
-            ax.bar([x + i * width for x in range(len(attacks))], values, width, label=method, color=plt.cm.tab20(i % 20))
+            ax.bar(
+                [x + i * width for x in range(len(attacks))],
+                values,
+                width,
+                label=method,
+                color=plt.cm.tab20(i % 20),
+            )
         clean = 100 * entry["clean_fedavg"]
         ax.axhline(clean, color="black", linewidth=0.8, label="clean FedAvg")
-        ax.axhline(clean - GOAL_ROBUST_GAP, color="black", linestyle="--", linewidth=0.8, label="goal: clean - 2")
+        ax.axhline(
+            clean - GOAL_ROBUST_GAP,
+            color="black",
+            linestyle="--",
+            linewidth=0.8,
+            label="goal: clean - 2",
+        )
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(attacks))], attacks)
         ax.set_ylabel("final accuracy (%)")
         ax.set_title(task)
-    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncols=min(len(methods) + 2, 7), fontsize=8)
-    fig.tight_layout(rect=(0, 0.05 + 0.04 * math.ceil((len(methods) + 2) / 7), 1, 1))  # room for the legend's rows
+    fig.legend(
+        *axes[0][0].get_legend_handles_labels(),
+        loc="lower center",
+        ncols=min(len(methods) + 2, 7),
+        fontsize=8,
+    )
+    fig.tight_layout(
+        rect=(0, 0.05 + 0.04 * math.ceil((len(methods) + 2) / 7), 1, 1)
+    )  # room for the legend's rows
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -210,32 +288,54 @@ def _earlier(path: Path, quick: bool, attacks: list[str]) -> tuple[dict[str, Any
 
 
 def main() -> None:
-    parser = benchmark_parser(__doc__, "tabular, 7 sites, 2 rounds, FedAvg/FedMedian/Hydra-median, clean and scale")
+    parser = benchmark_parser(
+        __doc__, "tabular, 7 sites, 2 rounds, FedAvg/FedMedian/Hydra-median, clean and scale"
+    )
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--tasks", nargs="+", default=list(SCALE), choices=list(SCALE))
-    parser.add_argument("--attacks", nargs="+", choices=list(ATTACKS), help="default: all (--quick: scale)")
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), help="default: all (--quick: three)")
-    parser.add_argument("--workers", type=int, default=1, help="runs in parallel (each uses one core)")
+    parser.add_argument(
+        "--attacks", nargs="+", choices=list(ATTACKS), help="default: all (--quick: scale)"
+    )
+    parser.add_argument(
+        "--methods", nargs="+", choices=list(METHODS), help="default: all (--quick: three)"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=1, help="runs in parallel (each uses one core)"
+    )
     parser.add_argument("--rounds", type=int, help="instead of the task's default rounds")
-    parser.add_argument("--samples-per-site", type=int, help="instead of the task's default samples per site")
+    parser.add_argument(
+        "--samples-per-site", type=int, help="instead of the task's default samples per site"
+    )
     args = parser.parse_args()
     tasks = list(QUICK) if args.quick else args.tasks
-    overrides = {key: value for key, value in (("rounds", args.rounds), ("samples_per_site", args.samples_per_site))
-                 if value is not None}
+    overrides = {
+        key: value
+        for key, value in (("rounds", args.rounds), ("samples_per_site", args.samples_per_site))
+        if value is not None
+    }
     scales = {task: {**(QUICK if args.quick else SCALE)[task], **overrides} for task in tasks}
     attacks = [CLEAN, *(args.attacks or (QUICK_ATTACKS if args.quick else ATTACKS))]
     chosen = args.methods or (QUICK_METHODS if args.quick else METHODS)
-    methods = [m for m in METHODS if m in chosen or m == "fedavg"]  # FedAvg's clean run is the goal's reference
+    methods = [
+        m for m in METHODS if m in chosen or m == "fedavg"
+    ]  # FedAvg's clean run is the goal's reference
     seeds = 1 if args.quick else args.seeds
     jobs = [(t, a, m, s) for t in tasks for a in attacks for m in methods for s in range(seeds)]
     accuracy: dict[str, dict[str, dict[str, list[float]]]] = {}
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns) as progress, ProcessPoolExecutor(args.workers) as pool:
         bar = progress.add_task("robust runs", total=len(jobs))
         futures = {pool.submit(run_one, *job, scales[job[0]]): job for job in jobs}
         for future in as_completed(futures):
             task, attack, method, _ = futures[future]
-            accuracy.setdefault(task, {}).setdefault(attack, {}).setdefault(method, []).append(future.result())
+            accuracy.setdefault(task, {}).setdefault(attack, {}).setdefault(method, []).append(
+                future.result()
+            )
             progress.advance(bar)
     args.out.mkdir(parents=True, exist_ok=True)
     earlier, earlier_scales = _earlier(args.out / f"{NAME}.json", args.quick, attacks)
@@ -245,8 +345,14 @@ def main() -> None:
     seeds = {t: len(accuracy[t][CLEAN]["fedavg"]) for t in tasks}
     summary = summarise(accuracy)
     result = {
-        "quick": args.quick, "seeds": seeds, "attackers": ATTACKERS, "methods": methods, "attacks": attacks,
-        "scale": scales, "accuracy": accuracy, "summary": summary,
+        "quick": args.quick,
+        "seeds": seeds,
+        "attackers": ATTACKERS,
+        "methods": methods,
+        "attacks": attacks,
+        "scale": scales,
+        "accuracy": accuracy,
+        "summary": summary,
     }
     (args.out / f"{NAME}.json").write_text(json.dumps(result, indent=1))
     (args.out / f"{NAME}.md").write_text(markdown(summary, methods, attacks, scales, seeds))
@@ -256,8 +362,10 @@ def main() -> None:
         console.print(table(task, summary[task], methods, attacks))
         for attack, goal in summary[task]["goal"].items():
             if goal["applies"]:
-                console.print(f"{task} / {attack}: FedAvg {-goal['fedavg_loss_points']:+.1f}, best robust "
-                              f"{goal['best_robust']} {-goal['best_robust_gap_points']:+.1f}: {verdict(goal['met'])}")
+                console.print(
+                    f"{task} / {attack}: FedAvg {-goal['fedavg_loss_points']:+.1f}, best robust "
+                    f"{goal['best_robust']} {-goal['best_robust_gap_points']:+.1f}: {verdict(goal['met'])}"
+                )
 
 
 if __name__ == "__main__":

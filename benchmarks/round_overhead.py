@@ -40,7 +40,12 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
-from hydrafl.benchmarks._flower_deployment import STOCK_CLIENT_APP, STOCK_SERVER_APP, flower_round_seconds, free_port  # noqa: E402
+from hydrafl.benchmarks._flower_deployment import (
+    STOCK_CLIENT_APP,
+    STOCK_SERVER_APP,
+    flower_round_seconds,
+    free_port,
+)  # noqa: E402
 from hydrafl.benchmarks._stock_app import ROUND_TIMES_KEY  # noqa: E402
 from hydrafl.client.site_app import client_app  # noqa: E402
 from hydrafl.config import RunConfig  # noqa: E402
@@ -51,16 +56,26 @@ from hydrafl.simulation.grid import InProcessGrid  # noqa: E402
 NAME = "round_overhead"
 GOAL_S = 0.2
 STOCK_SITES = 2
-RUNTIMES = {"inprocess_s": "hydrafl app: in-process grid, 3 sites",
-            "grpc_s": "hydrafl app: hydrafl coordinator + 3 site processes",
-            "stock_grpc_s": f"stock Flower app: hydrafl coordinator + {STOCK_SITES} site processes",
-            "stock_flower_s": f"stock Flower app: Flower SuperLink + {STOCK_SITES} SuperNodes"}
+RUNTIMES = {
+    "inprocess_s": "hydrafl app: in-process grid, 3 sites",
+    "grpc_s": "hydrafl app: hydrafl coordinator + 3 site processes",
+    "stock_grpc_s": f"stock Flower app: hydrafl coordinator + {STOCK_SITES} site processes",
+    "stock_flower_s": f"stock Flower app: Flower SuperLink + {STOCK_SITES} SuperNodes",
+}
 """Each series of round seconds in the JSON, and what ran it (table rows, plot lines)."""
 
 
 def run_config(rounds: int) -> RunConfig:
-    return RunConfig.build(task="tabular", strategy="fedavg", sites=3, samples_per_site=60, rounds=rounds,
-                           local_steps=3, batch_size=16, lr=3e-3)
+    return RunConfig.build(
+        task="tabular",
+        strategy="fedavg",
+        sites=3,
+        samples_per_site=60,
+        rounds=rounds,
+        local_steps=3,
+        batch_size=16,
+        lr=3e-3,
+    )
 
 
 def in_process(cfg: RunConfig) -> list[float]:
@@ -70,8 +85,13 @@ def in_process(cfg: RunConfig) -> list[float]:
     return [record["seconds"] for record in history[1:]]
 
 
-def coordinator_run(work: Path, sites: int, config: dict[str, Any], server_app: str | None = None,
-                    site_args: tuple[str, ...] = ()) -> Run:
+def coordinator_run(
+    work: Path,
+    sites: int,
+    config: dict[str, Any],
+    server_app: str | None = None,
+    site_args: tuple[str, ...] = (),
+) -> Run:
     """One run on `hydrafl server` (SQLite store, blobs on disk) with a `hydrafl site` process per site, to its end."""
     env = {**os.environ, "HYDRAFL_HOME": str(work / "home")}
     db = f"sqlite:///{work / 'coordinator.db'}"
@@ -80,10 +100,23 @@ def coordinator_run(work: Path, sites: int, config: dict[str, Any], server_app: 
     address = f"127.0.0.1:{free_port()}"
     hydrafl = [sys.executable, "-m", "hydrafl"]
     log = (work / "processes.log").open("w")
-    processes = [subprocess.Popen([*hydrafl, "server", "--listen", address, "--db", db, "--blobs", str(work / "blobs")],
-                                  env=env, stdout=log, stderr=log)]
-    processes += [subprocess.Popen([*hydrafl, "site", "--coordinator", address, *site_args],
-                                   env={**env, "HYDRAFL_SITE_TOKEN": token, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=log) for token in tokens]
+    processes = [
+        subprocess.Popen(
+            [*hydrafl, "server", "--listen", address, "--db", db, "--blobs", str(work / "blobs")],
+            env=env,
+            stdout=log,
+            stderr=log,
+        )
+    ]
+    processes += [
+        subprocess.Popen(
+            [*hydrafl, "site", "--coordinator", address, *site_args],
+            env={**env, "HYDRAFL_SITE_TOKEN": token, "OMP_NUM_THREADS": "1"},
+            stdout=log,
+            stderr=log,
+        )
+        for token in tokens
+    ]
     try:
         run_id = store.create_run(config, server_app=server_app).id
         deadline = time.monotonic() + 600
@@ -103,28 +136,47 @@ def coordinator_run(work: Path, sites: int, config: dict[str, Any], server_app: 
 
 def over_grpc(cfg: RunConfig, work: Path) -> list[float]:
     """The driver's seconds of each training round on `hydrafl server` with a `hydrafl site` process per site."""
-    run = coordinator_run(work, cfg.sites, {k: v for k, v in cfg.to_flower().items() if k not in ("run-dir", "resume")})
+    run = coordinator_run(
+        work,
+        cfg.sites,
+        {k: v for k, v in cfg.to_flower().items() if k not in ("run-dir", "resume")},
+    )
     return [record["seconds"] for record in run.history[1:]]
 
 
 def stock_over_grpc(rounds: int, work: Path) -> list[float]:
     """The stock app's rounds on `hydrafl server` with `hydrafl site --app` processes, as its ServerApp timed them."""
     times = work / "stock-round-times.json"
-    coordinator_run(work, STOCK_SITES, {"num-server-rounds": rounds, ROUND_TIMES_KEY: str(times)},
-                    server_app=STOCK_SERVER_APP, site_args=("--app", STOCK_CLIENT_APP))
+    coordinator_run(
+        work,
+        STOCK_SITES,
+        {"num-server-rounds": rounds, ROUND_TIMES_KEY: str(times)},
+        server_app=STOCK_SERVER_APP,
+        site_args=("--app", STOCK_CLIENT_APP),
+    )
     return [float(seconds) for seconds in json.loads(times.read_text())]
 
 
-def summarise(inprocess: list[float], grpc: list[float], stock_grpc: list[float],
-              stock_flower: list[float]) -> dict[str, Any]:
+def summarise(
+    inprocess: list[float], grpc: list[float], stock_grpc: list[float], stock_flower: list[float]
+) -> dict[str, Any]:
     overhead = statistics.median(grpc) - statistics.median(inprocess)
-    return {"benchmark": NAME, "inprocess_s": inprocess, "grpc_s": grpc,
-            "median_inprocess_s": statistics.median(inprocess), "median_grpc_s": statistics.median(grpc),
-            "overhead_s": overhead, "goal_s": GOAL_S, "goal_met": overhead < GOAL_S,
-            "stock_sites": STOCK_SITES, "stock_grpc_s": stock_grpc, "stock_flower_s": stock_flower,
-            "median_stock_grpc_s": statistics.median(stock_grpc),
-            "median_stock_flower_s": statistics.median(stock_flower),
-            "stock_flower_over_grpc": statistics.median(stock_flower) / statistics.median(stock_grpc)}
+    return {
+        "benchmark": NAME,
+        "inprocess_s": inprocess,
+        "grpc_s": grpc,
+        "median_inprocess_s": statistics.median(inprocess),
+        "median_grpc_s": statistics.median(grpc),
+        "overhead_s": overhead,
+        "goal_s": GOAL_S,
+        "goal_met": overhead < GOAL_S,
+        "stock_sites": STOCK_SITES,
+        "stock_grpc_s": stock_grpc,
+        "stock_flower_s": stock_flower,
+        "median_stock_grpc_s": statistics.median(stock_grpc),
+        "median_stock_flower_s": statistics.median(stock_flower),
+        "stock_flower_over_grpc": statistics.median(stock_flower) / statistics.median(stock_grpc),
+    }
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
@@ -133,9 +185,14 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         axis.plot(range(1, len(summary[key]) + 1), summary[key], marker="o", label=label)
     axis.set_xlabel("round")
     axis.set_ylabel("round seconds (log scale)")
-    axis.set_yscale("log")  # Flower's rounds are seconds, hydrafl's tenths: one linear axis would flatten hydrafl's
-    axis.set_title(f"hydrafl overhead {summary['overhead_s']:.3f} s per round (goal < {GOAL_S} s); stock app "
-                   f"Flower / hydrafl {summary['stock_flower_over_grpc']:.1f}x", fontsize=10)
+    axis.set_yscale(
+        "log"
+    )  # Flower's rounds are seconds, hydrafl's tenths: one linear axis would flatten hydrafl's
+    axis.set_title(
+        f"hydrafl overhead {summary['overhead_s']:.3f} s per round (goal < {GOAL_S} s); stock app "
+        f"Flower / hydrafl {summary['stock_flower_over_grpc']:.1f}x",
+        fontsize=10,
+    )
     axis.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -150,13 +207,26 @@ def main() -> None:
     console = Console()
     with console.status("in-process run"):
         inprocess = in_process(cfg)
-    with tempfile.TemporaryDirectory() as work, console.status("coordinator run (server + 3 site processes)"):
+    with (
+        tempfile.TemporaryDirectory() as work,
+        console.status("coordinator run (server + 3 site processes)"),
+    ):
         grpc = over_grpc(cfg, Path(work))
-    with tempfile.TemporaryDirectory() as work, console.status(f"stock app on the coordinator ({STOCK_SITES} sites)"):
+    with (
+        tempfile.TemporaryDirectory() as work,
+        console.status(f"stock app on the coordinator ({STOCK_SITES} sites)"),
+    ):
         stock_grpc = stock_over_grpc(cfg.rounds, Path(work))
-    with tempfile.TemporaryDirectory() as work, console.status(f"stock app on Flower ({STOCK_SITES} SuperNodes)"):
+    with (
+        tempfile.TemporaryDirectory() as work,
+        console.status(f"stock app on Flower ({STOCK_SITES} SuperNodes)"),
+    ):
         stock_flower = flower_round_seconds(cfg.rounds, STOCK_SITES, Path(work))
-    summary = {**summarise(inprocess, grpc, stock_grpc, stock_flower), "rounds": cfg.rounds, "quick": args.quick}
+    summary = {
+        **summarise(inprocess, grpc, stock_grpc, stock_flower),
+        "rounds": cfg.rounds,
+        "quick": args.quick,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{NAME}.json").write_text(json.dumps(summary, indent=1))
     plot(summary, args.out / f"{NAME}.png")
@@ -166,9 +236,13 @@ def main() -> None:
     for key, label in RUNTIMES.items():
         table.add_row(label, f"{statistics.median(summary[key]):.3f}")
     console.print(table)
-    console.print(f"hydrafl coordinator overhead: {summary['overhead_s']:.3f} s per round, "
-                  + verdict(summary["goal_met"], f"< {GOAL_S} s: met", f"BELOW GOAL (< {GOAL_S} s)"))
-    console.print(f"stock app, Flower / hydrafl median round: {summary['stock_flower_over_grpc']:.1f}x")
+    console.print(
+        f"hydrafl coordinator overhead: {summary['overhead_s']:.3f} s per round, "
+        + verdict(summary["goal_met"], f"< {GOAL_S} s: met", f"BELOW GOAL (< {GOAL_S} s)")
+    )
+    console.print(
+        f"stock app, Flower / hydrafl median round: {summary['stock_flower_over_grpc']:.1f}x"
+    )
 
 
 if __name__ == "__main__":

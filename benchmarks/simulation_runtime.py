@@ -111,23 +111,42 @@ def tree_memory(root: psutil.Process) -> tuple[int, int, int]:
 
 def measure(backend: str, rep: int, scale: Scale, work: Path) -> Measurement:
     """Run one backend in a fresh process; sample the tree's memory until the process exits."""
-    run_dir, result, log = work / f"{backend}-{rep}", work / f"{backend}-{rep}.json", work / f"{backend}-{rep}.log"
+    run_dir, result, log = (
+        work / f"{backend}-{rep}",
+        work / f"{backend}-{rep}.json",
+        work / f"{backend}-{rep}.log",
+    )
     config = json.dumps(workload(scale, run_dir).to_flower())
-    command = [sys.executable, "-m", "hydrafl.benchmarks._simulation_worker", backend, "--config", config]
+    command = [
+        sys.executable,
+        "-m",
+        "hydrafl.benchmarks._simulation_worker",
+        backend,
+        "--config",
+        config,
+    ]
     me = psutil.Process()
     peak_rss = peak_private = peak_count = 0
     with log.open("w") as log_file:
         started = time.perf_counter()
-        worker = subprocess.Popen([*command, "--result", str(result)], stdout=log_file, stderr=subprocess.STDOUT)
+        worker = subprocess.Popen(
+            [*command, "--result", str(result)], stdout=log_file, stderr=subprocess.STDOUT
+        )
         while worker.poll() is None:
             rss, private, count = tree_memory(me)
-            peak_rss, peak_private, peak_count = max(peak_rss, rss), max(peak_private, private), max(peak_count, count)
+            peak_rss, peak_private, peak_count = (
+                max(peak_rss, rss),
+                max(peak_private, private),
+                max(peak_count, count),
+            )
             time.sleep(SAMPLE_S)
         wall_s = time.perf_counter() - started
     left_at_exit, terminated = reap_leftovers(me)
     if worker.returncode != 0 or not result.exists():
         tail = "\n".join(log.read_text().splitlines()[-30:])
-        raise RuntimeError(f"{backend} run {rep} failed (exit {worker.returncode}); log tail:\n{tail}")
+        raise RuntimeError(
+            f"{backend} run {rep} failed (exit {worker.returncode}); log tail:\n{tail}"
+        )
     run = json.loads(result.read_text())
     return Measurement(
         backend=backend,
@@ -169,7 +188,11 @@ def max_round_diff(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str) -
 
 def identical(runs: list[Measurement]) -> bool:
     """Bit-identical per-round losses and accuracies across repetitions of one backend."""
-    return all(max_round_diff(run.history, runs[0].history, key) == 0 for run in runs for key in ("loss", "accuracy"))
+    return all(
+        max_round_diff(run.history, runs[0].history, key) == 0
+        for run in runs
+        for key in ("loss", "accuracy")
+    )
 
 
 def summarise(runs: list[Measurement], scale: Scale, quick: bool) -> dict[str, Any]:
@@ -177,7 +200,14 @@ def summarise(runs: list[Measurement], scale: Scale, quick: bool) -> dict[str, A
     medians = {
         backend: {
             key: statistics.median(getattr(run, key) for run in group)
-            for key in ("wall_s", "import_s", "run_s", "peak_rss_mb", "peak_private_mb", "peak_processes")
+            for key in (
+                "wall_s",
+                "import_s",
+                "run_s",
+                "peak_rss_mb",
+                "peak_private_mb",
+                "peak_processes",
+            )
         }
         for backend, group in by_backend.items()
     }
@@ -209,14 +239,23 @@ def summarise(runs: list[Measurement], scale: Scale, quick: bool) -> dict[str, A
             "passed": loss_diff <= LOSS_TOLERANCE and accuracy_diff <= LOSS_TOLERANCE,
             "inprocess_reps_identical": identical(by_backend["inprocess"]),
             "ray_reps_identical": identical(by_backend["ray"]),
-            "final_loss": {backend: group[0].history[-1]["loss"] for backend, group in by_backend.items()},
-            "final_accuracy": {backend: group[0].history[-1]["accuracy"] for backend, group in by_backend.items()},
+            "final_loss": {
+                backend: group[0].history[-1]["loss"] for backend, group in by_backend.items()
+            },
+            "final_accuracy": {
+                backend: group[0].history[-1]["accuracy"] for backend, group in by_backend.items()
+            },
         },
     }
 
 
 def print_table(summary: dict[str, Any]) -> None:
-    median, ratios, equality, work = summary["median"], summary["ratios"], summary["equality"], summary["workload"]
+    median, ratios, equality, work = (
+        summary["median"],
+        summary["ratios"],
+        summary["equality"],
+        summary["workload"],
+    )
     table = Table(
         title=f"{work['sites']} sites x {work['rounds']} rounds ({work['task']}, {work['strategy']}): "
         f"median of {work['reps']} fresh-process runs"
@@ -225,8 +264,19 @@ def print_table(summary: dict[str, Any]) -> None:
         table.add_column(column, justify="right")
     for backend in BACKENDS:
         m = median[backend]
-        cells = (m["wall_s"], m["import_s"], m["run_s"], m["peak_rss_mb"], m["peak_private_mb"], m["peak_processes"])
-        table.add_row(backend, *(f"{value:.1f}" for value in cells[:3]), *(f"{value:.0f}" for value in cells[3:]))
+        cells = (
+            m["wall_s"],
+            m["import_s"],
+            m["run_s"],
+            m["peak_rss_mb"],
+            m["peak_private_mb"],
+            m["peak_processes"],
+        )
+        table.add_row(
+            backend,
+            *(f"{value:.1f}" for value in cells[:3]),
+            *(f"{value:.0f}" for value in cells[3:]),
+        )
     table.add_row(
         "ray/inproc",
         f"{ratios['time_ray_over_inprocess']:.2f}x",
@@ -253,7 +303,10 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     runs = summary["runs"]
     colors = {"inprocess": "tab:blue", "ray": "tab:orange"}
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    panels = ((axes[0], "wall_s", "wall time (s)"), (axes[1], "peak_rss_mb", "peak RSS of process tree (MB)"))
+    panels = (
+        (axes[0], "wall_s", "wall time (s)"),
+        (axes[1], "peak_rss_mb", "peak RSS of process tree (MB)"),
+    )
     for ax, key, label in panels:
         for i, backend in enumerate(BACKENDS):
             values = [run[key] for run in runs if run["backend"] == backend]
@@ -263,8 +316,14 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         ax.set_ylabel(label)
     for backend in BACKENDS:
         history = next(run["history"] for run in runs if run["backend"] == backend)
-        axes[2].plot([r["round"] for r in history], [r["loss"] for r in history], marker="o", label=backend,
-                     color=colors[backend], linestyle="-" if backend == "inprocess" else "--")
+        axes[2].plot(
+            [r["round"] for r in history],
+            [r["loss"] for r in history],
+            marker="o",
+            label=backend,
+            color=colors[backend],
+            linestyle="-" if backend == "inprocess" else "--",
+        )
     axes[2].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[2].set_xlabel("round")
     axes[2].set_ylabel("federated loss")
@@ -290,7 +349,10 @@ def main() -> None:
         for rep in range(scale.reps):
             for backend in BACKENDS if rep % 2 == 0 else BACKENDS[::-1]:
                 runs.append(measure(backend, rep, scale, Path(work)))
-                print(f"rep {rep} {backend}: {runs[-1].wall_s:.1f} s, {runs[-1].peak_rss_mb:.0f} MB", flush=True)
+                print(
+                    f"rep {rep} {backend}: {runs[-1].wall_s:.1f} s, {runs[-1].peak_rss_mb:.0f} MB",
+                    flush=True,
+                )
     summary = summarise(runs, scale, args.quick)
     (args.out / f"{NAME}.json").write_text(json.dumps(summary, indent=1))
     plot(summary, args.out / f"{NAME}.png")

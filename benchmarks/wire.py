@@ -65,7 +65,14 @@ from hydrafl.identity import claim_server_identity
 from hydrafl.malloc_tuning import keep_freed_memory
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.chunk_wire import CoordinatorClient
-from hydrafl.proto.envelope import CHUNK_BYTES, INLINE_BYTES, SENT, UPLOADED, join_message, split_message
+from hydrafl.proto.envelope import (
+    CHUNK_BYTES,
+    INLINE_BYTES,
+    SENT,
+    UPLOADED,
+    join_message,
+    split_message,
+)
 from hydrafl.protocol import GRPC_OPTIONS, WEIGHT
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.store import Store
@@ -79,7 +86,10 @@ NAME = "wire"
 ARRAYS = 16
 MB = 1e6  # decimal megabytes, as in "200 MB per site"
 PHASES = ("ask_s", "put_s", "push_s")
-MEMORY_ROUND, THROUGHPUT_ROUND = 1, 2  # the rounds the requests belong to (the throughput reps take 2, 3, ...)
+MEMORY_ROUND, THROUGHPUT_ROUND = (
+    1,
+    2,
+)  # the rounds the requests belong to (the throughput reps take 2, 3, ...)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -103,13 +113,19 @@ QUICK = Scale(update_bytes=64 << 20, reps=3, component_reps=1, sites=4, site_byt
 def make_update(total_bytes: int, seed: int) -> list[np.ndarray]:
     """ARRAYS float32 arrays, total_bytes together, values in [0, 1) (finite, so the coordinator accepts them)."""
     per_array = total_bytes // 4 // ARRAYS
-    return list(np.random.default_rng(seed).random(per_array * ARRAYS, dtype=np.float32).reshape(ARRAYS, per_array))
+    return list(
+        np.random.default_rng(seed)
+        .random(per_array * ARRAYS, dtype=np.float32)
+        .reshape(ARRAYS, per_array)
+    )
 
 
 def reply_to(request: Message, arrays: list[np.ndarray]) -> Message:
     """The ClientApp's reply carrying `arrays`; building it is the app's work, so it happens before any clock."""
     record = ArrayRecord({f"w{i:02d}": Array(array) for i, array in enumerate(arrays)})
-    reply = Message(RecordDict({"arrays": record, "metrics": MetricRecord({WEIGHT: 1})}), reply_to=request)
+    reply = Message(
+        RecordDict({"arrays": record, "metrics": MetricRecord({WEIGHT: 1})}), reply_to=request
+    )
     reply.metadata.__dict__["_message_id"] = f"bench-{request.metadata.message_id}"
     return reply
 
@@ -123,7 +139,9 @@ def send_request(grid: CoordinatorGrid, node_id: int, server_round: int) -> str:
     """The coordinator's side: address a message to the site that its update answers. A site gets one message
     per round and type, so every request is a round of its own."""
     config = ConfigRecord({"server-round": server_round})
-    request = Message(RecordDict({"config": config}), dst_node_id=node_id, message_type=UPLOAD_REQUEST)
+    request = Message(
+        RecordDict({"config": config}), dst_node_id=node_id, message_type=UPLOAD_REQUEST
+    )
     request.metadata.group_id = str(server_round)
     [message_id] = grid.push_messages([request])
     return message_id
@@ -137,11 +155,15 @@ def pull_request(stub: CoordinatorClient, metadata: Metadata) -> Message:
     return join_message(pulled.envelope, {})
 
 
-def push_update(stub: CoordinatorClient, metadata: Metadata, envelope: pb.Envelope, chunks: dict[str, bytes]) -> dict:
+def push_update(
+    stub: CoordinatorClient, metadata: Metadata, envelope: pb.Envelope, chunks: dict[str, bytes]
+) -> dict:
     """The RPCs of a push that asks about every chunk first (a resumed one), each timed (monotonic start/end): the
     memory run names every site's chunks before the clock starts, so that only the uploads overlap."""
     times: dict[str, Any] = {"start": time.monotonic()}
-    present = set(stub.HasChunks(pb.HasChunksRequest(digests=list(chunks)), metadata=metadata).present)
+    present = set(
+        stub.HasChunks(pb.HasChunksRequest(digests=list(chunks)), metadata=metadata).present
+    )
     missing = [digest for digest in chunks if digest not in present]
     times["put_start"] = time.monotonic()
     put = stub.PutChunks(((digest, chunks[digest]) for digest in missing), metadata=metadata)
@@ -185,20 +207,33 @@ def new_federation(workdir: Path, sites: int) -> Federation:
 
 def coordinator_args(workdir: Path) -> tuple[str, ...]:
     """The coordinator child shares the database and blob folder of `new_federation(workdir, ...)`."""
-    return ("--db", f"sqlite:///{workdir / 'coordinator.db'}", "--blobs", str(workdir / "blobs"),
-            "--runs", str(workdir / "runs"))
+    return (
+        "--db",
+        f"sqlite:///{workdir / 'coordinator.db'}",
+        "--blobs",
+        str(workdir / "blobs"),
+        "--runs",
+        str(workdir / "runs"),
+    )
 
 
 def channel(address: str) -> grpc.Channel:
     """One connection per channel, as separate sites have (channels in one process share one by default)."""
-    return grpc.insecure_channel(address, options=[*GRPC_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])
+    return grpc.insecure_channel(
+        address, options=[*GRPC_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+    )
 
 
 # ---- throughput -----------------------------------------------------------------------------------------
 
 
 def hydrafl_push(
-    stub: CoordinatorClient, token: str, grid: CoordinatorGrid, node_id: int, server_round: int, arrays: list[np.ndarray]
+    stub: CoordinatorClient,
+    token: str,
+    grid: CoordinatorGrid,
+    node_id: int,
+    server_round: int,
+    arrays: list[np.ndarray],
 ) -> dict:
     """One timed site-side upload (`SiteAgent._push`'s `upload_reply`), then, untimed, the stored reply read back
     as the grid reads it."""
@@ -213,14 +248,18 @@ def hydrafl_push(
     record = stored.content["arrays"]
     exact = [np.array_equal(record[f"w{i:02d}"].numpy(), array) for i, array in enumerate(arrays)]
     return {
-        "seconds": seconds, **{f"{phase}_s": value for phase, value in uploaded.seconds.items()},
-        "stored": uploaded.stored, "already_present": uploaded.already_present, "accepted": not uploaded.duplicate,
+        "seconds": seconds,
+        **{f"{phase}_s": value for phase, value in uploaded.seconds.items()},
+        "stored": uploaded.stored,
+        "already_present": uploaded.already_present,
+        "accepted": not uploaded.duplicate,
         "byte_exact": all(exact) and len(record) == len(arrays),
     }
 
 
 def raw_push(put: Callable[..., bytes], arrays: list[np.ndarray]) -> dict:
     """The same bytes as 1 MiB messages on one client stream: the floor any chunked upload over gRPC pays."""
+
     def stream() -> Iterator[bytes]:
         for array in arrays:
             view = memoryview(array).cast("B")
@@ -233,14 +272,18 @@ def raw_push(put: Callable[..., bytes], arrays: list[np.ndarray]) -> dict:
     return {"seconds": time.perf_counter() - started, "received": received}
 
 
-def throughput(scale: Scale, federation: Federation, coordinator: ServerProcess, raw: ServerProcess) -> dict[str, Any]:
+def throughput(
+    scale: Scale, federation: Federation, coordinator: ServerProcess, raw: ServerProcess
+) -> dict[str, Any]:
     """Median site-side seconds of the hydrafl push and of the raw stream, same bytes, alternating order."""
     grid, (node_id, token) = federation.grid, federation.sites[0]
     arrays = make_update(scale.update_bytes, seed=0)
     with channel(coordinator.address) as hydrafl_channel, channel(raw.address) as raw_channel:
         stub, put = CoordinatorClient(hydrafl_channel), raw_channel.stream_unary(RAW_METHOD)
         runs = paired_runs(
-            scale.reps, arrays, lambda rep: hydrafl_push(stub, token, grid, node_id, THROUGHPUT_ROUND + rep, arrays),
+            scale.reps,
+            arrays,
+            lambda rep: hydrafl_push(stub, token, grid, node_id, THROUGHPUT_ROUND + rep, arrays),
             lambda: raw_push(put, arrays),
         )
     median, gib_per_s, ratio = rates(runs, scale.update_bytes)
@@ -248,7 +291,9 @@ def throughput(scale: Scale, federation: Federation, coordinator: ServerProcess,
     chunks = scale.update_bytes // CHUNK_BYTES
     checks = {
         "accepted": all(run["accepted"] for run in runs["hydrafl"]),
-        "all_chunks_stored": all(run["stored"] == chunks and run["already_present"] == 0 for run in runs["hydrafl"]),
+        "all_chunks_stored": all(
+            run["stored"] == chunks and run["already_present"] == 0 for run in runs["hydrafl"]
+        ),
         "byte_exact": all(run["byte_exact"] for run in runs["hydrafl"]),
         "raw_bytes_received": all(run["received"] == scale.update_bytes for run in runs["raw"]),
     }
@@ -293,9 +338,18 @@ def components(scale: Scale, workdir: Path) -> dict[str, Any]:
 
     sent, _ = split_message(request, 1)
 
-    def push_reply_work(blobs: UploadPacks) -> None:  # CoordinatorService.PushReply between its two SQLite calls
-        check_reply(envelope, sent, chunk_size=blobs.size, chunk_bytes=blobs.get, weighted_by_key=WEIGHT,
-                    max_model_bytes=SiteLimits().max_model_bytes, known_finite=blobs.finite_float32)
+    def push_reply_work(
+        blobs: UploadPacks,
+    ) -> None:  # CoordinatorService.PushReply between its two SQLite calls
+        check_reply(
+            envelope,
+            sent,
+            chunk_size=blobs.size,
+            chunk_bytes=blobs.get,
+            weighted_by_key=WEIGHT,
+            max_model_bytes=SiteLimits().max_model_bytes,
+            known_finite=blobs.finite_float32,
+        )
         blobs.sync()
 
     store = Store(f"sqlite:///{workdir / 'components.db'}")
@@ -304,7 +358,9 @@ def components(scale: Scale, workdir: Path) -> dict[str, Any]:
     store.set_run_status(run.id, "running")
     serialized = envelope.SerializeToString()
 
-    def sqlite_calls(message_id: str) -> None:  # what one upload (HasChunks, PutChunks, PushReply) asks of the store
+    def sqlite_calls(
+        message_id: str,
+    ) -> None:  # what one upload (HasChunks, PutChunks, PushReply) asks of the store
         for _ in range(3):
             store.authenticate(token)
         outbound = store.outbound(message_id)
@@ -341,7 +397,9 @@ def components(scale: Scale, workdir: Path) -> dict[str, Any]:
     }
 
 
-def concurrent_memory(scale: Scale, federation: Federation, coordinator: ServerProcess) -> dict[str, Any]:
+def concurrent_memory(
+    scale: Scale, federation: Federation, coordinator: ServerProcess
+) -> dict[str, Any]:
     """Peak extra RSS of a fresh coordinator process while every site pushes one update at the same moment."""
     store, grid, sites = federation.store, federation.grid, federation.sites
     message_ids = [send_request(grid, node_id, MEMORY_ROUND) for node_id, _ in sites]
@@ -349,10 +407,14 @@ def concurrent_memory(scale: Scale, federation: Federation, coordinator: ServerP
     channels = [channel(coordinator.address) for _ in sites]
     try:
         stubs = [CoordinatorClient(site_channel) for site_channel in channels]
-        requests = [pull_request(stub, auth(token)) for stub, (_, token) in zip(stubs, sites, strict=True)]
+        requests = [
+            pull_request(stub, auth(token)) for stub, (_, token) in zip(stubs, sites, strict=True)
+        ]
         arrays = make_update(scale.site_bytes, seed=1)
         prepared = []
-        for i, request in enumerate(requests):  # the sites' split_message, before the clock: only uploads overlap
+        for i, request in enumerate(
+            requests
+        ):  # the sites' split_message, before the clock: only uploads overlap
             mark(arrays, -(i + 1.0))
             prepared.append(split_message(reply_to(request, arrays), MEMORY_ROUND))
         del arrays
@@ -410,16 +472,27 @@ def concurrent_memory(scale: Scale, federation: Federation, coordinator: ServerP
         "retained_updates": (after - idle) / update,
         "wall_s": finished - started,
         "max_concurrent": {
-            "PutChunks": max_overlap([(p["times"]["put_start"], p["times"]["push_start"]) for p in pushes]),
-            "PushReply": max_overlap([(p["times"]["push_start"], p["times"]["end"]) for p in pushes]),
+            "PutChunks": max_overlap(
+                [(p["times"]["put_start"], p["times"]["push_start"]) for p in pushes]
+            ),
+            "PushReply": max_overlap(
+                [(p["times"]["push_start"], p["times"]["end"]) for p in pushes]
+            ),
         },
         "pushes": [
-            {key: p[key] for key in ("has_s", "put_s", "push_s", "stored", "accepted")} for p in pushes
+            {key: p[key] for key in ("has_s", "put_s", "push_s", "stored", "accepted")}
+            for p in pushes
         ],
         "failures": failures,
         "accepted_in_store": accepted_in_store,
-        "rss_trace": [(round(at - started, 3), round(rss / MB, 1)) for at, rss in sampler.samples if at >= settle],
-        "push_windows": [(p["times"]["push_start"] - started, p["times"]["end"] - started) for p in pushes],
+        "rss_trace": [
+            (round(at - started, 3), round(rss / MB, 1))
+            for at, rss in sampler.samples
+            if at >= settle
+        ],
+        "push_windows": [
+            (p["times"]["push_start"] - started, p["times"]["end"] - started) for p in pushes
+        ],
         "goal_extra_updates": GOAL_EXTRA_UPDATES,
         "goal_met": extra / update < GOAL_EXTRA_UPDATES,
         "checks": {**checks, "passed": all(checks.values())},
@@ -447,7 +520,9 @@ def throughput_on_tmpfs(scale: Scale, raw: ServerProcess) -> dict[str, Any] | No
         return None
     with tempfile.TemporaryDirectory(prefix="hydrafl-wire-", dir=shm) as tmp:
         work = Path(tmp)
-        with ServerProcess("coordinator", *coordinator_args(work), log_path=work / "coordinator.log") as coordinator:
+        with ServerProcess(
+            "coordinator", *coordinator_args(work), log_path=work / "coordinator.log"
+        ) as coordinator:
             coordinator.wait_ready()
             result = throughput(scale, new_federation(work, 1), coordinator, raw)
     del result["goal"], result["goal_met"]
@@ -464,8 +539,12 @@ def main() -> None:
         work = Path(tmp)
         (work / "components").mkdir()
         # both import in parallel; the coordinator serves the memory run first, while it is fresh
-        with ServerProcess("coordinator", *coordinator_args(work), log_path=work / "coordinator.log") as coordinator, \
-                ServerProcess("raw", log_path=work / "raw.log") as raw:
+        with (
+            ServerProcess(
+                "coordinator", *coordinator_args(work), log_path=work / "coordinator.log"
+            ) as coordinator,
+            ServerProcess("raw", log_path=work / "raw.log") as raw,
+        ):
             coordinator.wait_ready()
             raw.wait_ready()
             federation = new_federation(work, scale.sites)
@@ -474,9 +553,14 @@ def main() -> None:
                 "benchmark": NAME,
                 "quick": args.quick,
                 "config": {
-                    "update_bytes": scale.update_bytes, "arrays": ARRAYS, "chunk_bytes": CHUNK_BYTES,
-                    "reps": scale.reps, "component_reps": scale.component_reps, "sites": scale.sites,
-                    "site_bytes": scale.site_bytes, "cpus": psutil.cpu_count(),
+                    "update_bytes": scale.update_bytes,
+                    "arrays": ARRAYS,
+                    "chunk_bytes": CHUNK_BYTES,
+                    "reps": scale.reps,
+                    "component_reps": scale.component_reps,
+                    "sites": scale.sites,
+                    "site_bytes": scale.site_bytes,
+                    "cpus": psutil.cpu_count(),
                 },
                 "throughput": throughput(scale, federation, coordinator, raw),
                 "memory": memory,

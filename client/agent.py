@@ -71,7 +71,11 @@ LONG_POLL_S = 10.0
 PULL_MARGIN_S = 30.0
 """A PullMessage's deadline beyond the wait it asks for (a coordinator that stops answering is retried)."""
 STOP_CHECK_S = 0.1
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
 TOO_LARGE = "larger than max"
 """What gRPC says when this site refuses to receive a message over its limit (RESOURCE_EXHAUSTED, as the
 coordinator's per-site limits are; those are retried, this is final)."""
@@ -87,7 +91,10 @@ counted against --max-download-mb so that a manifest of many empty tensors is bo
 FIXED_REASONS: tuple[tuple[type[BaseException], str], ...] = (
     (DataError, "this site's data does not fit this run; see the site's log"),
     (MemoryError, "this site ran out of memory handling the message; see the site's log"),
-    (PermissionError, "the run names a local checkpoint this site does not allow (--model-dir); see the site's log"),
+    (
+        PermissionError,
+        "the run names a local checkpoint this site does not allow (--model-dir); see the site's log",
+    ),
 )
 """What an error reply says about a local failure: the message of a local exception may name files, columns
 or values of the site's data, so only its type and a fixed sentence leave the site."""
@@ -143,7 +150,9 @@ class SiteAgent:
         self.secagg_identity = secagg_identity
         """What this site signs its secure-aggregation keys with (from its --secagg-identity file); None: it
         refuses secure-aggregation rounds."""
-        self.max_download_bytes = default_max_download_bytes() if max_download_bytes is None else max_download_bytes
+        self.max_download_bytes = (
+            default_max_download_bytes() if max_download_bytes is None else max_download_bytes
+        )
         if self.max_download_bytes <= 0:
             raise ValueError(f"max_download_bytes must be positive, got {self.max_download_bytes}")
         self.metadata = (("authorization", f"Bearer {token}"),)
@@ -168,12 +177,25 @@ class SiteAgent:
                 if code not in RETRYABLE:
                     raise
                 if code != grpc.StatusCode.UNAVAILABLE:
-                    log.warning("coordinator %s: %s; retrying in %.1f s", self.coordinator, code.name, backoff)
+                    log.warning(
+                        "coordinator %s: %s; retrying in %.1f s",
+                        self.coordinator,
+                        code.name,
+                        backoff,
+                    )
                 else:
                     reason, waiting_helps = unreachable_reason(self.coordinator)
-                    if not waiting_helps and not self.node_id:  # a typo; after a join, a resolver outage
-                        raise Unreachable(f"cannot reach the coordinator: {reason}; check --coordinator") from error
-                    log.warning("coordinator unreachable: %s (check --coordinator); retrying in %.1f s", reason, backoff)
+                    if (
+                        not waiting_helps and not self.node_id
+                    ):  # a typo; after a join, a resolver outage
+                        raise Unreachable(
+                            f"cannot reach the coordinator: {reason}; check --coordinator"
+                        ) from error
+                    log.warning(
+                        "coordinator unreachable: %s (check --coordinator); retrying in %.1f s",
+                        reason,
+                        backoff,
+                    )
                 stop.wait(backoff)
                 backoff = min(backoff * 2, max_backoff_s)
 
@@ -190,14 +212,24 @@ class SiteAgent:
         log.info("joined as %s (node %d)", joined.site_name, joined.node_id)
         idle_wait, last_run = 0.0, 0
         while not stop.is_set():
-            pulled = self._pull(stub, pb.PullMessageRequest(last_run_id=last_run, wait_s=LONG_POLL_S), stop)
+            pulled = self._pull(
+                stub, pb.PullMessageRequest(last_run_id=last_run, wait_s=LONG_POLL_S), stop
+            )
             if pulled is None:
                 return
-            if not pulled.has_message:  # back off while idle, so many waiting sites cost the coordinator little
+            if (
+                not pulled.has_message
+            ):  # back off while idle, so many waiting sites cost the coordinator little
                 if last_run and pulled.last_run_status in ENDED:
-                    log.info("run %d %s at the coordinator; waiting for the next run", last_run, pulled.last_run_status)
+                    log.info(
+                        "run %d %s at the coordinator; waiting for the next run",
+                        last_run,
+                        pulled.last_run_status,
+                    )
                     last_run = 0
-                if pulled.poll_after_s == 0:  # the coordinator waited for a message: ask again at once
+                if (
+                    pulled.poll_after_s == 0
+                ):  # the coordinator waited for a message: ask again at once
                     idle_wait = 0.0
                     continue
                 idle_wait = _idle_wait(pulled.poll_after_s, idle_wait)
@@ -212,16 +244,27 @@ class SiteAgent:
             try:
                 self._push(stub, reply, envelope.round)
             except grpc.RpcError as error:
-                if error.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+                if error.code() not in (
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                ):
                     raise
                 # A late reply (round closed) or one the coordinator refused: drop it and take the next message.
-                log.warning("coordinator refused the reply (%s): %s", error.code().name, error.details())
+                log.warning(
+                    "coordinator refused the reply (%s): %s", error.code().name, error.details()
+                )
             self.received.clear()
 
-    def _pull(self, stub: CoordinatorClient, request: pb.PullMessageRequest, stop: threading.Event) -> pb.PullMessageReply | None:
+    def _pull(
+        self, stub: CoordinatorClient, request: pb.PullMessageRequest, stop: threading.Event
+    ) -> pb.PullMessageReply | None:
         """One (long) poll for the next message; None when `stop` is set while it waits (the call is cancelled)."""
-        call = stub.PullMessage.future(request, metadata=self.metadata, timeout=request.wait_s + PULL_MARGIN_S)
-        answered = threading.Event()  # wakes the site the moment a message arrives, not at the next stop check
+        call = stub.PullMessage.future(
+            request, metadata=self.metadata, timeout=request.wait_s + PULL_MARGIN_S
+        )
+        answered = (
+            threading.Event()
+        )  # wakes the site the moment a message arrives, not at the next stop check
         call.add_done_callback(lambda _: answered.set())
         while not answered.wait(STOP_CHECK_S):
             if stop.is_set():
@@ -229,7 +272,9 @@ class SiteAgent:
                 return None
         return call.result()
 
-    def _handle(self, stub: CoordinatorClient, envelope: pb.Envelope, inline: Sequence[pb.Chunk] = ()) -> Message:
+    def _handle(
+        self, stub: CoordinatorClient, envelope: pb.Envelope, inline: Sequence[pb.Chunk] = ()
+    ) -> Message:
         """The reply to one message: the ClientApp's after the site policy, the policy's refusal, or an error
         reply. Nothing in the message ends the agent; a lost connection or a refused token still reaches `run`."""
         request = _request(envelope, self.node_id)
@@ -238,29 +283,47 @@ class SiteAgent:
         except grpc.RpcError as error:
             if error.code() in RETRYABLE | REFUSED:
                 raise
-            log.warning("message %s: fetching it failed: %s %s", envelope.message_id[:8], error.code().name,
-                        error.details())
+            log.warning(
+                "message %s: fetching it failed: %s %s",
+                envelope.message_id[:8],
+                error.code().name,
+                error.details(),
+            )
             reason = f"gRPC {error.code().name} while fetching the message"
             reply = _error_reply(request, ErrorCode.MESSAGE_UNAVAILABLE, reason)
         except (MessageRefused, EnvelopeError) as error:
             reason = f"{type(error).__name__}: {error}"
-            log.warning("message %s refused: %s", envelope.message_id[:8], reason[:MAX_REASON_CHARS])
+            log.warning(
+                "message %s refused: %s", envelope.message_id[:8], reason[:MAX_REASON_CHARS]
+            )
             reply = _error_reply(request, ErrorCode.MOD_FAILED_PRECONDITION, reason)
         except Exception as error:  # the site's own failure: the full story stays in its log
             name = type(error).__name__
             # one line; the traceback with -v (DEBUG), where a site's operator looks for it
-            log.warning("message %s failed: %s: %s", envelope.message_id[:8], name, " ".join(str(error).split()),
-                        exc_info=log.isEnabledFor(logging.DEBUG))
+            log.warning(
+                "message %s failed: %s: %s",
+                envelope.message_id[:8],
+                name,
+                " ".join(str(error).split()),
+                exc_info=log.isEnabledFor(logging.DEBUG),
+            )
             full = disk_full(error, _probe_bytes(envelope))
             if full:  # said on its own line: the operator's fix is space, not the failure above
-                log.error("disk full: %s; this message fails, the site serves the next one once there is space", full[1])
+                log.error(
+                    "disk full: %s; this message fails, the site serves the next one once there is space",
+                    full[1],
+                )
             reason = f"disk full ({full[0]}): {DISK_FULL_REASON}" if full else local_reason(error)
             reply = _error_reply(request, ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason)
         reply.metadata.__dict__["_message_id"] = uuid.uuid4().hex
         return reply
 
     def _answer(
-        self, stub: CoordinatorClient, envelope: pb.Envelope, request: Message, inline: Sequence[pb.Chunk] = ()
+        self,
+        stub: CoordinatorClient,
+        envelope: pb.Envelope,
+        request: Message,
+        inline: Sequence[pb.Chunk] = (),
     ) -> Message:
         context = self._context(stub, envelope.run_id)
         refusal = self.policy.refusal(envelope.run_id, str(context.run_config.get("strategy", "")))
@@ -290,10 +353,14 @@ class SiteAgent:
             self.contexts.popitem(last=False)
         return context
 
-    def _receive(self, stub: CoordinatorClient, envelope: pb.Envelope, inline: Sequence[pb.Chunk] = ()) -> Message:
+    def _receive(
+        self, stub: CoordinatorClient, envelope: pb.Envelope, inline: Sequence[pb.Chunk] = ()
+    ) -> Message:
         """The message rebuilt from exactly the chunks its manifest lists, once its arrays are known to fit: those
         that came `inline` with it (a small message), the rest downloaded."""
-        check_manifest(envelope)  # every dtype, shape and size consistent, no hostile product: nothing allocated yet
+        check_manifest(
+            envelope
+        )  # every dtype, shape and size consistent, no hostile product: nothing allocated yet
         tensors = sum(len(record.tensors) for record in envelope.arrays)
         held = declared_nbytes(envelope) + tensors * TENSOR_OVERHEAD_BYTES
         if held > self.max_download_bytes:
@@ -306,8 +373,12 @@ class SiteAgent:
         self.received.keep_for(envelope)
         assembly = Assembly(envelope, self.received)
         wanted = {digest: sizes[digest] for digest in assembly.missing()}
-        kept = sizes.keys() - wanted.keys()  # filled before a dropped download: a small message brings them again
-        _take((chunk for chunk in inline if chunk.digest not in kept), wanted, assembly)  # checked as downloads are
+        kept = (
+            sizes.keys() - wanted.keys()
+        )  # filled before a dropped download: a small message brings them again
+        _take(
+            (chunk for chunk in inline if chunk.digest not in kept), wanted, assembly
+        )  # checked as downloads are
         self._fetch(stub, wanted, assembly)
         message = join_message(envelope, {}, verified=True, assembled=assembly.arrays())
         self.received.clear()
@@ -324,19 +395,33 @@ class SiteAgent:
         try:
             _take(call, pending, assembly)
         except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and TOO_LARGE in (error.details() or ""):
-                raise MessageRefused(f"the coordinator sent a chunk over this site's message limit: {error.details()}")
+            if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and TOO_LARGE in (
+                error.details() or ""
+            ):
+                raise MessageRefused(
+                    f"the coordinator sent a chunk over this site's message limit: {error.details()}"
+                )
             raise
         finally:
             call.cancel()
 
     def _push(self, stub: CoordinatorClient, reply: Message, server_round: int) -> None:
-        uploaded = upload_reply(stub, self.metadata, reply, server_round, inline_bytes=self.inline_bytes)
-        if uploaded.resumed:  # chunks are content-addressed: an interrupted upload, or arrays the coordinator holds
-            log.info("upload: %d of %d chunks already at the coordinator (an interrupted upload, or arrays it holds "
-                     "already), sent %d", uploaded.already_present, uploaded.already_present + uploaded.stored,
-                     uploaded.stored)
-        log.debug("pushed reply to %s: %s", reply.metadata.reply_to_message_id[:8], uploaded.seconds)
+        uploaded = upload_reply(
+            stub, self.metadata, reply, server_round, inline_bytes=self.inline_bytes
+        )
+        if (
+            uploaded.resumed
+        ):  # chunks are content-addressed: an interrupted upload, or arrays the coordinator holds
+            log.info(
+                "upload: %d of %d chunks already at the coordinator (an interrupted upload, or arrays it holds "
+                "already), sent %d",
+                uploaded.already_present,
+                uploaded.already_present + uploaded.stored,
+                uploaded.stored,
+            )
+        log.debug(
+            "pushed reply to %s: %s", reply.metadata.reply_to_message_id[:8], uploaded.seconds
+        )
 
 
 def parse_run_config(raw: bytes) -> dict[str, str | int | float | bool]:
@@ -345,14 +430,20 @@ def parse_run_config(raw: bytes) -> dict[str, str | int | float | bool]:
         values = json.loads(raw or b"{}")
     except (ValueError, RecursionError) as error:
         raise MessageRefused("the run config is not valid JSON") from error
-    if not isinstance(values, dict) or not all(isinstance(v, str | int | float | bool) for v in values.values()):
-        raise MessageRefused("the run config is not a flat JSON object of strings, numbers and booleans")
+    if not isinstance(values, dict) or not all(
+        isinstance(v, str | int | float | bool) for v in values.values()
+    ):
+        raise MessageRefused(
+            "the run config is not a flat JSON object of strings, numbers and booleans"
+        )
     return values
 
 
 def local_reason(error: BaseException) -> str:
     """The reason a local failure gives the coordinator: the exception's type and a fixed sentence."""
-    sentence = next((text for kind, text in FIXED_REASONS if isinstance(error, kind)), GENERIC_REASON)
+    sentence = next(
+        (text for kind, text in FIXED_REASONS if isinstance(error, kind)), GENERIC_REASON
+    )
     return f"{type(error).__name__}: {sentence}"
 
 
@@ -365,7 +456,9 @@ def disk_full(error: BaseException, probe_bytes: int) -> tuple[str, str] | None:
     seen: BaseException | None = error
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in DISK_FULL_ERRNOS:
-            return errno.errorcode[seen.errno], f"{seen.strerror} writing {seen.filename or 'a file'}"
+            return errno.errorcode[
+                seen.errno
+            ], f"{seen.strerror} writing {seen.filename or 'a file'}"
         seen = seen.__cause__ or seen.__context__
     directory = tempfile.gettempdir()
     try:
@@ -374,7 +467,9 @@ def disk_full(error: BaseException, probe_bytes: int) -> tuple[str, str] | None:
             probe.flush()
     except OSError as probe_error:
         if probe_error.errno in DISK_FULL_ERRNOS:
-            return errno.errorcode[probe_error.errno], f"{probe_error.strerror}: cannot write {_size(probe_bytes)} to {directory}"
+            return errno.errorcode[
+                probe_error.errno
+            ], f"{probe_error.strerror}: cannot write {_size(probe_bytes)} to {directory}"
     return None
 
 
@@ -386,7 +481,9 @@ def _probe_bytes(envelope: pb.Envelope) -> int:
         return 1
 
 
-def _take(chunks: Iterable[ChunkView | pb.Chunk], pending: dict[str, int], assembly: Assembly) -> None:
+def _take(
+    chunks: Iterable[ChunkView | pb.Chunk], pending: dict[str, int], assembly: Assembly
+) -> None:
     """Each chunk into the assembly once checked against `pending` (digest -> size), which it leaves."""
     for chunk in chunks:
         _check_chunk(chunk, pending)
@@ -396,8 +493,10 @@ def _take(chunks: Iterable[ChunkView | pb.Chunk], pending: dict[str, int], assem
 
 def _check_chunk(chunk: ChunkView | pb.Chunk, pending: dict[str, int]) -> None:
     if chunk.digest not in pending:
-        raise MessageRefused(f"the coordinator sent chunk {chunk.digest[:12]!r}, which this site did not ask for "
-                             "or already received")
+        raise MessageRefused(
+            f"the coordinator sent chunk {chunk.digest[:12]!r}, which this site did not ask for "
+            "or already received"
+        )
     if len(chunk.data) != pending[chunk.digest]:
         raise MessageRefused(
             f"chunk {chunk.digest[:12]} has {len(chunk.data)} bytes; its manifest makes it {pending[chunk.digest]}"
@@ -409,14 +508,23 @@ def _request(envelope: pb.Envelope, node_id: int) -> Message:
     envelope's own fields, so even a malformed message gets its error reply. A type Flower refuses becomes a
     query: the coordinator takes a reply's type from the message it stored, never from the reply."""
     try:
-        return make_message(metadata=metadata_from_proto(ProtoMetadata.FromString(envelope.metadata)),
-                            content=RecordDict())
-    except Exception:  # protobuf and Flower raise several types for garbage bytes and invalid fields
+        return make_message(
+            metadata=metadata_from_proto(ProtoMetadata.FromString(envelope.metadata)),
+            content=RecordDict(),
+        )
+    except (
+        Exception
+    ):  # protobuf and Flower raise several types for garbage bytes and invalid fields
         pass
     fields = {
-        "run_id": envelope.run_id, "message_id": envelope.message_id, "src_node_id": SUPERLINK_NODE_ID,
-        "dst_node_id": node_id, "reply_to_message_id": "", "group_id": str(envelope.round),
-        "created_at": time.time(), "ttl": DEFAULT_TTL_S,
+        "run_id": envelope.run_id,
+        "message_id": envelope.message_id,
+        "src_node_id": SUPERLINK_NODE_ID,
+        "dst_node_id": node_id,
+        "reply_to_message_id": "",
+        "group_id": str(envelope.round),
+        "created_at": time.time(),
+        "ttl": DEFAULT_TTL_S,
     }
     try:
         metadata = Metadata(**fields, message_type=envelope.message_type)

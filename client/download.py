@@ -22,7 +22,13 @@ from flwr.app import Array
 
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2 import TensorManifest
-from hydrafl.proto.envelope import CHUNK_BYTES, ChunkCheck, EnvelopeError, npy_header, serialised_array
+from hydrafl.proto.envelope import (
+    CHUNK_BYTES,
+    ChunkCheck,
+    EnvelopeError,
+    npy_header,
+    serialised_array,
+)
 
 Content = tuple[str, tuple[int, ...], tuple[str, ...]]
 """A tensor's content: dtype, shape and chunk names."""
@@ -73,7 +79,9 @@ class Filling:
 
     def array(self) -> Array:
         if self.offsets:
-            raise EnvelopeError(f"array {self.tensor.name}: chunk {next(iter(self.offsets))[:12]} is missing")
+            raise EnvelopeError(
+                f"array {self.tensor.name}: chunk {next(iter(self.offsets))[:12]} is missing"
+            )
         return serialised_array(self.tensor, self.data)
 
 
@@ -86,7 +94,9 @@ class Received:
     def keep_for(self, envelope: pb.Envelope) -> None:
         """Keep only what this message (the same one again, after a reconnect) can use."""
         contents = {_content(tensor) for record in envelope.arrays for tensor in record.tensors}
-        self.tensors = {content: filling for content, filling in self.tensors.items() if content in contents}
+        self.tensors = {
+            content: filling for content, filling in self.tensors.items() if content in contents
+        }
 
     def clear(self) -> None:
         self.tensors.clear()
@@ -98,7 +108,9 @@ class Assembly:
 
     def __init__(self, envelope: pb.Envelope, received: Received) -> None:
         self._check = ChunkCheck.of(envelope)
-        self._tensors = [(record.key, tensor) for record in envelope.arrays for tensor in record.tensors]
+        self._tensors = [
+            (record.key, tensor) for record in envelope.arrays for tensor in record.tensors
+        ]
         for _, tensor in self._tensors:
             if _content(tensor) not in received.tensors:
                 received.tensors[_content(tensor)] = Filling.of(tensor)
@@ -122,7 +134,10 @@ class Assembly:
 
     def arrays(self) -> dict[tuple[str, str], Array]:
         """Every tensor's Array by (record key, tensor name); EnvelopeError names a chunk still missing."""
-        return {(key, tensor.name): filling.array() for (key, tensor), filling in zip(self._tensors, self._fillings)}
+        return {
+            (key, tensor.name): filling.array()
+            for (key, tensor), filling in zip(self._tensors, self._fillings)
+        }
 
 
 def _unique(fillings: list[Filling]) -> list[Filling]:

@@ -30,13 +30,35 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from hydrafl import protocol
 from hydrafl.arrays import from_record, to_record
 from hydrafl.catalog import IMAGE_MODELS
-from hydrafl.client.training import SiteTrainConfig, build_site_model, evaluate, site_seed, train_site
+from hydrafl.client.training import (
+    SiteTrainConfig,
+    build_site_model,
+    evaluate,
+    site_seed,
+    train_site,
+)
 from hydrafl.config import RunConfig
-from hydrafl.data import NEXT_TOKEN_TASKS, TASKS, Cohort, DataError, SiteSplit, TaskSpec, load_cohort
+from hydrafl.data import (
+    NEXT_TOKEN_TASKS,
+    TASKS,
+    Cohort,
+    DataError,
+    SiteSplit,
+    TaskSpec,
+    load_cohort,
+)
 from hydrafl.data.text_cohort import MINILM
 from hydrafl.footprint import training_footprint
 from hydrafl.losses import LossFn, TailPenalised, classification_loss
-from hydrafl.models import Classifier, LoraSpec, build_model, federated_state, lora_base_state, task_loss, training_loss
+from hydrafl.models import (
+    Classifier,
+    LoraSpec,
+    build_model,
+    federated_state,
+    lora_base_state,
+    task_loss,
+    training_loss,
+)
 from hydrafl.site_config import SiteConfig
 from hydrafl.subnet.apply import apply_spec, trainable_slices
 from hydrafl.subnet.architecture import find_architecture, head_axis_of
@@ -51,9 +73,17 @@ log = logging.getLogger(__name__)
 client_app = ClientApp()
 SYNTHETIC_TASKS = TASKS + NEXT_TOKEN_TASKS
 
+
 @lru_cache(maxsize=4)
 def _cohort(
-    task: str, data: str, label_column: str, partition: str, sites: int, samples: int, seed: int, tokenizer: str = "hash"
+    task: str,
+    data: str,
+    label_column: str,
+    partition: str,
+    sites: int,
+    samples: int,
+    seed: int,
+    tokenizer: str = "hash",
 ) -> Cohort:
     return load_cohort(
         task,
@@ -69,9 +99,18 @@ def _cohort(
 
 def run_cohort(cfg: RunConfig) -> Cohort:
     """The cohort a run's sites share out (cached per process; loading it early surfaces data errors)."""
-    tokenizer = MINILM if cfg.model == MINILM and not cfg.data else "hash"  # a pretrained model reads its own tokens
+    tokenizer = (
+        MINILM if cfg.model == MINILM and not cfg.data else "hash"
+    )  # a pretrained model reads its own tokens
     return _cohort(
-        cfg.task, cfg.data, cfg.label_column, cfg.partition, cfg.sites, cfg.samples_per_site, cfg.seed, tokenizer
+        cfg.task,
+        cfg.data,
+        cfg.label_column,
+        cfg.partition,
+        cfg.sites,
+        cfg.samples_per_site,
+        cfg.seed,
+        tokenizer,
     )
 
 
@@ -86,7 +125,9 @@ def site_data(cfg: RunConfig, context: Context) -> tuple[Cohort, SiteSplit]:
         empty = cohort.sites[0].test_x[:0], cohort.sites[0].test_y[:0]
         pooled_x = torch.cat([each.train_x for each in cohort.sites])
         pooled_y = torch.cat([each.train_y for each in cohort.sites])
-        return cohort, SiteSplit(train_x=pooled_x, train_y=pooled_y, test_x=empty[0], test_y=empty[1])
+        return cohort, SiteSplit(
+            train_x=pooled_x, train_y=pooled_y, test_x=empty[0], test_y=empty[1]
+        )
     if site.data_path is not None:
         cohort = _cohort("", str(site.data_path), site.label_column, "iid", 1, 2, cfg.seed)
         return cohort, cohort.sites[0]
@@ -94,10 +135,14 @@ def site_data(cfg: RunConfig, context: Context) -> tuple[Cohort, SiteSplit]:
         cohort = demo_cohort(cfg)
         return cohort, cohort.sites[site.demo_site % len(cohort.sites)]
     if site.partition_id is None:
-        raise ValueError("this site's node_config names no data: data-path, demo-site or partition-id")
+        raise ValueError(
+            "this site's node_config names no data: data-path, demo-site or partition-id"
+        )
     cohort = run_cohort(cfg)
     if not site.partition_id < len(cohort.sites):
-        raise ValueError(f"partition-id {site.partition_id} is outside the cohort's {len(cohort.sites)} sites")
+        raise ValueError(
+            f"partition-id {site.partition_id} is outside the cohort's {len(cohort.sites)} sites"
+        )
     return cohort, cohort.sites[site.partition_id]
 
 
@@ -129,7 +174,9 @@ def demo_cohort(cfg: RunConfig) -> Cohort:
 
 
 @lru_cache(maxsize=8)
-def _working_model(task: TaskSpec, model: str, seed: int, lora: LoraSpec | None, own_bases: bool) -> Classifier:
+def _working_model(
+    task: TaskSpec, model: str, seed: int, lora: LoraSpec | None, own_bases: bool
+) -> Classifier:
     """One model object per process and LoRA shape (a LoRA baseline's site of rank r trains a rank-r adapter),
     reloaded from the message's arrays before every use. Messages that carry
     the frozen LoRA base weights (FLoRA merges into them) get a model of their own, so merged bases never
@@ -147,11 +194,17 @@ def lora_spec(cfg: RunConfig, rank: int | None = None) -> LoraSpec | None:
         return LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_target_list)
     if not 1 <= rank <= cfg.lora_rank:
         raise ValueError(f"a site's LoRA rank must be in 1..{cfg.lora_rank}, got {rank}")
-    return LoraSpec(rank=rank, alpha=cfg.lora_alpha * rank / cfg.lora_rank, targets=cfg.lora_target_list)
+    return LoraSpec(
+        rank=rank, alpha=cfg.lora_alpha * rank / cfg.lora_rank, targets=cfg.lora_target_list
+    )
 
 
 def _site_model(
-    task: TaskSpec, cfg: RunConfig, arrays: ArrayRecord, spec: SubnetSpec | None = None, rank: int | None = None
+    task: TaskSpec,
+    cfg: RunConfig,
+    arrays: ArrayRecord,
+    spec: SubnetSpec | None = None,
+    rank: int | None = None,
 ) -> Classifier:
     """The working model loaded with `arrays`: the whole model; with a subnetwork `spec` only what its forward
     pass reads (`subnet.slices.read_slices`; see `_load`); with a LoRA baseline's `rank` a rank-`rank` adapter
@@ -187,7 +240,9 @@ def _load(model: Classifier, arrays: ArrayRecord, read: Mapping[str, Slice] | No
             elif read is not None and name in read:
                 target.copy_(read[name].put(torch.zeros_like(target), tensor))
             else:
-                raise ValueError(f"array {name!r} has shape {tuple(tensor.shape)}; the model's is {tuple(target.shape)}")
+                raise ValueError(
+                    f"array {name!r} has shape {tuple(tensor.shape)}; the model's is {tuple(target.shape)}"
+                )
 
 
 def _received_arrays(message: Message) -> ArrayRecord:
@@ -214,11 +269,16 @@ def check_checkpoint_paths(cfg: RunConfig, site: SiteConfig) -> None:
     if not site.deployed:
         return  # a simulated site: the run config is the researcher's own
     allowed = site.model_dir
-    for key, value, built_in in (("model", cfg.model, ("tiny", MINILM, *IMAGE_MODELS)), ("distill-teacher", cfg.distill_teacher, ("", "init"))):
+    for key, value, built_in in (
+        ("model", cfg.model, ("tiny", MINILM, *IMAGE_MODELS)),
+        ("distill-teacher", cfg.distill_teacher, ("", "init")),
+    ):
         if value in built_in:
             continue
         if allowed is None or not Path(value).resolve().is_relative_to(allowed.resolve()):
-            raise PermissionError(f"the run's {key} names a local directory outside this site's --model-dir")
+            raise PermissionError(
+                f"the run's {key} names a local directory outside this site's --model-dir"
+            )
 
 
 @client_app.train()
@@ -227,7 +287,9 @@ def train(message: Message, context: Context) -> Message:
     cohort, split = site_data(cfg, context)
     arrays, config = _received_arrays(message), _received_config(message)
     spec = SubnetSpec.from_config(config) if "hydra.layers" in config else None
-    rank = int(config[protocol.SITE_RANK]) if protocol.SITE_RANK in config else None  # a LoRA baseline's site
+    rank = (
+        int(config[protocol.SITE_RANK]) if protocol.SITE_RANK in config else None
+    )  # a LoRA baseline's site
     model = _site_model(cohort.task, cfg, arrays, spec, rank)
     start = {name: p.clone() for name, p in federated_state(model).items() if name in arrays}
     local = SiteTrainConfig(
@@ -249,18 +311,31 @@ def train(message: Message, context: Context) -> Message:
     if local.nproc > 1:
         frozen = {name: t.clone() for name, t in model.state_dict().items() if name not in start}
     lora = lora_spec(cfg, rank)
-    rebuild = partial(build_site_model, cohort.task, cfg.model, cfg.seed, spec, lora=lora, frozen=frozen)
+    rebuild = partial(
+        build_site_model, cohort.task, cfg.model, cfg.seed, spec, lora=lora, frozen=frozen
+    )
     teacher = {"distill_teacher": cfg.distill_teacher, "distill_weight": cfg.distill_weight}
     loss_fn = training_loss(cohort.task, model=cfg.model, seed=cfg.seed, **teacher)
     if rank is not None and protocol.TAIL_PENALTY in config:  # a HetLoRA site's local regulariser
-        loss_fn = TailPenalised(loss_fn, float(config[protocol.TAIL_PENALTY]), rank, float(config[protocol.TAIL_PRUNE]))
+        loss_fn = TailPenalised(
+            loss_fn, float(config[protocol.TAIL_PENALTY]), rank, float(config[protocol.TAIL_PRUNE])
+        )
     with apply_spec(model, spec) if spec else nullcontext():
         sample = slice(0, min(cfg.batch_size, len(split.train_y)))
         footprint = training_footprint(
-            model, lambda: loss_fn(model, split.train_x[sample], split.train_y[sample]), cfg.inner_optimizer
+            model,
+            lambda: loss_fn(model, split.train_x[sample], split.train_y[sample]),
+            cfg.inner_optimizer,
         )
         result = train_site(
-            model, start, split.train_x, split.train_y, local, rebuild=rebuild, loss_fn=loss_fn, spec=spec
+            model,
+            start,
+            split.train_x,
+            split.train_y,
+            local,
+            rebuild=rebuild,
+            loss_fn=loss_fn,
+            spec=spec,
         )
     end = result.end_state
     if spec is not None:
@@ -272,7 +347,9 @@ def train(message: Message, context: Context) -> Message:
     metrics = MetricRecord(
         {
             protocol.WEIGHT: len(split.train_y),
-            protocol.TRAINABLE_PARAMS: sum(sl.numel(start[name].shape) for name, sl in slices.items()),
+            protocol.TRAINABLE_PARAMS: sum(
+                sl.numel(start[name].shape) for name, sl in slices.items()
+            ),
             protocol.PEAK_MEMORY: footprint.peak_bytes,
             "train_loss": result.loss,
             "samples-per-s": result.samples_per_s,
@@ -282,13 +359,24 @@ def train(message: Message, context: Context) -> Message:
     )
     utilisation = f", MFU {result.mfu:.1%}" if result.mfu is not None else ""
     if result.restarts:
-        log.warning("round %d: a training process died; restarted %d time(s)", local.server_round, result.restarts)
+        log.warning(
+            "round %d: a training process died; restarted %d time(s)",
+            local.server_round,
+            result.restarts,
+        )
     log.info(
         "round %d: %d samples on %d process(es), %.0f samples/s%s, loss %.4f, data %s",
-        local.server_round, result.num_examples, local.nproc, result.samples_per_s, utilisation, result.loss,
+        local.server_round,
+        result.num_examples,
+        local.nproc,
+        result.samples_per_s,
+        utilisation,
+        result.loss,
         result.data_hash[:12],
     )
-    info = ConfigRecord({protocol.DATA_HASH: result.data_hash})  # a string: MetricRecords hold numbers only
+    info = ConfigRecord(
+        {protocol.DATA_HASH: result.data_hash}
+    )  # a string: MetricRecords hold numbers only
     content = RecordDict({"arrays": to_record(delta), "metrics": metrics, "train-info": info})
     return Message(content, reply_to=message)
 
@@ -321,30 +409,50 @@ def curvature(message: Message, context: Context) -> Message:
     model = _site_model(cohort.task, cfg, _received_arrays(message))
     with sdpa_kernel(SDPBackend.MATH):  # the fused CPU attention kernels have no double backward
         h, v = estimate_curvature(
-            model, split.train_x[:16], split.train_y[:16], seed=cfg.seed, loss_fn=task_loss(cohort.task)
+            model,
+            split.train_x[:16],
+            split.train_y[:16],
+            seed=cfg.seed,
+            loss_fn=task_loss(cohort.task),
         )
-    metrics = MetricRecord({"curvature": h, "curvature-var": v, protocol.WEIGHT: len(split.train_y)})
+    metrics = MetricRecord(
+        {"curvature": h, "curvature-var": v, protocol.WEIGHT: len(split.train_y)}
+    )
     return Message(RecordDict({"metrics": metrics}), reply_to=message)
 
 
 @client_app.query("scores")
 def scores(message: Message, context: Context) -> Message:
     """Layer importance (`layer-L`) and head importance (`head-L-G`, per KV group) on a few of the site's
-    training batches (or, asked for `magnitude` in a private run, from the model's weights alone), with the site's tier, its measured step cost (`subnet.measure.measure_layer_cost`) and declared
-memory, and the model's slice layout (see `slice_layout`)."""
+        training batches (or, asked for `magnitude` in a private run, from the model's weights alone), with the site's tier, its measured step cost (`subnet.measure.measure_layer_cost`) and declared
+    memory, and the model's slice layout (see `slice_layout`)."""
     cfg, request = _run_config(message, context), _received_config(message)
     cohort, split = site_data(cfg, context)
     model = _site_model(cohort.task, cfg, _received_arrays(message))
     n = min(int(request[protocol.SCORE_SAMPLES]), len(split.train_y))
     size = cfg.batch_size
-    batches = [(split.train_x[i : min(i + size, n)], split.train_y[i : min(i + size, n)]) for i in range(0, n, size)]
-    layer_method, head_method = str(request[protocol.LAYER_SCORE]), str(request[protocol.HEAD_SCORE])
+    batches = [
+        (split.train_x[i : min(i + size, n)], split.train_y[i : min(i + size, n)])
+        for i in range(0, n, size)
+    ]
+    layer_method, head_method = (
+        str(request[protocol.LAYER_SCORE]),
+        str(request[protocol.HEAD_SCORE]),
+    )
     magnitude = protocol.MAGNITUDE_SCORE
-    from_weights = weight_magnitude(model) if magnitude in (layer_method, head_method) else None  # reads no data
-    layers = from_weights[0] if from_weights and layer_method == magnitude else layer_importance(
-        model, batches, task_loss(cohort.task), method=layer_method)
-    heads = from_weights[1] if from_weights and head_method == magnitude else head_importance(
-        model, batches, task_loss(cohort.task), method=head_method)
+    from_weights = (
+        weight_magnitude(model) if magnitude in (layer_method, head_method) else None
+    )  # reads no data
+    layers = (
+        from_weights[0]
+        if from_weights and layer_method == magnitude
+        else layer_importance(model, batches, task_loss(cohort.task), method=layer_method)
+    )
+    heads = (
+        from_weights[1]
+        if from_weights and head_method == magnitude
+        else head_importance(model, batches, task_loss(cohort.task), method=head_method)
+    )
     memory_bytes = site_memory_mb(cfg, context) * 1e6
     metrics = MetricRecord(
         {
@@ -358,14 +466,22 @@ memory, and the model's slice layout (see `slice_layout`)."""
             protocol.MEMORY_BYTES: memory_bytes,
         }
     )
-    if memory_bytes or cfg.round_timeout_s:  # the cost only sizes a Hydra-net against memory or a deadline
+    if (
+        memory_bytes or cfg.round_timeout_s
+    ):  # the cost only sizes a Hydra-net against memory or a deadline
         x, y = batches[0]
         speed = site_speed(cfg, context)
         bypass = bool(request.get(protocol.SCORE_BYPASS, False))
         cost = measure_layer_cost(
-            model, lambda: task_loss(cohort.task)(model, x, y), cfg.inner_optimizer, speed=speed, bypass=bypass
+            model,
+            lambda: task_loss(cohort.task)(model, x, y),
+            cfg.inner_optimizer,
+            speed=speed,
+            bypass=bypass,
         )
-        metrics.update({f"{protocol.COST_PREFIX}{f.replace('_', '-')}": getattr(cost, f) for f in COST_FIELDS})
+        metrics.update(
+            {f"{protocol.COST_PREFIX}{f.replace('_', '-')}": getattr(cost, f) for f in COST_FIELDS}
+        )
     site = ConfigRecord({protocol.TIER: site_tier(cfg, context), **slice_layout(model)})
     return Message(RecordDict({"metrics": metrics, protocol.SITE_RECORD: site}), reply_to=message)
 
@@ -442,7 +558,9 @@ def estimate_curvature(
         grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
         dot = sum((g * u).sum() for g, u in zip(grads, vector, strict=True) if g is not None)
         second = torch.autograd.grad(dot, params, allow_unused=True)
-        return [torch.zeros_like(p) if h is None else h for p, h in zip(params, second, strict=True)]
+        return [
+            torch.zeros_like(p) if h is None else h for p, h in zip(params, second, strict=True)
+        ]
 
     generator = torch.Generator().manual_seed(seed)
     direction = [torch.randn(p.shape, generator=generator) for p in params]
@@ -456,8 +574,8 @@ def estimate_curvature(
     per_sample = []
     for i in range(min(len(x), 8)):
         product = hvp(loss_fn(model, x[i : i + 1], y[i : i + 1]), direction)
-        per_sample.append(float(sum((p * u).sum() for p, u in zip(product, direction, strict=True))))
+        per_sample.append(
+            float(sum((p * u).sum() for p, u in zip(product, direction, strict=True)))
+        )
     samples = torch.tensor(per_sample, dtype=torch.float64)
     return float(samples.mean().abs()), float(samples.var())
-
-

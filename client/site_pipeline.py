@@ -23,7 +23,9 @@ from hydrafl.updates import records
 log = logging.getLogger(__name__)
 
 
-def answer(client_app: ClientApp, message: Message, context: Context, policy: SitePolicy) -> Message:
+def answer(
+    client_app: ClientApp, message: Message, context: Context, policy: SitePolicy
+) -> Message:
     """The reply that leaves the site: the app's, after the policy, and under secure aggregation masked (the
     protocol's own queries are answered here, the app never sees them)."""
     if message.metadata.message_type in protocol.SECAGG_QUERIES:
@@ -47,7 +49,9 @@ def _compressed(message: Message, reply: Message, context: Context) -> Message:
     answers through here, and a stock Flower app's simulation need not import torch."""
     if reply.has_error() or not message.metadata.message_type.startswith("train"):
         return reply
-    if not Scheme.from_config(next(iter(records(message.content, ConfigRecord)), ConfigRecord())).enabled:
+    if not Scheme.from_config(
+        next(iter(records(message.content, ConfigRecord)), ConfigRecord())
+    ).enabled:
         return reply
     from hydrafl.compression.feedback import compress_reply
 
@@ -57,13 +61,18 @@ def _compressed(message: Message, reply: Message, context: Context) -> Message:
 def _download_refusal(message: Message, context: Context) -> Message | None:
     """A compressed download (`--compress-downloads`) turned into its model in place; the error reply instead
     when the site cannot rebuild it exactly (the coordinator then sends the whole model)."""
-    from hydrafl.compression.reference import DownloadError, receive_download  # torch: only for a run that uses it
+    from hydrafl.compression.reference import (
+        DownloadError,
+        receive_download,
+    )  # torch: only for a run that uses it
 
     try:
         receive_download(message, context)
     except (DownloadError, CompressionError) as error:
         log.warning("refusing a %s message's download: %s", message.metadata.message_type, error)
-        return Message(Error(ErrorCode.MOD_FAILED_PRECONDITION, f"download refused: {error}"), reply_to=message)
+        return Message(
+            Error(ErrorCode.MOD_FAILED_PRECONDITION, f"download refused: {error}"), reply_to=message
+        )
     return None
 
 
@@ -96,5 +105,7 @@ class PipelineApp(ClientApp):
 
     def __call__(self, message: Message, context: Context) -> Message:
         if site_secagg.IDENTITY_KEY not in context.state:
-            site_secagg.install_identity(context, SiteIdentity.issue(self.consortium, context.node_id))
+            site_secagg.install_identity(
+                context, SiteIdentity.issue(self.consortium, context.node_id)
+            )
         return answer(self.inner, message, context, self.policy)

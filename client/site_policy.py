@@ -36,7 +36,12 @@ from hydrafl.validation import ConfigError
 log = logging.getLogger(__name__)
 
 KEYS = {
-    "allowed-runs", "allowed-strategies", "max-update-norm", "noise-multiplier", "max-epsilon", "delta",
+    "allowed-runs",
+    "allowed-strategies",
+    "max-update-norm",
+    "noise-multiplier",
+    "max-epsilon",
+    "delta",
     "min-class-count",
 }
 SMALL_CELL_REASON = (
@@ -70,18 +75,28 @@ class SitePolicy:
     min_class_count - 1 records (None: no minimum)."""
 
     def __post_init__(self) -> None:
-        if self.max_update_norm is not None and not (math.isfinite(self.max_update_norm) and self.max_update_norm > 0):
-            raise PolicyError(f"max-update-norm must be a positive number, got {self.max_update_norm!r}")
+        if self.max_update_norm is not None and not (
+            math.isfinite(self.max_update_norm) and self.max_update_norm > 0
+        ):
+            raise PolicyError(
+                f"max-update-norm must be a positive number, got {self.max_update_norm!r}"
+            )
         if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
             raise PolicyError(f"noise-multiplier must be >= 0, got {self.noise_multiplier!r}")
         if self.noise_multiplier and self.max_update_norm is None:
-            raise PolicyError("noise-multiplier needs max-update-norm (noise is calibrated to the clipping bound)")
-        if self.max_epsilon is not None and not (math.isfinite(self.max_epsilon) and self.max_epsilon > 0):
+            raise PolicyError(
+                "noise-multiplier needs max-update-norm (noise is calibrated to the clipping bound)"
+            )
+        if self.max_epsilon is not None and not (
+            math.isfinite(self.max_epsilon) and self.max_epsilon > 0
+        ):
             raise PolicyError(f"max-epsilon must be a positive number, got {self.max_epsilon!r}")
         if not 0 < self.delta < 1:
             raise PolicyError(f"delta must be in (0, 1), got {self.delta!r}")
         if self.min_class_count is not None and self.min_class_count < 2:
-            raise PolicyError(f"min-class-count must be an integer >= 2, got {self.min_class_count!r}")
+            raise PolicyError(
+                f"min-class-count must be an integer >= 2, got {self.min_class_count!r}"
+            )
 
     def refusal(self, run_id: int, strategy: str) -> str:
         """Why this site refuses to work for the run, or "" when it may."""
@@ -113,7 +128,11 @@ class SitePolicy:
             return ""
         if not counts:
             return "min-class-count counts records per class, and this run's task has no class labels; remove the key"
-        small = [f"class {name!r} has {count}" for name, count in counts.items() if 0 < count < self.min_class_count]
+        small = [
+            f"class {name!r} has {count}"
+            for name, count in counts.items()
+            if 0 < count < self.min_class_count
+        ]
         if not small:
             return ""
         return (
@@ -128,7 +147,9 @@ class SitePolicy:
 
     def local_epsilon(self, participations: int) -> float:
         """The site's own epsilon after `participations` noised replies (inf without noise)."""
-        from hydrafl.privacy.accountant import local_epsilon  # dp-accounting only for a site that adds noise
+        from hydrafl.privacy.accountant import (
+            local_epsilon,
+        )  # dp-accounting only for a site that adds noise
 
         return local_epsilon(self.noise_multiplier, participations, delta=self.delta)
 
@@ -136,18 +157,28 @@ class SitePolicy:
         """The reply as it may leave: clipped and noised (`apply`); a noised train reply counts as a
         participation and reports the site's epsilon in its ConfigRecord."""
         reply = self.apply(reply)
-        if not self.noise_multiplier or reply.has_error() or not reply.metadata.message_type.startswith("train"):
+        if (
+            not self.noise_multiplier
+            or reply.has_error()
+            or not reply.metadata.message_type.startswith("train")
+        ):
             return reply
         count = _participations(context) + 1
         context.state[PRIVACY_STATE] = ConfigRecord({"participations": count})
         if not reply.content.config_records:
             reply.content["privacy"] = ConfigRecord()
-        next(iter(reply.content.config_records.values()))[protocol.LOCAL_EPSILON] = self.local_epsilon(count)
+        next(iter(reply.content.config_records.values()))[protocol.LOCAL_EPSILON] = (
+            self.local_epsilon(count)
+        )
         return reply
 
     def apply(self, reply: Message) -> Message:
         """Clip (and noise) the arrays of a training reply in place; other replies pass unchanged."""
-        if self.max_update_norm is None or reply.has_error() or not reply.metadata.message_type.startswith("train"):
+        if (
+            self.max_update_norm is None
+            or reply.has_error()
+            or not reply.metadata.message_type.startswith("train")
+        ):
             return reply
         for key, record in list(reply.content.items()):
             if isinstance(record, ArrayRecord):
@@ -174,12 +205,16 @@ def load_policy(path: str | Path) -> SitePolicy:
     except ConfigError as error:
         raise PolicyError(str(error)) from error
     except OSError as error:  # a directory, no permission: one line that says so, never a traceback
-        raise PolicyError(f"policy file {str(path)!r} cannot be read: {error.strerror or error}") from error
+        raise PolicyError(
+            f"policy file {str(path)!r} cannot be read: {error.strerror or error}"
+        ) from error
     except UnicodeDecodeError as error:
         raise PolicyError(f"policy file {str(path)!r} is not UTF-8 text") from error
     unknown = sorted(set(values) - KEYS)
     if unknown:
-        raise PolicyError(f"unknown key {unknown[0]!r} in {path}; valid keys: {', '.join(sorted(KEYS))}")
+        raise PolicyError(
+            f"unknown key {unknown[0]!r} in {path}; valid keys: {', '.join(sorted(KEYS))}"
+        )
     try:
         return SitePolicy(
             allowed_runs=_tuple(values, "allowed-runs", int),
@@ -212,7 +247,9 @@ def _tuple(values: dict, key: str, kind: type) -> tuple | None:
     if key not in values:
         return None
     items = values[key]
-    if not isinstance(items, list) or not all(isinstance(item, kind) and not isinstance(item, bool) for item in items):
+    if not isinstance(items, list) or not all(
+        isinstance(item, kind) and not isinstance(item, bool) for item in items
+    ):
         raise PolicyError(f"{key} must be a list of {kind.__name__}, got {items!r}")
     return tuple(items)
 

@@ -29,7 +29,10 @@ def install_identity(context: Context, identity: SiteIdentity) -> None:
 
 def is_secagg_reply(message: Message) -> bool:
     """A train or evaluate message of a secure round: its reply leaves the site only masked."""
-    return message.metadata.message_type in ("train", "evaluate") and protocol.SECAGG_RECORD in message.content
+    return (
+        message.metadata.message_type in ("train", "evaluate")
+        and protocol.SECAGG_RECORD in message.content
+    )
 
 
 def answer_query(message: Message, context: Context) -> Message:
@@ -38,14 +41,18 @@ def answer_query(message: Message, context: Context) -> Message:
     kind = message.metadata.message_type
     if kind == protocol.QUERY_SECAGG_KEYS:
         server_round, participants, params, _ = wire.parse_keys_request(request)
-        session = SiteSession.start(context.node_id, server_round, participants, params, _identity(context))
+        session = SiteSession.start(
+            context.node_id, server_round, participants, params, _identity(context)
+        )
         reply = wire.keys_reply(session.public_keys())
         context.state[STATE_KEY] = ConfigRecord(dict(request))
     elif kind == protocol.QUERY_SECAGG_SHARES:
         session = _load(context)
         node, keys = wire.parse_shares_request(request)
         if node != context.node_id:
-            raise SecAggError(f"site {context.node_id}: a share-keys request addressed to site {node}")
+            raise SecAggError(
+                f"site {context.node_id}: a share-keys request addressed to site {node}"
+            )
         reply = wire.sealed_record(session.share_keys(keys))
     elif kind == protocol.QUERY_SECAGG_CHECK:
         session = _load(context)
@@ -64,8 +71,9 @@ def take_record(message: Message) -> ConfigRecord:
     return record
 
 
-def masked_reply(message: Message, reply: Message, context: Context, routed: ConfigRecord, *,
-                 honest: bool = True) -> Message:
+def masked_reply(
+    message: Message, reply: Message, context: Context, routed: ConfigRecord, *, honest: bool = True
+) -> Message:
     """`reply` (the policy's) as the one masked vector that leaves the site: a train reply's delta (clipped to
     the run's honest-site bound, if any) and weight, then the metrics the round sums (`Layout.metrics`); an
     evaluate reply's weight and metrics only. Nothing else of the reply leaves: no metric, count, data hash
@@ -76,7 +84,9 @@ def masked_reply(message: Message, reply: Message, context: Context, routed: Con
     _, participants, _, layout = wire.parse_keys_request(context.state[STATE_KEY])
     kind = message.metadata.message_type
     if kind != session.params.purpose:
-        raise SecAggError(f"a {kind} message in a secure round set up to sum {session.params.purpose} replies")
+        raise SecAggError(
+            f"a {kind} message in a secure round set up to sum {session.params.purpose} replies"
+        )
     distributed = bool(session.params.dp_clip)
     [metrics] = records(reply.content, MetricRecord)
     weight = metrics[layout.weight_key]
@@ -86,20 +96,34 @@ def masked_reply(message: Message, reply: Message, context: Context, routed: Con
         encoded = encode(np.zeros(0), weight, params, rng)
     else:
         if distributed and (layout.per_coordinate or not layout.count_once):
-            raise SecAggError("distributed DP needs every site to weigh 1 on the whole model, and this layout does not")
+            raise SecAggError(
+                "distributed DP needs every site to weigh 1 on the whole model, and this layout does not"
+            )
         [delta] = [r for r in reply.content.values() if isinstance(r, ArrayRecord)]
         if layout.per_coordinate:
-            flat, weights = _expanded(delta, wire.parse_slices(routed), layout, _weight(weight, layout.count_once))
+            flat, weights = _expanded(
+                delta, wire.parse_slices(routed), layout, _weight(weight, layout.count_once)
+            )
         else:
             sent = next(iter(message.content.array_records.values()))
-            if list(delta) != layout.names or any(tuple(delta[n].shape) != tuple(sent[n].shape) for n in layout.names):
-                raise SecAggError("the update's arrays differ from the model the round sent: it cannot be summed securely")
-            flat = np.concatenate([delta[name].numpy().astype(np.float64).ravel() for name in layout.names])
+            if list(delta) != layout.names or any(
+                tuple(delta[n].shape) != tuple(sent[n].shape) for n in layout.names
+            ):
+                raise SecAggError(
+                    "the update's arrays differ from the model the round sent: it cannot be summed securely"
+                )
+            flat = np.concatenate(
+                [delta[name].numpy().astype(np.float64).ravel() for name in layout.names]
+            )
             weights = weight
         if honest and session.params.site_clip:
             flat = clip_norm(flat, session.params.site_clip)
-        if distributed:  # the site's own clip and noise share: the coordinator only ever sees a noised sum
-            encoded = DistributedNoise.of(params, flat.size, len(participants)).encode(flat, params, rng)
+        if (
+            distributed
+        ):  # the site's own clip and noise share: the coordinator only ever sees a noised sum
+            encoded = DistributedNoise.of(params, flat.size, len(participants)).encode(
+                flat, params, rng
+            )
         else:
             encoded = encode(flat, weights, params, rng)
         weight = _weight(weight, layout.count_once or distributed)
@@ -107,7 +131,10 @@ def masked_reply(message: Message, reply: Message, context: Context, routed: Con
     slots = encode_metrics(values, weight, [r for _, r in layout.metrics], params, rng)
     masked = session.mask(np.concatenate([encoded, slots]), wire.parse_sealed(routed))
     _save(context, session)
-    return Message(RecordDict({"arrays": ArrayRecord({protocol.SECAGG_MASKED: Array(masked)})}), reply_to=message)
+    return Message(
+        RecordDict({"arrays": ArrayRecord({protocol.SECAGG_MASKED: Array(masked)})}),
+        reply_to=message,
+    )
 
 
 def clip_norm(flat: np.ndarray, bound: float) -> np.ndarray:
@@ -132,7 +159,9 @@ def _metric_value(metrics: MetricRecord, name: str) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _expanded(delta: ArrayRecord, slices: dict, layout: wire.Layout, weight: int) -> tuple[np.ndarray, np.ndarray]:
+def _expanded(
+    delta: ArrayRecord, slices: dict, layout: wire.Layout, weight: int
+) -> tuple[np.ndarray, np.ndarray]:
     """A subnetwork's compact slices as full-shape vectors: the delta (0 off the slices) and a per-coordinate
     weight (`weight` on the slices, 0 off them). Imports torch here, for subnetworks only: the in-process grid
     answers through this module, and a stock Flower app's simulation need not load torch."""
@@ -141,7 +170,9 @@ def _expanded(delta: ArrayRecord, slices: dict, layout: wire.Layout, weight: int
     from hydrafl.subnet.slices import Slice
 
     if set(delta) != set(slices) or not set(slices) <= set(layout.names):
-        raise SecAggError("the update's arrays differ from the slices the round assigned: it cannot be summed securely")
+        raise SecAggError(
+            "the update's arrays differ from the slices the round assigned: it cannot be summed securely"
+        )
     values, weights = [], []
     for name, shape in zip(layout.names, layout.shapes):
         if name not in slices:
@@ -150,7 +181,9 @@ def _expanded(delta: ArrayRecord, slices: dict, layout: wire.Layout, weight: int
             continue
         sl = Slice(*slices[name])
         try:
-            full = sl.put(torch.zeros(shape, dtype=torch.float64), torch.from_numpy(delta[name].numpy()))
+            full = sl.put(
+                torch.zeros(shape, dtype=torch.float64), torch.from_numpy(delta[name].numpy())
+            )
         except (ValueError, IndexError, RuntimeError) as error:
             raise SecAggError(f"array {name!r} does not fit its assigned slice: {error}") from None
         values.append(full.numpy().ravel())
@@ -159,9 +192,15 @@ def _expanded(delta: ArrayRecord, slices: dict, layout: wire.Layout, weight: int
 
 
 def _secagg_record(message: Message) -> ConfigRecord:
-    record = message.content.get(protocol.SECAGG_RECORD) if protocol.SECAGG_RECORD in message.content else None
+    record = (
+        message.content.get(protocol.SECAGG_RECORD)
+        if protocol.SECAGG_RECORD in message.content
+        else None
+    )
     if not isinstance(record, ConfigRecord):
-        raise SecAggError(f"a {message.metadata.message_type} message without its secure-aggregation record")
+        raise SecAggError(
+            f"a {message.metadata.message_type} message without its secure-aggregation record"
+        )
     return record
 
 
@@ -171,12 +210,16 @@ def _save(context: Context, session: SiteSession) -> None:
 
 def _load(context: Context) -> SiteSession:
     if STATE_KEY not in context.state or "session" not in context.state[STATE_KEY]:
-        raise SecAggError(f"site {context.node_id}: a secure-aggregation message before the round's setup")
+        raise SecAggError(
+            f"site {context.node_id}: a secure-aggregation message before the round's setup"
+        )
     return SiteSession.from_state(str(context.state[STATE_KEY]["session"]), _identity(context))
 
 
 def _identity(context: Context) -> SiteIdentity:
     if IDENTITY_KEY not in context.state:
-        raise SecAggError(f"site {context.node_id} has no secure-aggregation identity: start it with "
-                          "--secagg-identity FILE (`hydrafl admin site add --consortium-key` writes one)")
+        raise SecAggError(
+            f"site {context.node_id} has no secure-aggregation identity: start it with "
+            "--secagg-identity FILE (`hydrafl admin site add --consortium-key` writes one)"
+        )
     return SiteIdentity.from_json(str(context.state[IDENTITY_KEY]["identity"]))

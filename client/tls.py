@@ -28,7 +28,11 @@ class SiteTls:
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):
             raise ConfigError(MUTUAL_TLS_NEEDS)
-        for flag, path in (("--tls-ca", self.ca), ("--tls-cert", self.cert), ("--tls-key", self.key)):
+        for flag, path in (
+            ("--tls-ca", self.ca),
+            ("--tls-cert", self.cert),
+            ("--tls-key", self.key),
+        ):
             if path is not None and not path.is_file():
                 raise ConfigError(f"{flag} {path} is not a file")
 

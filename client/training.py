@@ -62,7 +62,9 @@ class SiteTrainConfig:
                 f"max_restarts={self.max_restarts} >= 0"
             )
         if self.optimizer not in INNER_OPTIMIZERS:
-            raise ValueError(f"unknown inner optimizer {self.optimizer!r}; choose one of {', '.join(INNER_OPTIMIZERS)}")
+            raise ValueError(
+                f"unknown inner optimizer {self.optimizer!r}; choose one of {', '.join(INNER_OPTIMIZERS)}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -110,7 +112,9 @@ def build_site_model(
     return net
 
 
-def train_flops_per_sample(model: nn.Module, x: torch.Tensor, spec: SubnetSpec | None = None) -> float:
+def train_flops_per_sample(
+    model: nn.Module, x: torch.Tensor, spec: SubnetSpec | None = None
+) -> float:
     """Training FLOPs of one sample: 3x the forward the model executes (`subnet.counts.forward_flops`; the layers a
     bypassing `spec` skips cost nothing), at the token count the first executed transformer layer sees for one
     row of `x`."""
@@ -153,7 +157,9 @@ def train_site(
             f"size that is a multiple of {config.nproc}"
         )
     if config.nproc > 1 and rebuild is None:
-        raise ValueError(f"nproc={config.nproc} needs `rebuild`, a picklable builder of the model for each process")
+        raise ValueError(
+            f"nproc={config.nproc} needs `rebuild`, a picklable builder of the model for each process"
+        )
     home = next(model.parameters()).device
     try:
         result = train_distributed(
@@ -182,7 +188,11 @@ def train_site(
     if result.device_name:
         flops = train_flops_per_sample(model, x, spec)
         utilisation = mfu(
-            result.samples_per_s, flops, device_name=result.device_name, devices=config.nproc, bf16=config.bf16
+            result.samples_per_s,
+            flops,
+            device_name=result.device_name,
+            devices=config.nproc,
+            bf16=config.bf16,
         )
     return SiteTrainResult(
         end_state=result.end_state,
@@ -196,7 +206,9 @@ def train_site(
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256) -> tuple[float, float]:
+def evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256
+) -> tuple[float, float]:
     """Mean cross-entropy and accuracy on (x, y): per sample for a `Classifier`, per valid next-token target
     for a `CausalLM` (whose `evaluation_sums` never builds full logits)."""
     model.eval()
@@ -205,5 +217,9 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
         batch_loss, batch_correct, batch_count = model.evaluation_sums(  # type: ignore[operator]
             x[start : start + batch_size], y[start : start + batch_size]
         )
-        loss_sum, correct, count = loss_sum + batch_loss, correct + batch_correct, count + batch_count
+        loss_sum, correct, count = (
+            loss_sum + batch_loss,
+            correct + batch_correct,
+            count + batch_count,
+        )
     return loss_sum / max(count, 1), correct / max(count, 1)

@@ -36,7 +36,12 @@ class Uploaded:
 
 
 def upload_reply(
-    stub: CoordinatorClient, metadata: Metadata, reply: Message, server_round: int, *, inline_bytes: int
+    stub: CoordinatorClient,
+    metadata: Metadata,
+    reply: Message,
+    server_round: int,
+    *,
+    inline_bytes: int,
 ) -> Uploaded:
     """Push `reply`: its chunks (inline up to `inline_bytes`, else streamed), then its envelope."""
     started = time.perf_counter()
@@ -44,17 +49,25 @@ def upload_reply(
     arrays = [array for record in records for array in record.values()]
     named: Named = {id(array): (array, chunk_views(array), [], []) for array in arrays}
     pieces = [piece for _, views, _, _ in named.values() for piece in views]
-    if not pieces or sum(len(piece) for piece in pieces) <= inline_bytes:  # one call; re-putting is harmless
+    if (
+        not pieces or sum(len(piece) for piece in pieces) <= inline_bytes
+    ):  # one call; re-putting is harmless
         envelope, chunks = split_message(reply, server_round, named=_name_all(named))
         inline = [pb.Chunk(digest=digest, data=bytes(data)) for digest, data in chunks.items()]
-        pushed = stub.PushReply(pb.PushReplyRequest(envelope=envelope, chunks=inline), metadata=metadata)
-        return Uploaded(len(inline), 0, False, pushed.duplicate, {"total": time.perf_counter() - started})
+        pushed = stub.PushReply(
+            pb.PushReplyRequest(envelope=envelope, chunks=inline), metadata=metadata
+        )
+        return Uploaded(
+            len(inline), 0, False, pushed.duplicate, {"total": time.perf_counter() - started}
+        )
     first = UPLOADED.digest(pieces[0])
     resumed = bool(stub.HasChunks(pb.HasChunksRequest(digests=[first]), metadata=metadata).present)
     asked = time.perf_counter()
     if resumed:
         envelope, chunks = split_message(reply, server_round, named=_name_all(named))
-        present = set(stub.HasChunks(pb.HasChunksRequest(digests=list(chunks)), metadata=metadata).present)
+        present = set(
+            stub.HasChunks(pb.HasChunksRequest(digests=list(chunks)), metadata=metadata).present
+        )
         missing = [(digest, data) for digest, data in chunks.items() if digest not in present]
         put = stub.PutChunks(iter(missing), metadata=metadata) if missing else pb.PutChunksReply()
     else:
@@ -64,7 +77,9 @@ def upload_reply(
     sent = time.perf_counter()
     pushed = stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=metadata)
     seconds = {"ask": asked - started, "put": sent - asked, "push": time.perf_counter() - sent}
-    return Uploaded(put.stored, len(present) + put.already_present, resumed, pushed.duplicate, seconds)
+    return Uploaded(
+        put.stored, len(present) + put.already_present, resumed, pushed.duplicate, seconds
+    )
 
 
 def _name_all(named: Named) -> Named:

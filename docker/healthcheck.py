@@ -22,11 +22,15 @@ def main() -> int:
         with open(ca, "rb") as pem:
             credentials = grpc.ssl_channel_credentials(root_certificates=pem.read())
         name = os.environ.get("HYDRAFL_HEALTH_NAME", "localhost")
-        channel = grpc.secure_channel(address, credentials, options=[("grpc.ssl_target_name_override", name)])
+        channel = grpc.secure_channel(
+            address, credentials, options=[("grpc.ssl_target_name_override", name)]
+        )
     else:
         channel = grpc.insecure_channel(address)
     try:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=4)
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE), timeout=4
+        )
     except grpc.RpcError as error:
         print(f"unhealthy: {error.code().name} from {address}", file=sys.stderr)
         return 1

@@ -37,7 +37,9 @@ def array_view(array: Array) -> np.ndarray:
     length_bytes = 2 if major == 1 else 4  # the header's own length follows the 8-byte magic
     header_end = 8 + length_bytes + int.from_bytes(data[8 : 8 + length_bytes], "little")
     header = data[:header_end].tobytes()
-    parse = _npy_header if len(header) <= 4096 else _npy_header.__wrapped__  # only ordinary headers are kept
+    parse = (
+        _npy_header if len(header) <= 4096 else _npy_header.__wrapped__
+    )  # only ordinary headers are kept
     shape, fortran_order, dtype = parse(header, major)
     values = np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=header_end)
     return values.reshape(shape, order="F" if fortran_order else "C")
@@ -49,7 +51,9 @@ def _npy_header(header: bytes, major: int) -> tuple[tuple[int, ...], bool, np.dt
     a few percent of folding a 4 MB array), and a round's replies repeat the same few headers."""
     buffer = io.BytesIO(header)
     np.lib.format.read_magic(buffer)
-    read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+    read_header = (
+        np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+    )
     return read_header(buffer)
 
 
@@ -58,7 +62,9 @@ def sliced_record(record: ArrayRecord, slices: Mapping[str, Slice]) -> ArrayReco
     whole are shared with `record`, not copied."""
     return ArrayRecord(
         {
-            name: record[name] if sl.dim is None else Array(sl.take(torch.from_numpy(record[name].numpy())).numpy())
+            name: record[name]
+            if sl.dim is None
+            else Array(sl.take(torch.from_numpy(record[name].numpy())).numpy())
             for name, sl in slices.items()
         }
     )
@@ -72,7 +78,10 @@ def record_nbytes(record: ArrayRecord) -> int:
 def weights_from_delta(start: ArrayRecord, delta: ArrayRecord) -> ArrayRecord:
     """end = start - delta for every coordinate in `delta` (the inverse of a site's reply)."""
     return ArrayRecord(
-        {name: Array((start[name].numpy() - array.numpy()).astype(start[name].dtype)) for name, array in delta.items()}
+        {
+            name: Array((start[name].numpy() - array.numpy()).astype(start[name].dtype))
+            for name, array in delta.items()
+        }
     )
 
 
@@ -82,7 +91,10 @@ def keep_dtypes(arrays: ArrayRecord, reference: ArrayRecord) -> ArrayRecord:
     if all(array.dtype == reference[name].dtype for name, array in arrays.items()):
         return arrays
     return ArrayRecord(
-        {name: Array(array.numpy().astype(reference[name].dtype, copy=False)) for name, array in arrays.items()}
+        {
+            name: Array(array.numpy().astype(reference[name].dtype, copy=False))
+            for name, array in arrays.items()
+        }
     )
 
 

@@ -55,16 +55,22 @@ class LoraSpec:
 
     def __post_init__(self) -> None:
         if self.rank < 1 or self.alpha <= 0:
-            raise ValueError(f"LoRA needs rank >= 1 and alpha > 0, got rank={self.rank}, alpha={self.alpha}")
+            raise ValueError(
+                f"LoRA needs rank >= 1 and alpha > 0, got rank={self.rank}, alpha={self.alpha}"
+            )
 
 
-def build_causal_lm(vocab_size: int, *, shape: TinyShape = TinyShape(), seed: int = 0) -> LlamaForCausalLM:
+def build_causal_lm(
+    vocab_size: int, *, shape: TinyShape = TinyShape(), seed: int = 0
+) -> LlamaForCausalLM:
     """A seeded, randomly initialised LlamaForCausalLM (RoPE, RMSNorm, SwiGLU, GQA, untied LM head)."""
     if vocab_size < 2:
         raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
     kv_heads = shape.num_kv_heads
     if shape.hidden % shape.heads or shape.heads % kv_heads:
-        raise ValueError(f"hidden {shape.hidden} / heads {shape.heads} / kv_heads {kv_heads} do not divide")
+        raise ValueError(
+            f"hidden {shape.hidden} / heads {shape.heads} / kv_heads {kv_heads} do not divide"
+        )
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,
@@ -83,7 +89,8 @@ def build_causal_lm(vocab_size: int, *, shape: TinyShape = TinyShape(), seed: in
 
 
 LORA_TARGETS = {
-    p.family: r".*\.(" + "|".join(re.escape(path) for path in (p.q, p.k, p.v, p.o)) + ")" for p in PATTERNS
+    p.family: r".*\.(" + "|".join(re.escape(path) for path in (p.q, p.k, p.v, p.o)) + ")"
+    for p in PATTERNS
 }
 """Attention projections per model family (`subnet.families`), as PEFT `target_modules` (regex, full match on
 module names)."""
@@ -114,7 +121,9 @@ def with_lora(
     if target_modules is None:
         target_modules = LORA_TARGETS[find_architecture(model).family]
     if modules_to_save == "auto":
-        has_classifier = any(name.rsplit(".", 1)[-1] == "classifier" for name, _ in model.named_modules())
+        has_classifier = any(
+            name.rsplit(".", 1)[-1] == "classifier" for name, _ in model.named_modules()
+        )
         modules_to_save = ["classifier"] if has_classifier else None
     config = LoraConfig(
         r=rank,
@@ -140,7 +149,9 @@ def load_pretrained(
     if not path.is_dir():
         raise ValueError(f"{str(path)!r} is not a local checkpoint directory")
     if not (path / "config.json").is_file():
-        raise ValueError(f"{str(path)!r} has no config.json; save it with `model.save_pretrained(path)`")
+        raise ValueError(
+            f"{str(path)!r} has no config.json; save it with `model.save_pretrained(path)`"
+        )
     if model_class is None:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         names = getattr(config, "architectures", None) or []
@@ -149,4 +160,11 @@ def load_pretrained(
     return model_class.from_pretrained(path, local_files_only=True, **kwargs)
 
 
-__all__ = ["LORA_TARGETS", "LoraSpec", "TinyShape", "build_causal_lm", "load_pretrained", "with_lora"]
+__all__ = [
+    "LORA_TARGETS",
+    "LoraSpec",
+    "TinyShape",
+    "build_causal_lm",
+    "load_pretrained",
+    "with_lora",
+]

@@ -41,14 +41,20 @@ class CausalLM(nn.Module):
     vocabulary entries x `window_size` rows is the largest logits block the loss kernel ever holds."""
 
     def __init__(
-        self, net: nn.Module, *, chunk_size: int = DEFAULT_CHUNK_SIZE, window_size: int = DEFAULT_WINDOW_SIZE
+        self,
+        net: nn.Module,
+        *,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        window_size: int = DEFAULT_WINDOW_SIZE,
     ) -> None:
         super().__init__()
         self.net = net
         self.chunk_size, self.window_size = chunk_size, window_size
         head = self._lm().get_output_embeddings()
         if head is None or getattr(head, "bias", None) is not None:
-            raise ValueError(f"{type(self._lm()).__name__} has no bias-free LM head; a causal-LM checkpoint is needed")
+            raise ValueError(
+                f"{type(self._lm()).__name__} has no bias-free LM head; a causal-LM checkpoint is needed"
+            )
 
     def _lm(self) -> nn.Module:
         """The transformers causal LM under any PEFT wrapper (PEFT injects LoRA into its modules in place)."""
@@ -82,10 +88,14 @@ class CausalLM(nn.Module):
             return hidden
         valid = labels.reshape(-1) != IGNORE_INDEX  # [B*T]
         target = labels.reshape(-1)[valid]  # [N]
-        h = hidden.reshape(-1, hidden.shape[-1])[valid].float()  # [N, D], only the rows that have a target
+        h = hidden.reshape(-1, hidden.shape[-1])[
+            valid
+        ].float()  # [N, D], only the rows that have a target
         weight = self.head_weight.float()  # [V, D]
         count = _valid_count(valid) if self.training else None
-        with torch.autocast(h.device.type, enabled=False):  # the kernel accumulates in float32 itself
+        with torch.autocast(
+            h.device.type, enabled=False
+        ):  # the kernel accumulates in float32 itself
             loss = chunked_cross_entropy(h, weight, target, num_valid=count, **self._blocks)
             if teacher is not None and distill_weight:
                 t_hidden, t_weight = teacher
@@ -96,7 +106,9 @@ class CausalLM(nn.Module):
                         "student's tokenizer"
                     )
                 t_h = t_hidden.reshape(-1, t_hidden.shape[-1])[valid].float()  # [N, D_t]
-                kl = chunked_kl_divergence(h, weight, t_h, t_weight.float(), num_valid=count, **self._blocks)
+                kl = chunked_kl_divergence(
+                    h, weight, t_h, t_weight.float(), num_valid=count, **self._blocks
+                )
                 loss = loss + distill_weight * kl
         return loss
 
@@ -131,7 +143,9 @@ def _valid_count(valid: Tensor) -> Tensor | None:
     return count / dist.get_world_size()
 
 
-def build_lm(task: TaskSpec, model: str, shape: TinyShape, seed: int, lora: LoraSpec | None) -> CausalLM:
+def build_lm(
+    task: TaskSpec, model: str, shape: TinyShape, seed: int, lora: LoraSpec | None
+) -> CausalLM:
     """The next-token task's model: "tiny" (the seeded Llama-style LM, vocabulary from the task's tokenizer)
     or a local causal-LM checkpoint; with `lora` only the LoRA factors train (the LM head stays frozen)."""
     if model == "tiny":
@@ -144,12 +158,20 @@ def build_lm(task: TaskSpec, model: str, shape: TinyShape, seed: int, lora: Lora
             f"model {model!r} cannot run next-token task {task.name!r}: use 'tiny' or a local causal-LM checkpoint "
             "directory"
         )
-    vocab = net.get_output_embeddings().weight.shape[0] if net.get_output_embeddings() is not None else 0
+    vocab = (
+        net.get_output_embeddings().weight.shape[0]
+        if net.get_output_embeddings() is not None
+        else 0
+    )
     if vocab < task.vocab_size:
-        raise ValueError(f"model {model!r} has {vocab} vocabulary entries; task {task.name!r} uses {task.vocab_size}")
+        raise ValueError(
+            f"model {model!r} has {vocab} vocabulary entries; task {task.name!r} uses {task.vocab_size}"
+        )
     if lora is not None:
         targets = list(lora.targets) or None  # PEFT matches list entries as module-name suffixes
-        net = with_lora(net, rank=lora.rank, alpha=lora.alpha, target_modules=targets, modules_to_save=None)
+        net = with_lora(
+            net, rank=lora.rank, alpha=lora.alpha, target_modules=targets, modules_to_save=None
+        )
     return CausalLM(net)
 
 

@@ -15,7 +15,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from hydrafl.catalog import IMAGE_MODELS, INNER_OPTIMIZERS, NEXT_TOKEN_TASKS, SITE_TIERS, TASKS, has_images, run_model
+from hydrafl.catalog import (
+    IMAGE_MODELS,
+    INNER_OPTIMIZERS,
+    NEXT_TOKEN_TASKS,
+    SITE_TIERS,
+    TASKS,
+    has_images,
+    run_model,
+)
 from hydrafl.compression.layout import CompressionError, Scheme
 from hydrafl.field_docs import field_types
 from hydrafl.strategies.registry import (
@@ -167,9 +175,10 @@ class RunConfig:
     it holds, what is lost stays at the coordinator for later messages; the whole model at first contact, for a
     stale site and for the final evaluation (`hydrafl.compression.downloads`)."""
 
-
     def __post_init__(self) -> None:
-        if self.strategy:  # "" is a site's view of the run: which strategy runs is the coordinator's business
+        if (
+            self.strategy
+        ):  # "" is a site's view of the run: which strategy runs is the coordinator's business
             options_class = checked_config_class(self.strategy)
             if self.options is None:
                 object.__setattr__(self, "options", options_class())
@@ -179,18 +188,32 @@ class RunConfig:
                 self.strategy,
                 f"a strategy whose knobs are {type(self.options).__name__} (got them for another strategy)",
             )
-        if not self.data and self.task not in TASKS + NEXT_TOKEN_TASKS:  # the words the cohort loader uses
-            raise ConfigError(f"unknown task {self.task!r}; choose one of {', '.join(TASKS + NEXT_TOKEN_TASKS)}, or "
-                              "pass --data for your own data")
+        if (
+            not self.data and self.task not in TASKS + NEXT_TOKEN_TASKS
+        ):  # the words the cohort loader uses
+            raise ConfigError(
+                f"unknown task {self.task!r}; choose one of {', '.join(TASKS + NEXT_TOKEN_TASKS)}, or "
+                "pass --data for your own data"
+            )
         _check(self.sites >= 1, "sites", self.sites, "an integer >= 1")
         _check(self.rounds >= 1, "rounds", self.rounds, "an integer >= 1")
         _check(self.local_steps >= 1, "local-steps", self.local_steps, "an integer >= 1")
         _check(self.batch_size >= 1, "batch-size", self.batch_size, "an integer >= 1")
-        _check(self.samples_per_site >= 2, "samples-per-site", self.samples_per_site, "an integer >= 2")
-        _check(0 < self.fraction_train <= 1 and self.sites_per_round >= 1, "fraction-train", self.fraction_train,
-               f"a fraction in (0, 1] that samples at least one of the {self.sites} sites")
-        _check(0 <= self.min_sites <= self.sites_per_round, "min-sites", self.min_sites,
-               f"0..{self.sites_per_round} (0 = every sampled site; at most the sites a round samples)")
+        _check(
+            self.samples_per_site >= 2, "samples-per-site", self.samples_per_site, "an integer >= 2"
+        )
+        _check(
+            0 < self.fraction_train <= 1 and self.sites_per_round >= 1,
+            "fraction-train",
+            self.fraction_train,
+            f"a fraction in (0, 1] that samples at least one of the {self.sites} sites",
+        )
+        _check(
+            0 <= self.min_sites <= self.sites_per_round,
+            "min-sites",
+            self.min_sites,
+            f"0..{self.sites_per_round} (0 = every sampled site; at most the sites a round samples)",
+        )
         _check(self.lr > 0, "lr", self.lr, "a float > 0")
         _check(self.round_timeout_s >= 0, "round-timeout-s", self.round_timeout_s, "seconds >= 0")
         _check(
@@ -201,7 +224,11 @@ class RunConfig:
         )
         _check(
             self.inner_optimizer != "lm-dual"
-            or (self.task not in NEXT_TOKEN_TASKS and self.nproc == 1 and not self._knob_class.site_proximal_term),
+            or (
+                self.task not in NEXT_TOKEN_TASKS
+                and self.nproc == 1
+                and not self._knob_class.site_proximal_term
+            ),
             "inner-optimizer",
             self.inner_optimizer,
             "not lm-dual here: it steps a classifier's head in one process, without a proximal term "
@@ -216,7 +243,9 @@ class RunConfig:
         )
         for key, values in (("site-memory-mb", self.memory_list), ("site-speeds", self.speed_list)):
             _check(
-                len(values) <= self.sites and all(v >= 0 for v in values) and (key != "site-speeds" or 0 not in values),
+                len(values) <= self.sites
+                and all(v >= 0 for v in values)
+                and (key != "site-speeds" or 0 not in values),
                 key,
                 getattr(self, key.replace("-", "_")),
                 f"at most {self.sites} comma-separated numbers (cycled over the sites; speeds > 0, memory >= 0), or empty",
@@ -237,7 +266,12 @@ class RunConfig:
             f"empty unless the task is a synthetic next-token task ({', '.join(NEXT_TOKEN_TASKS)})",
         )
         _check(self.lora_alpha > 0, "lora-alpha", self.lora_alpha, "a float > 0")
-        _check(self.dp_noise_multiplier >= 0, "dp-noise-multiplier", self.dp_noise_multiplier, "a float >= 0")
+        _check(
+            self.dp_noise_multiplier >= 0,
+            "dp-noise-multiplier",
+            self.dp_noise_multiplier,
+            "a float >= 0",
+        )
         _check(self.dp_clip >= 0, "dp-clip", self.dp_clip, "a float >= 0 (0 = no clipping)")
         _check(
             self.dp_clip > 0 or not (self.dp_noise_multiplier or self.dp_adaptive),
@@ -246,35 +280,94 @@ class RunConfig:
             "a float > 0 with --dp-noise-multiplier or --dp-adaptive (noise is calibrated to the clipping bound)",
         )
         _check(0 < self.dp_delta < 1, "dp-delta", self.dp_delta, "a float in (0, 1)")
-        if self.dp_clip and self.strategy and not self._knob_class.secure_sum:  # the list loads every strategy
-            _check(False, "dp-clip", self.dp_clip,
-                   f"0 for strategy {self.strategy!r}: its output is not a post-processing of the noised mean of the "
-                   f"clipped updates, so the accounted epsilon would not bound it (use one of {', '.join(mean_strategies())})")
+        if (
+            self.dp_clip and self.strategy and not self._knob_class.secure_sum
+        ):  # the list loads every strategy
+            _check(
+                False,
+                "dp-clip",
+                self.dp_clip,
+                f"0 for strategy {self.strategy!r}: its output is not a post-processing of the noised mean of the "
+                f"clipped updates, so the accounted epsilon would not bound it (use one of {', '.join(mean_strategies())})",
+            )
         robust_rule = getattr(self.options, "robust_rule", "mean")
-        _check(robust_rule == "mean" or not self.dp_clip, "robust-rule", robust_rule,
-               "mean with --dp-clip (central DP calibrates its noise to the clipped mean, not to a median)")
-        _check(self.secagg_max_weight >= 1, "secagg-max-weight", self.secagg_max_weight, "an integer >= 1")
-        _check(self.secagg_threshold == 0 or max(2, self.sites // 2 + 1) <= self.secagg_threshold <= self.sites,
-               "secagg-threshold", self.secagg_threshold, f"0 (a majority) or {max(2, self.sites // 2 + 1)}..{self.sites}: "
-               "at or below half the sites, a coordinator that lies can unmask one site's update")
-        _check(math.isfinite(self.secagg_clip) and self.secagg_clip >= 0, "secagg-clip", self.secagg_clip, "a number >= 0 (0 = off)")
-        _check(not self.secagg_clip or (self.secagg and not self.dp_clip), "secagg-clip", self.secagg_clip,
-               "0 without --secagg, and 0 with --dp-clip (the sites already clip to --dp-clip)")
-        _check(self.screen_norm == 0 or self.screen_norm >= 1, "screen-norm", self.screen_norm, "0 (off) or >= 1")
-        _check(-1 <= self.screen_cosine <= 1, "screen-cosine", self.screen_cosine, "a float in [-1, 1] (-1 = off)")
+        _check(
+            robust_rule == "mean" or not self.dp_clip,
+            "robust-rule",
+            robust_rule,
+            "mean with --dp-clip (central DP calibrates its noise to the clipped mean, not to a median)",
+        )
+        _check(
+            self.secagg_max_weight >= 1,
+            "secagg-max-weight",
+            self.secagg_max_weight,
+            "an integer >= 1",
+        )
+        _check(
+            self.secagg_threshold == 0
+            or max(2, self.sites // 2 + 1) <= self.secagg_threshold <= self.sites,
+            "secagg-threshold",
+            self.secagg_threshold,
+            f"0 (a majority) or {max(2, self.sites // 2 + 1)}..{self.sites}: "
+            "at or below half the sites, a coordinator that lies can unmask one site's update",
+        )
+        _check(
+            math.isfinite(self.secagg_clip) and self.secagg_clip >= 0,
+            "secagg-clip",
+            self.secagg_clip,
+            "a number >= 0 (0 = off)",
+        )
+        _check(
+            not self.secagg_clip or (self.secagg and not self.dp_clip),
+            "secagg-clip",
+            self.secagg_clip,
+            "0 without --secagg, and 0 with --dp-clip (the sites already clip to --dp-clip)",
+        )
+        _check(
+            self.screen_norm == 0 or self.screen_norm >= 1,
+            "screen-norm",
+            self.screen_norm,
+            "0 (off) or >= 1",
+        )
+        _check(
+            -1 <= self.screen_cosine <= 1,
+            "screen-cosine",
+            self.screen_cosine,
+            "a float in [-1, 1] (-1 = off)",
+        )
         self._check_compression()
         # secure aggregation hands the coordinator the sites' sum alone: whatever needs one site's update refuses
-        _check(not self.secagg or not self.strategy or self._knob_class.secure_sum, "secagg", self.secagg,
-               f"off for strategy {self.strategy!r}: it needs each site's own update, not their sum")
-        _check(not (self.secagg and self.dp_clip) or not self._knob_class.slices_transformer, "dp-clip", self.dp_clip,
-               f"0 with --secagg for strategy {self.strategy!r}: distributed DP noises whole-model sums, and its "
-               "sites train slices")
-        _check(not (self.secagg and self.dp_adaptive), "dp-adaptive", self.dp_adaptive,
-               "off with --secagg: adaptive clipping needs each site's clipped-or-not bit, which the coordinator never sees")
-        for key, value, off in (("screen-norm", self.screen_norm, 0.0),
-                                ("screen-cosine", self.screen_cosine, -1.0), ("diagnostics", self.diagnostics, False),
-                                ("robust-rule", getattr(self.options, "robust_rule", "mean"), "mean")):
-            _check(not self.secagg or value == off, key, value, f"{off} with --secagg: the coordinator never sees one site's update")
+        _check(
+            not self.secagg or not self.strategy or self._knob_class.secure_sum,
+            "secagg",
+            self.secagg,
+            f"off for strategy {self.strategy!r}: it needs each site's own update, not their sum",
+        )
+        _check(
+            not (self.secagg and self.dp_clip) or not self._knob_class.slices_transformer,
+            "dp-clip",
+            self.dp_clip,
+            f"0 with --secagg for strategy {self.strategy!r}: distributed DP noises whole-model sums, and its "
+            "sites train slices",
+        )
+        _check(
+            not (self.secagg and self.dp_adaptive),
+            "dp-adaptive",
+            self.dp_adaptive,
+            "off with --secagg: adaptive clipping needs each site's clipped-or-not bit, which the coordinator never sees",
+        )
+        for key, value, off in (
+            ("screen-norm", self.screen_norm, 0.0),
+            ("screen-cosine", self.screen_cosine, -1.0),
+            ("diagnostics", self.diagnostics, False),
+            ("robust-rule", getattr(self.options, "robust_rule", "mean"), "mean"),
+        ):
+            _check(
+                not self.secagg or value == off,
+                key,
+                value,
+                f"{off} with --secagg: the coordinator never sees one site's update",
+            )
         _check(
             not self._knob_class.federates_lora or self.lora_rank > 0,
             "lora-rank",
@@ -285,25 +378,48 @@ class RunConfig:
 
     def _check_compression(self) -> None:
         try:
-            Scheme(name=self.compress, topk_fraction=self.compress_topk_fraction, rank=self.compress_rank,
-                   block=self.compress_block)
+            Scheme(
+                name=self.compress,
+                topk_fraction=self.compress_topk_fraction,
+                rank=self.compress_rank,
+                block=self.compress_block,
+            )
         except CompressionError as error:
             raise ConfigError(str(error)) from None
-        _check(not self.secagg or self.compress == "none", "compress", self.compress,
-               "none with --secagg: masked updates are summed exactly, not decoded one by one")
-        _check(not self.compress_downloads or self.compress != "none", "compress-downloads", self.compress_downloads,
-               "off without --compress SCHEME: downloads are compressed in the upload scheme")
+        _check(
+            not self.secagg or self.compress == "none",
+            "compress",
+            self.compress,
+            "none with --secagg: masked updates are summed exactly, not decoded one by one",
+        )
+        _check(
+            not self.compress_downloads or self.compress != "none",
+            "compress-downloads",
+            self.compress_downloads,
+            "off without --compress SCHEME: downloads are compressed in the upload scheme",
+        )
 
     def _check_model(self) -> None:
         """An image model needs images; the small CNN has no layers, heads or projections to slice or adapt, so
         the Hydra-net strategies, the LoRA baselines and LoRA itself need the tiny ViT."""
-        model, slices = run_model(self.model, task=self.task, data=self.data), self._knob_class.slices_transformer
-        _check(model not in IMAGE_MODELS or has_images(task=self.task, data=self.data), "model", self.model,
-               f"a model for this task: {' and '.join(IMAGE_MODELS)} need images (an image folder or cohort)")
+        model, slices = (
+            run_model(self.model, task=self.task, data=self.data),
+            self._knob_class.slices_transformer,
+        )
+        _check(
+            model not in IMAGE_MODELS or has_images(task=self.task, data=self.data),
+            "model",
+            self.model,
+            f"a model for this task: {' and '.join(IMAGE_MODELS)} need images (an image folder or cohort)",
+        )
         wants = f"strategy {self.strategy}" if slices else f"lora-rank {self.lora_rank}"
-        _check(model != "cnn" or not (slices or self.lora_rank), "model", self.model,
-               f"--model vit with {wants}: it slices or adapts transformer layers, which the small CNN "
-               "(the default for an image folder) has not")
+        _check(
+            model != "cnn" or not (slices or self.lora_rank),
+            "model",
+            self.model,
+            f"--model vit with {wants}: it slices or adapts transformer layers, which the small CNN "
+            "(the default for an image folder) has not",
+        )
 
     @classmethod
     def build(cls, **values: Any) -> RunConfig:
@@ -361,7 +477,9 @@ class RunConfig:
             return self.min_sites or self.sites_per_round
         from hydrafl.secagg.params import SecAggParams
 
-        params = SecAggParams(max_weight=self.secagg_max_weight, reconstruction_threshold=self.secagg_threshold)
+        params = SecAggParams(
+            max_weight=self.secagg_max_weight, reconstruction_threshold=self.secagg_threshold
+        )
         return params.threshold(self.sites_per_round)
 
     @property
@@ -388,7 +506,11 @@ class RunConfig:
 
     @classmethod
     def from_flower(
-        cls, run_config: dict[str, Any], *, source: str = "the run config", other_knobs: bool = False
+        cls,
+        run_config: dict[str, Any],
+        *,
+        source: str = "the run config",
+        other_knobs: bool = False,
     ) -> RunConfig:
         """Inverse of `to_flower`; a key that is neither run-wide nor one of the strategy's knobs is refused.
         With `other_knobs`, other strategies' knobs are dropped with a warning instead: a run stored by an
@@ -401,19 +523,36 @@ class RunConfig:
             raise ConfigError(f"--strategy: {error}") from None
         run_wide = {name: value for name, value in values.items() if name in RUN_WIDE_KEYS}
         # the run-wide values first, without a strategy: before its module (and torch) loads, as simulate does
-        cls(**{name: coerce(cls, name, name.replace("_", "-"), value, source) for name, value in run_wide.items()},
-            strategy="")
+        cls(
+            **{
+                name: coerce(cls, name, name.replace("_", "-"), value, source)
+                for name, value in run_wide.items()
+            },
+            strategy="",
+        )
         if other_knobs:
             own = set(knob_names(checked_config_class(strategy)))
-            dropped = sorted(k for k in values if k not in RUN_KEYS and k not in own and strategies_with(k))
+            dropped = sorted(
+                k for k in values if k not in RUN_KEYS and k not in own and strategies_with(k)
+            )
             if dropped:
-                log.warning("%s: ignoring knobs of other strategies: %s", source, ", ".join(dropped))
+                log.warning(
+                    "%s: ignoring knobs of other strategies: %s", source, ", ".join(dropped)
+                )
             values = {k: v for k, v in values.items() if k not in dropped}
         run, knobs = _split(values, strategy, source)
         options_class = checked_config_class(strategy)
-        knobs = {name: coerce(options_class, name, name.replace("_", "-"), value, source) for name, value in knobs.items()}
-        return cls(**{name: coerce(cls, name, name.replace("_", "-"), value, source) for name, value in run.items()},
-                   options=options_class(**knobs))
+        knobs = {
+            name: coerce(options_class, name, name.replace("_", "-"), value, source)
+            for name, value in knobs.items()
+        }
+        return cls(
+            **{
+                name: coerce(cls, name, name.replace("_", "-"), value, source)
+                for name, value in run.items()
+            },
+            options=options_class(**knobs),
+        )
 
     @staticmethod
     def flower_defaults(strategy: str) -> dict[str, bool | int | float | str]:
@@ -421,7 +560,10 @@ class RunConfig:
         LoRA-only strategy has no default rank)."""
         run = {f.name: f.default for f in dataclasses.fields(RunConfig) if f.name != "options"}
         knobs = {f.name: f.default for f in dataclasses.fields(checked_config_class(strategy))}
-        return {name.replace("_", "-"): value for name, value in {**run, "strategy": strategy, **knobs}.items()}
+        return {
+            name.replace("_", "-"): value
+            for name, value in {**run, "strategy": strategy, **knobs}.items()
+        }
 
     @classmethod
     def site_view(cls, config: dict[str, Any]) -> RunConfig:
@@ -433,7 +575,9 @@ class RunConfig:
 
 SIMULATION_KEYS = {"strategies", "backend", "out", "attack", "attackers", "site_policy", "workers"}
 """`hydrafl.simulation_config.SimulationConfig`'s own keys (valid in a comparison, not in one run)."""
-RUN_WIDE_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name not in ("options", "strategy"))
+RUN_WIDE_KEYS = tuple(
+    f.name for f in dataclasses.fields(RunConfig) if f.name not in ("options", "strategy")
+)
 """RunConfig's keys that are the same whichever strategy runs (snake_case)."""
 RUN_KEYS = (*RUN_WIDE_KEYS, "strategy")
 
@@ -445,7 +589,9 @@ def checked_config_class(strategy: str, flag: str = "--strategy") -> type[Strate
         raise ConfigError(f"{flag}: {error}") from None
 
 
-def _split(values: dict[str, Any], strategy: str, source: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _split(
+    values: dict[str, Any], strategy: str, source: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Snake_case `values` as (run-wide keys, the strategy's knobs); anything else names the key."""
     knobs_of_strategy = set(knob_names(checked_config_class(strategy)))
     run, knobs = {}, {}
@@ -459,7 +605,9 @@ def _split(values: dict[str, Any], strategy: str, source: str) -> tuple[dict[str
     return run, knobs
 
 
-def unknown_key(key: str, source: str, strategies: tuple[str, ...], *, simulation: bool = False) -> str:
+def unknown_key(
+    key: str, source: str, strategies: tuple[str, ...], *, simulation: bool = False
+) -> str:
     owners = strategies_with(key.replace("-", "_"))
     where = (
         f"it is a knob of {', '.join(owners)}, not of {', '.join(strategies)}"

@@ -34,6 +34,11 @@ def describe_keys() -> list[tuple[str, str, str]]:
             if f.name in ("run", "knobs", "options", "strategy"):
                 continue
             default = DEFAULT_STRATEGIES if f.name == "strategies" else f.default
-            rows.append((f.name.replace("_", "-"), ",".join(default) if f.name == "strategies" else repr(default),
-                         docs.get(f.name, "")))
+            rows.append(
+                (
+                    f.name.replace("_", "-"),
+                    ",".join(default) if f.name == "strategies" else repr(default),
+                    docs.get(f.name, ""),
+                )
+            )
     return rows

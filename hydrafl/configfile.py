@@ -24,5 +24,7 @@ def load_toml(path: str | Path, *, what: str = "config file") -> dict[str, Any]:
         raise ConfigError(f"{what} {str(path)!r} is not valid TOML: {error}") from error
     for key, value in values.items():
         if isinstance(value, dict):
-            raise ConfigError(f"unknown key {key!r} in {path}: tables are not supported, use flat keys")
+            raise ConfigError(
+                f"unknown key {key!r} in {path}: tables are not supported, use flat keys"
+            )
     return values

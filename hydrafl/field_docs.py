@@ -35,5 +35,7 @@ def field_docs(cls: type) -> dict[str, str]:
 def field_types(cls: type) -> dict[str, str]:
     """Per field name, its type's name ("int", "float", ...): a string annotation (a module with `from __future__
     import annotations`) or the type itself (a module without), so a config class may be written either way."""
-    return {f.name: f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-            for f in dataclasses.fields(cls)}
+    return {
+        f.name: f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        for f in dataclasses.fields(cls)
+    }

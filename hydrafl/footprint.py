@@ -28,7 +28,12 @@ class Footprint:
 
     @property
     def peak_bytes(self) -> int:
-        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes + self.activation_bytes
+        return (
+            self.parameter_bytes
+            + self.gradient_bytes
+            + self.optimizer_bytes
+            + self.activation_bytes
+        )
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
@@ -36,7 +41,9 @@ def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
     return storage.data_ptr(), storage.nbytes()
 
 
-def saved_activation_bytes(forward: Callable[[], torch.Tensor], parameters: set[tuple[int, int]]) -> int:
+def saved_activation_bytes(
+    forward: Callable[[], torch.Tensor], parameters: set[tuple[int, int]]
+) -> int:
     """Bytes of the distinct storages autograd saves while `forward()` runs, parameters excluded.
 
     The graph is measured, never backpropagated, so it stores nothing (handing the tensor itself back would put
@@ -64,7 +71,9 @@ def saved_activation_bytes(forward: Callable[[], torch.Tensor], parameters: set[
     return sum(seen.values())
 
 
-def training_footprint(model: nn.Module, forward: Callable[[], torch.Tensor], optimizer: str) -> Footprint:
+def training_footprint(
+    model: nn.Module, forward: Callable[[], torch.Tensor], optimizer: str
+) -> Footprint:
     """The footprint of one step of `forward()` (which returns the loss) with the model as it is configured
     now (frozen parameters, masks and bypasses applied)."""
     params = list(model.parameters())

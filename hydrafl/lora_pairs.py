@@ -40,10 +40,14 @@ def lora_pairs(names: Iterable[str], *, required: bool = True) -> list[LoraPair]
         if match := _LORA_A.match(name):
             b = f"{match['module']}.lora_B.{match['adapter']}.weight"
             if b not in names:
-                raise LoraPairError(f"LoRA factor {name!r} has no matching {b!r} among the global arrays")
+                raise LoraPairError(
+                    f"LoRA factor {name!r} has no matching {b!r} among the global arrays"
+                )
             pairs.append(LoraPair(match["module"], name, b))
     if required and not pairs:
-        raise LoraPairError("no LoRA factors among the global arrays: the LoRA baselines need --lora-rank R >= 1")
+        raise LoraPairError(
+            "no LoRA factors among the global arrays: the LoRA baselines need --lora-rank R >= 1"
+        )
     return pairs
 
 

@@ -63,7 +63,10 @@ class TailPenalised:
         if keep >= self.rank or not self.weight:
             return value
         params = dict(model.named_parameters())
-        tail = sum(_smooth_norm(params[p.b][:, keep : self.rank] @ params[p.a][keep : self.rank]) for p in lora_pairs(params))
+        tail = sum(
+            _smooth_norm(params[p.b][:, keep : self.rank] @ params[p.a][keep : self.rank])
+            for p in lora_pairs(params)
+        )
         return value + self.weight * tail
 
 

@@ -48,7 +48,9 @@ def keep_freed_memory() -> bool:
     """Every allocation from one heap that keeps up to KEPT_BYTES free for reuse (no per-buffer mappings, no
     per-thread heaps, which glibc unmaps when emptied). Call it first thing in a process's entry point, before
     threads start; False where there is no glibc `mallopt`."""
-    return _mallopt((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, KEPT_BYTES), (M_TOP_PAD, KEPT_BYTES))
+    return _mallopt(
+        (M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, KEPT_BYTES), (M_TOP_PAD, KEPT_BYTES)
+    )
 
 
 def _mallopt(*settings: tuple[int, int]) -> bool:

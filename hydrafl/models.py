@@ -71,7 +71,11 @@ class Classifier(nn.Module):
     def evaluation_sums(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
         """(summed cross-entropy, correct predictions, samples) of one batch; `CausalLM` counts tokens."""
         logits = self(x)
-        return float(F.cross_entropy(logits, y, reduction="sum")), int((logits.argmax(dim=-1) == y).sum()), len(y)
+        return (
+            float(F.cross_entropy(logits, y, reduction="sum")),
+            int((logits.argmax(dim=-1) == y).sum()),
+            len(y),
+        )
 
 
 class TabularTransformer(nn.Module):
@@ -80,7 +84,9 @@ class TabularTransformer(nn.Module):
 
     def __init__(self, num_features: int, num_classes: int, shape: TinyShape) -> None:
         super().__init__()
-        config = _bert_config(vocab_size=2, max_positions=num_features + 1, num_classes=num_classes, shape=shape)
+        config = _bert_config(
+            vocab_size=2, max_positions=num_features + 1, num_classes=num_classes, shape=shape
+        )
         self.feature_weight = nn.Parameter(torch.randn(num_features, shape.hidden) * 0.02)
         self.feature_bias = nn.Parameter(torch.zeros(num_features, shape.hidden))
         self.cls = nn.Parameter(torch.randn(1, 1, shape.hidden) * 0.02)
@@ -116,7 +122,9 @@ class SmallCNN(nn.Module):
         return self.head(hidden.mean(dim=(2, 3)))
 
 
-def _bert_config(*, vocab_size: int, max_positions: int, num_classes: int, shape: TinyShape) -> BertConfig:
+def _bert_config(
+    *, vocab_size: int, max_positions: int, num_classes: int, shape: TinyShape
+) -> BertConfig:
     return BertConfig(
         vocab_size=vocab_size,
         hidden_size=shape.hidden,
@@ -132,7 +140,12 @@ def _bert_config(*, vocab_size: int, max_positions: int, num_classes: int, shape
 
 
 def build_model(
-    task: TaskSpec, *, model: str = "tiny", seed: int = 0, shape: TinyShape = TinyShape(), lora: LoraSpec | None = None
+    task: TaskSpec,
+    *,
+    model: str = "tiny",
+    seed: int = 0,
+    shape: TinyShape = TinyShape(),
+    lora: LoraSpec | None = None,
 ) -> Classifier | CausalLM:
     """Build the task's model; `model` is "tiny" (the task's from-scratch default, `catalog.from_scratch_model`),
     "vit" or "cnn" (image tasks), "minilm" or a local checkpoint directory. With `lora`,
@@ -145,7 +158,9 @@ def build_model(
     if lora is not None:
         head = "head" if isinstance(net, TabularTransformer) else "classifier"
         targets = list(lora.targets) or None  # PEFT matches list entries as module-name suffixes
-        net = with_lora(net, rank=lora.rank, alpha=lora.alpha, target_modules=targets, modules_to_save=[head])
+        net = with_lora(
+            net, rank=lora.rank, alpha=lora.alpha, target_modules=targets, modules_to_save=[head]
+        )
     return Classifier(net, task.modality)
 
 
@@ -155,14 +170,21 @@ def _build_net(task: TaskSpec, model: str, shape: TinyShape) -> nn.Module:
     if model == "tiny":
         model = from_scratch_model(task.name, task.modality)
     if model in IMAGE_MODELS and task.modality != "image":
-        raise ValueError(f"model {model!r} is an image model; task {task.name!r} is {task.modality}")
+        raise ValueError(
+            f"model {model!r} is an image model; task {task.name!r} is {task.modality}"
+        )
     if model == "cnn":  # each block halves the side: as many as leave at least one pixel, at most 5
-        return SmallCNN(task.channels, task.num_classes, blocks=min(5, task.image_size.bit_length() - 1))
+        return SmallCNN(
+            task.channels, task.num_classes, blocks=min(5, task.image_size.bit_length() - 1)
+        )
     if model not in ("tiny", "vit"):
         return _from_pretrained(Path(model), task)
     if task.modality == "text":
         config = _bert_config(
-            vocab_size=task.vocab_size, max_positions=task.seq_len, num_classes=task.num_classes, shape=shape
+            vocab_size=task.vocab_size,
+            max_positions=task.seq_len,
+            num_classes=task.num_classes,
+            shape=shape,
         )
         net: nn.Module = BertForSequenceClassification(config)
     elif task.modality == "image":
@@ -192,9 +214,12 @@ def _minilm(task: TaskSpec) -> nn.Module:
     if task.modality != "text":
         raise ValueError(f"model 'minilm' is a text encoder; task {task.name!r} is {task.modality}")
     return BertForSequenceClassification.from_pretrained(
-        minilm_path(), num_labels=task.num_classes, local_files_only=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+        minilm_path(),
+        num_labels=task.num_classes,
+        local_files_only=True,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )
-
 
 
 def _from_pretrained(path: Path, task: TaskSpec) -> nn.Module:
@@ -203,7 +228,9 @@ def _from_pretrained(path: Path, task: TaskSpec) -> nn.Module:
         raise ValueError(f"model {str(path)!r} is neither 'tiny' nor a local checkpoint directory")
     loaders = {"text": AutoModelForSequenceClassification, "image": AutoModelForImageClassification}
     if task.modality not in loaders:
-        raise ValueError(f"pretrained checkpoints are supported for text and image tasks, not {task.modality!r}")
+        raise ValueError(
+            f"pretrained checkpoints are supported for text and image tasks, not {task.modality!r}"
+        )
     return loaders[task.modality].from_pretrained(
         path, num_labels=task.num_classes, local_files_only=True, ignore_mismatched_sizes=True
     )
@@ -215,14 +242,21 @@ def task_loss(task: TaskSpec) -> LossFn:
 
 
 def training_loss(
-    task: TaskSpec, *, model: str = "tiny", seed: int = 0, distill_teacher: str = "", distill_weight: float = 0.0
+    task: TaskSpec,
+    *,
+    model: str = "tiny",
+    seed: int = 0,
+    distill_teacher: str = "",
+    distill_weight: float = 0.0,
 ) -> LossFn:
     """The loss a site trains with: the task's, plus `distill_weight` x KL(teacher || student) when
     `distill_teacher` ("init" or a local checkpoint directory) is set; only next-token tasks distil."""
     if not distill_teacher or not distill_weight:
         return task_loss(task)
     if task.objective != NEXT_TOKEN:
-        raise ValueError(f"distillation needs a next-token task; task {task.name!r} is {task.objective}")
+        raise ValueError(
+            f"distillation needs a next-token task; task {task.name!r} is {task.objective}"
+        )
     return DistillationLoss(_teacher(task, distill_teacher, model, seed), distill_weight)
 
 
@@ -242,4 +276,8 @@ def federated_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def lora_base_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The frozen base weights under the LoRA-adapted modules, by name. FLoRA merges each round's aggregate
     into them, so for FLoRA they travel with the LoRA factors."""
-    return {name: p.detach() for name, p in model.named_parameters() if name.endswith(".base_layer.weight")}
+    return {
+        name: p.detach()
+        for name, p in model.named_parameters()
+        if name.endswith(".base_layer.weight")
+    }

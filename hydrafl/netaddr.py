@@ -34,7 +34,9 @@ def unreachable_reason(host_port: str, timeout_s: float = 2.0) -> tuple[str, boo
     """Why HOST:PORT cannot be reached, in words, and whether waiting can help: a name that does not resolve
     will not start resolving (a typo), a closed port opens when the coordinator starts."""
     target = host_port.strip()
-    if target.startswith(LOCAL_SCHEMES) or any(target.startswith(s) for s in ("dns:", "ipv4:", "ipv6:")):
+    if target.startswith(LOCAL_SCHEMES) or any(
+        target.startswith(s) for s in ("dns:", "ipv4:", "ipv6:")
+    ):
         return f"{target} does not answer", True
     host, port = _host(target), target.rpartition(":")[2]
     if not port.isdigit() or target.count(":") == 0:
@@ -49,10 +51,19 @@ def unreachable_reason(host_port: str, timeout_s: float = 2.0) -> tuple[str, boo
             try:
                 probe.connect(address)
             except ConnectionRefusedError:
-                return f"nothing listens on {host}:{port} (connection refused); is `hydrafl server` running there?", True
+                return (
+                    f"nothing listens on {host}:{port} (connection refused); is `hydrafl server` running there?",
+                    True,
+                )
             except OSError as error:
-                return f"{host}:{port} cannot be reached ({error.strerror or error}); a firewall or a wrong port?", True
-            return f"{host}:{port} accepts connections but does not answer gRPC (TLS on one side only?)", True
+                return (
+                    f"{host}:{port} cannot be reached ({error.strerror or error}); a firewall or a wrong port?",
+                    True,
+                )
+            return (
+                f"{host}:{port} accepts connections but does not answer gRPC (TLS on one side only?)",
+                True,
+            )
     return f"{host} has no address", False
 
 
@@ -82,7 +93,11 @@ def check_address(flag: str, text: str, *, bare_port: bool = False) -> None:
         host, port = "127.0.0.1", target
     wanted = "HOST:PORT" + (" or PORT" if bare_port else "")
     if not host or not port.isdigit():
-        raise ConfigError(f"invalid {flag}={text!r}: expected {wanted}, the port a number in 0..{MAX_PORT}")
+        raise ConfigError(
+            f"invalid {flag}={text!r}: expected {wanted}, the port a number in 0..{MAX_PORT}"
+        )
     if int(port) > MAX_PORT:
-        raise ConfigError(f"invalid {flag}={text!r}: port {int(port)} is out of range; expected {wanted} with the "
-                          f"port in 0..{MAX_PORT}")
+        raise ConfigError(
+            f"invalid {flag}={text!r}: port {int(port)} is out of range; expected {wanted} with the "
+            f"port in 0..{MAX_PORT}"
+        )

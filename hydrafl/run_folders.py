@@ -50,7 +50,10 @@ def runs(root: Path = RUNS_DIR) -> list[Path]:
     start time) from the newest."""
     if not root.is_dir():
         return []
-    found = sorted((p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and earlier_run(p)), reverse=True)
+    found = sorted(
+        (p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and earlier_run(p)),
+        reverse=True,
+    )
     link = root / LATEST
     newest = root / os.readlink(link) if link.is_symlink() else None
     return sorted(found, key=lambda p: p != newest)  # stable: the rest stay newest first
@@ -64,7 +67,11 @@ def describe_run(folder: Path) -> str:
 
 def ran_strategies(folder: Path) -> list[str]:
     """The strategies whose sub-folder in `folder` holds a history or a checkpoint."""
-    return sorted(p.name for p in folder.iterdir() if p.is_dir() and any((p / m).exists() for m in STRATEGY_MARKERS))
+    return sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.is_dir() and any((p / m).exists() for m in STRATEGY_MARKERS)
+    )
 
 
 SHOWN_RUNS = 10
@@ -75,15 +82,19 @@ def newest_run(strategies: tuple[str, ...], root: Path = RUNS_DIR) -> str:
     besides `strategies` (else it is another study, and the user chooses with --out among the runs listed)."""
     found = runs(root)
     if not found:
-        raise ConfigError(f"--resume without --out continues the newest run in {root}/, and there is no run in "
-                          f"{root}/ to continue; leave --resume out to start one, or give --out DIR of a run")
+        raise ConfigError(
+            f"--resume without --out continues the newest run in {root}/, and there is no run in "
+            f"{root}/ to continue; leave --resume out to start one, or give --out DIR of a run"
+        )
     others = sorted(set(ran_strategies(found[0])) - set(strategies))
     if others:
         listed = "; ".join(describe_run(folder) for folder in found[:SHOWN_RUNS])
         more = f" and {len(found) - SHOWN_RUNS} older" if len(found) > SHOWN_RUNS else ""
-        raise ConfigError(f"--resume without --out continues the newest run, {found[0]}, but it ran "
-                          f"{', '.join(others)}, which --strategies {','.join(strategies)} does not; give --out DIR "
-                          f"--resume with one of the runs in {root}/: {listed}{more}")
+        raise ConfigError(
+            f"--resume without --out continues the newest run, {found[0]}, but it ran "
+            f"{', '.join(others)}, which --strategies {','.join(strategies)} does not; give --out DIR "
+            f"--resume with one of the runs in {root}/: {listed}{more}"
+        )
     return str(found[0])
 
 

@@ -55,25 +55,56 @@ class SimulationConfig:
     this process, one after another. The results are the same, bit for bit, whatever the number."""
 
     def __post_init__(self) -> None:
-        _check(len(self.strategies) >= 1, "strategies", self.strategies, "at least one strategy name")
-        _check(not self.attack or (self.attack in ATTACKS and self.backend == "inprocess"), "attack", self.attack,
-               f"empty, or one of {', '.join(ATTACKS)} on the inprocess backend")
-        _check(0 <= self.attackers < 1 and bool(self.attack) == (self.attackers > 0), "attackers", self.attackers,
-               "a fraction in (0, 1) with --attack, 0 without")
-        _check(not (self.run.secagg and self.attack), "attack", self.attack,
-               "empty with --secagg (the simulated attacks forge plain updates, which secure aggregation never sends)")
+        _check(
+            len(self.strategies) >= 1, "strategies", self.strategies, "at least one strategy name"
+        )
+        _check(
+            not self.attack or (self.attack in ATTACKS and self.backend == "inprocess"),
+            "attack",
+            self.attack,
+            f"empty, or one of {', '.join(ATTACKS)} on the inprocess backend",
+        )
+        _check(
+            0 <= self.attackers < 1 and bool(self.attack) == (self.attackers > 0),
+            "attackers",
+            self.attackers,
+            "a fraction in (0, 1) with --attack, 0 without",
+        )
+        _check(
+            not (self.run.secagg and self.attack),
+            "attack",
+            self.attack,
+            "empty with --secagg (the simulated attacks forge plain updates, which secure aggregation never sends)",
+        )
         _check(self.backend in BACKENDS, "backend", self.backend, ", ".join(BACKENDS))
-        _check(isinstance(self.workers, int) and not isinstance(self.workers, bool) and self.workers >= 0, "workers",
-               self.workers, "a whole number >= 0 (0: one per core)")
-        _check(len(set(self.strategies)) == len(self.strategies), "strategies", self.strategies, "no repeats")
+        _check(
+            isinstance(self.workers, int)
+            and not isinstance(self.workers, bool)
+            and self.workers >= 0,
+            "workers",
+            self.workers,
+            "a whole number >= 0 (0: one per core)",
+        )
+        _check(
+            len(set(self.strategies)) == len(self.strategies),
+            "strategies",
+            self.strategies,
+            "no repeats",
+        )
         for strategy in self.strategies:
             checked_config_class(strategy, "--strategies")
         for knob in self.knobs:
             owners = [s for s in self.strategies if knob in knob_names(config_class(s))]
             if not owners:
-                raise ConfigError(unknown_key(knob.replace("_", "-"), "options", self.strategies, simulation=True))
-        if not self.out:  # once the names are known good: a new folder, or with --resume the newest run's
-            object.__setattr__(self, "out", newest_run(self.strategies) if self.run.resume else new_run_folder())
+                raise ConfigError(
+                    unknown_key(knob.replace("_", "-"), "options", self.strategies, simulation=True)
+                )
+        if (
+            not self.out
+        ):  # once the names are known good: a new folder, or with --resume the newest run's
+            object.__setattr__(
+                self, "out", newest_run(self.strategies) if self.run.resume else new_run_folder()
+            )
         for strategy in self.strategies:  # fail before the first strategy runs, not after it
             self.run_config(strategy)
 
@@ -82,11 +113,24 @@ class SimulationConfig:
         hydra and fedavg on the full model) trains adapters of rank `COMPARISON_LORA_RANK`; every other
         strategy keeps the run as configured."""
         options_class = config_class(strategy)
-        lora_rank = COMPARISON_LORA_RANK if options_class.federates_lora and not self.run.lora_rank else self.run.lora_rank
-        run_knobs = dataclasses.asdict(self.run.options)  # the run's own strategy's knobs, where they are shared
-        knobs = {name: value for name, value in {**run_knobs, **self.knobs}.items() if name in knob_names(options_class)}
+        lora_rank = (
+            COMPARISON_LORA_RANK
+            if options_class.federates_lora and not self.run.lora_rank
+            else self.run.lora_rank
+        )
+        run_knobs = dataclasses.asdict(
+            self.run.options
+        )  # the run's own strategy's knobs, where they are shared
+        knobs = {
+            name: value
+            for name, value in {**run_knobs, **self.knobs}.items()
+            if name in knob_names(options_class)
+        }
         return dataclasses.replace(
-            self.run, strategy=strategy, options=options_class(**knobs), run_dir=str(Path(self.out) / strategy),
+            self.run,
+            strategy=strategy,
+            options=options_class(**knobs),
+            run_dir=str(Path(self.out) / strategy),
             lora_rank=lora_rank,
         )
 
@@ -105,7 +149,9 @@ def build_simulation_config(values: dict[str, Any], *, source: str = "options") 
         else:
             knob_values[name] = (key, value)
     if isinstance(sim_values.get("strategies"), str):
-        sim_values["strategies"] = tuple(s.strip() for s in sim_values["strategies"].split(",") if s.strip())
+        sim_values["strategies"] = tuple(
+            s.strip() for s in sim_values["strategies"].split(",") if s.strip()
+        )
     elif "strategies" in sim_values:
         sim_values["strategies"] = tuple(sim_values["strategies"])
     strategies = sim_values.get("strategies", DEFAULT_STRATEGIES)

@@ -57,7 +57,14 @@ class SiteConfig:
     """The simulation's reference site, which trains on every site's training data together."""
 
     def __post_init__(self) -> None:
-        least = {"nproc": 1, "max_restarts": 0, "memory_mb": 0, "demo_site": 0, "partition_id": 0, "num_partitions": 1}
+        least = {
+            "nproc": 1,
+            "max_restarts": 0,
+            "memory_mb": 0,
+            "demo_site": 0,
+            "partition_id": 0,
+            "num_partitions": 1,
+        }
         for name, minimum in least.items():
             value = getattr(self, name)
             if value is not None and value < minimum:
@@ -65,7 +72,9 @@ class SiteConfig:
         if self.speed is not None and not self.speed > 0:
             raise ConfigError(f"{_flag('speed')} must be positive, got {self.speed!r}")
         if self.tier and self.tier not in SITE_TIERS:
-            raise ConfigError(f"{_flag('tier')} {self.tier!r}: choose one of {', '.join(SITE_TIERS)}")
+            raise ConfigError(
+                f"{_flag('tier')} {self.tier!r}: choose one of {', '.join(SITE_TIERS)}"
+            )
         if self.label_column and self.data_path is None:
             raise ConfigError(f"{_flag('label_column')} needs {_flag('data_path')}")
 
@@ -99,7 +108,9 @@ class SiteConfig:
         values: dict[str, Any] = {}
         for key, value in node_config.items():
             if key not in specs:
-                raise ConfigError(f"unknown node_config key {key!r}; valid keys: {', '.join(sorted(specs))}")
+                raise ConfigError(
+                    f"unknown node_config key {key!r}; valid keys: {', '.join(sorted(specs))}"
+                )
             values[specs[key].name] = _typed(key, specs[key].metadata["kind"], value)
         return cls(**values)
 

@@ -44,8 +44,10 @@ def trust_summary(history: list[dict[str, Any]], run_config: dict[str, Any]) -> 
     if config.get("secagg"):
         rounds = max(len(trained), 1)
         summary["secagg"] = {
-            "protocol_bytes_per_round": sum(record.get("secagg_bytes", 0) for record in trained) / rounds,
-            "protocol_seconds_per_round": sum(record.get("secagg_s", 0.0) for record in trained) / rounds,
+            "protocol_bytes_per_round": sum(record.get("secagg_bytes", 0) for record in trained)
+            / rounds,
+            "protocol_seconds_per_round": sum(record.get("secagg_s", 0.0) for record in trained)
+            / rounds,
         }
     rejected = [
         {"round": record["round"], "site": site, "reason": reason}

@@ -43,7 +43,9 @@ def check_train_reply(
     values, and one MetricRecord of finite numbers with a positive weight."""
     arrays, metrics = records(reply.content, ArrayRecord), records(reply.content, MetricRecord)
     if len(arrays) != 1 or len(metrics) != 1:
-        raise InvalidUpdate(f"expected one ArrayRecord and one MetricRecord, got {len(arrays)} and {len(metrics)}")
+        raise InvalidUpdate(
+            f"expected one ArrayRecord and one MetricRecord, got {len(arrays)} and {len(metrics)}"
+        )
     [delta], [metric_record] = arrays, metrics
     check_metrics(metric_record, weighted_by_key)
     for name, array in delta.items():
@@ -52,9 +54,17 @@ def check_train_reply(
         expected = global_arrays[name]
         shape = tuple(expected.shape) if shapes is None else shapes.get(name)
         if shape is None:
-            raise InvalidUpdate(f"array {quoted(name)} is outside the subnetwork the site was assigned")
-        values = array.numpy()  # the values' own shape: an Array's declared shape is not checked against its bytes
-        if tuple(values.shape) != tuple(shape) or tuple(array.shape) != tuple(shape) or values.dtype != expected.dtype:
+            raise InvalidUpdate(
+                f"array {quoted(name)} is outside the subnetwork the site was assigned"
+            )
+        values = (
+            array.numpy()
+        )  # the values' own shape: an Array's declared shape is not checked against its bytes
+        if (
+            tuple(values.shape) != tuple(shape)
+            or tuple(array.shape) != tuple(shape)
+            or values.dtype != expected.dtype
+        ):
             raise InvalidUpdate(
                 f"array {quoted(name)} has shape {tuple(values.shape)} dtype {values.dtype}, expected "
                 f"{tuple(shape)} dtype {expected.dtype}"
@@ -83,7 +93,11 @@ def check_metrics(metrics: MetricRecord, weighted_by_key: str | None) -> None:
     if weighted_by_key is None:
         return
     weight = metrics.get(weighted_by_key)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= MAX_WEIGHT:
+    if (
+        isinstance(weight, bool)
+        or not isinstance(weight, (int, float))
+        or not 0 < weight <= MAX_WEIGHT
+    ):
         raise InvalidUpdate(
             f"metric {quoted(weighted_by_key)} must be a number in (0, {MAX_WEIGHT:g}], got {bounded(repr(weight), 80)}"
         )
@@ -92,7 +106,9 @@ def check_metrics(metrics: MetricRecord, weighted_by_key: str | None) -> None:
 def metric_layout(reply: Message) -> tuple[tuple[str, int], ...]:
     """The names of a reply's metrics and the length of each list-valued one (-1 for a number)."""
     metrics = records(reply.content, MetricRecord)[0]
-    return tuple(sorted((name, len(v) if isinstance(v, list) else -1) for name, v in metrics.items()))
+    return tuple(
+        sorted((name, len(v) if isinstance(v, list) else -1) for name, v in metrics.items())
+    )
 
 
 def array_names(reply: Message) -> tuple[str, ...]:
@@ -110,6 +126,8 @@ def consistent_majority(
         groups[layout(reply)].append(reply)
     if len(groups) <= 1:
         return list(replies), []
-    best = max(groups.values(), key=lambda group: (len(group), -min(r.metadata.src_node_id for r in group)))
+    best = max(
+        groups.values(), key=lambda group: (len(group), -min(r.metadata.src_node_id for r in group))
+    )
     kept = set(map(id, best))
     return best, [reply for reply in replies if id(reply) not in kept]

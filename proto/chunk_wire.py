@@ -77,11 +77,13 @@ class CoordinatorClient(CoordinatorStub):
     def __init__(self, channel: grpc.Channel) -> None:
         super().__init__(channel)
         self.PutChunks = channel.stream_unary(
-            f"{_SERVICE}/PutChunks", request_serializer=encode_chunk,
+            f"{_SERVICE}/PutChunks",
+            request_serializer=encode_chunk,
             response_deserializer=pb.PutChunksReply.FromString,
         )
         self.GetChunks = channel.unary_stream(
-            f"{_SERVICE}/GetChunks", request_serializer=pb.GetChunksRequest.SerializeToString,
+            f"{_SERVICE}/GetChunks",
+            request_serializer=pb.GetChunksRequest.SerializeToString,
             response_deserializer=decode_chunk,
         )
 

@@ -44,7 +44,9 @@ MAX_DIMENSION = 1 << 40
 MAX_RANK = 8
 MAX_REASON_CHARS = 300
 """An error reply's reason is cut to this length (by the site that sends it and the coordinator that stores it)."""
-ALLOWED_DTYPES = frozenset({"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint32", "bool"})
+ALLOWED_DTYPES = frozenset(
+    {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint32", "bool"}
+)
 
 
 class EnvelopeError(ValueError):
@@ -74,7 +76,9 @@ class ChunkNaming:
     def verify(self, digest: str, data: bytes | memoryview) -> None:
         """EnvelopeError unless `data` is what the name `digest` says (a chunk received, before it is stored)."""
         if self.digest(data) != digest:
-            raise EnvelopeError(f"chunk {digest[:12]} fails its {self.algorithm} check ({len(data)} bytes received)")
+            raise EnvelopeError(
+                f"chunk {digest[:12]} fails its {self.algorithm} check ({len(data)} bytes received)"
+            )
 
     def digests(self, pieces: Sequence[bytes | memoryview]) -> list[str]:
         threads = min(len(pieces), os.cpu_count() or 1, self.threads)
@@ -138,7 +142,13 @@ def split_message(
         envelope.error_code = message.error.code
         envelope.error_reason = message.error.reason
         return envelope, chunks
-    rest = RecordDict({key: record for key, record in message.content.items() if not isinstance(record, ArrayRecord)})
+    rest = RecordDict(
+        {
+            key: record
+            for key, record in message.content.items()
+            if not isinstance(record, ArrayRecord)
+        }
+    )
     envelope.content = recorddict_to_proto(rest).SerializeToString()
     for key, record in message.content.array_records.items():
         manifest = RecordManifest(key=key)
@@ -153,17 +163,27 @@ def split_message(
                     named[id(array)] = array, pieces, hashes, checksums
             chunks.update(zip(hashes, pieces))
             nbytes = sum(len(piece) for piece in pieces)
-            manifest.tensors.append(TensorManifest(
-                name=name, dtype=array.dtype, shape=list(array.shape), chunk_digests=hashes, nbytes=nbytes,
-                chunk_checksums=checksums,
-            ))
+            manifest.tensors.append(
+                TensorManifest(
+                    name=name,
+                    dtype=array.dtype,
+                    shape=list(array.shape),
+                    chunk_digests=hashes,
+                    nbytes=nbytes,
+                    chunk_checksums=checksums,
+                )
+            )
         envelope.arrays.append(manifest)
     return envelope, chunks
 
 
 def chunk_hashes(envelope: Envelope) -> list[str]:
     """Every chunk the envelope refers to, in order, without repeats."""
-    return list(dict.fromkeys(h for record in envelope.arrays for t in record.tensors for h in t.chunk_digests))
+    return list(
+        dict.fromkeys(
+            h for record in envelope.arrays for t in record.tensors for h in t.chunk_digests
+        )
+    )
 
 
 def check_manifest(envelope: Envelope) -> None:
@@ -186,17 +206,27 @@ def check_manifest(envelope: Envelope) -> None:
                 raise EnvelopeError(
                     f"{where}: dtype {quoted(tensor.dtype)} is not allowed ({', '.join(sorted(ALLOWED_DTYPES))})"
                 )
-            if len(tensor.shape) > MAX_RANK or any(not 0 <= dim <= MAX_DIMENSION for dim in tensor.shape):
-                raise EnvelopeError(f"{where}: shape {list(tensor.shape)} is not a tensor shape (rank <= {MAX_RANK}, "
-                                    f"0 <= dimension <= 2^40)")
+            if len(tensor.shape) > MAX_RANK or any(
+                not 0 <= dim <= MAX_DIMENSION for dim in tensor.shape
+            ):
+                raise EnvelopeError(
+                    f"{where}: shape {list(tensor.shape)} is not a tensor shape (rank <= {MAX_RANK}, "
+                    f"0 <= dimension <= 2^40)"
+                )
             expected = math.prod(tensor.shape) * np.dtype(tensor.dtype).itemsize
             if tensor.nbytes != expected:
-                raise EnvelopeError(f"{where}: nbytes {tensor.nbytes} does not match shape {list(tensor.shape)} {tensor.dtype}")
+                raise EnvelopeError(
+                    f"{where}: nbytes {tensor.nbytes} does not match shape {list(tensor.shape)} {tensor.dtype}"
+                )
             if len(tensor.chunk_digests) != math.ceil(expected / CHUNK_BYTES):
-                raise EnvelopeError(f"{where}: {len(tensor.chunk_digests)} chunks listed for {expected} bytes")
+                raise EnvelopeError(
+                    f"{where}: {len(tensor.chunk_digests)} chunks listed for {expected} bytes"
+                )
             bad = next((d for d in tensor.chunk_digests if not chunk_names.is_name(d)), None)
             if bad is not None:
-                raise EnvelopeError(f"{where}: {bad[:80]!r} is not a {chunk_names.algorithm} hex digest")
+                raise EnvelopeError(
+                    f"{where}: {bad[:80]!r} is not a {chunk_names.algorithm} hex digest"
+                )
             _check_checksums(tensor, where, chunk_names)
         ChunkCheck.of(envelope)  # a chunk listed with two checksums
 
@@ -204,7 +234,9 @@ def check_manifest(envelope: Envelope) -> None:
 def check_name(name: str, what: str) -> None:
     """EnvelopeError for a name or key longer than MAX_NAME_CHARS, before any message quotes it whole."""
     if len(name) > MAX_NAME_CHARS:
-        raise EnvelopeError(f"{what} has {len(name)} characters; at most {MAX_NAME_CHARS}: {quoted(name)}")
+        raise EnvelopeError(
+            f"{what} has {len(name)} characters; at most {MAX_NAME_CHARS}: {quoted(name)}"
+        )
 
 
 def _check_checksums(tensor: TensorManifest, where: str, chunk_names: ChunkNaming) -> None:
@@ -213,9 +245,13 @@ def _check_checksums(tensor: TensorManifest, where: str, chunk_names: ChunkNamin
     if not tensor.chunk_checksums:
         return
     if chunk_names is not SENT:
-        raise EnvelopeError(f"{where}: a reply's chunks are named by their checksum; it lists no other")
+        raise EnvelopeError(
+            f"{where}: a reply's chunks are named by their checksum; it lists no other"
+        )
     if len(tensor.chunk_checksums) != len(tensor.chunk_digests):
-        raise EnvelopeError(f"{where}: {len(tensor.chunk_checksums)} checksums for {len(tensor.chunk_digests)} chunks")
+        raise EnvelopeError(
+            f"{where}: {len(tensor.chunk_checksums)} checksums for {len(tensor.chunk_digests)} chunks"
+        )
     bad = next((c for c in tensor.chunk_checksums if not XXH3.is_name(c)), None)
     if bad is not None:
         raise EnvelopeError(f"{where}: checksum {bad[:80]!r} is not an {XXH3.algorithm} hex digest")
@@ -238,7 +274,9 @@ class ChunkCheck:
             for tensor in record.tensors:
                 for digest, checksum in zip(tensor.chunk_digests, tensor.chunk_checksums):
                     if checksums.setdefault(digest, checksum) != checksum:
-                        raise EnvelopeError(f"chunk {digest[:12]} is listed with two different checksums")
+                        raise EnvelopeError(
+                            f"chunk {digest[:12]} is listed with two different checksums"
+                        )
         return cls(naming(envelope), checksums)
 
     def verify(self, digest: str, data: bytes | memoryview) -> None:
@@ -247,12 +285,16 @@ class ChunkCheck:
         if checksum is None:
             self.names.verify(digest, data)
         elif XXH3.digest(data) != checksum:
-            raise EnvelopeError(f"chunk {digest[:12]} fails its {XXH3.algorithm} checksum ({len(data)} bytes)")
+            raise EnvelopeError(
+                f"chunk {digest[:12]} fails its {XXH3.algorithm} checksum ({len(data)} bytes)"
+            )
 
     def verify_all(self, digests: Sequence[str], chunks: Mapping[str, bytes | memoryview]) -> None:
         """Every chunk of `digests`; names alone are hashed on the naming's threads."""
         by_name = [digest for digest in digests if digest not in self.checksums]
-        for digest, actual in zip(by_name, self.names.digests([chunks[d] for d in by_name]), strict=True):
+        for digest, actual in zip(
+            by_name, self.names.digests([chunks[d] for d in by_name]), strict=True
+        ):
             if actual != digest:
                 raise EnvelopeError(f"chunk {digest[:12]} fails its {self.names.algorithm} check")
         for digest in digests:
@@ -288,14 +330,18 @@ def parse_content(envelope: Envelope) -> RecordDict:
     # an Array's declared shape is not checked against its bytes: only manifests count. Read from values(), not
     # the `array_records` view, whose reference cycle would keep the arrays joined in later alive after use.
     if any(isinstance(record, ArrayRecord) for record in content.values()):
-        raise EnvelopeError("arrays must travel through the manifest, not inside the message content")
+        raise EnvelopeError(
+            "arrays must travel through the manifest, not inside the message content"
+        )
     for key, record in content.items():  # the names a reply's metrics and configs are quoted by
         check_name(key, "record key")
         for name in record:
             check_name(name, f"record {quoted(key)}: key")
     clash = set(content) & {record.key for record in envelope.arrays}
     if clash:
-        raise EnvelopeError(f"record key {sorted(clash)[0]!r} is both in the content and the manifest")
+        raise EnvelopeError(
+            f"record key {sorted(clash)[0]!r} is both in the content and the manifest"
+        )
     return content
 
 
@@ -316,9 +362,13 @@ def join_message(
         try:
             metadata = metadata_from_proto(ProtoMetadata.FromString(envelope.metadata))
         except Exception as error:  # protobuf raises several types for garbage bytes
-            raise EnvelopeError(f"message metadata is not a valid Flower Metadata: {error}") from error
+            raise EnvelopeError(
+                f"message metadata is not a valid Flower Metadata: {error}"
+            ) from error
     if envelope.error_reason or envelope.error_code:
-        return make_message(metadata=metadata, error=Error(int(envelope.error_code), envelope.error_reason))
+        return make_message(
+            metadata=metadata, error=Error(int(envelope.error_code), envelope.error_reason)
+        )
     content = parse_content(envelope)
     check = ChunkCheck.of(envelope)
     checked: set[str] = set()
@@ -341,7 +391,9 @@ def join_message(
                 checked.update(unchecked)
             if sum(len(chunks[digest]) for digest in tensor.chunk_digests) != tensor.nbytes:
                 raise EnvelopeError(f"{where}: chunk sizes do not add up to {tensor.nbytes} bytes")
-            arrays[tensor.name] = tensor_array(tensor, [chunks[digest] for digest in tensor.chunk_digests])
+            arrays[tensor.name] = tensor_array(
+                tensor, [chunks[digest] for digest in tensor.chunk_digests]
+            )
         content[record.key] = ArrayRecord(arrays)
     return make_message(metadata=metadata, content=content)
 
@@ -355,8 +407,11 @@ def tensor_array(tensor: TensorManifest, pieces: list[bytes | memoryview]) -> Ar
 def npy_header(tensor: TensorManifest) -> bytes:
     """The header np.save writes before the tensor's values."""
     header = io.BytesIO()
-    described = {"descr": np.lib.format.dtype_to_descr(np.dtype(tensor.dtype)), "fortran_order": False,
-                 "shape": tuple(tensor.shape)}
+    described = {
+        "descr": np.lib.format.dtype_to_descr(np.dtype(tensor.dtype)),
+        "fortran_order": False,
+        "shape": tuple(tensor.shape),
+    }
     np.lib.format.write_array_header_1_0(header, described)
     return header.getvalue()
 

@@ -19,7 +19,9 @@ REFUSAL_ROW_S = 600.0
 after the row's last one starts a new row (so does a refusal of another run or round)."""
 
 
-def record_refusal(store: Store, site_name: str, detail: str, run_id: int | None, server_round: int | None) -> None:
+def record_refusal(
+    store: Store, site_name: str, detail: str, run_id: int | None, server_round: int | None
+) -> None:
     """Record that the coordinator refused a call of `site_name`: counted on the site's latest `update-rejected`
     row when that row is of the same run and round and its last refusal is under REFUSAL_ROW_S old, else a new
     row. Concurrent refusals each add one to the count (an UPDATE of the count, not a read and a write)."""
@@ -32,12 +34,20 @@ def record_refusal(store: Store, site_name: str, detail: str, run_id: int | None
             .limit(1)
         )
         if latest is not None and (latest.run_id, latest.server_round) == (run_id, server_round):
-            last = latest.last_at or latest.at  # SQLite returns naive datetimes; every stored one is UTC
+            last = (
+                latest.last_at or latest.at
+            )  # SQLite returns naive datetimes; every stored one is UTC
             if (moment - last.replace(tzinfo=last.tzinfo or UTC)).total_seconds() < REFUSAL_ROW_S:
                 counted = update(AuditEvent).where(AuditEvent.id == latest.id)
                 session.execute(counted.values(count=AuditEvent.count + 1, last_at=moment))
                 return
-        session.add(AuditEvent(
-            kind="update-rejected", at=moment, site_name=site_name, run_id=run_id, server_round=server_round,
-            detail=bounded(detail),
-        ))
+        session.add(
+            AuditEvent(
+                kind="update-rejected",
+                at=moment,
+                site_name=site_name,
+                run_id=run_id,
+                server_round=server_round,
+                detail=bounded(detail),
+            )
+        )

@@ -43,7 +43,11 @@ _SYNC_FILE_RANGE_WRITE = 2
 
 class BlobStore:
     def __init__(
-        self, root: str | Path, *, naming: ChunkNaming = SENT, writers: ThreadPoolExecutor | None = None,
+        self,
+        root: str | Path,
+        *,
+        naming: ChunkNaming = SENT,
+        writers: ThreadPoolExecutor | None = None,
         cache: SentCache | None = None,
     ) -> None:
         """`cache`: the coordinator's chunks in their wire form, for `wire` (`sent_cache`)."""
@@ -82,7 +86,11 @@ class BlobStore:
     def namespaces(self) -> list[int]:
         """The node ids of the sites that have an upload namespace here (what a sweep walks)."""
         folder = self.root / "sites"
-        return sorted(int(path.name) for path in folder.glob("*") if path.name.isdigit()) if folder.is_dir() else []
+        return (
+            sorted(int(path.name) for path in folder.glob("*") if path.name.isdigit())
+            if folder.is_dir()
+            else []
+        )
 
     def partials(self) -> list[Path]:
         """Temporary files of writes a crash cut short (this namespace): never a stored chunk."""
@@ -135,7 +143,9 @@ class BlobStore:
         if folder not in self._folders:
             os.makedirs(folder, exist_ok=True)
             self._folders.add(folder)
-        temporary = f"{path}.{threading.get_ident()}.part"  # one writer per thread and chunk at a time
+        temporary = (
+            f"{path}.{threading.get_ident()}.part"  # one writer per thread and chunk at a time
+        )
         descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             view = memoryview(data)
@@ -209,4 +219,6 @@ def _start_writeback(descriptor: int) -> None:
     """Ask the kernel to start writing the file's dirty pages now, without waiting (Linux; elsewhere `sync`
     writes everything)."""
     if _LIBC is not None:
-        _LIBC.sync_file_range(descriptor, ctypes.c_longlong(0), ctypes.c_longlong(0), _SYNC_FILE_RANGE_WRITE)
+        _LIBC.sync_file_range(
+            descriptor, ctypes.c_longlong(0), ctypes.c_longlong(0), _SYNC_FILE_RANGE_WRITE
+        )

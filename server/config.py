@@ -27,7 +27,14 @@ DEFAULT_KEEP_CHECKPOINTS = 2
 DEFAULT_SEND_CACHE_MB = 2048
 """Memory for the model a round sends, in its wire form (`server.sent_cache`; 0 turns it off)."""
 OPTION_KEYS = (
-    "listen", "db", "blobs", "tls-cert", "tls-key", "tls-client-ca", "lease-stale-s", "keep-checkpoints",
+    "listen",
+    "db",
+    "blobs",
+    "tls-cert",
+    "tls-key",
+    "tls-client-ca",
+    "lease-stale-s",
+    "keep-checkpoints",
     "send-cache-mb",
 )
 NUMBER_KEYS = ("lease-stale-s", "keep-checkpoints", "send-cache-mb")
@@ -69,25 +76,37 @@ class CoordinatorConfig:
         stale_s = self.lease_stale_s
         number = isinstance(stale_s, int | float) and not isinstance(stale_s, bool)
         if not (number and math.isfinite(stale_s) and stale_s > 0):
-            raise ConfigError(f"lease-stale-s must be a positive number of seconds, got {stale_s!r}")
+            raise ConfigError(
+                f"lease-stale-s must be a positive number of seconds, got {stale_s!r}"
+            )
         keep = self.keep_checkpoints
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
-            raise ConfigError(f"keep-checkpoints must be a whole number of at least 1, got {keep!r}")
+            raise ConfigError(
+                f"keep-checkpoints must be a whole number of at least 1, got {keep!r}"
+            )
         cache = self.send_cache_mb
         if not isinstance(cache, int) or isinstance(cache, bool) or cache < 0:
-            raise ConfigError(f"send-cache-mb must be a whole number of MiB, 0 or more, got {cache!r}")
+            raise ConfigError(
+                f"send-cache-mb must be a whole number of MiB, 0 or more, got {cache!r}"
+            )
 
     @classmethod
-    def from_options(cls, values: Mapping[str, Any], *, source: str = "options") -> CoordinatorConfig:
+    def from_options(
+        cls, values: Mapping[str, Any], *, source: str = "options"
+    ) -> CoordinatorConfig:
         """From `hydrafl server`'s options by name (`OPTION_KEYS`); an unknown key or a value of the wrong type
         is a ConfigError that names it and `source`."""
         unknown = sorted(set(values) - set(OPTION_KEYS))
         if unknown:
-            raise ConfigError(f"unknown key {unknown[0]!r} in {source}; valid keys: {', '.join(sorted(OPTION_KEYS))}")
+            raise ConfigError(
+                f"unknown key {unknown[0]!r} in {source}; valid keys: {', '.join(sorted(OPTION_KEYS))}"
+            )
         for key, value in values.items():
             if key not in NUMBER_KEYS and not isinstance(value, str | Path):
                 raise ConfigError(f"key {key!r} in {source} must be a string, got {value!r}")
-        cert, key, client_ca = (Path(values[name]) if values.get(name) else None for name in TLS_KEYS)
+        cert, key, client_ca = (
+            Path(values[name]) if values.get(name) else None for name in TLS_KEYS
+        )
         given: dict[str, Any] = {
             "tls": ServerTls.from_options(cert, key, client_ca),
             "listen": str(values.get("listen", DEFAULT_LISTEN)),

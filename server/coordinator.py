@@ -44,7 +44,12 @@ from hydrafl.server.stock_apps import ServerAppError, run_server_app
 from hydrafl.server.store import LeaseClaim, Run, Store, describe_lease, lease_age_s
 from hydrafl.server.transport.grid import CoordinatorGrid
 from hydrafl.server.transport.sent_cache import SentCache
-from hydrafl.server.transport.service import SERVER_OPTIONS, SERVICE_NAME, CoordinatorService, add_coordinator_service
+from hydrafl.server.transport.service import (
+    SERVER_OPTIONS,
+    SERVICE_NAME,
+    CoordinatorService,
+    add_coordinator_service,
+)
 from hydrafl.server.transport.tls import ServerTls, plaintext_warning
 
 log = logging.getLogger(__name__)
@@ -75,12 +80,18 @@ class LeaseMark:
     def lock(self) -> str | None:
         """Lock the mark and return the holder id it names; None when there is none, or another live process
         holds the mark (then this one never claims a lease as its own)."""
-        if not self.path.parent.is_dir():  # `hydrafl server` creates it; a coordinator in a test may have none
+        if (
+            not self.path.parent.is_dir()
+        ):  # `hydrafl server` creates it; a coordinator in a test may have none
             return None
         try:
             handle = self.path.open("a+")
         except OSError as error:
-            log.warning("cannot keep %s (%s): a restart waits for this coordinator's lease to go stale", self.path, error)
+            log.warning(
+                "cannot keep %s (%s): a restart waits for this coordinator's lease to go stale",
+                self.path,
+                error,
+            )
             return None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -103,7 +114,11 @@ class LeaseMark:
             self._file.flush()
             os.fsync(self._file.fileno())
         except OSError as error:
-            log.warning("cannot write %s (%s): a restart waits for this coordinator's lease to go stale", self.path, error)
+            log.warning(
+                "cannot write %s (%s): a restart waits for this coordinator's lease to go stale",
+                self.path,
+                error,
+            )
 
     def release(self) -> None:
         if self._file is not None:
@@ -116,15 +131,23 @@ class LeaseKeeper:
     stop. Losing it sets `lost`; the run being driven stops at its next poll of the grid. `state_dir` keeps the
     `LeaseMark` by which a restarted coordinator knows the lease its previous process left."""
 
-    def __init__(self, store: Store, *, listen: str, stale_s: float, state_dir: Path | None = None) -> None:
+    def __init__(
+        self, store: Store, *, listen: str, stale_s: float, state_dir: Path | None = None
+    ) -> None:
         self.store = store
         self.claim = LeaseClaim(
-            holder=uuid.uuid4().hex, host=socket.gethostname(), pid=os.getpid(), listen=listen, stale_s=stale_s
+            holder=uuid.uuid4().hex,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            listen=listen,
+            stale_s=stale_s,
         )
         self.mark = LeaseMark(state_dir) if state_dir is not None else None
         self.lost = threading.Event()
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._heartbeat, name="coordinator-lease", daemon=True)
+        self._thread = threading.Thread(
+            target=self._heartbeat, name="coordinator-lease", daemon=True
+        )
 
     def acquire(self) -> None:
         """Raises LeaseHeld while another coordinator's lease is fresh."""
@@ -139,15 +162,22 @@ class LeaseKeeper:
         if self.mark is not None:
             self.mark.record(self.claim.holder)
         if previous is not None and previous.holder == self.claim.restarted_from:
-            log.warning("took over the lease this coordinator's previous process left (%s)",
-                        describe_lease(previous, lease_age_s(previous)))
+            log.warning(
+                "took over the lease this coordinator's previous process left (%s)",
+                describe_lease(previous, lease_age_s(previous)),
+            )
         elif previous is not None:
-            log.warning("took over the stale coordinator lease of %s", describe_lease(previous, lease_age_s(previous)))
+            log.warning(
+                "took over the stale coordinator lease of %s",
+                describe_lease(previous, lease_age_s(previous)),
+            )
         self._thread.start()
 
     def check(self) -> None:
         if self.lost.is_set():
-            raise LeaseLost("another coordinator took this database's lease over; this one stopped driving runs")
+            raise LeaseLost(
+                "another coordinator took this database's lease over; this one stopped driving runs"
+            )
 
     def release(self) -> None:
         self._stopped.set()
@@ -170,7 +200,9 @@ class LeaseKeeper:
             try:
                 held = self.store.renew_lease(self.claim.holder)
             except Exception as error:  # noqa: BLE001  (any failure: keep beating, the database may come back)
-                log.warning("coordinator lease heartbeat failed (%s); retrying in %.1f s", error, interval_s)
+                log.warning(
+                    "coordinator lease heartbeat failed (%s); retrying in %.1f s", error, interval_s
+                )
                 continue
             if not held:
                 self.lost.set()
@@ -217,7 +249,9 @@ class StockAppGrid(LeasedGrid):
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         messages = list(messages)
-        if any(message.metadata.message_type.split(".")[0] == MessageType.TRAIN for message in messages):
+        if any(
+            message.metadata.message_type.split(".")[0] == MessageType.TRAIN for message in messages
+        ):
             if self.train_rounds:
                 self.store.set_run_status(self.run.run_id, "running", rounds_done=self.train_rounds)
             self.train_rounds += 1
@@ -227,7 +261,11 @@ class StockAppGrid(LeasedGrid):
 def bind(server: grpc.Server, listen: str, tls: ServerTls | None) -> int:
     """The bound port; a port another process holds is an OSError, not a silent second listener."""
     try:
-        port = server.add_insecure_port(listen) if tls is None else server.add_secure_port(listen, tls.credentials())
+        port = (
+            server.add_insecure_port(listen)
+            if tls is None
+            else server.add_secure_port(listen, tls.credentials())
+        )
     except RuntimeError:  # recent grpc raises where older releases returned 0
         port = 0
     if port == 0:
@@ -255,8 +293,12 @@ class Coordinator:
         self.server = grpc.server(workers, options=(*SERVER_OPTIONS, *listener))
         add_coordinator_service(self.service, self.health, self.server)
         self.port = bind(self.server, config.listen, config.tls)
-        self.lease = LeaseKeeper(self.store, listen=config.listen, stale_s=config.lease_stale_s, state_dir=config.home)
-        self.retention = Retention(self.store, self.blobs, config.runs_dir, keep_checkpoints=config.keep_checkpoints)
+        self.lease = LeaseKeeper(
+            self.store, listen=config.listen, stale_s=config.lease_stale_s, state_dir=config.home
+        )
+        self.retention = Retention(
+            self.store, self.blobs, config.runs_dir, keep_checkpoints=config.keep_checkpoints
+        )
         self.stopping = threading.Event()
 
     def start(self) -> None:
@@ -298,7 +340,12 @@ class Coordinator:
             except LeaseLost:
                 raise
             except Exception as error:  # noqa: BLE001  (the coordinator outlives what it cannot do or record now)
-                log.error("coordinator: %s: %s; trying again in %g s", type(error).__name__, error, RETRY_AFTER_ERROR_S)
+                log.error(
+                    "coordinator: %s: %s; trying again in %g s",
+                    type(error).__name__,
+                    error,
+                    RETRY_AFTER_ERROR_S,
+                )
                 self.stopping.wait(RETRY_AFTER_ERROR_S)
                 continue
             self.stopping.wait(idle_poll_s)
@@ -309,13 +356,23 @@ class Coordinator:
             return
         try:
             stored = RunConfig.from_flower(run.config, source=f"run {run.id}", other_knobs=True)
-        except ConfigError as error:  # a run this hydrafl cannot read fails alone; the coordinator keeps serving
+        except (
+            ConfigError
+        ) as error:  # a run this hydrafl cannot read fails alone; the coordinator keeps serving
             log.error("run %d failed: %s", run.id, error)
             self._record_failure(run.id, detail=f"ConfigError: {error}")
             return
-        cfg = dataclasses.replace(stored, run_dir=str(self.config.runs_dir / str(run.id)), resume=True)
+        cfg = dataclasses.replace(
+            stored, run_dir=str(self.config.runs_dir / str(run.id)), resume=True
+        )
         self.store.set_run_status(run.id, "running")
-        log.info("run %d started: %s, %d rounds, %d sites required", run.id, cfg.strategy, cfg.rounds, cfg.required_sites)
+        log.info(
+            "run %d started: %s, %d rounds, %d sites required",
+            run.id,
+            cfg.strategy,
+            cfg.rounds,
+            cfg.required_sites,
+        )
         self.service.latencies.clear()  # push_latency.tsv describes this run only
         grid = LeasedGrid(self.store, self.blobs, self.service, run.id, lease=self.lease)
 
@@ -323,18 +380,28 @@ class Coordinator:
 
         def progress(record: RoundRecord) -> None:
             self.lease.check()
-            history[:] = [entry for entry in history if entry["round"] < record.round] + [dataclasses.asdict(record)]
+            history[:] = [entry for entry in history if entry["round"] < record.round] + [
+                dataclasses.asdict(record)
+            ]
             self.store.set_run_status(run.id, "running", rounds_done=record.round, history=history)
             # the driver committed the checkpoint before; an asynchronous run keeps the versions sites still train on
-            settled = record.round if record.oldest_open is None else min(record.round, record.oldest_open - 1)
+            settled = (
+                record.round
+                if record.oldest_open is None
+                else min(record.round, record.oldest_open - 1)
+            )
             self.retention.after_checkpoint(run.id, settled)
 
         try:
             run_federation(grid, cfg, on_round=progress)
         except LeaseLost:
-            log.error("run %d: stopped driving it; the coordinator holding the lease resumes it", run.id)
+            log.error(
+                "run %d: stopped driving it; the coordinator holding the lease resumes it", run.id
+            )
             raise
-        except Exception as error:  # any failure ends this run, loudly, and the coordinator keeps serving
+        except (
+            Exception
+        ) as error:  # any failure ends this run, loudly, and the coordinator keeps serving
             log.error("run %d failed: %s", run.id, error)
             self._record_failure(run.id, detail=f"{type(error).__name__}: {error}")
             return
@@ -342,8 +409,13 @@ class Coordinator:
             self._write_latencies(run.id)
         self.store.set_run_status(run.id, "finished", rounds_done=cfg.rounds)
         last = history[-1] if history else {}
-        log.info("run %d finished after %d rounds: loss %s, accuracy %s", run.id, cfg.rounds,
-                 metric(last.get("loss")), metric(last.get("accuracy")))
+        log.info(
+            "run %d finished after %d rounds: loss %s, accuracy %s",
+            run.id,
+            cfg.rounds,
+            metric(last.get("loss")),
+            metric(last.get("accuracy")),
+        )
 
     def drive_server_app(self, run: Run) -> None:
         """A stock Flower ServerApp, called once on this coordinator's grid. Like Flower's runtime, this does not
@@ -355,21 +427,32 @@ class Coordinator:
         try:
             run_server_app(grid, run.id, run.server_app, run.config)
         except LeaseLost:
-            log.error("run %d: stopped driving it; the coordinator holding the lease starts it again", run.id)
+            log.error(
+                "run %d: stopped driving it; the coordinator holding the lease starts it again",
+                run.id,
+            )
             raise
         except ServerAppError as error:
             log.error("run %d failed: %s", run.id, error)
             self._record_failure(run.id, detail=str(error))
             return
         except (Exception, SystemExit) as error:  # noqa: BLE001  (the app's failure, even sys.exit, ends its run only)
-            log.error("run %d failed: ServerApp %s raised %s: %s", run.id, run.server_app, type(error).__name__, error)
+            log.error(
+                "run %d failed: ServerApp %s raised %s: %s",
+                run.id,
+                run.server_app,
+                type(error).__name__,
+                error,
+            )
             detail = f"ServerApp {run.server_app} raised {type(error).__name__}: {error}"
             self._record_failure(run.id, detail=detail, rounds_done=max(grid.train_rounds - 1, 0))
             return
         finally:
             self._write_latencies(run.id)
         self.store.set_run_status(run.id, "finished", rounds_done=grid.train_rounds)
-        log.info("run %d finished: ServerApp %s, %d rounds", run.id, run.server_app, grid.train_rounds)
+        log.info(
+            "run %d finished: ServerApp %s, %d rounds", run.id, run.server_app, grid.train_rounds
+        )
 
     def _record_failure(self, run_id: int, *, detail: str, rounds_done: int | None = None) -> None:
         """Mark the run failed; when even that fails (the database, the descriptors), say so, wait
@@ -377,8 +460,13 @@ class Coordinator:
         try:
             self.store.set_run_status(run_id, "failed", detail=detail, rounds_done=rounds_done)
         except Exception as error:  # noqa: BLE001  (a failure to record a failure is never fatal)
-            log.error("run %d: could not record its failure (%s: %s); trying again in %g s",
-                      run_id, type(error).__name__, error, RETRY_AFTER_ERROR_S)
+            log.error(
+                "run %d: could not record its failure (%s: %s); trying again in %g s",
+                run_id,
+                type(error).__name__,
+                error,
+                RETRY_AFTER_ERROR_S,
+            )
             self.stopping.wait(RETRY_AFTER_ERROR_S)
 
     def _write_latencies(self, run_id: int) -> None:

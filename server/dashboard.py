@@ -76,12 +76,18 @@ class DashboardConfig:
         for name in ("max_connections", "workers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"dashboard {name.replace('_', '-')} must be a whole number of at least 1, got {value!r}")
+                raise ConfigError(
+                    f"dashboard {name.replace('_', '-')} must be a whole number of at least 1, got {value!r}"
+                )
         timeout_s = self.request_timeout_s
         if not isinstance(timeout_s, int | float) or not math.isfinite(timeout_s) or timeout_s <= 0:
-            raise ConfigError(f"dashboard request-timeout-s must be a positive number of seconds, got {timeout_s!r}")
+            raise ConfigError(
+                f"dashboard request-timeout-s must be a positive number of seconds, got {timeout_s!r}"
+            )
         if not self.token:
-            raise ConfigError(f"--dashboard needs an admin token: pass --dashboard-token or set {TOKEN_ENV}")
+            raise ConfigError(
+                f"--dashboard needs an admin token: pass --dashboard-token or set {TOKEN_ENV}"
+            )
         if len(self.token) < MIN_TOKEN_CHARS:
             raise ConfigError(
                 f"the dashboard token has {len(self.token)} characters; use at least {MIN_TOKEN_CHARS} "
@@ -118,7 +124,11 @@ class Dashboard:
     coordinator starts); `start` serves on daemon threads, `stop` shuts it down."""
 
     def __init__(
-        self, config: DashboardConfig, store: Store, runs_dir: Path, service: CoordinatorService | None = None
+        self,
+        config: DashboardConfig,
+        store: Store,
+        runs_dir: Path,
+        service: CoordinatorService | None = None,
     ) -> None:
         self.config = config
         self.store = store
@@ -127,7 +137,9 @@ class Dashboard:
         try:
             self.server = _BoundedServer(config, self)
         except OSError as error:
-            raise OSError(f"cannot serve the dashboard on {config.listen}: {error.strerror or error}") from error
+            raise OSError(
+                f"cannot serve the dashboard on {config.listen}: {error.strerror or error}"
+            ) from error
 
     @property
     def url(self) -> str:
@@ -162,7 +174,9 @@ class _BoundedServer(HTTPServer):
     bytes, and hands it to a worker; it also enforces the deadline: a connection still waiting is closed, one
     a worker holds is shut down, which ends the worker's blocked read or write. Workers close what they answer."""
 
-    request_queue_size = 128  # a deep accept queue, drained promptly: surplus connections are closed, not left
+    request_queue_size = (
+        128  # a deep accept queue, drained promptly: surplus connections are closed, not left
+    )
 
     def __init__(self, config: DashboardConfig, dashboard: Dashboard) -> None:
         host, port = config.address
@@ -181,8 +195,11 @@ class _BoundedServer(HTTPServer):
         self._stopping = threading.Event()
         self._refused = 0
         self._refused_logged_at = -math.inf
-        self._threads = [threading.Thread(target=self._select_loop, name="dashboard", daemon=True)] + [
-            threading.Thread(target=self._work, name=f"dashboard-worker-{i}", daemon=True) for i in range(config.workers)
+        self._threads = [
+            threading.Thread(target=self._select_loop, name="dashboard", daemon=True)
+        ] + [
+            threading.Thread(target=self._work, name=f"dashboard-worker-{i}", daemon=True)
+            for i in range(config.workers)
         ]
 
     def start(self) -> None:
@@ -229,9 +246,14 @@ class _BoundedServer(HTTPServer):
                 conn, _ = self.socket.accept()
             except BlockingIOError:
                 return
-            except OSError as error:  # out of descriptors (the coordinator's or the system's), or a reset
+            except (
+                OSError
+            ) as error:  # out of descriptors (the coordinator's or the system's), or a reset
                 if error.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    log.warning("dashboard: cannot accept connections (%s); retrying", error.strerror or error)
+                    log.warning(
+                        "dashboard: cannot accept connections (%s); retrying",
+                        error.strerror or error,
+                    )
                     self._stopping.wait(ACCEPT_BACKOFF_S)
                 return
             if self.open_connections() >= self.config.max_connections:
@@ -250,7 +272,8 @@ class _BoundedServer(HTTPServer):
         if now_s - self._refused_logged_at >= REFUSED_LOG_EVERY_S:
             log.warning(
                 "dashboard: %d connection(s) closed unanswered: %d are open, the most it holds",
-                self._refused, self.config.max_connections,
+                self._refused,
+                self.config.max_connections,
             )
             self._refused, self._refused_logged_at = 0, now_s
 
@@ -323,7 +346,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._route(url.path)
         except Exception:  # noqa: BLE001  (one failed page must not stop the dashboard; the log has why)
             log.exception("dashboard: %s failed", url.path)
-            self._send(HTTPStatus.INTERNAL_SERVER_ERROR, b"internal error; the coordinator log has the reason\n")
+            self._send(
+                HTTPStatus.INTERNAL_SERVER_ERROR,
+                b"internal error; the coordinator log has the reason\n",
+            )
 
     def _route(self, path: str) -> None:
         if path == "/metrics":
@@ -332,11 +358,16 @@ class _Handler(BaseHTTPRequestHandler):
             return
         run_path = RUN_PATH.fullmatch(path)
         if path not in ("/", "/index.html") and run_path is None:
-            self._send(HTTPStatus.NOT_FOUND, b"not found; the dashboard serves /, /runs/<id> and /metrics\n")
+            self._send(
+                HTTPStatus.NOT_FOUND,
+                b"not found; the dashboard serves /, /runs/<id> and /metrics\n",
+            )
             return
         run_id = int(run_path.group(1)) if run_path else None
         try:
-            page = render_page(self.dashboard.store, self.dashboard.runs_dir, self.dashboard.service, run_id)
+            page = render_page(
+                self.dashboard.store, self.dashboard.runs_dir, self.dashboard.service, run_id
+            )
         except ValueError as error:  # no such run
             self._send(HTTPStatus.NOT_FOUND, f"{error}\n".encode())
             return
@@ -366,14 +397,23 @@ class _Handler(BaseHTTPRequestHandler):
             b"401 Unauthorized: the dashboard needs its admin token. Open /?token=<token> in a browser, or send "
             b"'Authorization: Bearer <token>'.\n"
         )
-        self._send(HTTPStatus.UNAUTHORIZED, body, headers={"WWW-Authenticate": 'Bearer realm="hydrafl"'})
+        self._send(
+            HTTPStatus.UNAUTHORIZED, body, headers={"WWW-Authenticate": 'Bearer realm="hydrafl"'}
+        )
 
     def _send(
-        self, status: HTTPStatus, body: bytes, content_type: str = "text/plain; charset=utf-8",
+        self,
+        status: HTTPStatus,
+        body: bytes,
+        content_type: str = "text/plain; charset=utf-8",
         headers: dict[str, str] | None = None,
     ) -> None:
         self.send_response(status)
-        for name, value in {**SECURITY_HEADERS, "Content-Type": content_type, **(headers or {})}.items():
+        for name, value in {
+            **SECURITY_HEADERS,
+            "Content-Type": content_type,
+            **(headers or {}),
+        }.items():
             self.send_header(name, value)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -382,7 +422,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
         """Requests go to the debug log without their query string: it may hold the token."""
-        log.debug("dashboard %s %s -> %s", self.command, urlsplit(getattr(self, "path", "")).path, code)
+        log.debug(
+            "dashboard %s %s -> %s", self.command, urlsplit(getattr(self, "path", "")).path, code
+        )
 
     def log_message(self, format: str, *args: object) -> None:
         """Errors of requests that did not parse; the request line is left out for the same reason."""

@@ -89,14 +89,20 @@ def refusal_reason(detail: str) -> str:
 
 def accepted_per_run(store: Store) -> dict[int, int]:
     """Accepted replies (audit `update-accepted`) by run id."""
-    return {run_id: n for run_id, n in _count_by(store, AuditEvent.run_id, "update-accepted") if run_id is not None}
+    return {
+        run_id: n
+        for run_id, n in _count_by(store, AuditEvent.run_id, "update-accepted")
+        if run_id is not None
+    }
 
 
 def refused_per_run(store: Store, runs: list[Run]) -> Counter[tuple[str, str]]:
     """Refused replies by (run label, reason): the coordinator's refusals by gRPC code, and `screening`."""
     refused: Counter[tuple[str, str]] = Counter()
     with store.session() as session:
-        reason = func.substr(AuditEvent.detail, 1, REASON_CHARS)  # never a whole detail: rows may be old and long
+        reason = func.substr(
+            AuditEvent.detail, 1, REASON_CHARS
+        )  # never a whole detail: rows may be old and long
         query = (
             select(AuditEvent.run_id, reason, func.sum(AuditEvent.count))
             .where(AuditEvent.kind == "update-rejected")
@@ -106,7 +112,9 @@ def refused_per_run(store: Store, runs: list[Run]) -> Counter[tuple[str, str]]:
             label = NO_RUN if run_id is None else str(run_id)
             refused[label, refusal_reason(detail)] += int(count)
     for run in runs:
-        screened = sum(len(record.get("rejected_per_site") or {}) for record in trained_records(run))
+        screened = sum(
+            len(record.get("rejected_per_site") or {}) for record in trained_records(run)
+        )
         if screened:
             refused[str(run.id), SCREENING] += screened
     return refused
@@ -122,34 +130,49 @@ def site_rows(store: Store, runs: list[Run], service: CoordinatorService | None)
             up.update(record.get("bytes_up_per_site") or {})
             down.update(record.get("bytes_down_per_site") or {})
             screened.update((record.get("rejected_per_site") or {}).keys())
-    counts = {kind: dict(_count_by(store, AuditEvent.site_name, kind))
-              for kind in ("update-accepted", "update-rejected", "site-declined")}
+    counts = {
+        kind: dict(_count_by(store, AuditEvent.site_name, kind))
+        for kind in ("update-accepted", "update-rejected", "site-declined")
+    }
     with store.session() as session:
-        when = func.coalesce(AuditEvent.last_at, AuditEvent.at)  # a row of counted refusals: the last one
+        when = func.coalesce(
+            AuditEvent.last_at, AuditEvent.at
+        )  # a row of counted refusals: the last one
         latest = select(AuditEvent.site_name, func.max(when)).group_by(AuditEvent.site_name)
         last_events = dict(session.execute(latest).all())
     seen = service.seconds_since_seen() if service is not None else {}
     rows = []
     for site in store.sites():
         node = str(site.node_id)
-        rows.append(SiteRow(
-            name=site.name, node_id=site.node_id, revoked=site.revoked,
-            seen_s_ago=seen.get(site.node_id),
-            last_event_at=last_events.get(site.name), bytes_up=up[node], bytes_down=down[node],
-            accepted=counts["update-accepted"].get(site.name, 0),
-            refused=counts["update-rejected"].get(site.name, 0) + screened[node],
-            declined=counts["site-declined"].get(site.name, 0),
-        ))
+        rows.append(
+            SiteRow(
+                name=site.name,
+                node_id=site.node_id,
+                revoked=site.revoked,
+                seen_s_ago=seen.get(site.node_id),
+                last_event_at=last_events.get(site.name),
+                bytes_up=up[node],
+                bytes_down=down[node],
+                accepted=counts["update-accepted"].get(site.name, 0),
+                refused=counts["update-rejected"].get(site.name, 0) + screened[node],
+                declined=counts["site-declined"].get(site.name, 0),
+            )
+        )
     return rows
 
 
 def audit_tail(store: Store, limit: int, run_id: int | None = None) -> list[AuditRow]:
     """The latest `limit` audit rows, newest first (of one run when `run_id` is given). Each detail is cut to
     MAX_DETAIL_CHARS in SQL: a row an older coordinator wrote may hold megabytes, and is never loaded whole."""
-    detail_head, detail_chars = func.substr(AuditEvent.detail, 1, MAX_DETAIL_CHARS), func.length(AuditEvent.detail)
+    detail_head, detail_chars = (
+        func.substr(AuditEvent.detail, 1, MAX_DETAIL_CHARS),
+        func.length(AuditEvent.detail),
+    )
     query = (
-        select(AuditEvent, detail_head, detail_chars).options(defer(AuditEvent.detail))
-        .order_by(AuditEvent.id.desc()).limit(limit)
+        select(AuditEvent, detail_head, detail_chars)
+        .options(defer(AuditEvent.detail))
+        .order_by(AuditEvent.id.desc())
+        .limit(limit)
     )
     if run_id is not None:
         query = query.where(AuditEvent.run_id == run_id)
@@ -157,14 +180,22 @@ def audit_tail(store: Store, limit: int, run_id: int | None = None) -> list[Audi
         rows = session.execute(query).all()
     return [
         AuditRow(
-            at=event.at, last_at=event.last_at, kind=event.kind, site_name=event.site_name, run_id=event.run_id,
-            server_round=event.server_round, count=event.count, detail=marked(head, size - len(head)),
+            at=event.at,
+            last_at=event.last_at,
+            kind=event.kind,
+            site_name=event.site_name,
+            run_id=event.run_id,
+            server_round=event.server_round,
+            count=event.count,
+            detail=marked(head, size - len(head)),
         )
         for event, head, size in rows
     ]
 
 
-def push_latencies(run: Run, runs_dir: Path, service: CoordinatorService | None) -> list[LatencyRow]:
+def push_latencies(
+    run: Run, runs_dir: Path, service: CoordinatorService | None
+) -> list[LatencyRow]:
     """A run's push latencies: live from the service while this process drives it, else its push_latency.tsv."""
     if run.status == "running" and service is not None:
         table = service.latency_table()
@@ -174,12 +205,20 @@ def push_latencies(run: Run, runs_dir: Path, service: CoordinatorService | None)
     rows = []
     for line in table.splitlines()[1:]:
         site, call, count, p50_ms, p99_ms = line.split("\t")
-        rows.append(LatencyRow(site=site, call=call, count=int(count), p50_ms=float(p50_ms), p99_ms=float(p99_ms)))
+        rows.append(
+            LatencyRow(
+                site=site, call=call, count=int(count), p50_ms=float(p50_ms), p99_ms=float(p99_ms)
+            )
+        )
     return rows
 
 
 def _count_by(store: Store, column: object, kind: str) -> list[tuple]:
     """(value of `column`, number of audit events of `kind`) pairs; a row of counted refusals counts `count`."""
     with store.session() as session:
-        query = select(column, func.sum(AuditEvent.count)).where(AuditEvent.kind == kind).group_by(column)
+        query = (
+            select(column, func.sum(AuditEvent.count))
+            .where(AuditEvent.kind == kind)
+            .group_by(column)
+        )
         return [(value, int(total)) for value, total in session.execute(query)]

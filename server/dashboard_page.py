@@ -55,7 +55,9 @@ td.text,th.text{text-align:left}.muted{color:#667}.running{color:#0a6}.failed{co
 """
 
 
-def render_page(store: Store, runs_dir: Path, service: CoordinatorService | None, run_id: int | None) -> str:
+def render_page(
+    store: Store, runs_dir: Path, service: CoordinatorService | None, run_id: int | None
+) -> str:
     """The whole page: runs, the chosen run (default: the one running, else the newest), sites, the audit log.
     Raises ValueError for a run id the database does not have."""
     runs = store.runs()
@@ -65,7 +67,9 @@ def render_page(store: Store, runs_dir: Path, service: CoordinatorService | None
         f"<h1>hydrafl coordinator</h1><p class='muted'>generated {generated}; refreshes every {REFRESH_S} s; "
         "<a href='/'>runs</a> · <a href='/metrics'>metrics</a></p>",
         _runs_table(runs, chosen),
-        _run_section(chosen, runs_dir, service) if chosen is not None else "<p class='muted'>no runs yet</p>",
+        _run_section(chosen, runs_dir, service)
+        if chosen is not None
+        else "<p class='muted'>no runs yet</p>",
         _sites_table(site_rows(store, runs, service)),
         _audit_table(audit_tail(store, SHOWN_EVENTS)),
     ]
@@ -87,7 +91,8 @@ def svg_curve(points: Sequence[tuple[float, float | None]], *, title: str, color
     inner_w, inner_h = CURVE_WIDTH - 2 * CURVE_PAD, CURVE_HEIGHT - 2 * CURVE_PAD
     bottom, right = CURVE_HEIGHT - CURVE_PAD, CURVE_WIDTH - CURVE_PAD
     scaled = [
-        (CURVE_PAD + (x - min(xs)) / x_span * inner_w, bottom - (y - min(ys)) / y_span * inner_h) for x, y in finite
+        (CURVE_PAD + (x - min(xs)) / x_span * inner_w, bottom - (y - min(ys)) / y_span * inner_h)
+        for x, y in finite
     ]
     coords = " ".join(f"{x:.1f},{y:.1f}" for x, y in scaled)
     dots = "".join(f"<circle cx='{x:.1f}' cy='{y:.1f}' r='2.5' fill='{color}'/>" for x, y in scaled)
@@ -115,11 +120,17 @@ def _runs_table(runs: list[Run], chosen: Run | None) -> str:
     for run in reversed(runs[-SHOWN_RUNS:]):
         what = f"ServerApp {run.server_app}" if run.server_app else str(run.config.get("strategy"))
         marker = " ◀" if chosen is not None and run.id == chosen.id else ""
-        rows.append([
-            f"<a href='/runs/{run.id}'>{run.id}</a>{marker}", _cell(what), _cell(run.config.get("task", "-")),
-            _status(run.status), f"{run.rounds_done}/{_text(run.total_rounds)}", _time(run.created_at),
-            _time(run.finished_at),
-        ])
+        rows.append(
+            [
+                f"<a href='/runs/{run.id}'>{run.id}</a>{marker}",
+                _cell(what),
+                _cell(run.config.get("task", "-")),
+                _status(run.status),
+                f"{run.rounds_done}/{_text(run.total_rounds)}",
+                _time(run.created_at),
+                _time(run.finished_at),
+            ]
+        )
     headers = ["run", "strategy or app", "task", "status", "rounds", "created", "finished"]
     earlier = f", the latest {SHOWN_RUNS} of {len(runs)}" if len(runs) > SHOWN_RUNS else ""
     return f"<h2>Runs{earlier}</h2>" + _table(headers, rows, text_columns=(1, 2, 3))
@@ -133,17 +144,33 @@ def _run_section(run: Run, runs_dir: Path, service: CoordinatorService | None) -
     if run.detail:
         parts.append(f"<p>{_cell(run.detail, MAX_DETAIL_CHARS)}</p>")
     trust = trust_summary(run.history or [], {} if run.server_app else run.config)
-    parts.extend(f"<p class='privacy'>{_cell(line, MAX_DETAIL_CHARS)}</p>" for line in trust_lines(trust))
+    parts.extend(
+        f"<p class='privacy'>{_cell(line, MAX_DETAIL_CHARS)}</p>" for line in trust_lines(trust)
+    )
     curves = [
         svg_curve([(r["round"], r.get("loss")) for r in records], title="loss", color="#c33"),
-        svg_curve([(r["round"], r.get("accuracy")) for r in records], title="accuracy", color="#27a"),
-        svg_curve([(r["round"], r.get("seconds")) for r in records], title="round seconds", color="#585"),
+        svg_curve(
+            [(r["round"], r.get("accuracy")) for r in records], title="accuracy", color="#27a"
+        ),
+        svg_curve(
+            [(r["round"], r.get("seconds")) for r in records], title="round seconds", color="#585"
+        ),
     ]
     if "dp" in trust:
-        curves.append(svg_curve([(r["round"], r.get("dp_epsilon")) for r in records], title="DP epsilon", color="#a5a"))
-        curves.append(svg_curve(
-            [(r["round"], r.get("dp_epsilon_exact")) for r in records], title="DP epsilon, exact (PLD)", color="#759"
-        ))
+        curves.append(
+            svg_curve(
+                [(r["round"], r.get("dp_epsilon")) for r in records],
+                title="DP epsilon",
+                color="#a5a",
+            )
+        )
+        curves.append(
+            svg_curve(
+                [(r["round"], r.get("dp_epsilon_exact")) for r in records],
+                title="DP epsilon, exact (PLD)",
+                color="#759",
+            )
+        )
     parts.append(f"<div class='curves'>{''.join(curves)}</div>")
     parts.append(_rounds_table(records, dp="dp" in trust))
     parts.append(_latency_table(push_latencies(run, runs_dir, service)))
@@ -152,13 +179,31 @@ def _run_section(run: Run, runs_dir: Path, service: CoordinatorService | None) -
 
 def _rounds_table(records: list[dict], *, dp: bool) -> str:
     shown = records[-SHOWN_ROUNDS:]
-    headers = ["round", "loss", "accuracy", "sites ok", "failed", "round s", "aggregation s", "gap s", "MB up",
-               "MB down", *(["epsilon", "epsilon exact"] if dp else [])]
+    headers = [
+        "round",
+        "loss",
+        "accuracy",
+        "sites ok",
+        "failed",
+        "round s",
+        "aggregation s",
+        "gap s",
+        "MB up",
+        "MB down",
+        *(["epsilon", "epsilon exact"] if dp else []),
+    ]
     rows = [
         [
-            str(r["round"]), _number(r.get("loss")), _number(r.get("accuracy")), _text(r.get("sites_ok")),
-            _text(r.get("sites_failed")), _seconds(r.get("seconds")), _seconds(r.get("aggregation_s")),
-            _seconds(r.get("gap_s")), megabytes(r.get("bytes_up")), megabytes(r.get("bytes_down")),
+            str(r["round"]),
+            _number(r.get("loss")),
+            _number(r.get("accuracy")),
+            _text(r.get("sites_ok")),
+            _text(r.get("sites_failed")),
+            _seconds(r.get("seconds")),
+            _seconds(r.get("aggregation_s")),
+            _seconds(r.get("gap_s")),
+            megabytes(r.get("bytes_up")),
+            megabytes(r.get("bytes_down")),
             *([_number(r.get("dp_epsilon")), _number(r.get("dp_epsilon_exact"))] if dp else []),
         ]
         for r in reversed(shown)
@@ -170,21 +215,45 @@ def _rounds_table(records: list[dict], *, dp: bool) -> str:
 def _latency_table(rows: list[LatencyRow]) -> str:
     if not rows:
         return "<h2>Push latency</h2><p class='muted'>none recorded for this run</p>"
-    cells = [[_cell(r.site), _cell(r.call), str(r.count), f"{r.p50_ms:.1f}", f"{r.p99_ms:.1f}"] for r in rows]
-    return "<h2>Push latency</h2>" + _table(["site", "call", "count", "P50 ms", "P99 ms"], cells, text_columns=(0, 1))
+    cells = [
+        [_cell(r.site), _cell(r.call), str(r.count), f"{r.p50_ms:.1f}", f"{r.p99_ms:.1f}"]
+        for r in rows
+    ]
+    return "<h2>Push latency</h2>" + _table(
+        ["site", "call", "count", "P50 ms", "P99 ms"], cells, text_columns=(0, 1)
+    )
 
 
 def _sites_table(sites: list[SiteRow]) -> str:
     rows = []
     for site in sites[:SHOWN_SITES]:
         seen = "-" if site.seen_s_ago is None else f"{site.seen_s_ago:.0f} s ago"
-        rows.append([
-            _cell(site.name), str(site.node_id), "revoked" if site.revoked else "active", seen,
-            _time(site.last_event_at), megabytes(site.bytes_up), megabytes(site.bytes_down), str(site.accepted),
-            str(site.refused), str(site.declined),
-        ])
-    headers = ["site", "node id", "status", "last call", "last event", "train MB up", "train MB down", "accepted",
-               "refused", "declined"]
+        rows.append(
+            [
+                _cell(site.name),
+                str(site.node_id),
+                "revoked" if site.revoked else "active",
+                seen,
+                _time(site.last_event_at),
+                megabytes(site.bytes_up),
+                megabytes(site.bytes_down),
+                str(site.accepted),
+                str(site.refused),
+                str(site.declined),
+            ]
+        )
+    headers = [
+        "site",
+        "node id",
+        "status",
+        "last call",
+        "last event",
+        "train MB up",
+        "train MB down",
+        "accepted",
+        "refused",
+        "declined",
+    ]
     first = f", the first {SHOWN_SITES} of {len(sites)}" if len(sites) > SHOWN_SITES else ""
     return f"<h2>Sites{first}</h2>" + _table(headers, rows, text_columns=(0, 2))
 
@@ -192,23 +261,45 @@ def _sites_table(sites: list[SiteRow]) -> str:
 def _audit_table(events: list[AuditRow]) -> str:
     """Refusals of one site in one round are one row: its count, the first and the last time."""
     rows = [
-        [_time(e.at), _time(e.last_at), _cell(e.kind), _cell(e.site_name), _text(e.run_id), _text(e.server_round),
-         str(e.count), _cell(e.detail, MAX_DETAIL_CHARS + 40)]
+        [
+            _time(e.at),
+            _time(e.last_at),
+            _cell(e.kind),
+            _cell(e.site_name),
+            _text(e.run_id),
+            _text(e.server_round),
+            str(e.count),
+            _cell(e.detail, MAX_DETAIL_CHARS + 40),
+        ]
         for e in events
     ]
-    title = f"Audit log, the latest {len(events)} rows" if len(events) == SHOWN_EVENTS else "Audit log"
+    title = (
+        f"Audit log, the latest {len(events)} rows" if len(events) == SHOWN_EVENTS else "Audit log"
+    )
     headers = ["at", "last", "event", "site", "run", "round", "count", "detail"]
     return f"<h2>{title}</h2>" + _table(headers, rows, text_columns=(0, 1, 2, 3, 7))
 
 
-def _table(headers: list[str], rows: Iterable[list[str]], *, text_columns: tuple[int, ...] = (), css: str = "") -> str:
+def _table(
+    headers: list[str],
+    rows: Iterable[list[str]],
+    *,
+    text_columns: tuple[int, ...] = (),
+    css: str = "",
+) -> str:
     """Cells are already escaped (or built from numbers) by the caller."""
 
     def cell(tag: str, index: int, value: str) -> str:
-        return f"<{tag} class='text'>{value}</{tag}>" if index in text_columns else f"<{tag}>{value}</{tag}>"
+        return (
+            f"<{tag} class='text'>{value}</{tag}>"
+            if index in text_columns
+            else f"<{tag}>{value}</{tag}>"
+        )
 
     head = "".join(cell("th", i, escape(h)) for i, h in enumerate(headers))
-    body = "".join("<tr>" + "".join(cell("td", i, v) for i, v in enumerate(row)) + "</tr>" for row in rows)
+    body = "".join(
+        "<tr>" + "".join(cell("td", i, v) for i, v in enumerate(row)) + "</tr>" for row in rows
+    )
     return f"<table class='{css}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 

@@ -63,7 +63,12 @@ def punch_hole(descriptor: int, offset: int, length: int) -> bool:
     keep_size_punch_hole = 0x01 | 0x02
     if _LIBC is None:
         return False
-    return _LIBC.fallocate(descriptor, keep_size_punch_hole, ctypes.c_longlong(offset), ctypes.c_longlong(length)) == 0
+    return (
+        _LIBC.fallocate(
+            descriptor, keep_size_punch_hole, ctypes.c_longlong(offset), ctypes.c_longlong(length)
+        )
+        == 0
+    )
 
 
 def preallocate(descriptor: int, offset: int, length: int) -> None:

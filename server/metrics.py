@@ -11,7 +11,12 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -36,30 +41,56 @@ class StoreCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         runs = self.store.runs()
         yield self._runs_by_status(runs)
-        rounds = CounterMetricFamily("hydrafl_rounds_completed", "Rounds a run has completed.", labels=["run"])
-        received = CounterMetricFamily("hydrafl_received_bytes", "Update bytes received from sites.", labels=["run"])
-        sent = CounterMetricFamily("hydrafl_sent_bytes", "Model bytes sent to sites.", labels=["run"])
-        round_s = HistogramMetricFamily("hydrafl_round_seconds", "Wall time of a training round.", labels=["run"])
+        rounds = CounterMetricFamily(
+            "hydrafl_rounds_completed", "Rounds a run has completed.", labels=["run"]
+        )
+        received = CounterMetricFamily(
+            "hydrafl_received_bytes", "Update bytes received from sites.", labels=["run"]
+        )
+        sent = CounterMetricFamily(
+            "hydrafl_sent_bytes", "Model bytes sent to sites.", labels=["run"]
+        )
+        round_s = HistogramMetricFamily(
+            "hydrafl_round_seconds", "Wall time of a training round.", labels=["run"]
+        )
         aggregation_s = HistogramMetricFamily(
-            "hydrafl_aggregation_seconds", "Time the strategy spent aggregating a round.", labels=["run"]
+            "hydrafl_aggregation_seconds",
+            "Time the strategy spent aggregating a round.",
+            labels=["run"],
         )
         epsilon = GaugeMetricFamily(
-            "hydrafl_dp_epsilon", "Central DP epsilon a DP run has spent (Renyi DP).", labels=["run"]
+            "hydrafl_dp_epsilon",
+            "Central DP epsilon a DP run has spent (Renyi DP).",
+            labels=["run"],
         )
         exact = GaugeMetricFamily(
-            "hydrafl_dp_epsilon_exact", "Central DP epsilon a DP run has spent (exact, PLD).", labels=["run"]
+            "hydrafl_dp_epsilon_exact",
+            "Central DP epsilon a DP run has spent (exact, PLD).",
+            labels=["run"],
         )
         for run in runs:
             label = [str(run.id)]
             records = trained_records(run)
             rounds.add_metric(label, run.rounds_done)
-            received.add_metric(label, sum(record.get("bytes_up") or 0 for record in run.history or []))
-            sent.add_metric(label, sum(record.get("bytes_down") or 0 for record in run.history or []))
-            round_s.add_metric(label, *_histogram([record.get("seconds") for record in records], ROUND_BUCKETS_S))
-            aggregation_s.add_metric(
-                label, *_histogram([record.get("aggregation_s") for record in records], AGGREGATION_BUCKETS_S)
+            received.add_metric(
+                label, sum(record.get("bytes_up") or 0 for record in run.history or [])
             )
-            dp = trust_summary(run.history or [], {} if run.server_app else run.config).get("dp") or {}
+            sent.add_metric(
+                label, sum(record.get("bytes_down") or 0 for record in run.history or [])
+            )
+            round_s.add_metric(
+                label, *_histogram([record.get("seconds") for record in records], ROUND_BUCKETS_S)
+            )
+            aggregation_s.add_metric(
+                label,
+                *_histogram(
+                    [record.get("aggregation_s") for record in records], AGGREGATION_BUCKETS_S
+                ),
+            )
+            dp = (
+                trust_summary(run.history or [], {} if run.server_app else run.config).get("dp")
+                or {}
+            )
             for family, spent in ((epsilon, dp.get("epsilon")), (exact, dp.get("epsilon_exact"))):
                 if spent is not None:
                     family.add_metric(label, spent)
@@ -69,13 +100,17 @@ class StoreCollector(Collector):
 
     def _runs_by_status(self, runs: list[Run]) -> GaugeMetricFamily:
         by_status = Counter(run.status for run in runs)
-        gauge = GaugeMetricFamily("hydrafl_runs", "Runs in the database by status.", labels=["status"])
+        gauge = GaugeMetricFamily(
+            "hydrafl_runs", "Runs in the database by status.", labels=["status"]
+        )
         for status in ("pending", "running", "finished", "failed"):
             gauge.add_metric([status], by_status[status])
         return gauge
 
     def _updates(self, runs: list[Run]) -> Iterator[Metric]:
-        accepted = CounterMetricFamily("hydrafl_updates_accepted", "Site replies accepted.", labels=["run"])
+        accepted = CounterMetricFamily(
+            "hydrafl_updates_accepted", "Site replies accepted.", labels=["run"]
+        )
         for run_id, count in sorted(accepted_per_run(self.store).items()):
             accepted.add_metric([str(run_id)], count)
         refused = CounterMetricFamily(
@@ -89,7 +124,9 @@ class StoreCollector(Collector):
 
     def _sites(self) -> Iterator[Metric]:
         sites = self.store.sites()
-        enrolled = GaugeMetricFamily("hydrafl_sites_enrolled", "Enrolled sites by status.", labels=["status"])
+        enrolled = GaugeMetricFamily(
+            "hydrafl_sites_enrolled", "Enrolled sites by status.", labels=["status"]
+        )
         enrolled.add_metric(["active"], sum(not site.revoked for site in sites))
         enrolled.add_metric(["revoked"], sum(site.revoked for site in sites))
         yield enrolled
@@ -107,9 +144,14 @@ def metrics_text(store: Store, service: CoordinatorService | None = None) -> byt
     return generate_latest(registry)
 
 
-def _histogram(values: Sequence[float | None], bounds: Sequence[float]) -> tuple[list[tuple[str, float]], float]:
+def _histogram(
+    values: Sequence[float | None], bounds: Sequence[float]
+) -> tuple[list[tuple[str, float]], float]:
     """Cumulative buckets (ending in +Inf) and the sum of the values given, as HistogramMetricFamily takes them."""
     observed = [float(value) for value in values if value is not None]
-    buckets = [(floatToGoString(bound), float(sum(value <= bound for value in observed))) for bound in bounds]
+    buckets = [
+        (floatToGoString(bound), float(sum(value <= bound for value in observed)))
+        for bound in bounds
+    ]
     buckets.append(("+Inf", float(len(observed))))
     return buckets, sum(observed)

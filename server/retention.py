@@ -91,8 +91,14 @@ class Retention:
     """The deletions of one coordinator home: its database, blob store and run folders."""
 
     def __init__(
-        self, store: Store, blobs: BlobStore, runs_dir: Path, *, keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS,
-        dry_run: bool = False, grace_s: float = 0.0,
+        self,
+        store: Store,
+        blobs: BlobStore,
+        runs_dir: Path,
+        *,
+        keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS,
+        dry_run: bool = False,
+        grace_s: float = 0.0,
     ) -> None:
         self.store = store
         self.blobs = blobs
@@ -117,7 +123,9 @@ class Retention:
         with _best_effort(f"run {run_id} round {server_round}"):
             self._prune_checkpoints(self.runs_dir / str(run_id), report, server_round=server_round)
             self._sweep(lambda run, server: run == run_id and 1 <= server <= server_round, report)
-        log.debug("storage sweep after run %d round %d: %s", run_id, server_round, report.describe())
+        log.debug(
+            "storage sweep after run %d round %d: %s", run_id, server_round, report.describe()
+        )
         return report
 
     def after_run(self, run_id: int) -> SweepReport:
@@ -159,7 +167,9 @@ class Retention:
         Raises RunRunning for a running run, ValueError for an unknown one."""
         run = self.store.run(run_id)
         if run.status == "running" or (not self.dry_run and not self._mark_deleting(run_id)):
-            raise RunRunning(f"run {run_id} is running: a coordinator is driving it; delete it once it has ended")
+            raise RunRunning(
+                f"run {run_id} is running: a coordinator is driving it; delete it once it has ended"
+            )
         report = SweepReport()
         folder = self.runs_dir / str(run_id)
         report.files, report.file_bytes = _tree_size(folder)
@@ -167,7 +177,9 @@ class Retention:
         report.messages = len(doomed)
         report.replies = _count_replies(self.store, doomed)
         if self.dry_run:
-            self._sweep_chunks(self._live(self._messages(), lambda run, _: run == run_id), report, partials=False)
+            self._sweep_chunks(
+                self._live(self._messages(), lambda run, _: run == run_id), report, partials=False
+            )
             return report
         shutil.rmtree(folder, ignore_errors=True)
         with self.store.session() as session, session.begin():
@@ -176,7 +188,9 @@ class Retention:
             session.execute(delete(Run).where(Run.id == run_id))
             detail = f"run {run_id} ({run.status}, {run.rounds_done} rounds) deleted with its folder and chunks"
             session.add(AuditEvent(kind="run-deleted", detail=detail))
-        self._sweep_chunks(self._live(self._messages(), lambda run, server: False), report, partials=False)
+        self._sweep_chunks(
+            self._live(self._messages(), lambda run, server: False), report, partials=False
+        )
         return report
 
     def _mark_deleting(self, run_id: int) -> bool:
@@ -189,7 +203,9 @@ class Retention:
 
     # --- the steps ---------------------------------------------------------------------------------------------
 
-    def _prune_checkpoints(self, folder: Path, report: SweepReport, *, server_round: int | None = None) -> None:
+    def _prune_checkpoints(
+        self, folder: Path, report: SweepReport, *, server_round: int | None = None
+    ) -> None:
         if server_round is not None and not self.dry_run:
             archive_checkpoint(folder, server_round)
         for path in stale_checkpoints(folder, self.keep_checkpoints):
@@ -204,7 +220,9 @@ class Retention:
 
     def _sweep(self, doomed: Doomed, report: SweepReport, *, partials: bool = False) -> None:
         """Rows first, then the chunks no row left refers to (see the module docstring for why this order)."""
-        busy = self._busy_sites()  # before reading the rows: a site answering after this read is still spared
+        busy = (
+            self._busy_sites()
+        )  # before reading the rows: a site answering after this read is still spared
         messages = self._messages()
         gone = [row.message_id for row in messages if doomed(row.run_id, row.server_round)]
         report.messages += len(gone)
@@ -230,13 +248,22 @@ class Retention:
         return {node for node in self.blobs.namespaces() if self.store.open_messages_for(node)}
 
     def _sweep_chunks(
-        self, live: dict[int | None, set[str]], report: SweepReport, *, partials: bool, busy: Iterable[int] = ()
+        self,
+        live: dict[int | None, set[str]],
+        report: SweepReport,
+        *,
+        partials: bool,
+        busy: Iterable[int] = (),
     ) -> None:
         """Delete every chunk not in `live` (None: the root, else a site's namespace), but the busy sites' uploads
         and, beside a live coordinator, chunks younger than the grace."""
         spared = set(busy)
         namespaces: list[tuple[int | None, BlobStore | UploadPacks]] = [(None, self.blobs)]
-        namespaces += [(node, self.blobs.uploads(node)) for node in self.blobs.namespaces() if node not in spared]
+        namespaces += [
+            (node, self.blobs.uploads(node))
+            for node in self.blobs.namespaces()
+            if node not in spared
+        ]
         horizon = time.time() - self.grace_s
         for key, blobs in namespaces:
             for digest in blobs.digests():
@@ -264,28 +291,41 @@ def was_swept(store: Store, message_id: str, node_id: int) -> bool:
     reply to it is refused as late, not as someone else's). Reads the grid's ids, `run-round-type-node-seq`."""
     head, _, tail = message_id.partition("-")
     parts = tail.rsplit("-", 2)
-    if len(parts) != 3 or not (head.isdigit() and parts[1].isdigit() and parts[0].split("-")[0].isdigit()):
+    if len(parts) != 3 or not (
+        head.isdigit() and parts[1].isdigit() and parts[0].split("-")[0].isdigit()
+    ):
         return False
     run_id, server_round, node = int(head), int(parts[0].split("-")[0]), int(parts[1])
     if node != node_id:
         return False
     with store.session() as session:
         run = session.get(Run, run_id)
-    return run is None or run.status != "running" or 1 <= server_round <= run.rounds_done  # None: a deleted run
+    return (
+        run is None or run.status != "running" or 1 <= server_round <= run.rounds_done
+    )  # None: a deleted run
 
 
 def _chunks(envelope: bytes) -> list[str]:
     try:
         return chunk_hashes(pb.Envelope.FromString(envelope))
-    except (EnvelopeError, DecodeError, ValueError) as error:  # unreadable: it refers to nothing a sweep could recognise
-        log.warning("a stored envelope cannot be parsed (%s); its chunks are treated as unreferenced", error)
+    except (
+        EnvelopeError,
+        DecodeError,
+        ValueError,
+    ) as error:  # unreadable: it refers to nothing a sweep could recognise
+        log.warning(
+            "a stored envelope cannot be parsed (%s); its chunks are treated as unreferenced", error
+        )
         return []
 
 
 def _count_replies(store: Store, message_ids: list[str]) -> int:
     with store.session() as session:
         return sum(
-            session.scalar(select(func.count()).select_from(Reply).where(Reply.reply_to_message_id.in_(batch))) or 0
+            session.scalar(
+                select(func.count()).select_from(Reply).where(Reply.reply_to_message_id.in_(batch))
+            )
+            or 0
             for batch in _batches(message_ids)
         )
 

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 server_app = ServerApp()
 
+
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
     run_federation(grid, RunConfig.from_flower(context.run_config))
@@ -84,13 +85,21 @@ def run_federation(
         diagnostics=cfg.diagnostics,
         reference_node=reference_node if cfg.diagnostics else None,
         screening=Screening(norm_factor=cfg.screen_norm, min_cosine=cfg.screen_cosine),
-        secagg=SecAggParams(max_weight=cfg.secagg_max_weight, reconstruction_threshold=cfg.secagg_threshold,
-                            dp_clip=cfg.dp_clip, dp_noise_multiplier=cfg.dp_noise_multiplier, site_clip=cfg.secagg_clip)
-        if cfg.secagg else None,
+        secagg=SecAggParams(
+            max_weight=cfg.secagg_max_weight,
+            reconstruction_threshold=cfg.secagg_threshold,
+            dp_clip=cfg.dp_clip,
+            dp_noise_multiplier=cfg.dp_noise_multiplier,
+            site_clip=cfg.secagg_clip,
+        )
+        if cfg.secagg
+        else None,
     )
     if isinstance(strategy, BuffersUpdates):
         clock = WallClock(grid) if virtual_speeds is None else VirtualClock(grid, virtual_speeds)
-        driver = AsyncDriver(grid, strategy, config, clock, evaluate_every=cfg.options.evaluate_every)
+        driver = AsyncDriver(
+            grid, strategy, config, clock, evaluate_every=cfg.options.evaluate_every
+        )
     else:
         driver = RoundDriver(grid, strategy, config)
     return driver.run(start, resume=cfg.resume, on_round=on_round)
@@ -101,12 +110,16 @@ def wait_for_sites(grid: Grid, required: int, timeout_s: float) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while len(nodes := sorted(grid.get_node_ids())) < required:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"only {len(nodes)} of the {required} required sites connected within {timeout_s:g} s")
+            raise RuntimeError(
+                f"only {len(nodes)} of the {required} required sites connected within {timeout_s:g} s"
+            )
         time.sleep(0.2)
     return nodes
 
 
-def _query(cfg: RunConfig, node: int, message_type: str, arrays: ArrayRecord | None = None, **keys: bool) -> Message:
+def _query(
+    cfg: RunConfig, node: int, message_type: str, arrays: ArrayRecord | None = None, **keys: bool
+) -> Message:
     content = RecordDict({"config": ConfigRecord({**cfg.to_flower(), **keys})})
     if arrays is not None:
         content["arrays"] = arrays
@@ -119,20 +132,30 @@ def request_initial_arrays(grid: Grid, cfg: RunConfig) -> ArrayRecord:
     fail the run; it fails only when every site declined, with each one's reason."""
     declines = []
     for node in sorted(grid.get_node_ids()):
-        query = _query(cfg, node, protocol.QUERY_INIT, **{protocol.LORA_BASES: cfg.options.lora_bases_travel})
+        query = _query(
+            cfg, node, protocol.QUERY_INIT, **{protocol.LORA_BASES: cfg.options.lora_bases_travel}
+        )
         [reply] = grid.send_and_receive([query])
         if not reply.has_error():
             return next(iter(reply.content.array_records.values()))
         log.warning("site %d declined to build the initial model: %s", node, reply.error.reason)
         declines.append(f"site {node}: {reply.error.reason}")
-    raise RuntimeError(f"every site declined to build the initial model: {'; '.join(declines) or 'no site connected'}")
+    raise RuntimeError(
+        f"every site declined to build the initial model: {'; '.join(declines) or 'no site connected'}"
+    )
 
 
 def check_outer_stability(grid: Grid, cfg: RunConfig, arrays: ArrayRecord) -> None:
     """Probe each site's curvature and warn before training when the outer optimizer is predicted unstable
     (exact mean-square criterion on the quadratic model; exact for SGD inner steps, indicative otherwise)."""
-    messages = [_query(cfg, node, protocol.QUERY_CURVATURE, arrays) for node in sorted(grid.get_node_ids())]
-    probes = [reply.content["metrics"] for reply in grid.send_and_receive(messages) if not reply.has_error()]
+    messages = [
+        _query(cfg, node, protocol.QUERY_CURVATURE, arrays) for node in sorted(grid.get_node_ids())
+    ]
+    probes = [
+        reply.content["metrics"]
+        for reply in grid.send_and_receive(messages)
+        if not reply.has_error()
+    ]
     if not probes:
         log.warning("diloco: no site answered the curvature probe; stability not checked")
         return

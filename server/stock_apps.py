@@ -42,13 +42,17 @@ def load_server_app(reference: str) -> ServerApp:
     the error, never a traceback; a missing module is ServerAppNotFound."""
     valid, _ = validate(reference, check_module=False)
     if not valid:
-        raise ServerAppError(f"{reference!r} is not a module:attribute reference (e.g. my_app.server_app:app)")
+        raise ServerAppError(
+            f"{reference!r} is not a module:attribute reference (e.g. my_app.server_app:app)"
+        )
     module_name, _, attribute = reference.partition(":")
     cannot = f"cannot load ServerApp {reference!r}"
     try:
         app = load_app(reference, LoadServerAppError)
     except LoadServerAppError:
-        raise ServerAppError(f"{cannot}: module {module_name} has no attribute {attribute}") from None
+        raise ServerAppError(
+            f"{cannot}: module {module_name} has no attribute {attribute}"
+        ) from None
     except ModuleNotFoundError as error:
         missing = error.name or ""
         if missing and (module_name == missing or module_name.startswith(f"{missing}.")):
@@ -67,7 +71,9 @@ def parse_run_config(entries: list[str]) -> dict[str, Any]:
     one .toml file."""
     for entry in entries:
         if "=" not in entry and not entry.endswith(".toml"):
-            raise ServerAppError(f"--run-config {entry!r} is not key=value (a string value is quoted: name=\"text\")")
+            raise ServerAppError(
+                f'--run-config {entry!r} is not key=value (a string value is quoted: name="text")'
+            )
     try:
         return parse_config_args(entries)
     except ClickException as error:
@@ -81,8 +87,16 @@ def run_server_app(grid: Grid, run_id: int, reference: str, run_config: dict[str
     set to the run, the Context carries the run_config. Raises ServerAppError for a reference that does not load
     and whatever the app raises."""
     app = load_server_app(reference)
-    grid.set_run(dataclasses.replace(FlowerRun.create_empty(run_id), override_config=dict(run_config)))
-    context = Context(
-        run_id=run_id, node_id=SUPERLINK_NODE_ID, node_config={}, state=RecordDict(), run_config=dict(run_config)
+    grid.set_run(
+        dataclasses.replace(FlowerRun.create_empty(run_id), override_config=dict(run_config))
     )
-    run_flower_server_app(grid=grid, context=context, server_app_dir=str(Path.cwd()), loaded_server_app=app)
+    context = Context(
+        run_id=run_id,
+        node_id=SUPERLINK_NODE_ID,
+        node_config={},
+        state=RecordDict(),
+        run_config=dict(run_config),
+    )
+    run_flower_server_app(
+        grid=grid, context=context, server_app_dir=str(Path.cwd()), loaded_server_app=app
+    )

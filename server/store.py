@@ -215,18 +215,26 @@ class Store:
     def session(self) -> Session:
         return self.sessions()
 
-    def audit(self, kind: str, *, site_name: str = "", run_id: int | None = None, detail: str = "") -> None:
+    def audit(
+        self, kind: str, *, site_name: str = "", run_id: int | None = None, detail: str = ""
+    ) -> None:
         with self.session() as session, session.begin():
-            session.add(AuditEvent(kind=kind, site_name=site_name, run_id=run_id, detail=bounded(detail)))
+            session.add(
+                AuditEvent(kind=kind, site_name=site_name, run_id=run_id, detail=bounded(detail))
+            )
 
     def add_site(self, name: str) -> tuple[Site, str]:
         """Enrol a site; returns it and its one-time token (shown once, stored only as a hash)."""
         token = secrets.token_urlsafe(32)
         with self.session() as session, session.begin():
             if session.scalar(select(Site).where(Site.name == name)) is not None:
-                raise ValueError(f"a site named {name!r} is already enrolled; revoke it or pick another name")
+                raise ValueError(
+                    f"a site named {name!r} is already enrolled; revoke it or pick another name"
+                )
             last = session.scalar(select(Site.node_id).order_by(Site.node_id.desc()).limit(1))
-            site = Site(name=name, node_id=(last or FIRST_NODE_ID - 1) + 1, token_hash=hash_token(token))
+            site = Site(
+                name=name, node_id=(last or FIRST_NODE_ID - 1) + 1, token_hash=hash_token(token)
+            )
             session.add(site)
             session.add(AuditEvent(kind="enrolled", site_name=name))
         return site, token
@@ -239,7 +247,9 @@ class Store:
         with self.session() as session, session.begin():
             site = session.scalar(select(Site).where(Site.name == name))
             if site is None:
-                raise ValueError(f"no site named {name!r}; `hydrafl admin site list` shows the enrolled sites")
+                raise ValueError(
+                    f"no site named {name!r}; `hydrafl admin site list` shows the enrolled sites"
+                )
             site.revoked = True
             session.add(AuditEvent(kind="revoked", site_name=name))
 
@@ -254,7 +264,9 @@ class Store:
 
     def token_hashes(self) -> frozenset[str]:  # what `AuthThrottle` lets past its limit
         with self.session() as session:
-            return frozenset(session.scalars(select(Site.token_hash).where(Site.revoked.is_(False))))
+            return frozenset(
+                session.scalars(select(Site.token_hash).where(Site.revoked.is_(False)))
+            )
 
     def audit_events(self, kind: str | None = None) -> list[AuditEvent]:
         with self.session() as session:
@@ -290,13 +302,21 @@ class Store:
         """The run to drive: one left running by a crashed coordinator first, else the oldest pending one."""
         with self.session() as session:
             for status in ("running", "pending"):
-                run = session.scalar(select(Run).where(Run.status == status).order_by(Run.id).limit(1))
+                run = session.scalar(
+                    select(Run).where(Run.status == status).order_by(Run.id).limit(1)
+                )
                 if run is not None:
                     return run
         return None
 
     def set_run_status(
-        self, run_id: int, status: str, *, detail: str = "", rounds_done: int | None = None, history: list | None = None
+        self,
+        run_id: int,
+        status: str,
+        *,
+        detail: str = "",
+        rounds_done: int | None = None,
+        history: list | None = None,
     ) -> None:
         with self.session() as session, session.begin():
             run = session.get(Run, run_id)
@@ -312,7 +332,9 @@ class Store:
             if changed:
                 session.add(AuditEvent(kind=f"run-{status}", run_id=run_id, detail=bounded(detail)))
 
-    def add_outbound(self, message_id: str, run_id: int, server_round: int, node_id: int, envelope: bytes) -> None:
+    def add_outbound(
+        self, message_id: str, run_id: int, server_round: int, node_id: int, envelope: bytes
+    ) -> None:
         self.add_outbounds(run_id, [(message_id, server_round, node_id, envelope)])
 
     def add_outbounds(self, run_id: int, messages: list[tuple[str, int, int, bytes]]) -> None:
@@ -323,14 +345,19 @@ class Store:
                 if session.get(OutboundMessage, message_id) is None:
                     session.add(
                         OutboundMessage(
-                            message_id=message_id, run_id=run_id, server_round=server_round, node_id=node_id,
+                            message_id=message_id,
+                            run_id=run_id,
+                            server_round=server_round,
+                            node_id=node_id,
                             envelope=envelope,
                         )
                     )
 
     def close_messages(self, message_ids: list[str]) -> None:
         with self.session() as session, session.begin():
-            for message in session.scalars(select(OutboundMessage).where(OutboundMessage.message_id.in_(message_ids))):
+            for message in session.scalars(
+                select(OutboundMessage).where(OutboundMessage.message_id.in_(message_ids))
+            ):
                 message.closed = True
 
     def outbound(self, message_id: str) -> OutboundMessage | None:
@@ -347,14 +374,18 @@ class Store:
         with self.session() as session:
             return list(session.scalars(_open_messages(node_id)))
 
-    def add_reply(self, outbound: OutboundMessage, envelope: bytes, *, event: AuditEvent | None = None) -> bool:
+    def add_reply(
+        self, outbound: OutboundMessage, envelope: bytes, *, event: AuditEvent | None = None
+    ) -> bool:
         """Store a reply; False when this message was already answered (pushes are idempotent) or is gone: a
         sweep may delete it (its round is over) while the service checks the reply, and a reply must never
         outlive its message (SQLite does not enforce the foreign key). `event` is recorded with the reply, in
         its commit, exactly when the reply is stored."""
         try:
             with self.session() as session, session.begin():
-                exists = session.scalar(select(Reply.id).where(Reply.reply_to_message_id == outbound.message_id))
+                exists = session.scalar(
+                    select(Reply.id).where(Reply.reply_to_message_id == outbound.message_id)
+                )
                 if exists is not None:
                     return False
                 session.add(
@@ -377,12 +408,16 @@ class Store:
 
     def replies_to(self, message_ids: list[str]) -> list[Reply]:
         with self.session() as session:
-            return list(session.scalars(select(Reply).where(Reply.reply_to_message_id.in_(message_ids))))
+            return list(
+                session.scalars(select(Reply).where(Reply.reply_to_message_id.in_(message_ids)))
+            )
 
     def run_events(self, run_id: int, kinds: Collection[str]) -> list[AuditEvent]:
         """A run's audit events of these kinds, oldest first (e.g. the sites that declined its messages)."""
         with self.session() as session:
-            query = select(AuditEvent).where(AuditEvent.run_id == run_id, AuditEvent.kind.in_(list(kinds)))
+            query = select(AuditEvent).where(
+                AuditEvent.run_id == run_id, AuditEvent.kind.in_(list(kinds))
+            )
             return list(session.scalars(query.order_by(AuditEvent.id)))
 
     def lease(self) -> CoordinatorLease | None:
@@ -404,13 +439,17 @@ class Store:
                 continue
             age_s = lease_age_s(current)
             if (
-                current.holder != claim.holder and age_s < current.stale_s
-                and not _restarted_self(current, claim) and not _holder_died(current, claim)
+                current.holder != claim.holder
+                and age_s < current.stale_s
+                and not _restarted_self(current, claim)
+                and not _holder_died(current, claim)
             ):
                 raise LeaseHeld(current, age_s)
             if self._swap_lease(current, claim, age_s):
                 return current if current.holder != claim.holder else None
-        raise RuntimeError(f"the coordinator lease changed hands {LEASE_ATTEMPTS} times while taking it; start again")
+        raise RuntimeError(
+            f"the coordinator lease changed hands {LEASE_ATTEMPTS} times while taking it; start again"
+        )
 
     def _insert_lease(self, claim: LeaseClaim) -> bool:
         moment = now()
@@ -420,8 +459,14 @@ class Store:
                     return False
                 session.add(
                     CoordinatorLease(
-                        id=LEASE_ROW, holder=claim.holder, host=claim.host, pid=claim.pid, listen=claim.listen,
-                        stale_s=claim.stale_s, acquired_at=moment, heartbeat_at=moment,
+                        id=LEASE_ROW,
+                        holder=claim.holder,
+                        host=claim.host,
+                        pid=claim.pid,
+                        listen=claim.listen,
+                        stale_s=claim.stale_s,
+                        acquired_at=moment,
+                        heartbeat_at=moment,
                     )
                 )
         except IntegrityError:  # another coordinator inserted it first
@@ -440,8 +485,13 @@ class Store:
                     CoordinatorLease.heartbeat_at == seen.heartbeat_at,
                 )
                 .values(
-                    holder=claim.holder, host=claim.host, pid=claim.pid, listen=claim.listen, stale_s=claim.stale_s,
-                    acquired_at=moment, heartbeat_at=moment,
+                    holder=claim.holder,
+                    host=claim.host,
+                    pid=claim.pid,
+                    listen=claim.listen,
+                    stale_s=claim.stale_s,
+                    acquired_at=moment,
+                    heartbeat_at=moment,
                 )
             )
             taken = swapped.rowcount == 1
@@ -482,7 +532,11 @@ def _open_messages(node_id: int) -> Select:
 
 def _restarted_self(lease: CoordinatorLease, claim: LeaseClaim) -> bool:
     """Hostname and pid cannot tell a restart from another live container; the holder its folder recorded can."""
-    return claim.restarted_from is not None and lease.holder == claim.restarted_from and lease.host == claim.host
+    return (
+        claim.restarted_from is not None
+        and lease.holder == claim.restarted_from
+        and lease.host == claim.host
+    )
 
 
 def _holder_died(lease: CoordinatorLease, claim: LeaseClaim) -> bool:

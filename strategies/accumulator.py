@@ -48,7 +48,11 @@ class WeightedDeltaAccumulator:
     pool: fold.FoldPool
 
     def __init__(
-        self, weighted_by_key: str = "num-examples", *, dp: CentralDp | None = None, threads: int | None = None
+        self,
+        weighted_by_key: str = "num-examples",
+        *,
+        dp: CentralDp | None = None,
+        threads: int | None = None,
     ) -> None:
         self.weighted_by_key = weighted_by_key
         self.dp = dp
@@ -72,7 +76,9 @@ class WeightedDeltaAccumulator:
             while (reply := next(arriving, None)) is not None:
                 if not reply.has_error():
                     self.add(reply)
-                del reply  # before the next one arrives: a `for` loop would hold two replies at a time
+                del (
+                    reply
+                )  # before the next one arrives: a `for` loop would hold two replies at a time
             return
         resident = [reply for reply in replies if not reply.has_error()]
         group = 1 if any(map(_mapped, resident)) else GROUP
@@ -93,7 +99,9 @@ class WeightedDeltaAccumulator:
                             f"array {name!r} has shape {tuple(delta.shape)}, expected {tuple(shapes[name])}"
                         )
                 if self.dp is not None:
-                    weight = self.dp.clip_factor_of_norm(_norm(self.pool, deltas))  # counted once, at most C
+                    weight = self.dp.clip_factor_of_norm(
+                        _norm(self.pool, deltas)
+                    )  # counted once, at most C
                 parsed.append((arrays, deltas, weight))
                 self.total_weight += weight if self.dp is None else 1.0
                 self.metric_records.append(RecordDict({"metrics": metrics}))
@@ -112,7 +120,9 @@ class WeightedDeltaAccumulator:
                 self.sums[name] = fold.empty(tuple(members[0][0].shape))
             columns = [fold.blocks(delta) for delta, _ in members]
             for index, (total,) in enumerate(fold.blocks(self.sums[name])):
-                block_terms = [(column[index][0], weight) for column, (_, weight) in zip(columns, members)]
+                block_terms = [
+                    (column[index][0], weight) for column, (_, weight) in zip(columns, members)
+                ]
                 tasks.append((total, block_terms, fresh))
         self.pool.run(fold.axpy_terms, tasks)
 
@@ -122,8 +132,14 @@ class WeightedDeltaAccumulator:
         norm (a LoRA baseline's head takes the arrays that are not factors: its factors have their own fold)."""
         if not self.total_weight:
             raise AggregationError("no successful reply to aggregate")
-        means = self.sums if names is None else {name: self.sums[name] for name in names if name in self.sums}
-        tasks = [(*block, self.total_weight) for total in means.values() for block in fold.blocks(total)]
+        means = (
+            self.sums
+            if names is None
+            else {name: self.sums[name] for name in names if name in self.sums}
+        )
+        tasks = [
+            (*block, self.total_weight) for total in means.values() for block in fold.blocks(total)
+        ]
         self.pool.run(fold.divide, tasks)
         if self.dp is not None:
             for tensor in means.values():
@@ -146,7 +162,11 @@ class MaskedDeltaAccumulator:
     pool: fold.FoldPool
 
     def __init__(
-        self, weighted_by_key: str = "num-examples", *, dp: CentralDp | None = None, threads: int | None = None
+        self,
+        weighted_by_key: str = "num-examples",
+        *,
+        dp: CentralDp | None = None,
+        threads: int | None = None,
     ) -> None:
         self.weighted_by_key = weighted_by_key
         self.dp = dp
@@ -166,7 +186,9 @@ class MaskedDeltaAccumulator:
         deltas = _views(arrays)
         for name, delta in deltas.items():
             if delta.shape != masks[name].shape:
-                raise AggregationError(f"array {name!r} has shape {tuple(delta.shape)}, expected {tuple(masks[name].shape)}")
+                raise AggregationError(
+                    f"array {name!r} has shape {tuple(delta.shape)}, expected {tuple(masks[name].shape)}"
+                )
             self._check_shape(name, delta.shape)
         bool_masks = {name: _as_bool(masks[name]) for name in deltas}
         counted = weight
@@ -176,14 +198,23 @@ class MaskedDeltaAccumulator:
         tasks = []
         for name, delta in deltas.items():
             fresh = self._allocate(name, delta.shape)
-            tasks += [(*block, weight, counted, fresh)
-                      for block in fold.blocks(self.sums[name], self.weights[name], delta, bool_masks[name])]
+            tasks += [
+                (*block, weight, counted, fresh)
+                for block in fold.blocks(
+                    self.sums[name], self.weights[name], delta, bool_masks[name]
+                )
+            ]
         self.pool.run(fold.masked_axpy, tasks)
         _release(arrays)
         self.metric_records.append(RecordDict({"metrics": metrics}))
 
     def add_slices(
-        self, reply: Message, slices: Mapping[str, Slice], shapes: Mapping[str, tuple[int, ...]], *, count_once: bool = False
+        self,
+        reply: Message,
+        slices: Mapping[str, Slice],
+        shapes: Mapping[str, tuple[int, ...]],
+        *,
+        count_once: bool = False,
     ) -> None:
         """Fold in one reply that carries only its subnetwork's slices (compact tensors of `Slice.take`'s shape),
         straight into the full-shape sums. `count_once`: every site weighs 1 instead of its weight (the plain
@@ -192,7 +223,9 @@ class MaskedDeltaAccumulator:
         node = reply.metadata.src_node_id
         unassigned = sorted(set(arrays.keys()) - set(slices))
         if unassigned:
-            raise AggregationError(f"reply from node {node} updates {unassigned[:3]}, outside its subnetwork")
+            raise AggregationError(
+                f"reply from node {node} updates {unassigned[:3]}, outside its subnetwork"
+            )
         deltas = _views(arrays)
         for name, delta in deltas.items():
             expected = slices[name].taken_shape(shapes[name])
@@ -209,12 +242,19 @@ class MaskedDeltaAccumulator:
         for name, delta in deltas.items():
             fresh = self._allocate(name, shapes[name])
             if slices[name].dim is None:
-                for total, counts, values in fold.blocks(self.sums[name], self.weights[name], delta):
-                    whole += [(fold.axpy, (total, values, weight, fresh)), (fold.add_scalar, (counts, counted, fresh))]
+                for total, counts, values in fold.blocks(
+                    self.sums[name], self.weights[name], delta
+                ):
+                    whole += [
+                        (fold.axpy, (total, values, weight, fresh)),
+                        (fold.add_scalar, (counts, counted, fresh)),
+                    ]
             else:
                 if fresh:
                     self._zero(name)
-                sliced += _sliced_tasks(self.sums[name], self.weights[name], slices[name], delta, weight, counted)
+                sliced += _sliced_tasks(
+                    self.sums[name], self.weights[name], slices[name], delta, weight, counted
+                )
         self.pool.run(_call, whole + sliced)
         _release(arrays)
         self.metric_records.append(RecordDict({"metrics": metrics}))
@@ -229,7 +269,9 @@ class MaskedDeltaAccumulator:
         for name, total in sum_views.items():
             weight = weight_views[name]
             if total.shape != weight.shape:
-                raise AggregationError(f"array {name!r}: sums of shape {tuple(total.shape)}, weights {tuple(weight.shape)}")
+                raise AggregationError(
+                    f"array {name!r}: sums of shape {tuple(total.shape)}, weights {tuple(weight.shape)}"
+                )
             self._check_shape(name, total.shape)
         for name, total in sum_views.items():
             weight = weight_views[name]
@@ -239,7 +281,9 @@ class MaskedDeltaAccumulator:
         self.pool.run(fold.axpy, tasks)
         self.metric_records.append(RecordDict({"metrics": metrics}))
 
-    def mean(self, names: Collection[str] | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def mean(
+        self, names: Collection[str] | None = None
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Per name of `names` (default: all): (masked weighted mean delta, 0 where no site trained; bool mask of
         trained coordinates). Computed in place: the accumulator is spent afterwards. Only those are released,
         so only those get DP noise (`WeightedDeltaAccumulator.mean`)."""
@@ -247,7 +291,9 @@ class MaskedDeltaAccumulator:
             raise AggregationError("no successful reply to aggregate")
         out, tasks = {}, []
         sizes = [total.numel() for total in self.sums.values()]
-        flags = fold.empty((sum(sizes),), torch.bool).split(sizes)  # one mapping: huge pages for small layers too
+        flags = fold.empty((sum(sizes),), torch.bool).split(
+            sizes
+        )  # one mapping: huge pages for small layers too
         for (name, total), covered in zip(self.sums.items(), flags):
             covered = covered.view(total.shape)
             out[name] = (total, covered)
@@ -256,7 +302,10 @@ class MaskedDeltaAccumulator:
         if names is not None:
             out = {name: out[name] for name in names if name in out}
         if self.dp is not None:
-            for name, (total, covered) in out.items():  # the counts were clamped: 1e-30 where none counted
+            for name, (
+                total,
+                covered,
+            ) in out.items():  # the counts were clamped: 1e-30 where none counted
                 self.dp.noise_(total, torch.where(covered, self.weights[name], 0.0))
             self.dp.end_round()
         self.weights = {}  # their pages go to the next round's sums
@@ -271,19 +320,28 @@ class MaskedDeltaAccumulator:
 
     def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         if name in self.sums and tuple(self.sums[name].shape) != tuple(shape):
-            raise AggregationError(f"array {name!r} has shape {tuple(shape)}, expected {tuple(self.sums[name].shape)}")
+            raise AggregationError(
+                f"array {name!r} has shape {tuple(shape)}, expected {tuple(self.sums[name].shape)}"
+            )
 
     def _zero(self, name: str) -> None:
         self.pool.run(fold.zero, fold.blocks(self.sums[name]) + fold.blocks(self.weights[name]))
 
 
 def _sliced_tasks(
-    total: torch.Tensor, counts: torch.Tensor, sl: Slice, values: torch.Tensor, alpha: float, counted: float
+    total: torch.Tensor,
+    counts: torch.Tensor,
+    sl: Slice,
+    values: torch.Tensor,
+    alpha: float,
+    counted: float,
 ) -> list[tuple]:
     """Slice.add_to of `values` (and of `counted` into the counts) cut into row blocks of about BLOCK elements:
     along dim 0 when the slice is along another dim, else along the slice's own indices."""
     index = torch.tensor(sl.index, dtype=torch.long)
-    ones = torch.ones((), dtype=torch.float32).expand(values.shape)  # stride 0: no model-sized tensor of ones
+    ones = torch.ones((), dtype=torch.float32).expand(
+        values.shape
+    )  # stride 0: no model-sized tensor of ones
     rows = max(1, fold.BLOCK * values.shape[0] // max(1, values.numel()))
     tasks = []
     for start, stop in fold.spans(values.shape[0], rows):
@@ -291,23 +349,36 @@ def _sliced_tasks(
             target, target_counts, idx = total, counts, index[start:stop]
         else:
             target, target_counts, idx = total[start:stop], counts[start:stop], index
-        tasks += [(torch.Tensor.index_add_, (target, sl.dim, idx, values[start:stop]), {"alpha": alpha}),
-                  (torch.Tensor.index_add_, (target_counts, sl.dim, idx, ones[start:stop]), {"alpha": counted})]
+        tasks += [
+            (torch.Tensor.index_add_, (target, sl.dim, idx, values[start:stop]), {"alpha": alpha}),
+            (
+                torch.Tensor.index_add_,
+                (target_counts, sl.dim, idx, ones[start:stop]),
+                {"alpha": counted},
+            ),
+        ]
     return tasks
 
 
-def _call(function: Callable[..., object], args: tuple, kwargs: Mapping[str, float] | None = None) -> None:
+def _call(
+    function: Callable[..., object], args: tuple, kwargs: Mapping[str, float] | None = None
+) -> None:
     function(*args, **(kwargs or {}))
 
 
 def _norm(
-    pool: fold.FoldPool, deltas: Mapping[str, torch.Tensor], masks: Mapping[str, torch.Tensor] | None = None
+    pool: fold.FoldPool,
+    deltas: Mapping[str, torch.Tensor],
+    masks: Mapping[str, torch.Tensor] | None = None,
 ) -> float:
     """The L2 norm of all of one reply's arrays together (of mask * delta with `masks`), block by block in
     float64: a fixed sum order and no model-sized temporaries."""
     squares: list[float] = []
-    tasks = [block for name, delta in deltas.items()
-             for block in fold.blocks(delta, None if masks is None else masks[name])]
+    tasks = [
+        block
+        for name, delta in deltas.items()
+        for block in fold.blocks(delta, None if masks is None else masks[name])
+    ]
     squares.extend([0.0] * len(tasks))
     tasks = [(squares, index, *block) for index, block in enumerate(tasks)]
     pool.run(fold.squared_norm, tasks)
@@ -319,11 +390,15 @@ def _as_bool(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _parse(reply: Message, weighted_by_key: str) -> tuple[ArrayRecord, MetricRecord, float]:
-    arrays = _only(records(reply.content, ArrayRecord), "ArrayRecord", reply)  # `records`: why not Flower's views
+    arrays = _only(
+        records(reply.content, ArrayRecord), "ArrayRecord", reply
+    )  # `records`: why not Flower's views
     metrics = _only(records(reply.content, MetricRecord), "MetricRecord", reply)
     weight = float(metrics[weighted_by_key])
     if weight <= 0:
-        raise AggregationError(f"reply from node {reply.metadata.src_node_id} has {weighted_by_key}={weight}")
+        raise AggregationError(
+            f"reply from node {reply.metadata.src_node_id} has {weighted_by_key}={weight}"
+        )
     return arrays, metrics, weight
 
 
@@ -343,8 +418,12 @@ def _release(arrays: ArrayRecord) -> None:
         mapping = _mapping(array.data)
         if mapping is None or not view.readonly or not view.nbytes:
             continue
-        offset = np.frombuffer(view, np.uint8).ctypes.data - np.frombuffer(mapping, np.uint8).ctypes.data
-        start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE  # only whole pages inside the array's bytes
+        offset = (
+            np.frombuffer(view, np.uint8).ctypes.data - np.frombuffer(mapping, np.uint8).ctypes.data
+        )
+        start = (
+            -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        )  # only whole pages inside the array's bytes
         stop = (offset + view.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
         if stop > start:
             mapping.madvise(mmap.MADV_DONTNEED, start, stop - start)

@@ -42,7 +42,12 @@ class BudgetConfig(RobustConfig):
         RobustConfig.__post_init__(self)
         check(0 < self.hydra_layers <= 1, "hydra-layers", self.hydra_layers, "a fraction in (0, 1]")
         check(0 < self.hydra_heads <= 1, "hydra-heads", self.hydra_heads, "a fraction in (0, 1]")
-        check(self.layer_score in LAYER_SCORES, "layer-score", self.layer_score, ", ".join(LAYER_SCORES))
+        check(
+            self.layer_score in LAYER_SCORES,
+            "layer-score",
+            self.layer_score,
+            ", ".join(LAYER_SCORES),
+        )
         check(self.head_score in HEAD_SCORES, "head-score", self.head_score, ", ".join(HEAD_SCORES))
         check(self.score_samples >= 1, "score-samples", self.score_samples, "an integer >= 1")
 

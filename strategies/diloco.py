@@ -34,7 +34,9 @@ class DiLoCo(FedAvg):
 
     consumes_deltas = True
 
-    def __init__(self, *, outer_lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self, *, outer_lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.outer = OuterOptimizer(lr=outer_lr, momentum=momentum, nesterov=nesterov)
         self.current_arrays: ArrayRecord | None = None
@@ -56,7 +58,9 @@ class DiLoCo(FedAvg):
             return None, None
         pseudo_gradient = accumulator.mean()
         updated = {
-            name: self.outer.step(name, weights, pseudo_gradient[name]) if name in pseudo_gradient else weights
+            name: self.outer.step(name, weights, pseudo_gradient[name])
+            if name in pseudo_gradient
+            else weights
             for name, weights in from_record(self.current_arrays).items()
         }
         metrics = self.train_metrics_aggr_fn(accumulator.metric_records, self.weighted_by_key)
@@ -97,4 +101,9 @@ class DiLoCoConfig(OuterConfig):
     secure_sum: ClassVar[bool] = True
 
     def build(self, run: RunConfig, **common: Any) -> DiLoCo:
-        return DiLoCo(outer_lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_nesterov, **common)
+        return DiLoCo(
+            outer_lr=self.outer_lr,
+            momentum=self.outer_momentum,
+            nesterov=self.outer_nesterov,
+            **common,
+        )

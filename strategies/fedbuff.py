@@ -34,7 +34,12 @@ class FedBuff(FedAvg):
     consumes_deltas = True
 
     def __init__(
-        self, *, rule: BufferRule = BufferRule(), outer_lr: float = 1.0, momentum: float = 0.0, nesterov: bool = True,
+        self,
+        *,
+        rule: BufferRule = BufferRule(),
+        outer_lr: float = 1.0,
+        momentum: float = 0.0,
+        nesterov: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -65,11 +70,15 @@ class FedBuff(FedAvg):
             return arrays, metrics, report
         return self.stepped(arrays, accumulator, report.scale), metrics, report
 
-    def stepped(self, arrays: ArrayRecord, accumulator: WeightedDeltaAccumulator, scale: float) -> ArrayRecord:
+    def stepped(
+        self, arrays: ArrayRecord, accumulator: WeightedDeltaAccumulator, scale: float
+    ) -> ArrayRecord:
         """`arrays` after the outer step on the buffer's mean, times `scale`."""
         mean = accumulator.mean()
         updated = {
-            name: self.outer.step(name, weights, mean[name].mul_(scale)) if name in mean else weights
+            name: self.outer.step(name, weights, mean[name].mul_(scale))
+            if name in mean
+            else weights
             for name, weights in from_record(arrays).items()
         }
         return to_record(updated)
@@ -83,11 +92,15 @@ class FedBuff(FedAvg):
         self.accumulator = self.new_accumulator()
 
 
-def reweighted(reply: Message, weighted_by_key: str, buffer: StalenessBuffer, staleness: int) -> Message:
+def reweighted(
+    reply: Message, weighted_by_key: str, buffer: StalenessBuffer, staleness: int
+) -> Message:
     """`reply` with its weight replaced by its buffer weight (the accumulators read the weight from the reply);
     the driver hands each reply over once, so it is changed in place."""
     [metrics] = records(reply.content, MetricRecord)
-    metrics[weighted_by_key] = buffer.weigh(reply.metadata.src_node_id, staleness, float(metrics[weighted_by_key]))
+    metrics[weighted_by_key] = buffer.weigh(
+        reply.metadata.src_node_id, staleness, float(metrics[weighted_by_key])
+    )
     return reply
 
 
@@ -125,10 +138,24 @@ class BufferConfig(OuterConfig):
 
     def check_run(self, run: RunConfig) -> None:
         """What the asynchronous driver does not do: per-round privacy, screening and diagnostics."""
-        for key, on in (("dp-clip", run.dp_clip), ("screen-norm", run.screen_norm), ("diagnostics", run.diagnostics),
-                        ("screen-cosine", run.screen_cosine > -1)):
-            check(not on, key, getattr(run, key.replace("-", "_")), f"off with strategy {run.strategy} (asynchronous rounds)")
-        check(run.fraction_train == 1, "fraction-train", run.fraction_train, "1 with FedBuff: every site trains all the time")
+        for key, on in (
+            ("dp-clip", run.dp_clip),
+            ("screen-norm", run.screen_norm),
+            ("diagnostics", run.diagnostics),
+            ("screen-cosine", run.screen_cosine > -1),
+        ):
+            check(
+                not on,
+                key,
+                getattr(run, key.replace("-", "_")),
+                f"off with strategy {run.strategy} (asynchronous rounds)",
+            )
+        check(
+            run.fraction_train == 1,
+            "fraction-train",
+            run.fraction_train,
+            "1 with FedBuff: every site trains all the time",
+        )
 
 
 @register("fedbuff")
@@ -139,6 +166,9 @@ class FedBuffConfig(BufferConfig):
     def build(self, run: RunConfig, **common: Any) -> FedBuff:
         self.check_run(run)
         return FedBuff(
-            rule=self.rule_of_buffer(), outer_lr=self.outer_lr, momentum=self.outer_momentum,
-            nesterov=self.outer_nesterov, **common,
+            rule=self.rule_of_buffer(),
+            outer_lr=self.outer_lr,
+            momentum=self.outer_momentum,
+            nesterov=self.outer_nesterov,
+            **common,
         )

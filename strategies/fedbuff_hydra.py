@@ -38,7 +38,12 @@ class FedBuffHydra(FedBuff):
     """FedBuff with per-site Hydra-nets from one planning round; a masked step per full buffer."""
 
     def __init__(
-        self, *, planner: SitePlanner | None = None, bypass: bool = False, freeze_heads: bool = True, **kwargs: Any,
+        self,
+        *,
+        planner: SitePlanner | None = None,
+        bypass: bool = False,
+        freeze_heads: bool = True,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.planner = planner or SitePlanner()
@@ -51,8 +56,14 @@ class FedBuffHydra(FedBuff):
     def new_accumulator(self) -> MaskedDeltaAccumulator:
         return MaskedDeltaAccumulator(self.weighted_by_key)
 
-    def configure_query(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        return self.planner.queries(arrays, config, grid.get_node_ids()) if not self.planner.ranking else []
+    def configure_query(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return (
+            self.planner.queries(arrays, config, grid.get_node_ids())
+            if not self.planner.ranking
+            else []
+        )
 
     def aggregate_query(self, server_round: int, replies: Iterable[Message]) -> None:
         self.planner.take_replies(replies, self.weighted_by_key)
@@ -64,14 +75,20 @@ class FedBuffHydra(FedBuff):
             return None
         if node not in self.specs:
             try:
-                self.specs[node] = self.planner.hydra_spec(node, bypass=self.bypass, freeze_heads=self.freeze_heads)
+                self.specs[node] = self.planner.hydra_spec(
+                    node, bypass=self.bypass, freeze_heads=self.freeze_heads
+                )
             except BudgetError as error:
                 log.warning("fedbuff-hydra: site %d cannot train: %s", node, error)
                 return None
         self.shapes = {name: tuple(array.shape) for name, array in arrays.items()}
         layers = {name: layer for name, (layer, _, _) in self.planner.layout.items()}
-        download = sliced_record(arrays, read_slices(self.site_slices(node), layers, self.specs[node]))
-        content = RecordDict({"arrays": download, "config": ConfigRecord({**config, **self.specs[node].to_config()})})
+        download = sliced_record(
+            arrays, read_slices(self.site_slices(node), layers, self.specs[node])
+        )
+        content = RecordDict(
+            {"arrays": download, "config": ConfigRecord({**config, **self.specs[node].to_config()})}
+        )
         return Message(content, dst_node_id=node, message_type=MessageType.TRAIN)
 
     def site_slices(self, node: int) -> dict[str, Slice]:
@@ -80,13 +97,19 @@ class FedBuffHydra(FedBuff):
     def reply_shapes(self, node: int, arrays: ArrayRecord) -> dict[str, tuple[int, ...]] | None:
         if node not in self.specs:
             return None
-        return {name: sl.taken_shape(arrays[name].shape) for name, sl in self.site_slices(node).items()}
+        return {
+            name: sl.taken_shape(arrays[name].shape) for name, sl in self.site_slices(node).items()
+        }
 
     def add(self, reply: Message, staleness: int) -> None:
         slices = self.site_slices(reply.metadata.src_node_id)
-        self.accumulator.add_slices(reweighted(reply, self.weighted_by_key, self.buffer, staleness), slices, self.shapes)
+        self.accumulator.add_slices(
+            reweighted(reply, self.weighted_by_key, self.buffer, staleness), slices, self.shapes
+        )
 
-    def stepped(self, arrays: ArrayRecord, accumulator: MaskedDeltaAccumulator, scale: float) -> ArrayRecord:
+    def stepped(
+        self, arrays: ArrayRecord, accumulator: MaskedDeltaAccumulator, scale: float
+    ) -> ArrayRecord:
         """The outer step on each trained coordinate's masked mean, times `scale`."""
         weights = from_record(arrays)
         for name, (delta, trained) in accumulator.mean().items():
@@ -94,7 +117,12 @@ class FedBuffHydra(FedBuff):
         return to_record(weights)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), **self.planner.state_dict(), "specs": dict(self.specs), "shapes": dict(self.shapes)}
+        return {
+            **super().state_dict(),
+            **self.planner.state_dict(),
+            "specs": dict(self.specs),
+            "shapes": dict(self.shapes),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -115,13 +143,28 @@ class FedBuffHydraConfig(BudgetConfig, BufferConfig):
     def __post_init__(self) -> None:
         BudgetConfig.__post_init__(self)
         BufferConfig.__post_init__(self)
-        check(self.hydra_head_mode in HEAD_MODES, "hydra-head-mode", self.hydra_head_mode, ", ".join(HEAD_MODES))
-        check(not self.rule().robust, "robust-rule", self.robust_rule, "mean with fedbuff-hydra (a buffer streams)")
+        check(
+            self.hydra_head_mode in HEAD_MODES,
+            "hydra-head-mode",
+            self.hydra_head_mode,
+            ", ".join(HEAD_MODES),
+        )
+        check(
+            not self.rule().robust,
+            "robust-rule",
+            self.robust_rule,
+            "mean with fedbuff-hydra (a buffer streams)",
+        )
 
     def build(self, run: RunConfig, **common: Any) -> FedBuffHydra:
         self.check_run(run)
         return FedBuffHydra(
-            rule=self.rule_of_buffer(), planner=self.planner(run), bypass=self.hydra_bypass,
-            freeze_heads=self.hydra_head_mode == "freeze", outer_lr=self.outer_lr, momentum=self.outer_momentum,
-            nesterov=self.outer_nesterov, **common,
+            rule=self.rule_of_buffer(),
+            planner=self.planner(run),
+            bypass=self.hydra_bypass,
+            freeze_heads=self.hydra_head_mode == "freeze",
+            outer_lr=self.outer_lr,
+            momentum=self.outer_momentum,
+            nesterov=self.outer_nesterov,
+            **common,
         )

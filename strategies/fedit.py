@@ -18,7 +18,13 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from hydrafl.arrays import from_record, to_record
 from hydrafl.lora_pairs import LoraPair, lora_pairs
 from hydrafl.strategies.accumulator import MaskedDeltaAccumulator
-from hydrafl.strategies.lora import LoraBaseline, LoraBaselineConfig, LoraFold, rank_slices, trainable_names
+from hydrafl.strategies.lora import (
+    LoraBaseline,
+    LoraBaselineConfig,
+    LoraFold,
+    rank_slices,
+    trainable_names,
+)
 from hydrafl.strategies.lora_factors import reply_delta
 from hydrafl.strategies.registry import register
 from hydrafl.strategies.robust import MaskedRobustAggregator, RobustRule
@@ -49,9 +55,13 @@ class FedIT(LoraBaseline):
         return _MaskedFactors(weights, pairs, self.weighted_by_key, self.robust, self.central_dp)
 
     def site_slices(self, node: int) -> dict[str, Slice]:
-        return rank_slices(trainable_names(self.current_arrays, lora_pairs(self.current_arrays)), self.ranks[node])
+        return rank_slices(
+            trainable_names(self.current_arrays, lora_pairs(self.current_arrays)), self.ranks[node]
+        )
 
-    def aggregate_summed(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_summed(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The masked mean from the survivors' per-coordinate sums: the head over every site, each factor
         component over the sites whose rank covers it (the rest keep their value), as `aggregate_train`."""
         if self.current_arrays is None:
@@ -62,7 +72,9 @@ class FedIT(LoraBaseline):
             accumulator.add_sums(reply)
         for name, (delta, trained) in accumulator.mean().items():
             weights[name] = torch.where(trained, weights[name] - delta, weights[name])
-        return to_record(weights), self.train_metrics_aggr_fn(accumulator.metric_records, self.weighted_by_key)
+        return to_record(weights), self.train_metrics_aggr_fn(
+            accumulator.metric_records, self.weighted_by_key
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), **(self.central_dp.state_dict() if self.central_dp else {})}
@@ -75,7 +87,11 @@ class FedIT(LoraBaseline):
 
 class _MaskedFactors:
     def __init__(
-        self, weights: dict[str, torch.Tensor], pairs: list[LoraPair], weighted_by_key: str, robust: RobustRule,
+        self,
+        weights: dict[str, torch.Tensor],
+        pairs: list[LoraPair],
+        weighted_by_key: str,
+        robust: RobustRule,
         dp: CentralDp | None,
     ) -> None:
         self.start, self.names = weights, trainable_names(weights, pairs)
@@ -88,13 +104,20 @@ class _MaskedFactors:
         self.accumulator.add(reply, coordinate_masks(slices, self.start))
         if self.robust is not None:  # the components of the site's rank, compact
             for name, delta in reply_delta(reply, self.factors).items():
-                self.robust.add(name, slices[name], slices[name].take(delta), tuple(self.start[name].shape))
+                self.robust.add(
+                    name, slices[name], slices[name].take(delta), tuple(self.start[name].shape)
+                )
 
     def finish(self, weights: dict[str, torch.Tensor], total_weight: float) -> None:
-        means = self.robust.aggregate() if self.robust is not None else self.accumulator.mean(self.factors)
+        means = (
+            self.robust.aggregate()
+            if self.robust is not None
+            else self.accumulator.mean(self.factors)
+        )
         for name, (delta, trained) in means.items():
             if name in self.factors:
                 weights[name] = torch.where(trained, weights[name] - delta, weights[name])
+
 
 @register("fedit")
 @dataclass(frozen=True, kw_only=True)

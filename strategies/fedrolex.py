@@ -34,7 +34,6 @@ class FedRolex(SubnetStrategy):
         return SubnetSpec(layers=layers, width_ratio=ratio, width_offset=server_round - 1)
 
 
-
 @register("fedrolex")
 @dataclass(frozen=True, kw_only=True)
 class FedRolexConfig(BudgetConfig):

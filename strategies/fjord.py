@@ -37,9 +37,12 @@ class FjORD(SubnetStrategy):
 
     def assign(self, node: int, server_round: int, index: int) -> SubnetSpec:
         layers, ratio = self.plan.ratio(self.planner, node, server_round)
-        seed = server_round * 1_000_003 + index  # each site draws its own widths, a pure function of the round
-        return SubnetSpec(layers=layers, width_ratio=ratio, width_levels=self.levels, width_seed=seed)
-
+        seed = (
+            server_round * 1_000_003 + index
+        )  # each site draws its own widths, a pure function of the round
+        return SubnetSpec(
+            layers=layers, width_ratio=ratio, width_levels=self.levels, width_seed=seed
+        )
 
 
 @register("fjord")

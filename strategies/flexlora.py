@@ -41,15 +41,26 @@ class _ProductMean:
     """Streams sum_k n_k B_k A_k per module from the factors each site ends with, then the SVD truncation. Under a
     robust rule, each site's product is held and the rule (over every site: a product is dense) replaces the mean."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], pairs: list[LoraPair], weighted_by_key: str, robust: RobustRule) -> None:
+    def __init__(
+        self,
+        weights: dict[str, torch.Tensor],
+        pairs: list[LoraPair],
+        weighted_by_key: str,
+        robust: RobustRule,
+    ) -> None:
         self.start, self.pairs, self.weighted_by_key = weights, pairs, weighted_by_key
-        self.products = {pair.module: torch.zeros(weights[pair.b].shape[0], weights[pair.a].shape[1]) for pair in pairs}
+        self.products = {
+            pair.module: torch.zeros(weights[pair.b].shape[0], weights[pair.a].shape[1])
+            for pair in pairs
+        }
         self.robust = MaskedRobustAggregator(robust) if robust.robust else None
 
     def add(self, reply: Message, rank: int) -> None:
         delta, n = reply_delta(reply), reply_weight(reply, self.weighted_by_key)
         for pair in self.pairs:
-            a0, b0 = truncate(self.start[pair.a], self.start[pair.b], rank)  # what the site started from
+            a0, b0 = truncate(
+                self.start[pair.a], self.start[pair.b], rank
+            )  # what the site started from
             if self.robust is not None:
                 end = (b0 - delta[pair.b]) @ (a0 - delta[pair.a])
                 self.robust.add(pair.module, Slice(None), end, tuple(end.shape))
@@ -59,7 +70,9 @@ class _ProductMean:
     def finish(self, weights: dict[str, torch.Tensor], total_weight: float) -> None:
         robust = self.robust.aggregate() if self.robust is not None else {}
         for pair in self.pairs:
-            mean = robust[pair.module][0] if robust else self.products[pair.module].div_(total_weight)
+            mean = (
+                robust[pair.module][0] if robust else self.products[pair.module].div_(total_weight)
+            )
             weights[pair.b], weights[pair.a] = svd_factors(mean, weights[pair.a].shape[0])
 
 

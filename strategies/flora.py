@@ -41,10 +41,14 @@ class FLoRA(LoraBaseline):
             raise ValueError(f"FLoRA needs the LoRA alpha > 0, got {alpha}")
         self.alpha, self.seed = alpha, seed
 
-    def _site_arrays(self, node: int, rank: int, arrays: ArrayRecord, pairs: list[LoraPair]) -> ArrayRecord:
+    def _site_arrays(
+        self, node: int, rank: int, arrays: ArrayRecord, pairs: list[LoraPair]
+    ) -> ArrayRecord:
         missing = [pair.base for pair in pairs if pair.base not in arrays]
         if missing:
-            raise AggregationError(f"FLoRA merges into the base weights, but the global arrays lack {missing[:2]}")
+            raise AggregationError(
+                f"FLoRA merges into the base weights, but the global arrays lack {missing[:2]}"
+            )
         factors = self.fresh_factors(node, rank, arrays, pairs)
         return ArrayRecord({**{name: arrays[name] for name in arrays}, **to_record(factors)})
 
@@ -53,7 +57,9 @@ class FLoRA(LoraBaseline):
     ) -> dict[str, torch.Tensor]:
         """A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming-uniform) in the first `rank` rows, B = 0; a pure
         function of (seed, round, node), so aggregation regenerates it instead of keeping one copy per site."""
-        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.server_round * 10_007 + node) % 2**63)
+        generator = torch.Generator().manual_seed(
+            (self.seed * 1_000_003 + self.server_round * 10_007 + node) % 2**63
+        )
         factors = {}
         for pair in pairs:
             (r, fan_in), out = arrays[pair.a].shape, arrays[pair.b].shape[0]
@@ -69,13 +75,17 @@ class _MergedProducts:
     """Streams sum_k n_k B_k A_k per module (one dense sum whatever the number of sites), then merges
     (alpha / R) / N times it into the base weights."""
 
-    def __init__(self, strategy: FLoRA, weights: dict[str, torch.Tensor], pairs: list[LoraPair]) -> None:
+    def __init__(
+        self, strategy: FLoRA, weights: dict[str, torch.Tensor], pairs: list[LoraPair]
+    ) -> None:
         self.strategy, self.start, self.pairs = strategy, weights, pairs
         self.products: dict[str, torch.Tensor] = {}
 
     def add(self, reply: Message, rank: int) -> None:
         delta, n = reply_delta(reply), reply_weight(reply, self.strategy.weighted_by_key)
-        start = self.strategy.fresh_factors(reply.metadata.src_node_id, rank, self.start, self.pairs)
+        start = self.strategy.fresh_factors(
+            reply.metadata.src_node_id, rank, self.start, self.pairs
+        )
         for pair in self.pairs:
             b, a = start[pair.b] - delta[pair.b], start[pair.a] - delta[pair.a]
             previous = self.products.get(pair.module, torch.zeros(b.shape[0], a.shape[1]))
@@ -83,7 +93,9 @@ class _MergedProducts:
 
     def finish(self, weights: dict[str, torch.Tensor], total_weight: float) -> None:
         for pair in self.pairs:
-            scale = self.strategy.alpha / weights[pair.a].shape[0] / total_weight  # PEFT's alpha / R, and 1 / N
+            scale = (
+                self.strategy.alpha / weights[pair.a].shape[0] / total_weight
+            )  # PEFT's alpha / R, and 1 / N
             weights[pair.base] = weights[pair.base] + scale * self.products[pair.module]
 
 

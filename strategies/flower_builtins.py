@@ -154,7 +154,11 @@ class MultiKrumConfig(StrategyConfig):
         check(self.krum_selected >= 1, "krum-selected", self.krum_selected, "an integer >= 1")
 
     def build(self, run: RunConfig, **common: Any) -> Strategy:
-        return MultiKrum(num_malicious_nodes=self.krum_malicious, num_nodes_to_select=self.krum_selected, **common)
+        return MultiKrum(
+            num_malicious_nodes=self.krum_malicious,
+            num_nodes_to_select=self.krum_selected,
+            **common,
+        )
 
 
 @register("bulyan")
@@ -171,7 +175,9 @@ class BulyanConfig(StrategyConfig):
 
     def build(self, run: RunConfig, **common: Any) -> Strategy:
         check(
-            run.sites >= 4 * self.krum_malicious + 3, "krum-malicious", self.krum_malicious,
+            run.sites >= 4 * self.krum_malicious + 3,
+            "krum-malicious",
+            self.krum_malicious,
             f"at most (sites - 3) / 4 = {(run.sites - 3) // 4} for Bulyan over {run.sites} sites",
         )
         return Bulyan(num_malicious_nodes=self.krum_malicious, **common)

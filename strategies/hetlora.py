@@ -38,11 +38,17 @@ class HetLoRA(LoraBaseline):
     def __init__(self, *, prune: float = 0.1, tail_penalty: float = 1e-3, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if not 0 <= prune < 1 or tail_penalty < 0:
-            raise ValueError(f"HetLoRA needs 0 <= prune < 1 and tail_penalty >= 0, got {prune}, {tail_penalty}")
+            raise ValueError(
+                f"HetLoRA needs 0 <= prune < 1 and tail_penalty >= 0, got {prune}, {tail_penalty}"
+            )
         self.prune, self.tail_penalty = prune, tail_penalty
 
     def site_config(self) -> dict[str, float]:
-        return {protocol.TAIL_PENALTY: self.tail_penalty, protocol.TAIL_PRUNE: self.prune} if self.tail_penalty else {}
+        return (
+            {protocol.TAIL_PENALTY: self.tail_penalty, protocol.TAIL_PRUNE: self.prune}
+            if self.tail_penalty
+            else {}
+        )
 
     def fold(self, weights: dict[str, torch.Tensor], pairs: list[LoraPair]) -> LoraFold:
         return _SparsityWeighted(self, weights, pairs)
@@ -53,16 +59,22 @@ class _SparsityWeighted:
     robust rule, the sites' end factors are held instead and each rank component takes the rule over the sites
     whose rank holds it (no sparsity weights, no zero padding); components no site holds keep their value."""
 
-    def __init__(self, strategy: HetLoRA, weights: dict[str, torch.Tensor], pairs: list[LoraPair]) -> None:
+    def __init__(
+        self, strategy: HetLoRA, weights: dict[str, torch.Tensor], pairs: list[LoraPair]
+    ) -> None:
         self.strategy, self.start, self.pairs = strategy, weights, pairs
         self.robust = MaskedRobustAggregator(strategy.robust) if strategy.robust.robust else None
-        self.sums = {name: torch.zeros_like(weights[name]) for pair in pairs for name in (pair.a, pair.b)}
+        self.sums = {
+            name: torch.zeros_like(weights[name]) for pair in pairs for name in (pair.a, pair.b)
+        }
         self.norms = {pair.module: 0.0 for pair in pairs}
 
     def add(self, reply: Message, rank: int) -> None:
         prune, delta, tail = self.strategy.prune, reply_delta(reply), [0.0, 0.0]
         for pair in self.pairs:
-            a0, b0 = truncate(self.start[pair.a], self.start[pair.b], rank)  # what the site started from
+            a0, b0 = truncate(
+                self.start[pair.a], self.start[pair.b], rank
+            )  # what the site started from
             a, b = a0 - delta.get(pair.a, 0.0), b0 - delta.get(pair.b, 0.0)
             norm = float(torch.linalg.matrix_norm(b @ a))
             if self.robust is not None:
@@ -83,7 +95,9 @@ class _SparsityWeighted:
                 weights[name] = torch.where(held, factor, weights[name])
             return
         for pair in self.pairs:
-            if self.norms[pair.module] > 0:  # all-zero updates (nothing trained) keep the module as it was
+            if (
+                self.norms[pair.module] > 0
+            ):  # all-zero updates (nothing trained) keep the module as it was
                 weights[pair.a] = self.sums[pair.a].div_(self.norms[pair.module])
                 weights[pair.b] = self.sums[pair.b].div_(self.norms[pair.module])
 
@@ -107,11 +121,21 @@ class HetLoRAConfig(LoraBaselineConfig):
 
     def __post_init__(self) -> None:
         LoraBaselineConfig.__post_init__(self)
-        check(0 <= self.hetlora_prune < 1, "hetlora-prune", self.hetlora_prune, "a fraction in [0, 1)")
-        check(self.hetlora_tail_penalty >= 0, "hetlora-tail-penalty", self.hetlora_tail_penalty, "a float >= 0")
+        check(
+            0 <= self.hetlora_prune < 1, "hetlora-prune", self.hetlora_prune, "a fraction in [0, 1)"
+        )
+        check(
+            self.hetlora_tail_penalty >= 0,
+            "hetlora-tail-penalty",
+            self.hetlora_tail_penalty,
+            "a float >= 0",
+        )
 
     def build(self, run: RunConfig, **common: Any) -> HetLoRA:
         return HetLoRA(
-            planner=self.planner(run), prune=self.hetlora_prune, tail_penalty=self.hetlora_tail_penalty,
-            robust=self.rule(), **common,
+            planner=self.planner(run),
+            prune=self.hetlora_prune,
+            tail_penalty=self.hetlora_tail_penalty,
+            robust=self.rule(),
+            **common,
         )

@@ -49,7 +49,9 @@ class TakesSecureSums(Protocol):
     def site_slices(self, node: int) -> dict[str, Slice]:
         """The coordinates `node` trains this round."""
 
-    def aggregate_summed(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_summed(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Aggregate the one reply holding ArrayRecords `sums` (sum of weight x delta, full shapes) and
         `weights` (the per-coordinate sum of weights) and the survivors' metrics."""
 
@@ -59,7 +61,9 @@ class QueriesSites(Protocol):
     """Asks sites something before a training round (scores, tiers); the driver exchanges the queries like
     every other message (bytes counted, deadline, group id) and hands the replies back."""
 
-    def configure_query(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+    def configure_query(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         """The queries to send before round `server_round`'s training (none: nothing to ask)."""
 
     def aggregate_query(self, server_round: int, replies: Iterable[Message]) -> None:

@@ -35,12 +35,25 @@ class Hydra(SubnetStrategy):
     """Per-site Hydra-nets: the top layers of the global ranking and, in each, the site's own top heads."""
 
     def __init__(  # outer_lr 1 without momentum: no outer optimizer
-        self, *, bypass: bool = False, freeze_heads: bool = True, outer_lr: float = 1.0, momentum: float = 0.0,
-        nesterov: bool = True, planner: SitePlanner | None = None, **kwargs: Any,
+        self,
+        *,
+        bypass: bool = False,
+        freeze_heads: bool = True,
+        outer_lr: float = 1.0,
+        momentum: float = 0.0,
+        nesterov: bool = True,
+        planner: SitePlanner | None = None,
+        **kwargs: Any,
     ) -> None:
         planner = planner or SitePlanner()
-        planner.scoring[protocol.SCORE_BYPASS] = bypass  # a site measures its step cost as its net will run
-        super().__init__(planner=planner, outer=OuterOptimizer(lr=outer_lr, momentum=momentum, nesterov=nesterov), **kwargs)
+        planner.scoring[protocol.SCORE_BYPASS] = (
+            bypass  # a site measures its step cost as its net will run
+        )
+        super().__init__(
+            planner=planner,
+            outer=OuterOptimizer(lr=outer_lr, momentum=momentum, nesterov=nesterov),
+            **kwargs,
+        )
         self.bypass, self.freeze_heads = bypass, freeze_heads
 
     def assign(self, node: int, server_round: int, index: int) -> SubnetSpec:
@@ -77,19 +90,38 @@ class HydraConfig(BudgetConfig, OuterConfig):
     def __post_init__(self) -> None:
         BudgetConfig.__post_init__(self)
         OuterConfig.__post_init__(self)
-        check(self.rescore_every >= 0, "rescore-every", self.rescore_every, "an integer >= 0 (0 = score once)")
-        check(self.hydra_head_mode in HEAD_MODES, "hydra-head-mode", self.hydra_head_mode, ", ".join(HEAD_MODES))
+        check(
+            self.rescore_every >= 0,
+            "rescore-every",
+            self.rescore_every,
+            "an integer >= 0 (0 = score once)",
+        )
+        check(
+            self.hydra_head_mode in HEAD_MODES,
+            "hydra-head-mode",
+            self.hydra_head_mode,
+            ", ".join(HEAD_MODES),
+        )
         check(self.hydra_lora in HYDRA_LORA, "hydra-lora", self.hydra_lora, ", ".join(HYDRA_LORA))
         check(self.outer in OUTER_OPTIMIZERS, "outer", self.outer, ", ".join(OUTER_OPTIMIZERS))
-        self.refuse_ignored(("outer_lr", "outer_momentum", "outer_nesterov"), used=self.outer == "nesterov",
-                            why="with --outer none (hydra's default: the plain masked mean); set --outer nesterov")
+        self.refuse_ignored(
+            ("outer_lr", "outer_momentum", "outer_nesterov"),
+            used=self.outer == "nesterov",
+            why="with --outer none (hydra's default: the plain masked mean); set --outer nesterov",
+        )
 
     def build(self, run: RunConfig, **common: Any) -> Hydra:
         check(
-            not (self.rule().robust and run.lora_rank and self.hydra_lora == "products"), "robust-rule", self.robust_rule,
+            not (self.rule().robust and run.lora_rank and self.hydra_lora == "products"),
+            "robust-rule",
+            self.robust_rule,
             "mean with hydra-lora=products: the robust rules go coordinate by coordinate (set hydra-lora=factors)",
         )
-        outer = {"outer_lr": self.outer_lr, "momentum": self.outer_momentum, "nesterov": self.outer_nesterov}
+        outer = {
+            "outer_lr": self.outer_lr,
+            "momentum": self.outer_momentum,
+            "nesterov": self.outer_nesterov,
+        }
         return Hydra(
             planner=self.planner(run, rescore_every=self.rescore_every),
             bypass=self.hydra_bypass,

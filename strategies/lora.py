@@ -77,7 +77,13 @@ class LoraBaseline(FedAvg):
 
     consumes_deltas = True
 
-    def __init__(self, *, planner: SitePlanner | None = None, robust: RobustRule = RobustRule(), **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        planner: SitePlanner | None = None,
+        robust: RobustRule = RobustRule(),
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.robust = robust
         """A robust rule (median, trimmed mean) replaces the fold's and the head's sums; it holds the replies."""
@@ -98,21 +104,29 @@ class LoraBaseline(FedAvg):
         rule's per-coordinate sum becomes that rule over the sites that trained each coordinate."""
         raise NotImplementedError
 
-    def configure_query(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+    def configure_query(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         if self.planner.ranking:
             return []
-        trainable = ArrayRecord({name: arrays[name] for name in trainable_names(arrays, lora_pairs(arrays))})
+        trainable = ArrayRecord(
+            {name: arrays[name] for name in trainable_names(arrays, lora_pairs(arrays))}
+        )
         return self.planner.queries(trainable, config, grid.get_node_ids())
 
     def aggregate_query(self, server_round: int, replies: Iterable[Message]) -> None:
         self.planner.take_replies(replies, self.weighted_by_key)
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         pairs = lora_pairs(arrays)
         trainable = ArrayRecord({name: arrays[name] for name in trainable_names(arrays, pairs)})
         self.current_arrays, self.server_round, messages, counts = arrays, server_round, [], {}
         name = type(self).__name__
-        for sampled in self.planner.planned(super().configure_train(server_round, arrays, config, grid), name):
+        for sampled in self.planner.planned(
+            super().configure_train(server_round, arrays, config, grid), name
+        ):
             node = sampled.metadata.dst_node_id
             if node not in self.ranks:
                 try:
@@ -122,9 +136,13 @@ class LoraBaseline(FedAvg):
                     continue
             rank = self.ranks[node]
             counts[str(node)] = _count(trainable, pairs, rank)
-            config = ConfigRecord({**sampled.content["config"], **self.site_config(), protocol.SITE_RANK: rank})
+            config = ConfigRecord(
+                {**sampled.content["config"], **self.site_config(), protocol.SITE_RANK: rank}
+            )
             site_arrays = self._site_arrays(node, rank, arrays, pairs)
-            download = sliced_record(site_arrays, rank_slices(site_arrays, rank))  # a rank-r adapter's factors
+            download = sliced_record(
+                site_arrays, rank_slices(site_arrays, rank)
+            )  # a rank-r adapter's factors
             content = RecordDict({"arrays": download, "config": config})
             messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
         self.trainable_params[server_round] = counts
@@ -136,16 +154,25 @@ class LoraBaseline(FedAvg):
 
     def _rank(self, node: int, trainable: ArrayRecord, pairs: list[LoraPair]) -> int:
         """Closest rank to the Hydra-net budget of the node's tier; ties go to the smaller rank."""
-        budget = self.planner.budget(node, {name: tuple(trainable[name].shape) for name in trainable})
+        budget = self.planner.budget(
+            node, {name: tuple(trainable[name].shape) for name in trainable}
+        )
         max_rank = int(trainable[pairs[0].a].shape[0])
-        return min(range(1, max_rank + 1), key=lambda r: (abs(_count(trainable, pairs, r) - budget), r))
+        return min(
+            range(1, max_rank + 1), key=lambda r: (abs(_count(trainable, pairs, r) - budget), r)
+        )
 
-    def _site_arrays(self, node: int, rank: int, arrays: ArrayRecord, pairs: list[LoraPair]) -> ArrayRecord:
+    def _site_arrays(
+        self, node: int, rank: int, arrays: ArrayRecord, pairs: list[LoraPair]
+    ) -> ArrayRecord:
         """What site `node` starts from: the global factors truncated to its rank (FLoRA overrides). Arrays
         other than the factors are shared with the global record, not copied."""
         factors = {}
         for pair in pairs:
-            a, b = torch.from_numpy(arrays[pair.a].numpy()), torch.from_numpy(arrays[pair.b].numpy())
+            a, b = (
+                torch.from_numpy(arrays[pair.a].numpy()),
+                torch.from_numpy(arrays[pair.b].numpy()),
+            )
             factors[pair.a], factors[pair.b] = truncate(a, b, rank)
         return ArrayRecord({**{name: arrays[name] for name in arrays}, **to_record(factors)})
 
@@ -156,7 +183,9 @@ class LoraBaseline(FedAvg):
         slices = rank_slices(trainable_names(arrays, lora_pairs(arrays)), self.ranks[node])
         return {name: sl.taken_shape(arrays[name].shape) for name, sl in slices.items()}
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Each reply back at the global shapes (zeros beyond its site's rank), folded in one at a time; the
         arrays that are not LoRA factors (the classifier head, ...) take FedAvg's step (or the robust rule's)."""
         if self.current_arrays is None:
@@ -164,7 +193,9 @@ class LoraBaseline(FedAvg):
         weights = from_record(self.current_arrays)
         pairs = lora_pairs(weights)
         factors = {name for pair in pairs for name in (pair.a, pair.b)}
-        head = WeightedDeltaAccumulator(self.weighted_by_key, dp=self.head_dp())  # sums every array; only non-factors are used
+        head = WeightedDeltaAccumulator(
+            self.weighted_by_key, dp=self.head_dp()
+        )  # sums every array; only non-factors are used
         robust_head = MaskedRobustAggregator(self.robust)
         fold = self.fold(weights, pairs)
         for reply in self._full_shape(replies):
@@ -178,12 +209,18 @@ class LoraBaseline(FedAvg):
         if not head.metric_records:
             return None, None
         head_names = [name for name in weights if name not in factors]
-        means = {n: d for n, (d, _) in robust_head.aggregate().items()} if self.robust.robust else head.mean(head_names)
+        means = (
+            {n: d for n, (d, _) in robust_head.aggregate().items()}
+            if self.robust.robust
+            else head.mean(head_names)
+        )
         for name, delta in means.items():
             if name not in factors:
                 weights[name] = weights[name] - delta
         fold.finish(weights, head.total_weight)
-        return to_record(weights), self.train_metrics_aggr_fn(head.metric_records, self.weighted_by_key)
+        return to_record(weights), self.train_metrics_aggr_fn(
+            head.metric_records, self.weighted_by_key
+        )
 
     def _full_shape(self, replies: Iterable[Message]) -> Iterator[Message]:
         """Each reply with its arrays at the global shapes while the rule reads it, then back to the compact
@@ -193,11 +230,15 @@ class LoraBaseline(FedAvg):
             if reply.has_error():
                 yield reply
                 continue
-            key, record = next((k, r) for k, r in reply.content.items() if isinstance(r, ArrayRecord))
+            key, record = next(
+                (k, r) for k, r in reply.content.items() if isinstance(r, ArrayRecord)
+            )
             slices = rank_slices(record, self._rank_of(reply))
             full = {}
             for name, compact in from_record(record).items():
-                full[name] = torch.zeros(tuple(self.current_arrays[name].shape), dtype=compact.dtype)
+                full[name] = torch.zeros(
+                    tuple(self.current_arrays[name].shape), dtype=compact.dtype
+                )
                 slices[name].add_to(full[name], compact)
             reply.content[key] = to_record(full)
             yield reply

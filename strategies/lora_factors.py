@@ -50,13 +50,17 @@ def product_slice(a: Slice | None, b: Slice | None) -> Slice:
     a_cut = a is not None and a.dim is not None
     b_cut = b is not None and b.dim is not None
     if a_cut and b_cut:
-        raise AggregationError("a site trained a slice of both A and B of one module: its product is not one slice")
+        raise AggregationError(
+            "a site trained a slice of both A and B of one module: its product is not one slice"
+        )
     if b_cut and b.dim == 0:
         return Slice(0, b.index)
     if a_cut and a.dim == 1:
         return Slice(1, a.index)
     if a_cut or b_cut:
-        raise AggregationError("a LoRA factor is cut along its rank axis: Hydra keeps every rank component")
+        raise AggregationError(
+            "a LoRA factor is cut along its rank axis: Hydra keeps every rank component"
+        )
     return Slice(None)
 
 
@@ -95,9 +99,13 @@ class MaskedProductAccumulator:
             else:
                 end = b @ a
             trained.add_to(self.sums[pair.module], end, alpha=weight)
-            self.weights[pair.module] = self.weights[pair.module] + _coverage(trained, self.sums[pair.module].shape, weight)
+            self.weights[pair.module] = self.weights[pair.module] + _coverage(
+                trained, self.sums[pair.module].shape, weight
+            )
 
-    def _end(self, name: str, deltas: Mapping[str, torch.Tensor], slices: Mapping[str, Slice]) -> torch.Tensor:
+    def _end(
+        self, name: str, deltas: Mapping[str, torch.Tensor], slices: Mapping[str, Slice]
+    ) -> torch.Tensor:
         """The factor the site ended with: its start minus its delta on the slice it trained."""
         factor = self.start[name].float().clone()
         if name in deltas:
@@ -112,7 +120,9 @@ class MaskedProductAccumulator:
             if pair.module in self.sums:
                 covered = (self.weights[pair.module] > 0).expand_as(self.sums[pair.module])
                 mean_end = self.sums[pair.module].div_(self.weights[pair.module].clamp_(min=1e-30))
-                self.start_products[pair.module] = start = self.start[pair.b].float() @ self.start[pair.a].float()
+                self.start_products[pair.module] = start = (
+                    self.start[pair.b].float() @ self.start[pair.a].float()
+                )
                 out[pair.module] = ((start - mean_end).mul_(covered), covered)
         return out
 

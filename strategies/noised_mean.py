@@ -56,22 +56,30 @@ class NoisedMean(Strategy):
         accumulator.add_all(replies)
         if not accumulator.total_weight or self.current_arrays is None or self.template is None:
             return None, None
-        means = self.strategy.train_metrics_aggr_fn(accumulator.metric_records, self.weighted_by_key)
-        metrics = MetricRecord({**dict(means or {}), self.weighted_by_key: int(accumulator.total_weight)})
+        means = self.strategy.train_metrics_aggr_fn(
+            accumulator.metric_records, self.weighted_by_key
+        )
+        metrics = MetricRecord(
+            {**dict(means or {}), self.weighted_by_key: int(accumulator.total_weight)}
+        )
         noised = accumulator.mean()
         weights = {
             name: current - noised[name].to(current.dtype) if name in noised else current
             for name, current in from_record(self.current_arrays).items()
         }
         content = RecordDict({"arrays": to_record(weights), "metrics": metrics})
-        return self.strategy.aggregate_train(server_round, [Message(content, reply_to=self.template)])
+        return self.strategy.aggregate_train(
+            server_round, [Message(content, reply_to=self.template)]
+        )
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         return self.strategy.configure_evaluate(server_round, arrays, config, grid)
 
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
         return self.strategy.aggregate_evaluate(server_round, replies)
 
     def state_dict(self) -> dict[str, Any]:

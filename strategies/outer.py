@@ -14,7 +14,9 @@ class OuterOptimizer:
 
     def __init__(self, *, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True) -> None:
         if lr <= 0 or not 0 <= momentum < 1:
-            raise ValueError(f"the outer optimizer needs lr > 0 and 0 <= momentum < 1, got {lr=}, {momentum=}")
+            raise ValueError(
+                f"the outer optimizer needs lr > 0 and 0 <= momentum < 1, got {lr=}, {momentum=}"
+            )
         self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
         self.momentum_buffer: dict[str, torch.Tensor] = {}
 
@@ -30,7 +32,9 @@ class OuterOptimizer:
     def step(self, name: str, weights: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         return weights - self.lr * self.direction(name, delta)
 
-    def masked_step(self, name: str, weights: torch.Tensor, delta: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+    def masked_step(
+        self, name: str, weights: torch.Tensor, delta: torch.Tensor, trained: torch.Tensor
+    ) -> torch.Tensor:
         """The step where `trained`; elsewhere value and momentum stay as they were."""
         before = self.momentum_buffer[name].clone() if name in self.momentum_buffer else None
         direction = self.direction(name, delta)

@@ -75,7 +75,9 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.T
             mapping.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # a kernel without transparent huge pages: 4 KB pages then
             pass
-    raw = np.frombuffer(mapping, dtype=np.uint8)  # torch's storage holds this array, which holds the mapping
+    raw = np.frombuffer(
+        mapping, dtype=np.uint8
+    )  # torch's storage holds this array, which holds the mapping
     finalizer = weakref.finalize(raw, _recycle, mapping)
     finalizer.atexit = False
     start = -raw.ctypes.data % HUGE_PAGE
@@ -89,7 +91,10 @@ def _recycle(mapping: mmap.mmap) -> None:
     if hasattr(mmap, "MADV_FREE"):
         mapping.madvise(mmap.MADV_FREE)
     with _SPARES_LOCK:
-        if sum(len(spare) for spares in _SPARES.values() for spare in spares) + len(mapping) <= SPARE_BYTES:
+        if (
+            sum(len(spare) for spares in _SPARES.values() for spare in spares) + len(mapping)
+            <= SPARE_BYTES
+        ):
             _SPARES.setdefault(len(mapping), []).append(mapping)
 
 
@@ -97,7 +102,9 @@ def blocks(*tensors: torch.Tensor | None) -> list[tuple[torch.Tensor | None, ...
     """The same fixed partition of tensors of one shape, as views: one tuple per block (None stays None)."""
     flats = [None if tensor is None else flat(tensor) for tensor in tensors]
     if all(tensor is None or tensor.numel() <= BLOCK for tensor in flats):
-        return [tuple(flats)]  # one block: most layers, and this runs for each of them in every reply
+        return [
+            tuple(flats)
+        ]  # one block: most layers, and this runs for each of them in every reply
     parts = [None if tensor is None else _split(tensor) for tensor in flats]
     count = max(len(part) for part in parts if part is not None)
     return list(zip(*(part if part is not None else [None] * count for part in parts)))
@@ -119,7 +126,9 @@ class FoldPool:
 
     def run(self, task: Callable[..., None], items: Sequence[tuple]) -> None:
         """task(*item) for every item, claimed dynamically; returns when all are done (re-raises the first error)."""
-        claims = iter(items)  # next() on a list iterator is atomic under the GIL: each item is claimed once
+        claims = iter(
+            items
+        )  # next() on a list iterator is atomic under the GIL: each item is claimed once
 
         def work() -> None:
             with one_torch_thread():
@@ -197,7 +206,11 @@ def _pin_one_torch_thread() -> None:
 def _omp_setter() -> Callable[[int], None]:
     try:
         return ctypes.CDLL(None).omp_set_num_threads  # torch's OpenMP runtime, loaded globally
-    except (AttributeError, OSError, TypeError):  # no OpenMP runtime to reach: torch's own setter, process-wide
+    except (
+        AttributeError,
+        OSError,
+        TypeError,
+    ):  # no OpenMP runtime to reach: torch's own setter, process-wide
         return torch.set_num_threads
 
 
@@ -215,7 +228,9 @@ def axpy(total: torch.Tensor, values: torch.Tensor, alpha: float, fresh: bool) -
         total.add_(values, alpha=alpha)
 
 
-def axpy_terms(total: torch.Tensor, terms: Sequence[tuple[torch.Tensor, float]], fresh: bool) -> None:
+def axpy_terms(
+    total: torch.Tensor, terms: Sequence[tuple[torch.Tensor, float]], fresh: bool
+) -> None:
     """total += sum of alpha * values over the terms, in order (the block stays in cache between them)."""
     for values, alpha in terms:
         axpy(total, values, alpha, fresh)
@@ -223,8 +238,13 @@ def axpy_terms(total: torch.Tensor, terms: Sequence[tuple[torch.Tensor, float]],
 
 
 def masked_axpy(
-    total: torch.Tensor, counts: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, alpha: float,
-    counted: float, fresh: bool,
+    total: torch.Tensor,
+    counts: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    alpha: float,
+    counted: float,
+    fresh: bool,
 ) -> None:
     """total += alpha * mask * values and counts += counted * mask. The mask is converted to float32 from its
     bytes: torch casts uint8 to float32 with vector instructions, bool element by element (6x slower). First
@@ -251,7 +271,9 @@ def add_scalar(counts: torch.Tensor, value: float, fresh: bool) -> None:
         counts.add_(value)
 
 
-def squared_norm(out: list[float], index: int, values: torch.Tensor, mask: torch.Tensor | None) -> None:
+def squared_norm(
+    out: list[float], index: int, values: torch.Tensor, mask: torch.Tensor | None
+) -> None:
     """out[index] = the sum of squares of values (of mask * values), in float64."""
     block = values if mask is None else values * mask
     out[index] = float(torch.linalg.vector_norm(block, dtype=torch.float64)) ** 2

@@ -19,13 +19,23 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
 from hydrafl import protocol
-from hydrafl.subnet.planning import COST_FIELDS, LayerCost, build_spec, combine_layer_scores, plan_budget
+from hydrafl.subnet.planning import (
+    COST_FIELDS,
+    LayerCost,
+    build_spec,
+    combine_layer_scores,
+    plan_budget,
+)
 from hydrafl.subnet.slices import layout_slices
 from hydrafl.subnet.spec import SubnetSpec
 
 log = logging.getLogger(__name__)
 
-TIER_BUDGETS: Mapping[str, tuple[float, float]] = {"small": (1 / 3, 0.5), "medium": (2 / 3, 0.75), "large": (1.0, 1.0)}
+TIER_BUDGETS: Mapping[str, tuple[float, float]] = {
+    "small": (1 / 3, 0.5),
+    "medium": (2 / 3, 0.75),
+    "large": (1.0, 1.0),
+}
 """Per tier: the fraction of the layers, and of the heads (KV groups) in each of them, a site trains."""
 
 Layout = Mapping[str, tuple[int, int, int]]
@@ -52,21 +62,39 @@ class SiteScores:
     """Training memory the site declares; 0 = no limit."""
 
 
-def read_scores(reply: Message, weighted_by_key: str, arrays: ArrayRecord) -> tuple[SiteScores, dict]:
+def read_scores(
+    reply: Message, weighted_by_key: str, arrays: ArrayRecord
+) -> tuple[SiteScores, dict]:
     """A scoring reply as (scores, layout); KeyError/ValueError when it is malformed."""
     metrics, site = reply.content["metrics"], reply.content[protocol.SITE_RECORD]
     num_layers = sum(k.startswith(protocol.LAYER_PREFIX) for k in metrics)
     num_groups = sum(k.startswith(f"{protocol.HEAD_PREFIX}0-") for k in metrics)
     names, layers, axes, units = (
-        site[key] for key in (protocol.LAYOUT_NAMES, protocol.LAYOUT_LAYERS, protocol.LAYOUT_AXES, protocol.LAYOUT_UNITS)
+        site[key]
+        for key in (
+            protocol.LAYOUT_NAMES,
+            protocol.LAYOUT_LAYERS,
+            protocol.LAYOUT_AXES,
+            protocol.LAYOUT_UNITS,
+        )
     )
     layout = dict(zip(names, zip(layers, axes, units)))
     if set(layout) != set(arrays) or not num_layers or not num_groups:
-        raise ValueError("its layout does not name the global arrays, or it has no layer/head scores")
-    heads = [[float(metrics[f"{protocol.HEAD_PREFIX}{l}-{g}"]) for g in range(num_groups)] for l in range(num_layers)]
+        raise ValueError(
+            "its layout does not name the global arrays, or it has no layer/head scores"
+        )
+    heads = [
+        [float(metrics[f"{protocol.HEAD_PREFIX}{l}-{g}"]) for g in range(num_groups)]
+        for l in range(num_layers)
+    ]
     cost = None
     if f"{protocol.COST_PREFIX}fixed-s" in metrics:
-        cost = LayerCost(**{f: float(metrics[f"{protocol.COST_PREFIX}{f.replace('_', '-')}"]) for f in COST_FIELDS})
+        cost = LayerCost(
+            **{
+                f: float(metrics[f"{protocol.COST_PREFIX}{f.replace('_', '-')}"])
+                for f in COST_FIELDS
+            }
+        )
     scores = SiteScores(
         layers=[float(metrics[f"{protocol.LAYER_PREFIX}{l}"]) for l in range(num_layers)],
         heads=heads,
@@ -82,12 +110,21 @@ class SitePlanner:
     """Scores, ranking and layout from the planning round, and each site's Hydra-net budget."""
 
     def __init__(
-        self, *, tiers: Mapping[str, tuple[float, float]] = TIER_BUDGETS, untiered: tuple[float, float] = (1.0, 1.0),
-        rescore_every: int = 0, timeout_s: float | None = None, local_steps: int = 1,
+        self,
+        *,
+        tiers: Mapping[str, tuple[float, float]] = TIER_BUDGETS,
+        untiered: tuple[float, float] = (1.0, 1.0),
+        rescore_every: int = 0,
+        timeout_s: float | None = None,
+        local_steps: int = 1,
         scoring: Mapping[str, int | str | bool] | None = None,
     ) -> None:
-        if rescore_every < 0 or not all(0 < f <= 1 for budget in (*tiers.values(), untiered) for f in budget):
-            raise ValueError(f"planning needs rescore_every >= 0 and budget fractions in (0, 1], got {tiers=}, {untiered=}")
+        if rescore_every < 0 or not all(
+            0 < f <= 1 for budget in (*tiers.values(), untiered) for f in budget
+        ):
+            raise ValueError(
+                f"planning needs rescore_every >= 0 and budget fractions in (0, 1], got {tiers=}, {untiered=}"
+            )
         self.tiers, self.untiered = dict(tiers), untiered
         self.rescore_every, self.timeout_s, self.local_steps = rescore_every, timeout_s, local_steps
         self.scoring = dict(scoring or {})
@@ -99,13 +136,20 @@ class SitePlanner:
 
     def due(self, server_round: int) -> bool:
         """Score before the first round trained, then every `rescore_every` rounds."""
-        return not self.ranking or bool(self.rescore_every and (server_round - 1) % self.rescore_every == 0)
+        return not self.ranking or bool(
+            self.rescore_every and (server_round - 1) % self.rescore_every == 0
+        )
 
-    def queries(self, arrays: ArrayRecord, config: ConfigRecord, nodes: Iterable[int]) -> list[Message]:
+    def queries(
+        self, arrays: ArrayRecord, config: ConfigRecord, nodes: Iterable[int]
+    ) -> list[Message]:
         """One scoring query per node, on `arrays` (the tensors the sites' layouts must name)."""
         self._asked = arrays
         content = RecordDict({"arrays": arrays, "config": ConfigRecord({**config, **self.scoring})})
-        return [Message(content, dst_node_id=node, message_type=protocol.QUERY_SCORES) for node in sorted(nodes)]
+        return [
+            Message(content, dst_node_id=node, message_type=protocol.QUERY_SCORES)
+            for node in sorted(nodes)
+        ]
 
     def take_replies(self, replies: Iterable[Message], weighted_by_key: str) -> None:
         """Keep every usable reply's scores (a malformed one is logged and skipped) and rank the layers."""
@@ -120,11 +164,15 @@ class SitePlanner:
                 log.warning("planning: site %d gave no usable scores: %s", node, error)
                 continue
             if scores.tier and scores.tier not in self.tiers:
-                raise ScoringError(f"site {node} declares tier {scores.tier!r}; known tiers: {', '.join(self.tiers)}")
+                raise ScoringError(
+                    f"site {node} declares tier {scores.tier!r}; known tiers: {', '.join(self.tiers)}"
+                )
             self.site_scores[node] = scores
         if not self.site_scores:
             raise ScoringError("no site answered the scoring query usably; cannot build Hydra-nets")
-        self.ranking = combine_layer_scores([(s.layers, s.weight) for s in self.site_scores.values()])
+        self.ranking = combine_layer_scores(
+            [(s.layers, s.weight) for s in self.site_scores.values()]
+        )
 
     def planned(self, sampled: Iterable[Message], strategy: str) -> Iterator[Message]:
         """The sampled train messages of the sites that took part in the planning round; a site that missed it
@@ -133,9 +181,15 @@ class SitePlanner:
             if message.metadata.dst_node_id in self.site_scores:
                 yield message
             else:
-                log.warning("%s: site %d missed the planning round; not training it", strategy, message.metadata.dst_node_id)
+                log.warning(
+                    "%s: site %d missed the planning round; not training it",
+                    strategy,
+                    message.metadata.dst_node_id,
+                )
 
-    def hydra_spec(self, node: int, *, bypass: bool = False, freeze_heads: bool = True) -> SubnetSpec:
+    def hydra_spec(
+        self, node: int, *, bypass: bool = False, freeze_heads: bool = True
+    ) -> SubnetSpec:
         """Top layers of the global ranking and, in each, the site's top heads, as many as its tier affords and,
         when it declared memory or the round has a deadline, as many as fit them (`plan_budget` on the step cost
         the site measured). KeyError: the node missed the planning round; BudgetError: nothing fits."""
@@ -157,7 +211,14 @@ class SitePlanner:
             except ValueError as error:
                 raise BudgetError(str(error)) from error
             num_layers, num_heads = min(num_layers, budget.layers), min(num_heads, budget.heads)
-        return build_spec(self.ranking, num_layers, scores.heads, num_heads, bypass=bypass, freeze_heads=freeze_heads)
+        return build_spec(
+            self.ranking,
+            num_layers,
+            scores.heads,
+            num_heads,
+            bypass=bypass,
+            freeze_heads=freeze_heads,
+        )
 
     def budget(self, node: int, shapes: Mapping[str, tuple[int, ...]]) -> int:
         """The coordinates a Hydra-net of the node's tier trains: what the width and LoRA baselines match."""

@@ -68,8 +68,9 @@ class StrategyConfig:
         for field in dataclasses.fields(self):
             if field.name in knobs and getattr(self, field.name) != field.default:
                 flag = field.name.replace("_", "-")
-                raise ConfigError(f"invalid --{flag}={getattr(self, field.name)!r}: it is ignored {why}")
-
+                raise ConfigError(
+                    f"invalid --{flag}={getattr(self, field.name)!r}: it is ignored {why}"
+                )
 
 
 C = TypeVar("C", bound=type[StrategyConfig])
@@ -82,7 +83,9 @@ def register(name: str) -> Callable[[C], C]:
 
     def decorate(config: C) -> C:
         if name in _REGISTRY and _REGISTRY[name] is not config:
-            raise ValueError(f"strategy {name!r} is registered twice: {_REGISTRY[name].__qualname__} and {config.__qualname__}")
+            raise ValueError(
+                f"strategy {name!r} is registered twice: {_REGISTRY[name].__qualname__} and {config.__qualname__}"
+            )
         _REGISTRY[name] = config
         return config
 
@@ -115,7 +118,11 @@ def _declared_names() -> tuple[str, ...] | None:
     if _load_builtins.cache_info().currsize:
         return tuple(_REGISTRY)
     scanned = _scanned_builtins()
-    return None if scanned is None else (*scanned, *(name for name in _REGISTRY if name not in scanned))
+    return (
+        None
+        if scanned is None
+        else (*scanned, *(name for name in _REGISTRY if name not in scanned))
+    )
 
 
 @cache
@@ -149,7 +156,9 @@ def config_class(name: str) -> type[StrategyConfig]:
     if name not in _REGISTRY:
         _load_builtins()
     if name not in _REGISTRY:
-        raise UnknownStrategy(f"unknown strategy {name!r}; choose one of {', '.join(strategy_names())}")
+        raise UnknownStrategy(
+            f"unknown strategy {name!r}; choose one of {', '.join(strategy_names())}"
+        )
     return _REGISTRY[name]
 
 
@@ -200,6 +209,8 @@ def build_strategy(run: RunConfig) -> Strategy:
     )
     if not run.dp_clip:
         return strategy
-    from hydrafl.privacy.central import with_central_dp  # torch and Flower only for a run that needs them
+    from hydrafl.privacy.central import (
+        with_central_dp,
+    )  # torch and Flower only for a run that needs them
 
     return with_central_dp(strategy, run)

@@ -58,8 +58,18 @@ class RobustRule:
 
     def __post_init__(self) -> None:
         check(self.name in ROBUST_RULES, "robust-rule", self.name, ", ".join(ROBUST_RULES))
-        check(0 <= self.trim_fraction < 0.5, "trim-fraction", self.trim_fraction, "a fraction in [0, 0.5)")
-        check(self.clip_factor > 0, "clip-factor", self.clip_factor, "a positive multiple of the median size")
+        check(
+            0 <= self.trim_fraction < 0.5,
+            "trim-fraction",
+            self.trim_fraction,
+            "a fraction in [0, 0.5)",
+        )
+        check(
+            self.clip_factor > 0,
+            "clip-factor",
+            self.clip_factor,
+            "a positive multiple of the median size",
+        )
 
     @property
     def robust(self) -> bool:
@@ -87,12 +97,16 @@ class RobustConfig(StrategyConfig):
     def __post_init__(self) -> None:
         self.rule()  # checks both knobs
         check(
-            not self.refuses_robust_rule or self.robust_rule == "mean", "robust-rule", self.robust_rule,
+            not self.refuses_robust_rule or self.robust_rule == "mean",
+            "robust-rule",
+            self.robust_rule,
             f"mean: {self.refuses_robust_rule}",
         )
 
     def rule(self) -> RobustRule:
-        return RobustRule(name=self.robust_rule, trim_fraction=self.trim_fraction, clip_factor=self.clip_factor)
+        return RobustRule(
+            name=self.robust_rule, trim_fraction=self.trim_fraction, clip_factor=self.clip_factor
+        )
 
 
 class MaskedRobustAggregator:
@@ -107,20 +121,35 @@ class MaskedRobustAggregator:
         self.unprotected: dict[str, int] = {}
         """After `aggregate` (median, trimmed-mean): per tensor, its coordinates trained by only 1 or 2 sites."""
 
-    def add(self, name: str, sl: Slice, values: torch.Tensor, shape: tuple[int, ...], site: int | None = None) -> None:
+    def add(
+        self,
+        name: str,
+        sl: Slice,
+        values: torch.Tensor,
+        shape: tuple[int, ...],
+        site: int | None = None,
+    ) -> None:
         """One site's values for the coordinates `sl` of the tensor `name` of full `shape` (`Slice.take`'s shape).
         `site` numbers the sender (clipped-mean sizes each site's whole update); by default the i-th value added
         under `name` is site i, right when every site sends every tensor."""
         expected = sl.taken_shape(shape)
         if tuple(values.shape) != expected:
-            raise ValueError(f"array {name!r}: values of shape {tuple(values.shape)}, its slice is {expected}")
+            raise ValueError(
+                f"array {name!r}: values of shape {tuple(values.shape)}, its slice is {expected}"
+            )
         if self.shapes.setdefault(name, tuple(shape)) != tuple(shape):
-            raise ValueError(f"array {name!r}: full shape {tuple(shape)}, earlier {self.shapes[name]}")
+            raise ValueError(
+                f"array {name!r}: full shape {tuple(shape)}, earlier {self.shapes[name]}"
+            )
         parts = self.parts.setdefault(name, [])
         parts.append((len(parts) if site is None else site, sl, values))
 
-    def add_slices(self, arrays: Mapping[str, torch.Tensor], slices: Mapping[str, Slice],
-                   shapes: Mapping[str, tuple[int, ...]]) -> None:
+    def add_slices(
+        self,
+        arrays: Mapping[str, torch.Tensor],
+        slices: Mapping[str, Slice],
+        shapes: Mapping[str, tuple[int, ...]],
+    ) -> None:
         """A whole reply: its compact tensors, each with its slice of the global tensor of that name."""
         for name, values in arrays.items():
             self.add(name, slices[name], values, shapes[name], site=self.sites)
@@ -131,7 +160,9 @@ class MaskedRobustAggregator:
         scale = self._clip_scales() if self.rule.name == "clipped-mean" else {}
         out = {}
         for name, parts in self.parts.items():
-            stacked = torch.full((len(parts), *self.shapes[name]), math.nan, dtype=torch.float32)  # [sites, *shape]
+            stacked = torch.full(
+                (len(parts), *self.shapes[name]), math.nan, dtype=torch.float32
+            )  # [sites, *shape]
             for row, (site, sl, values) in zip(stacked, parts, strict=True):
                 _fill(row, sl, values.to(torch.float32) * scale.get(site, 1.0))
             if self.rule.name == "clipped-mean":
@@ -139,13 +170,20 @@ class MaskedRobustAggregator:
                 continue
             count = (~torch.isnan(stacked)).sum(0)
             self.unprotected[name] = int(((count > 0) & (count < MAJORITY_SITES)).sum())
-            out[name] = masked_median(stacked) if self.rule.name == "median" else masked_trimmed_mean(
-                stacked, self.rule.trim_fraction
+            out[name] = (
+                masked_median(stacked)
+                if self.rule.name == "median"
+                else masked_trimmed_mean(stacked, self.rule.trim_fraction)
             )
         if thin := sum(self.unprotected.values()):
             covered = sum(int(c.sum()) for _, c in out.values())
-            log.warning("%s: %d of %d trained coordinates had only 1 or 2 sites (no majority: their plain mean, "
-                        "nothing trimmed); only screening guards them", self.rule.name, thin, covered)
+            log.warning(
+                "%s: %d of %d trained coordinates had only 1 or 2 sites (no majority: their plain mean, "
+                "nothing trimmed); only screening guards them",
+                self.rule.name,
+                thin,
+                covered,
+            )
         return out
 
     def _clip_scales(self) -> dict[int, float]:
@@ -154,10 +192,14 @@ class MaskedRobustAggregator:
         sizes: dict[int, int] = {}
         for parts in self.parts.values():
             for site, _, values in parts:
-                squares[site] = squares.get(site, 0.0) + float(values.to(torch.float64).square().sum())
+                squares[site] = squares.get(site, 0.0) + float(
+                    values.to(torch.float64).square().sum()
+                )
                 sizes[site] = sizes.get(site, 0) + values.numel()
         rms = {site: math.sqrt(squares[site] / max(sizes[site], 1)) for site in squares}
-        limit = self.rule.clip_factor * statistics.median(rms.values()) if rms else 0.0  # even: middle two's mean
+        limit = (
+            self.rule.clip_factor * statistics.median(rms.values()) if rms else 0.0
+        )  # even: middle two's mean
         return {site: min(1.0, limit / r) if r > 0 else 1.0 for site, r in rms.items()}
 
 
@@ -194,7 +236,9 @@ def masked_trimmed_mean(stacked: torch.Tensor, beta: float) -> tuple[torch.Tenso
 def _sorted(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Values sorted along the sites with the NaNs (untrained) last, and each coordinate's count of values."""
     count = (~torch.isnan(stacked)).sum(0)
-    ordered, _ = torch.sort(torch.nan_to_num(stacked, nan=math.inf), dim=0)  # NaN as +inf: sorted last, never read
+    ordered, _ = torch.sort(
+        torch.nan_to_num(stacked, nan=math.inf), dim=0
+    )  # NaN as +inf: sorted last, never read
     return ordered, count
 
 

@@ -91,10 +91,18 @@ class StalenessBuffer:
     def flush(self) -> BufferReport:
         """The buffer's report, and an empty buffer for the next one."""
         effective = ess(self.nodes, self.weights)
-        scale = sum(self.weights) / len(self.weights)  # sum w / K: the weighted mean delta times this is sum w delta / K
+        scale = sum(self.weights) / len(
+            self.weights
+        )  # sum w / K: the weighted mean delta times this is sum w delta / K
         if effective < self.rule.ess_min:
             scale = 0.0 if self.rule.ess_action == "skip" else scale * effective / self.rule.ess_min
-        report = BufferReport(nodes=self.nodes, staleness=self.staleness, weights=self.weights, ess=effective, scale=scale)
+        report = BufferReport(
+            nodes=self.nodes,
+            staleness=self.staleness,
+            weights=self.weights,
+            ess=effective,
+            scale=scale,
+        )
         self.nodes, self.staleness, self.weights = [], [], []
         return report
 
@@ -117,10 +125,26 @@ def ess(nodes: list[int], weights: list[float]) -> float:
 
 def check_rule(rule: BufferRule) -> None:
     """ConfigError naming the knob when `rule` cannot run."""
-    check(rule.buffer_size >= 1, "buffer-size", rule.buffer_size, "an integer >= 1 (K updates per step)")
-    check(rule.staleness in STALENESS_RULES, "staleness", rule.staleness, ", ".join(STALENESS_RULES))
+    check(
+        rule.buffer_size >= 1,
+        "buffer-size",
+        rule.buffer_size,
+        "an integer >= 1 (K updates per step)",
+    )
+    check(
+        rule.staleness in STALENESS_RULES, "staleness", rule.staleness, ", ".join(STALENESS_RULES)
+    )
     check(rule.staleness_exponent > 0, "staleness-exponent", rule.staleness_exponent, "a float > 0")
-    check(rule.weight_cap >= 0 and math.isfinite(rule.weight_cap), "weight-cap", rule.weight_cap, "0 (off) or a float > 0")
-    check(rule.ess_min == 0 or 1 <= rule.ess_min <= rule.buffer_size, "ess-min", rule.ess_min,
-          f"0 (off) or 1..buffer-size ({rule.buffer_size})")
+    check(
+        rule.weight_cap >= 0 and math.isfinite(rule.weight_cap),
+        "weight-cap",
+        rule.weight_cap,
+        "0 (off) or a float > 0",
+    )
+    check(
+        rule.ess_min == 0 or 1 <= rule.ess_min <= rule.buffer_size,
+        "ess-min",
+        rule.ess_min,
+        f"0 (off) or 1..buffer-size ({rule.buffer_size})",
+    )
     check(rule.ess_action in ESS_ACTIONS, "ess-action", rule.ess_action, ", ".join(ESS_ACTIONS))

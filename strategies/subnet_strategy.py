@@ -25,7 +25,12 @@ from flwr.serverapp.strategy import FedAvg
 from hydrafl.arrays import from_record, sliced_record, to_record
 from hydrafl.lora_pairs import lora_pairs
 from hydrafl.strategies.accumulator import AggregationError, MaskedDeltaAccumulator
-from hydrafl.strategies.lora_factors import MaskedProductAccumulator, reply_delta, reply_weight, svd_factors
+from hydrafl.strategies.lora_factors import (
+    MaskedProductAccumulator,
+    reply_delta,
+    reply_weight,
+    svd_factors,
+)
 from hydrafl.strategies.outer import OuterOptimizer
 from hydrafl.strategies.planner import BudgetError, SitePlanner
 from hydrafl.strategies.robust import MaskedRobustAggregator, RobustRule
@@ -77,8 +82,14 @@ class SubnetStrategy(FedAvg):
     """True: a coordinate's update is the plain mean over the sites that trained it (each site weighs 1)."""
 
     def __init__(
-        self, *, planner: SitePlanner | None = None, plan: SlicePlan | None = None, outer: OuterOptimizer | None = None,
-        lora_products: bool = True, robust: RobustRule = RobustRule(), **kwargs: Any,
+        self,
+        *,
+        planner: SitePlanner | None = None,
+        plan: SlicePlan | None = None,
+        outer: OuterOptimizer | None = None,
+        lora_products: bool = True,
+        robust: RobustRule = RobustRule(),
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.robust = robust
@@ -103,26 +114,43 @@ class SubnetStrategy(FedAvg):
         """The coordinates `node` trains this round: what its reply carries, as compact slices."""
         return self.plan.slices(self.specs[node])
 
-    def configure_query(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        return self.planner.queries(arrays, config, grid.get_node_ids()) if self.planner.due(server_round) else []
+    def configure_query(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return (
+            self.planner.queries(arrays, config, grid.get_node_ids())
+            if self.planner.due(server_round)
+            else []
+        )
 
     def aggregate_query(self, server_round: int, replies: Iterable[Message]) -> None:
         self.planner.take_replies(replies, self.weighted_by_key)
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         self.current_arrays = arrays
         self.plan.start_round(server_round, arrays)
         messages, self.specs, counts = [], {}, {}
         name = type(self).__name__
-        for sampled in self.planner.planned(super().configure_train(server_round, arrays, config, grid), name):
+        for sampled in self.planner.planned(
+            super().configure_train(server_round, arrays, config, grid), name
+        ):
             node = sampled.metadata.dst_node_id
             try:
                 self.specs[node] = spec = self.assign(node, server_round, len(self.specs))
             except BudgetError as error:
                 log.warning("%s: site %d cannot train this round: %s", name, node, error)
                 continue
-            counts[str(node)] = sum(sl.numel(arrays[n].shape) for n, sl in self.site_slices(node).items())
-            content = RecordDict({"arrays": self.download(node, arrays), "config": ConfigRecord({**config, **spec.to_config()})})
+            counts[str(node)] = sum(
+                sl.numel(arrays[n].shape) for n, sl in self.site_slices(node).items()
+            )
+            content = RecordDict(
+                {
+                    "arrays": self.download(node, arrays),
+                    "config": ConfigRecord({**config, **spec.to_config()}),
+                }
+            )
             messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
         self.trainable_params[server_round] = counts
         return messages
@@ -137,24 +165,34 @@ class SubnetStrategy(FedAvg):
         """The shape of each array `node`'s reply may carry (its slices of `arrays`); None: no spec sent."""
         if node not in self.specs:
             return None
-        return {name: sl.taken_shape(arrays[name].shape) for name, sl in self.site_slices(node).items()}
+        return {
+            name: sl.taken_shape(arrays[name].shape) for name, sl in self.site_slices(node).items()
+        }
 
-    def aggregate_summed(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_summed(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Secure aggregation (`hooks.TakesSecureSums`): the masked mean from the sites' per-coordinate sums,
         then the same outer step."""
         if self.current_arrays is None:
             return None, None
         weights = from_record(self.current_arrays)
         if self.lora_products and lora_pairs(weights, required=False):
-            raise AggregationError("secure aggregation sums coordinates, not LoRA products B A: use hydra-lora=factors")
+            raise AggregationError(
+                "secure aggregation sums coordinates, not LoRA products B A: use hydra-lora=factors"
+            )
         accumulator = MaskedDeltaAccumulator(self.weighted_by_key)
         for reply in replies:
             accumulator.add_sums(reply)
         for name, (delta, trained) in accumulator.mean().items():
             weights[name] = self.outer.masked_step(name, weights[name], delta, trained)
-        return to_record(weights), self.train_metrics_aggr_fn(accumulator.metric_records, self.weighted_by_key)
+        return to_record(weights), self.train_metrics_aggr_fn(
+            accumulator.metric_records, self.weighted_by_key
+        )
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         if self.current_arrays is None:
             return None, None
         weights = from_record(self.current_arrays)
@@ -171,13 +209,21 @@ class SubnetStrategy(FedAvg):
         for reply in replies:
             if not reply.has_error():
                 if (node := reply.metadata.src_node_id) not in self.specs:
-                    raise AggregationError(f"reply from node {node}, which was assigned no subnetwork this round")
+                    raise AggregationError(
+                        f"reply from node {node}, which was assigned no subnetwork this round"
+                    )
                 slices = self.site_slices(node)
-                accumulator.add_slices(reply, slices, shapes, count_once=self.count_once)  # checks every shape
+                accumulator.add_slices(
+                    reply, slices, shapes, count_once=self.count_once
+                )  # checks every shape
                 if self.robust.robust:
                     robust.add_slices(reply_delta(reply), slices, shapes)
                 if pairs:
-                    products.add(reply, slices, 1.0 if self.count_once else reply_weight(reply, self.weighted_by_key))
+                    products.add(
+                        reply,
+                        slices,
+                        1.0 if self.count_once else reply_weight(reply, self.weighted_by_key),
+                    )
         if not accumulator.metric_records:
             return None, None
         aggregated = robust.aggregate() if self.robust.robust else accumulator.mean()
@@ -186,14 +232,22 @@ class SubnetStrategy(FedAvg):
                 weights[name] = self.outer.masked_step(name, weights[name], delta, trained)
         product_means = products.mean()
         for pair in pairs:
-            if pair.module in product_means:  # B A takes the step, then back to the run's rank; else A, B unchanged
+            if (
+                pair.module in product_means
+            ):  # B A takes the step, then back to the run's rank; else A, B unchanged
                 delta, trained = product_means[pair.module]
                 start = products.start_products[pair.module]
-                product = self.outer.masked_step(f"{pair.module}.lora-product", start, delta, trained)
+                product = self.outer.masked_step(
+                    f"{pair.module}.lora-product", start, delta, trained
+                )
                 if not torch.isfinite(product).all():
-                    raise AggregationError(f"the product B A of {pair.module!r} is not finite after the step")
+                    raise AggregationError(
+                        f"the product B A of {pair.module!r} is not finite after the step"
+                    )
                 weights[pair.b], weights[pair.a] = svd_factors(product, weights[pair.a].shape[0])
-        return to_record(weights), self.train_metrics_aggr_fn(accumulator.metric_records, self.weighted_by_key)
+        return to_record(weights), self.train_metrics_aggr_fn(
+            accumulator.metric_records, self.weighted_by_key
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -213,4 +267,7 @@ class SubnetStrategy(FedAvg):
         self.planner.load_state_dict(state)
         self.plan.load_state_dict(state)
         self.current_arrays = state["current_arrays"]
-        self.specs, self.trainable_params = copy.deepcopy(state["specs"]), copy.deepcopy(state["trainable_params"])
+        self.specs, self.trainable_params = (
+            copy.deepcopy(state["specs"]),
+            copy.deepcopy(state["trainable_params"]),
+        )

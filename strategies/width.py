@@ -27,7 +27,9 @@ class WidthPlan:
         self.shapes = {name: tuple(arrays[name].shape) for name in arrays}
         self.layout, self.budgets[server_round] = {}, {}
 
-    def ratio(self, planner: SitePlanner, node: int, server_round: int) -> tuple[tuple[int, ...], float]:
+    def ratio(
+        self, planner: SitePlanner, node: int, server_round: int
+    ) -> tuple[tuple[int, ...], float]:
         """Every layer, and the width whose trainable parameters match the node's Hydra-net."""
         if not self.layout:
             self.layout = width_layout_from_heads(planner.layout, self.shapes)

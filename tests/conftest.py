@@ -20,7 +20,9 @@ torch.set_num_threads(1)
 def small_run(tmp_path) -> RunConfig:
     """Three sites, tiny cohort, a few rounds: a real federation that runs in a few seconds (`helpers.SMALL_RUN`),
     writing its run directory under the test's tmp_path."""
-    from helpers import SMALL_RUN  # the message builders it sits with import the model code: only when asked
+    from helpers import (
+        SMALL_RUN,
+    )  # the message builders it sits with import the model code: only when asked
 
     return SMALL_RUN.replace(run_dir=str(tmp_path / "run"))
 

@@ -16,7 +16,9 @@ def fetch(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[st
     """(status, headers, body); 3xx and 4xx are answers here, not exceptions."""
     opener = urllib.request.build_opener(_NoRedirect)
     try:
-        with opener.open(urllib.request.Request(url, headers=headers or {}), timeout=10) as response:
+        with opener.open(
+            urllib.request.Request(url, headers=headers or {}), timeout=10
+        ) as response:
             return response.status, dict(response.headers), response.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, dict(error.headers), error.read().decode()

@@ -30,18 +30,29 @@ def start_hydrafl(*args: str, env: dict, log: Path, verbose: bool = True) -> sub
         return subprocess.Popen(command, env=env, stdout=handle, stderr=handle)
 
 
-def wait_serving(address: str, timeout_s: float = 60, process: subprocess.Popen | None = None) -> None:
+def wait_serving(
+    address: str, timeout_s: float = 60, process: subprocess.Popen | None = None
+) -> None:
     """Until the coordinator's health check says SERVING (or `process`, the coordinator, exits)."""
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline and (process is None or process.poll() is None):
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(service="hydrafl.proto.Coordinator"), timeout=1).status == 1:
+                if (
+                    stub.Check(
+                        health_pb2.HealthCheckRequest(service="hydrafl.proto.Coordinator"),
+                        timeout=1,
+                    ).status
+                    == 1
+                ):
                     return
             except grpc.RpcError:
                 time.sleep(0.2)
-    raise TimeoutError(f"coordinator on {address} never reported SERVING" + (f" (exit {process.poll()})" if process else ""))
+    raise TimeoutError(
+        f"coordinator on {address} never reported SERVING"
+        + (f" (exit {process.poll()})" if process else "")
+    )
 
 
 def wait_until(predicate, timeout_s: float, what: str) -> None:
@@ -64,7 +75,9 @@ def enrol(tmp_path: Path, cfg: RunConfig) -> tuple[dict, str, Store, list[str], 
 
 def queue_run(store: Store, cfg: RunConfig) -> int:
     """Queue `cfg` as the coordinator's next run; returns its id."""
-    return store.create_run({k: v for k, v in cfg.to_flower().items() if k not in ("run-dir", "resume")}).id
+    return store.create_run(
+        {k: v for k, v in cfg.to_flower().items() if k not in ("run-dir", "resume")}
+    ).id
 
 
 def run_to_end(
@@ -75,15 +88,43 @@ def run_to_end(
     coordinator's store and the run id."""
     env, db, store, tokens, address = enrol(tmp_path, cfg)
     run_id = queue_run(store, cfg)
-    processes = [start_hydrafl("server", "--listen", address, "--db", db, "--blobs", str(tmp_path / "blobs"),
-                               env=env, log=tmp_path / "coordinator.log")]
+    processes = [
+        start_hydrafl(
+            "server",
+            "--listen",
+            address,
+            "--db",
+            db,
+            "--blobs",
+            str(tmp_path / "blobs"),
+            env=env,
+            log=tmp_path / "coordinator.log",
+        )
+    ]
     try:
         wait_serving(address, process=processes[0])
         identities = _secagg_identities(tmp_path, store) if cfg.secagg else [()] * len(tokens)
-        for i, (token, options, identity) in enumerate(zip(tokens, site_options, identities, strict=True)):
-            processes.append(start_hydrafl("site", "--coordinator", address, "--token", token, *options, *identity,
-                                           env=env, log=tmp_path / f"site-{i}.log"))
-        wait_until(lambda: store.run(run_id).status in ("finished", "failed"), timeout_s, "the run did not finish")
+        for i, (token, options, identity) in enumerate(
+            zip(tokens, site_options, identities, strict=True)
+        ):
+            processes.append(
+                start_hydrafl(
+                    "site",
+                    "--coordinator",
+                    address,
+                    "--token",
+                    token,
+                    *options,
+                    *identity,
+                    env=env,
+                    log=tmp_path / f"site-{i}.log",
+                )
+            )
+        wait_until(
+            lambda: store.run(run_id).status in ("finished", "failed"),
+            timeout_s,
+            "the run did not finish",
+        )
     finally:
         for process in processes:
             process.kill()

@@ -26,7 +26,10 @@ def write_dicom(
     meta.TransferSyntaxUID = ExplicitVRLittleEndian
     dataset = Dataset()
     dataset.file_meta = meta
-    dataset.SOPClassUID, dataset.SOPInstanceUID = meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID
+    dataset.SOPClassUID, dataset.SOPInstanceUID = (
+        meta.MediaStorageSOPClassUID,
+        meta.MediaStorageSOPInstanceUID,
+    )
     dataset.Modality = "CR" if pixels is not None else "SR"
     if pixels is not None:
         colour = photometric == "RGB"
@@ -49,7 +52,9 @@ def write_dicom(
     return path
 
 
-def write_labels(folder: Path, rows: list[tuple[str, ...]], header: tuple[str, ...] = ("file", "label")) -> Path:
+def write_labels(
+    folder: Path, rows: list[tuple[str, ...]], header: tuple[str, ...] = ("file", "label")
+) -> Path:
     """`labels.csv` in `folder`: the header, then one line per row."""
     folder.mkdir(parents=True, exist_ok=True)
     with (folder / "labels.csv").open("w", newline="") as handle:
@@ -73,7 +78,9 @@ def pattern_folder(folder: Path, per_class: int, seed: int = 0, rare: int = 0) -
         if photometric == "MONOCHROME1":
             image = 4095.0 - image  # stored inverted: the loader turns it back
         name = f"{label}/{k:03d}.dcm"
-        write_dicom(folder / name, np.clip(image, 0, 4095).astype(np.uint16), photometric=photometric)
+        write_dicom(
+            folder / name, np.clip(image, 0, 4095).astype(np.uint16), photometric=photometric
+        )
         rows.append((name, label))
     write_labels(folder, rows)
     return folder

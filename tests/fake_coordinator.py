@@ -19,7 +19,10 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
 from hydrafl.proto import coordinator_pb2 as pb
-from hydrafl.proto.coordinator_pb2_grpc import CoordinatorServicer, add_CoordinatorServicer_to_server
+from hydrafl.proto.coordinator_pb2_grpc import (
+    CoordinatorServicer,
+    add_CoordinatorServicer_to_server,
+)
 from hydrafl.proto.envelope import UPLOADED, split_message
 
 NODE_ID = 7
@@ -66,7 +69,9 @@ class FakeCoordinator(CoordinatorServicer):
         self.blobs.update({digest: bytes(view) for digest, view in chunks.items()})
         return self.send_envelope(envelope)
 
-    def send_envelope(self, envelope: pb.Envelope, stream: list[pb.Chunk] | None = None, inline: bool = False) -> str:
+    def send_envelope(
+        self, envelope: pb.Envelope, stream: list[pb.Chunk] | None = None, inline: bool = False
+    ) -> str:
         """Queue a hand-made envelope, with what GetChunks answers while it is in hand (or, `inline`, what comes
         with it); returns its message id."""
         self.outbox.put(Scripted(envelope, stream, inline))
@@ -87,10 +92,17 @@ class FakeCoordinator(CoordinatorServicer):
         if self.refuse:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "unknown token")
         run_id = self.in_hand.envelope.run_id if self.in_hand else RUN_ID
-        return pb.JoinReply(site_name="st-marys", node_id=NODE_ID, run_id=run_id, site_index=0,
-                            run_config=self.run_configs.get(run_id, b"{}"))
+        return pb.JoinReply(
+            site_name="st-marys",
+            node_id=NODE_ID,
+            run_id=run_id,
+            site_index=0,
+            run_config=self.run_configs.get(run_id, b"{}"),
+        )
 
-    def PullMessage(self, request: pb.PullMessageRequest, context: grpc.ServicerContext) -> pb.PullMessageReply:
+    def PullMessage(
+        self, request: pb.PullMessageRequest, context: grpc.ServicerContext
+    ) -> pb.PullMessageReply:
         try:
             self.in_hand = self.outbox.get_nowait()
         except queue.Empty:
@@ -98,7 +110,9 @@ class FakeCoordinator(CoordinatorServicer):
         inline = self.in_hand.stream if self.in_hand.inline else None
         return pb.PullMessageReply(has_message=True, envelope=self.in_hand.envelope, chunks=inline)
 
-    def GetChunks(self, request: pb.GetChunksRequest, context: grpc.ServicerContext) -> Iterator[pb.Chunk]:
+    def GetChunks(
+        self, request: pb.GetChunksRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.Chunk]:
         self.chunk_requests.append(list(request.digests))
         if self.in_hand is not None and self.in_hand.stream is not None:
             yield from self.in_hand.stream
@@ -106,10 +120,16 @@ class FakeCoordinator(CoordinatorServicer):
         for digest in request.digests:
             yield pb.Chunk(digest=digest, data=self.blobs[digest])
 
-    def HasChunks(self, request: pb.HasChunksRequest, context: grpc.ServicerContext) -> pb.HasChunksReply:
-        return pb.HasChunksReply(present=[digest for digest in request.digests if digest in self.blobs])
+    def HasChunks(
+        self, request: pb.HasChunksRequest, context: grpc.ServicerContext
+    ) -> pb.HasChunksReply:
+        return pb.HasChunksReply(
+            present=[digest for digest in request.digests if digest in self.blobs]
+        )
 
-    def PutChunks(self, request_iterator: Iterator[pb.Chunk], context: grpc.ServicerContext) -> pb.PutChunksReply:
+    def PutChunks(
+        self, request_iterator: Iterator[pb.Chunk], context: grpc.ServicerContext
+    ) -> pb.PutChunksReply:
         return pb.PutChunksReply(stored=self._store(request_iterator))
 
     def _store(self, chunks: Iterable[pb.Chunk]) -> int:
@@ -120,14 +140,19 @@ class FakeCoordinator(CoordinatorServicer):
             stored += 1
         return stored
 
-    def PushReply(self, request: pb.PushReplyRequest, context: grpc.ServicerContext) -> pb.PushReplyReply:
+    def PushReply(
+        self, request: pb.PushReplyRequest, context: grpc.ServicerContext
+    ) -> pb.PushReplyReply:
         self._store(request.chunks)
         self.replies[request.envelope.reply_to_message_id] = request.envelope
         return pb.PushReplyReply()
 
 
 def coordinator_message(
-    message_type: str, arrays: dict[str, np.ndarray] | None = None, config: dict | None = None, run_id: int = RUN_ID
+    message_type: str,
+    arrays: dict[str, np.ndarray] | None = None,
+    config: dict | None = None,
+    run_id: int = RUN_ID,
 ) -> Message:
     """A message as a coordinator sends it to node NODE_ID, with a fresh message id."""
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, SUPERLINK_NODE_ID, 1

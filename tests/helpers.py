@@ -34,10 +34,14 @@ from hydrafl.subnet.planning import COST_FIELDS, LayerCost
 from hydrafl.subnet.slices import Slice, read_slices
 from hydrafl.subnet.spec import SubnetSpec
 
-SMALL_RUN = RunConfig(task="tabular", sites=3, samples_per_site=60, rounds=3, local_steps=3, batch_size=16, lr=3e-3)
+SMALL_RUN = RunConfig(
+    task="tabular", sites=3, samples_per_site=60, rounds=3, local_steps=3, batch_size=16, lr=3e-3
+)
 """Three small tabular sites, a few rounds of a few steps: a real federation that runs in a few seconds. The
 tests' run configs derive from it (`SMALL_RUN.replace(...)` names what a test sets differently)."""
-TIERED_RUN = SMALL_RUN.replace(strategy="hydra", rounds=2, site_tiers="small,medium,large", score_samples=16)
+TIERED_RUN = SMALL_RUN.replace(
+    strategy="hydra", rounds=2, site_tiers="small,medium,large", score_samples=16
+)
 """Three small tabular sites, one per resource tier, under Hydra: the shared setting of the subnetwork
 strategies' tests (`TIERED_RUN.replace(strategy=...)` keeps the budget knobs the strategies share)."""
 TIER_OF_NODE = {FIRST_NODE_ID + i: tier for i, tier in enumerate(TIERED_RUN.tier_list)}
@@ -55,7 +59,9 @@ def make_reply(arrays: dict[str, np.ndarray], num_examples: float, node_id: int 
     """A site's training reply as the strategy sees it (one ArrayRecord, one MetricRecord)."""
     content = RecordDict(
         {
-            "arrays": ArrayRecord({k: Array(np.asarray(v, dtype=np.float32)) for k, v in arrays.items()}),
+            "arrays": ArrayRecord(
+                {k: Array(np.asarray(v, dtype=np.float32)) for k, v in arrays.items()}
+            ),
             "metrics": MetricRecord({"num-examples": num_examples}),
         }
     )
@@ -77,12 +83,21 @@ def make_scores_reply(
     `layer-L` and `head-L-G` (one row of head-group scores per layer), `num-examples`, the step cost it measured
     (`cost.*`: the `COST_FIELDS`; a site sends no head fraction) and the memory it declares when given; ConfigRecord `site` with its tier and its slice layout
     (per federated array: layer or -1, head axis or -1, indices one head group owns along it)."""
-    metrics = {f"{protocol.LAYER_PREFIX}{layer}": float(score) for layer, score in enumerate(layers)}
+    metrics = {
+        f"{protocol.LAYER_PREFIX}{layer}": float(score) for layer, score in enumerate(layers)
+    }
     for layer, row in enumerate(heads):
-        metrics.update({f"{protocol.HEAD_PREFIX}{layer}-{g}": float(score) for g, score in enumerate(row)})
+        metrics.update(
+            {f"{protocol.HEAD_PREFIX}{layer}-{g}": float(score) for g, score in enumerate(row)}
+        )
     metrics[protocol.WEIGHT] = float(num_examples)
     if cost is not None:
-        metrics.update({f"{protocol.COST_PREFIX}{f.replace('_', '-')}": float(getattr(cost, f)) for f in COST_FIELDS})
+        metrics.update(
+            {
+                f"{protocol.COST_PREFIX}{f.replace('_', '-')}": float(getattr(cost, f))
+                for f in COST_FIELDS
+            }
+        )
     if memory_bytes is not None:
         metrics[protocol.MEMORY_BYTES] = float(memory_bytes)
     names = list(layout)
@@ -102,7 +117,12 @@ def make_scores_reply(
 def reply_layout(reply: Message) -> dict[str, tuple[int, int, int]]:
     """The slice layout a site reported in its scoring reply, per array name."""
     site = reply.content[protocol.SITE_RECORD]
-    keys = (protocol.LAYOUT_NAMES, protocol.LAYOUT_LAYERS, protocol.LAYOUT_AXES, protocol.LAYOUT_UNITS)
+    keys = (
+        protocol.LAYOUT_NAMES,
+        protocol.LAYOUT_LAYERS,
+        protocol.LAYOUT_AXES,
+        protocol.LAYOUT_UNITS,
+    )
     names, layers, axes, units = (list(site[key]) for key in keys)
     return dict(zip(names, zip(layers, axes, units)))
 
@@ -133,7 +153,9 @@ def configure_round(
     if isinstance(strategy, QueriesSites):
         queries = list(strategy.configure_query(server_round, arrays, ConfigRecord(config), grid))
         if queries:
-            strategy.aggregate_query(server_round, [scores[query.metadata.dst_node_id] for query in queries])
+            strategy.aggregate_query(
+                server_round, [scores[query.metadata.dst_node_id] for query in queries]
+            )
     messages = strategy.configure_train(server_round, arrays, ConfigRecord(config), grid)
     return {message.metadata.dst_node_id: message for message in messages}
 
@@ -141,7 +163,9 @@ def configure_round(
 def sent_specs(messages: Mapping[int, Message] | Iterable[Message]) -> dict[int, SubnetSpec]:
     """The SubnetSpec each train message assigns its node."""
     messages = messages.values() if isinstance(messages, Mapping) else messages
-    return {m.metadata.dst_node_id: SubnetSpec.from_config(dict(m.content["config"])) for m in messages}
+    return {
+        m.metadata.dst_node_id: SubnetSpec.from_config(dict(m.content["config"])) for m in messages
+    }
 
 
 def run_quick(name: str, out: Path, timeout_s: float) -> dict[str, Any]:
@@ -154,8 +178,11 @@ def run_quick(name: str, out: Path, timeout_s: float) -> dict[str, Any]:
 
 def assert_resume_matches_a_straight_run(cfg: RunConfig, tmp_path: Path) -> None:
     """Stopped after rounds - 1 and resumed, a run ends with exactly the arrays of an uninterrupted one."""
+
     def run(cfg: RunConfig):
-        return server_app.run_federation(InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower()), cfg)
+        return server_app.run_federation(
+            InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower()), cfg
+        )
 
     straight = run(cfg.replace(run_dir=str(tmp_path / "straight")))
     run(cfg.replace(run_dir=str(tmp_path / "resumed"), rounds=cfg.rounds - 1))
@@ -167,22 +194,40 @@ def assert_resume_matches_a_straight_run(cfg: RunConfig, tmp_path: Path) -> None
 def site_read_slices(cfg: RunConfig, spec: SubnetSpec) -> dict[str, Slice]:
     """What a site's forward pass reads under `spec` (`subnet.slices.read_slices`), from a live model as the site
     computes it: all a Hydra-net site is sent."""
-    model = build_model(site_app.run_cohort(cfg).task, model=cfg.model, seed=cfg.seed, lora=site_app.lora_spec(cfg))
+    model = build_model(
+        site_app.run_cohort(cfg).task, model=cfg.model, seed=cfg.seed, lora=site_app.lora_spec(cfg)
+    )
     layout = site_app.slice_layout(model)
-    return read_slices(trainable_slices(model, spec), dict(zip(layout["layout.names"], layout["layout.layers"])), spec)
+    return read_slices(
+        trainable_slices(model, spec),
+        dict(zip(layout["layout.names"], layout["layout.layers"])),
+        spec,
+    )
 
 
-def started_coordinator_run(tmp_path: Path, *sites: str) -> tuple[Coordinator, CoordinatorGrid, list[tuple[Any, str]]]:
+def started_coordinator_run(
+    tmp_path: Path, *sites: str
+) -> tuple[Coordinator, CoordinatorGrid, list[tuple[Any, str]]]:
     """A coordinator on a free loopback port (SQLite and blobs in `tmp_path`), `sites` enrolled as (site, token),
     and a running run with its grid. The caller stops the coordinator."""
-    coordinator = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", db_url=f"sqlite:///{tmp_path / 'c.db'}",
-                                                blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs"))
+    coordinator = Coordinator(
+        CoordinatorConfig(
+            listen="127.0.0.1:0",
+            db_url=f"sqlite:///{tmp_path / 'c.db'}",
+            blob_dir=tmp_path / "blobs",
+            runs_dir=tmp_path / "runs",
+        )
+    )
     coordinator.start()
     store = coordinator.store
     enrolled = [store.add_site(name) for name in sites]
     run = store.create_run({"rounds": 1})
     store.set_run_status(run.id, "running")
-    return coordinator, CoordinatorGrid(store, coordinator.blobs, coordinator.service, run.id), enrolled
+    return (
+        coordinator,
+        CoordinatorGrid(store, coordinator.blobs, coordinator.service, run.id),
+        enrolled,
+    )
 
 
 def site_app_failing(partitions: set[int]) -> ClientApp:

@@ -20,8 +20,19 @@ from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.chunk_wire import CoordinatorClient
 from hydrafl.proto.envelope import CHUNK_BYTES, UPLOADED, split_message
 
-TRAIN_ATTACKS = ("smuggle-array-in-content", "forge-another-site", "repeat-one-chunk", "huge-zero-size-dimension", "nan")
-EVALUATE_ATTACKS = ("no-metrics", "nan-loss-forged-metadata", "object-array-in-content", "evaluate-with-arrays")
+TRAIN_ATTACKS = (
+    "smuggle-array-in-content",
+    "forge-another-site",
+    "repeat-one-chunk",
+    "huge-zero-size-dimension",
+    "nan",
+)
+EVALUATE_ATTACKS = (
+    "no-metrics",
+    "nan-loss-forged-metadata",
+    "object-array-in-content",
+    "evaluate-with-arrays",
+)
 
 
 class HostileAgent(SiteAgent):
@@ -54,8 +65,12 @@ class HostileAgent(SiteAgent):
         outcome["seconds"] = time.perf_counter() - started
         with self.log_path.open("a") as log:
             log.write(json.dumps(outcome) + "\n")
-        if attack == "forge-another-site":  # its own message is still open: answer it with garbage too
-            garbage = pb.Envelope(reply_to_message_id=reply.metadata.reply_to_message_id, content=b"\xff\x00garbage")
+        if (
+            attack == "forge-another-site"
+        ):  # its own message is still open: answer it with garbage too
+            garbage = pb.Envelope(
+                reply_to_message_id=reply.metadata.reply_to_message_id, content=b"\xff\x00garbage"
+            )
             try:
                 stub.PushReply(pb.PushReplyRequest(envelope=garbage), metadata=self.metadata)
             except grpc.RpcError:
@@ -65,10 +80,17 @@ class HostileAgent(SiteAgent):
     def _smuggle_array_in_content(envelope, chunks, reply):
         """A tiny array that declares the global shapes, placed in the content (Flower would broadcast it)."""
         smuggled = RecordDict({"metrics": reply.content["metrics"]})
-        smuggled["arrays"] = ArrayRecord({
-            name: Array(dtype=a.dtype, shape=tuple(a.shape), stype=a.stype, data=Array(np.ones(1, a.dtype)).data)
-            for name, a in reply.content["arrays"].items()
-        })
+        smuggled["arrays"] = ArrayRecord(
+            {
+                name: Array(
+                    dtype=a.dtype,
+                    shape=tuple(a.shape),
+                    stype=a.stype,
+                    data=Array(np.ones(1, a.dtype)).data,
+                )
+                for name, a in reply.content["arrays"].items()
+            }
+        )
         del envelope.arrays[:]
         envelope.content = recorddict_to_proto(smuggled).SerializeToString()
         return envelope, {}
@@ -101,9 +123,16 @@ class HostileAgent(SiteAgent):
     @staticmethod
     def _nan(envelope, chunks, reply):
         record = reply.content["arrays"]
-        poisoned = {name: np.full(a.shape, np.nan, dtype=a.dtype) for name, a in ((n, x.numpy()) for n, x in record.items())}
-        reply.content = RecordDict({"arrays": ArrayRecord({n: Array(v) for n, v in poisoned.items()}),
-                                    "metrics": reply.content["metrics"]})
+        poisoned = {
+            name: np.full(a.shape, np.nan, dtype=a.dtype)
+            for name, a in ((n, x.numpy()) for n, x in record.items())
+        }
+        reply.content = RecordDict(
+            {
+                "arrays": ArrayRecord({n: Array(v) for n, v in poisoned.items()}),
+                "metrics": reply.content["metrics"],
+            }
+        )
         return split_message(reply, envelope.round)
 
     @staticmethod
@@ -120,19 +149,29 @@ class HostileAgent(SiteAgent):
 
     @staticmethod
     def _object_array_in_content(envelope, chunks, reply):
-        content = RecordDict({"metrics": reply.content["metrics"],
-                              "x": ArrayRecord({"x": Array(dtype="object", shape=(1,), stype="numpy.ndarray", data=b"\x80")})})
+        content = RecordDict(
+            {
+                "metrics": reply.content["metrics"],
+                "x": ArrayRecord(
+                    {"x": Array(dtype="object", shape=(1,), stype="numpy.ndarray", data=b"\x80")}
+                ),
+            }
+        )
         envelope.content = recorddict_to_proto(content).SerializeToString()
         return envelope, chunks
 
     @staticmethod
     def _evaluate_with_arrays(envelope, chunks, reply):
         values = np.ones(4, dtype=np.float32)
-        reply.content = RecordDict({"metrics": reply.content["metrics"], "arrays": ArrayRecord({"w": Array(values)})})
+        reply.content = RecordDict(
+            {"metrics": reply.content["metrics"], "arrays": ArrayRecord({"w": Array(values)})}
+        )
         return split_message(reply, envelope.round)
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # "joined as ..." tells the test it is connected
+    logging.basicConfig(
+        level=logging.INFO, format="%(message)s"
+    )  # "joined as ..." tells the test it is connected
     address, token, log_path = sys.argv[1:4]
     HostileAgent(address, token, client_app, {}, demo=True, log_path=Path(log_path)).run()

@@ -29,7 +29,10 @@ def start() -> None:
     for name, code in PROBES.items():
         if name not in _started:
             _started[name] = subprocess.Popen(
-                [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                [sys.executable, "-c", code],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
             )
 
 
@@ -64,9 +67,18 @@ print(json.dumps({"code": code, "modules": sorted(sys.modules), "seconds": time.
 """
 
 
-def cli(args: list[str], env: dict[str, str], cwd: Path | None = None) -> tuple[dict[str, Any], subprocess.CompletedProcess]:
+def cli(
+    args: list[str], env: dict[str, str], cwd: Path | None = None
+) -> tuple[dict[str, Any], subprocess.CompletedProcess]:
     """`hydrafl ARGS` in a fresh interpreter: its exit code, the modules it had loaded and the seconds it took
     (from its first import), with the finished process (stdout, stderr)."""
-    done = subprocess.run([sys.executable, "-c", CLI, json.dumps(args)], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", CLI, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=120,
+        check=True,
+    )
     return json.loads(done.stdout.strip().splitlines()[-1]), done

@@ -11,5 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def package_dirs() -> dict[str, str]:
     """Top-level folder -> the package it is installed as (`server` -> `hydrafl.server`)."""
-    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ]
     return {folder: package for package, folder in mapping.items()}

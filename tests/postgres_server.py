@@ -20,7 +20,9 @@ def _as_postgres(command: list[str]) -> list[str]:
 def postgres_server() -> Iterator[str]:
     """Start a private cluster; yields its SQLAlchemy URL. Needs PostgreSQL's initdb/pg_ctl on PATH."""
     if shutil.which("initdb") is None or shutil.which("pg_ctl") is None:
-        raise RuntimeError("PostgreSQL server binaries (initdb, pg_ctl) are not installed; .ci/run installs them")
+        raise RuntimeError(
+            "PostgreSQL server binaries (initdb, pg_ctl) are not installed; .ci/run installs them"
+        )
     folder = tempfile.mkdtemp(prefix="hydrafl-pg-", dir="/tmp")
     os.chmod(folder, 0o755)
     if os.geteuid() == 0:
@@ -29,13 +31,23 @@ def postgres_server() -> Iterator[str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    subprocess.run(_as_postgres(["initdb", "-D", data, "-A", "trust", "-U", "postgres"]), check=True,
-                   capture_output=True)
+    subprocess.run(
+        _as_postgres(["initdb", "-D", data, "-A", "trust", "-U", "postgres"]),
+        check=True,
+        capture_output=True,
+    )
     options = f"-p {port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off"
-    subprocess.run(_as_postgres(["pg_ctl", "-D", data, "-o", options, "-w", "-l", os.path.join(folder, "log"), "start"]),
-                   check=True, capture_output=True)
+    subprocess.run(
+        _as_postgres(
+            ["pg_ctl", "-D", data, "-o", options, "-w", "-l", os.path.join(folder, "log"), "start"]
+        ),
+        check=True,
+        capture_output=True,
+    )
     try:
         yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
     finally:
-        subprocess.run(_as_postgres(["pg_ctl", "-D", data, "-m", "immediate", "stop"]), capture_output=True)
+        subprocess.run(
+            _as_postgres(["pg_ctl", "-D", data, "-m", "immediate", "stop"]), capture_output=True
+        )
         shutil.rmtree(folder, ignore_errors=True)

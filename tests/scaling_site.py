@@ -21,11 +21,15 @@ class ScalingAgent(SiteAgent):
     def _push(self, stub: CoordinatorStub, reply: Message, server_round: int) -> None:
         if reply.metadata.message_type == MessageType.TRAIN and not reply.has_error():
             record = reply.content["arrays"]
-            reply.content["arrays"] = ArrayRecord({name: Array(SCALE * array.numpy()) for name, array in record.items()})
+            reply.content["arrays"] = ArrayRecord(
+                {name: Array(SCALE * array.numpy()) for name, array in record.items()}
+            )
         super()._push(stub, reply, server_round)
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # "joined as ..." tells the test it is connected
+    logging.basicConfig(
+        level=logging.INFO, format="%(message)s"
+    )  # "joined as ..." tells the test it is connected
     address, token = sys.argv[1:3]
     ScalingAgent(address, token, client_app, {}, demo=True).run()

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from hydrafl.secagg import SecAggParams, ServerSession, SiteIdentity, SiteSession, decode_sum, encode
+from hydrafl.secagg import (
+    SecAggParams,
+    ServerSession,
+    SiteIdentity,
+    SiteSession,
+    decode_sum,
+    encode,
+)
 from hydrafl.secagg.identity import new_signing_key
 
 
@@ -19,12 +26,16 @@ def identities(nodes: list[int], consortium: bytes | None = None) -> dict[int, S
     return {node: SiteIdentity.issue(consortium, node) for node in nodes}
 
 
-def sessions(nodes: list[int], params: SecAggParams, server_round: int = 1) -> dict[int, SiteSession]:
+def sessions(
+    nodes: list[int], params: SecAggParams, server_round: int = 1
+) -> dict[int, SiteSession]:
     ids = identities(nodes)
     return {node: SiteSession.start(node, server_round, nodes, params, ids[node]) for node in nodes}
 
 
-def started(nodes: list[int], params: SecAggParams, length: int) -> tuple[ServerSession, dict[int, SiteSession]]:
+def started(
+    nodes: list[int], params: SecAggParams, length: int
+) -> tuple[ServerSession, dict[int, SiteSession]]:
     """A round through the share-keys stage: every site sent keys and shares."""
     sites = sessions(nodes, params)
     server = ServerSession.start(1, nodes, params, length)
@@ -35,8 +46,13 @@ def started(nodes: list[int], params: SecAggParams, length: int) -> tuple[Server
     return server, sites
 
 
-def masked(data: dict[int, tuple[np.ndarray, int]], params: SecAggParams, *, drop_before_upload: tuple[int, ...] = (),
-           seen: dict[int, np.ndarray] | None = None) -> tuple[ServerSession, dict[int, SiteSession]]:
+def masked(
+    data: dict[int, tuple[np.ndarray, int]],
+    params: SecAggParams,
+    *,
+    drop_before_upload: tuple[int, ...] = (),
+    seen: dict[int, np.ndarray] | None = None,
+) -> tuple[ServerSession, dict[int, SiteSession]]:
     """A round through the masked-vector stage; `seen` collects each masked vector the coordinator got."""
     nodes = sorted(data)
     server, sites = started(nodes, params, next(iter(data.values()))[0].size + 1)
@@ -52,7 +68,9 @@ def masked(data: dict[int, tuple[np.ndarray, int]], params: SecAggParams, *, dro
     return server, sites
 
 
-def checked(server: ServerSession, sites: dict[int, SiteSession], silent: tuple[int, ...] = ()) -> None:
+def checked(
+    server: ServerSession, sites: dict[int, SiteSession], silent: tuple[int, ...] = ()
+) -> None:
     """The consistency check: every survivor but the `silent` signs the survivor set."""
     survivors = server.check_request()
     for node in survivors:
@@ -61,8 +79,12 @@ def checked(server: ServerSession, sites: dict[int, SiteSession], silent: tuple[
 
 
 def secure_sum(
-    data: dict[int, tuple[np.ndarray, int]], params: SecAggParams, *, drop_before_upload: tuple[int, ...] = (),
-    silent_in_unmask: tuple[int, ...] = (), seen: dict[int, np.ndarray] | None = None,
+    data: dict[int, tuple[np.ndarray, int]],
+    params: SecAggParams,
+    *,
+    drop_before_upload: tuple[int, ...] = (),
+    silent_in_unmask: tuple[int, ...] = (),
+    seen: dict[int, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(weight sum, weighted delta sum) the coordinator learns."""
     server, sites = masked(data, params, drop_before_upload=drop_before_upload, seen=seen)

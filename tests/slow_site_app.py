@@ -22,7 +22,9 @@ def train(message: Message, context: Context) -> Message:
     started = time.monotonic()
     reply = hydrafl_app(message, context)
     if trained:
-        time.sleep((float(os.environ.get("HYDRAFL_SLOW_FACTOR", "10")) - 1) * (time.monotonic() - started))
+        time.sleep(
+            (float(os.environ.get("HYDRAFL_SLOW_FACTOR", "10")) - 1) * (time.monotonic() - started)
+        )
     trained += 1
     return reply
 

@@ -45,7 +45,9 @@ class SlowLoss:
         return classification_loss(model, x, y)
 
 
-def vocab_sharded_rank(rank: int, port: int, out: str, problem: dict[str, torch.Tensor], split: tuple[int, ...]) -> None:
+def vocab_sharded_rank(
+    rank: int, port: int, out: str, problem: dict[str, torch.Tensor], split: tuple[int, ...]
+) -> None:
     """One of len(split) - 1 gloo ranks, holding vocabulary ids [split[rank], split[rank + 1]) of the student's
     and the teacher's heads: CE + KL from the gathered stats; the gradients of its hidden states and of its
     head shard go to `out`/rank{rank}.pt."""
@@ -56,12 +58,17 @@ def vocab_sharded_rank(rank: int, port: int, out: str, problem: dict[str, torch.
         hidden = problem["hidden"].detach().clone().requires_grad_()
         weight = problem["weight"].detach()[start:stop].clone().requires_grad_()
         target, teacher = problem["target"], problem["teacher_weight"][start:stop]
-        ce = cross_entropy_shard_stats(hidden, weight, target, vocab_start=start, chunk_size=16, window_size=8)
-        kl = kl_shard_stats(hidden, weight, problem["teacher_hidden"], teacher, chunk_size=16)
-        loss = cross_entropy_from_stats(merge_cross_entropy_stats(gather_shard_stats(ce)), target) + kl_from_stats(
-            merge_kl_stats(gather_shard_stats(kl))
+        ce = cross_entropy_shard_stats(
+            hidden, weight, target, vocab_start=start, chunk_size=16, window_size=8
         )
+        kl = kl_shard_stats(hidden, weight, problem["teacher_hidden"], teacher, chunk_size=16)
+        loss = cross_entropy_from_stats(
+            merge_cross_entropy_stats(gather_shard_stats(ce)), target
+        ) + kl_from_stats(merge_kl_stats(gather_shard_stats(kl)))
         loss.backward()
-        torch.save({"loss": loss.detach(), "hidden": hidden.grad, "weight": weight.grad}, f"{out}/rank{rank}.pt")
+        torch.save(
+            {"loss": loss.detach(), "hidden": hidden.grad, "weight": weight.grad},
+            f"{out}/rank{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()

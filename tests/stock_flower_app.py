@@ -15,13 +15,17 @@ server_app = ServerApp()
 @client_app.train()
 def train(message: Message, context: Context) -> Message:
     weights = message.content["arrays"]["w"].numpy() + 1.0
-    content = RecordDict({"arrays": ArrayRecord({"w": Array(weights)}), "metrics": MetricRecord({"num-examples": 2})})
+    content = RecordDict(
+        {"arrays": ArrayRecord({"w": Array(weights)}), "metrics": MetricRecord({"num-examples": 2})}
+    )
     return Message(content, reply_to=message)
 
 
 @client_app.evaluate()
 def evaluate(message: Message, context: Context) -> Message:
-    metrics = MetricRecord({"num-examples": 2, "loss": float(message.content["arrays"]["w"].numpy().mean())})
+    metrics = MetricRecord(
+        {"num-examples": 2, "loss": float(message.content["arrays"]["w"].numpy().mean())}
+    )
     return Message(RecordDict({"metrics": metrics}), reply_to=message)
 
 
@@ -30,7 +34,9 @@ def main(grid: Grid, context: Context) -> None:
     """FedAvg over `num-server-rounds` rounds from w = 0; the final arrays go to `result-path` (an .npz) when set."""
     strategy = FedAvg(min_available_nodes=int(context.run_config.get("min-nodes", 2)))
     initial = ArrayRecord({"w": Array(np.zeros(3, dtype=np.float32))})
-    result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=int(context.run_config["num-server-rounds"]))
+    result = strategy.start(
+        grid=grid, initial_arrays=initial, num_rounds=int(context.run_config["num-server-rounds"])
+    )
     if "result-path" in context.run_config:
         final = {name: array.numpy() for name, array in result.arrays.items()}
         np.savez(str(context.run_config["result-path"]), **final)

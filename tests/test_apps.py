@@ -42,7 +42,9 @@ def test_train_reply_is_start_minus_end_of_local_training(grid):
     split = cohort.sites[1]
     model = build_model(cohort.task, seed=CFG.seed)
     start = {k: v.clone() for k, v in federated_state(model).items()}
-    local = SiteTrainConfig(steps=4, batch_size=8, lr=3e-3, seed=site_seed(CFG.seed, 1), server_round=2)
+    local = SiteTrainConfig(
+        steps=4, batch_size=8, lr=3e-3, seed=site_seed(CFG.seed, 1), server_round=2
+    )
     train_site(model, start, split.train_x, split.train_y, local)
     for name, value in federated_state(model).items():
         torch.testing.assert_close(delta[name], start[name] - value)
@@ -54,7 +56,9 @@ def test_fedprox_proximal_mu_from_the_strategy_shrinks_the_update(grid):
     initial = server_app.request_initial_arrays(grid, CFG)
     norms = {}
     for mu in (0.0, 50.0):
-        delta = from_record(_ask(grid, "train", node, initial, **{"proximal-mu": mu}).content["arrays"])
+        delta = from_record(
+            _ask(grid, "train", node, initial, **{"proximal-mu": mu}).content["arrays"]
+        )
         norms[mu] = float(sum((d**2).sum() for d in delta.values()))
     assert norms[50.0] < 0.5 * norms[0.0]
 

@@ -13,8 +13,17 @@ from hydrafl.subnet.architecture import find_architecture
 
 LLAMA = TinyShape(hidden=32, layers=3, heads=4, kv_heads=2, intermediate=48, max_positions=32)
 SHAPE = TinyShape(hidden=32, layers=3, heads=4, intermediate=48, patch_size=8)
-TEXT = TaskSpec(name="text", modality="text", num_classes=3, class_names=("a", "b", "c"), vocab_size=40, seq_len=8)
-IMAGE = TaskSpec(name="image", modality="image", num_classes=2, class_names=("a", "b"), image_size=16, channels=1)
+TEXT = TaskSpec(
+    name="text",
+    modality="text",
+    num_classes=3,
+    class_names=("a", "b", "c"),
+    vocab_size=40,
+    seq_len=8,
+)
+IMAGE = TaskSpec(
+    name="image", modality="image", num_classes=2, class_names=("a", "b"), image_size=16, channels=1
+)
 
 
 @pytest.fixture
@@ -31,18 +40,34 @@ def lm_batch():
 
 def test_tiny_causal_lm_config(llama, lm_batch):
     c = llama.config
-    assert (c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (
-        40, 32, 3, 4, 2,
+    assert (
+        c.vocab_size,
+        c.hidden_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+    ) == (
+        40,
+        32,
+        3,
+        4,
+        2,
     )
     assert llama(input_ids=lm_batch[0]).logits.shape == (4, 8, 40)
     again = build_causal_lm(40, shape=LLAMA, seed=0)
-    assert all(torch.equal(a, b) for a, b in zip(llama.state_dict().values(), again.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(llama.state_dict().values(), again.state_dict().values())
+    )
     with pytest.raises(ValueError, match="do not divide"):
         build_causal_lm(40, shape=TinyShape(hidden=32, heads=4, kv_heads=3))
 
 
 def test_kv_heads_default_to_half_the_heads_when_even():
-    assert (TinyShape().num_kv_heads, TinyShape(heads=3).num_kv_heads, TinyShape(kv_heads=1).num_kv_heads) == (2, 3, 1)
+    assert (
+        TinyShape().num_kv_heads,
+        TinyShape(heads=3).num_kv_heads,
+        TinyShape(kv_heads=1).num_kv_heads,
+    ) == (2, 3, 1)
 
 
 @pytest.mark.parametrize("family", ["bert", "vit", "llama"])
@@ -65,7 +90,9 @@ def test_load_pretrained_round_trip(tmp_path, llama, lm_batch):
     assert type(loaded) is LlamaForCausalLM
     assert loaded.config.num_key_value_heads == 2
     with torch.no_grad():
-        assert torch.equal(loaded.eval()(input_ids=lm_batch[0]).logits, llama.eval()(input_ids=lm_batch[0]).logits)
+        assert torch.equal(
+            loaded.eval()(input_ids=lm_batch[0]).logits, llama.eval()(input_ids=lm_batch[0]).logits
+        )
     build_model(TEXT, seed=0, shape=SHAPE).net.save_pretrained(tmp_path / "bert")
     assert type(load_pretrained(tmp_path / "bert")).__name__ == "BertForSequenceClassification"
     with pytest.raises(ValueError, match="is not a local checkpoint directory"):

@@ -55,9 +55,13 @@ def test_cohort_targets_are_the_next_tokens_with_padding_ignored(cohort):
     x, y = split.train_x, split.train_y
     shifted = x[:, 1:]
     real = shifted != 0
-    assert torch.equal(y[:, :-1][real], shifted[real]) and bool((y[:, :-1][~real] == IGNORE_INDEX).all())
+    assert torch.equal(y[:, :-1][real], shifted[real]) and bool(
+        (y[:, :-1][~real] == IGNORE_INDEX).all()
+    )
     # per-site vocabulary shift: the sites' token distributions differ
-    counts = [torch.bincount(s.train_x.flatten(), minlength=task.vocab_size).float() for s in cohort.sites]
+    counts = [
+        torch.bincount(s.train_x.flatten(), minlength=task.vocab_size).float() for s in cohort.sites
+    ]
     tv = 0.5 * (counts[0] / counts[0].sum() - counts[1] / counts[1].sum()).abs().sum()
     assert tv > 0.2
     with pytest.raises(DataError, match="natural .* or iid"):
@@ -93,7 +97,11 @@ def test_distillation_loss_equals_cross_entropy_plus_weighted_kl(cohort, batch, 
     s = _full_logits(student, x).flatten(0, 1)[valid]
     with torch.no_grad():
         t = _full_logits(teacher, x).flatten(0, 1)[valid]
-    kl = F.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="none").sum(-1).mean()
+    kl = (
+        F.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="none")
+        .sum(-1)
+        .mean()
+    )
     reference = F.cross_entropy(s, y.flatten()[valid]) + 0.3 * kl
     expected = torch.autograd.grad(reference, list(student.parameters()))
     assert kl.item() > 1e-3  # a real teacher signal, not a zero KL
@@ -102,7 +110,9 @@ def test_distillation_loss_equals_cross_entropy_plus_weighted_kl(cohort, batch, 
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-4)
     # the seeded initial model as teacher: KL is 0 at the start, so the loss is the plain cross-entropy
     init = training_loss(cohort.task, seed=1, distill_teacher="init", distill_weight=0.3)
-    assert init(student, x, y).item() == pytest.approx(task_loss(cohort.task)(student, x, y).item(), abs=1e-6)
+    assert init(student, x, y).item() == pytest.approx(
+        task_loss(cohort.task)(student, x, y).item(), abs=1e-6
+    )
 
 
 def test_distillation_errors_are_clear(cohort, tmp_path):
@@ -134,7 +144,9 @@ def test_chunked_token_accuracy_equals_full_argmax(cohort):
     target = split.test_y.flatten()
     valid = target != IGNORE_INDEX
     assert accuracy == int((logits.argmax(-1) == target)[valid].sum()) / int(valid.sum())
-    assert loss == pytest.approx(F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX).item(), abs=1e-5)
+    assert loss == pytest.approx(
+        F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX).item(), abs=1e-5
+    )
     assert 0.0 < accuracy < 1.0
 
 
@@ -142,12 +154,16 @@ def test_lora_federates_exactly_the_lora_tensors_and_trains(cohort):
     model = build_model(cohort.task, seed=0, lora=LoraSpec(rank=4))
     names = list(federated_state(model))
     assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
-    assert len(names) == 2 * 4 * 2  # A and B of q/k/v/o in each of the 2 layers; the LM head stays frozen
+    assert (
+        len(names) == 2 * 4 * 2
+    )  # A and B of q/k/v/o in each of the 2 layers; the LM head stays frozen
     split = cohort.sites[0]
     start = {n: t.clone() for n, t in federated_state(model).items()}
     config = SiteTrainConfig(steps=4, batch_size=8, lr=1e-2)
     loss_fn = task_loss(cohort.task)
-    result = train_site(model, start, split.train_x, split.train_y, config, device="cpu", loss_fn=loss_fn)
+    result = train_site(
+        model, start, split.train_x, split.train_y, config, device="cpu", loss_fn=loss_fn
+    )
     assert set(result.end_state) == set(start)
     assert all(not torch.equal(result.end_state[n], start[n]) for n in names if ".lora_B." in n)
 
@@ -175,14 +191,27 @@ def test_hydra_scores_use_the_task_loss(cohort, batch):
 
 def test_site_trains_with_distillation_and_reports_the_lm_footprint():
     cfg = SMALL_RUN.replace(
-        task=TASK, sites=2, samples_per_site=30, rounds=15, local_steps=2, batch_size=8, lr=2e-3,
-        distill_teacher="init", lora_rank=2,
+        task=TASK,
+        sites=2,
+        samples_per_site=30,
+        rounds=15,
+        local_steps=2,
+        batch_size=8,
+        lr=2e-3,
+        distill_teacher="init",
+        lora_rank=2,
     )
     grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
     initial = server_app.request_initial_arrays(grid, cfg)
-    assert sorted(initial) == sorted(federated_state(build_model(site_app.run_cohort(cfg).task, lora=LoraSpec(rank=2))))
-    content = RecordDict({"arrays": initial, "config": ConfigRecord({**cfg.to_flower(), "server-round": 1})})
-    [reply] = grid.send_and_receive([Message(content, dst_node_id=FIRST_NODE_ID, message_type="train")])
+    assert sorted(initial) == sorted(
+        federated_state(build_model(site_app.run_cohort(cfg).task, lora=LoraSpec(rank=2)))
+    )
+    content = RecordDict(
+        {"arrays": initial, "config": ConfigRecord({**cfg.to_flower(), "server-round": 1})}
+    )
+    [reply] = grid.send_and_receive(
+        [Message(content, dst_node_id=FIRST_NODE_ID, message_type="train")]
+    )
     assert not reply.has_error(), reply.error.reason
     metrics = reply.content["metrics"]
     assert metrics["peak-memory-bytes"] > 0 and 0 < metrics["train_loss"] < 8.0
@@ -221,8 +250,14 @@ def test_two_process_ddp_delta_equals_one_process(cohort):
     for nproc in (1, 2):
         config = SiteTrainConfig(steps=3, batch_size=8, lr=0.5, optimizer="sgd", nproc=nproc)
         results[nproc] = train_site(
-            build_model(cohort.task, seed=0), start, split.train_x, split.train_y, config,
-            rebuild=rebuild, device="cpu", loss_fn=task_loss(cohort.task),
+            build_model(cohort.task, seed=0),
+            start,
+            split.train_x,
+            split.train_y,
+            config,
+            rebuild=rebuild,
+            device="cpu",
+            loss_fn=task_loss(cohort.task),
         )
     assert results[1].loss == pytest.approx(results[2].loss, abs=1e-5)
     for name, begin in start.items():

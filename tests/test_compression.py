@@ -32,7 +32,9 @@ def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def _round_trip(tensors: dict[str, torch.Tensor], scheme: Scheme) -> dict[str, torch.Tensor]:
     encoded = encode(tensors, scheme)
-    assert {n: (str(a.dtype), a.shape) for n, a in encoded.arrays.items()} == expected_arrays(scheme, encoded.shapes)
+    assert {n: (str(a.dtype), a.shape) for n, a in encoded.arrays.items()} == expected_arrays(
+        scheme, encoded.shapes
+    )
     return decode(encoded.arrays, encoded.shapes, scheme)
 
 
@@ -53,11 +55,15 @@ def test_quantisation_errs_by_at_most_half_a_step_of_its_block(name, levels, blo
     decoded = decode(encoded.arrays, encoded.shapes, scheme)
     flat = torch.cat([t.reshape(-1) for t in tensors.values()])
     error = torch.cat([(decoded[n] - t).reshape(-1) for n, t in tensors.items()]).abs()
-    scales = torch.from_numpy(encoded.arrays["compress.scale"]).repeat_interleave(block)[: flat.numel()]
+    scales = torch.from_numpy(encoded.arrays["compress.scale"]).repeat_interleave(block)[
+        : flat.numel()
+    ]
     assert (error <= scales / 2 * (1 + 1e-6)).all()
     assert len(encoded.arrays["compress.scale"]) == math.ceil(flat.numel() / block)
     for i, chunk in enumerate(flat.split(block)):
-        assert encoded.arrays["compress.scale"][i] == pytest.approx(float(chunk.abs().max()) / levels)
+        assert encoded.arrays["compress.scale"][i] == pytest.approx(
+            float(chunk.abs().max()) / levels
+        )
     if name == "int4":  # two values a byte, whatever the parity of the count
         assert encoded.arrays["compress.int4"].dtype == np.uint8
         assert len(encoded.arrays["compress.int4"]) == math.ceil(flat.numel() / 2)
@@ -83,7 +89,9 @@ def test_powersgd_is_exact_on_a_matrix_of_its_rank_and_sends_vectors_whole():
     tensors = {"w": low_rank, "b": torch.randn(50, generator=generator)}
     scheme = Scheme(name="powersgd", rank=3)
     encoded = encode(tensors, scheme)
-    assert encoded.arrays["compress.p"].shape == (60 * 3,) and encoded.arrays["compress.q"].shape == (50 * 3,)
+    assert encoded.arrays["compress.p"].shape == (60 * 3,) and encoded.arrays[
+        "compress.q"
+    ].shape == (50 * 3,)
     decoded = decode(encoded.arrays, encoded.shapes, scheme)
     torch.testing.assert_close(decoded["w"], low_rank, atol=1e-4, rtol=1e-4)
     assert torch.equal(decoded["b"], tensors["b"])
@@ -143,7 +151,9 @@ def test_error_feedback_makes_the_decoded_sum_track_the_true_sum(name):
             true_sum[n] += update[n]
             sent_sum[n] += decoded[n]
     for n in true_sum:
-        torch.testing.assert_close(sent_sum[n] + feedback.residuals[n], true_sum[n], atol=1e-3, rtol=1e-4)
+        torch.testing.assert_close(
+            sent_sum[n] + feedback.residuals[n], true_sum[n], atol=1e-3, rtol=1e-4
+        )
     residual = float(torch.cat([r.reshape(-1) for r in feedback.residuals.values()]).norm())
     contraction = math.sqrt(1 - 0.1)
     assert residual <= contraction / (1 - contraction) * largest
@@ -156,13 +166,20 @@ def _train_message(config: dict) -> Message:
 
 
 def _site_reply(message: Message, update: dict[str, torch.Tensor]) -> Message:
-    content = RecordDict({"arrays": to_record(update), "metrics": MetricRecord({"num-examples": 5})})
+    content = RecordDict(
+        {"arrays": to_record(update), "metrics": MetricRecord({"num-examples": 5})}
+    )
     return Message(content, reply_to=message)
 
 
 def _context(state_dir) -> Context:
-    return Context(run_id=7, node_id=1, node_config={"partition-id": 0, "state-dir": str(state_dir)},
-                   state=RecordDict(), run_config={})
+    return Context(
+        run_id=7,
+        node_id=1,
+        node_config={"partition-id": 0, "state-dir": str(state_dir)},
+        state=RecordDict(),
+        run_config={},
+    )
 
 
 def test_residuals_survive_a_site_restart_and_start_again_on_other_coordinates(tmp_path):
@@ -171,8 +188,12 @@ def test_residuals_survive_a_site_restart_and_start_again_on_other_coordinates(t
     first = _context(tmp_path)
     reply = compress_reply(message, _site_reply(message, update), first)
     assert set(reply.content[RECORD]["names"]) == set(update)
-    kept = ErrorFeedback.load(first, None, coordinates_key(config, Scheme.from_config(config))).residuals
-    assert float(kept["layer.weight"].abs().sum()) > 0 and float(kept["scale"]) == 0  # a scalar is its own top 1
+    kept = ErrorFeedback.load(
+        first, None, coordinates_key(config, Scheme.from_config(config))
+    ).residuals
+    assert (
+        float(kept["layer.weight"].abs().sum()) > 0 and float(kept["scale"]) == 0
+    )  # a scalar is its own top 1
     restarted = _context(tmp_path)  # a new process: empty state, the same state directory
     key = coordinates_key(config, Scheme.from_config(config))
     restored = ErrorFeedback.load(restarted, tmp_path, key).residuals
@@ -184,7 +205,9 @@ def test_residuals_survive_a_site_restart_and_start_again_on_other_coordinates(t
 def test_a_message_without_compression_leaves_the_reply_alone():
     message = _train_message({"compress": "none"})
     reply = _site_reply(message, _tensors())
-    assert compress_reply(message, reply, _context("unused")) is reply and RECORD not in reply.content
+    assert (
+        compress_reply(message, reply, _context("unused")) is reply and RECORD not in reply.content
+    )
 
 
 def test_the_run_option_is_checked():
@@ -198,7 +221,9 @@ def test_the_run_option_is_checked():
 
 
 def _run(cfg: RunConfig):
-    return server_app.run_federation(InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower()), cfg)
+    return server_app.run_federation(
+        InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower()), cfg
+    )
 
 
 @pytest.mark.parametrize("strategy", ["diloco", "fedavg"])
@@ -208,18 +233,24 @@ def test_a_compressed_run_counts_the_compressed_bytes(strategy):
     scheme = Scheme(name="topk", topk_fraction=0.05)
     compressed = _run(cfg.replace(compress="topk", compress_topk_fraction=0.05))
     shapes = {name: tuple(array.shape) for name, array in plain.arrays.items()}
-    expected = sum(np.dtype(dtype).itemsize * math.prod(shape) + 128 for dtype, shape in
-                   expected_arrays(scheme, shapes).values())  # payload plus one 128-byte npy header per array
+    expected = sum(
+        np.dtype(dtype).itemsize * math.prod(shape) + 128
+        for dtype, shape in expected_arrays(scheme, shapes).values()
+    )  # payload plus one 128-byte npy header per array
     for round_ in compressed.history[1:]:
         assert round_["bytes_up"] == cfg.sites * expected
         assert round_["bytes_down"] == plain.history[1]["bytes_down"]  # downloads stay whole
-    assert sum(r["bytes_up"] for r in plain.history) >= 4 * sum(r["bytes_up"] for r in compressed.history)
+    assert sum(r["bytes_up"] for r in plain.history) >= 4 * sum(
+        r["bytes_up"] for r in compressed.history
+    )
 
 
 def test_a_compressed_run_learns_like_an_uncompressed_one():
     cfg = SMALL_RUN.replace(strategy="diloco", rounds=4, local_steps=4)
     plain, compressed = _run(cfg), _run(cfg.replace(compress="int8"))
-    assert compressed.history[-1]["accuracy"] == pytest.approx(plain.history[-1]["accuracy"], abs=0.03)
+    assert compressed.history[-1]["accuracy"] == pytest.approx(
+        plain.history[-1]["accuracy"], abs=0.03
+    )
     assert compressed.history[-1]["loss"] == pytest.approx(plain.history[-1]["loss"], rel=0.02)
 
 
@@ -228,5 +259,7 @@ def test_hydra_sites_compress_the_compact_slices_they_send():
     compressed = _run(TIERED_RUN.replace(compress="int8"))
     for before, after in zip(plain.history[1:], compressed.history[1:]):
         assert after["sites_ok"] == 3 and not after["rejected_per_site"]
-        assert before["bytes_up"] / after["bytes_up"] > 3.5  # int8 and a scale per 256 values of the slices
+        assert (
+            before["bytes_up"] / after["bytes_up"] > 3.5
+        )  # int8 and a scale per 256 values of the slices
     assert math.isfinite(compressed.history[-1]["loss"])

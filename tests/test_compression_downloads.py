@@ -56,13 +56,24 @@ def _model(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
 
 
 def _config(scheme: Scheme) -> ConfigRecord:
-    return ConfigRecord({"compress": scheme.name, "compress-topk-fraction": scheme.topk_fraction,
-                         "compress-rank": scheme.rank, "compress-block": scheme.block, "compress-downloads": True})
+    return ConfigRecord(
+        {
+            "compress": scheme.name,
+            "compress-topk-fraction": scheme.topk_fraction,
+            "compress-rank": scheme.rank,
+            "compress-block": scheme.block,
+            "compress-downloads": True,
+        }
+    )
 
 
 def _message(model: dict[str, torch.Tensor] | ArrayRecord, node: int, scheme: Scheme) -> Message:
     record = model if isinstance(model, ArrayRecord) else to_record(model)
-    return Message(RecordDict({"arrays": record, "config": _config(scheme)}), dst_node_id=node, message_type="evaluate")
+    return Message(
+        RecordDict({"arrays": record, "config": _config(scheme)}),
+        dst_node_id=node,
+        message_type="evaluate",
+    )
 
 
 class _Federation:
@@ -77,14 +88,21 @@ class _Federation:
                 context.node_config["state-dir"] = str(state_dir / str(node))
 
     def exchange(
-        self, model: dict[str, torch.Tensor], server_round: int, nodes: list[int] = NODES, *, full: bool = False
+        self,
+        model: dict[str, torch.Tensor],
+        server_round: int,
+        nodes: list[int] = NODES,
+        *,
+        full: bool = False,
     ) -> tuple[dict[int, Message], dict[int, Message]]:
         """The wire messages and each node's reply; all nodes are sent one shared record, as FedAvg sends it."""
         record = to_record(model)
         messages = [_message(record, node, self.scheme) for node in nodes]
         wire = self.downloads.prepare(messages, server_round, full=full)
         replies = list(self.downloads.settle(wire, self.grid.send_and_receive(wire)))
-        return {m.metadata.dst_node_id: m for m in wire}, {r.metadata.src_node_id: r for r in replies}
+        return {m.metadata.dst_node_id: m for m in wire}, {
+            r.metadata.src_node_id: r for r in replies
+        }
 
     def believed(self, node: int) -> dict[str, torch.Tensor]:
         """The model the coordinator believes `node` holds for these messages' coordinates."""
@@ -110,11 +128,15 @@ def _decoded(message: Message, scheme: Scheme) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", list(SCHEMES))
-def test_sites_rebuild_exactly_what_the_coordinator_believes_and_the_loss_stays_at_the_coordinator(name):
+def test_sites_rebuild_exactly_what_the_coordinator_believes_and_the_loss_stays_at_the_coordinator(
+    name,
+):
     scheme, federation = SCHEMES[name], _Federation(SCHEMES[name])
     models = [_model(0)]
     for step in range(1, 6):
-        models.append({n: t + 0.05 * s for (n, t), s in zip(models[-1].items(), _model(step).values())})
+        models.append(
+            {n: t + 0.05 * s for (n, t), s in zip(models[-1].items(), _model(step).values())}
+        )
     received = {name: torch.zeros_like(t) for name, t in models[0].items()}
     for server_round, model in enumerate(models):
         wire, replies = federation.exchange(model, server_round)
@@ -123,19 +145,29 @@ def test_sites_rebuild_exactly_what_the_coordinator_believes_and_the_loss_stays_
         for node in NODES:
             held = from_record(replies[node].content["arrays"])
             [(key, (digest, kept))] = site_references(federation.grid.contexts[node]).items()
-            assert key == federation.key and digest == federation.downloads.held[node, key].digest == content_hash(held)
+            assert key == federation.key and digest == federation.downloads.held[
+                node, key
+            ].digest == content_hash(held)
             for tensor_name, tensor in federation.believed(node).items():
-                assert torch.equal(held[tensor_name], tensor) and torch.equal(kept[tensor_name], tensor)
-        assert len(federation.downloads.models) == 1  # the sites took the same messages: one reference kept
+                assert torch.equal(held[tensor_name], tensor) and torch.equal(
+                    kept[tensor_name], tensor
+                )
+        assert (
+            len(federation.downloads.models) == 1
+        )  # the sites took the same messages: one reference kept
         if server_round:
-            assert record_nbytes(wire[NODES[0]].content["arrays"]) < record_nbytes(to_record(model)) / 1.9
+            assert (
+                record_nbytes(wire[NODES[0]].content["arrays"])
+                < record_nbytes(to_record(model)) / 1.9
+            )
             for tensor_name, change in _decoded(wire[NODES[0]], scheme).items():
                 received[tensor_name] += change
     rebuilt = federation.believed(NODES[0])
     for tensor_name, final in models[-1].items():
         residual = final - rebuilt[tensor_name]
-        torch.testing.assert_close(received[tensor_name] + residual, final - models[0][tensor_name],
-                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            received[tensor_name] + residual, final - models[0][tensor_name], rtol=0, atol=1e-5
+        )
         assert residual.norm() < RESIDUAL_BOUND[name] * (final - models[0][tensor_name]).norm()
 
 
@@ -147,20 +179,28 @@ def test_a_site_without_a_usable_reference_is_sent_the_whole_model():
     assert record_nbytes(wire[first].content["arrays"]) == record_nbytes(to_record(_model(0)))
     wire, _ = federation.exchange(_model(1), 1, NODES[:2])
     assert {_mode(m) for m in wire.values()} == {"delta"}
-    wire, _ = federation.exchange(_model(2), 2, [first, last])  # the last site sat round 1 out: stale
+    wire, _ = federation.exchange(
+        _model(2), 2, [first, last]
+    )  # the last site sat round 1 out: stale
     assert (_mode(wire[first]), _mode(wire[last])) == ("delta", "full")
     wire, _ = federation.exchange(_model(3), 3, [first], full=True)
     assert _mode(wire[first]) == "full"
     unanswered = federation.downloads.prepare([_message(_model(4), first, federation.scheme)], 4)
-    assert _mode(unanswered[0]) == "delta" and list(federation.downloads.settle(unanswered, [])) == []
-    wire, replies = federation.exchange(_model(5), 4, [first])  # no reply came: what it holds is unknown
+    assert (
+        _mode(unanswered[0]) == "delta" and list(federation.downloads.settle(unanswered, [])) == []
+    )
+    wire, replies = federation.exchange(
+        _model(5), 4, [first]
+    )  # no reply came: what it holds is unknown
     assert _mode(wire[first]) == "full" and not replies[first].has_error()
     layout = {"layer.weight": torch.zeros(24, 21)}  # another subnetwork's slice: other coordinates
     wire, _ = federation.exchange(layout, 5, [first])
     assert _mode(wire[first]) == "full"
 
 
-def test_a_restarted_site_keeps_its_reference_in_its_state_dir_and_one_without_is_refused_then_resent(tmp_path):
+def test_a_restarted_site_keeps_its_reference_in_its_state_dir_and_one_without_is_refused_then_resent(
+    tmp_path,
+):
     federation = _Federation(SCHEMES["topk"], tmp_path)
     federation.exchange(_model(0), 0)
     kept, lost = NODES[0], NODES[1]
@@ -174,7 +214,9 @@ def test_a_restarted_site_keeps_its_reference_in_its_state_dir_and_one_without_i
     for tensor_name, tensor in federation.believed(kept).items():
         assert torch.equal(from_record(replies[kept].content["arrays"])[tensor_name], tensor)
     wire, replies = federation.exchange(_model(2), 2, [kept, lost])
-    assert (_mode(wire[kept]), _mode(wire[lost])) == ("delta", "full") and not replies[lost].has_error()
+    assert (_mode(wire[kept]), _mode(wire[lost])) == ("delta", "full") and not replies[
+        lost
+    ].has_error()
 
 
 def test_a_download_built_on_another_reference_or_tampered_with_is_refused_and_the_reference_kept():
@@ -182,38 +224,58 @@ def test_a_download_built_on_another_reference_or_tampered_with_is_refused_and_t
     federation.exchange(_model(0), 0)
     node, other = NODES[0], NODES[1]
     held_digest = federation.site_digest(node)
-    federation.grid.contexts[node].state[STATE_CONFIG] = ConfigRecord({"keys": [federation.key], "digests": ["f" * 64]})
+    federation.grid.contexts[node].state[STATE_CONFIG] = ConfigRecord(
+        {"keys": [federation.key], "digests": ["f" * 64]}
+    )
     wire, replies = federation.exchange(_model(1), 1, [node])
     assert _mode(wire[node]) == "delta" and replies[node].has_error()
     assert "is a change from reference " + held_digest[:12] in replies[node].error.reason
     assert "but this site holds ffffffffffff; refused" in replies[node].error.reason
-    assert (node, federation.key) not in federation.downloads.held  # refused: the next message goes whole
+    assert (
+        node,
+        federation.key,
+    ) not in federation.downloads.held  # refused: the next message goes whole
     [sent] = federation.downloads.prepare([_message(_model(2), other, federation.scheme)], 1)
     scales = sent.content["arrays"]["compress.scale"].numpy().copy()
     scales[0] *= 2
-    sent.content["arrays"] = ArrayRecord({**dict(sent.content["arrays"]), **to_record({"compress.scale": scales})})
+    sent.content["arrays"] = ArrayRecord(
+        {**dict(sent.content["arrays"]), **to_record({"compress.scale": scales})}
+    )
     before = federation.site_digest(other)
     [reply] = federation.downloads.settle([sent], federation.grid.send_and_receive([sent]))
-    assert reply.has_error() and "the coordinator's to" in reply.error.reason and "refused" in reply.error.reason
+    assert (
+        reply.has_error()
+        and "the coordinator's to" in reply.error.reason
+        and "refused" in reply.error.reason
+    )
     assert federation.site_digest(other) == before
     wire, replies = federation.exchange(_model(3), 2, [node, other])
-    assert {_mode(m) for m in wire.values()} == {"full"} and not any(r.has_error() for r in replies.values())
+    assert {_mode(m) for m in wire.values()} == {"full"} and not any(
+        r.has_error() for r in replies.values()
+    )
 
 
 def test_compress_downloads_needs_an_upload_scheme():
     with pytest.raises(ConfigError, match="compress-downloads"):
         RunConfig(compress_downloads=True)
-    assert RunConfig(compress="int8", compress_downloads=True).to_flower()["compress-downloads"] is True
+    assert (
+        RunConfig(compress="int8", compress_downloads=True).to_flower()["compress-downloads"]
+        is True
+    )
 
 
 def _run(cfg: RunConfig):
-    return server_app.run_federation(InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower()), cfg)
+    return server_app.run_federation(
+        InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower()), cfg
+    )
 
 
 def _wire_bytes(scheme: Scheme, shapes: dict[str, tuple[int, ...]]) -> int:
     """A compressed download's bytes: each array's payload plus its 128-byte npy header."""
-    return sum(np.dtype(dtype).itemsize * math.prod(shape) + 128
-               for dtype, shape in expected_arrays(scheme, shapes).values())
+    return sum(
+        np.dtype(dtype).itemsize * math.prod(shape) + 128
+        for dtype, shape in expected_arrays(scheme, shapes).values()
+    )
 
 
 def test_a_run_with_compressed_downloads_learns_like_one_without_and_counts_fewer_download_bytes():
@@ -222,12 +284,22 @@ def test_a_run_with_compressed_downloads_learns_like_one_without_and_counts_fewe
     full = plain.history[1]["bytes_down"] // (2 * cfg.sites)  # one whole model to a site
     delta = _wire_bytes(Scheme(name="int8"), {n: tuple(a.shape) for n, a in plain.arrays.items()})
     assert [r["bytes_down"] for r in compressed.history] == [
-        cfg.sites * full, 2 * cfg.sites * delta, 2 * cfg.sites * delta, cfg.sites * (delta + full)]
-    ratio = sum(r["bytes_down"] for r in plain.history) / sum(r["bytes_down"] for r in compressed.history)
+        cfg.sites * full,
+        2 * cfg.sites * delta,
+        2 * cfg.sites * delta,
+        cfg.sites * (delta + full),
+    ]
+    ratio = sum(r["bytes_down"] for r in plain.history) / sum(
+        r["bytes_down"] for r in compressed.history
+    )
     assert ratio > 2.1  # (7 whole models) / (2 whole + 5 int8 changes) a site over three rounds
     assert compressed.history[-1]["loss"] == pytest.approx(plain.history[-1]["loss"], rel=0.01)
-    assert compressed.history[-1]["accuracy"] == pytest.approx(plain.history[-1]["accuracy"], abs=0.03)
-    assert all(r["sites_ok"] == cfg.sites and not r["rejected_per_site"] for r in compressed.history[1:])
+    assert compressed.history[-1]["accuracy"] == pytest.approx(
+        plain.history[-1]["accuracy"], abs=0.03
+    )
+    assert all(
+        r["sites_ok"] == cfg.sites and not r["rejected_per_site"] for r in compressed.history[1:]
+    )
 
 
 def test_hydra_sites_take_compressed_downloads_of_their_slices():
@@ -235,5 +307,7 @@ def test_hydra_sites_take_compressed_downloads_of_their_slices():
     compressed = _run(TIERED_RUN.replace(compress="int8", compress_downloads=True))
     for before, after in zip(plain.history[1:], compressed.history[1:]):
         assert after["sites_ok"] == 3 and not after["rejected_per_site"]
-    assert sum(r["bytes_down"] for r in compressed.history) < sum(r["bytes_down"] for r in plain.history)
+    assert sum(r["bytes_down"] for r in compressed.history) < sum(
+        r["bytes_down"] for r in plain.history
+    )
     assert compressed.history[-1]["loss"] == pytest.approx(plain.history[-1]["loss"], rel=0.05)

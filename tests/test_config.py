@@ -11,7 +11,9 @@ from hydrafl.simulation_config import build_simulation_config
 
 def test_flags_and_toml_keys_build_one_frozen_config(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text('local-steps = 7\nlr = 1\nstrategies = ["fedavg", "krum"]\npartition = "dirichlet:0.3"\n')
+    path.write_text(
+        'local-steps = 7\nlr = 1\nstrategies = ["fedavg", "krum"]\npartition = "dirichlet:0.3"\n'
+    )
     config = build_simulation_config({**load_toml(path), "seed": 3}, source=str(path))
     assert config.run.local_steps == 7 and config.run.lr == 1.0 and config.run.seed == 3
     assert config.strategies == ("fedavg", "krum")
@@ -31,12 +33,26 @@ def test_flags_and_toml_keys_build_one_frozen_config(tmp_path):
         ({"sites": 2, "min-sites": 3}, "invalid --min-sites=3"),
         ({"outer-momentum": 1.0}, "outer-momentum"),
         ({"strategies": "fedavg,fedavg"}, "no repeats"),
-        ({"hydra-lora": "stacked", "strategies": "hydra"}, "invalid --hydra-lora='stacked'.*products, factors"),
-        ({"hydra-lora": "products"}, "unknown key 'hydra-lora' in options; it is a knob of hydra, not of fedavg"),
-        ({"outer-lr": 0.5, "strategies": "fedavg,fedprox"},
-         "it is a knob of diloco, fedbuff, hydra, fedbuff-hydra, not of fedavg, fedprox"),
-        ({"strategies": "fedavg,fedsgdx"}, "--strategies: unknown strategy 'fedsgdx'; choose one of .*fedavg, fedprox"),
-        ({"inner-optimizer": "lm-dual", "task": "clinical-notes-lm"}, "a classification task, nproc 1"),
+        (
+            {"hydra-lora": "stacked", "strategies": "hydra"},
+            "invalid --hydra-lora='stacked'.*products, factors",
+        ),
+        (
+            {"hydra-lora": "products"},
+            "unknown key 'hydra-lora' in options; it is a knob of hydra, not of fedavg",
+        ),
+        (
+            {"outer-lr": 0.5, "strategies": "fedavg,fedprox"},
+            "it is a knob of diloco, fedbuff, hydra, fedbuff-hydra, not of fedavg, fedprox",
+        ),
+        (
+            {"strategies": "fedavg,fedsgdx"},
+            "--strategies: unknown strategy 'fedsgdx'; choose one of .*fedavg, fedprox",
+        ),
+        (
+            {"inner-optimizer": "lm-dual", "task": "clinical-notes-lm"},
+            "a classification task, nproc 1",
+        ),
         ({"inner-optimizer": "lm-dual", "nproc": 2}, "a classification task, nproc 1"),
         ({"inner-optimizer": "lm-dual", "strategies": "fedavg,fedprox"}, "without a proximal term"),
     ],
@@ -64,8 +80,18 @@ def test_unknown_strategy_lists_the_registry():
 
     with pytest.raises(ConfigError, match="fedavg, fedprox"):
         RunConfig(strategy="fedsgdx")
-    assert {"fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedmedian", "fedtrimmedavg",
-            "krum", "diloco"} <= set(strategy_names())
+    assert {
+        "fedavg",
+        "fedprox",
+        "fedavgm",
+        "fedadam",
+        "fedyogi",
+        "fedadagrad",
+        "fedmedian",
+        "fedtrimmedavg",
+        "krum",
+        "diloco",
+    } <= set(strategy_names())
 
 
 def test_the_small_cnn_refuses_what_slices_or_adapts_transformer_layers_before_any_run():
@@ -75,9 +101,15 @@ def test_the_small_cnn_refuses_what_slices_or_adapts_transformer_layers_before_a
 
     for strategy in strategy_names():
         options = config_class(strategy)
-        values = {"data": "scans", "strategy": strategy, "lora_rank": 4 if options.federates_lora else 0}
+        values = {
+            "data": "scans",
+            "strategy": strategy,
+            "lora_rank": 4 if options.federates_lora else 0,
+        }
         if options.slices_transformer:
-            with pytest.raises(ConfigError, match=f"--model vit with strategy {strategy}: it slices or adapts"):
+            with pytest.raises(
+                ConfigError, match=f"--model vit with strategy {strategy}: it slices or adapts"
+            ):
                 RunConfig.build(**values)
             assert RunConfig.build(**values, model="vit").model == "vit"
         else:
@@ -86,7 +118,9 @@ def test_the_small_cnn_refuses_what_slices_or_adapts_transformer_layers_before_a
         RunConfig(data="scans", lora_rank=4)
     with pytest.raises(ConfigError, match="--model vit with strategy flora"):
         build_simulation_config({"data": "scans", "strategies": "fedavg,flora"})
-    assert RunConfig(task="chest-xray", strategy="hydra").model == "tiny"  # the synthetic x-rays keep the ViT
+    assert (
+        RunConfig(task="chest-xray", strategy="hydra").model == "tiny"
+    )  # the synthetic x-rays keep the ViT
     assert RunConfig(data="notes.csv", lora_rank=4).lora_rank == 4
     for values in ({"task": "tabular", "model": "vit"}, {"data": "notes.csv", "model": "cnn"}):
         with pytest.raises(ConfigError, match="vit and cnn need images"):

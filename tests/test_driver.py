@@ -63,7 +63,9 @@ def test_same_seed_gives_identical_numbers(small_run):
 def test_resume_ends_with_the_same_numbers_as_an_uninterrupted_run(small_run, tmp_path):
     cfg = small_run.replace(strategy="diloco", rounds=2, outer_lr=0.5, outer_momentum=0.9)
     full = _run(cfg.replace(run_dir=str(tmp_path / "full")))
-    _run(cfg.replace(rounds=1, run_dir=str(tmp_path / "split")))  # the second round runs on the saved momentum
+    _run(
+        cfg.replace(rounds=1, run_dir=str(tmp_path / "split"))
+    )  # the second round runs on the saved momentum
     resumed = _run(cfg.replace(resume=True, run_dir=str(tmp_path / "split")))
     assert _numbers(resumed.history) == _numbers(full.history)
     for name, array in full.arrays.items():
@@ -90,14 +92,20 @@ def test_a_resumed_run_asks_no_site_for_the_initial_model_or_a_curvature_probe(s
             queries.append("curvature")
             return site_app.curvature(message, context)
 
-        app.query("init")(lambda message, context: queries.append("init") or site_app.initial_model(message, context))
+        app.query("init")(
+            lambda message, context: (
+                queries.append("init") or site_app.initial_model(message, context)
+            )
+        )
         return app
 
     resumed = _run(cfg.replace(rounds=2, resume=True), counting_app())
     assert [record["round"] for record in resumed.history] == [0, 1, 2]
     assert queries == []
     _run(cfg.replace(rounds=1, run_dir=""), counting_app())
-    assert queries == ["init"] + ["curvature"] * cfg.sites  # the same app asks both on a fresh start
+    assert (
+        queries == ["init"] + ["curvature"] * cfg.sites
+    )  # the same app asks both on a fresh start
 
 
 def test_resume_refuses_a_changed_configuration(small_run):
@@ -106,7 +114,9 @@ def test_resume_refuses_a_changed_configuration(small_run):
         _run(small_run.replace(rounds=2, lr=0.5, resume=True))
 
 
-def test_resume_of_a_checkpoint_older_than_a_key_goes_on_while_the_key_is_at_its_default(small_run, caplog):
+def test_resume_of_a_checkpoint_older_than_a_key_goes_on_while_the_key_is_at_its_default(
+    small_run, caplog
+):
     """A coordinator upgraded mid-run: its checkpoint lacks a key a later hydrafl added."""
     run_dir = Path(small_run.run_dir)
     _run(small_run.replace(rounds=1))
@@ -117,7 +127,9 @@ def test_resume_of_a_checkpoint_older_than_a_key_goes_on_while_the_key_is_at_its
     assert [record["round"] for record in resumed.history] == [0, 1, 2]
     assert "they take their defaults: weight-decay=0.0" in caplog.text
     save_checkpoint(run_dir, dataclasses.replace(old, run_config=written_before))
-    with pytest.raises(CheckpointError, match="weight-decay"):  # set to something else: not the run it was
+    with pytest.raises(
+        CheckpointError, match="weight-decay"
+    ):  # set to something else: not the run it was
         _run(small_run.replace(rounds=2, resume=True, weight_decay=0.1))
 
 
@@ -162,9 +174,13 @@ def test_invalid_updates_are_rejected_before_aggregation(small_run, corruption, 
 @pytest.mark.slow
 @pytest.mark.parametrize("task", ["clinical-text", "chest-xray", "tabular"])
 def test_every_task_trains_federated(small_run, task):
-    cfg = small_run.replace(task=task, samples_per_site=100, rounds=4, local_steps=10, lr=1e-3, run_dir="")
+    cfg = small_run.replace(
+        task=task, samples_per_site=100, rounds=4, local_steps=10, lr=1e-3, run_dir=""
+    )
     history = _run(cfg).history
-    assert history[-1]["train_loss"] < history[1]["train_loss"]  # each round starts from a better global model
+    assert (
+        history[-1]["train_loss"] < history[1]["train_loss"]
+    )  # each round starts from a better global model
     assert all(r["sites_ok"] == cfg.sites for r in history)
 
 
@@ -189,17 +205,27 @@ def _delta_app(crashing: frozenset[int] = frozenset()) -> ClientApp:
     def train(message: Message, context: Context) -> Message:
         if context.node_config["partition-id"] in crashing:
             raise RuntimeError("disk full")
-        delta = {name: Array(np.full(tuple(a.shape), 1e-3, dtype=np.float32)) for name, a in message.content["arrays"].items()}
+        delta = {
+            name: Array(np.full(tuple(a.shape), 1e-3, dtype=np.float32))
+            for name, a in message.content["arrays"].items()
+        }
         metrics = MetricRecord({"num-examples": 1, "train_loss": 0.5})
-        return Message(RecordDict({"arrays": ArrayRecord(delta), "metrics": metrics}), reply_to=message)
+        return Message(
+            RecordDict({"arrays": ArrayRecord(delta), "metrics": metrics}), reply_to=message
+        )
 
     return app
 
 
 def _diloco(sites: int) -> dict:
     """DiLoCo's settings for a round over all `sites`, without federated evaluation."""
-    return {"outer_lr": 1.0, "momentum": 0.0, "fraction_evaluate": 0.0, "min_available_nodes": sites,
-            "min_train_nodes": sites}
+    return {
+        "outer_lr": 1.0,
+        "momentum": 0.0,
+        "fraction_evaluate": 0.0,
+        "min_available_nodes": sites,
+        "min_train_nodes": sites,
+    }
 
 
 class _CountingGrid(InProcessGrid):
@@ -234,8 +260,14 @@ def test_the_strategy_gets_each_valid_reply_before_the_next_site_runs():
     grid = _CountingGrid(_delta_app(crashing=frozenset({1})), 4)
     strategy = _RecordingDiLoCo(grid, **_diloco(4))
     start = ArrayRecord({"w": Array(np.zeros((3, 2), dtype=np.float32))})
-    result = RoundDriver(grid, strategy, DriverConfig(num_rounds=1, required_sites=3)).run(lambda: start)
-    assert strategy.produced_at_pull == [1, 3, 4]  # reply k pulled before reply k+1 was produced; site 2 failed
+    result = RoundDriver(grid, strategy, DriverConfig(num_rounds=1, required_sites=3)).run(
+        lambda: start
+    )
+    assert strategy.produced_at_pull == [
+        1,
+        3,
+        4,
+    ]  # reply k pulled before reply k+1 was produced; site 2 failed
     assert (result.history[1]["sites_ok"], result.history[1]["sites_failed"]) == (3, 1)
     np.testing.assert_allclose(result.arrays["w"].numpy(), np.full((3, 2), -1e-3, dtype=np.float32))
 
@@ -244,8 +276,12 @@ def test_a_streamed_round_with_too_few_valid_replies_is_discarded(tmp_path):
     grid = InProcessGrid(_delta_app(crashing=frozenset({1, 2})), 3)
     start = ArrayRecord({"w": Array(np.zeros((3, 2), dtype=np.float32))})
     config = DriverConfig(num_rounds=2, required_sites=2, run_dir=tmp_path)
-    with pytest.raises(RoundFailed, match="round 1: only 1 of 3 sites replied without error, 2 required"):
-        RoundDriver(grid, DiLoCo(**_diloco(3)), config).run(lambda: start)  # DiLoCo made a model of the one reply
+    with pytest.raises(
+        RoundFailed, match="round 1: only 1 of 3 sites replied without error, 2 required"
+    ):
+        RoundDriver(grid, DiLoCo(**_diloco(3)), config).run(
+            lambda: start
+        )  # DiLoCo made a model of the one reply
     saved = load_checkpoint(tmp_path)
     assert saved.server_round == 0
     np.testing.assert_array_equal(saved.arrays["w"].numpy(), start["w"].numpy())
@@ -261,7 +297,9 @@ class _ListingDiLoCo(DiLoCo):
 def _peak_round_bytes(strategy_class: type[DiLoCo], sites: int, model: ArrayRecord) -> int:
     """Peak traced memory of one training round over `sites`, above what was allocated before it."""
     grid = InProcessGrid(_delta_app(), sites)
-    driver = RoundDriver(grid, strategy_class(**_diloco(sites)), DriverConfig(num_rounds=1, required_sites=sites))
+    driver = RoundDriver(
+        grid, strategy_class(**_diloco(sites)), DriverConfig(num_rounds=1, required_sites=sites)
+    )
     tracemalloc.start()
     try:
         driver.run(lambda: model)
@@ -271,9 +309,15 @@ def _peak_round_bytes(strategy_class: type[DiLoCo], sites: int, model: ArrayReco
 
 
 def test_a_streamed_round_holds_o_model_memory_whatever_the_number_of_sites():
-    model = ArrayRecord({f"layer{i}": Array(np.zeros((512, 1024), dtype=np.float32)) for i in range(4)})
+    model = ArrayRecord(
+        {f"layer{i}": Array(np.zeros((512, 1024), dtype=np.float32)) for i in range(4)}
+    )
     model_bytes = 4 * 512 * 1024 * 4
     growth = _peak_round_bytes(DiLoCo, 8, model) - _peak_round_bytes(DiLoCo, 2, model)
-    listed = _peak_round_bytes(_ListingDiLoCo, 8, model) - _peak_round_bytes(_ListingDiLoCo, 2, model)
+    listed = _peak_round_bytes(_ListingDiLoCo, 8, model) - _peak_round_bytes(
+        _ListingDiLoCo, 2, model
+    )
     assert listed > 4 * model_bytes  # the measurement sees the 6 more replies a list holds
-    assert growth < model_bytes / 4, f"8 sites took {growth / model_bytes:.2f} model sizes more than 2"
+    assert growth < model_bytes / 4, (
+        f"8 sites took {growth / model_bytes:.2f} model sizes more than 2"
+    )

@@ -35,8 +35,12 @@ def test_freezing_the_first_layer_drops_its_gradients_state_and_saved_input():
     frozen = training_footprint(model, lambda: F.cross_entropy(model(x), y), "sgd")
     first_layer = (8 * 16 + 16) * 4
     assert frozen.parameter_bytes == full.parameter_bytes
-    assert full.gradient_bytes - frozen.gradient_bytes == first_layer and frozen.optimizer_bytes == 0
-    assert full.activation_bytes - frozen.activation_bytes == 5 * 8 * 4  # x is no longer needed for a gradient
+    assert (
+        full.gradient_bytes - frozen.gradient_bytes == first_layer and frozen.optimizer_bytes == 0
+    )
+    assert (
+        full.activation_bytes - frozen.activation_bytes == 5 * 8 * 4
+    )  # x is no longer needed for a gradient
     assert frozen.peak_bytes < full.peak_bytes
 
 
@@ -47,7 +51,9 @@ def test_measuring_keeps_no_activation_alive():
 
     def live_graph_tensors() -> int:
         gc.collect()
-        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+        return sum(
+            1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None
+        )
 
     before = live_graph_tensors()
     for _ in range(5):
@@ -59,9 +65,13 @@ def test_activation_bytes_equal_what_a_real_graph_holds():
     """Reference: a graph that really keeps its saved tensors (freed by a backward pass afterwards). Without
     holding them during the measurement, a freed temporary's address is reused and counted once for two."""
     torch.manual_seed(0)
-    model = nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(32, 32), nn.GELU(), nn.Dropout(0.1))])
+    model = nn.Sequential(
+        *[layer for _ in range(4) for layer in (nn.Linear(32, 32), nn.GELU(), nn.Dropout(0.1))]
+    )
     x, y = torch.randn(16, 32), torch.randint(0, 32, (16,))
-    params = {(p.untyped_storage().data_ptr(), p.untyped_storage().nbytes()) for p in model.parameters()}
+    params = {
+        (p.untyped_storage().data_ptr(), p.untyped_storage().nbytes()) for p in model.parameters()
+    }
     seen: dict[tuple[int, int], int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -73,5 +83,7 @@ def test_activation_bytes_equal_what_a_real_graph_holds():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         loss = F.cross_entropy(model(x), y)
     loss.backward()
-    measured = training_footprint(model, lambda: F.cross_entropy(model(x), y), "sgd").activation_bytes
+    measured = training_footprint(
+        model, lambda: F.cross_entropy(model(x), y), "sgd"
+    ).activation_bytes
     assert measured == sum(seen.values()) > 0

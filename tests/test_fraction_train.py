@@ -13,7 +13,9 @@ from hydrafl.server import server_app
 from hydrafl.simulation.grid import InProcessGrid
 from hydrafl.validation import ConfigError
 
-RUN = SMALL_RUN.replace(strategy="fedavg", sites=10, samples_per_site=30, rounds=3, local_steps=1, fraction_train=0.3)
+RUN = SMALL_RUN.replace(
+    strategy="fedavg", sites=10, samples_per_site=30, rounds=3, local_steps=1, fraction_train=0.3
+)
 
 
 def _run(cfg):
@@ -30,11 +32,20 @@ def test_each_round_trains_the_sampled_sites_only_and_the_same_seed_samples_the_
     assert [sorted(r["bytes_up_per_site"]) for r in _run(RUN)[1:]] == trained
 
 
-@pytest.mark.parametrize(("changes", "message"), [
-    ({"fraction_train": 0.0}, r"invalid --fraction-train=0.0: expected a fraction in \(0, 1\]"),
-    ({"fraction_train": 0.05}, r"invalid --fraction-train=0.05: .*samples at least one of the 10 sites"),
-    ({"min_sites": 4}, r"invalid --min-sites=4: expected 0..3 .*at most the sites a round samples"),
-])
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"fraction_train": 0.0}, r"invalid --fraction-train=0.0: expected a fraction in \(0, 1\]"),
+        (
+            {"fraction_train": 0.05},
+            r"invalid --fraction-train=0.05: .*samples at least one of the 10 sites",
+        ),
+        (
+            {"min_sites": 4},
+            r"invalid --min-sites=4: expected 0..3 .*at most the sites a round samples",
+        ),
+    ],
+)
 def test_a_sample_the_run_cannot_take_is_refused_naming_the_flag(changes, message):
     with pytest.raises(ConfigError, match=message):
         RUN.replace(**changes)
@@ -44,7 +55,14 @@ def test_central_dp_accounts_for_the_sites_a_round_samples():
     history = _run(RUN.replace(dp_noise_multiplier=1.0, dp_clip=1.0, strategy="diloco"))
     assert [r["dp_sites_available"] for r in history[1:]] == [10, 10, 10]
     assert [r["dp_epsilon"] for r in history[1:]] == [
-        pytest.approx(epsilon(1.0, RoundSample(3, 10), delta=1e-5, repeat=r), rel=1e-12) for r in (1, 2, 3)]
-    assert history[-1]["dp_epsilon"] < epsilon(1.0, RoundSample(10, 10), delta=1e-5, repeat=3)  # amplified by sampling
-    assert history[-1]["dp_epsilon_exact"] == pytest.approx(  # no replace-one PLD event for it: unamplified
-        exact_epsilon(1.0, RoundSample(10, 10), delta=1e-5, repeat=3), rel=1e-12)
+        pytest.approx(epsilon(1.0, RoundSample(3, 10), delta=1e-5, repeat=r), rel=1e-12)
+        for r in (1, 2, 3)
+    ]
+    assert history[-1]["dp_epsilon"] < epsilon(
+        1.0, RoundSample(10, 10), delta=1e-5, repeat=3
+    )  # amplified by sampling
+    assert history[-1][
+        "dp_epsilon_exact"
+    ] == pytest.approx(  # no replace-one PLD event for it: unamplified
+        exact_epsilon(1.0, RoundSample(10, 10), delta=1e-5, repeat=3), rel=1e-12
+    )

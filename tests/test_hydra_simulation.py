@@ -44,7 +44,11 @@ def _query(cfg, grid, node, arrays) -> Message:
 def _ask(grid, message_type, node, arrays, **config):
     """`node`'s reply to a message on `arrays` as the coordinator sends it: a scoring query is Hydra's own, a
     train message carries the run's config; `config` adds keys or overrides them."""
-    sent = _query(CFG, grid, node, arrays).content["config"] if message_type == "query.scores" else CFG.to_flower()
+    sent = (
+        _query(CFG, grid, node, arrays).content["config"]
+        if message_type == "query.scores"
+        else CFG.to_flower()
+    )
     content = RecordDict({"arrays": arrays, "config": ConfigRecord({**sent, **config})})
     [reply] = grid.send_and_receive([Message(content, dst_node_id=node, message_type=message_type)])
     assert not reply.has_error(), reply.error.reason
@@ -73,7 +77,8 @@ class _RecordingGrid(InProcessGrid):
         return [
             message
             for message in self.sent
-            if message.metadata.message_type == "train" and message.content["config"]["server-round"] == server_round
+            if message.metadata.message_type == "train"
+            and message.content["config"]["server-round"] == server_round
         ]
 
     def specs(self, server_round: int) -> dict[int, SubnetSpec]:
@@ -101,18 +106,36 @@ def test_site_scores_and_partial_train_reply():
     slices = trainable_slices(model, spec)
     shapes = {name: tuple(array.shape) for name, array in initial.items()}
     assert set(delta) == set(slices) and len(delta) < len(initial)  # layer 0's tensors are not sent
-    assert {name: tuple(t.shape) for name, t in delta.items()} == {n: sl.taken_shape(shapes[n]) for n, sl in slices.items()}
+    assert {name: tuple(t.shape) for name, t in delta.items()} == {
+        n: sl.taken_shape(shapes[n]) for n, sl in slices.items()
+    }
     sent = sum(t.numel() * t.element_size() for t in delta.values())
-    assert sent == 4 * sum(sl.numel(shapes[name]) for name, sl in slices.items())  # bytes = the slices, nothing else
-    assert sent < 0.5 * sum(4 * math.prod(shape) for shape in shapes.values())  # one layer of two, half its heads
+    assert sent == 4 * sum(
+        sl.numel(shapes[name]) for name, sl in slices.items()
+    )  # bytes = the slices, nothing else
+    assert sent < 0.5 * sum(
+        4 * math.prod(shape) for shape in shapes.values()
+    )  # one layer of two, half its heads
     assert reply.content["metrics"]["trainable-params"] == sent // 4
-    query = delta["net.encoder.encoder.layer.1.attention.self.query.weight"]  # heads 0 and 2 of 4, 16 rows each
-    assert query.shape[0] == 32 and float(query[:16].abs().sum()) > 0 and float(query[16:].abs().sum()) > 0
+    query = delta[
+        "net.encoder.encoder.layer.1.attention.self.query.weight"
+    ]  # heads 0 and 2 of 4, 16 rows each
+    assert (
+        query.shape[0] == 32
+        and float(query[:16].abs().sum()) > 0
+        and float(query[16:].abs().sum()) > 0
+    )
     start = from_record(initial)
-    merged = merge(start, slices, {name: sl.take(start[name]) - delta[name] for name, sl in slices.items()})
-    for name, mask in coordinate_masks(slices, start).items():  # merging back touches exactly the slices
+    merged = merge(
+        start, slices, {name: sl.take(start[name]) - delta[name] for name, sl in slices.items()}
+    )
+    for name, mask in coordinate_masks(
+        slices, start
+    ).items():  # merging back touches exactly the slices
         torch.testing.assert_close(merged[name][~mask], start[name][~mask], rtol=0, atol=0)
-        torch.testing.assert_close(slices[name].take(merged[name]), slices[name].take(start[name]) - delta[name])
+        torch.testing.assert_close(
+            slices[name].take(merged[name]), slices[name].take(start[name]) - delta[name]
+        )
 
 
 def test_hydra_two_rounds_changes_only_trained_coordinates_and_small_sites_send_less():
@@ -126,12 +149,16 @@ def test_hydra_two_rounds_changes_only_trained_coordinates_and_small_sites_send_
 
     assert isinstance(strategy, Hydra)
     scores = grid.scores()
-    assert sorted(reply.metadata.src_node_id for reply in scores if not reply.has_error()) == sorted(tier_of_node)
+    assert sorted(
+        reply.metadata.src_node_id for reply in scores if not reply.has_error()
+    ) == sorted(tier_of_node)
     specs = grid.specs(1)
     assert grid.specs(2) == specs  # scored once: the same subnetworks in both rounds
     trained = {name: torch.zeros(t.shape, dtype=torch.bool) for name, t in initial.items()}
     for spec in specs.values():
-        for name, mask in coordinate_masks(layout_slices(reply_layout(scores[0]), spec), initial).items():
+        for name, mask in coordinate_masks(
+            layout_slices(reply_layout(scores[0]), spec), initial
+        ).items():
             trained[name] |= mask
     assert not all(mask.all() for mask in trained.values())  # some coordinates nobody trained
     for name, mask in trained.items():
@@ -139,7 +166,11 @@ def test_hydra_two_rounds_changes_only_trained_coordinates_and_small_sites_send_
     assert sum(int((final[name] != initial[name]).sum()) for name in initial) > 0
 
     sizes = {node: (len(spec.layers), [len(h) for h in spec.heads]) for node, spec in specs.items()}
-    assert sizes == {FIRST_NODE_ID: (1, [2]), FIRST_NODE_ID + 1: (2, [3, 3]), FIRST_NODE_ID + 2: (1, [2])}
+    assert sizes == {
+        FIRST_NODE_ID: (1, [2]),
+        FIRST_NODE_ID + 1: (2, [3, 3]),
+        FIRST_NODE_ID + 2: (1, [2]),
+    }
     for record in result.history[1:]:
         up = {int(node): n for node, n in record["bytes_up_per_site"].items()}
         params = {int(node): n for node, n in strategy.trainable_params[record["round"]].items()}
@@ -152,15 +183,21 @@ def test_hydra_two_rounds_changes_only_trained_coordinates_and_small_sites_send_
 
 @pytest.mark.slow
 def test_simulate_hydra_and_fedavg_writes_per_site_counts(tmp_path):
-    config = SimulationConfig(run=CFG.replace(rounds=1), strategies=("hydra", "fedavg"), out=str(tmp_path))
+    config = SimulationConfig(
+        run=CFG.replace(rounds=1), strategies=("hydra", "fedavg"), out=str(tmp_path)
+    )
     compare_strategies(config, show_progress=False)
     results = json.loads((tmp_path / "results.json").read_text())
     hydra = results["strategies"]["hydra"]
-    params = {TIER_OF_NODE[int(node)]: n for node, n in hydra["trainable_params_per_site"]["1"].items()}
+    params = {
+        TIER_OF_NODE[int(node)]: n for node, n in hydra["trainable_params_per_site"]["1"].items()
+    }
     assert params["small"] < params["medium"] < params["large"]
     fedavg = results["strategies"]["fedavg"]["rounds"][1]["bytes_up_per_site"]
     up = {TIER_OF_NODE[int(node)]: n for node, n in hydra["rounds"][1]["bytes_up_per_site"].items()}
-    assert up["small"] < up["medium"] <= up["large"] == max(fedavg.values())  # large trains every coordinate
+    assert (
+        up["small"] < up["medium"] <= up["large"] == max(fedavg.values())
+    )  # large trains every coordinate
     assert "trainable_params_per_site" not in results["strategies"]["fedavg"]
 
 
@@ -180,10 +217,16 @@ def test_a_site_that_declares_little_memory_gets_a_hydra_net_that_fits_it():
     grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
     initial = server_app.request_initial_arrays(grid, cfg)
     undeclared = _ask(grid, "query.scores", FIRST_NODE_ID, initial).content["metrics"]
-    assert undeclared["memory-bytes"] == 0 and "cost.fixed-bytes" not in undeclared  # nothing to size against
-    metrics = _ask(grid, "query.scores", FIRST_NODE_ID, initial, **{"round-timeout-s": 3600.0}).content["metrics"]
+    assert (
+        undeclared["memory-bytes"] == 0 and "cost.fixed-bytes" not in undeclared
+    )  # nothing to size against
+    metrics = _ask(
+        grid, "query.scores", FIRST_NODE_ID, initial, **{"round-timeout-s": 3600.0}
+    ).content["metrics"]
     fixed, per_layer = metrics["cost.fixed-bytes"], metrics["cost.per-layer-bytes"]
-    assert fixed > 0 and per_layer > 0 and metrics["memory-bytes"] == 0  # measured for the deadline; no memory
+    assert (
+        fixed > 0 and per_layer > 0 and metrics["memory-bytes"] == 0
+    )  # measured for the deadline; no memory
     limit_mb = (fixed + 1.2 * per_layer) / 1e6  # room for one trained layer, not two
     cfg = cfg.replace(site_memory_mb=f"{limit_mb},0,0")
     grid = _RecordingGrid(site_app.client_app, cfg.sites, cfg.to_flower())
@@ -191,7 +234,9 @@ def test_a_site_that_declares_little_memory_gets_a_hydra_net_that_fits_it():
     layers = {node: len(spec.layers) for node, spec in grid.specs(1).items()}
     assert layers == {FIRST_NODE_ID: 1, FIRST_NODE_ID + 1: 2, FIRST_NODE_ID + 2: 2}
     peak = result.history[1]["peak_memory_per_site"]
-    assert peak[str(FIRST_NODE_ID)] <= limit_mb * 1e6 < peak[str(FIRST_NODE_ID + 1)]  # measured while training
+    assert (
+        peak[str(FIRST_NODE_ID)] <= limit_mb * 1e6 < peak[str(FIRST_NODE_ID + 1)]
+    )  # measured while training
 
 
 @pytest.mark.parametrize(
@@ -212,24 +257,42 @@ def test_a_site_trains_the_same_from_only_what_its_subnetwork_reads(spec):
     config = {**spec.to_config(), "server-round": 1}
     whole = from_record(_ask(grid, "train", FIRST_NODE_ID, initial, **config).content["arrays"])
     generator = torch.Generator().manual_seed(0)
-    noisy = {name: t + torch.randn(t.shape, generator=generator) for name, t in from_record(initial).items()}
-    _ask(grid, "train", FIRST_NODE_ID, to_record(noisy), **config)  # the site's model now holds other values
+    noisy = {
+        name: t + torch.randn(t.shape, generator=generator)
+        for name, t in from_record(initial).items()
+    }
+    _ask(
+        grid, "train", FIRST_NODE_ID, to_record(noisy), **config
+    )  # the site's model now holds other values
     read = site_read_slices(CFG, spec)
-    working = site_app._working_model(site_app.run_cohort(CFG).task, CFG.model, CFG.seed, None, False)
-    with torch.no_grad():  # and NaN wherever its subnetwork does not read (as a diverged round could leave)
+    working = site_app._working_model(
+        site_app.run_cohort(CFG).task, CFG.model, CFG.seed, None, False
+    )
+    with (
+        torch.no_grad()
+    ):  # and NaN wherever its subnetwork does not read (as a diverged round could leave)
         for name, p in working.named_parameters():
             if name not in read:
                 p.fill_(float("nan"))
             elif read[name].dim is not None:
                 p[~read[name].mask(p.shape)] = float("nan")
     download = extract(from_record(initial), read)
-    part = from_record(_ask(grid, "train", FIRST_NODE_ID, to_record(download), **config).content["arrays"])
+    part = from_record(
+        _ask(grid, "train", FIRST_NODE_ID, to_record(download), **config).content["arrays"]
+    )
     assert sorted(part) == sorted(whole) and len(whole) > 0
     for name, delta in whole.items():
         torch.testing.assert_close(part[name], delta, rtol=0, atol=0)
-    downloaded, everything = sum(t.numel() for t in download.values()), sum(math.prod(a.shape) for a in initial.values())
-    assert downloaded == everything if spec.freeze_heads else downloaded < everything  # frozen heads run: read whole
-    assert any(".layer.0." in name for name in read) != spec.bypass  # a bypassed layer is not even downloaded
+    downloaded, everything = (
+        sum(t.numel() for t in download.values()),
+        sum(math.prod(a.shape) for a in initial.values()),
+    )
+    assert (
+        downloaded == everything if spec.freeze_heads else downloaded < everything
+    )  # frozen heads run: read whole
+    assert (
+        any(".layer.0." in name for name in read) != spec.bypass
+    )  # a bypassed layer is not even downloaded
 
 
 def test_a_site_refuses_a_download_that_lacks_what_its_subnetwork_reads():
@@ -239,13 +302,22 @@ def test_a_site_refuses_a_download_that_lacks_what_its_subnetwork_reads():
     download = extract(initial, site_read_slices(CFG, spec))
     missing = next(name for name in download if ".layer.1." in name)
     del download[missing]
-    content = RecordDict({"arrays": to_record(download), "config": ConfigRecord({**CFG.to_flower(), **spec.to_config()})})
-    [reply] = grid.send_and_receive([Message(content, dst_node_id=FIRST_NODE_ID, message_type="train")])
+    content = RecordDict(
+        {
+            "arrays": to_record(download),
+            "config": ConfigRecord({**CFG.to_flower(), **spec.to_config()}),
+        }
+    )
+    [reply] = grid.send_and_receive(
+        [Message(content, dst_node_id=FIRST_NODE_ID, message_type="train")]
+    )
     assert reply.has_error() and missing in reply.error.reason
 
 
 def test_hydra_sends_each_site_only_what_its_hydra_net_reads():
-    cfg = CFG.replace(hydra_bypass=True, hydra_head_mode="drop")  # dropped heads are not sent either
+    cfg = CFG.replace(
+        hydra_bypass=True, hydra_head_mode="drop"
+    )  # dropped heads are not sent either
     grid = _RecordingGrid(site_app.client_app, cfg.sites, cfg.to_flower())
     initial = server_app.request_initial_arrays(grid, cfg)
     result = server_app.run_federation(grid, cfg, strategy=build_strategy(cfg))
@@ -255,23 +327,37 @@ def test_hydra_sends_each_site_only_what_its_hydra_net_reads():
     for node, spec in specs.items():
         assert spec.bypass
         read = site_read_slices(CFG, spec)
-        shapes = {name: sl.taken_shape(a.shape) for name, a in initial.items() if (sl := read.get(name))}
-        expected[str(node)] = record_nbytes(to_record({name: torch.zeros(shape) for name, shape in shapes.items()}))
+        shapes = {
+            name: sl.taken_shape(a.shape) for name, a in initial.items() if (sl := read.get(name))
+        }
+        expected[str(node)] = record_nbytes(
+            to_record({name: torch.zeros(shape) for name, shape in shapes.items()})
+        )
     for server_round in (1, 2):  # what the train messages carry
         messages = grid.train_messages(server_round)
-        assert {str(m.metadata.dst_node_id): record_nbytes(m.content["arrays"]) for m in messages} == expected
+        assert {
+            str(m.metadata.dst_node_id): record_nbytes(m.content["arrays"]) for m in messages
+        } == expected
     # round 1's download holds the planning query too: the whole model, to every site
     query = record_nbytes(initial)
-    assert result.history[1]["bytes_down_per_site"] == {node: query + n for node, n in expected.items()}
+    assert result.history[1]["bytes_down_per_site"] == {
+        node: query + n for node, n in expected.items()
+    }
     for record in result.history[2:]:
         assert record["bytes_down_per_site"] == expected
     down = {TIER_OF_NODE[int(node)]: n for node, n in expected.items()}
-    assert down["small"] < down["medium"] < down["large"] == record_nbytes(initial)  # large: the whole model
+    assert (
+        down["small"] < down["medium"] < down["large"] == record_nbytes(initial)
+    )  # large: the whole model
 
 
-@pytest.mark.parametrize("task", ["clinical-text", "clinical-notes-lm"])  # BERT (q/k/v/o) and Llama (GQA) layouts
+@pytest.mark.parametrize(
+    "task", ["clinical-text", "clinical-notes-lm"]
+)  # BERT (q/k/v/o) and Llama (GQA) layouts
 def test_hydra_over_lora_steps_the_products_of_trained_layers_and_keeps_the_rest(task):
-    cfg = CFG.replace(task=task, lora_rank=4, site_tiers="small,small,small", rounds=1)  # one layer of two
+    cfg = CFG.replace(
+        task=task, lora_rank=4, site_tiers="small,small,small", rounds=1
+    )  # one layer of two
     grid = _RecordingGrid(site_app.client_app, cfg.sites, cfg.to_flower())
     initial = from_record(server_app.request_initial_arrays(grid, cfg))
     final = from_record(server_app.run_federation(grid, cfg, strategy=build_strategy(cfg)).arrays)
@@ -283,10 +369,16 @@ def test_hydra_over_lora_steps_the_products_of_trained_layers_and_keeps_the_rest
     assert untrained and len(untrained) < len(pairs)
     for pair in pairs:
         if pair in untrained:  # factors bit for bit
-            assert torch.equal(final[pair.a], initial[pair.a]) and torch.equal(final[pair.b], initial[pair.b])
+            assert torch.equal(final[pair.a], initial[pair.a]) and torch.equal(
+                final[pair.b], initial[pair.b]
+            )
         else:  # the averaged product, factored back to rank 4: B = U S, A = V^T
-            assert not torch.allclose(final[pair.b] @ final[pair.a], initial[pair.b] @ initial[pair.a])
-            torch.testing.assert_close(final[pair.a] @ final[pair.a].T, torch.eye(4), atol=1e-5, rtol=0)
+            assert not torch.allclose(
+                final[pair.b] @ final[pair.a], initial[pair.b] @ initial[pair.a]
+            )
+            torch.testing.assert_close(
+                final[pair.a] @ final[pair.a].T, torch.eye(4), atol=1e-5, rtol=0
+            )
 
 
 def test_hydra_with_frozen_heads_trains_the_same_slices_and_sends_the_frozen_heads_down():
@@ -297,16 +389,24 @@ def test_hydra_with_frozen_heads_trains_the_same_slices_and_sends_the_frozen_hea
         history = server_app.run_federation(grid, cfg, strategy=build_strategy(cfg)).history
         runs[name] = (grid.specs(1), history[1])
     (drop, drop_round), (freeze, freeze_round) = runs["drop"], runs["freeze"]
-    assert all(spec.freeze_heads for spec in freeze.values()) and not any(spec.freeze_heads for spec in drop.values())
+    assert all(spec.freeze_heads for spec in freeze.values()) and not any(
+        spec.freeze_heads for spec in drop.values()
+    )
     assert {n: s.layers for n, s in freeze.items()} == {n: s.layers for n, s in drop.items()}
-    assert freeze_round["bytes_up_per_site"] == drop_round["bytes_up_per_site"]  # the same trained slices
+    assert (
+        freeze_round["bytes_up_per_site"] == drop_round["bytes_up_per_site"]
+    )  # the same trained slices
     small = str(next(node for node, tier in TIER_OF_NODE.items() if tier == "small"))
     assert freeze_round["bytes_down_per_site"][small] > drop_round["bytes_down_per_site"][small]
 
 
 @pytest.mark.parametrize(
     ("rescore_every", "scoring_rounds"),
-    [pytest.param(0, 1, marks=pytest.mark.slow), (2, 2), pytest.param(1, 3, marks=pytest.mark.slow)],
+    [
+        pytest.param(0, 1, marks=pytest.mark.slow),
+        (2, 2),
+        pytest.param(1, 3, marks=pytest.mark.slow),
+    ],
 )
 def test_rescore_every_asks_the_sites_for_scores_again(rescore_every, scoring_rounds):
     cfg = CFG.replace(rounds=3, local_steps=1, rescore_every=rescore_every)
@@ -315,9 +415,13 @@ def test_rescore_every_asks_the_sites_for_scores_again(rescore_every, scoring_ro
     assert grid.count("query.scores") == scoring_rounds * cfg.sites  # rounds 1, 1+N, 1+2N, ... of 3
 
 
-@pytest.mark.parametrize(("layer_score", "head_score"), [("fisher", "taylor"), ("taylor", "confidence")])
+@pytest.mark.parametrize(
+    ("layer_score", "head_score"), [("fisher", "taylor"), ("taylor", "confidence")]
+)
 def test_a_site_scores_with_the_runs_methods_on_its_first_training_samples(layer_score, head_score):
-    cfg = CFG.replace(layer_score=layer_score, head_score=head_score, score_samples=20, batch_size=8)
+    cfg = CFG.replace(
+        layer_score=layer_score, head_score=head_score, score_samples=20, batch_size=8
+    )
     grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
     initial = server_app.request_initial_arrays(grid, cfg)
     [reply] = grid.send_and_receive([_query(cfg, grid, FIRST_NODE_ID, initial)])
@@ -326,12 +430,18 @@ def test_a_site_scores_with_the_runs_methods_on_its_first_training_samples(layer
     split = cohort.sites[0]
     model = build_model(cohort.task, seed=cfg.seed)
     model.load_state_dict(from_record(initial), strict=False)
-    batches = [(split.train_x[i : min(i + 8, 20)], split.train_y[i : min(i + 8, 20)]) for i in (0, 8, 16)]
+    batches = [
+        (split.train_x[i : min(i + 8, 20)], split.train_y[i : min(i + 8, 20)]) for i in (0, 8, 16)
+    ]
     layers = layer_importance(model, batches, task_loss(cohort.task), method=layer_score)
     heads = head_importance(model, batches, task_loss(cohort.task), method=head_score)
-    assert [metrics[f"layer-{layer}"] for layer in range(len(layers))] == pytest.approx(layers, rel=1e-5)
+    assert [metrics[f"layer-{layer}"] for layer in range(len(layers))] == pytest.approx(
+        layers, rel=1e-5
+    )
     for layer, row in enumerate(heads):
-        assert [metrics[f"head-{layer}-{g}"] for g in range(len(row))] == pytest.approx(row, rel=1e-5)
+        assert [metrics[f"head-{layer}-{g}"] for g in range(len(row))] == pytest.approx(
+            row, rel=1e-5
+        )
 
 
 def test_a_site_that_declares_itself_slow_sits_out_a_deadline_a_fast_site_meets_with_every_layer():
@@ -341,11 +451,15 @@ def test_a_site_that_declares_itself_slow_sits_out_a_deadline_a_fast_site_meets_
 
     def cost(node: int) -> LayerCost:
         metrics = _ask(grid, "query.scores", node, initial, **declared).content["metrics"]
-        return LayerCost(**{field: float(metrics[f"cost.{field.replace('_', '-')}"]) for field in COST_FIELDS})
+        return LayerCost(
+            **{field: float(metrics[f"cost.{field.replace('_', '-')}"]) for field in COST_FIELDS}
+        )
 
     slow, fast = cost(FIRST_NODE_ID), cost(FIRST_NODE_ID + 1)
 
-    def whole_net_s(cost: LayerCost) -> float:  # the measured total; its split into fixed and per layer is noisy
+    def whole_net_s(
+        cost: LayerCost,
+    ) -> float:  # the measured total; its split into fixed and per layer is noisy
         return cost.fixed_s + 2 * cost.per_layer_s
 
     assert whole_net_s(slow) > 10 * whole_net_s(fast)  # declared 50x slower
@@ -354,8 +468,15 @@ def test_a_site_that_declares_itself_slow_sits_out_a_deadline_a_fast_site_meets_
     deadline = 1.5 * steps * whole_net_s(fast)  # every layer and head, with 50% to spare
 
     def plan(cost: LayerCost):
-        return plan_budget(cost, num_layers=2, num_groups=4, memory_bytes=math.inf, speed=1.0, deadline_s=deadline,
-                           local_steps=steps)
+        return plan_budget(
+            cost,
+            num_layers=2,
+            num_groups=4,
+            memory_bytes=math.inf,
+            speed=1.0,
+            deadline_s=deadline,
+            local_steps=steps,
+        )
 
     assert (plan(fast).layers, plan(fast).heads) == (2, 4)
     with pytest.raises(ValueError, match="no Hydra-net fits"):
@@ -366,11 +487,18 @@ def test_a_site_that_declares_itself_slow_sits_out_a_deadline_a_fast_site_meets_
 def test_hydra_and_heterofl_size_tiered_nets_on_the_chest_xray_vit(tmp_path):
     run = CFG.replace(task="chest-xray", rounds=1, local_steps=1)
     results = compare_strategies(
-        SimulationConfig(run=run, strategies=("hydra", "heterofl"), out=str(tmp_path)), show_progress=False
+        SimulationConfig(run=run, strategies=("hydra", "heterofl"), out=str(tmp_path)),
+        show_progress=False,
     )
     for name in ("hydra", "heterofl"):
         record = results["strategies"][name]["rounds"][1]
-        params = {TIER_OF_NODE[int(node)]: n for node, n in record["trainable_params_per_site"].items()}
+        params = {
+            TIER_OF_NODE[int(node)]: n for node, n in record["trainable_params_per_site"].items()
+        }
         assert params["small"] < params["medium"] < params["large"]
         up = {TIER_OF_NODE[int(node)]: n for node, n in record["bytes_up_per_site"].items()}
-        assert up["small"] < up["large"] and math.isfinite(record["loss"]) and 0 <= record["accuracy"] <= 1
+        assert (
+            up["small"] < up["large"]
+            and math.isfinite(record["loss"])
+            and 0 <= record["accuracy"] <= 1
+        )

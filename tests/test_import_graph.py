@@ -15,9 +15,21 @@ WIRING = ("cli", "simulation", "apps.py")
 GENERATED = ("_pb2.py", "_pb2_grpc.py")
 
 MODEL_CODE = (
-    "transformers", "peft", "matplotlib", "hydrafl.models", "hydrafl.causal_lm", "hydrafl.backbones",
-    "hydrafl.client.site_app", "hydrafl.client.training", "hydrafl.footprint", "hydrafl.losses", "hydrafl.data",
-    "hydrafl.kernels", "hydrafl.subnet.apply", "hydrafl.subnet.architecture", "hydrafl.subnet.scoring",
+    "transformers",
+    "peft",
+    "matplotlib",
+    "hydrafl.models",
+    "hydrafl.causal_lm",
+    "hydrafl.backbones",
+    "hydrafl.client.site_app",
+    "hydrafl.client.training",
+    "hydrafl.footprint",
+    "hydrafl.losses",
+    "hydrafl.data",
+    "hydrafl.kernels",
+    "hydrafl.subnet.apply",
+    "hydrafl.subnet.architecture",
+    "hydrafl.subnet.scoring",
     "hydrafl.subnet.measure",
 )
 """Site-side code: nn.Module models and what trains, scores or measures them, the cohorts, the kernels, plots."""
@@ -30,8 +42,12 @@ def _module_name(path: Path) -> str:
 
 
 def _sources() -> list[Path]:
-    return [path for folder in PACKAGES for path in ROOT.joinpath(folder).rglob("*.py")
-            if not path.name.endswith(GENERATED)]
+    return [
+        path
+        for folder in PACKAGES
+        for path in ROOT.joinpath(folder).rglob("*.py")
+        if not path.name.endswith(GENERATED)
+    ]
 
 
 def _imports(path: Path, *, top_level_only: bool = False) -> set[str]:
@@ -53,7 +69,9 @@ def test_strategies_and_core_do_not_import_server_or_client():
     runtime = ("hydrafl.server.", "hydrafl.client.")
     checked = [*ROOT.joinpath("strategies").glob("*.py"), *ROOT.joinpath("hydrafl").rglob("*.py")]
     offenders = {
-        str(path.relative_to(ROOT)): sorted(name for name in _imports(path) if f"{name}.".startswith(runtime))
+        str(path.relative_to(ROOT)): sorted(
+            name for name in _imports(path) if f"{name}.".startswith(runtime)
+        )
         for path in checked
         if not set(path.relative_to(ROOT).parts) & set(WIRING)
     }
@@ -71,17 +89,29 @@ def test_strategies_import_no_site_or_model_code():
 
 
 def test_the_site_app_imports_no_strategy_and_the_agent_not_the_coordinator():
-    assert not [name for name in _imports(ROOT / "client" / "site_app.py") if name.startswith("hydrafl.strategies")]
+    assert not [
+        name
+        for name in _imports(ROOT / "client" / "site_app.py")
+        if name.startswith("hydrafl.strategies")
+    ]
     loaded = import_probes.loaded("site")
-    assert [name for name in loaded if name.startswith("hydrafl.strategies.")] == ["hydrafl.strategies.registry"]
+    assert [name for name in loaded if name.startswith("hydrafl.strategies.")] == [
+        "hydrafl.strategies.registry"
+    ]
     for path in ROOT.joinpath("client").glob("*.py"):
-        assert not [name for name in _imports(path) if f"{name}.".startswith("hydrafl.server.")], path
+        assert not [name for name in _imports(path) if f"{name}.".startswith("hydrafl.server.")], (
+            path
+        )
 
 
 def test_no_import_cycle_among_the_modules_loaded_at_import_time():
     modules = {_module_name(path): path for path in _sources()}
     graph = {
-        name: {imported for imported in _imports(path, top_level_only=True) if imported in modules and imported != name}
+        name: {
+            imported
+            for imported in _imports(path, top_level_only=True)
+            if imported in modules and imported != name
+        }
         for name, path in modules.items()
     }
     state: dict[str, str] = {}
@@ -101,7 +131,11 @@ def test_no_import_cycle_among_the_modules_loaded_at_import_time():
 
 
 def test_no_source_file_is_over_500_lines():
-    long = {str(path.relative_to(ROOT)): n for path in _sources() if (n := len(path.read_text().splitlines())) > 500}
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in _sources()
+        if (n := len(path.read_text().splitlines())) > 500
+    }
     assert long == {}
 
 
@@ -109,5 +143,9 @@ def test_the_coordinator_process_loads_no_model_code():
     """The coordinator handles named arrays only (README, Layout). Checked on what a real import pulls in: the
     coordinator, the ServerApp it runs with every strategy loaded, and the CLI's server and admin commands."""
     modules = set(import_probes.loaded("coordinator"))
-    assert {"hydrafl.server.server_app", "hydrafl.strategies.hydra", "hydrafl.strategies.flora"} <= modules
+    assert {
+        "hydrafl.server.server_app",
+        "hydrafl.strategies.hydra",
+        "hydrafl.strategies.flora",
+    } <= modules
     assert sorted(name for name in modules if name.startswith(MODEL_CODE)) == []

@@ -15,7 +15,9 @@ from hydrafl.client import site_app
 from hydrafl.server import server_app
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
 
-CFG = SMALL_RUN.replace(samples_per_site=40, rounds=1, local_steps=2, batch_size=8, lr=2e-3, min_sites=2)
+CFG = SMALL_RUN.replace(
+    samples_per_site=40, rounds=1, local_steps=2, batch_size=8, lr=2e-3, min_sites=2
+)
 Handler = Callable[[Message, Context], Message]
 REASON = "ValueError: --label-column 'outcom' is not a column of visits.csv (columns: age, lactate, outcome)"
 
@@ -42,7 +44,9 @@ def test_the_next_site_builds_the_initial_model_when_the_first_declines(caplog):
     grid = InProcessGrid(_declining_app({FIRST_NODE_ID}), CFG.sites, CFG.to_flower())
     with caplog.at_level(logging.WARNING, logger="hydrafl.server.server_app"):
         arrays = server_app.request_initial_arrays(grid, CFG)
-    expected = server_app.request_initial_arrays(InProcessGrid(site_app.client_app, CFG.sites, CFG.to_flower()), CFG)
+    expected = server_app.request_initial_arrays(
+        InProcessGrid(site_app.client_app, CFG.sites, CFG.to_flower()), CFG
+    )
     assert list(arrays) == list(expected)
     for name in expected:
         np.testing.assert_array_equal(arrays[name].numpy(), expected[name].numpy())
@@ -58,7 +62,9 @@ def test_a_run_with_one_misconfigured_site_trains_on_the_others():
 
 
 def test_the_run_fails_only_when_every_site_declined_with_each_reason():
-    grid = InProcessGrid(_declining_app({FIRST_NODE_ID, FIRST_NODE_ID + 1, FIRST_NODE_ID + 2}), CFG.sites)
+    grid = InProcessGrid(
+        _declining_app({FIRST_NODE_ID, FIRST_NODE_ID + 1, FIRST_NODE_ID + 2}), CFG.sites
+    )
     with pytest.raises(RuntimeError) as failure:
         server_app.request_initial_arrays(grid, CFG)
     reasons = "; ".join(f"site {FIRST_NODE_ID + i}: {REASON}" for i in range(CFG.sites))

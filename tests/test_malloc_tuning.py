@@ -26,7 +26,9 @@ print(json.dumps({"kept": kept, "faults": counts}))
 
 
 def one_process(mode: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", ROUND, mode], capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", ROUND, mode], capture_output=True, text=True, timeout=120, check=True
+    )
     return json.loads(done.stdout)
 
 
@@ -37,4 +39,6 @@ def test_the_second_round_reuses_the_first_rounds_memory_only_with_the_setting()
     assert kept["kept"] is True
     assert kept["faults"][0] > 0.9 * pages and kept["faults"][1] < 0.05 * pages, kept
     default = one_process("default")
-    assert default["faults"][1] > 0.9 * pages, default  # glibc's defaults: every round faults its memory in again
+    assert default["faults"][1] > 0.9 * pages, (
+        default
+    )  # glibc's defaults: every round faults its memory in again

@@ -43,7 +43,9 @@ def test_the_small_cnn_maps_a_batch_of_images_to_one_logit_per_class(width, bloc
     net = SmallCNN(1, 7, width=width, blocks=blocks)
     assert net(torch.randn(5, 1, side, side)).shape == (5, 7)
     assert net.head.in_features == width * 2 ** (blocks - 1)
-    assert not list(net.buffers())  # GroupNorm: every coordinate is a parameter that federated averaging shares
+    assert not list(
+        net.buffers()
+    )  # GroupNorm: every coordinate is a parameter that federated averaging shares
 
 
 def test_an_image_folder_gets_the_cnn_and_the_synthetic_xrays_keep_the_vit(digits):

@@ -23,15 +23,21 @@ def _d(*values: float) -> dict[str, torch.Tensor]:
 def test_orthogonal_unit_deltas_by_hand() -> None:
     # Mean [.5, .5], ||mean||^2 = .5; deviations [.5, -.5] and [-.5, .5], each ||.||^2 = .5, summed 1.
     deltas = [_d(1.0, 0.0), _d(0.0, 1.0)]
-    torch.testing.assert_close(mean_delta(deltas)["w"], torch.tensor([0.5, 0.5], dtype=torch.float64))
+    torch.testing.assert_close(
+        mean_delta(deltas)["w"], torch.tensor([0.5, 0.5], dtype=torch.float64)
+    )
     assert noise_scale(deltas) == pytest.approx(2.0, rel=1e-12)  # tr Cov = 1 / (2 - 1) = 1
-    assert noise_scale(deltas, estimator="weighted") == pytest.approx(1.0, rel=1e-12)  # tr Cov = 1 / 2
+    assert noise_scale(deltas, estimator="weighted") == pytest.approx(
+        1.0, rel=1e-12
+    )  # tr Cov = 1 / 2
 
 
 def test_sample_weights_by_hand() -> None:
     # Weights 3, 1: mean [.75, .25], ||mean||^2 = .625; weighted squared deviations 3 * .125 + 1 * 1.125 = 1.5.
     deltas = [_d(1.0, 0.0), _d(0.0, 1.0)]
-    torch.testing.assert_close(mean_delta(deltas, [3, 1])["w"], torch.tensor([0.75, 0.25], dtype=torch.float64))
+    torch.testing.assert_close(
+        mean_delta(deltas, [3, 1])["w"], torch.tensor([0.75, 0.25], dtype=torch.float64)
+    )
     # unbiased: V1 = 4, V2 = 10, 1.5 / (4 - 10 / 4) = 1 -> 1 / .625
     assert noise_scale(deltas, [3, 1]) == pytest.approx(1.6, rel=1e-12)
     # weighted: 1.5 / 4 = .375 -> .375 / .625
@@ -40,14 +46,17 @@ def test_sample_weights_by_hand() -> None:
 
 def test_several_tensors_flatten_together() -> None:
     # Same numbers as the orthogonal example, split over two tensors of different shapes.
-    deltas = [{"a": torch.tensor([1.0]), "b": torch.zeros(1, 1)}, {"a": torch.tensor([0.0]), "b": torch.ones(1, 1)}]
+    deltas = [
+        {"a": torch.tensor([1.0]), "b": torch.zeros(1, 1)},
+        {"a": torch.tensor([0.0]), "b": torch.ones(1, 1)},
+    ]
     assert noise_scale(deltas) == pytest.approx(2.0, rel=1e-12)
     mean = mean_delta(deltas)
     assert mean["b"].shape == (1, 1)
     # cos([.5, .5], [1, 0]) = 1 / sqrt(2)
-    assert cosine_to_reference(mean, {"a": torch.tensor([1.0]), "b": torch.zeros(1, 1)}) == pytest.approx(
-        1 / math.sqrt(2), rel=1e-12
-    )
+    assert cosine_to_reference(
+        mean, {"a": torch.tensor([1.0]), "b": torch.zeros(1, 1)}
+    ) == pytest.approx(1 / math.sqrt(2), rel=1e-12)
 
 
 def test_three_sites_unbiased_matches_torch_cov() -> None:
@@ -57,15 +66,23 @@ def test_three_sites_unbiased_matches_torch_cov() -> None:
     expected = float(torch.cov(rows.T).trace() / rows.mean(0).pow(2).sum())
     assert noise_scale(deltas) == pytest.approx(expected, rel=1e-12)
     # Integer sample counts equal frequency weights for the population estimator.
-    expected_weighted = float(torch.cov(rows.T, fweights=torch.tensor([2, 1, 3]), correction=0).trace())
-    expected_weighted /= float((torch.tensor([2.0, 1, 3], dtype=torch.float64) @ rows / 6).pow(2).sum())
-    assert noise_scale(deltas, [2, 1, 3], estimator="weighted") == pytest.approx(expected_weighted, rel=1e-12)
+    expected_weighted = float(
+        torch.cov(rows.T, fweights=torch.tensor([2, 1, 3]), correction=0).trace()
+    )
+    expected_weighted /= float(
+        (torch.tensor([2.0, 1, 3], dtype=torch.float64) @ rows / 6).pow(2).sum()
+    )
+    assert noise_scale(deltas, [2, 1, 3], estimator="weighted") == pytest.approx(
+        expected_weighted, rel=1e-12
+    )
 
 
 def test_identical_deltas_have_no_noise_and_cosine_one() -> None:
     deltas = [_d(0.3, -1.2, 2.0)] * 4
     assert noise_scale(deltas, [1, 2, 3, 4]) == 0.0
-    assert cosine_to_reference(mean_delta(deltas), _d(0.3, -1.2, 2.0)) == pytest.approx(1.0, abs=1e-12)
+    assert cosine_to_reference(mean_delta(deltas), _d(0.3, -1.2, 2.0)) == pytest.approx(
+        1.0, abs=1e-12
+    )
     assert cosine_to_reference(_d(1.0, 2.0), _d(-2.0, -4.0)) == pytest.approx(-1.0, abs=1e-12)
     assert cosine_to_reference(_d(1.0, 0.0), _d(0.0, 3.0)) == pytest.approx(0.0, abs=1e-12)
 
@@ -106,11 +123,16 @@ def test_bad_inputs() -> None:
 def test_streamed_moments_equal_the_batch_noise_scale_and_mean() -> None:
     gen = torch.Generator().manual_seed(4)
     common = {"w": torch.randn(5, 3, generator=gen), "b": torch.randn(3, generator=gen)}
-    deltas = [{k: v + 0.7 * torch.randn(v.shape, generator=gen) for k, v in common.items()} for _ in range(6)]
+    deltas = [
+        {k: v + 0.7 * torch.randn(v.shape, generator=gen) for k, v in common.items()}
+        for _ in range(6)
+    ]
     weights = [10.0, 3.0, 7.0, 1.0, 12.0, 5.0]
     moments = DeltaMoments()
     for delta, weight in zip(deltas, weights):
-        moments.add({k: v.numpy() for k, v in delta.items()}, weight)  # numpy, as the driver reads the wire
+        moments.add(
+            {k: v.numpy() for k, v in delta.items()}, weight
+        )  # numpy, as the driver reads the wire
     for estimator in ("unbiased", "weighted"):
         expected = noise_scale(deltas, weights, estimator=estimator)
         assert moments.noise_scale(estimator=estimator) == pytest.approx(expected, rel=1e-10)

@@ -27,12 +27,30 @@ from hydrafl.simulation_config import SimulationConfig
 
 BASELINE = Path(__file__).parent / "assets" / "regression.json"
 
-DEFAULT_RUN = RunConfig(task="tabular", sites=3, samples_per_site=60, rounds=3, local_steps=3, batch_size=16, lr=3e-3)
-TIERED_RUN = RunConfig(
-    task="tabular", sites=3, samples_per_site=60, rounds=2, local_steps=3, batch_size=16, lr=1e-2,
-    site_tiers="small,medium,large", lora_rank=4,
+DEFAULT_RUN = RunConfig(
+    task="tabular", sites=3, samples_per_site=60, rounds=3, local_steps=3, batch_size=16, lr=3e-3
 )
-TIERED_STRATEGIES = ("hydra", "heterofl", "fjord", "fedrolex", "fedit", "flora", "hetlora", "flexlora")
+TIERED_RUN = RunConfig(
+    task="tabular",
+    sites=3,
+    samples_per_site=60,
+    rounds=2,
+    local_steps=3,
+    batch_size=16,
+    lr=1e-2,
+    site_tiers="small,medium,large",
+    lora_rank=4,
+)
+TIERED_STRATEGIES = (
+    "hydra",
+    "heterofl",
+    "fjord",
+    "fedrolex",
+    "fedit",
+    "flora",
+    "hetlora",
+    "flexlora",
+)
 TIERED_KNOBS = {"score_samples": 16, "outer": "nesterov", "outer_lr": 0.7}
 CASES = {
     "default": (DEFAULT_RUN, None, {}),
@@ -43,7 +61,9 @@ CASES = {
 def numbers(case: str, out: Path) -> dict[str, Any]:
     """Per strategy: each round's loss, accuracy, train loss and bytes, and per final array its sum and norm."""
     run, strategies, knobs = CASES[case]
-    config = SimulationConfig(run=run, out=str(out), knobs=knobs, **({"strategies": strategies} if strategies else {}))
+    config = SimulationConfig(
+        run=run, out=str(out), knobs=knobs, **({"strategies": strategies} if strategies else {})
+    )
     results = compare_strategies(config, show_progress=False)
     from hydrafl.server.aggregation.checkpoint import load_checkpoint
 
@@ -52,11 +72,17 @@ def numbers(case: str, out: Path) -> dict[str, Any]:
         arrays = load_checkpoint(out / strategy).arrays
         summary[strategy] = {
             "rounds": [
-                {key: record[key] for key in ("loss", "accuracy", "train_loss", "bytes_up", "bytes_down")}
+                {
+                    key: record[key]
+                    for key in ("loss", "accuracy", "train_loss", "bytes_up", "bytes_down")
+                }
                 for record in result["rounds"]
             ],
             "arrays": {
-                name: [float(array.numpy().astype("float64").sum()), float((array.numpy().astype("float64") ** 2).sum())]
+                name: [
+                    float(array.numpy().astype("float64").sum()),
+                    float((array.numpy().astype("float64") ** 2).sum()),
+                ]
                 for name, array in arrays.items()
             },
         }
@@ -67,8 +93,12 @@ def _close_array(expected: list[float], actual: list[float], where: str) -> None
     """[sum, squared norm] of a final array."""
     (total, squares), (got_total, got_squares) = expected, actual
     norm = math.sqrt(squares)
-    assert abs(got_total - total) <= 1e-3 * norm + 1e-9, f"{where}: sum {got_total} != {total} (norm {norm:.4g})"
-    assert math.isclose(got_squares, squares, rel_tol=1e-4, abs_tol=1e-12), f"{where}: {got_squares} != {squares}"
+    assert abs(got_total - total) <= 1e-3 * norm + 1e-9, (
+        f"{where}: sum {got_total} != {total} (norm {norm:.4g})"
+    )
+    assert math.isclose(got_squares, squares, rel_tol=1e-4, abs_tol=1e-12), (
+        f"{where}: {got_squares} != {squares}"
+    )
 
 
 def _close(expected: Any, actual: Any, where: str) -> None:
@@ -81,11 +111,15 @@ def _close(expected: Any, actual: Any, where: str) -> None:
         for key in expected:
             _close(expected[key], actual[key], f"{where}.{key}")
     elif isinstance(expected, list):
-        assert len(actual) == len(expected), f"{where}: {len(actual)} entries, expected {len(expected)}"
+        assert len(actual) == len(expected), (
+            f"{where}: {len(actual)} entries, expected {len(expected)}"
+        )
         for i, (e, a) in enumerate(zip(expected, actual)):
             _close(e, a, f"{where}[{i}]")
     elif isinstance(expected, float):
-        assert math.isclose(actual, expected, rel_tol=1e-5, abs_tol=1e-7), f"{where}: {actual} != {expected}"
+        assert math.isclose(actual, expected, rel_tol=1e-5, abs_tol=1e-7), (
+            f"{where}: {actual} != {expected}"
+        )
     else:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
@@ -102,4 +136,6 @@ if __name__ == "__main__":
 
     with tempfile.TemporaryDirectory() as tmp:
         BASELINE.parent.mkdir(exist_ok=True)
-        BASELINE.write_text(json.dumps({case: numbers(case, Path(tmp) / case) for case in CASES}, indent=1) + "\n")
+        BASELINE.write_text(
+            json.dumps({case: numbers(case, Path(tmp) / case) for case in CASES}, indent=1) + "\n"
+        )

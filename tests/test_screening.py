@@ -12,7 +12,12 @@ from helpers import SMALL_RUN
 from hydrafl.client import site_app
 from hydrafl.config import RunConfig
 from hydrafl.server import server_app
-from hydrafl.server.aggregation.screening import AuditsRejections, Screening, cosines_to_mean, update_norm
+from hydrafl.server.aggregation.screening import (
+    AuditsRejections,
+    Screening,
+    cosines_to_mean,
+    update_norm,
+)
 from hydrafl.simulation.attacks import Attack, AttackedGrid
 from hydrafl.simulation.grid import InProcessGrid
 from hydrafl.validation import ConfigError
@@ -21,7 +26,10 @@ from hydrafl.validation import ConfigError
 def _honest(sites: int = 6, seed: int = 0) -> dict[int, dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
     direction = rng.normal(size=40)
-    return {node: {"w": (direction + 0.3 * rng.normal(size=40)).astype(np.float32)} for node in range(1, sites + 1)}
+    return {
+        node: {"w": (direction + 0.3 * rng.normal(size=40)).astype(np.float32)}
+        for node in range(1, sites + 1)
+    }
 
 
 def test_a_scaled_update_is_rejected_by_its_norm_with_the_reason():
@@ -31,7 +39,10 @@ def test_a_scaled_update_is_rejected_by_its_norm_with_the_reason():
     median = (norms[2] + norms[3]) / 2
     rejected = Screening(norm_factor=3.0).reasons(updates)
     assert list(rejected) == [4]
-    assert rejected[4] == f"update norm {update_norm(updates[4]):.4g} above 3 x the round's median ({3 * median:.4g})"
+    assert (
+        rejected[4]
+        == f"update norm {update_norm(updates[4]):.4g} above 3 x the round's median ({3 * median:.4g})"
+    )
     assert Screening(norm_factor=200.0).reasons(updates) == {}
 
 
@@ -40,7 +51,9 @@ def test_a_sign_flipped_update_is_rejected_by_its_cosine_to_the_mean():
     updates[2] = {"w": -updates[2]["w"]}
     cosines = cosines_to_mean(updates)
     mean = np.mean([u["w"].astype(np.float64) for u in updates.values()], axis=0)
-    expected = float(updates[2]["w"] @ mean / (np.linalg.norm(updates[2]["w"]) * np.linalg.norm(mean)))
+    expected = float(
+        updates[2]["w"] @ mean / (np.linalg.norm(updates[2]["w"]) * np.linalg.norm(mean))
+    )
     assert cosines[2] == pytest.approx(expected, rel=1e-6) and cosines[2] < -0.5
     assert all(cosine > 0.5 for node, cosine in cosines.items() if node != 2)
     rejected = Screening(min_cosine=0.0).reasons(updates)
@@ -50,11 +63,16 @@ def test_a_sign_flipped_update_is_rejected_by_its_cosine_to_the_mean():
 def test_cosine_goes_over_arrays_of_matching_name_and_shape():
     updates = {
         1: {"a": np.array([1.0, 0.0]), "b": np.array([1.0])},
-        2: {"a": np.array([1.0, 2.0]), "b": np.array([3.0, 4.0])},  # its "b" has another shape: a group of its own
+        2: {
+            "a": np.array([1.0, 2.0]),
+            "b": np.array([3.0, 4.0]),
+        },  # its "b" has another shape: a group of its own
         3: {"a": np.array([-2.0, 1.0])},
     }
     cosines = cosines_to_mean(updates)
-    mean_a = np.array([0.0, 1.0])  # over 1, 2, 3; mean of "b" (1,) is [1.0] (site 1 alone), of "b" (2,) itself
+    mean_a = np.array(
+        [0.0, 1.0]
+    )  # over 1, 2, 3; mean of "b" (1,) is [1.0] (site 1 alone), of "b" (2,) itself
     assert cosines[1] == pytest.approx((0.0 + 1.0) / (np.sqrt(2.0) * np.sqrt(1.0 + 1.0)))
     assert cosines[2] == pytest.approx((2.0 + 25.0) / (np.sqrt(5.0 + 25.0) * np.sqrt(1.0 + 25.0)))
     assert cosines[3] == pytest.approx(1.0 / (np.sqrt(5.0) * np.linalg.norm(mean_a)))
@@ -83,7 +101,9 @@ class _Audited(AttackedGrid):
 @pytest.mark.parametrize("strategy", ["fedavg", "hydra"])
 def test_screened_rounds_keep_the_attackers_out_and_audit_them(strategy):
     cfg = SMALL_RUN.replace(strategy=strategy, sites=5, min_sites=4, rounds=2, screen_norm=3.0)
-    grid = _Audited(site_app.client_app, cfg.sites, cfg.to_flower(), attack=Attack(name="scale", fraction=0.2))
+    grid = _Audited(
+        site_app.client_app, cfg.sites, cfg.to_flower(), attack=Attack(name="scale", fraction=0.2)
+    )
     assert isinstance(grid, AuditsRejections)
     [attacker] = grid.attacker_nodes
     history = server_app.run_federation(grid, cfg).history
@@ -103,14 +123,20 @@ class _NanSite(InProcessGrid):
         for reply in super().send_and_receive(messages, timeout=timeout):
             if reply.metadata.src_node_id == 1002 and reply.metadata.message_type == "train":
                 record = reply.content["arrays"]
-                reply.content["arrays"] = ArrayRecord({n: Array(np.full(a.shape, np.nan, a.dtype)) for n, a in
-                                                       ((n, x.numpy()) for n, x in record.items())})
+                reply.content["arrays"] = ArrayRecord(
+                    {
+                        n: Array(np.full(a.shape, np.nan, a.dtype))
+                        for n, a in ((n, x.numpy()) for n, x in record.items())
+                    }
+                )
             yield reply
 
 
 def test_an_invalid_reply_is_recorded_as_rejected_with_its_reason(caplog):
     cfg = SMALL_RUN.replace(rounds=1, min_sites=2)
-    history = server_app.run_federation(_NanSite(site_app.client_app, cfg.sites, cfg.to_flower()), cfg).history
+    history = server_app.run_federation(
+        _NanSite(site_app.client_app, cfg.sites, cfg.to_flower()), cfg
+    ).history
     reason = history[1]["rejected_per_site"]["1002"]
     assert reason.startswith("invalid update: array") and reason.endswith("contains NaN or Inf")
     assert history[1]["sites_ok"] == 2

@@ -14,8 +14,19 @@ from hydrafl.site_config import SiteConfig
 from hydrafl.validation import ConfigError
 
 EVERY_FIELD = SiteConfig(
-    data_path=Path("/data/visits.csv"), label_column="outcome", model_dir=Path("/models"), nproc=2, max_restarts=3,
-    bf16=False, memory_mb=512.0, speed=0.5, tier="small", demo_site=1, partition_id=4, num_partitions=5, pooled=True,
+    data_path=Path("/data/visits.csv"),
+    label_column="outcome",
+    model_dir=Path("/models"),
+    nproc=2,
+    max_restarts=3,
+    bf16=False,
+    memory_mb=512.0,
+    speed=0.5,
+    tier="small",
+    demo_site=1,
+    partition_id=4,
+    num_partitions=5,
+    pooled=True,
 )
 
 
@@ -83,7 +94,9 @@ def test_the_simulation_grids_node_configs_read_back():
     replies = grid.send_and_receive(probes)
     assert not any(reply.has_error() for reply in replies)
     sites = [seen[node] for node in nodes]
-    assert [site.index for site in sites] == [0, 1, 2, 3] and [site.pooled for site in sites] == [False] * 3 + [True]
+    assert [site.index for site in sites] == [0, 1, 2, 3] and [site.pooled for site in sites] == [
+        False
+    ] * 3 + [True]
     assert not any(site.deployed for site in sites)
 
 

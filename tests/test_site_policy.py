@@ -18,30 +18,49 @@ def _reply(values: dict[str, np.ndarray], message_type: str = "train") -> Messag
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SUPERLINK_NODE_ID, 1
     request = Message(RecordDict(), dst_node_id=5, message_type=message_type)
     request.metadata.__dict__["_message_id"] = "m"
-    content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in values.items()}),
-                          "metrics": MetricRecord({"num-examples": 3})})
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord({k: Array(v) for k, v in values.items()}),
+            "metrics": MetricRecord({"num-examples": 3}),
+        }
+    )
     return Message(content, reply_to=request)
 
 
 def _norm(reply: Message) -> float:
-    return float(np.sqrt(sum((a.numpy().astype(np.float64) ** 2).sum() for a in reply.content["arrays"].values())))
+    return float(
+        np.sqrt(
+            sum((a.numpy().astype(np.float64) ** 2).sum() for a in reply.content["arrays"].values())
+        )
+    )
 
 
 def test_updates_above_the_bound_are_scaled_to_it_and_smaller_ones_pass():
-    big = {"a": np.full(4, 3.0, dtype=np.float32), "b": np.full(9, 4.0 / 3.0, dtype=np.float32)}  # norm sqrt(36+16)
+    big = {
+        "a": np.full(4, 3.0, dtype=np.float32),
+        "b": np.full(9, 4.0 / 3.0, dtype=np.float32),
+    }  # norm sqrt(36+16)
     policy = SitePolicy(max_update_norm=2.0)
     clipped = policy.apply(_reply(big))
     assert _norm(clipped) == pytest.approx(2.0, rel=1e-6)
-    np.testing.assert_allclose(clipped.content["arrays"]["a"].numpy(), 3.0 * 2.0 / np.sqrt(52), rtol=1e-6)
+    np.testing.assert_allclose(
+        clipped.content["arrays"]["a"].numpy(), 3.0 * 2.0 / np.sqrt(52), rtol=1e-6
+    )
     small = {"a": np.full(4, 0.1, dtype=np.float32)}
-    np.testing.assert_array_equal(policy.apply(_reply(small)).content["arrays"]["a"].numpy(), small["a"])
+    np.testing.assert_array_equal(
+        policy.apply(_reply(small)).content["arrays"]["a"].numpy(), small["a"]
+    )
     untouched = SitePolicy(max_update_norm=0.01).apply(_reply(big, "query.init"))
     assert _norm(untouched) == pytest.approx(np.sqrt(52), rel=1e-6)
 
 
 def test_noise_has_the_calibrated_scale():
     policy = SitePolicy(max_update_norm=1.0, noise_multiplier=0.5)
-    noisy = policy.apply(_reply({"w": np.zeros(20_000, dtype=np.float32)})).content["arrays"]["w"].numpy()
+    noisy = (
+        policy.apply(_reply({"w": np.zeros(20_000, dtype=np.float32)}))
+        .content["arrays"]["w"]
+        .numpy()
+    )
     assert noisy.std() == pytest.approx(0.5, rel=0.05) and abs(noisy.mean()) < 0.02
 
 
@@ -73,9 +92,15 @@ def test_invalid_policy_files_fail_closed(tmp_path, text, reason):
 
 def test_a_valid_policy_file_loads(tmp_path):
     path = tmp_path / "policy.toml"
-    path.write_text('allowed-runs = [1, 2]\nallowed-strategies = ["fedavg"]\nmax-update-norm = 5\nnoise-multiplier = 0.1\n')
-    assert load_policy(path) == SitePolicy(allowed_runs=(1, 2), allowed_strategies=("fedavg",), max_update_norm=5.0,
-                                           noise_multiplier=0.1)
+    path.write_text(
+        'allowed-runs = [1, 2]\nallowed-strategies = ["fedavg"]\nmax-update-norm = 5\nnoise-multiplier = 0.1\n'
+    )
+    assert load_policy(path) == SitePolicy(
+        allowed_runs=(1, 2),
+        allowed_strategies=("fedavg",),
+        max_update_norm=5.0,
+        noise_multiplier=0.1,
+    )
 
 
 def _train_message(run_epsilon: float | None) -> Message:
@@ -94,10 +119,17 @@ def test_a_site_refuses_a_round_that_would_take_the_run_over_its_budget():
     assert policy.budget_refusal(_train_message(3.9), _context()) == ""
     assert policy.budget_refusal(_train_message(4.0), _context()) == ""
     refusal = policy.budget_refusal(_train_message(4.2), _context())
-    assert refusal == "privacy budget: this round would bring the site's epsilon to 4.2, over its max-epsilon 4"
-    assert "infinite" in policy.budget_refusal(_train_message(None), _context())  # no central DP: fail closed
+    assert (
+        refusal
+        == "privacy budget: this round would bring the site's epsilon to 4.2, over its max-epsilon 4"
+    )
+    assert "infinite" in policy.budget_refusal(
+        _train_message(None), _context()
+    )  # no central DP: fail closed
     assert "infinite" in policy.budget_refusal(_train_message(float("nan")), _context())
-    assert SitePolicy().budget_refusal(_train_message(None), _context()) == ""  # no budget, no check
+    assert (
+        SitePolicy().budget_refusal(_train_message(None), _context()) == ""
+    )  # no budget, no check
     declined = policy.decline(_train_message(4.2), refusal)
     assert declined.has_error() and declined.error.reason == refusal
 
@@ -109,7 +141,9 @@ def test_local_noise_is_accounted_per_participation_and_reported_in_the_reply():
     for _ in range(3):
         reply = policy.release(_reply({"w": np.zeros(8, dtype=np.float32)}), context)
         spent.append(reply.content["privacy"][protocol.LOCAL_EPSILON])
-    reference = RdpAccountant()  # each reply: a Gaussian of sensitivity 2C, so noise multiplier z / 2
+    reference = (
+        RdpAccountant()
+    )  # each reply: a Gaussian of sensitivity 2C, so noise multiplier z / 2
     reference.compose(dp_accounting.GaussianDpEvent(1.0), 3)
     assert spent[-1] == pytest.approx(reference.get_epsilon(1e-5), rel=1e-12)
     assert spent == sorted(spent) and context.state[PRIVACY_STATE]["participations"] == 3
@@ -119,13 +153,17 @@ def test_local_noise_is_accounted_per_participation_and_reported_in_the_reply():
     assert policy.budget_refusal(_train_message(None), context) == ""
     context.state[PRIVACY_STATE] = ConfigRecord({"participations": rounds - 1})
     assert "over its max-epsilon 3" in policy.budget_refusal(_train_message(None), context)
-    assert policy.budget_refusal(_train_message(0.5), context) == ""  # the run's central spending is smaller
+    assert (
+        policy.budget_refusal(_train_message(0.5), context) == ""
+    )  # the run's central spending is smaller
 
 
 def test_budget_keys_load_and_are_checked(tmp_path):
     path = tmp_path / "policy.toml"
     path.write_text("max-update-norm = 1\nnoise-multiplier = 1.0\nmax-epsilon = 8\ndelta = 1e-6\n")
-    assert load_policy(path) == SitePolicy(max_update_norm=1.0, noise_multiplier=1.0, max_epsilon=8.0, delta=1e-6)
+    assert load_policy(path) == SitePolicy(
+        max_update_norm=1.0, noise_multiplier=1.0, max_epsilon=8.0, delta=1e-6
+    )
     path.write_text("max-epsilon = 0\n")
     with pytest.raises(PolicyError, match="max-epsilon must be a positive number"):
         load_policy(path)

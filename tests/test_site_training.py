@@ -37,7 +37,11 @@ CFG = SMALL_RUN.replace(sites=2, samples_per_site=50, rounds=15, local_steps=6, 
 
 
 def _train_reply(
-    nproc: int, cfg: RunConfig = CFG, node_index: int = 1, read: dict[str, Slice] | None = None, **extra: object
+    nproc: int,
+    cfg: RunConfig = CFG,
+    node_index: int = 1,
+    read: dict[str, Slice] | None = None,
+    **extra: object,
 ) -> Message:
     """A site's train reply from the initial model, sent whole or, with `read`, cut to those slices."""
     grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
@@ -46,7 +50,9 @@ def _train_reply(
     if read is not None:
         initial = sliced_record(initial, read)
     config = ConfigRecord({**cfg.to_flower(), "nproc": nproc, "server-round": 2, **extra})
-    message = Message(RecordDict({"arrays": initial, "config": config}), dst_node_id=node, message_type="train")
+    message = Message(
+        RecordDict({"arrays": initial, "config": config}), dst_node_id=node, message_type="train"
+    )
     [reply] = grid.send_and_receive([message])
     assert not reply.has_error(), reply.error.reason
     return reply
@@ -75,7 +81,9 @@ def test_a_two_process_site_sends_the_one_process_delta(replies):
     d1, d2 = _flat(one.content["arrays"]), _flat(two.content["arrays"])
     assert float(d1.norm()) > 1e-3  # it trained
     assert float((d1 - d2).norm() / d1.norm()) <= 1e-4
-    assert one.content["metrics"]["train_loss"] == pytest.approx(two.content["metrics"]["train_loss"], rel=1e-5)
+    assert one.content["metrics"]["train_loss"] == pytest.approx(
+        two.content["metrics"]["train_loss"], rel=1e-5
+    )
     assert one.content["metrics"]["num-examples"] == two.content["metrics"]["num-examples"] == 40
     # Attention key biases get only rounding noise (their true gradient is 0): never stepped, exactly 0 sent.
     for reply in (one, two):
@@ -91,7 +99,9 @@ def test_every_train_reply_carries_the_data_hash_and_throughput(replies, nproc):
     seed = CFG.seed * 1_000_003 + 1
     passes = [round_order(40, seed, 2, epoch) for epoch in (0, 1)]
     batches = [passes[0][k * 8 : (k + 1) * 8] for k in range(5)] + [passes[1][:8]]
-    assert reply.content["train-info"]["data-hash"] == hash_global_batches(batches)  # the same for any nproc
+    assert reply.content["train-info"]["data-hash"] == hash_global_batches(
+        batches
+    )  # the same for any nproc
     metrics = reply.content["metrics"]
     assert metrics["samples-per-s"] > 0 and math.isfinite(metrics["samples-per-s"])
     assert "mfu" not in metrics  # CPU: its peak FLOP/s is unknown, throughput only
@@ -100,7 +110,10 @@ def test_every_train_reply_carries_the_data_hash_and_throughput(replies, nproc):
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "spec",
-    [SubnetSpec(layers=(1,), heads=((0,),), bypass=True), SubnetSpec(layers=(1,), heads=((0,),), freeze_heads=True)],
+    [
+        SubnetSpec(layers=(1,), heads=((0,),), bypass=True),
+        SubnetSpec(layers=(1,), heads=((0,),), freeze_heads=True),
+    ],
     ids=["bypass", "frozen-heads"],
 )
 def test_a_hydra_subnetwork_on_any_nproc_sends_the_one_process_delta(spec, nproc):
@@ -109,14 +122,21 @@ def test_a_hydra_subnetwork_on_any_nproc_sends_the_one_process_delta(spec, nproc
     downloaded). On one process too: a site sent only what its Hydra-net reads trains as one sent the whole model."""
     read = site_read_slices(CFG, spec)
     assert any(".layer.0." in name for name in read) != spec.bypass
-    one, two = _train_reply(1, **spec.to_config()), _train_reply(nproc, read=read, **spec.to_config())
+    one, two = (
+        _train_reply(1, **spec.to_config()),
+        _train_reply(nproc, read=read, **spec.to_config()),
+    )
     d1, d2 = from_record(one.content["arrays"]), from_record(two.content["arrays"])
-    assert sorted(d1) == sorted(d2) and not any(".layer.0." in name for name in d1)  # layer 0 not trained
+    assert sorted(d1) == sorted(d2) and not any(
+        ".layer.0." in name for name in d1
+    )  # layer 0 not trained
     f1, f2 = _flat(one.content["arrays"]), _flat(two.content["arrays"])
     assert float(f1.norm()) > 1e-3 and float((f1 - f2).norm() / f1.norm()) <= 1e-4
     # what the spawned processes were handed were copies: the site's own model (its bypassed layer 0 included)
     # stays private, never in shared memory that simulation workers forked later would all write to
-    working = site_app._working_model(site_app.run_cohort(CFG).task, CFG.model, CFG.seed, None, False)
+    working = site_app._working_model(
+        site_app.run_cohort(CFG).task, CFG.model, CFG.seed, None, False
+    )
     assert not [name for name, p in working.named_parameters() if p.is_shared()]
 
 
@@ -148,7 +168,9 @@ def test_training_flops_per_sample_are_three_forwards_at_the_models_token_count(
     cohort = site_app.run_cohort(CFG)
     model = build_model(cohort.task)
     tokens = cohort.task.num_features + 1  # one token per feature and a CLS token
-    assert train_flops_per_sample(model, cohort.sites[0].train_x) == 3 * forward_flops(model, tokens)
+    assert train_flops_per_sample(model, cohort.sites[0].train_x) == 3 * forward_flops(
+        model, tokens
+    )
 
 
 def test_round_records_keep_each_sites_data_hash(tmp_path):
@@ -163,7 +185,9 @@ def test_round_records_keep_each_sites_data_hash(tmp_path):
     assert history[0]["data_hash_per_site"] == {}  # round 0 only evaluates
     saved = json.loads((tmp_path / "run" / "history.json").read_text())
     assert saved[2]["data_hash_per_site"] == history[2]["data_hash_per_site"]
-    assert history[1]["noise_scale"] is None and history[1]["full_data_cosine"] is None  # diagnostics are opt-in
+    assert (
+        history[1]["noise_scale"] is None and history[1]["full_data_cosine"] is None
+    )  # diagnostics are opt-in
 
 
 # --- diagnostics: exact numbers from sites whose deltas are known ---------------------------------------------
@@ -184,11 +208,16 @@ def _scripted_app() -> ClientApp:
         metrics = MetricRecord({"num-examples": SITE_WEIGHTS.get(site, 60)})
         info = ConfigRecord({"data-hash": f"hash-{site}"})
         arrays = to_record({"w": torch.tensor(delta)})
-        return Message(RecordDict({"arrays": arrays, "metrics": metrics, "train-info": info}), reply_to=message)
+        return Message(
+            RecordDict({"arrays": arrays, "metrics": metrics, "train-info": info}), reply_to=message
+        )
 
     @scripted.evaluate()
     def evaluate(message: Message, context: Context) -> Message:
-        return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1, "loss": 1.0})}), reply_to=message)
+        return Message(
+            RecordDict({"metrics": MetricRecord({"num-examples": 1, "loss": 1.0})}),
+            reply_to=message,
+        )
 
     return scripted
 
@@ -196,8 +225,12 @@ def _scripted_app() -> ClientApp:
 def test_diagnostics_stream_the_noise_scale_and_compare_with_the_full_data_delta():
     grid = InProcessGrid(_scripted_app(), 3, pooled_site=True)
     assert grid.reference_node == POOLED_NODE_ID and POOLED_NODE_ID not in grid.get_node_ids()
-    config = DriverConfig(num_rounds=1, required_sites=3, diagnostics=True, reference_node=grid.reference_node)
-    history = RoundDriver(grid, FedAvg(), config).run(lambda: to_record({"w": torch.zeros(3)})).history
+    config = DriverConfig(
+        num_rounds=1, required_sites=3, diagnostics=True, reference_node=grid.reference_node
+    )
+    history = (
+        RoundDriver(grid, FedAvg(), config).run(lambda: to_record({"w": torch.zeros(3)})).history
+    )
     deltas = [{"w": torch.tensor(SITE_DELTAS[i], dtype=torch.float64)} for i in range(3)]
     weights = [SITE_WEIGHTS[i] for i in range(3)]
     average = {"w": sum(w * d["w"] for w, d in zip(weights, deltas)) / sum(weights)}
@@ -205,8 +238,14 @@ def test_diagnostics_stream_the_noise_scale_and_compare_with_the_full_data_delta
     expected_cosine = cosine_to_reference(average, {"w": torch.tensor(POOLED_DELTA)})
     assert history[1]["full_data_cosine"] == pytest.approx(expected_cosine, rel=1e-12)
     # by hand: average (10 (1, 0, 2) + 30 (0, 1, 2) + 20 (2, 1, -1)) / 60 = (5/6, 5/6, 1) against (1, 1, 1)
-    assert expected_cosine == pytest.approx((5 / 3 + 1) / (math.sqrt(2 * 25 / 36 + 1) * math.sqrt(3)))
-    assert history[1]["data_hash_per_site"] == {"1001": "hash-0", "1002": "hash-1", "1003": "hash-2"}
+    assert expected_cosine == pytest.approx(
+        (5 / 3 + 1) / (math.sqrt(2 * 25 / 36 + 1) * math.sqrt(3))
+    )
+    assert history[1]["data_hash_per_site"] == {
+        "1001": "hash-0",
+        "1002": "hash-1",
+        "1003": "hash-2",
+    }
     assert RoundRecord(**history[1]).noise_scale == history[1]["noise_scale"]
 
 
@@ -218,12 +257,32 @@ def test_simulation_diagnostics_on_the_real_app_and_in_the_report(tmp_path):
         assert 0 < record["noise_scale"] < math.inf
         assert -1.0 <= record["full_data_cosine"] <= 1.0 and record["full_data_cosine"] > 0.3
     plain = run_strategy(cfg.replace(diagnostics=False), "inprocess")
-    assert [r["loss"] for r in plain] == [r["loss"] for r in history]  # the extra run changes no numbers
+    assert [r["loss"] for r in plain] == [
+        r["loss"] for r in history
+    ]  # the extra run changes no numbers
 
 
 def _simulate_args(out: Path) -> list[str]:
-    return ["simulate", "--task", "tabular", "--sites", "2", "--samples-per-site", "40", "--rounds", "1",
-            "--local-steps", "2", "--batch-size", "8", "--strategies", "fedavg", "--out", str(out), "--no-progress"]
+    return [
+        "simulate",
+        "--task",
+        "tabular",
+        "--sites",
+        "2",
+        "--samples-per-site",
+        "40",
+        "--rounds",
+        "1",
+        "--local-steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--strategies",
+        "fedavg",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
 
 
 def _simulate_with_diagnostics(out: Path) -> list[dict]:
@@ -246,7 +305,9 @@ def test_simulate_cli_diagnostics_and_an_nproc_that_does_not_divide_the_batch(tm
 @pytest.mark.slow
 def test_simulate_cli_nproc_and_diagnostics_end_to_end(tmp_path):
     rounds = _simulate_with_diagnostics(tmp_path / "o")
-    two = tmp_path / "two"  # every simulated site on two processes: the same batches, the same round
+    two = (
+        tmp_path / "two"
+    )  # every simulated site on two processes: the same batches, the same round
     result = CliRunner().invoke(app, [*_simulate_args(two), "--nproc", "2"])
     assert result.exit_code == 0, result.output
     on_two = json.loads((two / "results.json").read_text())["strategies"]["fedavg"]["rounds"]
@@ -271,7 +332,9 @@ def test_site_cli_puts_nproc_in_the_node_config(monkeypatch):
     assert result.exit_code == 0, result.output
     assert seen == {"nproc": 4}
     seen.clear()
-    result = CliRunner().invoke(app, ["site", "--token", "t", "--nproc", "2", "--max-restarts", "3"])
+    result = CliRunner().invoke(
+        app, ["site", "--token", "t", "--nproc", "2", "--max-restarts", "3"]
+    )
     assert result.exit_code == 0, result.output
     assert seen == {"nproc": 2, "max-restarts": 3}
 
@@ -282,7 +345,9 @@ def test_the_coordinator_keeps_data_hashes_in_the_run_history(tmp_path, monkeypa
 
     db = f"sqlite:///{tmp_path / 'c.db'}"
     coordinator = coordinator_module.Coordinator(
-        CoordinatorConfig(listen="127.0.0.1:0", db_url=db, blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs")
+        CoordinatorConfig(
+            listen="127.0.0.1:0", db_url=db, blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs"
+        )
     )
 
     def fake_federation(grid, cfg, *, on_round):
@@ -296,12 +361,13 @@ def test_the_coordinator_keeps_data_hashes_in_the_run_history(tmp_path, monkeypa
     assert history[0]["data_hash_per_site"] == {"7": "ab" * 32, "8": "cd" * 32}
 
 
-
 def test_bf16_autocast_trains_close_to_fp32_but_not_identically(replies):
     fp32 = _flat(replies[1].content["arrays"])
     bf16 = _flat(_train_reply(1, CFG.replace(bf16=True)).content["arrays"])
     relative = float((bf16 - fp32).norm() / fp32.norm())
-    assert 0.0 < relative < 0.5  # bfloat16 matmuls round (8-bit mantissa), yet the update points the same way
+    assert (
+        0.0 < relative < 0.5
+    )  # bfloat16 matmuls round (8-bit mantissa), yet the update points the same way
     assert float(torch.nn.functional.cosine_similarity(bf16, fp32, dim=0)) > 0.9
 
 

@@ -53,7 +53,9 @@ def test_mode_moments_closed_forms() -> None:
     assert c == pytest.approx(1 - 0.9**10, rel=1e-14)
     assert v == pytest.approx(0.83**10 - 0.81**10, rel=1e-12)
     assert mode_moments(replace(BASE, sites=8))[1] == pytest.approx(v / 8, rel=1e-14)
-    assert mode_moments(replace(BASE, batch_size=8))[1] == pytest.approx((0.81 + 0.02 / 8) ** 10 - 0.81**10, rel=1e-12)
+    assert mode_moments(replace(BASE, batch_size=8))[1] == pytest.approx(
+        (0.81 + 0.02 / 8) ** 10 - 0.81**10, rel=1e-12
+    )
     # Tiny eta h keeps relative accuracy (no cancellation in 1 - a^H).
     c_small, v_small = mode_moments(replace(BASE, inner_lr=1e-12))
     assert c_small == pytest.approx(10e-12, rel=1e-9)
@@ -76,7 +78,9 @@ def test_doc_gamma_star_examples(overrides: dict[str, float], exact: float, doc:
     gamma_star = max_stable_outer_lr(setup)
     assert gamma_star == pytest.approx(exact, abs=2e-6)
     # Arbiter: the exact second-moment recursion puts the edge exactly there.
-    assert exact_second_moment_rate(replace(setup, outer_lr=gamma_star)) == pytest.approx(1.0, abs=1e-9)
+    assert exact_second_moment_rate(replace(setup, outer_lr=gamma_star)) == pytest.approx(
+        1.0, abs=1e-9
+    )
     # The doc's numbers are gamma* rounded *up* to 0.01 (the first unstable point of a 0.01 grid),
     # so the doc's value itself is already (slightly) unstable.
     assert math.ceil(gamma_star * 100) / 100 == pytest.approx(doc)
@@ -84,11 +88,20 @@ def test_doc_gamma_star_examples(overrides: dict[str, float], exact: float, doc:
     assert exact_second_moment_rate(replace(setup, outer_lr=doc)) > 1.0
 
 
-@pytest.mark.parametrize(("sites", "expected"), [(1, 0.42), (2, 0.72), (4, 0.97), (8, 1.14), (16, 1.24)])
+@pytest.mark.parametrize(
+    ("sites", "expected"), [(1, 0.42), (2, 0.72), (4, 0.97), (8, 1.14), (16, 1.24)]
+)
 def test_inner_edge_regime_q_at_least_one(sites: int, expected: float) -> None:
     # eta h = 1, v = b: a = 0, q = 1, so c = 1 and V = 1/M exactly.
     exact_edge = OuterSetup(
-        inner_lr=1.0, curvature=1.0, curvature_var=1.0, batch_size=1, local_steps=7, sites=sites, outer_lr=0.7, momentum=0.9
+        inner_lr=1.0,
+        curvature=1.0,
+        curvature_var=1.0,
+        batch_size=1,
+        local_steps=7,
+        sites=sites,
+        outer_lr=0.7,
+        momentum=0.9,
     )
     c, v = mode_moments(exact_edge)
     assert (c, v) == (pytest.approx(1.0), pytest.approx(1.0 / sites))
@@ -98,7 +111,14 @@ def test_inner_edge_regime_q_at_least_one(sites: int, expected: float) -> None:
     assert u_star**2 / sites == pytest.approx(stability_limit(u_star, 0.9, True), rel=1e-9)
     # A less degenerate realisation: eta h = 0.5, v = 3b gives q = 1; c ~ 1, V = (1 - a^2H)/M.
     natural = OuterSetup(
-        inner_lr=0.5, curvature=1.0, curvature_var=12.0, batch_size=4, local_steps=20, sites=sites, outer_lr=0.7, momentum=0.9
+        inner_lr=0.5,
+        curvature=1.0,
+        curvature_var=12.0,
+        batch_size=4,
+        local_steps=20,
+        sites=sites,
+        outer_lr=0.7,
+        momentum=0.9,
     )
     c, v = mode_moments(natural)
     assert c == pytest.approx(1.0, abs=1e-6)
@@ -116,7 +136,9 @@ def test_mu_zero_reduces_to_plain_sgd() -> None:
     setup = replace(BASE, momentum=0.0)
     c, v = mode_moments(setup)
     assert max_stable_outer_lr(setup) == pytest.approx(2 * c / (c * c + v), rel=1e-12)
-    assert max_stable_outer_lr(replace(setup, nesterov=False)) == pytest.approx(2 * c / (c * c + v), rel=1e-12)
+    assert max_stable_outer_lr(replace(setup, nesterov=False)) == pytest.approx(
+        2 * c / (c * c + v), rel=1e-12
+    )
 
 
 @pytest.mark.parametrize("mu", [0.0, 0.3, 0.9, 0.99])
@@ -125,7 +147,9 @@ def test_noise_free_edges(mu: float) -> None:
     c, v = mode_moments(quiet)
     assert v == 0.0
     assert max_stable_outer_lr(quiet) * c == pytest.approx(2 * (1 + mu) / (1 + 2 * mu), rel=1e-12)
-    assert max_stable_outer_lr(replace(quiet, nesterov=False)) * c == pytest.approx(2 * (1 + mu), rel=1e-12)
+    assert max_stable_outer_lr(replace(quiet, nesterov=False)) * c == pytest.approx(
+        2 * (1 + mu), rel=1e-12
+    )
 
 
 def test_edge_values_and_range() -> None:
@@ -151,7 +175,9 @@ def test_small_u_noise_limit(nesterov: bool, mu: float) -> None:
 def test_heavy_ball_formula_and_limits() -> None:
     mu = 0.9
     for u in (0.1, 1.0, 3.0):
-        assert stability_limit(u, mu, False) == pytest.approx(u * (1 - mu) * (2 * (1 + mu) - u) / (1 + mu))
+        assert stability_limit(u, mu, False) == pytest.approx(
+            u * (1 - mu) * (2 * (1 + mu) - u) / (1 + mu)
+        )
     # heavy ball tolerates larger u but less noise at small u than Nesterov for the same mu > 0
     assert u_limit(mu, False) > u_limit(mu, True)
     setup = replace(BASE, nesterov=False)
@@ -161,7 +187,13 @@ def test_heavy_ball_formula_and_limits() -> None:
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"inner_lr": 0.5}, {"inner_lr": 1.0, "curvature_var": 1.0}, {"momentum": 0.0}, {"momentum": 0.99, "sites": 4}],
+    [
+        {},
+        {"inner_lr": 0.5},
+        {"inner_lr": 1.0, "curvature_var": 1.0},
+        {"momentum": 0.0},
+        {"momentum": 0.99, "sites": 4},
+    ],
 )
 def test_stable_set_is_an_interval(nesterov: bool, overrides: dict[str, float]) -> None:
     setup = replace(BASE, nesterov=nesterov, **overrides)
@@ -190,7 +222,9 @@ def _random_setup(rng: np.random.Generator) -> OuterSetup:
         momentum=float(rng.uniform(0.0, 0.99)),
         nesterov=bool(rng.integers(0, 2)),
     )
-    return replace(setup, outer_lr=max_stable_outer_lr(setup) * float(np.exp(rng.uniform(-1.0, 1.0))))
+    return replace(
+        setup, outer_lr=max_stable_outer_lr(setup) * float(np.exp(rng.uniform(-1.0, 1.0)))
+    )
 
 
 def test_check_agrees_with_exact_recursion_on_random_grid() -> None:
@@ -261,11 +295,15 @@ def test_monte_carlo_rate_matches_exact_recursion_when_noise_is_mild() -> None:
     for factor in (0.5, 1.5):
         point = replace(setup, outer_lr=factor * max_stable_outer_lr(setup))
         expected = math.log(exact_second_moment_rate(point))
-        assert monte_carlo_growth(point, rounds=150, trials=2000, seed=3) == pytest.approx(expected, abs=0.05)
+        assert monte_carlo_growth(point, rounds=150, trials=2000, seed=3) == pytest.approx(
+            expected, abs=0.05
+        )
 
 
 def test_monte_carlo_is_reproducible_and_validates() -> None:
-    assert monte_carlo_growth(BASE, rounds=20, trials=100, seed=5) == monte_carlo_growth(BASE, rounds=20, trials=100, seed=5)
+    assert monte_carlo_growth(BASE, rounds=20, trials=100, seed=5) == monte_carlo_growth(
+        BASE, rounds=20, trials=100, seed=5
+    )
     with pytest.raises(ValueError, match="rounds"):
         monte_carlo_growth(BASE, rounds=2, trials=10, seed=0)
     with pytest.raises(ValueError, match="trials"):
@@ -273,7 +311,9 @@ def test_monte_carlo_is_reproducible_and_validates() -> None:
 
 
 def test_check_spectrum_takes_the_binding_mode() -> None:
-    modes = [replace(BASE, curvature=h, curvature_var=2 * h * h, inner_lr=0.1) for h in (0.1, 1.0, 5.0)]
+    modes = [
+        replace(BASE, curvature=h, curvature_var=2 * h * h, inner_lr=0.1) for h in (0.1, 1.0, 5.0)
+    ]
     per_mode = [max_stable_outer_lr(m) for m in modes]
     joint = check_spectrum(modes)
     assert joint.max_stable_outer_lr == min(per_mode)
@@ -330,7 +370,9 @@ def test_validation_names_field_value_and_range(field: str, value: object) -> No
         replace(BASE, **{field: value})
     message = str(info.value)
     assert repr(value) in message
-    assert any(token in message for token in ("(0, inf)", "[0, inf)", "[0, 1)", ">= 1", "True or False"))
+    assert any(
+        token in message for token in ("(0, inf)", "[0, inf)", "[0, 1)", ">= 1", "True or False")
+    )
 
 
 def test_plot_stable_region_writes_png(tmp_path) -> None:
@@ -339,7 +381,9 @@ def test_plot_stable_region_writes_png(tmp_path) -> None:
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(data) > 10_000
-    out_hb = plot_stable_region(replace(BASE, nesterov=False, sites=3), str(tmp_path / "hb.png"), sites=(1, 8))
+    out_hb = plot_stable_region(
+        replace(BASE, nesterov=False, sites=3), str(tmp_path / "hb.png"), sites=(1, 8)
+    )
     assert out_hb.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -19,7 +19,9 @@ START = {
 }
 # What the planning round assigns (`toy_scores`); Hydra keeps the other heads running, frozen.
 SPEC_A = SubnetSpec(layers=(0,), heads=((0, 1),), freeze_heads=True)  # w rows 0-1, o
-SPEC_B = SubnetSpec(layers=(0, 1), heads=((1, 2), (0, 1)), freeze_heads=True)  # w rows 1-2, v (shared by its heads), o
+SPEC_B = SubnetSpec(
+    layers=(0, 1), heads=((1, 2), (0, 1)), freeze_heads=True
+)  # w rows 1-2, v (shared by its heads), o
 DELTA_A = {  # sites send only their slices: A's rows 0-1 of w, and o
     "w": np.array([[0.1, 0.2], [0.4, 0.4]]),
     "o": np.array([1.0, 0.0]),
@@ -41,9 +43,18 @@ def toy_scores() -> dict:
     (both layers, half the heads), and in layer 0 it scores heads 1 and 2 highest."""
     return {
         1: make_scores_reply(
-            1, LAYOUT, layers=[2.0, 1.0], heads=[[4.0, 3.0, 2.0, 1.0]] * 2, tier="small", num_examples=10
+            1,
+            LAYOUT,
+            layers=[2.0, 1.0],
+            heads=[[4.0, 3.0, 2.0, 1.0]] * 2,
+            tier="small",
+            num_examples=10,
         ),
         2: make_scores_reply(
-            2, LAYOUT, layers=[2.0, 1.0], heads=[[1.0, 4.0, 3.0, 0.0], [4.0, 3.0, 2.0, 1.0]], num_examples=30
+            2,
+            LAYOUT,
+            layers=[2.0, 1.0],
+            heads=[[1.0, 4.0, 3.0, 0.0], [4.0, 3.0, 2.0, 1.0]],
+            num_examples=30,
         ),
     }

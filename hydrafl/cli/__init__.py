@@ -16,7 +16,9 @@ from hydrafl.cli import admin, server, simulate, site, stability
 from hydrafl.malloc_tuning import keep_freed_memory
 
 app = typer.Typer(
-    help="hydrafl: federated fine-tuning for hospital consortia.", no_args_is_help=True, pretty_exceptions_show_locals=False
+    help="hydrafl: federated fine-tuning for hospital consortia.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
 )
 
 
@@ -28,13 +30,22 @@ def _show_version(show: bool) -> None:
 
 @app.callback()
 def _options(
-    _version: Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True,
-                                           help="Print hydrafl's version and exit.")] = False,
+    _version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_show_version,
+            is_eager=True,
+            help="Print hydrafl's version and exit.",
+        ),
+    ] = False,
 ) -> None:
     """hydrafl: federated fine-tuning for hospital consortia."""
 
 
-app.command("simulate", context_settings=simulate.FLAG_SETTINGS, cls=simulate.KeysInHelp)(simulate.simulate)
+app.command("simulate", context_settings=simulate.FLAG_SETTINGS, cls=simulate.KeysInHelp)(
+    simulate.simulate
+)
 app.command("keys")(simulate.keys)
 app.command("strategies")(simulate.strategies)
 app.command("stability")(stability.stability)

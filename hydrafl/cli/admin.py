@@ -44,17 +44,24 @@ class OneLineErrors(TyperGroup):
         except Exception as error:  # one line for anything a command did not expect
             if ctx.meta.get(VERBOSE):
                 raise
-            fail_one_line(f"{type(error).__name__}: {error} (`hydrafl admin -v ...` shows the traceback)", 1)
+            fail_one_line(
+                f"{type(error).__name__}: {error} (`hydrafl admin -v ...` shows the traceback)", 1
+            )
 
 
-admin_app = typer.Typer(help="Administer a coordinator's database: sites (and runs).", no_args_is_help=True,
-                        cls=OneLineErrors)
+admin_app = typer.Typer(
+    help="Administer a coordinator's database: sites (and runs).",
+    no_args_is_help=True,
+    cls=OneLineErrors,
+)
 
 
 @admin_app.callback()
 def _admin_options(
     ctx: typer.Context,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the traceback of an unexpected error.")] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Show the traceback of an unexpected error.")
+    ] = False,
 ) -> None:
     """Administer a coordinator's database: sites (and runs)."""
     ctx.meta[VERBOSE] = verbose
@@ -65,11 +72,19 @@ admin_app.add_typer(site_admin, name="site")
 admin_app.add_typer(db_admin, name="db")
 
 
-ConsortiumKeyOption = Annotated[Path | None, typer.Option(
-    help="The consortium's signing key (`hydrafl admin consortium create`): issue the site's secure-aggregation "
-         "identity with it.")]
-IdentityOutOption = Annotated[Path | None, typer.Option(
-    help="Where the site's identity file goes (default NAME.secagg-identity.json); hand it to the site with its token.")]
+ConsortiumKeyOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="The consortium's signing key (`hydrafl admin consortium create`): issue the site's secure-aggregation "
+        "identity with it."
+    ),
+]
+IdentityOutOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="Where the site's identity file goes (default NAME.secagg-identity.json); hand it to the site with its token."
+    ),
+]
 
 
 @site_admin.command("add")
@@ -89,44 +104,60 @@ def site_add(
     console.print(f"enrolled [bold]{site.name}[/] as node {site.node_id}; its token (shown once):")
     print(token)
     if consortium is not None:
-        _write_identity(consortium, site.node_id, identity_out or Path(f"{name}.secagg-identity.json"))
+        _write_identity(
+            consortium, site.node_id, identity_out or Path(f"{name}.secagg-identity.json")
+        )
 
 
 @site_admin.command("certify")
 def site_certify(
     name: Annotated[str, typer.Argument(help="Site name.")],
-    consortium_key: Annotated[Path, typer.Option(help="The consortium's signing key (`hydrafl admin consortium create`).")],
+    consortium_key: Annotated[
+        Path, typer.Option(help="The consortium's signing key (`hydrafl admin consortium create`).")
+    ],
     identity_out: IdentityOutOption = None,
     db: DbOption = None,
 ) -> None:
     """Issue an enrolled site a new secure-aggregation identity (its old one stays valid: the consortium key,
     not a list, vouches for both)."""
     consortium = _read_consortium_key(consortium_key)
-    site = next((site for site in open_store(db).sites() if site.name == name and not site.revoked), None)
+    site = next(
+        (site for site in open_store(db).sites() if site.name == name and not site.revoked), None
+    )
     if site is None:
-        fail(f"no active site named {name!r}; `hydrafl admin site list` shows the enrolled sites", 2)
+        fail(
+            f"no active site named {name!r}; `hydrafl admin site list` shows the enrolled sites", 2
+        )
     _write_identity(consortium, site.node_id, identity_out or Path(f"{name}.secagg-identity.json"))
 
 
-consortium_admin = typer.Typer(help="The consortium's signing key, which certifies sites for secure aggregation.",
-                               no_args_is_help=True)
+consortium_admin = typer.Typer(
+    help="The consortium's signing key, which certifies sites for secure aggregation.",
+    no_args_is_help=True,
+)
 admin_app.add_typer(consortium_admin, name="consortium")
 
 
 @consortium_admin.command("create")
 def consortium_create(
-    path: Annotated[Path, typer.Argument(help="Where the key goes; keep it off the coordinator's machine.")],
+    path: Annotated[
+        Path, typer.Argument(help="Where the key goes; keep it off the coordinator's machine.")
+    ],
 ) -> None:
     """Create the consortium's signing key: the coordinator never holds it, so it cannot certify a key of its own."""
     from hydrafl.secagg.identity import new_signing_key, verifying_key
 
     key = new_signing_key()
     try:
-        with open(path, "x", encoding="utf-8", opener=lambda p, flags: os.open(p, flags, 0o600)) as file:
+        with open(
+            path, "x", encoding="utf-8", opener=lambda p, flags: os.open(p, flags, 0o600)
+        ) as file:
             file.write(base64.b64encode(key).decode() + "\n")
     except OSError as error:
         fail(escape(f"cannot create {path}: {error.strerror or error}"), 2)
-    console.print(f"wrote the consortium key to {escape(str(path))}; its public half (each identity file carries it):")
+    console.print(
+        f"wrote the consortium key to {escape(str(path))}; its public half (each identity file carries it):"
+    )
     print(base64.b64encode(verifying_key(key)).decode())
 
 
@@ -136,7 +167,12 @@ def _read_consortium_key(path: Path) -> bytes:
     except (OSError, UnicodeDecodeError, ValueError) as error:
         fail(escape(f"cannot read --consortium-key {path}: {error}"), 2)
     if len(key) != 32:
-        fail(escape(f"--consortium-key {path} is not a consortium key (`hydrafl admin consortium create` makes one)"), 2)
+        fail(
+            escape(
+                f"--consortium-key {path} is not a consortium key (`hydrafl admin consortium create` makes one)"
+            ),
+            2,
+        )
     return key
 
 
@@ -145,12 +181,16 @@ def _write_identity(consortium: bytes, node_id: int, path: Path) -> None:
     from hydrafl.secagg import SiteIdentity
 
     try:
-        with open(path, "x", encoding="utf-8", opener=lambda p, flags: os.open(p, flags, 0o600)) as file:
+        with open(
+            path, "x", encoding="utf-8", opener=lambda p, flags: os.open(p, flags, 0o600)
+        ) as file:
             file.write(SiteIdentity.issue(consortium, node_id).to_json() + "\n")
     except OSError as error:
         fail(escape(f"cannot create {path}: {error.strerror or error}"), 2)
-    console.print(f"wrote its secure-aggregation identity to {escape(str(path))}: hand it to the site with its "
-                  "token (`hydrafl site --secagg-identity FILE`)")
+    console.print(
+        f"wrote its secure-aggregation identity to {escape(str(path))}: hand it to the site with its "
+        "token (`hydrafl site --secagg-identity FILE`)"
+    )
 
 
 @site_admin.command("list")
@@ -158,12 +198,19 @@ def site_list(db: DbOption = None) -> None:
     """List enrolled sites."""
     table = Table("site", "node id", "status", "enrolled")
     for site in open_store(db).sites():
-        table.add_row(site.name, str(site.node_id), "revoked" if site.revoked else "active", f"{site.created_at:%Y-%m-%d %H:%M}")
+        table.add_row(
+            site.name,
+            str(site.node_id),
+            "revoked" if site.revoked else "active",
+            f"{site.created_at:%Y-%m-%d %H:%M}",
+        )
     Console().print(table)
 
 
 @site_admin.command("revoke")
-def site_revoke(name: Annotated[str, typer.Argument(help="Site name.")], db: DbOption = None) -> None:
+def site_revoke(
+    name: Annotated[str, typer.Argument(help="Site name.")], db: DbOption = None
+) -> None:
     """Revoke a site: its token is refused from now on."""
     try:
         open_store(db).revoke_site(name)
@@ -176,16 +223,26 @@ run_admin = typer.Typer(help="Create runs and follow them.", no_args_is_help=Tru
 admin_app.add_typer(run_admin, name="run")
 
 
-@run_admin.command("create", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@run_admin.command(
+    "create", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}
+)
 def run_create(
     ctx: typer.Context,
-    config: Annotated[Path | None, typer.Option(help="TOML file of run keys (task, strategy, rounds, knobs...).")] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="TOML file of run keys (task, strategy, rounds, knobs...).")
+    ] = None,
     server_app: Annotated[
-        str | None, typer.Option("--server-app", help="Run a stock Flower ServerApp instead, as module:attribute.")
+        str | None,
+        typer.Option(
+            "--server-app", help="Run a stock Flower ServerApp instead, as module:attribute."
+        ),
     ] = None,
     run_config: Annotated[
         list[str] | None,
-        typer.Option("--run-config", help="With --server-app: key=value (TOML values, as `flwr run`), repeatable."),
+        typer.Option(
+            "--run-config",
+            help="With --server-app: key=value (TOML values, as `flwr run`), repeatable.",
+        ),
     ] = None,
     db: DbOption = None,
 ) -> None:
@@ -198,11 +255,17 @@ def run_create(
     """
     if server_app is not None:
         if ctx.args or config:
-            fail_one_line("a --server-app run takes its keys as --run-config key=value, not as flags or --config", 2)
+            fail_one_line(
+                "a --server-app run takes its keys as --run-config key=value, not as flags or --config",
+                2,
+            )
         _create_server_app_run(server_app, run_config or [], db)
         return
     if run_config:
-        fail_one_line("--run-config goes with --server-app; hydrafl's own runs take their keys as --key value", 2)
+        fail_one_line(
+            "--run-config goes with --server-app; hydrafl's own runs take their keys as --key value",
+            2,
+        )
     from hydrafl.cli.flags import parse_flags
     from hydrafl.config import RunConfig
     from hydrafl.config_keys import key_type
@@ -216,24 +279,35 @@ def run_create(
         fail(str(error), 2)
     stored = {k: v for k, v in run_config.to_flower().items() if k not in ("run-dir", "resume")}
     run = open_store(db, create=True).create_run(stored)
-    console.print(f"created run {run.id} ({run_config.strategy}, {run_config.rounds} rounds, task {run_config.task})")
+    console.print(
+        f"created run {run.id} ({run_config.strategy}, {run_config.rounds} rounds, task {run_config.task})"
+    )
     print(run.id)
 
 
 def _create_server_app_run(reference: str, entries: list[str], db: str | None) -> None:
     """Queue a stock ServerApp run. The app is loaded here to refuse a wrong reference now; a module that is not
     on this machine's path may be on the coordinator's, which then checks it when it starts the run."""
-    from hydrafl.server.stock_apps import ServerAppError, ServerAppNotFound, load_server_app, parse_run_config
+    from hydrafl.server.stock_apps import (
+        ServerAppError,
+        ServerAppNotFound,
+        load_server_app,
+        parse_run_config,
+    )
 
     try:
         values = parse_run_config(entries)
         load_server_app(reference)
     except ServerAppNotFound as error:
-        warn(f"{error} here; queued anyway: the coordinator loads it when it starts the run (or fails the run)")
+        warn(
+            f"{error} here; queued anyway: the coordinator loads it when it starts the run (or fails the run)"
+        )
     except ServerAppError as error:
         fail_one_line(str(error), 2)
     run = open_store(db, create=True).create_run(values, server_app=reference)
-    console.print(escape(f"created run {run.id} (ServerApp {reference}, run config {values})"), soft_wrap=True)
+    console.print(
+        escape(f"created run {run.id} (ServerApp {reference}, run config {values})"), soft_wrap=True
+    )
     print(run.id)
 
 
@@ -267,15 +341,21 @@ def run_status(
         print(json.dumps(summary))
         return
     what = f"ServerApp {run.server_app}" if run.server_app else summary["strategy"]
-    Console().print(escape(f"run {run.id}: {run.status}, {run.rounds_done}/{summary['rounds']} rounds ({what})"))
+    Console().print(
+        escape(f"run {run.id}: {run.status}, {run.rounds_done}/{summary['rounds']} rounds ({what})")
+    )
     if run.status == "failed" and run.detail:
         Console().print(escape(f"failed: {run.detail}"), soft_wrap=True)
     if run.history:
         table = Table("round", "loss", "accuracy", "sites ok", "MB up", "MB down", "seconds")
         for record in run.history:
             table.add_row(
-                str(record["round"]), f"{record['loss'] or 0:.4f}", f"{record['accuracy'] or 0:.4f}",
-                str(record["sites_ok"]), megabytes(record.get("bytes_up")), megabytes(record.get("bytes_down")),
+                str(record["round"]),
+                f"{record['loss'] or 0:.4f}",
+                f"{record['accuracy'] or 0:.4f}",
+                str(record["sites_ok"]),
+                megabytes(record.get("bytes_up")),
+                megabytes(record.get("bytes_down")),
                 f"{record['seconds']:.2f}",
             )
         Console().print(table)
@@ -318,32 +398,50 @@ def run_list(db: DbOption = None) -> None:
     table = Table("run", "strategy", "task", "status", "rounds", "created")
     for run in open_store(db).runs():
         stock = run.server_app is not None
-        strategy, task = (run.server_app, "-") if stock else (run.config.get("strategy"), run.config.get("task"))
+        strategy, task = (
+            (run.server_app, "-") if stock else (run.config.get("strategy"), run.config.get("task"))
+        )
         table.add_row(
-            str(run.id), escape(str(strategy)), str(task), run.status, f"{run.rounds_done}/{run.total_rounds}",
+            str(run.id),
+            escape(str(strategy)),
+            str(task),
+            run.status,
+            f"{run.rounds_done}/{run.total_rounds}",
             f"{run.created_at:%Y-%m-%d %H:%M}",
         )
     Console().print(table)
 
 
-BlobsOption = Annotated[Path | None, typer.Option("--blobs", help="Blob folder (default: $HYDRAFL_HOME/blobs).")]
-RunsOption = Annotated[Path | None, typer.Option("--runs", help="Run folders (default: $HYDRAFL_HOME/runs).")]
+BlobsOption = Annotated[
+    Path | None, typer.Option("--blobs", help="Blob folder (default: $HYDRAFL_HOME/blobs).")
+]
+RunsOption = Annotated[
+    Path | None, typer.Option("--runs", help="Run folders (default: $HYDRAFL_HOME/runs).")
+]
 
 
-def _retention(db: str | None, blobs: Path | None, runs: Path | None, **options: object) -> Retention:
+def _retention(
+    db: str | None, blobs: Path | None, runs: Path | None, **options: object
+) -> Retention:
     """The coordinator home's Retention, as a process beside the coordinator (`server.retention`)."""
     from hydrafl.server.blobs import BlobStore
     from hydrafl.server.paths import data_dir, default_blob_dir
     from hydrafl.server.retention import Retention
 
     store = open_store(db)
-    return Retention.beside(store, BlobStore(blobs or default_blob_dir()), runs or data_dir() / "runs", **options)
+    return Retention.beside(
+        store, BlobStore(blobs or default_blob_dir()), runs or data_dir() / "runs", **options
+    )
 
 
 @admin_app.command("gc")
 def gc(
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be deleted; delete nothing.")] = False,
-    keep_checkpoints: Annotated[int, typer.Option(min=1, help="Checkpoints kept per run folder.")] = 2,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Say what would be deleted; delete nothing.")
+    ] = False,
+    keep_checkpoints: Annotated[
+        int, typer.Option(min=1, help="Checkpoints kept per run folder.")
+    ] = 2,
     db: DbOption = None,
     blobs: BlobsOption = None,
     runs: RunsOption = None,
@@ -353,7 +451,9 @@ def gc(
     retention = _retention(db, blobs, runs, keep_checkpoints=keep_checkpoints, dry_run=dry_run)
     report = retention.collect()
     if retention.grace_s:
-        warn(f"a coordinator is serving: unreferenced chunks younger than {retention.grace_s:g} s are kept")
+        warn(
+            f"a coordinator is serving: unreferenced chunks younger than {retention.grace_s:g} s are kept"
+        )
     print(("would delete: " if dry_run else "deleted: ") + report.describe())
 
 

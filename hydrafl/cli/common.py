@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 console = Console(stderr=True)
 """Errors, warnings and progress go to stderr; results (tables, JSON, tokens) to stdout."""
-DbOption = Annotated[str | None, typer.Option("--db", help="SQLAlchemy URL (default: SQLite in $HYDRAFL_HOME).")]
+DbOption = Annotated[
+    str | None, typer.Option("--db", help="SQLAlchemy URL (default: SQLite in $HYDRAFL_HOME).")
+]
 
 
 def setup_logging(verbose: bool, *, quiet_rounds: bool = False) -> None:
@@ -33,7 +35,9 @@ def setup_logging(verbose: bool, *, quiet_rounds: bool = False) -> None:
     Messages quote values from outside (a site's tensor names, a coordinator's reasons), so rich neither
     highlights nor reads markup in them (its highlighter's regexes take quadratic time on a long word: 40 s for
     80,000 characters, holding the GIL), and every message is cut to MAX_LOG_CHARS (`BoundedRecords`)."""
-    handler = RichHandler(console=console, show_path=False, highlighter=NullHighlighter(), markup=False, keywords=[])
+    handler = RichHandler(
+        console=console, show_path=False, highlighter=NullHighlighter(), markup=False, keywords=[]
+    )
     handler.addFilter(BoundedRecords())
     logging.basicConfig(level=logging.WARNING, format="%(message)s", handlers=[handler], force=True)
     own = logging.DEBUG if verbose else logging.WARNING if quiet_rounds else logging.INFO
@@ -79,7 +83,9 @@ def open_store(db: str | None, *, create: bool = False) -> Store:
         fail_one_line(str(error), 2)
     except SQLAlchemyError as error:
         reason = str(getattr(error, "orig", None) or error).splitlines()[0]
-        fail_one_line(f"cannot open the database {db or 'in $HYDRAFL_HOME'}: {reason}; check --db", 2)
+        fail_one_line(
+            f"cannot open the database {db or 'in $HYDRAFL_HOME'}: {reason}; check --db", 2
+        )
     if missing:
         console.print(escape(f"created the database {url}"))
     return store

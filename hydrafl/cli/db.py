@@ -10,7 +10,9 @@ from rich.markup import escape
 
 from hydrafl.cli.common import DbOption, console, fail_one_line
 
-db_admin = typer.Typer(help="The database's schema: which revision it is at, and its upgrade.", no_args_is_help=True)
+db_admin = typer.Typer(
+    help="The database's schema: which revision it is at, and its upgrade.", no_args_is_help=True
+)
 
 
 def database_url(db: str | None, *, create: bool) -> str:
@@ -30,13 +32,17 @@ def database_url(db: str | None, *, create: bool) -> str:
     if db is None and create:
         data_dir().mkdir(parents=True, exist_ok=True)
     elif db is None:
-        raise ConfigError(f"there is no coordinator database in {data_dir()} yet ({file} does not exist): "
-                          "`hydrafl admin site add NAME` or `hydrafl server` creates it; --db URL opens another")
+        raise ConfigError(
+            f"there is no coordinator database in {data_dir()} yet ({file} does not exist): "
+            "`hydrafl admin site add NAME` or `hydrafl server` creates it; --db URL opens another"
+        )
     elif not file.parent.is_dir():
         raise ConfigError(f"--db {url}: the folder {file.parent} does not exist; check --db")
     elif not create:
-        raise ConfigError(f"--db {url}: the database {file} does not exist; check --db (`hydrafl admin db "
-                          "upgrade --db URL` or `hydrafl server --db URL` creates a new one)")
+        raise ConfigError(
+            f"--db {url}: the database {file} does not exist; check --db (`hydrafl admin db "
+            "upgrade --db URL` or `hydrafl server --db URL` creates a new one)"
+        )
     return url
 
 
@@ -50,9 +56,16 @@ def sqlite_file(url: str) -> Path | None:
     try:
         parsed = make_url(url)
     except ArgumentError as error:
-        raise ConfigError(f"--db {url!r} is not a database URL ({error}); e.g. sqlite:///coordinator.db") from None
+        raise ConfigError(
+            f"--db {url!r} is not a database URL ({error}); e.g. sqlite:///coordinator.db"
+        ) from None
     path = parsed.database
-    if parsed.get_backend_name() != "sqlite" or not path or path == ":memory:" or path.startswith("file:"):
+    if (
+        parsed.get_backend_name() != "sqlite"
+        or not path
+        or path == ":memory:"
+        or path.startswith("file:")
+    ):
         return None
     return Path(path)
 
@@ -99,4 +112,6 @@ def db_upgrade(db: DbOption = None) -> None:
     if before == after:
         console.print(f"database already at revision {escape(after.revision)} (head)")
     else:
-        console.print(f"database upgraded from revision {escape(before.label)} to {escape(after.revision)}")
+        console.print(
+            f"database upgraded from revision {escape(before.label)} to {escape(after.revision)}"
+        )

@@ -23,7 +23,9 @@ def parse_flags(args: list[str], key_type: Callable[[str], str | None]) -> dict[
     while i < len(args):
         token = args[i]
         if not token.startswith("--") or len(token) == 2:
-            raise ConfigError(f"unexpected argument {token!r}: options are --key value (see `hydrafl keys`)")
+            raise ConfigError(
+                f"unexpected argument {token!r}: options are --key value (see `hydrafl keys`)"
+            )
         key, _, inline = token[2:].partition("=")
         kind = key_type(key)
         if kind is None and key.startswith("no-") and key_type(key[3:]) == "bool" and not inline:
@@ -51,7 +53,9 @@ def _convert(key: str, text: str, kind: str | None) -> Any:
         if kind == "float":
             return float(text)
     except ValueError:
-        raise ConfigError(f"--{key} must be {'an integer' if kind == 'int' else 'a number'}, got {text!r}") from None
+        raise ConfigError(
+            f"--{key} must be {'an integer' if kind == 'int' else 'a number'}, got {text!r}"
+        ) from None
     if kind == "bool":
         if text.lower() not in _TRUE + _FALSE:
             raise ConfigError(f"--{key} must be true or false, got {text!r}")

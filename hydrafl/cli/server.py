@@ -32,38 +32,71 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def server(
-    config: Annotated[Path | None, typer.Option(help="TOML file with these options' names as keys.")] = None,
-    listen: Annotated[str | None, typer.Option(help="HOST:PORT to serve on (default 127.0.0.1:9091).")] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="TOML file with these options' names as keys.")
+    ] = None,
+    listen: Annotated[
+        str | None, typer.Option(help="HOST:PORT to serve on (default 127.0.0.1:9091).")
+    ] = None,
     db: DbOption = None,
-    blobs: Annotated[Path | None, typer.Option(help="Folder for array chunks (default: $HYDRAFL_HOME/blobs).")] = None,
-    tls_cert: Annotated[Path | None, typer.Option(help="Server certificate (PEM); enables TLS.")] = None,
+    blobs: Annotated[
+        Path | None, typer.Option(help="Folder for array chunks (default: $HYDRAFL_HOME/blobs).")
+    ] = None,
+    tls_cert: Annotated[
+        Path | None, typer.Option(help="Server certificate (PEM); enables TLS.")
+    ] = None,
     tls_key: Annotated[Path | None, typer.Option(help="Server private key (PEM).")] = None,
-    tls_client_ca: Annotated[Path | None, typer.Option(help="CA of site certificates (PEM); enables mutual TLS.")] = None,
+    tls_client_ca: Annotated[
+        Path | None, typer.Option(help="CA of site certificates (PEM); enables mutual TLS.")
+    ] = None,
     lease_stale_s: Annotated[
         float | None,
-        typer.Option(help="Seconds without a heartbeat after which another coordinator may take over (default 30)."),
+        typer.Option(
+            help="Seconds without a heartbeat after which another coordinator may take over (default 30)."
+        ),
     ] = None,
     keep_checkpoints: Annotated[
         int | None,
-        typer.Option(help="Checkpoints each run keeps (default 2); checkpointed rounds' messages and chunks go."),
+        typer.Option(
+            help="Checkpoints each run keeps (default 2); checkpointed rounds' messages and chunks go."
+        ),
     ] = None,
     send_cache_mb: Annotated[
         int | None,
-        typer.Option(help="Memory for the model a round sends, kept ready for the sites' downloads (default 2048; 0: "
-                          "off, every download reads the blob files)."),
+        typer.Option(
+            help="Memory for the model a round sends, kept ready for the sites' downloads (default 2048; 0: "
+            "off, every download reads the blob files)."
+        ),
     ] = None,
     dashboard: Annotated[
         str | None,
-        typer.Option(help="HOST:PORT (or PORT, on loopback) to serve the read-only web dashboard and /metrics on."),
+        typer.Option(
+            help="HOST:PORT (or PORT, on loopback) to serve the read-only web dashboard and /metrics on."
+        ),
     ] = None,
     dashboard_token: Annotated[
         str | None,
-        typer.Option(envvar="HYDRAFL_DASHBOARD_TOKEN", show_envvar=True, help="Admin token the dashboard asks for."),
+        typer.Option(
+            envvar="HYDRAFL_DASHBOARD_TOKEN",
+            show_envvar=True,
+            help="Admin token the dashboard asks for.",
+        ),
     ] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also log details and Flower's own messages (joins, rounds and run ends are always logged).")] = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            "-v",
+            help="Also log details and Flower's own messages (joins, rounds and run ends are always logged).",
+        ),
+    ] = False,
 ) -> None:
     """Run the coordinator: serves sites over gRPC and drives queued runs."""
-    flags = {k.replace("_", "-"): v for k, v in locals().items() if v is not None and k not in CLI_ONLY_OPTIONS}
+    flags = {
+        k.replace("_", "-"): v
+        for k, v in locals().items()
+        if v is not None and k not in CLI_ONLY_OPTIONS
+    }
     from hydrafl.netaddr import check_address
     from hydrafl.server.config import CoordinatorConfig
     from hydrafl.validation import ConfigError
@@ -74,7 +107,9 @@ def server(
             check_address("--dashboard", dashboard, bare_port=True)
             from hydrafl.server.dashboard import DashboardConfig
 
-        board = DashboardConfig(listen=dashboard, token=dashboard_token or "") if dashboard else None
+        board = (
+            DashboardConfig(listen=dashboard, token=dashboard_token or "") if dashboard else None
+        )
     except ConfigError as error:
         fail_one_line(str(error), 2)
     import flwr.common.logger  # noqa: F401  (Flower sets its logger's level when imported: before ours, not after)
@@ -95,8 +130,11 @@ def serve(config: CoordinatorConfig, dashboard: DashboardConfig | None = None) -
     config.home.mkdir(parents=True, exist_ok=True)
     try:
         coordinator = Coordinator(config)
-        board = None if dashboard is None else Dashboard(dashboard, coordinator.store, config.runs_dir,
-                                                          coordinator.service)
+        board = (
+            None
+            if dashboard is None
+            else Dashboard(dashboard, coordinator.store, config.runs_dir, coordinator.service)
+        )
         coordinator.start()
     except (OSError, LeaseHeld, SchemaError) as error:
         fail_one_line(str(error), 2)
@@ -134,4 +172,6 @@ def _start_dashboard(board: Dashboard) -> None:
         warn(warning)
     board.start()
     url = escape(board.url)
-    console.print(f"dashboard on {url} (a browser opens {url}/?token=... once; Prometheus scrapes {url}/metrics)")
+    console.print(
+        f"dashboard on {url} (a browser opens {url}/?token=... once; Prometheus scrapes {url}/metrics)"
+    )

@@ -32,8 +32,11 @@ class KeysInHelp(TyperCommand):
         from hydrafl.config_keys import describe_keys
         from hydrafl.strategies.registry import strategy_names
 
-        lines = [f"[bold]Strategies[/] (--strategies, comma-separated): {', '.join(strategy_names())}; each one's "
-                 "knobs: hydrafl strategies NAME.", "[bold]Keys[/] (--key value; all of them: hydrafl keys):"]
+        lines = [
+            f"[bold]Strategies[/] (--strategies, comma-separated): {', '.join(strategy_names())}; each one's "
+            "knobs: hydrafl strategies NAME.",
+            "[bold]Keys[/] (--key value; all of them: hydrafl keys):",
+        ]
         for key, default, doc in describe_keys():
             first = re.split(r"(?<!e\.g)\. ", doc)[0].rstrip(".")
             lines.append(f"  --{key} [dim](default {escape(default)})[/]: {escape(first)}.")
@@ -46,8 +49,12 @@ class KeysInHelp(TyperCommand):
 
 def simulate(
     ctx: typer.Context,
-    config: Annotated[Path | None, typer.Option(help="TOML file of configuration keys; flags win over it.")] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every round and every site's training.")] = False,
+    config: Annotated[
+        Path | None, typer.Option(help="TOML file of configuration keys; flags win over it.")
+    ] = None,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Log every round and every site's training.")
+    ] = False,
     progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
 ) -> None:
     """Compare strategies on simulated non-IID hospital sites; writes results.json, report.md, PNGs, rounds.tsv.
@@ -63,7 +70,10 @@ def simulate(
     from hydrafl.validation import ConfigError
 
     try:  # every key, name and path, before torch and Flower are imported (a typo costs a second, not 20)
-        values: dict[str, Any] = {**(load_toml(config) if config else {}), **parse_flags(ctx.args, key_type)}
+        values: dict[str, Any] = {
+            **(load_toml(config) if config else {}),
+            **parse_flags(ctx.args, key_type),
+        }
         _check_paths(values)
         simulation = build_simulation_config(values, source=str(config) if config else "options")
     except ConfigError as error:
@@ -73,7 +83,9 @@ def simulate(
     setup_logging(verbose, quiet_rounds=True)
     newest = simulation.run.resume and "out" not in values
     if newest:
-        console.print(f"continuing {escape(simulation.out)} (the newest run; --out DIR --resume continues another)")
+        console.print(
+            f"continuing {escape(simulation.out)} (the newest run; --out DIR --resume continues another)"
+        )
     try:
         results = _compare(simulation, progress, newest)
     except KeyboardInterrupt:
@@ -102,7 +114,13 @@ def _compare(simulation: SimulationConfig, progress: bool, newest: bool) -> dict
         return compare_strategies(simulation, show_progress=progress)
     except CheckpointError as error:
         listed = "; ".join(describe_run(folder) for folder in runs()) if newest else ""
-        fail(escape(f"{error}" + (f"; give --out DIR --resume with another run: {listed}" if listed else "")), 2)
+        fail(
+            escape(
+                f"{error}"
+                + (f"; give --out DIR --resume with another run: {listed}" if listed else "")
+            ),
+            2,
+        )
     except (ConfigError, DataError) as error:
         fail(str(error), 2)
     except RoundFailed as error:
@@ -136,13 +154,24 @@ def continue_command(args: list[str], config: Path | None, out: str) -> str:
         if key == "--out":
             i += 1 if "=" in token else 2
         elif key in ONE_WORD_FLAGS:
-            takes_word = "=" not in token and i + 1 < len(args) and args[i + 1].lower() in BOOL_WORDS
+            takes_word = (
+                "=" not in token and i + 1 < len(args) and args[i + 1].lower() in BOOL_WORDS
+            )
             i += 2 if takes_word else 1
         else:
             kept.append(token)
             i += 1
-    return shlex.join(["hydrafl", "simulate", *(["--config", str(config)] if config else []), *kept, "--out", out,
-                       "--resume"])
+    return shlex.join(
+        [
+            "hydrafl",
+            "simulate",
+            *(["--config", str(config)] if config else []),
+            *kept,
+            "--out",
+            out,
+            "--resume",
+        ]
+    )
 
 
 def _stopped(out: str, args: list[str], config: Path | None) -> NoReturn:
@@ -150,8 +179,13 @@ def _stopped(out: str, args: list[str], config: Path | None) -> NoReturn:
     from hydrafl.run_folders import earlier_run
 
     if earlier_run(Path(out)):
-        console.print(escape(f"stopped: the partial run is in {out}; continue it with: "
-                             f"{continue_command(args, config, out)}"), soft_wrap=True)
+        console.print(
+            escape(
+                f"stopped: the partial run is in {out}; continue it with: "
+                f"{continue_command(args, config, out)}"
+            ),
+            soft_wrap=True,
+        )
     else:
         console.print("stopped before a round ended: nothing to continue")
     raise typer.Exit(130)
@@ -169,7 +203,11 @@ def keys() -> None:
     Console().print(table)
 
 
-def strategies(names: Annotated[list[str] | None, typer.Argument(help="Strategies to show (default: all).")] = None) -> None:
+def strategies(
+    names: Annotated[
+        list[str] | None, typer.Argument(help="Strategies to show (default: all).")
+    ] = None,
+) -> None:
     """The registered strategies and their knobs (flags and TOML keys), with defaults."""
     from hydrafl.strategies.registry import describe
 

@@ -25,43 +25,97 @@ def site(
     ctx: typer.Context,
     coordinator: Annotated[str, typer.Option(help="Coordinator HOST:PORT.")] = "127.0.0.1:9091",
     token: Annotated[
-        str, typer.Option(envvar="HYDRAFL_SITE_TOKEN", help="Enrolment token; prefer $HYDRAFL_SITE_TOKEN or --token-file.")
+        str,
+        typer.Option(
+            envvar="HYDRAFL_SITE_TOKEN",
+            help="Enrolment token; prefer $HYDRAFL_SITE_TOKEN or --token-file.",
+        ),
     ] = "",
     token_file: Annotated[
-        Path | None, typer.Option(help="File holding the enrolment token (kept out of `ps`, unlike --token).")
+        Path | None,
+        typer.Option(help="File holding the enrolment token (kept out of `ps`, unlike --token)."),
     ] = None,
-    data: Annotated[Path | None, typer.Option(help="This site's CSV/JSONL file or image folder.")] = None,
-    label_column: Annotated[str, typer.Option(help="Label column of a CSV/JSONL --data file.")] = "",
-    policy: Annotated[Path | None, typer.Option(help="Site policy TOML: allowed runs, update clipping, noise.")] = None,
+    data: Annotated[
+        Path | None, typer.Option(help="This site's CSV/JSONL file or image folder.")
+    ] = None,
+    label_column: Annotated[
+        str, typer.Option(help="Label column of a CSV/JSONL --data file.")
+    ] = "",
+    policy: Annotated[
+        Path | None, typer.Option(help="Site policy TOML: allowed runs, update clipping, noise.")
+    ] = None,
     max_download_mb: Annotated[
-        int | None, typer.Option(min=1, help="Largest message this site downloads (MB of arrays); default half its RAM.")
+        int | None,
+        typer.Option(
+            min=1, help="Largest message this site downloads (MB of arrays); default half its RAM."
+        ),
     ] = None,
-    nproc: Annotated[int, typer.Option(min=1, help="Training processes (one per GPU, or CPU ranks): DDP, same delta.")] = 1,
+    nproc: Annotated[
+        int,
+        typer.Option(
+            min=1, help="Training processes (one per GPU, or CPU ranks): DDP, same delta."
+        ),
+    ] = 1,
     max_restarts: Annotated[
-        int, typer.Option(min=0, help="With --nproc > 1: restart the training processes this often when one dies.")
+        int,
+        typer.Option(
+            min=0, help="With --nproc > 1: restart the training processes this often when one dies."
+        ),
     ] = 0,
     bf16: Annotated[bool, typer.Option("--bf16", help="Train under bfloat16 autocast.")] = False,
     memory_mb: Annotated[
-        float, typer.Option(min=0, help="Training memory this site offers (MB); Hydra-nets are sized to fit. 0 = no limit.")
+        float,
+        typer.Option(
+            min=0,
+            help="Training memory this site offers (MB); Hydra-nets are sized to fit. 0 = no limit.",
+        ),
     ] = 0.0,
     tier: Annotated[
-        str, typer.Option(help="Resource tier this site declares: small, medium or large (wins over the run's site-tiers).")
+        str,
+        typer.Option(
+            help="Resource tier this site declares: small, medium or large (wins over the run's site-tiers)."
+        ),
     ] = "",
     model_dir: Annotated[
-        Path | None, typer.Option(help="Folder of local checkpoints a run may name as its model (none otherwise).")
+        Path | None,
+        typer.Option(
+            help="Folder of local checkpoints a run may name as its model (none otherwise)."
+        ),
     ] = None,
     state_dir: Annotated[
-        Path | None, typer.Option(help="Folder for what must outlive a restart (compression residuals); memory otherwise.")
+        Path | None,
+        typer.Option(
+            help="Folder for what must outlive a restart (compression residuals); memory otherwise."
+        ),
     ] = None,
-    client_app: Annotated[str, typer.Option("--app", help="ClientApp to run, as module:attribute.")] = "hydrafl.apps:client_app",
-    tls_ca: Annotated[Path | None, typer.Option(help="CA that signed the coordinator's certificate (PEM); enables TLS.")] = None,
-    tls_cert: Annotated[Path | None, typer.Option(help="This site's certificate (PEM), for mutual TLS.")] = None,
-    tls_key: Annotated[Path | None, typer.Option(help="This site's private key (PEM), for mutual TLS.")] = None,
+    client_app: Annotated[
+        str, typer.Option("--app", help="ClientApp to run, as module:attribute.")
+    ] = "hydrafl.apps:client_app",
+    tls_ca: Annotated[
+        Path | None,
+        typer.Option(help="CA that signed the coordinator's certificate (PEM); enables TLS."),
+    ] = None,
+    tls_cert: Annotated[
+        Path | None, typer.Option(help="This site's certificate (PEM), for mutual TLS.")
+    ] = None,
+    tls_key: Annotated[
+        Path | None, typer.Option(help="This site's private key (PEM), for mutual TLS.")
+    ] = None,
     secagg_identity: Annotated[
-        Path | None, typer.Option(help="This site's secure-aggregation identity (JSON, from `hydrafl admin site add "
-                                       "--consortium-key`); without it the site refuses --secagg runs.")
+        Path | None,
+        typer.Option(
+            help="This site's secure-aggregation identity (JSON, from `hydrafl admin site add "
+            "--consortium-key`); without it the site refuses --secagg runs."
+        ),
     ] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also log every message and Flower's own messages (joining, rounds and run ends are always logged).")] = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            "-v",
+            help="Also log every message and Flower's own messages (joining, rounds and run ends are always logged).",
+        ),
+    ] = False,
 ) -> None:
     """Join a coordinator as a hospital site (outbound connection only) and train when asked."""
     from hydrafl.netaddr import check_address
@@ -84,8 +138,14 @@ def site(
         fail(f"--data {data} does not exist", 2)
     try:
         site_config = SiteConfig(
-            data_path=data, label_column=label_column if data else "", model_dir=model_dir, nproc=nproc,
-            max_restarts=max_restarts, bf16=True if bf16 else None, memory_mb=memory_mb or None, tier=tier,
+            data_path=data,
+            label_column=label_column if data else "",
+            model_dir=model_dir,
+            nproc=nproc,
+            max_restarts=max_restarts,
+            bf16=True if bf16 else None,
+            memory_mb=memory_mb or None,
+            tier=tier,
             state_dir=state_dir,
         )
     except ConfigError as error:
@@ -107,8 +167,14 @@ def site(
     if warning:
         warn(warning)
     agent = SiteAgent(
-        coordinator, site_token, _load_app(client_app), site_config.to_node_config(), demo=data is None,
-        policy=site_policy, tls=tls, max_download_bytes=max_download_mb * 1_000_000 if max_download_mb else None,
+        coordinator,
+        site_token,
+        _load_app(client_app),
+        site_config.to_node_config(),
+        demo=data is None,
+        policy=site_policy,
+        tls=tls,
+        max_download_bytes=max_download_mb * 1_000_000 if max_download_mb else None,
         secagg_identity=identity,
     )
     try:
@@ -117,7 +183,9 @@ def site(
         fail(f"the coordinator refused this site: {error}", 3)
     except Unreachable as error:
         fail_one_line(str(error), 2)
-    except grpc.RpcError as error:  # not a coordinator, or one that answers an error no retry will fix
+    except (
+        grpc.RpcError
+    ) as error:  # not a coordinator, or one that answers an error no retry will fix
         fail(f"{coordinator} answered {error.code().name}: {error.details()}", 1)
     except KeyboardInterrupt:
         pass
@@ -132,11 +200,16 @@ def _site_token(source: ParameterSource | None, token: str, token_file: Path | N
             fail(f"give the token one way: --token-file or {given}, not both", 2)
         return _read_token(token_file)
     if not token:
-        fail("a site needs its token (printed by `hydrafl admin site add NAME`): --token-file FILE or "
-              "$HYDRAFL_SITE_TOKEN", 2)
+        fail(
+            "a site needs its token (printed by `hydrafl admin site add NAME`): --token-file FILE or "
+            "$HYDRAFL_SITE_TOKEN",
+            2,
+        )
     if source is ParameterSource.COMMANDLINE:
-        warn("--token on the command line is visible to every user of this machine in `ps`; "
-              "use --token-file or $HYDRAFL_SITE_TOKEN")
+        warn(
+            "--token on the command line is visible to every user of this machine in `ps`; "
+            "use --token-file or $HYDRAFL_SITE_TOKEN"
+        )
     return token
 
 
@@ -160,7 +233,12 @@ def _read_token(path: Path) -> str:
     except UnicodeDecodeError:
         fail(escape(f"--token-file {path} is not a text file"), 2)
     if not token:
-        fail(escape(f"--token-file {path} is empty; put the token `hydrafl admin site add NAME` printed in it"), 2)
+        fail(
+            escape(
+                f"--token-file {path} is empty; put the token `hydrafl admin site add NAME` printed in it"
+            ),
+            2,
+        )
     return token
 
 
@@ -171,7 +249,12 @@ def _check_own_data(data: Path, label_column: str) -> None:
 
     try:
         load_cohort(
-            "", num_sites=1, partition="iid", data_path=data, label_column=label_column or None, samples_per_site=2
+            "",
+            num_sites=1,
+            partition="iid",
+            data_path=data,
+            label_column=label_column or None,
+            samples_per_site=2,
         )
     except DataError as error:
         fail(escape(str(error)), 2)

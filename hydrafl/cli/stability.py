@@ -15,15 +15,21 @@ from hydrafl.cli.common import fail
 def stability(
     inner_lr: Annotated[float, typer.Option(help="Inner SGD learning rate eta.")],
     curvature: Annotated[float, typer.Option(help="Curvature h of the mode.")],
-    curvature_var: Annotated[float, typer.Option(help="Per-sample curvature variance v (2h^2 for Gaussian).")],
+    curvature_var: Annotated[
+        float, typer.Option(help="Per-sample curvature variance v (2h^2 for Gaussian).")
+    ],
     batch_size: Annotated[int, typer.Option(help="Inner batch size b.")],
     local_steps: Annotated[int, typer.Option(help="Inner steps H per round.")],
     sites: Annotated[int, typer.Option(help="Number of sites M averaged.")],
     outer_lr: Annotated[float, typer.Option(help="Outer learning rate gamma.")],
     momentum: Annotated[float, typer.Option(help="Outer momentum mu.")],
-    nesterov: Annotated[bool, typer.Option("--nesterov/--heavy-ball", help="Outer momentum form.")] = True,
+    nesterov: Annotated[
+        bool, typer.Option("--nesterov/--heavy-ball", help="Outer momentum form.")
+    ] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-    plot: Annotated[Path | None, typer.Option(help="Write a PNG of the stable region here.")] = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="Write a PNG of the stable region here.")
+    ] = None,
 ) -> None:
     """Exact mean-square stability of DiLoCo's outer momentum on the stochastic quadratic model."""
     from hydrafl.server.aggregation.stability import OuterSetup, check, plot_stable_region

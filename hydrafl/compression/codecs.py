@@ -25,7 +25,14 @@ import numpy as np
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
 
-from hydrafl.compression.layout import PREFIX, CompressionError, Scheme, check_layout, check_values, index_dtype
+from hydrafl.compression.layout import (
+    PREFIX,
+    CompressionError,
+    Scheme,
+    check_layout,
+    check_values,
+    index_dtype,
+)
 
 ORTHOGONALISATION_EPSILON = 1e-8
 """torch's PowerSGD default guard against an all-zero column (a zero update) in Gram-Schmidt."""
@@ -41,20 +48,29 @@ class Encoded:
 
 
 def encode(
-    tensors: Mapping[str, torch.Tensor], scheme: Scheme, warm: Mapping[str, torch.Tensor] | None = None
+    tensors: Mapping[str, torch.Tensor],
+    scheme: Scheme,
+    warm: Mapping[str, torch.Tensor] | None = None,
 ) -> Encoded:
     """`tensors` packed as `scheme` sends them (in their order); `warm` holds last round's Q per matrix."""
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     flat = [t.detach().to("cpu", torch.float32).reshape(-1) for t in tensors.values()]
     total = torch.cat(flat) if flat else torch.zeros(0)
     if scheme.name == "bf16":
-        return Encoded({PREFIX + "bf16": total.to(torch.bfloat16).view(torch.int16).numpy()}, shapes)
+        return Encoded(
+            {PREFIX + "bf16": total.to(torch.bfloat16).view(torch.int16).numpy()}, shapes
+        )
     if scheme.name == "int8":
         quantised, scales = _quantise(total, scheme.block, 127)
-        return Encoded({PREFIX + "int8": quantised.numpy(), PREFIX + "scale": scales.numpy()}, shapes)
+        return Encoded(
+            {PREFIX + "int8": quantised.numpy(), PREFIX + "scale": scales.numpy()}, shapes
+        )
     if scheme.name == "int4":
         quantised, scales = _quantise(total, scheme.block, 7)
-        return Encoded({PREFIX + "int4": _pack_nibbles(quantised).numpy(), PREFIX + "scale": scales.numpy()}, shapes)
+        return Encoded(
+            {PREFIX + "int4": _pack_nibbles(quantised).numpy(), PREFIX + "scale": scales.numpy()},
+            shapes,
+        )
     if scheme.name == "topk":
         return Encoded(_topk(flat, scheme), shapes)
     if scheme.name == "powersgd":
@@ -63,23 +79,33 @@ def encode(
 
 
 def decode(
-    arrays: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]], scheme: Scheme, *, exact: bool = False
+    arrays: Mapping[str, np.ndarray],
+    shapes: Mapping[str, tuple[int, ...]],
+    scheme: Scheme,
+    *,
+    exact: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The float32 tensors `arrays` encode, each of its declared shape; raises CompressionError unless `arrays`
     are exactly the scheme's layout for `shapes` with values that decode to finite numbers. `exact`: the same bits
     on every machine (PowerSGD's P Q^T summed in a fixed order, not by the local BLAS), for a model that two ends
     rebuild and compare by hash (`hydrafl.compression.downloads`)."""
-    check_layout(scheme, shapes, {name: (str(a.dtype), tuple(a.shape)) for name, a in arrays.items()})
+    check_layout(
+        scheme, shapes, {name: (str(a.dtype), tuple(a.shape)) for name, a in arrays.items()}
+    )
     total = sum(math.prod(shape) for shape in shapes.values())
     for name, values in arrays.items():
         check_values(name, values, total)
-    parts = {name: torch.from_numpy(np.array(values)) for name, values in arrays.items()}  # writable copies
+    parts = {
+        name: torch.from_numpy(np.array(values)) for name, values in arrays.items()
+    }  # writable copies
     if scheme.name == "bf16":
         flat = parts[PREFIX + "bf16"].view(torch.bfloat16).to(torch.float32)
     elif scheme.name == "int8":
         flat = _dequantise(parts[PREFIX + "int8"], parts[PREFIX + "scale"], scheme.block)
     elif scheme.name == "int4":
-        flat = _dequantise(_unpack_nibbles(parts[PREFIX + "int4"], total), parts[PREFIX + "scale"], scheme.block)
+        flat = _dequantise(
+            _unpack_nibbles(parts[PREFIX + "int4"], total), parts[PREFIX + "scale"], scheme.block
+        )
     elif scheme.name == "topk":
         flat = torch.zeros(total, dtype=torch.float32)
         flat[parts[PREFIX + "index"].to(torch.int64)] = parts[PREFIX + "value"]
@@ -105,13 +131,17 @@ def _quantise(total: torch.Tensor, block: int, levels: int) -> tuple[torch.Tenso
     n = total.numel()
     blocks = torch.nn.functional.pad(total, (0, -n % block)).reshape(-1, block)  # [n_blocks, block]
     scales = blocks.abs().amax(dim=1) / levels
-    quantised = torch.round(blocks / scales.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).clamp_(-levels, levels)
+    quantised = torch.round(
+        blocks / scales.clamp(min=torch.finfo(torch.float32).tiny)[:, None]
+    ).clamp_(-levels, levels)
     return quantised.to(torch.int8).reshape(-1)[:n], scales
 
 
 def _pack_nibbles(quantised: torch.Tensor) -> torch.Tensor:
     """Values in -7..7 as uint8 pairs: value + 8 in each nibble, the first of a pair low; an odd tail pads with 0."""
-    biased = torch.nn.functional.pad(quantised.to(torch.uint8) + 8, (0, quantised.numel() % 2), value=8)
+    biased = torch.nn.functional.pad(
+        quantised.to(torch.uint8) + 8, (0, quantised.numel() % 2), value=8
+    )
     pairs = biased.reshape(-1, 2)
     return pairs[:, 0] | (pairs[:, 1] << 4)
 
@@ -124,7 +154,9 @@ def _unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 def _dequantise(quantised: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
     n = quantised.numel()
-    padded = torch.nn.functional.pad(quantised.to(torch.float32), (0, -n % block)).reshape(-1, block)
+    padded = torch.nn.functional.pad(quantised.to(torch.float32), (0, -n % block)).reshape(
+        -1, block
+    )
     return (padded * scales[:, None]).reshape(-1)[:n]
 
 
@@ -134,16 +166,25 @@ def _topk(flat: list[torch.Tensor], scheme: Scheme) -> dict[str, np.ndarray]:
     indices, values, offset = [], [], 0
     for tensor in flat:
         n, k = tensor.numel(), scheme.topk_count(tensor.numel())
-        chosen = torch.from_numpy(np.argpartition(tensor.abs().numpy(), n - k)[n - k :]) if k else torch.zeros(0, dtype=torch.int64)
+        chosen = (
+            torch.from_numpy(np.argpartition(tensor.abs().numpy(), n - k)[n - k :])
+            if k
+            else torch.zeros(0, dtype=torch.int64)
+        )
         indices.append(chosen + offset)
         values.append(tensor[chosen])
         offset += tensor.numel()
     index = torch.cat(indices) if indices else torch.zeros(0, dtype=torch.int64)
     value = torch.cat(values) if values else torch.zeros(0)
-    return {PREFIX + "index": index.numpy().astype(index_dtype(offset)), PREFIX + "value": value.numpy()}
+    return {
+        PREFIX + "index": index.numpy().astype(index_dtype(offset)),
+        PREFIX + "value": value.numpy(),
+    }
 
 
-def _powersgd(tensors: Mapping[str, torch.Tensor], scheme: Scheme, warm: Mapping[str, torch.Tensor]) -> Encoded:
+def _powersgd(
+    tensors: Mapping[str, torch.Tensor], scheme: Scheme, warm: Mapping[str, torch.Tensor]
+) -> Encoded:
     ps, qs, whole, new_warm = [], [], [], {}
     for name, tensor in tensors.items():
         shape = scheme.factorised(tuple(tensor.shape))
@@ -157,7 +198,9 @@ def _powersgd(tensors: Mapping[str, torch.Tensor], scheme: Scheme, warm: Mapping
         if q is None or tuple(q.shape) != (columns, rank):
             q = _initial_q(name, columns, rank)
         p = matrix @ q  # [rows, rank]
-        _orthogonalize(p.unsqueeze(0), epsilon=ORTHOGONALISATION_EPSILON)  # in place, through the view
+        _orthogonalize(
+            p.unsqueeze(0), epsilon=ORTHOGONALISATION_EPSILON
+        )  # in place, through the view
         q = matrix.T @ p  # [columns, rank]
         ps.append(p.reshape(-1))
         qs.append(q.reshape(-1))
@@ -186,7 +229,10 @@ def _exact_product(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack_powersgd(
-    parts: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], scheme: Scheme, exact: bool
+    parts: Mapping[str, torch.Tensor],
+    shapes: Mapping[str, tuple[int, ...]],
+    scheme: Scheme,
+    exact: bool,
 ) -> dict[str, torch.Tensor]:
     out, offsets = {}, {"p": 0, "q": 0, "raw": 0}
 
@@ -201,7 +247,10 @@ def _unpack_powersgd(
             out[name] = take("raw", math.prod(shape)).reshape(shape)
             continue
         rows, columns, rank = factored
-        p, q = take("p", rows * rank).reshape(rows, rank), take("q", columns * rank).reshape(columns, rank)
+        p, q = (
+            take("p", rows * rank).reshape(rows, rank),
+            take("q", columns * rank).reshape(columns, rank),
+        )
         out[name] = (_exact_product(p, q) if exact else p @ q.T).reshape(shape)
         if not torch.isfinite(out[name]).all():
             raise CompressionError(f"tensor {name!r} decodes to NaN or Inf")

@@ -46,7 +46,9 @@ Tensors = dict[str, torch.Tensor]
 
 def content_hash(tensors: Mapping[str, torch.Tensor]) -> str:
     """SHA-256 of the names, shapes and float32 bits in order: equal digests, the same model."""
-    digest = hashlib.sha256(json.dumps([[name, list(t.shape)] for name, t in tensors.items()]).encode())
+    digest = hashlib.sha256(
+        json.dumps([[name, list(t.shape)] for name, t in tensors.items()]).encode()
+    )
     for tensor in tensors.values():
         digest.update(tensor.detach().to(torch.float32).contiguous().reshape(-1).numpy())
     return digest.hexdigest()
@@ -79,7 +81,9 @@ class DownloadCompression:
         """On with the run's `compress-downloads`, in its upload scheme; a no-op otherwise."""
         return cls(Scheme.from_config(config) if config.get("compress-downloads") else Scheme())
 
-    def prepare(self, messages: Sequence[Message], server_round: int, *, full: bool = False) -> list[Message]:
+    def prepare(
+        self, messages: Sequence[Message], server_round: int, *, full: bool = False
+    ) -> list[Message]:
         """The messages as they go on the wire: each model compressed against the reference its site holds, or
         whole (its new reference) when it holds none usable, or with `full`. Sites given the same model from the
         same reference share one encoding."""
@@ -87,29 +91,46 @@ class DownloadCompression:
             return list(messages)
         built: dict[tuple[str, int], tuple[ArrayRecord, ConfigRecord]] = {}
         wire = []
-        for place in [place for place, held in self.held.items() if held.server_round < server_round - 1]:
+        for place in [
+            place for place, held in self.held.items() if held.server_round < server_round - 1
+        ]:
             del self.held[place]  # stale: nothing more is built on it
         for message in messages:
             node, content = message.metadata.dst_node_id, message.content
             names = [name for name, record in content.items() if isinstance(record, ArrayRecord)]
-            if len(names) != 1 or any(array.dtype != "float32" for array in content[names[0]].values()):
+            if len(names) != 1 or any(
+                array.dtype != "float32" for array in content[names[0]].values()
+            ):
                 wire.append(message)
                 continue
             if node in self.pending:  # a message it never answered: what it holds is unknown
                 self._forget(node)
-            key = coordinates_key(next(iter(records(content, ConfigRecord)), ConfigRecord()), self.scheme)
+            key = coordinates_key(
+                next(iter(records(content, ConfigRecord)), ConfigRecord()), self.scheme
+            )
             arrays, held = content[names[0]], self.held.get((node, key))
-            usable = held is not None and not full and _same_layout(self.models[held.digest], arrays)
+            usable = (
+                held is not None and not full and _same_layout(self.models[held.digest], arrays)
+            )
             base = held.digest if usable else ""
             if (base, id(arrays)) not in built:
                 built[base, id(arrays)] = self._delta(base, arrays) if base else self._full(arrays)
             sent, download = built[base, id(arrays)]
             self.pending[node] = _Held(str(download["target"]), key, server_round)
-            wire_content = RecordDict({name: sent if name == names[0] else record for name, record in content.items()})
+            wire_content = RecordDict(
+                {name: sent if name == names[0] else record for name, record in content.items()}
+            )
             wire_content[DOWNLOAD_RECORD] = download
             metadata = message.metadata
-            wire.append(Message(wire_content, dst_node_id=node, message_type=metadata.message_type,
-                                group_id=metadata.group_id, ttl=metadata.ttl))
+            wire.append(
+                Message(
+                    wire_content,
+                    dst_node_id=node,
+                    message_type=metadata.message_type,
+                    group_id=metadata.group_id,
+                    ttl=metadata.ttl,
+                )
+            )
         return wire
 
     def settle(self, messages: Sequence[Message], replies: Iterable[Message]) -> Iterator[Message]:
@@ -140,12 +161,22 @@ class DownloadCompression:
     def _delta(self, base: str, arrays: ArrayRecord) -> tuple[ArrayRecord, ConfigRecord]:
         """C(x - x_hat), and x_hat + D(C(x - x_hat)) kept as the reference it makes (rebuilt as the site will)."""
         reference = self.models[base]
-        change = {name: torch.from_numpy(array.numpy()) - reference[name] for name, array in arrays.items()}
+        change = {
+            name: torch.from_numpy(array.numpy()) - reference[name]
+            for name, array in arrays.items()
+        }
         encoded = encode(change, self.scheme, self.warm.get(base))
         decoded = decode(encoded.arrays, encoded.shapes, self.scheme, exact=True)
-        digest = self._keep({name: reference[name] + decoded[name] for name in reference},
-                            {**self.warm.get(base, {}), **encoded.warm})
-        download = {"mode": DELTA, "base": base, "target": digest, **describe(self.scheme, encoded.shapes)}
+        digest = self._keep(
+            {name: reference[name] + decoded[name] for name in reference},
+            {**self.warm.get(base, {}), **encoded.warm},
+        )
+        download = {
+            "mode": DELTA,
+            "base": base,
+            "target": digest,
+            **describe(self.scheme, encoded.shapes),
+        }
         return to_record(encoded.arrays), ConfigRecord(download)
 
     def _keep(self, model: Tensors, warm: Tensors) -> str:

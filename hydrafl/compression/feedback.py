@@ -39,18 +39,26 @@ STATE_CONFIG = "compress.feedback-key"
 class ErrorFeedback:
     """One site's residuals and warm starts for one run."""
 
-    def __init__(self, key: str, residuals: dict[str, torch.Tensor], warm: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, key: str, residuals: dict[str, torch.Tensor], warm: dict[str, torch.Tensor]
+    ) -> None:
         self.key = key
         self.residuals = residuals
         self.warm = warm
 
-    def compress(self, update: Mapping[str, torch.Tensor], scheme: Scheme) -> tuple[ArrayRecord, ConfigRecord]:
+    def compress(
+        self, update: Mapping[str, torch.Tensor], scheme: Scheme
+    ) -> tuple[ArrayRecord, ConfigRecord]:
         """The wire form of `update` plus the residual, keeping the new residual."""
         corrected = {}
         for name, tensor in update.items():
             tensor = tensor.detach().to(torch.float32)
             residual = self.residuals.get(name)
-            corrected[name] = tensor + residual if residual is not None and residual.shape == tensor.shape else tensor
+            corrected[name] = (
+                tensor + residual
+                if residual is not None and residual.shape == tensor.shape
+                else tensor
+            )
         encoded = encode(corrected, scheme, self.warm)
         decoded = decode(encoded.arrays, encoded.shapes, scheme)
         self.residuals = {name: corrected[name] - decoded[name] for name in corrected}
@@ -64,15 +72,21 @@ class ErrorFeedback:
         if STATE_ARRAYS in context.state:
             saved_key = str(context.state[STATE_CONFIG]["key"])
             tensors = from_record(context.state[STATE_ARRAYS])
-        elif state_dir is not None and (path := state_path(state_dir, context, "feedback")).exists():
+        elif (
+            state_dir is not None and (path := state_path(state_dir, context, "feedback")).exists()
+        ):
             saved_key, tensors = read_state(path)
         else:
             return cls(key, {}, {})
-        residuals = {n[2:]: t for n, t in tensors.items() if n.startswith("e/")} if saved_key == key else {}
+        residuals = (
+            {n[2:]: t for n, t in tensors.items() if n.startswith("e/")} if saved_key == key else {}
+        )
         return cls(key, residuals, {n[2:]: t for n, t in tensors.items() if n.startswith("q/")})
 
     def save(self, context: Context, state_dir: Path | None) -> None:
-        tensors = {f"e/{n}": t for n, t in self.residuals.items()} | {f"q/{n}": t for n, t in self.warm.items()}
+        tensors = {f"e/{n}": t for n, t in self.residuals.items()} | {
+            f"q/{n}": t for n, t in self.warm.items()
+        }
         context.state[STATE_ARRAYS] = to_record(tensors)
         context.state[STATE_CONFIG] = ConfigRecord({"key": self.key})
         if state_dir is not None:
@@ -100,7 +114,11 @@ def compress_reply(message: Message, reply: Message, context: Context) -> Messag
 
 def coordinates_key(config: Mapping, scheme: Scheme) -> str:
     """What a round's residuals are made over: the scheme, the subnetwork and the LoRA rank the message assigns."""
-    assigned = {k: v for k, v in config.items() if k.startswith(protocol.SUBNET_PREFIX) or k == protocol.SITE_RANK}
+    assigned = {
+        k: v
+        for k, v in config.items()
+        if k.startswith(protocol.SUBNET_PREFIX) or k == protocol.SITE_RANK
+    }
     text = json.dumps([repr(scheme), sorted(assigned.items())], default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -122,4 +140,6 @@ def write_state(path: Path, key: str, tensors: Mapping[str, torch.Tensor]) -> No
 def read_state(path: Path) -> tuple[str, dict[str, torch.Tensor]]:
     """What `write_state` wrote: the key and the tensors."""
     with np.load(path, allow_pickle=False) as saved:
-        return str(saved["key"]), {name: torch.from_numpy(saved[name]) for name in saved.files if name != "key"}
+        return str(saved["key"]), {
+            name: torch.from_numpy(saved[name]) for name in saved.files if name != "key"
+        }

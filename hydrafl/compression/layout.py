@@ -50,9 +50,13 @@ class Scheme:
 
     def __post_init__(self) -> None:
         if self.name not in SCHEMES:
-            raise CompressionError(f"compress {self.name!r} is not a scheme; choose one of {', '.join(SCHEMES)}")
+            raise CompressionError(
+                f"compress {self.name!r} is not a scheme; choose one of {', '.join(SCHEMES)}"
+            )
         if not 0 < self.topk_fraction <= 0.5:
-            raise CompressionError(f"compress-topk-fraction must be in (0, 0.5], got {self.topk_fraction!r}")
+            raise CompressionError(
+                f"compress-topk-fraction must be in (0, 0.5], got {self.topk_fraction!r}"
+            )
         if not 1 <= self.rank <= 1024:
             raise CompressionError(f"compress-rank must be in 1..1024, got {self.rank!r}")
         if not 8 <= self.block <= 1 << 20:
@@ -89,7 +93,9 @@ class Scheme:
         return min(numel, max(1, math.ceil(self.topk_fraction * numel))) if numel else 0
 
 
-def expected_arrays(scheme: Scheme, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[str, tuple[int, ...]]]:
+def expected_arrays(
+    scheme: Scheme, shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Name -> (dtype, shape) of every array the compressed form of `shapes` (in order) consists of."""
     total = sum(math.prod(shape) for shape in shapes.values())
     if scheme.name == "bf16":
@@ -101,10 +107,15 @@ def expected_arrays(scheme: Scheme, shapes: Mapping[str, tuple[int, ...]]) -> di
         return dict([(PREFIX + "int8", ("int8", (total,))), scales])
     if scheme.name == "topk":
         kept = sum(scheme.topk_count(math.prod(shape)) for shape in shapes.values())
-        return {PREFIX + "index": (index_dtype(total), (kept,)), PREFIX + "value": ("float32", (kept,))}
+        return {
+            PREFIX + "index": (index_dtype(total), (kept,)),
+            PREFIX + "value": ("float32", (kept,)),
+        }
     if scheme.name == "powersgd":
         factors = [f for f in map(scheme.factorised, shapes.values()) if f is not None]
-        whole = sum(math.prod(shape) for shape in shapes.values() if scheme.factorised(shape) is None)
+        whole = sum(
+            math.prod(shape) for shape in shapes.values() if scheme.factorised(shape) is None
+        )
         return {
             PREFIX + "p": ("float32", (sum(rows * rank for rows, _, rank in factors),)),
             PREFIX + "q": ("float32", (sum(columns * rank for _, columns, rank in factors),)),
@@ -130,9 +141,13 @@ def describe(scheme: Scheme, shapes: Mapping[str, tuple[int, ...]]) -> dict[str,
 def read_description(scheme: Scheme, description: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """The tensors' shapes a reply's RECORD declares, checked: the receiver's scheme, distinct names, real shapes."""
     if set(description) != {"scheme", "names", "ranks", "dims"}:
-        raise CompressionError(f"record {RECORD!r} holds {sorted(description)}, not scheme, names, ranks, dims")
+        raise CompressionError(
+            f"record {RECORD!r} holds {sorted(description)}, not scheme, names, ranks, dims"
+        )
     if description["scheme"] != scheme.name:
-        raise CompressionError(f"the reply is compressed with {description['scheme']!r}; this run uses {scheme.name!r}")
+        raise CompressionError(
+            f"the reply is compressed with {description['scheme']!r}; this run uses {scheme.name!r}"
+        )
     names, ranks, dims = description["names"], description["ranks"], description["dims"]
     if not all(isinstance(v, list) for v in (names, ranks, dims)) or len(names) != len(ranks):
         raise CompressionError("names and ranks must be lists of equal length")
@@ -152,16 +167,22 @@ def read_description(scheme: Scheme, description: Mapping[str, Any]) -> dict[str
 def download_shapes(scheme: Scheme, download: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """The model tensors a delta download's `DOWNLOAD_RECORD` declares (all float32): what the message stands for,
     and what a reply to it may carry, where its arrays are the compressed change."""
-    return read_description(scheme, {key: download.get(key) for key in ("scheme", "names", "ranks", "dims")})
+    return read_description(
+        scheme, {key: download.get(key) for key in ("scheme", "names", "ranks", "dims")}
+    )
 
 
 def check_layout(
-    scheme: Scheme, shapes: Mapping[str, tuple[int, ...]], arrays: Mapping[str, tuple[str, tuple[int, ...]]]
+    scheme: Scheme,
+    shapes: Mapping[str, tuple[int, ...]],
+    arrays: Mapping[str, tuple[str, tuple[int, ...]]],
 ) -> None:
     """`arrays` (name -> dtype, shape) must be exactly the scheme's arrays for `shapes`: nothing more or less."""
     expected = expected_arrays(scheme, shapes)
     if set(arrays) != set(expected):
-        raise CompressionError(f"a {scheme.name} reply holds arrays {sorted(expected)}, not {sorted(arrays)}")
+        raise CompressionError(
+            f"a {scheme.name} reply holds arrays {sorted(expected)}, not {sorted(arrays)}"
+        )
     for name, (dtype, shape) in expected.items():
         if (arrays[name][0], tuple(arrays[name][1])) != (dtype, shape):
             raise CompressionError(
@@ -174,5 +195,11 @@ def check_values(name: str, values: np.ndarray, total: int) -> None:
     update's `total` coordinates (float parts are checked for NaN/Inf like any array)."""
     if name == PREFIX + "bf16" and ((values.view(np.uint16) & 0x7F80) == 0x7F80).any():
         raise CompressionError(f"array {name} contains NaN or Inf")
-    if name == PREFIX + "index" and values.size and not (0 <= values.min() and values.max() < total):
-        raise CompressionError(f"array {name} has an index outside the update's {total} coordinates")
+    if (
+        name == PREFIX + "index"
+        and values.size
+        and not (0 <= values.min() and values.max() < total)
+    ):
+        raise CompressionError(
+            f"array {name} has an index outside the update's {total} coordinates"
+        )

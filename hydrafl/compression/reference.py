@@ -42,7 +42,10 @@ def receive_download(message: Message, context: Context) -> None:
     names = [name for name, record in message.content.items() if isinstance(record, ArrayRecord)]
     if not isinstance(download, ConfigRecord) or len(names) != 1:
         raise DownloadError(f"a download is a ConfigRecord with one ArrayRecord, not {len(names)}")
-    arrays, state_dir = message.content[names[0]], SiteConfig.from_node_config(context.node_config).state_dir
+    arrays, state_dir = (
+        message.content[names[0]],
+        SiteConfig.from_node_config(context.node_config).state_dir,
+    )
     config = next(iter(records(message.content, ConfigRecord)), ConfigRecord())
     scheme = Scheme.from_config(config)
     key, held = coordinates_key(config, scheme), site_references(context, state_dir)
@@ -53,7 +56,9 @@ def receive_download(message: Message, context: Context) -> None:
     elif download.get("mode") == DELTA:
         model = _rebuilt(download, arrays, scheme, *held.get(key, ("", None)))
     else:
-        raise DownloadError(f"download mode {download.get('mode')!r} is neither {FULL!r} nor {DELTA!r}")
+        raise DownloadError(
+            f"download mode {download.get('mode')!r} is neither {FULL!r} nor {DELTA!r}"
+        )
     digest = content_hash(model)
     if digest != download.get("target"):
         raise DownloadError(
@@ -68,7 +73,11 @@ def receive_download(message: Message, context: Context) -> None:
 
 
 def _rebuilt(
-    download: ConfigRecord, arrays: ArrayRecord, scheme: Scheme, digest: str, reference: Tensors | None
+    download: ConfigRecord,
+    arrays: ArrayRecord,
+    scheme: Scheme,
+    digest: str,
+    reference: Tensors | None,
 ) -> Tensors:
     """x_hat + D(c), where x_hat must be the reference the download names and c one in the run's scheme."""
     if reference is None:
@@ -82,15 +91,21 @@ def _rebuilt(
             f"{digest[:12]}; refused rather than applied to another model (the whole model comes next)"
         )
     if not scheme.enabled:
-        raise DownloadError("the download is compressed but the run's config names no scheme (compress none)")
+        raise DownloadError(
+            "the download is compressed but the run's config names no scheme (compress none)"
+        )
     shapes = download_shapes(scheme, download)
     if list(shapes.items()) != [(name, tuple(t.shape)) for name, t in reference.items()]:
         raise DownloadError("the download's tensors are not those of the site's reference model")
-    decoded = decode({name: array_view(array) for name, array in arrays.items()}, shapes, scheme, exact=True)
+    decoded = decode(
+        {name: array_view(array) for name, array in arrays.items()}, shapes, scheme, exact=True
+    )
     return {name: reference[name] + decoded[name] for name in reference}
 
 
-def site_references(context: Context, state_dir: Path | None = None) -> dict[str, tuple[str, Tensors]]:
+def site_references(
+    context: Context, state_dir: Path | None = None
+) -> dict[str, tuple[str, Tensors]]:
     """Per coordinates key, the digest and tensors of the reference the site holds, least recently rebuilt
     first: from `context.state`, else the state file (a restarted site)."""
     if STATE_ARRAYS in context.state:
@@ -104,12 +119,17 @@ def site_references(context: Context, state_dir: Path | None = None) -> dict[str
     for name, tensor in tensors.items():
         position, _, tensor_name = name.partition("/")
         models[int(position)][tensor_name] = tensor
-    return {key: (digest, model) for key, digest, model in zip(index["keys"], index["digests"], models, strict=True)}
+    return {
+        key: (digest, model)
+        for key, digest, model in zip(index["keys"], index["digests"], models, strict=True)
+    }
 
 
 def _keep(context: Context, state_dir: Path | None, held: dict[str, tuple[str, Tensors]]) -> None:
     index = {"keys": list(held), "digests": [digest for digest, _ in held.values()]}
-    tensors = {f"{i}/{name}": t for i, (_, model) in enumerate(held.values()) for name, t in model.items()}
+    tensors = {
+        f"{i}/{name}": t for i, (_, model) in enumerate(held.values()) for name, t in model.items()
+    }
     context.state[STATE_ARRAYS] = to_record(tensors)
     context.state[STATE_CONFIG] = ConfigRecord(index)
     if state_dir is not None:

@@ -18,7 +18,16 @@ from hydrafl.data.partition import parse_partition, split_by_label, train_test_i
 from hydrafl.data.schema import Cohort, DataError, SiteSplit, TaskSpec
 from hydrafl.data.tokenizer import tokenize
 
-__all__ = ["NEXT_TOKEN_TASKS", "TASKS", "Cohort", "DataError", "SiteSplit", "TaskSpec", "load_cohort", "tokenize"]
+__all__ = [
+    "NEXT_TOKEN_TASKS",
+    "TASKS",
+    "Cohort",
+    "DataError",
+    "SiteSplit",
+    "TaskSpec",
+    "load_cohort",
+    "tokenize",
+]
 
 _GENERATORS = {
     "clinical-text": text_cohort,
@@ -49,10 +58,17 @@ def load_cohort(
     of a table. `text_tokenizer` ("hash" or "minilm", see `text_cohort.TOKENIZERS`) encodes synthetic notes.
     Same arguments give bit-identical tensors.
     """
-    _check_arguments(num_sites=num_sites, seed=seed, samples_per_site=samples_per_site, test_fraction=test_fraction)
+    _check_arguments(
+        num_sites=num_sites,
+        seed=seed,
+        samples_per_site=samples_per_site,
+        test_fraction=test_fraction,
+    )
     if data_path is not None:
         if text_tokenizer != "hash":
-            raise DataError(f"the {text_tokenizer!r} tokenizer is for synthetic notes; files use the hashing tokenizer")
+            raise DataError(
+                f"the {text_tokenizer!r} tokenizer is for synthetic notes; files use the hashing tokenizer"
+            )
         spec, x, y = read_dataset(Path(data_path), label_column)
         scheme = parse_partition("iid" if partition is None else partition)
         if scheme.kind == "natural":
@@ -71,22 +87,32 @@ def load_cohort(
         options = {"tokenizer": text_tokenizer} if generator is text_cohort else {}
         spec = generator.task_spec(**options)
         scheme = parse_partition("natural" if partition is None else partition)
-        parts = [generator.generate_site(seed, site, samples_per_site, **options) for site in range(num_sites)]
+        parts = [
+            generator.generate_site(seed, site, samples_per_site, **options)
+            for site in range(num_sites)
+        ]
         x = np.concatenate([features for features, _ in parts])
         y = np.concatenate([labels for _, labels in parts])
         if scheme.kind == "natural":
-            site_rows = [np.arange(site * samples_per_site, (site + 1) * samples_per_site) for site in range(num_sites)]
+            site_rows = [
+                np.arange(site * samples_per_site, (site + 1) * samples_per_site)
+                for site in range(num_sites)
+            ]
         elif y.ndim > 1 and scheme.kind != "iid":
             raise DataError(
                 f"partition {partition!r} deals rows by class label, which task {task!r} (a target per token) does "
                 "not have; use natural (one hospital per site) or iid"
             )
         else:
-            site_rows = split_by_label(y if y.ndim == 1 else np.zeros(len(y), dtype=np.int64), scheme, num_sites, seed)
+            site_rows = split_by_label(
+                y if y.ndim == 1 else np.zeros(len(y), dtype=np.int64), scheme, num_sites, seed
+            )
 
     train_rows, test_rows = [], []
     for site, rows in enumerate(site_rows):
-        train, test = train_test_indices(rows.size, test_fraction, seed=seed, site=site, num_sites=num_sites)
+        train, test = train_test_indices(
+            rows.size, test_fraction, seed=seed, site=site, num_sites=num_sites
+        )
         train_rows.append(rows[train])
         test_rows.append(rows[test])
     x = _standardise(x, np.concatenate(train_rows), spec.modality)
@@ -102,7 +128,9 @@ def load_cohort(
     return Cohort(task=spec, sites=sites)
 
 
-def _check_arguments(*, num_sites: int, seed: int, samples_per_site: int, test_fraction: float) -> None:
+def _check_arguments(
+    *, num_sites: int, seed: int, samples_per_site: int, test_fraction: float
+) -> None:
     if num_sites < 1:
         raise DataError(f"num_sites must be at least 1; got {num_sites}")
     if seed < 0:

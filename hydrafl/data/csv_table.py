@@ -23,13 +23,19 @@ def read_csv(path: Path) -> tuple[list[str], Rows]:
         reader = csv.reader(handle)
         header = next(reader, None)
         if not header:
-            raise DataError(f"{path}: the file is empty; it needs a header line and at least one data row")
+            raise DataError(
+                f"{path}: the file is empty; it needs a header line and at least one data row"
+            )
         columns = [name.strip() for name in header]
         for position, name in enumerate(columns, start=1):
             if not name:
-                raise DataError(f"{path}, line 1: column {position} has no name; give every column a header")
+                raise DataError(
+                    f"{path}, line 1: column {position} has no name; give every column a header"
+                )
             if columns.index(name) != position - 1:
-                raise DataError(f"{path}, line 1: column {name!r} appears twice; rename one of them")
+                raise DataError(
+                    f"{path}, line 1: column {name!r} appears twice; rename one of them"
+                )
         rows: Rows = []
         for fields in reader:
             if not fields:  # blank line
@@ -55,7 +61,9 @@ def is_finite_number(value: str) -> bool:
     return is_number(value) and math.isfinite(float(value))
 
 
-def encode_labels(path: Path, label_column: str, values: list[str]) -> tuple[np.ndarray, tuple[str, ...]]:
+def encode_labels(
+    path: Path, label_column: str, values: list[str]
+) -> tuple[np.ndarray, tuple[str, ...]]:
     """Int64 labels and the class names; class index = rank of the label among the sorted unique labels
     (numerically if all are numbers), so every site that holds the same classes numbers them the same way."""
     unique = set(values)

@@ -35,21 +35,27 @@ COLOUR = ("RGB", "YBR_FULL", "YBR_FULL_422", "YBR_RCT", "YBR_ICT")
 LUMINANCE = np.array([0.299, 0.587, 0.114])  # ITU-R BT.601, as PIL's convert("L")
 
 
-def read_dicom_folder(folder: Path, label_column: str | None) -> tuple[TaskSpec, np.ndarray, np.ndarray]:
+def read_dicom_folder(
+    folder: Path, label_column: str | None
+) -> tuple[TaskSpec, np.ndarray, np.ndarray]:
     """The image task, float32 images [N, 1, IMAGE_SIZE, IMAGE_SIZE] in [0, 1] and int64 labels of a DICOM
     folder, rows in `labels.csv` order."""
     labels_file = folder / LABELS_FILE
     columns, rows = read_csv(labels_file)
     label_column = label_column or DEFAULT_LABEL_COLUMN
     available = ", ".join(repr(column) for column in columns)
-    for needed, fix in ((FILE_COLUMN, "the path of each .dcm file relative to the folder"),
-                        (label_column, "each study's label (or pass the label column's name as label_column)")):
+    for needed, fix in (
+        (FILE_COLUMN, "the path of each .dcm file relative to the folder"),
+        (label_column, "each study's label (or pass the label column's name as label_column)"),
+    ):
         if needed not in columns:
             raise DataError(
                 f"{labels_file}, line 1: there is no column {needed!r} ({fix}); available columns: {available}"
             )
     if not rows:
-        raise DataError(f"{labels_file}: no rows; add one line per DICOM file: {FILE_COLUMN},{label_column}")
+        raise DataError(
+            f"{labels_file}: no rows; add one line per DICOM file: {FILE_COLUMN},{label_column}"
+        )
     file_at, label_at = columns.index(FILE_COLUMN), columns.index(label_column)
     root = folder.resolve()
     listed: dict[Path, int] = {}
@@ -58,7 +64,9 @@ def read_dicom_folder(folder: Path, label_column: str | None) -> tuple[TaskSpec,
         where = f"{labels_file}, line {line_number}"
         for at in (file_at, label_at):
             if not cells[at]:
-                raise DataError(f"{where}, column {columns[at]!r}: empty cell; fill it in or drop the row")
+                raise DataError(
+                    f"{where}, column {columns[at]!r}: empty cell; fill it in or drop the row"
+                )
         file = _listed_file(root, cells[file_at], where)
         if file in listed:
             raise DataError(
@@ -89,7 +97,9 @@ def _listed_file(root: Path, name: str, where: str) -> Path:
     """The file a row names, inside the folder: a site reads only the folder its operator pointed at."""
     file = (root / name).resolve()
     if not file.is_relative_to(root):
-        raise DataError(f"{where}: {name!r} is outside {root}; give the path relative to the folder, inside it")
+        raise DataError(
+            f"{where}: {name!r} is outside {root}; give the path relative to the folder, inside it"
+        )
     if not file.is_file():
         raise DataError(
             f"{where}: {name!r} does not exist under {root}; fix the path (relative to the folder) or drop the row"
@@ -123,7 +133,9 @@ def read_dicom_image(file: Path, where: str) -> np.ndarray:
             f"{file} ({where}): not a DICOM file ({err}); re-export it as DICOM Part 10 or drop its row"
         ) from err
     except (OSError, ValueError, EOFError) as err:
-        raise DataError(f"{file} ({where}): cannot read the DICOM file ({err}); replace it or drop its row") from err
+        raise DataError(
+            f"{file} ({where}): cannot read the DICOM file ({err}); replace it or drop its row"
+        ) from err
     if "PixelData" not in dataset:
         modality = dataset.get("Modality", "unknown modality")
         raise DataError(
@@ -144,7 +156,9 @@ def read_dicom_image(file: Path, where: str) -> np.ndarray:
         )
     try:
         pixels = np.asarray(dataset.pixel_array, dtype=np.float64)
-    except Exception as err:  # pydicom raises many types for a codec it lacks or a truncated PixelData
+    except (
+        Exception
+    ) as err:  # pydicom raises many types for a codec it lacks or a truncated PixelData
         syntax = dataset.file_meta.get("TransferSyntaxUID", "unknown transfer syntax")
         raise DataError(
             f"{file} ({where}): cannot decode the pixel data ({syntax}: {err}); if it is compressed, decompress it "
@@ -157,7 +171,9 @@ def read_dicom_image(file: Path, where: str) -> np.ndarray:
             f"{file} ({where}): pixel data of shape {pixels.shape} under {photometric}, not one 2-D image; fix "
             "SamplesPerPixel/PhotometricInterpretation or re-export the image"
         )
-    pixels = pixels * float(dataset.get("RescaleSlope", 1) or 1) + float(dataset.get("RescaleIntercept", 0) or 0)
+    pixels = pixels * float(dataset.get("RescaleSlope", 1) or 1) + float(
+        dataset.get("RescaleIntercept", 0) or 0
+    )
     low, high = pixels.min(), pixels.max()
     image = (pixels - low) / (high - low) if high > low else np.zeros_like(pixels)
     if photometric == "MONOCHROME1":  # 0 is white in MONOCHROME1

@@ -15,12 +15,20 @@ import numpy as np
 from PIL import Image
 
 from hydrafl.catalog import TABLE_SUFFIXES
-from hydrafl.data.csv_table import LABELS_FILE, Rows, encode_labels, is_finite_number, is_number, read_csv
+from hydrafl.data.csv_table import (
+    LABELS_FILE,
+    Rows,
+    encode_labels,
+    is_finite_number,
+    is_number,
+    read_csv,
+)
 from hydrafl.data.image_cohort import IMAGE_SIZE
 from hydrafl.data.schema import DataError, TaskSpec
 from hydrafl.data.tokenizer import SEQ_LEN, VOCAB_SIZE, tokenize
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
+
 
 def read_dataset(path: Path, label_column: str | None) -> tuple[TaskSpec, np.ndarray, np.ndarray]:
     """The task, raw features and int64 labels of a file or image folder (features not yet standardised).
@@ -33,7 +41,9 @@ def read_dataset(path: Path, label_column: str | None) -> tuple[TaskSpec, np.nda
         raise DataError(f"{path}: no such file or folder; check --data")
     if path.is_dir():
         if (path / LABELS_FILE).is_file():
-            from hydrafl.data.dicom import read_dicom_folder  # pydicom is loaded only for DICOM data
+            from hydrafl.data.dicom import (
+                read_dicom_folder,
+            )  # pydicom is loaded only for DICOM data
 
             return read_dicom_folder(path, label_column)
         return _read_image_folder(path)
@@ -46,7 +56,9 @@ def read_dataset(path: Path, label_column: str | None) -> tuple[TaskSpec, np.nda
     try:
         columns, rows = read_csv(path) if suffix == ".csv" else _read_jsonl(path)
     except UnicodeDecodeError as err:
-        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); re-export it as UTF-8") from err
+        raise DataError(
+            f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); re-export it as UTF-8"
+        ) from err
     return _table_task(path, columns, rows, label_column)
 
 
@@ -66,7 +78,7 @@ def _read_jsonl(path: Path) -> tuple[list[str], Rows]:
                 ) from err
             if not isinstance(record, dict):
                 raise DataError(
-                    f"{path}, line {line_number}: expected a JSON object like {{\"column\": value}}, "
+                    f'{path}, line {line_number}: expected a JSON object like {{"column": value}}, '
                     f"got {type(record).__name__}"
                 )
             if not columns:
@@ -77,7 +89,12 @@ def _read_jsonl(path: Path) -> tuple[list[str], Rows]:
                     f"{path}, line {line_number}: column {unexpected[0]!r} is not in the first record "
                     f"({', '.join(columns)}); every line needs the same keys"
                 )
-            rows.append((line_number, [_json_cell(path, line_number, key, record.get(key)) for key in columns]))
+            rows.append(
+                (
+                    line_number,
+                    [_json_cell(path, line_number, key, record.get(key)) for key in columns],
+                )
+            )
     if not rows:
         raise DataError(f"{path}: the file has no JSON records; write one JSON object per line")
     return columns, rows
@@ -102,15 +119,21 @@ def _table_task(
 ) -> tuple[TaskSpec, np.ndarray, np.ndarray]:
     available = ", ".join(repr(column) for column in columns)
     if label_column is None:
-        raise DataError(f"{path}: label_column is required for table files; available columns: {available}")
+        raise DataError(
+            f"{path}: label_column is required for table files; available columns: {available}"
+        )
     if label_column not in columns:
-        raise DataError(f"{path}: there is no column {label_column!r}; available columns: {available}")
+        raise DataError(
+            f"{path}: there is no column {label_column!r}; available columns: {available}"
+        )
     if not rows:
         raise DataError(f"{path}: the file has a header but no data rows")
     label_at = columns.index(label_column)
     features = [i for i in range(len(columns)) if i != label_at]
     if not features:
-        raise DataError(f"{path}: {label_column!r} is the only column; add feature columns (numbers or one text)")
+        raise DataError(
+            f"{path}: {label_column!r} is the only column; add feature columns (numbers or one text)"
+        )
 
     numeric = {i: is_number(_first_value(rows, i)) for i in features}
     text_columns = [columns[i] for i in features if not numeric[i]]
@@ -149,7 +172,11 @@ def _table_task(
         return task, tokenize(texts, VOCAB_SIZE, SEQ_LEN).numpy(), labels
     x = np.array([[float(cells[i]) for i in features] for _, cells in rows], dtype=np.float32)
     task = TaskSpec(
-        name=name, modality="tabular", num_classes=len(class_names), class_names=class_names, num_features=len(features)
+        name=name,
+        modality="tabular",
+        num_classes=len(class_names),
+        class_names=class_names,
+        num_features=len(features),
     )
     return task, x, labels
 
@@ -160,7 +187,9 @@ def _first_value(rows: Rows, column: int) -> str:
 
 def _read_image_folder(path: Path) -> tuple[TaskSpec, np.ndarray, np.ndarray]:
     """Images float32 [N, 1, 32, 32] in [0, 1] (grayscale, bilinear resize) and labels from sub-folder names."""
-    folders = sorted(entry for entry in path.iterdir() if entry.is_dir() and not entry.name.startswith("."))
+    folders = sorted(
+        entry for entry in path.iterdir() if entry.is_dir() and not entry.name.startswith(".")
+    )
     if len(folders) < 2:
         raise DataError(
             f"{path}: an image folder needs one sub-folder per class and at least 2 classes; "
@@ -170,7 +199,9 @@ def _read_image_folder(path: Path) -> tuple[TaskSpec, np.ndarray, np.ndarray]:
     labels: list[int] = []
     for label, folder in enumerate(folders):
         files = sorted(
-            entry for entry in folder.iterdir() if entry.is_file() and entry.suffix.lower() in IMAGE_SUFFIXES
+            entry
+            for entry in folder.iterdir()
+            if entry.is_file() and entry.suffix.lower() in IMAGE_SUFFIXES
         )
         if not files:
             raise DataError(
@@ -180,10 +211,14 @@ def _read_image_folder(path: Path) -> tuple[TaskSpec, np.ndarray, np.ndarray]:
         for file in files:
             try:
                 with Image.open(file) as image:
-                    gray = image.convert("L").resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BILINEAR)
+                    gray = image.convert("L").resize(
+                        (IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BILINEAR
+                    )
                     images.append(np.asarray(gray, dtype=np.float32) / 255.0)
             except (OSError, ValueError, Image.DecompressionBombError) as err:
-                raise DataError(f"{file}: cannot read the image ({err}); replace or delete the file") from err
+                raise DataError(
+                    f"{file}: cannot read the image ({err}); replace or delete the file"
+                ) from err
             labels.append(label)
     task = TaskSpec(
         name=f"file:{path.name}",

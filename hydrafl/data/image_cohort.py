@@ -33,7 +33,10 @@ def _ellipse(
     x: np.ndarray, y: np.ndarray, cx: np.ndarray, cy: np.ndarray, rx: np.ndarray, ry: np.ndarray
 ) -> np.ndarray:
     """Soft-edged ellipse masks in [0, 1]; per-image parameters broadcast over the pixel grid."""
-    r = np.sqrt(((x - cx[:, None, None]) / rx[:, None, None]) ** 2 + ((y - cy[:, None, None]) / ry[:, None, None]) ** 2)
+    r = np.sqrt(
+        ((x - cx[:, None, None]) / rx[:, None, None]) ** 2
+        + ((y - cy[:, None, None]) / ry[:, None, None]) ** 2
+    )
     return np.clip((1.0 - r) * 8.0, 0.0, 1.0)
 
 
@@ -45,7 +48,9 @@ def _blur(images: np.ndarray, sigma: float) -> np.ndarray:
         width = [(0, 0)] * 3
         width[axis] = (2, 2)
         padded = np.pad(images, width, mode="edge")
-        images = sum(w * np.take(padded, np.arange(k, k + IMAGE_SIZE), axis=axis) for k, w in enumerate(taps))
+        images = sum(
+            w * np.take(padded, np.arange(k, k + IMAGE_SIZE), axis=axis) for k, w in enumerate(taps)
+        )
     return images
 
 
@@ -81,7 +86,9 @@ def generate_site(seed: int, site: int, n: int) -> tuple[np.ndarray, np.ndarray]
     right_lung = _ellipse(x, y, -u(0.38, 0.44), lung_y, lung_rx, lung_ry)
     left_lung = _ellipse(x, y, u(0.38, 0.44), lung_y, lung_rx, lung_ry)
     lungs = np.maximum(right_lung, left_lung)
-    ribs = 0.5 + 0.5 * np.sin(y * u(16.0, 20.0)[:, None, None] + 4.0 * x**2 + u(0.0, 2 * np.pi)[:, None, None])
+    ribs = 0.5 + 0.5 * np.sin(
+        y * u(16.0, 20.0)[:, None, None] + 4.0 * x**2 + u(0.0, 2 * np.pi)[:, None, None]
+    )
     spine = np.exp(-((x / 0.07) ** 2)) * body
 
     # Heart: normal hearts vary in size, cardiomegaly overlaps their upper range.
@@ -91,11 +98,13 @@ def generate_site(seed: int, site: int, n: int) -> tuple[np.ndarray, np.ndarray]
     # Pneumonia: a textured patch in a random lung, of varying size and density.
     side = np.where(rng.random(n) < 0.5, -1.0, 1.0)
     patch = np.exp(
-        -(((x - (side * u(0.3, 0.45))[:, None, None]) ** 2 + (y - u(-0.35, 0.2)[:, None, None]) ** 2))
+        -((x - (side * u(0.3, 0.45))[:, None, None]) ** 2 + (y - u(-0.35, 0.2)[:, None, None]) ** 2)
         / (2 * u(0.1, 0.18)[:, None, None] ** 2)
     )
     texture = 0.6 + 0.4 * rng.random((n, IMAGE_SIZE, IMAGE_SIZE))
-    pneumonia = (labels == PNEUMONIA)[:, None, None] * u(0.25, 0.6)[:, None, None] * patch * texture * lungs
+    pneumonia = (
+        (labels == PNEUMONIA)[:, None, None] * u(0.25, 0.6)[:, None, None] * patch * texture * lungs
+    )
 
     # Effusion: fluid filling the lung base, its surface curving up laterally (the meniscus sign).
     lateral = np.abs(x - (side * 0.41)[:, None, None])

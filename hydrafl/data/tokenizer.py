@@ -27,7 +27,9 @@ _WORD = re.compile(r"[^\W_]+")
 def tokenize(texts: Sequence[str], vocab_size: int, seq_len: int) -> torch.Tensor:
     """Token ids int64 [len(texts), seq_len]: CLS, then hashed lowercase words, truncated or PAD-padded."""
     if vocab_size <= NUM_SPECIAL:
-        raise DataError(f"vocab_size must be greater than {NUM_SPECIAL} (ids 0-2 are PAD, CLS, UNK); got {vocab_size}")
+        raise DataError(
+            f"vocab_size must be greater than {NUM_SPECIAL} (ids 0-2 are PAD, CLS, UNK); got {vocab_size}"
+        )
     if seq_len < 1:
         raise DataError(f"seq_len must be at least 1 (room for the CLS token); got {seq_len}")
     buckets = vocab_size - NUM_SPECIAL

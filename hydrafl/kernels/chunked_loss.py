@@ -59,7 +59,9 @@ class KLStats(NamedTuple):
     teacher_gap: Tensor  # [N] C = sum_v exp(t_v - m) (t_v - s_v)
 
 
-def _blocks(rows: int, vocab: int, window_size: int, chunk_size: int) -> Iterator[tuple[slice, slice]]:
+def _blocks(
+    rows: int, vocab: int, window_size: int, chunk_size: int
+) -> Iterator[tuple[slice, slice]]:
     for r0 in range(0, rows, window_size):
         for c0 in range(0, vocab, chunk_size):
             yield slice(r0, min(r0 + window_size, rows)), slice(c0, min(c0 + chunk_size, vocab))
@@ -86,7 +88,12 @@ class _CrossEntropyShard(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, hidden: Tensor, weight: Tensor, local_target: Tensor, chunk_size: int, window_size: int
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        local_target: Tensor,
+        chunk_size: int,
+        window_size: int,
     ) -> tuple[Tensor, Tensor, Tensor]:
         rows, acc = hidden.shape[0], _accumulation_dtype(hidden)
         row_max = torch.full((rows,), -torch.inf, dtype=acc, device=hidden.device)  # [N]
@@ -97,7 +104,9 @@ class _CrossEntropyShard(torch.autograd.Function):
             inside, column = _target_in_chunk(local_target[r], c)
             target[r] += torch.where(inside, z.gather(1, column).squeeze(1), 0.0)
             new_max = torch.maximum(row_max[r], z.amax(dim=1))  # [w]
-            exp_z = z.sub_(new_max[:, None]).exp_()  # [w, c] e^(z - m), in place: one block alive at a time
+            exp_z = z.sub_(
+                new_max[:, None]
+            ).exp_()  # [w, c] e^(z - m), in place: one block alive at a time
             sumexp[r] = sumexp[r] * torch.exp(row_max[r] - new_max) + exp_z.sum(dim=1)
             row_max[r] = new_max
         ctx.save_for_backward(hidden, weight, local_target, row_max)
@@ -115,7 +124,12 @@ class _CrossEntropyShard(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight) if want_weight else None  # [V_s, D]
         for r, c in _blocks(hidden.shape[0], weight.shape[0], ctx.window_size, ctx.chunk_size):
             # dL/dz = dL/dZ * e^(z - m) + dL/dz_y * onehot(y), from the recomputed logits, in place
-            grad_z = _logits(hidden, weight, r, c).sub_(row_max[r, None]).exp_().mul_(grad_sumexp[r, None])  # [w, c]
+            grad_z = (
+                _logits(hidden, weight, r, c)
+                .sub_(row_max[r, None])
+                .exp_()
+                .mul_(grad_sumexp[r, None])
+            )  # [w, c]
             inside, column = _target_in_chunk(local_target[r], c)
             grad_z.scatter_add_(1, column, torch.where(inside, grad_target[r], 0.0).unsqueeze(1))
             grad_z = grad_z.to(hidden.dtype)
@@ -139,7 +153,11 @@ class _KLShard(torch.autograd.Function):
         chunk_size: int,
         window_size: int,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        rows, acc, device = student_hidden.shape[0], _accumulation_dtype(student_hidden), student_hidden.device
+        rows, acc, device = (
+            student_hidden.shape[0],
+            _accumulation_dtype(student_hidden),
+            student_hidden.device,
+        )
         s_max = torch.full((rows,), -torch.inf, dtype=acc, device=device)  # [N] m'
         s_sumexp = torch.zeros(rows, dtype=acc, device=device)  # [N] Z'
         t_max = torch.full((rows,), -torch.inf, dtype=acc, device=device)  # [N] m
@@ -159,25 +177,38 @@ class _KLShard(torch.autograd.Function):
             t_sumexp[r] = t_sumexp[r] * rescale + exp_t.sum(dim=1)
             t_gap[r] = t_gap[r] * rescale + exp_t.mul_(gap).sum(dim=1)
             t_max[r] = new_t_max
-        ctx.save_for_backward(student_hidden, student_weight, teacher_hidden, teacher_weight, s_max, t_max)
+        ctx.save_for_backward(
+            student_hidden, student_weight, teacher_hidden, teacher_weight, s_max, t_max
+        )
         ctx.chunk_size, ctx.window_size = chunk_size, window_size
         ctx.mark_non_differentiable(s_max, t_max, t_sumexp)
         return s_max, s_sumexp, t_max, t_sumexp, t_gap
 
     @staticmethod
     def backward(
-        ctx: Any, _g_s_max: Tensor, grad_s_sumexp: Tensor, _g_t_max: Tensor, _g_t_sumexp: Tensor, grad_gap: Tensor
+        ctx: Any,
+        _g_s_max: Tensor,
+        grad_s_sumexp: Tensor,
+        _g_t_max: Tensor,
+        _g_t_sumexp: Tensor,
+        grad_gap: Tensor,
     ) -> tuple[Tensor | None, Tensor | None, None, None, None, None]:
-        student_hidden, student_weight, teacher_hidden, teacher_weight, s_max, t_max = ctx.saved_tensors
+        student_hidden, student_weight, teacher_hidden, teacher_weight, s_max, t_max = (
+            ctx.saved_tensors
+        )
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.zeros_like(student_hidden) if want_hidden else None  # [N, D]
         grad_weight = torch.zeros_like(student_weight) if want_weight else None  # [V_s, D]
-        for r, c in _blocks(student_hidden.shape[0], student_weight.shape[0], ctx.window_size, ctx.chunk_size):
+        for r, c in _blocks(
+            student_hidden.shape[0], student_weight.shape[0], ctx.window_size, ctx.chunk_size
+        ):
             # dL/ds = dL/dZ' * e^(s - m') - dL/dC * e^(t - m), from the recomputed logits, in place
             s = _logits(student_hidden, student_weight, r, c)  # [w, c]
             t = _logits(teacher_hidden, teacher_weight, r, c).to(s.dtype)  # [w, c]
             grad_s = s.sub_(s_max[r, None]).exp_().mul_(grad_s_sumexp[r, None])
-            grad_s = grad_s.sub_(t.sub_(t_max[r, None]).exp_().mul_(grad_gap[r, None])).to(student_hidden.dtype)
+            grad_s = grad_s.sub_(t.sub_(t_max[r, None]).exp_().mul_(grad_gap[r, None])).to(
+                student_hidden.dtype
+            )
             if grad_hidden is not None:
                 grad_hidden[r] += grad_s @ student_weight[c]  # [w, D]
             if grad_weight is not None:
@@ -192,7 +223,9 @@ def _check_blocks(hidden: Tensor, weight: Tensor, chunk_size: int, window_size: 
             "same D; flatten [B, T, D] hidden states with .reshape(-1, D) first"
         )
     if weight.shape[0] == 0:
-        raise ValueError("the head weight (shard) has no vocabulary rows; use fewer shards than vocabulary entries")
+        raise ValueError(
+            "the head weight (shard) has no vocabulary rows; use fewer shards than vocabulary entries"
+        )
     if chunk_size < 1 or window_size < 1:
         raise ValueError(f"chunk_size={chunk_size} and window_size={window_size} must both be >= 1")
 
@@ -214,15 +247,23 @@ def cross_entropy_shard_stats(
     """
     _check_blocks(hidden, weight, chunk_size, window_size)
     if target.shape != hidden.shape[:1]:
-        raise ValueError(f"target {tuple(target.shape)} must be [N] = [{hidden.shape[0]}], one id per hidden row")
-    local_target = torch.where(target == ignore_index, -1, target - vocab_start)  # [N], -1: not in this shard
-    return CrossEntropyStats(*_CrossEntropyShard.apply(hidden, weight, local_target, chunk_size, window_size))
+        raise ValueError(
+            f"target {tuple(target.shape)} must be [N] = [{hidden.shape[0]}], one id per hidden row"
+        )
+    local_target = torch.where(
+        target == ignore_index, -1, target - vocab_start
+    )  # [N], -1: not in this shard
+    return CrossEntropyStats(
+        *_CrossEntropyShard.apply(hidden, weight, local_target, chunk_size, window_size)
+    )
 
 
 def merge_cross_entropy_stats(shards: Sequence[CrossEntropyStats]) -> CrossEntropyStats:
     """The whole-vocabulary stats from every shard's: one log-sum-exp reduction, differentiable."""
     row_max = torch.stack([s.max for s in shards]).amax(dim=0)  # [N]
-    sumexp = sum((s.sumexp * torch.exp(s.max - row_max) for s in shards), torch.zeros_like(row_max))  # [N]
+    sumexp = sum(
+        (s.sumexp * torch.exp(s.max - row_max) for s in shards), torch.zeros_like(row_max)
+    )  # [N]
     target = sum((s.target for s in shards), torch.zeros_like(row_max))  # [N]
     return CrossEntropyStats(row_max, sumexp, target)
 
@@ -254,7 +295,9 @@ def gather_shard_stats(stats: StatsT, group: Any = None) -> list[StatsT]:
 
     world = dist.get_world_size(group)
     gathered = [
-        dist_nn.all_gather(_ScaleGradient.apply(field, 1.0 / world) if field.requires_grad else field, group=group)
+        dist_nn.all_gather(
+            _ScaleGradient.apply(field, 1.0 / world) if field.requires_grad else field, group=group
+        )
         for field in stats
     ]
     return [type(stats)(*(field[rank] for field in gathered)) for rank in range(world)]
@@ -282,7 +325,9 @@ def cross_entropy_from_stats(
 def _shard_bounds(vocab: int, num_shards: int) -> list[tuple[int, int]]:
     """Contiguous [start, stop) vocabulary ranges whose sizes differ by at most one."""
     if not 1 <= num_shards <= vocab:
-        raise ValueError(f"num_shards={num_shards} must be between 1 and the vocabulary size {vocab}")
+        raise ValueError(
+            f"num_shards={num_shards} must be between 1 and the vocabulary size {vocab}"
+        )
     base, extra = divmod(vocab, num_shards)
     bounds = [i * base + min(i, extra) for i in range(num_shards + 1)]
     return list(pairwise(bounds))
@@ -344,13 +389,21 @@ def kl_shard_stats(
     """
     _check_blocks(student_hidden, student_weight, chunk_size, window_size)
     _check_blocks(teacher_hidden, teacher_weight, chunk_size, window_size)
-    if teacher_hidden.shape[0] != student_hidden.shape[0] or teacher_weight.shape[0] != student_weight.shape[0]:
+    if (
+        teacher_hidden.shape[0] != student_hidden.shape[0]
+        or teacher_weight.shape[0] != student_weight.shape[0]
+    ):
         raise ValueError(
             f"teacher hidden {tuple(teacher_hidden.shape)} / head {tuple(teacher_weight.shape)} must have the "
             f"student's rows {student_hidden.shape[0]} and vocabulary (shard) size {student_weight.shape[0]}"
         )
     stats = _KLShard.apply(
-        student_hidden, student_weight, teacher_hidden.detach(), teacher_weight.detach(), chunk_size, window_size
+        student_hidden,
+        student_weight,
+        teacher_hidden.detach(),
+        teacher_weight.detach(),
+        chunk_size,
+        window_size,
     )
     return KLStats(*stats)
 
@@ -360,14 +413,20 @@ def merge_kl_stats(shards: Sequence[KLStats]) -> KLStats:
     s_max = torch.stack([s.student_max for s in shards]).amax(dim=0)  # [N] m'
     t_max = torch.stack([s.teacher_max for s in shards]).amax(dim=0)  # [N] m
     zero = torch.zeros_like(s_max)
-    s_sumexp = sum((s.student_sumexp * torch.exp(s.student_max - s_max) for s in shards), zero)  # [N] Z'
+    s_sumexp = sum(
+        (s.student_sumexp * torch.exp(s.student_max - s_max) for s in shards), zero
+    )  # [N] Z'
     t_scale = [torch.exp(s.teacher_max - t_max) for s in shards]  # S x [N]
-    t_sumexp = sum((s.teacher_sumexp * k for s, k in zip(shards, t_scale, strict=True)), zero)  # [N] Z
+    t_sumexp = sum(
+        (s.teacher_sumexp * k for s, k in zip(shards, t_scale, strict=True)), zero
+    )  # [N] Z
     t_gap = sum((s.teacher_gap * k for s, k in zip(shards, t_scale, strict=True)), zero)  # [N] C
     return KLStats(s_max, s_sumexp, t_max, t_sumexp, t_gap)
 
 
-def kl_from_stats(stats: KLStats, valid: Tensor | None = None, *, num_valid: int | Tensor | None = None) -> Tensor:
+def kl_from_stats(
+    stats: KLStats, valid: Tensor | None = None, *, num_valid: int | Tensor | None = None
+) -> Tensor:
     """Mean over valid rows of KL(p || q) = C / Z - (m + log Z) + (m' + log Z')."""
     per_row = (
         stats.teacher_gap / stats.teacher_sumexp
@@ -417,13 +476,19 @@ def chunked_kl_divergence(
 
 @torch.no_grad()
 def chunked_argmax(
-    hidden: Tensor, weight: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE, window_size: int = DEFAULT_WINDOW_SIZE
+    hidden: Tensor,
+    weight: Tensor,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    window_size: int = DEFAULT_WINDOW_SIZE,
 ) -> Tensor:
     """`(hidden @ weight.T).argmax(-1)` [N] without the [N, V] logits, for token accuracy; a tie between chunks
     keeps the lower id, as torch.argmax does."""
     _check_blocks(hidden, weight, chunk_size, window_size)
     rows = hidden.shape[0]
-    best = torch.full((rows,), -torch.inf, dtype=_accumulation_dtype(hidden), device=hidden.device)  # [N]
+    best = torch.full(
+        (rows,), -torch.inf, dtype=_accumulation_dtype(hidden), device=hidden.device
+    )  # [N]
     ids = torch.zeros(rows, dtype=torch.long, device=hidden.device)  # [N]
     for r, c in _blocks(rows, weight.shape[0], window_size, chunk_size):
         value, index = _logits(hidden, weight, r, c).max(dim=1)  # [w], [w]

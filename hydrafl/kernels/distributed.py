@@ -48,7 +48,13 @@ from hydrafl.kernels.lm_dual import HeadLM
 from hydrafl.kernels.optimizers import build_inner_optimizer
 from hydrafl.losses import LossFn, classification_loss
 
-__all__ = ["DistributedResult", "DistributedTrainingError", "pick_device", "process_group_backend", "train_distributed"]
+__all__ = [
+    "DistributedResult",
+    "DistributedTrainingError",
+    "pick_device",
+    "process_group_backend",
+    "train_distributed",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,7 +163,12 @@ def train_distributed(
         raise ValueError(f"nproc={nproc} must be >= 1 and max_restarts={max_restarts} >= 0")
     # Validates lanes, world size, batch size and dataset size before any process starts.
     probe = ElasticLoader(
-        len(x), global_batch_size=global_batch_size, lanes=lanes, world_size=nproc, seed=seed, server_round=server_round
+        len(x),
+        global_batch_size=global_batch_size,
+        lanes=lanes,
+        world_size=nproc,
+        seed=seed,
+        server_round=server_round,
     )
     if steps is None:
         steps = probe.steps_per_round
@@ -166,13 +177,17 @@ def train_distributed(
     if proximal_mu < 0:
         raise ValueError(f"proximal_mu={proximal_mu} must be >= 0")
     if optimizer == "lm-dual" and (nproc > 1 or proximal_mu):
-        raise ValueError("lm-dual fine-tunes the head in one process without a proximal term; use nproc=1")
+        raise ValueError(
+            "lm-dual fine-tunes the head in one process without a proximal term; use nproc=1"
+        )
     if len(x) != len(y):
         raise ValueError(f"x has {len(x)} rows but y has {len(y)}")
     device_type = torch.device(device).type if device is not None else pick_device().type
     job = _Job(
         build=build,
-        state={name: tensor.detach().cpu().clone() for name, tensor in state.items()},  # the caller's stay unshared
+        state={
+            name: tensor.detach().cpu().clone() for name, tensor in state.items()
+        },  # the caller's stay unshared
         x=x,
         y=y,
         steps=steps,
@@ -192,7 +207,9 @@ def train_distributed(
     if nproc == 1:
         return _run_rank(job, rank=0, model_wrapper=None)
     if device_type == "cuda" and nproc > torch.accelerator.device_count():
-        raise ValueError(f"nproc={nproc} exceeds the {torch.accelerator.device_count()} CUDA devices")
+        raise ValueError(
+            f"nproc={nproc} exceeds the {torch.accelerator.device_count()} CUDA devices"
+        )
     with tempfile.TemporaryDirectory(prefix="hydrafl-ddp-") as tmp:
         launch = LaunchConfig(
             min_nodes=1,
@@ -219,7 +236,11 @@ def train_distributed(
     return DistributedResult(**payload)
 
 
-_AGENT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, name))
+_AGENT_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    if hasattr(signal, name)
+)
 
 
 @contextmanager
@@ -228,10 +249,14 @@ def _process_signal_handlers() -> Iterator[None]:
     `SignalException` (an ordinary Exception) and leaves them in place: a site would then take Ctrl-C or a
     container stop for a failed round and carry on. A signal during the launch is delivered as the process
     would have had it: SIGINT as KeyboardInterrupt, others to the restored handler."""
-    if threading.current_thread() is not threading.main_thread():  # handlers can only change on the main thread
+    if (
+        threading.current_thread() is not threading.main_thread()
+    ):  # handlers can only change on the main thread
         yield
         return
-    saved = {sig: handler for sig in _AGENT_SIGNALS if (handler := signal.getsignal(sig)) is not None}
+    saved = {
+        sig: handler for sig in _AGENT_SIGNALS if (handler := signal.getsignal(sig)) is not None
+    }
 
     def restore() -> None:
         for sig, handler in saved.items():
@@ -268,7 +293,9 @@ def _rank_main(job: _Job, out: str) -> None:
         def wrap(model: nn.Module) -> nn.Module:
             # Some parameters get no gradient (e.g. word embeddings of an encoder fed `inputs_embeds`).
             return DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True
+                model,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                find_unused_parameters=True,
             )
 
         result = _run_rank(job, rank=rank, model_wrapper=wrap)
@@ -285,7 +312,10 @@ def _attempt_store(rank: int, world_size: int, attempt: int) -> dist.Store:
     restarted rank could otherwise read the address a dead rank of the last attempt published, and hang."""
     agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=not agent_hosts_it and rank == 0
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=not agent_hosts_it and rank == 0,
     )
     return dist.PrefixStore(f"hydrafl/attempt-{attempt}", store)
 
@@ -298,7 +328,9 @@ def _rank_device(device_type: str, rank: int) -> torch.device:
     return torch.device(device_type, index)
 
 
-def _run_rank(job: _Job, *, rank: int, model_wrapper: Callable[[nn.Module], nn.Module] | None) -> DistributedResult:
+def _run_rank(
+    job: _Job, *, rank: int, model_wrapper: Callable[[nn.Module], nn.Module] | None
+) -> DistributedResult:
     """Train this rank's model on its share of every global batch; the whole loop for nproc == 1."""
     device = _rank_device(job.device_type, rank)
     model = job.build()
@@ -306,7 +338,11 @@ def _run_rank(job: _Job, *, rank: int, model_wrapper: Callable[[nn.Module], nn.M
     model.to(device)
     trained = model_wrapper(model) if model_wrapper is not None else model
     head_lm = HeadLM(model, model.head()) if job.optimizer == "lm-dual" else None  # type: ignore[operator]
-    optimizer = None if head_lm else build_inner_optimizer(model, job.optimizer, lr=job.lr, weight_decay=job.weight_decay)
+    optimizer = (
+        None
+        if head_lm
+        else build_inner_optimizer(model, job.optimizer, lr=job.lr, weight_decay=job.weight_decay)
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]
     anchors = [p.detach().clone() for p in trainable] if job.proximal_mu else []
     loaders: list[ElasticLoader] = []
@@ -344,7 +380,9 @@ def _run_rank(job: _Job, *, rank: int, model_wrapper: Callable[[nn.Module], nn.M
         torch.accelerator.synchronize()
     if model_wrapper is not None:
         loss_sum = loss_sum.to(device)
-        dist.all_reduce(loss_sum)  # sum over ranks of the share means: nproc x the global mean, per step
+        dist.all_reduce(
+            loss_sum
+        )  # sum over ranks of the share means: nproc x the global mean, per step
         loss_sum = loss_sum.cpu() / job.nproc
     elapsed = time.perf_counter() - start
     samples = job.steps * job.global_batch_size
@@ -354,7 +392,9 @@ def _run_rank(job: _Job, *, rank: int, model_wrapper: Callable[[nn.Module], nn.M
         end_state=end_state,
         loss=float(loss_sum) / job.steps,
         samples=samples,
-        data_hash=hash_global_batches(loader.global_batch(step) for loader in loaders for step in range(loader.step)),
+        data_hash=hash_global_batches(
+            loader.global_batch(step) for loader in loaders for step in range(loader.step)
+        ),
         samples_per_s=samples / elapsed if elapsed > 0 else math.inf,
         steps=job.steps,
         nproc=job.nproc,

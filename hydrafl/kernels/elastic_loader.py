@@ -67,7 +67,9 @@ def assemble_global_batch(rank_batches: Sequence[Sequence[int]], lanes: int) -> 
     which is the global order's positions k G ... (k + 1) G - 1.
     """
     lanes_per_rank = lanes // len(rank_batches)
-    blocks = [np.asarray(batch).reshape(-1, lanes_per_rank) for batch in rank_batches]  # W x [G/L, L/W]
+    blocks = [
+        np.asarray(batch).reshape(-1, lanes_per_rank) for batch in rank_batches
+    ]  # W x [G/L, L/W]
     return np.concatenate(blocks, axis=1).reshape(-1).tolist()  # [G]
 
 
@@ -92,7 +94,9 @@ class ElasticLoader:
         epoch: int = 0,
     ) -> None:
         if lanes < 1:
-            raise LoaderConfigError(f"lanes={lanes} must be >= 1 (at least the largest world size you will use)")
+            raise LoaderConfigError(
+                f"lanes={lanes} must be >= 1 (at least the largest world size you will use)"
+            )
         if world_size < 1 or world_size > lanes:
             raise WorldSizeError(
                 f"world size {world_size} must be between 1 and the number of lanes {lanes}; "
@@ -104,7 +108,9 @@ class ElasticLoader:
                 f"divides {lanes} ({', '.join(str(w) for w in range(1, lanes + 1) if lanes % w == 0)})"
             )
         if not 0 <= rank < world_size:
-            raise WorldSizeError(f"rank {rank} is outside [0, {world_size}) for world size {world_size}")
+            raise WorldSizeError(
+                f"rank {rank} is outside [0, {world_size}) for world size {world_size}"
+            )
         if global_batch_size < 1 or global_batch_size % lanes:
             raise LoaderConfigError(
                 f"global batch size {global_batch_size} must be a positive multiple of the {lanes} lanes, so every "
@@ -117,7 +123,12 @@ class ElasticLoader:
             )
         if seed < 0:
             raise LoaderConfigError(f"seed {seed} must be >= 0")
-        self.dataset_size, self.global_batch_size, self.lanes, self.seed = dataset_size, global_batch_size, lanes, seed
+        self.dataset_size, self.global_batch_size, self.lanes, self.seed = (
+            dataset_size,
+            global_batch_size,
+            lanes,
+            seed,
+        )
         self.world_size, self.rank = world_size, rank
         self.per_lane = global_batch_size // lanes  # items each lane gives each global batch
         lanes_per_rank = lanes // world_size
@@ -131,8 +142,12 @@ class ElasticLoader:
         if server_round < 0 or epoch < 0:
             raise LoaderConfigError(f"round {server_round} and epoch {epoch} must be >= 0")
         self.server_round, self.epoch = server_round, epoch
-        self._order = round_order(self.dataset_size, self.seed, server_round, epoch)  # [dataset_size]
-        self.lane_positions = dict.fromkeys(self.owned_lanes, 0)  # items handed out per lane, this round
+        self._order = round_order(
+            self.dataset_size, self.seed, server_round, epoch
+        )  # [dataset_size]
+        self.lane_positions = dict.fromkeys(
+            self.owned_lanes, 0
+        )  # items handed out per lane, this round
 
     @property
     def step(self) -> int:
@@ -148,13 +163,17 @@ class ElasticLoader:
 
     def rank_batch(self, step: int) -> list[int]:
         """This rank's share of global batch `step`: lane items round-robin over the owned lanes."""
-        items = np.arange(step * self.per_lane, (step + 1) * self.per_lane)[:, None]  # [G/L, 1] per-lane index
+        items = np.arange(step * self.per_lane, (step + 1) * self.per_lane)[
+            :, None
+        ]  # [G/L, 1] per-lane index
         lanes = np.asarray(self.owned_lanes)[None, :]  # [1, L/W]
         return self._order[lanes + self.lanes * items].reshape(-1).tolist()  # [G/W]
 
     def global_batch(self, step: int) -> list[int]:
         """Global batch `step` of this round in canonical order: order[k G : (k + 1) G]."""
-        return self._order[step * self.global_batch_size : (step + 1) * self.global_batch_size].tolist()
+        return self._order[
+            step * self.global_batch_size : (step + 1) * self.global_batch_size
+        ].tolist()
 
     def round_hash(self) -> str:
         """SHA-256 hex of every global batch handed out this round; the same on every rank and world size."""
@@ -211,8 +230,12 @@ def merge_state_dicts(states: Iterable[dict[str, Any]]) -> dict[str, Any]:
         for key, value in settings.items():
             if merged.setdefault(key, value) != value:
                 cls = LaneCountChangedError if key == "lanes" else LoaderCheckpointError
-                raise cls(f"ranks disagree on {key}: {merged[key]} vs {value}; merge states from one run and round")
-        positions.update({int(lane): int(position) for lane, position in state["lane_positions"].items()})
+                raise cls(
+                    f"ranks disagree on {key}: {merged[key]} vs {value}; merge states from one run and round"
+                )
+        positions.update(
+            {int(lane): int(position) for lane, position in state["lane_positions"].items()}
+        )
     if not merged:
         raise LoaderCheckpointError("no states to merge; pass every rank's state_dict()")
     return {**merged, "lane_positions": positions}

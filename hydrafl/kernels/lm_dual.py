@@ -26,8 +26,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
-PerSampleLoss = Callable[[Tensor, Tensor], Tensor]  # (outputs [B, ...], targets [B, ...]) -> losses [B]
-ResidualFn = Callable[[dict[str, Tensor], Tensor, Tensor], Tensor]  # (params, inputs, targets) -> r [k]
+PerSampleLoss = Callable[
+    [Tensor, Tensor], Tensor
+]  # (outputs [B, ...], targets [B, ...]) -> losses [B]
+ResidualFn = Callable[
+    [dict[str, Tensor], Tensor, Tensor], Tensor
+]  # (params, inputs, targets) -> r [k]
 
 SQRT_FLOOR = 1e-12  # keeps d sqrt(l) / dl finite at l = 0; shifts sum r^2 by a constant only
 
@@ -44,11 +48,18 @@ def dual_step(jacobian: Tensor, residual: Tensor, damping: float) -> Tensor:
 
 
 def residual_jacobian(
-    residual_fn: ResidualFn, params: dict[str, Tensor], inputs: Tensor, targets: Tensor, *, slice_size: int
+    residual_fn: ResidualFn,
+    params: dict[str, Tensor],
+    inputs: Tensor,
+    targets: Tensor,
+    *,
+    slice_size: int,
 ) -> tuple[Tensor, Tensor]:
     """(J [B, P], r [B]): the residuals and their Jacobian in the order of `params`, `slice_size` rows at a time."""
     if slice_size < 1:
-        raise ValueError(f"slice_size={slice_size} must be >= 1 (rows of the Jacobian built at a time)")
+        raise ValueError(
+            f"slice_size={slice_size} must be >= 1 (rows of the Jacobian built at a time)"
+        )
 
     def with_value(p: dict[str, Tensor], x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         r = residual_fn(p, x, y)  # [k]
@@ -56,12 +67,18 @@ def residual_jacobian(
 
     batch = inputs.shape[0]
     width = sum(p.numel() for p in params.values())  # P
-    jacobian = torch.empty(batch, width, dtype=next(iter(params.values())).dtype, device=inputs.device)  # [B, P]
+    jacobian = torch.empty(
+        batch, width, dtype=next(iter(params.values())).dtype, device=inputs.device
+    )  # [B, P]
     residual = torch.empty(batch, dtype=jacobian.dtype, device=inputs.device)  # [B]
     for start in range(0, batch, slice_size):
         rows = slice(start, min(start + slice_size, batch))
-        blocks, residual[rows] = jacrev(with_value, has_aux=True)(params, inputs[rows], targets[rows])
-        jacobian[rows] = torch.cat([b.reshape(rows.stop - rows.start, -1) for b in blocks.values()], dim=1)  # [k, P]
+        blocks, residual[rows] = jacrev(with_value, has_aux=True)(
+            params, inputs[rows], targets[rows]
+        )
+        jacobian[rows] = torch.cat(
+            [b.reshape(rows.stop - rows.start, -1) for b in blocks.values()], dim=1
+        )  # [k, P]
     return jacobian, residual
 
 
@@ -91,15 +108,21 @@ class LMDualOptimizer:
                 f"need 0 < min_damping ({min_damping}) <= damping ({damping}) <= max_damping ({max_damping})"
             )
         if decrease <= 1 or increase <= 1:
-            raise ValueError(f"decrease={decrease} and increase={increase} must be > 1 (they multiply lambda)")
+            raise ValueError(
+                f"decrease={decrease} and increase={increase} must be > 1 (they multiply lambda)"
+            )
         self.params = {name: p for name, p in head.named_parameters() if p.requires_grad}
         if not self.params:
-            raise ValueError(f"{type(head).__name__} has no trainable parameters; unfreeze the head first")
+            raise ValueError(
+                f"{type(head).__name__} has no trainable parameters; unfreeze the head first"
+            )
         self.head, self.loss_fn = head, loss_fn
         self.damping, self.decrease, self.increase = damping, decrease, increase
         self.min_damping, self.max_damping, self.slice_size = min_damping, max_damping, slice_size
 
-    def _per_sample_loss(self, params: dict[str, Tensor], inputs: Tensor, targets: Tensor) -> Tensor:
+    def _per_sample_loss(
+        self, params: dict[str, Tensor], inputs: Tensor, targets: Tensor
+    ) -> Tensor:
         """l_i [B] at `params`, checked to be one loss per sample."""
         losses = self.loss_fn(functional_call(self.head, params, (inputs,)), targets)
         if losses.shape != inputs.shape[:1]:
@@ -118,18 +141,27 @@ class LMDualOptimizer:
     def step(self, inputs: Tensor, targets: Tensor) -> float:
         """One damped step on this batch; returns its mean loss after the step (the loss before it if rejected)."""
         current = {name: p.detach() for name, p in self.params.items()}
-        jacobian, residual = residual_jacobian(self._residuals, current, inputs, targets, slice_size=self.slice_size)
+        jacobian, residual = residual_jacobian(
+            self._residuals, current, inputs, targets, slice_size=self.slice_size
+        )
         if not torch.isfinite(residual).all():
-            raise ValueError("loss_fn gave a negative or non-finite per-sample loss; sqrt(loss) residuals need l >= 0")
+            raise ValueError(
+                "loss_fn gave a negative or non-finite per-sample loss; sqrt(loss) residuals need l >= 0"
+            )
         with torch.no_grad():
             loss = float(self._per_sample_loss(current, inputs, targets).mean())
             try:
                 delta = dual_step(jacobian, residual, self.damping)  # [P]
-            except torch.linalg.LinAlgError:  # J J^T + lambda I not numerically positive definite: damp more
+            except (
+                torch.linalg.LinAlgError
+            ):  # J J^T + lambda I not numerically positive definite: damp more
                 self._grow_damping()
                 return loss
             pieces = delta.split([p.numel() for p in current.values()])
-            trial = {name: p - piece.view_as(p) for (name, p), piece in zip(current.items(), pieces, strict=True)}
+            trial = {
+                name: p - piece.view_as(p)
+                for (name, p), piece in zip(current.items(), pieces, strict=True)
+            }
             trial_loss = float(self._per_sample_loss(trial, inputs, targets).mean())
             if trial_loss >= loss:
                 self._grow_damping()
@@ -155,7 +187,9 @@ class HeadLM:
 
     def features(self, x: Tensor) -> Tensor:
         caught: list[Tensor] = []
-        hook = self.head.register_forward_pre_hook(lambda _module, args: caught.append(args[0].detach()))
+        hook = self.head.register_forward_pre_hook(
+            lambda _module, args: caught.append(args[0].detach())
+        )
         was_training = self.model.training
         try:
             self.model.eval()

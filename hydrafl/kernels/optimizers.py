@@ -34,7 +34,12 @@ class InnerOptimizer:
             optimizer.zero_grad(set_to_none=True)
 
     def step(self) -> None:
-        params = [p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]]
+        params = [
+            p
+            for optimizer in self.optimizers
+            for group in optimizer.param_groups
+            for p in group["params"]
+        ]
         self.skipped = skip_zero_gradients(params)
         for optimizer in self.optimizers:
             optimizer.step()
@@ -59,27 +64,41 @@ def skip_zero_gradients(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 def _is_muon_matrix(name: str, param: nn.Parameter) -> bool:
     lowered = name.lower()
-    return param.ndim == 2 and not any(key in lowered for key in ("embed", "classifier", "head", "feature_"))
+    return param.ndim == 2 and not any(
+        key in lowered for key in ("embed", "classifier", "head", "feature_")
+    )
 
 
-def build_inner_optimizer(model: nn.Module, name: str, *, lr: float, weight_decay: float = 0.0) -> InnerOptimizer:
+def build_inner_optimizer(
+    model: nn.Module, name: str, *, lr: float, weight_decay: float = 0.0
+) -> InnerOptimizer:
     """Build the inner optimizer `name` (adamw, sgd or muon) over the model's trainable parameters."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if name == "adamw":
-        return InnerOptimizer([torch.optim.AdamW([p for _, p in named], lr=lr, weight_decay=weight_decay)])
+        return InnerOptimizer(
+            [torch.optim.AdamW([p for _, p in named], lr=lr, weight_decay=weight_decay)]
+        )
     if name == "sgd":
-        return InnerOptimizer([torch.optim.SGD([p for _, p in named], lr=lr, weight_decay=weight_decay)])
+        return InnerOptimizer(
+            [torch.optim.SGD([p for _, p in named], lr=lr, weight_decay=weight_decay)]
+        )
     if name == "muon":
         matrices = [p for n, p in named if _is_muon_matrix(n, p)]
         others = [p for n, p in named if not _is_muon_matrix(n, p)]
         optimizers: list[torch.optim.Optimizer] = []
         if matrices:
             optimizers.append(
-                torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
+                torch.optim.Muon(
+                    matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"
+                )
             )
         if others:
             optimizers.append(torch.optim.AdamW(others, lr=lr, weight_decay=weight_decay))
         return InnerOptimizer(optimizers)
     if name == "lm-dual":
-        raise ValueError("lm-dual is head-only Levenberg-Marquardt (kernels.lm_dual.HeadLM), not a gradient optimizer")
-    raise ValueError(f"unknown inner optimizer {name!r}; choose one of {', '.join(INNER_OPTIMIZERS)}")
+        raise ValueError(
+            "lm-dual is head-only Levenberg-Marquardt (kernels.lm_dual.HeadLM), not a gradient optimizer"
+        )
+    raise ValueError(
+        f"unknown inner optimizer {name!r}; choose one of {', '.join(INNER_OPTIMIZERS)}"
+    )

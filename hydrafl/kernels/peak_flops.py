@@ -52,7 +52,12 @@ def peak_flops(device_name: str, *, bf16: bool) -> float | None:
 
 
 def mfu(
-    samples_per_s: float, train_flops_per_sample: float, *, device_name: str, devices: int, bf16: bool
+    samples_per_s: float,
+    train_flops_per_sample: float,
+    *,
+    device_name: str,
+    devices: int,
+    bf16: bool,
 ) -> float | None:
     """Achieved training FLOP/s over the peak of `devices` GPUs named `device_name`; None when the peak is
     unknown (CPU, an unlisted GPU, bf16 on a GPU without bf16 tensor cores)."""

@@ -67,7 +67,11 @@ Rounds = tuple[tuple[RoundSample, int], ...]
 
 
 def epsilon(
-    noise_multiplier: float, rounds: Iterable[RoundSample] | RoundSample, *, delta: float, repeat: int = 1,
+    noise_multiplier: float,
+    rounds: Iterable[RoundSample] | RoundSample,
+    *,
+    delta: float,
+    repeat: int = 1,
     sampling: str = "fixed",
 ) -> float:
     """Renyi DP's epsilon at `delta` after the given rounds (one RoundSample per round, or one repeated `repeat`
@@ -76,7 +80,11 @@ def epsilon(
 
 
 def exact_epsilon(
-    noise_multiplier: float, rounds: Iterable[RoundSample] | RoundSample, *, delta: float, repeat: int = 1,
+    noise_multiplier: float,
+    rounds: Iterable[RoundSample] | RoundSample,
+    *,
+    delta: float,
+    repeat: int = 1,
     sampling: str = "fixed",
 ) -> float:
     """The PLD accountant's epsilon for the same rounds as `epsilon` (see the module docstring)."""
@@ -102,7 +110,12 @@ def distributed_epsilon(noise_multipliers: Iterable[float], *, delta: float) -> 
 
 
 def calibrate_noise_multiplier(
-    target_epsilon: float, sample: RoundSample, rounds: int, *, delta: float, sampling: str = "fixed",
+    target_epsilon: float,
+    sample: RoundSample,
+    rounds: int,
+    *,
+    delta: float,
+    sampling: str = "fixed",
     tol: float = 1e-4,
 ) -> float:
     """The smallest noise multiplier z (to `tol`) whose run of `rounds` such rounds spends at most
@@ -132,11 +145,17 @@ def local_epsilon(noise_multiplier: float, participations: int, *, delta: float)
 
 
 def _spend(
-    accountant: Callable[[float, Rounds, float, str], float], noise_multiplier: float,
-    rounds: Iterable[RoundSample] | RoundSample, delta: float, repeat: int, sampling: str,
+    accountant: Callable[[float, Rounds, float, str], float],
+    noise_multiplier: float,
+    rounds: Iterable[RoundSample] | RoundSample,
+    delta: float,
+    repeat: int,
+    sampling: str,
 ) -> float:
     if sampling not in SAMPLINGS:
-        raise AccountingError(f"unknown sampling {sampling!r}; choose one of {', '.join(SAMPLINGS)}")
+        raise AccountingError(
+            f"unknown sampling {sampling!r}; choose one of {', '.join(SAMPLINGS)}"
+        )
     if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
         raise AccountingError(f"noise multiplier must be a number >= 0, got {noise_multiplier}")
     if not 0 < delta < 1:
@@ -161,9 +180,13 @@ def _rdp_epsilon(noise_multiplier: float, rounds: Rounds, delta: float, sampling
     def event(sample: RoundSample) -> dp_accounting.DpEvent:
         if sampling == "poisson" or sample.sampled == sample.population:
             return gaussian
-        return dp_accounting.SampledWithoutReplacementDpEvent(sample.population, sample.sampled, gaussian)
+        return dp_accounting.SampledWithoutReplacementDpEvent(
+            sample.population, sample.sampled, gaussian
+        )
 
-    return _least(lambda: RdpAccountant(neighboring_relation=REPLACE_ONE), gaussian, event, rounds, delta)
+    return _least(
+        lambda: RdpAccountant(neighboring_relation=REPLACE_ONE), gaussian, event, rounds, delta
+    )
 
 
 @lru_cache(maxsize=256)
@@ -176,8 +199,11 @@ def _pld_epsilon(noise_multiplier: float, rounds: Rounds, delta: float, sampling
         return dp_accounting.PoissonSampledDpEvent(sample.sampled / sample.population, gaussian)
 
     return _least(
-        lambda: PLDAccountant(REPLACE_ONE, value_discretization_interval=PLD_DISCRETISATION), gaussian, event,
-        rounds, delta,
+        lambda: PLDAccountant(REPLACE_ONE, value_discretization_interval=PLD_DISCRETISATION),
+        gaussian,
+        event,
+        rounds,
+        delta,
     )
 
 
@@ -190,8 +216,11 @@ def _distributed_rdp_epsilon(rounds: tuple[tuple[float, int], ...], delta: float
 
 
 def _least(
-    make_accountant: Callable[[], dp_accounting.PrivacyAccountant], gaussian: dp_accounting.DpEvent,
-    event: Callable[[RoundSample], dp_accounting.DpEvent], rounds: Rounds, delta: float,
+    make_accountant: Callable[[], dp_accounting.PrivacyAccountant],
+    gaussian: dp_accounting.DpEvent,
+    event: Callable[[RoundSample], dp_accounting.DpEvent],
+    rounds: Rounds,
+    delta: float,
 ) -> float:
     """The smaller of the amplified bound (each round's own event) and the unamplified one (the Gaussian)."""
     unamplified = make_accountant()

@@ -18,7 +18,9 @@ from hydrafl.privacy.clipping import add_gaussian_
 def model_noise_multiplier(noise_multiplier: float, count_stddev: float) -> float:
     """z_delta = (z^-2 - (2 sigma_b)^-2)^-1/2: the model's share of the budget of z (Andrew et al., Thm 1)."""
     if noise_multiplier <= 0 or count_stddev <= 0:
-        raise ValueError("adaptive clipping needs a noise multiplier > 0 and a clipped-count noise std > 0")
+        raise ValueError(
+            "adaptive clipping needs a noise multiplier > 0 and a clipped-count noise std > 0"
+        )
     share = noise_multiplier**-2 - (2 * count_stddev) ** -2
     if share <= 0:
         raise ValueError(
@@ -48,7 +50,9 @@ class AdaptiveClip:
     def end_round(self, generator: torch.Generator) -> float:
         """Move the bound with this round's noised clipped fraction; returns the new bound."""
         if self.seen:
-            count = add_gaussian_(torch.tensor(float(self.inside), dtype=torch.float64), self.count_stddev, generator)
+            count = add_gaussian_(
+                torch.tensor(float(self.inside), dtype=torch.float64), self.count_stddev, generator
+            )
             fraction = float(count) / self.seen
             self.clip *= math.exp(-self.lr * (fraction - self.target_quantile))
         self.inside = self.seen = 0

@@ -33,7 +33,12 @@ class CentralDp:
     generator: torch.Generator
 
     def __init__(
-        self, noise_multiplier: float, clip: float, *, adaptive: AdaptiveClip | None = None, seed: int | None = None
+        self,
+        noise_multiplier: float,
+        clip: float,
+        *,
+        adaptive: AdaptiveClip | None = None,
+        seed: int | None = None,
     ) -> None:
         if not (math.isfinite(clip) and clip > 0):
             raise ValueError(f"the clipping bound must be a positive number, got {clip}")
@@ -73,7 +78,9 @@ class CentralDp:
         if self.model_noise_multiplier == 0:
             return mean
         sites = torch.as_tensor(sites, dtype=torch.float64)
-        std = torch.where(sites > 0, self.model_noise_multiplier * self.clip / sites.clamp(min=1.0), 0.0)
+        std = torch.where(
+            sites > 0, self.model_noise_multiplier * self.clip / sites.clamp(min=1.0), 0.0
+        )
         return add_gaussian_(mean, std, self.generator)
 
     def end_round(self) -> None:
@@ -114,10 +121,16 @@ def with_central_dp(strategy: Strategy, run: RunConfig) -> Strategy:
         return strategy
     if hasattr(strategy, "central_dp"):
         if getattr(strategy, "lora_products", False) and run.lora_rank:
-            raise ConfigError("central DP over LoRA products B A is not supported; set hydra-lora=factors")
+            raise ConfigError(
+                "central DP over LoRA products B A is not supported; set hydra-lora=factors"
+            )
         strategy.central_dp = dp
         return strategy
-    if isinstance(strategy, FedAvg) and type(strategy).__module__.startswith("flwr.") and run.options.secure_sum:
+    if (
+        isinstance(strategy, FedAvg)
+        and type(strategy).__module__.startswith("flwr.")
+        and run.options.secure_sum
+    ):
         from hydrafl.strategies.noised_mean import NoisedMean
 
         return NoisedMean(strategy, dp)

@@ -36,7 +36,9 @@ def noise_generator(seed: int | None = None) -> torch.Generator:
     return generator
 
 
-def add_gaussian_(tensor: torch.Tensor, std: torch.Tensor | float, generator: torch.Generator) -> torch.Tensor:
+def add_gaussian_(
+    tensor: torch.Tensor, std: torch.Tensor | float, generator: torch.Generator
+) -> torch.Tensor:
     """Add N(0, std^2) noise in place, per coordinate (`std` a scalar or a tensor of `tensor`'s shape)."""
     noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float64)
     tensor.add_((noise * std).to(tensor.dtype))

@@ -44,7 +44,9 @@ class PrivacyLedger:
     """The open round: its sample, the epsilon after it (Renyi DP, then exact), the clipping bound it uses and
     (distributed DP) the coordinates of an update."""
 
-    def __init__(self, noise_multiplier: float, delta: float, secagg: SecAggParams | None = None) -> None:
+    def __init__(
+        self, noise_multiplier: float, delta: float, secagg: SecAggParams | None = None
+    ) -> None:
         self.noise_multiplier = noise_multiplier
         self.delta = delta
         self.secagg = secagg if secagg is not None and secagg.dp_clip else None
@@ -53,25 +55,42 @@ class PrivacyLedger:
         self.pending = None
 
     @classmethod
-    def from_run_config(cls, run_config: Mapping[str, Any], secagg: SecAggParams | None = None) -> PrivacyLedger:
+    def from_run_config(
+        cls, run_config: Mapping[str, Any], secagg: SecAggParams | None = None
+    ) -> PrivacyLedger:
         """The ledger of a run whose Flower run_config is `run_config` (the driver's saved configuration) and
         whose secure aggregation, if any, runs with `secagg`; a run without central DP (no `dp-clip`) spends
         nothing, so its delta is never read."""
         if not run_config.get("dp-clip"):
             return cls(0.0, 0.0)
-        if run_config.get("secagg") and (secagg is None or secagg.dp_clip != float(run_config["dp-clip"])):
-            raise ValueError("a secure run with dp-clip needs it in its secure-aggregation parameters: the sites noise")
+        if run_config.get("secagg") and (
+            secagg is None or secagg.dp_clip != float(run_config["dp-clip"])
+        ):
+            raise ValueError(
+                "a secure run with dp-clip needs it in its secure-aggregation parameters: the sites noise"
+            )
         return cls(float(run_config["dp-noise-multiplier"]), float(run_config["dp-delta"]), secagg)
 
     def restore(self, history: Iterable[Mapping[str, Any]]) -> None:
         """The rounds a resumed run already spent, from its history."""
         from hydrafl.privacy.accountant import RoundSample
 
-        spent = [entry for entry in history if entry.get("dp_epsilon") is not None and entry.get("dp_sites_available")]
-        self.samples = [RoundSample(entry["sites_ok"] + entry["sites_failed"], entry["dp_sites_available"]) for entry in spent]
-        self.noise_multipliers = [entry.get("dp_noise_multiplier") or self.noise_multiplier for entry in spent]
+        spent = [
+            entry
+            for entry in history
+            if entry.get("dp_epsilon") is not None and entry.get("dp_sites_available")
+        ]
+        self.samples = [
+            RoundSample(entry["sites_ok"] + entry["sites_failed"], entry["dp_sites_available"])
+            for entry in spent
+        ]
+        self.noise_multipliers = [
+            entry.get("dp_noise_multiplier") or self.noise_multiplier for entry in spent
+        ]
 
-    def open_round(self, messages: Sequence[Message], sites_available: int, strategy: Strategy) -> None:
+    def open_round(
+        self, messages: Sequence[Message], sites_available: int, strategy: Strategy
+    ) -> None:
         """Before the round's train messages are sent: the spending after it goes into each message's config."""
         clip = round_clip(strategy) if self.secagg is None else self.secagg.dp_clip
         if not self.noise_multiplier or not messages:
@@ -83,10 +102,17 @@ class PrivacyLedger:
         size = 0
         if self.secagg is None:
             spent = epsilon(self.noise_multiplier, [*self.samples, sample], delta=self.delta)
-            exact: float | None = exact_epsilon(self.noise_multiplier, [*self.samples, sample], delta=self.delta)
+            exact: float | None = exact_epsilon(
+                self.noise_multiplier, [*self.samples, sample], delta=self.delta
+            )
         else:
-            size = sum(math.prod(a.shape) for a in records(messages[0].content, ArrayRecord)[0].values())
-            spent, exact = self._distributed(sample, size, self.secagg.threshold(sample.sampled)), None
+            size = sum(
+                math.prod(a.shape) for a in records(messages[0].content, ArrayRecord)[0].values()
+            )
+            spent, exact = (
+                self._distributed(sample, size, self.secagg.threshold(sample.sampled)),
+                None,
+            )
         for message in messages:
             for config in records(message.content, ConfigRecord):
                 config[protocol.RUN_EPSILON] = spent
@@ -104,7 +130,11 @@ class PrivacyLedger:
                 spent = self._distributed(sample, size, record.sites_ok)
             self.samples.append(sample)
             self.noise_multipliers.append(noise_multiplier)
-            record.dp_epsilon, record.dp_epsilon_exact, record.dp_sites_available = spent, exact, sample.population
+            record.dp_epsilon, record.dp_epsilon_exact, record.dp_sites_available = (
+                spent,
+                exact,
+                sample.population,
+            )
             record.dp_noise_multiplier = noise_multiplier
         self.pending = None
 
@@ -113,17 +143,23 @@ class PrivacyLedger:
         from hydrafl.secagg.noise import DistributedNoise
 
         assert self.secagg is not None
-        return DistributedNoise.of(self.secagg, size, sample.sampled).effective_noise_multiplier(survivors)
+        return DistributedNoise.of(self.secagg, size, sample.sampled).effective_noise_multiplier(
+            survivors
+        )
 
     def _distributed(self, sample: Any, size: int, survivors: int) -> float:
         """Distributed DP: the run's epsilon after the past rounds and one of `sample` that `survivors` summed."""
         from hydrafl.privacy.accountant import distributed_epsilon
 
-        return distributed_epsilon([*self.noise_multipliers, self._noise(sample, size, survivors)], delta=self.delta)
+        return distributed_epsilon(
+            [*self.noise_multipliers, self._noise(sample, size, survivors)], delta=self.delta
+        )
 
     @staticmethod
     def note_reply(reply: Message, record: RoundRecord) -> None:
         """A site's own epsilon, when its train reply reports one, into the round's record."""
         for config in records(reply.content, ConfigRecord):
             if protocol.LOCAL_EPSILON in config:
-                record.local_epsilon_per_site[str(reply.metadata.src_node_id)] = float(config[protocol.LOCAL_EPSILON])
+                record.local_epsilon_per_site[str(reply.metadata.src_node_id)] = float(
+                    config[protocol.LOCAL_EPSILON]
+                )

@@ -14,7 +14,14 @@ checkable: the consortium certifies each site's signing key (Bonawitz et al., CC
 
 from hydrafl.secagg.identity import SiteIdentity
 from hydrafl.secagg.params import SecAggError, SecAggParams
-from hydrafl.secagg.quantize import decode_metrics, decode_sum, encode, encode_metrics, metric_bound, quantisation_bound
+from hydrafl.secagg.quantize import (
+    decode_metrics,
+    decode_sum,
+    encode,
+    encode_metrics,
+    metric_bound,
+    quantisation_bound,
+)
 from hydrafl.secagg.server import ServerSession
 from hydrafl.secagg.site import SiteSession
 

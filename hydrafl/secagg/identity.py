@@ -18,7 +18,12 @@ from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
+from cryptography.hazmat.primitives.serialization import (
+    Encoding,
+    NoEncryption,
+    PrivateFormat,
+    PublicFormat,
+)
 
 from hydrafl.secagg.params import SecAggError
 
@@ -27,11 +32,17 @@ SIGNATURE_BYTES = 64
 
 
 def new_signing_key() -> bytes:
-    return Ed25519PrivateKey.generate().private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+    return Ed25519PrivateKey.generate().private_bytes(
+        Encoding.Raw, PrivateFormat.Raw, NoEncryption()
+    )
 
 
 def verifying_key(private: bytes) -> bytes:
-    return Ed25519PrivateKey.from_private_bytes(private).public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    return (
+        Ed25519PrivateKey.from_private_bytes(private)
+        .public_key()
+        .public_bytes(Encoding.Raw, PublicFormat.Raw)
+    )
 
 
 def sign(private: bytes, statement: bytes) -> bytes:
@@ -43,7 +54,9 @@ def verify(public: bytes, signature: bytes, statement: bytes, what: str) -> None
     try:
         Ed25519PublicKey.from_public_bytes(public).verify(signature, statement)
     except (InvalidSignature, ValueError):
-        raise SecAggError(f"{what}: the signature does not verify; the coordinator altered or forged it") from None
+        raise SecAggError(
+            f"{what}: the signature does not verify; the coordinator altered or forged it"
+        ) from None
 
 
 def certificate_statement(node: int, signing_key: bytes) -> bytes:
@@ -71,8 +84,12 @@ class SiteIdentity:
     def issue(cls, consortium_private: bytes, node: int) -> "SiteIdentity":
         """A new identity for `node`, certified by the consortium (at enrolment, or by a simulation)."""
         signing_key = new_signing_key()
-        return cls(node, signing_key, certify(consortium_private, node, verifying_key(signing_key)),
-                   verifying_key(consortium_private))
+        return cls(
+            node,
+            signing_key,
+            certify(consortium_private, node, verifying_key(signing_key)),
+            verifying_key(consortium_private),
+        )
 
     @property
     def public_key(self) -> bytes:
@@ -83,11 +100,22 @@ class SiteIdentity:
 
     def check_peer(self, node: int, signing_key: bytes, certificate: bytes) -> None:
         """Raise SecAggError unless the consortium certified `signing_key` for `node`."""
-        verify(self.consortium_key, certificate, certificate_statement(node, signing_key), f"site {node}'s certificate")
+        verify(
+            self.consortium_key,
+            certificate,
+            certificate_statement(node, signing_key),
+            f"site {node}'s certificate",
+        )
 
     def to_json(self) -> str:
-        return json.dumps({"node": self.node, "signing-key": _text(self.signing_key),
-                           "certificate": _text(self.certificate), "consortium-key": _text(self.consortium_key)})
+        return json.dumps(
+            {
+                "node": self.node,
+                "signing-key": _text(self.signing_key),
+                "certificate": _text(self.certificate),
+                "consortium-key": _text(self.consortium_key),
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "SiteIdentity":
@@ -95,8 +123,12 @@ class SiteIdentity:
         consortium's for its own key."""
         try:
             data = json.loads(text)
-            identity = cls(int(data["node"]), _raw(data["signing-key"], KEY_BYTES),
-                           _raw(data["certificate"], SIGNATURE_BYTES), _raw(data["consortium-key"], KEY_BYTES))
+            identity = cls(
+                int(data["node"]),
+                _raw(data["signing-key"], KEY_BYTES),
+                _raw(data["certificate"], SIGNATURE_BYTES),
+                _raw(data["consortium-key"], KEY_BYTES),
+            )
         except (ValueError, KeyError, TypeError) as error:
             raise SecAggError(f"not a secure-aggregation identity: {error}") from None
         identity.check_peer(identity.node, identity.public_key, identity.certificate)

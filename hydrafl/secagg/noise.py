@@ -52,8 +52,14 @@ class DistributedNoise:
 
     @classmethod
     def of(cls, params: SecAggParams, size: int, sites: int) -> DistributedNoise:
-        return cls(params.dp_clip, params.dp_noise_multiplier, 2 * params.clipping_range / params.quantization_range,
-                   params.clipping_range, size, sites)
+        return cls(
+            params.dp_clip,
+            params.dp_noise_multiplier,
+            2 * params.clipping_range / params.quantization_range,
+            params.clipping_range,
+            size,
+            sites,
+        )
 
     @property
     def bound(self) -> float:
@@ -64,7 +70,9 @@ class DistributedNoise:
         """The variance, in lattice steps, of one site's noise share on each coordinate."""
         return (self.noise_multiplier * self.bound / self.step) ** 2 / self.sites
 
-    def encode(self, update: np.ndarray, params: SecAggParams, rng: np.random.Generator) -> np.ndarray:
+    def encode(
+        self, update: np.ndarray, params: SecAggParams, rng: np.random.Generator
+    ) -> np.ndarray:
         """A site's encoded vector: `update` clipped to L2 norm C, weight 1, plus its Skellam share (mod 2^32)."""
         update = np.asarray(update, dtype=np.float64).ravel()
         if update.size != self.size:
@@ -72,7 +80,9 @@ class DistributedNoise:
         norm = float(np.linalg.norm(update))
         if not math.isfinite(norm):
             raise SecAggError("the update has NaN or infinite values")
-        encoded = encode(update * min(1.0, self.clip / norm) if norm > 0 else update, 1, params, rng)
+        encoded = encode(
+            update * min(1.0, self.clip / norm) if norm > 0 else update, 1, params, rng
+        )
         half = self.site_variance() / 2
         noise = rng.poisson(half, self.size) - rng.poisson(half, self.size)  # int64
         encoded[1:] += noise.astype(np.uint32)  # two's complement: adds the signed noise mod 2^32

@@ -40,19 +40,37 @@ class SecAggParams:
     only). It is part of every signature of the round, so a signature given in one never counts in the other."""
 
     def __post_init__(self) -> None:
-        _require(self.num_shares == 0 or self.num_shares >= 2, f"num_shares must be 0 (all) or >= 2, got {self.num_shares}")
-        _require(self.reconstruction_threshold == 0 or self.reconstruction_threshold >= 2,
-                 f"reconstruction_threshold must be 0 (majority) or >= 2, got {self.reconstruction_threshold}")
+        _require(
+            self.num_shares == 0 or self.num_shares >= 2,
+            f"num_shares must be 0 (all) or >= 2, got {self.num_shares}",
+        )
+        _require(
+            self.reconstruction_threshold == 0 or self.reconstruction_threshold >= 2,
+            f"reconstruction_threshold must be 0 (majority) or >= 2, got {self.reconstruction_threshold}",
+        )
         _require(self.clipping_range > 0, f"clipping_range must be > 0, got {self.clipping_range}")
-        _require(2 <= self.quantization_range < MODULUS and self.quantization_range % 2 == 0,
-                 f"quantization_range must be an even integer in [2, 2^32), got {self.quantization_range}")
+        _require(
+            2 <= self.quantization_range < MODULUS and self.quantization_range % 2 == 0,
+            f"quantization_range must be an even integer in [2, 2^32), got {self.quantization_range}",
+        )
         _require(self.max_weight >= 1, f"max_weight must be >= 1, got {self.max_weight}")
-        _require(math.isfinite(self.dp_clip) and self.dp_clip >= 0, f"dp_clip must be a number >= 0, got {self.dp_clip}")
-        _require(math.isfinite(self.dp_noise_multiplier) and self.dp_noise_multiplier >= 0 and
-                 (self.dp_clip > 0 or not self.dp_noise_multiplier),
-                 f"dp_noise_multiplier must be a number >= 0, and 0 without dp_clip, got {self.dp_noise_multiplier}")
-        _require(math.isfinite(self.site_clip) and self.site_clip >= 0, f"site_clip must be a number >= 0, got {self.site_clip}")
-        _require(self.purpose in PURPOSES, f"purpose must be one of {PURPOSES}, got {self.purpose!r}")
+        _require(
+            math.isfinite(self.dp_clip) and self.dp_clip >= 0,
+            f"dp_clip must be a number >= 0, got {self.dp_clip}",
+        )
+        _require(
+            math.isfinite(self.dp_noise_multiplier)
+            and self.dp_noise_multiplier >= 0
+            and (self.dp_clip > 0 or not self.dp_noise_multiplier),
+            f"dp_noise_multiplier must be a number >= 0, and 0 without dp_clip, got {self.dp_noise_multiplier}",
+        )
+        _require(
+            math.isfinite(self.site_clip) and self.site_clip >= 0,
+            f"site_clip must be a number >= 0, got {self.site_clip}",
+        )
+        _require(
+            self.purpose in PURPOSES, f"purpose must be one of {PURPOSES}, got {self.purpose!r}"
+        )
 
     def shares(self, num_sites: int) -> int:
         """Shares per secret in a round of `num_sites` sites (the neighbourhood size, itself included)."""
@@ -68,14 +86,23 @@ class SecAggParams:
         """Raise SecAggError when a round of `num_sites` sites cannot run with these parameters."""
         shares, threshold = self.shares(num_sites), self.threshold(num_sites)
         _require(num_sites >= 2, f"secure aggregation needs at least 2 sites, got {num_sites}")
-        _require(threshold <= shares,
-                 f"reconstruction_threshold {threshold} exceeds the {shares} shares each secret is split into")
-        _require(2 * threshold > shares,  # else two disjoint groups could each rebuild a different secret of one site
-                 f"reconstruction_threshold {threshold} must be above half the {shares} shares each secret is split into")
-        _require(shares == num_sites or shares % 2 == 1,
-                 f"num_shares {shares} below the {num_sites} sites must be odd (a ring of equal sides)")
-        _require(num_sites * self.quantization_range < MODULUS,
-                 f"{num_sites} sites x quantization_range {self.quantization_range} would wrap the 2^32 field")
+        _require(
+            threshold <= shares,
+            f"reconstruction_threshold {threshold} exceeds the {shares} shares each secret is split into",
+        )
+        _require(
+            2 * threshold
+            > shares,  # else two disjoint groups could each rebuild a different secret of one site
+            f"reconstruction_threshold {threshold} must be above half the {shares} shares each secret is split into",
+        )
+        _require(
+            shares == num_sites or shares % 2 == 1,
+            f"num_shares {shares} below the {num_sites} sites must be odd (a ring of equal sides)",
+        )
+        _require(
+            num_sites * self.quantization_range < MODULUS,
+            f"{num_sites} sites x quantization_range {self.quantization_range} would wrap the 2^32 field",
+        )
 
     def to_config(self) -> dict[str, int | float]:
         return {field: getattr(self, field) for field in self.__slots__}
@@ -83,7 +110,9 @@ class SecAggParams:
     @classmethod
     def from_config(cls, config: dict) -> "SecAggParams":
         try:
-            return cls(**{field: type(getattr(cls(), field))(config[field]) for field in cls.__slots__})
+            return cls(
+                **{field: type(getattr(cls(), field))(config[field]) for field in cls.__slots__}
+            )
         except (KeyError, TypeError, ValueError) as error:
             raise SecAggError(f"bad secure-aggregation parameters {config!r}: {error}") from None
 

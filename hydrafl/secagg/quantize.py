@@ -19,38 +19,59 @@ import numpy as np
 from hydrafl.secagg.params import MODULUS, SecAggError, SecAggParams
 
 
-def encode(delta: np.ndarray, weight: int | np.ndarray, params: SecAggParams, rng: np.random.Generator) -> np.ndarray:
+def encode(
+    delta: np.ndarray, weight: int | np.ndarray, params: SecAggParams, rng: np.random.Generator
+) -> np.ndarray:
     """[weight..., quantised w * delta / max_weight] as uint32; `weight` is an integer or one per coordinate."""
     delta = np.asarray(delta, dtype=np.float64).ravel()
     weights = np.asarray(weight).ravel()
     if weights.size not in (1, delta.size):
-        raise SecAggError(f"weight must be one number or one per coordinate ({delta.size}), got {weights.size}")
+        raise SecAggError(
+            f"weight must be one number or one per coordinate ({delta.size}), got {weights.size}"
+        )
     if not np.all(np.isfinite(delta)):
         raise SecAggError("the update has NaN or infinite values")
-    if np.any(weights < 0) or np.any(weights > params.max_weight) or np.any(weights != np.round(weights)):
+    if (
+        np.any(weights < 0)
+        or np.any(weights > params.max_weight)
+        or np.any(weights != np.round(weights))
+    ):
         raise SecAggError(
             f"weights must be integers in [0, max_weight={params.max_weight}] (the run's secagg-max-weight), "
             f"got up to {weights.max():g}"
         )
     scale = params.quantization_range / (2 * params.clipping_range)
-    scaled = np.clip(delta * (weights / params.max_weight), -params.clipping_range, params.clipping_range) * scale
+    scaled = (
+        np.clip(
+            delta * (weights / params.max_weight), -params.clipping_range, params.clipping_range
+        )
+        * scale
+    )
     scaled += params.quantization_range / 2
     floor = np.floor(scaled)
     quantised = floor + (rng.random(scaled.shape) < scaled - floor)
     return np.concatenate([weights.astype(np.uint32), quantised.astype(np.uint32)])
 
 
-def decode_sum(total: np.ndarray, num_sites: int, params: SecAggParams, *, per_coordinate: bool) -> tuple[np.ndarray, np.ndarray]:
+def decode_sum(
+    total: np.ndarray, num_sites: int, params: SecAggParams, *, per_coordinate: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """(weight sum, sum of w * delta) from the field sum of `num_sites` encoded vectors."""
     total = np.asarray(total, dtype=np.uint32)
     if num_sites < 1 or num_sites * params.quantization_range >= MODULUS:
-        raise SecAggError(f"cannot decode a sum of {num_sites} sites with quantization_range {params.quantization_range}")
+        raise SecAggError(
+            f"cannot decode a sum of {num_sites} sites with quantization_range {params.quantization_range}"
+        )
     width = (total.size // 2) if per_coordinate else 1
     if total.size < width + 1 or (per_coordinate and total.size % 2):
         raise SecAggError(f"a summed vector of {total.size} elements does not fit the layout")
     weights = total[:width].astype(np.int64)
     scale = params.quantization_range / (2 * params.clipping_range)
-    centred = (total[width:] - np.uint32(num_sites * params.quantization_range // 2)).view(np.int32).astype(np.float64)
+    centred = (
+        (total[width:] - np.uint32(num_sites * params.quantization_range // 2))
+        .view(np.int32)
+        .astype(np.float64)
+    )
     return weights, centred / scale * params.max_weight
 
 
@@ -64,8 +85,13 @@ METRIC_SLOTS = 2
 weighted value."""
 
 
-def encode_metrics(values: list[float | None], weight: int, ranges: list[float], params: SecAggParams,
-                   rng: np.random.Generator) -> np.ndarray:
+def encode_metrics(
+    values: list[float | None],
+    weight: int,
+    ranges: list[float],
+    params: SecAggParams,
+    rng: np.random.Generator,
+) -> np.ndarray:
     """A site's metrics as slots appended to its encoded vector, so the coordinator decodes only their weighted
     sums (`decode_metrics`). Per metric i: [w, w / max_weight * clip(v_i, 0, R_i) * Q / R_i], the second
     stochastically rounded (unbiased) onto [0, Q] like every other coordinate, so n sites' sum stays below
@@ -74,19 +100,29 @@ def encode_metrics(values: list[float | None], weight: int, ranges: list[float],
     if len(values) != len(ranges):
         raise SecAggError(f"{len(values)} metric values for {len(ranges)} metric slots")
     if not (0 <= weight <= params.max_weight) or weight != int(weight):
-        raise SecAggError(f"the metrics' weight must be an integer in [0, max_weight={params.max_weight}], got {weight}")
+        raise SecAggError(
+            f"the metrics' weight must be an integer in [0, max_weight={params.max_weight}], got {weight}"
+        )
     slots = np.zeros(METRIC_SLOTS * len(values), dtype=np.uint32)
     for i, (value, limit) in enumerate(zip(values, ranges)):
         if value is None or not np.isfinite(value):
             continue
-        scaled = weight / params.max_weight * min(max(float(value), 0.0), limit) * params.quantization_range / limit
+        scaled = (
+            weight
+            / params.max_weight
+            * min(max(float(value), 0.0), limit)
+            * params.quantization_range
+            / limit
+        )
         floor = np.floor(scaled)
         slots[METRIC_SLOTS * i] = int(weight)
         slots[METRIC_SLOTS * i + 1] = int(floor + (rng.random() < scaled - floor))
     return slots
 
 
-def decode_metrics(slots: np.ndarray, ranges: list[float], params: SecAggParams) -> list[tuple[float | None, int]]:
+def decode_metrics(
+    slots: np.ndarray, ranges: list[float], params: SecAggParams
+) -> list[tuple[float | None, int]]:
     """Per metric, (the weighted mean of what the summed sites reported (None when none did), their weight)."""
     slots = np.asarray(slots, dtype=np.uint32).astype(np.int64)
     if slots.size != METRIC_SLOTS * len(ranges):
@@ -94,7 +130,14 @@ def decode_metrics(slots: np.ndarray, ranges: list[float], params: SecAggParams)
     out = []
     for i, limit in enumerate(ranges):
         weight, value = int(slots[METRIC_SLOTS * i]), int(slots[METRIC_SLOTS * i + 1])
-        out.append((value * limit / params.quantization_range * params.max_weight / weight if weight else None, weight))
+        out.append(
+            (
+                value * limit / params.quantization_range * params.max_weight / weight
+                if weight
+                else None,
+                weight,
+            )
+        )
     return out
 
 

@@ -49,10 +49,14 @@ class ServerSession:
     """Sites that revealed a share disagreeing with the secret its owner committed to."""
 
     @classmethod
-    def start(cls, server_round: int, participants: list[int], params: SecAggParams, length: int) -> "ServerSession":
+    def start(
+        cls, server_round: int, participants: list[int], params: SecAggParams, length: int
+    ) -> "ServerSession":
         ordered = tuple(sorted(int(p) for p in participants))
         if len(set(ordered)) != len(ordered) or length < 1:
-            raise SecAggError(f"a round needs distinct participants and a vector length >= 1, got {list(ordered)}, {length}")
+            raise SecAggError(
+                f"a round needs distinct participants and a vector length >= 1, got {list(ordered)}, {length}"
+            )
         params.check_round(len(ordered))
         return cls(server_round=server_round, participants=ordered, params=params, length=length)
 
@@ -84,16 +88,22 @@ class ServerSession:
             raise SecAggError(
                 f"site {node}: shares addressed to {sorted(sealed)}, expected exactly its neighbours {sorted(expected)}"
             )
-        if any(not isinstance(blob, bytes) or len(blob) != SEALED_BYTES for blob in sealed.values()):
+        if any(
+            not isinstance(blob, bytes) or len(blob) != SEALED_BYTES for blob in sealed.values()
+        ):
             raise SecAggError(f"site {node}: every encrypted share must be {SEALED_BYTES} bytes")
         self.sealed[node] = dict(sealed)
 
     def shares_for(self, node: int) -> dict[int, bytes]:
         """The encrypted shares addressed to `node`, which masks with their senders; fixed once routed."""
         if node not in self.sealed:
-            raise SecAggError(f"site {node} shared no keys this round: it cannot send a masked vector")
+            raise SecAggError(
+                f"site {node} shared no keys this round: it cannot send a masked vector"
+            )
         if node not in self.routed:
-            self.routed[node] = tuple(src for src in sorted(self.sealed) if node in self.sealed[src])
+            self.routed[node] = tuple(
+                src for src in sorted(self.sealed) if node in self.sealed[src]
+            )
         return {src: self.sealed[src][node] for src in self.routed[node]}
 
     def receive_masked(self, node: int, vector: np.ndarray) -> None:
@@ -101,8 +111,14 @@ class ServerSession:
         self._require_participant(node)
         if node not in self.routed or node in self.masked or self.survivors:
             raise SecAggError(f"site {node}: a masked vector out of turn")
-        if not isinstance(vector, np.ndarray) or vector.dtype != np.uint32 or vector.shape != (self.length,):
-            raise SecAggError(f"site {node}: a masked vector must be uint32 of shape ({self.length},)")
+        if (
+            not isinstance(vector, np.ndarray)
+            or vector.dtype != np.uint32
+            or vector.shape != (self.length,)
+        ):
+            raise SecAggError(
+                f"site {node}: a masked vector must be uint32 of shape ({self.length},)"
+            )
         self.total = vector.copy() if self.total is None else self.total + vector
         self.masked.add(node)
 
@@ -121,8 +137,12 @@ class ServerSession:
             raise SecAggError(f"site {node}: a survivor-set signature out of turn")
         if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
             raise SecAggError(f"site {node}: a signature must be {SIGNATURE_BYTES} bytes")
-        verify(self.keys[node].signing_key, signature, survivors_statement(self._setup(), self.survivors),
-               f"site {node}'s survivor set")
+        verify(
+            self.keys[node].signing_key,
+            signature,
+            survivors_statement(self._setup(), self.survivors),
+            f"site {node}'s survivor set",
+        )
         self.signatures[node] = signature
 
     def unmask_request(self) -> tuple[list[int], dict[int, bytes]]:
@@ -136,9 +156,16 @@ class ServerSession:
             raise SecAggError(f"site {node}: unmasking shares out of turn")
         expected = set(self.routed[node]) | {node}
         if set(revealed) != expected:
-            raise SecAggError(f"site {node}: revealed shares of {sorted(revealed)}, expected exactly {sorted(expected)}")
-        if any(not isinstance(share, bytes) or len(share) != shamir.SHARE_BYTES for share in revealed.values()):
-            raise SecAggError(f"site {node}: every revealed share must be {shamir.SHARE_BYTES} bytes")
+            raise SecAggError(
+                f"site {node}: revealed shares of {sorted(revealed)}, expected exactly {sorted(expected)}"
+            )
+        if any(
+            not isinstance(share, bytes) or len(share) != shamir.SHARE_BYTES
+            for share in revealed.values()
+        ):
+            raise SecAggError(
+                f"site {node}: every revealed share must be {shamir.SHARE_BYTES} bytes"
+            )
         self.revealed[node] = dict(revealed)
 
     def result(self) -> tuple[np.ndarray, int]:
@@ -149,22 +176,33 @@ class ServerSession:
         for node in self.survivors:
             signed = self.keys[node].commitment
             seed = self._rebuild(
-                node, lambda s, node=node, signed=signed: seed_commitment(self.server_round, node, s) == signed)
+                node,
+                lambda s, node=node, signed=signed: (
+                    seed_commitment(self.server_round, node, s) == signed
+                ),
+            )
             total -= crypto.mask(seed, self.length)
         for node in sorted(set(self.sealed) - set(self.survivors)):
             public = self.keys[node].mask_key
             mask_key = self._rebuild(node, lambda k, public=public: crypto.public_key(k) == public)
             for peer in self.survivors:
-                if node in self.routed[peer]:  # peer added its pairwise mask with node; take it back out
-                    pairwise = crypto.mask(crypto.agree(mask_key, self.keys[peer].mask_key, b"mask"), self.length)
+                if (
+                    node in self.routed[peer]
+                ):  # peer added its pairwise mask with node; take it back out
+                    pairwise = crypto.mask(
+                        crypto.agree(mask_key, self.keys[peer].mask_key, b"mask"), self.length
+                    )
                     total = total - pairwise if peer < node else total + pairwise
         return total, len(self.survivors)
 
     def _rebuild(self, owner: int, valid: Callable[[bytes], bool]) -> bytes:
         """`owner`'s secret, which `valid` checks against its signed key material; the holders of shares that
         disagree with it are named and kept in `culprits`."""
-        holders = {self.participants.index(holder) + 1: holder for holder, revealed in self.revealed.items()
-                   if owner in revealed}
+        holders = {
+            self.participants.index(holder) + 1: holder
+            for holder, revealed in self.revealed.items()
+            if owner in revealed
+        }
         if len(holders) < self.threshold:
             raise SecAggError(
                 f"round {self.server_round}: {len(holders)} shares of site {owner}'s secret arrived, "
@@ -174,11 +212,17 @@ class ServerSession:
         try:
             secret, bad = shamir.recover(shares, self.threshold, valid)
         except SecAggError as error:
-            raise SecAggError(f"round {self.server_round}: site {owner}'s secret: {error}; the round halts and "
-                              "applies nothing") from None
+            raise SecAggError(
+                f"round {self.server_round}: site {owner}'s secret: {error}; the round halts and "
+                "applies nothing"
+            ) from None
         for x in bad:
-            log.warning("round %d: site %d revealed a corrupt share of site %d's secret; it is outvoted",
-                        self.server_round, holders[x], owner)
+            log.warning(
+                "round %d: site %d revealed a corrupt share of site %d's secret; it is outvoted",
+                self.server_round,
+                holders[x],
+                owner,
+            )
             self.culprits.add(holders[x])
         return secret
 
@@ -194,4 +238,6 @@ class ServerSession:
 
     def _require_participant(self, node: int) -> None:
         if node not in self.participants:
-            raise SecAggError(f"site {node} is not in round {self.server_round}'s secure aggregation")
+            raise SecAggError(
+                f"site {node} is not in round {self.server_round}'s secure aggregation"
+            )

@@ -17,7 +17,9 @@ def split(secret: bytes, xs: list[int], threshold: int) -> dict[int, bytes]:
     """A share of `secret` for each x in `xs` (distinct, non-zero); any `threshold` of them rebuild it."""
     if not 2 <= threshold <= len(xs) or len(set(xs)) != len(xs) or min(xs) < 1:
         raise SecAggError(f"cannot split into {len(xs)} shares with threshold {threshold}")
-    coefficients = [int.from_bytes(secret, "big")] + [secrets.randbelow(PRIME) for _ in range(threshold - 1)]
+    coefficients = [int.from_bytes(secret, "big")] + [
+        secrets.randbelow(PRIME) for _ in range(threshold - 1)
+    ]
     return {x: _evaluate(coefficients, x).to_bytes(SHARE_BYTES, "big") for x in xs}
 
 
@@ -25,7 +27,9 @@ MAX_SUBSETS = 4096
 """Subsets `recover` tries before giving up: enough to leave out any one or two of 90 shares."""
 
 
-def recover(shares: dict[int, bytes], threshold: int, valid: Callable[[bytes], bool]) -> tuple[bytes, list[int]]:
+def recover(
+    shares: dict[int, bytes], threshold: int, valid: Callable[[bytes], bool]
+) -> tuple[bytes, list[int]]:
     """(the secret, the xs of the shares that disagree with it): the secret `valid` accepts, rebuilt from
     `shares` leaving out as few as it must. A corrupt share is outvoted only when more than `threshold` arrive;
     SecAggError when no subset rebuilds a valid secret (with exactly `threshold` shares: one is corrupt)."""
@@ -45,7 +49,9 @@ def recover(shares: dict[int, bytes], threshold: int, valid: Callable[[bytes], b
         value = _interpolate(basis, 0)
         if value < 1 << 256 and valid(secret := value.to_bytes(32, "big")):
             return secret, [x for x, y in points if _interpolate(basis, x) != y]
-    raise SecAggError(f"no {threshold} of the {len(points)} shares rebuild the committed secret: a share is corrupt")
+    raise SecAggError(
+        f"no {threshold} of the {len(points)} shares rebuild the committed secret: a share is corrupt"
+    )
 
 
 def _evaluate(coefficients: list[int], x: int) -> int:

@@ -49,10 +49,19 @@ class SignedKeys:
 
     def check_sizes(self) -> None:
         if any(not isinstance(v, bytes) or len(v) != n for v, n in zip(self.fields(), self.SIZES)):
-            raise SecAggError(f"malformed key material: fields of {list(self.SIZES)} bytes expected")
+            raise SecAggError(
+                f"malformed key material: fields of {list(self.SIZES)} bytes expected"
+            )
 
     def fields(self) -> tuple[bytes, ...]:
-        return (self.share_key, self.mask_key, self.commitment, self.signing_key, self.certificate, self.signature)
+        return (
+            self.share_key,
+            self.mask_key,
+            self.commitment,
+            self.signing_key,
+            self.certificate,
+            self.signature,
+        )
 
 
 def setup_digest(server_round: int, participants: tuple[int, ...], params: SecAggParams) -> bytes:
@@ -62,7 +71,9 @@ def setup_digest(server_round: int, participants: tuple[int, ...], params: SecAg
     return hashlib.sha256(text.encode()).digest()
 
 
-def keys_statement(setup: bytes, node: int, share_key: bytes, mask_key: bytes, commitment: bytes) -> bytes:
+def keys_statement(
+    setup: bytes, node: int, share_key: bytes, mask_key: bytes, commitment: bytes
+) -> bytes:
     return b"hydrafl-secagg-keys|" + setup + _id(node) + share_key + mask_key + commitment
 
 
@@ -95,17 +106,32 @@ class SiteSession:
 
     @classmethod
     def start(
-        cls, node: int, server_round: int, participants: list[int], params: SecAggParams, identity: SiteIdentity
+        cls,
+        node: int,
+        server_round: int,
+        participants: list[int],
+        params: SecAggParams,
+        identity: SiteIdentity,
     ) -> "SiteSession":
         """A new round: fresh keys; refuses a round this site is not in, one its identity is not for, or one the
         parameters cannot run (a threshold at or below half the shares among them)."""
         ordered = tuple(sorted(int(p) for p in participants))
         if node not in ordered or len(set(ordered)) != len(ordered):
-            raise SecAggError(f"site {node} is not among the round's distinct participants {list(ordered)}")
+            raise SecAggError(
+                f"site {node} is not among the round's distinct participants {list(ordered)}"
+            )
         if identity.node != node:
-            raise SecAggError(f"site {node}: its secure-aggregation identity is for node {identity.node}")
+            raise SecAggError(
+                f"site {node}: its secure-aggregation identity is for node {identity.node}"
+            )
         params.check_round(len(ordered))
-        return cls(node=node, server_round=server_round, participants=ordered, params=params, identity=identity)
+        return cls(
+            node=node,
+            server_round=server_round,
+            participants=ordered,
+            params=params,
+            identity=identity,
+        )
 
     @property
     def setup(self) -> bytes:
@@ -115,8 +141,12 @@ class SiteSession:
         """This site's key material for the round, signed."""
         share, mask = crypto.public_key(self.share_key), crypto.public_key(self.mask_key)
         commitment = seed_commitment(self.server_round, self.node, self.self_seed)
-        signature = self.identity.sign(keys_statement(self.setup, self.node, share, mask, commitment))
-        return SignedKeys(share, mask, commitment, self.identity.public_key, self.identity.certificate, signature)
+        signature = self.identity.sign(
+            keys_statement(self.setup, self.node, share, mask, commitment)
+        )
+        return SignedKeys(
+            share, mask, commitment, self.identity.public_key, self.identity.certificate, signature
+        )
 
     def share_keys(self, public_keys: dict[int, SignedKeys]) -> dict[int, bytes]:
         """Encrypted shares of this site's mask key and self-mask seed, one per neighbour whose keys the
@@ -124,17 +154,24 @@ class SiteSession:
         self._expect("keys")
         mine = neighbours(self.participants, self.node, self.params.shares(len(self.participants)))
         if public_keys.get(self.node) != self.public_keys():
-            raise SecAggError(f"site {self.node}: the key list does not hold this site's own public keys")
+            raise SecAggError(
+                f"site {self.node}: the key list does not hold this site's own public keys"
+            )
         strangers = sorted(set(public_keys) - set(mine))
         if strangers:
-            raise SecAggError(f"site {self.node}: public keys from sites outside its neighbourhood: {strangers}")
+            raise SecAggError(
+                f"site {self.node}: public keys from sites outside its neighbourhood: {strangers}"
+            )
         self._require_threshold(len(public_keys), "neighbours sent keys")
         for peer, keys in public_keys.items():
             keys.check_sizes()
             self.identity.check_peer(peer, keys.signing_key, keys.certificate)
-            verify(keys.signing_key, keys.signature,
-                   keys_statement(self.setup, peer, keys.share_key, keys.mask_key, keys.commitment),
-                   f"site {self.node}: the round keys of site {peer}")
+            verify(
+                keys.signing_key,
+                keys.signature,
+                keys_statement(self.setup, peer, keys.share_key, keys.mask_key, keys.commitment),
+                f"site {self.node}: the round keys of site {peer}",
+            )
         peers = sorted(public_keys)
         xs = [self._x(peer) for peer in peers]
         key_shares = shamir.split(self.mask_key, xs, self._threshold())
@@ -145,7 +182,9 @@ class SiteSession:
                 continue
             plain = _ids(self.node, peer) + key_shares[x] + seed_shares[x]
             secret = crypto.agree(self.share_key, public_keys[peer].share_key, b"share")
-            sealed[peer] = crypto.seal(secret, plain, associated(self.server_round, self.node, peer))
+            sealed[peer] = crypto.seal(
+                secret, plain, associated(self.server_round, self.node, peer)
+            )
         x = self._x(self.node)
         self.peer_keys = dict(public_keys)
         self.held = {self.node: (key_shares[x], seed_shares[x])}
@@ -160,17 +199,25 @@ class SiteSession:
         opened = {}
         for src, blob in sealed.items():
             if src == self.node or src not in self.peer_keys:
-                raise SecAggError(f"site {self.node}: a share from site {src}, which is not one of its neighbours")
+                raise SecAggError(
+                    f"site {self.node}: a share from site {src}, which is not one of its neighbours"
+                )
             secret = crypto.agree(self.share_key, self.peer_keys[src].share_key, b"share")
-            plain = crypto.open_sealed(secret, bytes(blob), associated(self.server_round, src, self.node))
+            plain = crypto.open_sealed(
+                secret, bytes(blob), associated(self.server_round, src, self.node)
+            )
             if plain[: 2 * _ID_BYTES] != _ids(src, self.node) or len(plain) != PLAIN_BYTES:
-                raise SecAggError(f"site {self.node}: the share from site {src} names another sender or recipient")
-            body = plain[2 * _ID_BYTES:]
-            opened[src] = (body[: shamir.SHARE_BYTES], body[shamir.SHARE_BYTES:])
+                raise SecAggError(
+                    f"site {self.node}: the share from site {src} names another sender or recipient"
+                )
+            body = plain[2 * _ID_BYTES :]
+            opened[src] = (body[: shamir.SHARE_BYTES], body[shamir.SHARE_BYTES :])
         self._require_threshold(len(opened) + 1, "neighbours sent shares")
         masked = encoded + crypto.mask(self.self_seed, encoded.size)
         for peer in opened:
-            pairwise = crypto.mask(crypto.agree(self.mask_key, self.peer_keys[peer].mask_key, b"mask"), encoded.size)
+            pairwise = crypto.mask(
+                crypto.agree(self.mask_key, self.peer_keys[peer].mask_key, b"mask"), encoded.size
+            )
             masked = masked + pairwise if self.node < peer else masked - pairwise
         self.held.update(opened)
         self.stage = "masked"
@@ -181,7 +228,11 @@ class SiteSession:
         without itself or with fewer than a threshold of its neighbours."""
         self._expect("masked")
         alive = set(survivors)
-        if self.node not in alive or len(alive) != len(survivors) or not alive <= set(self.participants):
+        if (
+            self.node not in alive
+            or len(alive) != len(survivors)
+            or not alive <= set(self.participants)
+        ):
             raise SecAggError(f"site {self.node}: inconsistent survivor set {sorted(alive)}")
         self._require_threshold(len(alive & set(self.peer_keys)), "neighbours survived")
         self.survivors = tuple(sorted(alive))
@@ -193,29 +244,47 @@ class SiteSession:
         once, and only for the set it signed, when at least a threshold of its neighbours signed that same set."""
         self._expect("checked")
         if tuple(sorted(set(survivors))) != self.survivors or len(survivors) != len(self.survivors):
-            raise SecAggError(f"site {self.node}: asked to unmask for survivors {sorted(set(survivors))}, "
-                              f"but it signed {list(self.survivors)}")
+            raise SecAggError(
+                f"site {self.node}: asked to unmask for survivors {sorted(set(survivors))}, "
+                f"but it signed {list(self.survivors)}"
+            )
         if not set(signatures) <= set(self.survivors) or self.node not in signatures:
-            raise SecAggError(f"site {self.node}: survivor signatures from {sorted(signatures)}, outside the survivors")
+            raise SecAggError(
+                f"site {self.node}: survivor signatures from {sorted(signatures)}, outside the survivors"
+            )
         statement = survivors_statement(self.setup, self.survivors)
         signers = set(signatures) & set(self.peer_keys)
         for signer in signers:
-            verify(self.peer_keys[signer].signing_key, signatures[signer], statement,
-                   f"site {self.node}: site {signer}'s survivor set")
+            verify(
+                self.peer_keys[signer].signing_key,
+                signatures[signer],
+                statement,
+                f"site {self.node}: site {signer}'s survivor set",
+            )
         self._require_threshold(len(signers), "neighbours signed the survivor set")
         self.stage = "done"
-        return {node: shares[1] if node in self.survivors else shares[0] for node, shares in self.held.items()}
+        return {
+            node: shares[1] if node in self.survivors else shares[0]
+            for node, shares in self.held.items()
+        }
 
     def to_state(self) -> str:
         """The session as text, for a site's persistent Context between a round's messages."""
-        return json.dumps({
-            "node": self.node, "server_round": self.server_round, "participants": list(self.participants),
-            "params": self.params.to_config(), "stage": self.stage,
-            "keys": [_text(self.share_key), _text(self.mask_key), _text(self.self_seed)],
-            "peer_keys": {str(p): [_text(k) for k in keys.fields()] for p, keys in self.peer_keys.items()},
-            "held": {str(p): [_text(s) for s in shares] for p, shares in self.held.items()},
-            "survivors": list(self.survivors),
-        })
+        return json.dumps(
+            {
+                "node": self.node,
+                "server_round": self.server_round,
+                "participants": list(self.participants),
+                "params": self.params.to_config(),
+                "stage": self.stage,
+                "keys": [_text(self.share_key), _text(self.mask_key), _text(self.self_seed)],
+                "peer_keys": {
+                    str(p): [_text(k) for k in keys.fields()] for p, keys in self.peer_keys.items()
+                },
+                "held": {str(p): [_text(s) for s in shares] for p, shares in self.held.items()},
+                "survivors": list(self.survivors),
+            }
+        )
 
     @classmethod
     def from_state(cls, text: str, identity: SiteIdentity) -> "SiteSession":
@@ -223,11 +292,23 @@ class SiteSession:
         data = json.loads(text)
         share_key, mask_key, self_seed = (base64.b64decode(raw) for raw in data["keys"])
         return cls(
-            node=data["node"], server_round=data["server_round"], participants=tuple(data["participants"]),
-            params=SecAggParams.from_config(data["params"]), stage=data["stage"], identity=identity,
-            share_key=share_key, mask_key=mask_key, self_seed=self_seed,
-            peer_keys={int(p): SignedKeys(*(base64.b64decode(k) for k in keys)) for p, keys in data["peer_keys"].items()},
-            held={int(p): tuple(base64.b64decode(s) for s in shares) for p, shares in data["held"].items()},
+            node=data["node"],
+            server_round=data["server_round"],
+            participants=tuple(data["participants"]),
+            params=SecAggParams.from_config(data["params"]),
+            stage=data["stage"],
+            identity=identity,
+            share_key=share_key,
+            mask_key=mask_key,
+            self_seed=self_seed,
+            peer_keys={
+                int(p): SignedKeys(*(base64.b64decode(k) for k in keys))
+                for p, keys in data["peer_keys"].items()
+            },
+            held={
+                int(p): tuple(base64.b64decode(s) for s in shares)
+                for p, shares in data["held"].items()
+            },
             survivors=tuple(data["survivors"]),
         )
 
@@ -246,7 +327,9 @@ class SiteSession:
 
     def _expect(self, stage: str) -> None:
         if self.stage != stage:
-            raise SecAggError(f"site {self.node}: a {stage!r}-stage message arrived in stage {self.stage!r}")
+            raise SecAggError(
+                f"site {self.node}: a {stage!r}-stage message arrived in stage {self.stage!r}"
+            )
 
 
 def _text(raw: bytes) -> str:

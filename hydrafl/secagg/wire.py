@@ -33,36 +33,73 @@ class Layout:
         return replace(params, max_weight=1) if self.count_once else params
 
 
-def keys_request(server_round: int, participants: list[int], params: SecAggParams, layout: Layout) -> Record:
+def keys_request(
+    server_round: int, participants: list[int], params: SecAggParams, layout: Layout
+) -> Record:
     """Setup: who takes part, the parameters, and the layout of the vector each site will encode."""
-    return {"round": server_round, "participants": list(participants), "weight-key": layout.weight_key,
-            "names": list(layout.names), "per-coordinate": layout.per_coordinate, "count-once": layout.count_once,
-            "ranks": [len(shape) for shape in layout.shapes], "sizes": [n for shape in layout.shapes for n in shape],
-            "metric-names": [name for name, _ in layout.metrics], "metric-ranges": [float(r) for _, r in layout.metrics],
-            **{f"param.{key}": value for key, value in params.to_config().items()}}
+    return {
+        "round": server_round,
+        "participants": list(participants),
+        "weight-key": layout.weight_key,
+        "names": list(layout.names),
+        "per-coordinate": layout.per_coordinate,
+        "count-once": layout.count_once,
+        "ranks": [len(shape) for shape in layout.shapes],
+        "sizes": [n for shape in layout.shapes for n in shape],
+        "metric-names": [name for name, _ in layout.metrics],
+        "metric-ranges": [float(r) for _, r in layout.metrics],
+        **{f"param.{key}": value for key, value in params.to_config().items()},
+    }
 
 
 def parse_keys_request(record: Mapping[str, Any]) -> tuple[int, list[int], SecAggParams, Layout]:
-    params = SecAggParams.from_config({k[len("param."):]: v for k, v in record.items() if k.startswith("param.")})
-    names, ranks, sizes = _list(record, "names", str), _list(record, "ranks", int), _list(record, "sizes", int)
+    params = SecAggParams.from_config(
+        {k[len("param.") :]: v for k, v in record.items() if k.startswith("param.")}
+    )
+    names, ranks, sizes = (
+        _list(record, "names", str),
+        _list(record, "ranks", int),
+        _list(record, "sizes", int),
+    )
     per_coordinate = _typed(record, "per-coordinate", bool)
-    if (per_coordinate and len(ranks) != len(names)) or sum(ranks) != len(sizes) or min(sizes, default=1) < 1:
+    if (
+        (per_coordinate and len(ranks) != len(names))
+        or sum(ranks) != len(sizes)
+        or min(sizes, default=1) < 1
+    ):
         raise SecAggError("secure-aggregation layout: the shapes do not match the array names")
-    shapes = [tuple(sizes[sum(ranks[:i]):sum(ranks[:i + 1])]) for i in range(len(ranks))]
-    metric_names, metric_ranges = _list(record, "metric-names", str), _list(record, "metric-ranges", float)
+    shapes = [tuple(sizes[sum(ranks[:i]) : sum(ranks[: i + 1])]) for i in range(len(ranks))]
+    metric_names, metric_ranges = (
+        _list(record, "metric-names", str),
+        _list(record, "metric-ranges", float),
+    )
     _same_length(metric_names, metric_ranges)
-    if any(not (0 < r < float("inf")) for r in metric_ranges) or len(set(metric_names)) != len(metric_names):
-        raise SecAggError("secure-aggregation layout: metric ranges must be finite and > 0, metric names distinct")
-    layout = Layout(_typed(record, "weight-key", str), names, per_coordinate, _typed(record, "count-once", bool), shapes,
-                    list(zip(metric_names, metric_ranges)))
+    if any(not (0 < r < float("inf")) for r in metric_ranges) or len(set(metric_names)) != len(
+        metric_names
+    ):
+        raise SecAggError(
+            "secure-aggregation layout: metric ranges must be finite and > 0, metric names distinct"
+        )
+    layout = Layout(
+        _typed(record, "weight-key", str),
+        names,
+        per_coordinate,
+        _typed(record, "count-once", bool),
+        shapes,
+        list(zip(metric_names, metric_ranges)),
+    )
     return _int(record, "round"), _ints(record, "participants"), params, layout
 
 
 def slices_record(slices: Mapping[str, tuple[int | None, tuple[int, ...]]]) -> Record:
     """Per array a site trains, (dim, index) of its slice (dim None: the whole array), for a train message."""
     names = list(slices)
-    return {"slice.names": names, "slice.dims": [-1 if slices[n][0] is None else slices[n][0] for n in names],
-            "slice.lengths": [len(slices[n][1]) for n in names], "slice.index": [i for n in names for i in slices[n][1]]}
+    return {
+        "slice.names": names,
+        "slice.dims": [-1 if slices[n][0] is None else slices[n][0] for n in names],
+        "slice.lengths": [len(slices[n][1]) for n in names],
+        "slice.index": [i for n in names for i in slices[n][1]],
+    }
 
 
 def parse_slices(record: Mapping[str, Any]) -> dict[str, tuple[int | None, tuple[int, ...]]]:
@@ -72,8 +109,10 @@ def parse_slices(record: Mapping[str, Any]) -> dict[str, tuple[int | None, tuple
     if sum(lengths) != len(index) or min(lengths, default=0) < 0:
         raise SecAggError("secure-aggregation slices: the index lengths do not add up")
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
-    return {name: (None if dim == -1 else dim, tuple(index[start:start + length]))
-            for name, dim, start, length in zip(names, dims, starts, lengths)}
+    return {
+        name: (None if dim == -1 else dim, tuple(index[start : start + length]))
+        for name, dim, start, length in zip(names, dims, starts, lengths)
+    }
 
 
 _KEY_FIELDS = ("share-key", "mask-key", "commitment", "signing-key", "certificate", "signature")
@@ -91,14 +130,20 @@ def parse_keys_reply(record: Mapping[str, Any]) -> SignedKeys:
 def shares_request(node: int, keys: Mapping[int, SignedKeys]) -> Record:
     """Share keys, for site `node`: the signed key material of its neighbours (its own included)."""
     nodes = sorted(keys)
-    return {"node": node, "nodes": nodes, **{key: [keys[n].fields()[i] for n in nodes] for i, key in enumerate(_KEY_FIELDS)}}
+    return {
+        "node": node,
+        "nodes": nodes,
+        **{key: [keys[n].fields()[i] for n in nodes] for i, key in enumerate(_KEY_FIELDS)},
+    }
 
 
 def parse_shares_request(record: Mapping[str, Any]) -> tuple[int, dict[int, SignedKeys]]:
     """(the site it was sent to, the signed key material by site)."""
     nodes, columns = _ints(record, "nodes"), [_list(record, key, bytes) for key in _KEY_FIELDS]
     _same_length(nodes, *columns)
-    return _int(record, "node"), {node: SignedKeys(*fields) for node, *fields in zip(nodes, *columns)}
+    return _int(record, "node"), {
+        node: SignedKeys(*fields) for node, *fields in zip(nodes, *columns)
+    }
 
 
 def sealed_record(sealed: Mapping[int, bytes]) -> Record:
@@ -160,7 +205,9 @@ def _parse_by_node(record: Mapping[str, Any], nodes_key: str, values_key: str) -
 def _typed(record: Mapping[str, Any], key: str, kind: type) -> Any:
     value = record.get(key)
     if type(value) is not kind:
-        raise SecAggError(f"secure-aggregation field {key!r} must be {kind.__name__}, got {type(value).__name__}")
+        raise SecAggError(
+            f"secure-aggregation field {key!r} must be {kind.__name__}, got {type(value).__name__}"
+        )
     return value
 
 

@@ -17,7 +17,12 @@ from hydrafl.simulation.grid import InProcessGrid
 
 
 def run_app(
-    server_app: ServerApp, client_app: ClientApp, *, num_sites: int, run_config: dict | None = None, workers: int = 1
+    server_app: ServerApp,
+    client_app: ClientApp,
+    *,
+    num_sites: int,
+    run_config: dict | None = None,
+    workers: int = 1,
 ) -> Context:
     """Run any Flower ServerApp + ClientApp on `num_sites` in-process sites; returns the server's Context.
     `workers` > 1 (0: one per core) runs the sites in forked worker processes, with the same results; what the

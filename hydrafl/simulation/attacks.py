@@ -58,7 +58,9 @@ class Attack:
         nodes = sorted(nodes)
         return frozenset(random.Random(self.seed).sample(nodes, round(self.fraction * len(nodes))))
 
-    def apply(self, updates: Mapping[int, Update], attackers: Iterable[int], server_round: int) -> dict[int, Update]:
+    def apply(
+        self, updates: Mapping[int, Update], attackers: Iterable[int], server_round: int
+    ) -> dict[int, Update]:
         """The attackers' replacement updates, from the round's `updates` (node -> delta arrays) of which
         `attackers` attack; the honest ones are what the others sent."""
         attackers = set(attackers) & set(updates)
@@ -68,11 +70,18 @@ class Attack:
         out = {}
         for node in sorted(attackers):
             rng = np.random.default_rng([self.seed, server_round, node])
-            out[node] = {name: self._forge(array, stats.get((name, array.shape)), z, rng) for name, array in updates[node].items()}
+            out[node] = {
+                name: self._forge(array, stats.get((name, array.shape)), z, rng)
+                for name, array in updates[node].items()
+            }
         return out
 
     def _forge(
-        self, own: np.ndarray, stats: tuple[np.ndarray, np.ndarray] | None, z: float, rng: np.random.Generator
+        self,
+        own: np.ndarray,
+        stats: tuple[np.ndarray, np.ndarray] | None,
+        z: float,
+        rng: np.random.Generator,
     ) -> np.ndarray:
         if self.name == "signflip":
             return -own
@@ -92,11 +101,15 @@ def alie_z(n: int, m: int) -> float:
     s = math.floor(n / 2 + 1) - m
     p = (n - m - s) / (n - m)
     if not 0 < p < 1:
-        raise ValueError(f"ALIE is undefined for {m} attackers of {n} sites (Phi^-1({p:g})); use fewer attackers")
+        raise ValueError(
+            f"ALIE is undefined for {m} attackers of {n} sites (Phi^-1({p:g})); use fewer attackers"
+        )
     return statistics.NormalDist().inv_cdf(p)
 
 
-def honest_statistics(honest: Iterable[Update]) -> dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, np.ndarray]]:
+def honest_statistics(
+    honest: Iterable[Update],
+) -> dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, np.ndarray]]:
     """Per (name, shape): the coordinate-wise mean and standard deviation (ddof 1; 0 for one reply) of the
     honest arrays of that name and shape."""
     groups: dict[tuple[str, tuple[int, ...]], list[np.ndarray]] = {}
@@ -104,7 +117,10 @@ def honest_statistics(honest: Iterable[Update]) -> dict[tuple[str, tuple[int, ..
         for name, array in update.items():
             groups.setdefault((name, array.shape), []).append(np.asarray(array, dtype=np.float64))
     return {
-        key: (np.mean(arrays, axis=0), np.std(arrays, axis=0, ddof=1) if len(arrays) > 1 else np.zeros_like(arrays[0]))
+        key: (
+            np.mean(arrays, axis=0),
+            np.std(arrays, axis=0, ddof=1) if len(arrays) > 1 else np.zeros_like(arrays[0]),
+        )
         for key, arrays in groups.items()
     }
 
@@ -112,31 +128,52 @@ def honest_statistics(honest: Iterable[Update]) -> dict[tuple[str, tuple[int, ..
 class AttackedGrid(InProcessGrid):
     """The in-process grid whose attacking sites' training replies are replaced after every site has run."""
 
-    def __init__(self, client_app: ClientApp, num_sites: int, run_config: dict | None = None, *, attack: Attack,
-                 **kwargs) -> None:
+    def __init__(
+        self,
+        client_app: ClientApp,
+        num_sites: int,
+        run_config: dict | None = None,
+        *,
+        attack: Attack,
+        **kwargs,
+    ) -> None:
         super().__init__(client_app, num_sites, run_config, **kwargs)
         self.attack = attack
         self.attacker_nodes = attack.attackers(self.contexts)
 
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterator[Message]:
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterator[Message]:
         messages = list(messages)
         replies = super().send_and_receive(messages, timeout=timeout)
-        if not any(m.metadata.message_type == MessageType.TRAIN and m.metadata.dst_node_id in self.attacker_nodes
-                   for m in messages):
+        if not any(
+            m.metadata.message_type == MessageType.TRAIN
+            and m.metadata.dst_node_id in self.attacker_nodes
+            for m in messages
+        ):
             yield from replies
             return
         replies = list(replies)  # the round's honest updates, before any attacker's is forged
         server_round = int(messages[0].metadata.group_id or 0)
-        arrays = {reply.metadata.src_node_id: _arrays(reply) for reply in replies if not reply.has_error()}
-        updates = {node: {name: array.numpy() for name, array in record.items()} for node, (_, record) in arrays.items()}
+        arrays = {
+            reply.metadata.src_node_id: _arrays(reply) for reply in replies if not reply.has_error()
+        }
+        updates = {
+            node: {name: array.numpy() for name, array in record.items()}
+            for node, (_, record) in arrays.items()
+        }
         forged = self.attack.apply(updates, self.attacker_nodes, server_round)
         for reply in replies:
             node = reply.metadata.src_node_id
             if node in forged:
                 key, _ = arrays[node]
-                reply.content[key] = ArrayRecord({name: Array(np.ascontiguousarray(a)) for name, a in forged[node].items()})
+                reply.content[key] = ArrayRecord(
+                    {name: Array(np.ascontiguousarray(a)) for name, a in forged[node].items()}
+                )
             yield reply
 
 
 def _arrays(reply: Message) -> tuple[str, ArrayRecord]:
-    return next((key, record) for key, record in reply.content.items() if isinstance(record, ArrayRecord))
+    return next(
+        (key, record) for key, record in reply.content.items() if isinstance(record, ArrayRecord)
+    )

@@ -51,58 +51,113 @@ def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) 
         },
         "strategies": {},
     }
-    attack = Attack(name=config.attack, fraction=config.attackers, seed=config.run.seed) if config.attack else None
-    columns = (TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"))
+    attack = (
+        Attack(name=config.attack, fraction=config.attackers, seed=config.run.seed)
+        if config.attack
+        else None
+    )
+    columns = (
+        TextColumn("{task.description:<14}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+    )
     with Progress(*columns, TimeElapsedColumn(), disable=not show_progress) as progress:
         for strategy in config.strategies:
             run_cfg = config.run_config(strategy)
             task = progress.add_task(strategy, total=run_cfg.rounds, status="")
 
-            def on_round(record: RoundRecord, task: Any = task, strategy: str = strategy, total: int = run_cfg.rounds) -> None:
-                status = f"loss {record.loss:.3f} acc {record.accuracy:.3f}" if record.loss is not None else ""
+            def on_round(
+                record: RoundRecord,
+                task: Any = task,
+                strategy: str = strategy,
+                total: int = run_cfg.rounds,
+            ) -> None:
+                status = (
+                    f"loss {record.loss:.3f} acc {record.accuracy:.3f}"
+                    if record.loss is not None
+                    else ""
+                )
                 progress.update(task, completed=record.round, status=status)
-                if show_progress and not progress.console.is_terminal:  # a log file gets a line per round
-                    progress.console.print(f"{strategy} round {record.round}/{total}: {status or 'no evaluation'}, "
-                                           f"{record.sites_ok} sites, {record.seconds:.1f} s", highlight=False)
+                if (
+                    show_progress and not progress.console.is_terminal
+                ):  # a log file gets a line per round
+                    progress.console.print(
+                        f"{strategy} round {record.round}/{total}: {status or 'no evaluation'}, "
+                        f"{record.sites_ok} sites, {record.seconds:.1f} s",
+                        highlight=False,
+                    )
 
             started = time.perf_counter()
             built = build_strategy(run_cfg) if config.backend == "inprocess" else None
-            history = run_strategy(run_cfg, config.backend, on_round=on_round, strategy=built, attack=attack, policy=policy,
-                                   workers=config.workers)
+            history = run_strategy(
+                run_cfg,
+                config.backend,
+                on_round=on_round,
+                strategy=built,
+                attack=attack,
+                policy=policy,
+                workers=config.workers,
+            )
             results["strategies"][strategy] = {
-                "seconds": time.perf_counter() - started, "lora_rank": run_cfg.lora_rank, "rounds": history,
+                "seconds": time.perf_counter() - started,
+                "lora_rank": run_cfg.lora_rank,
+                "rounds": history,
                 "trust": trust_summary(history, run_cfg.flat()),
             }
-            if isinstance(built, PlansSubnetworks):  # per round, per site; bytes per site are in the round records
-                results["strategies"][strategy]["trainable_params_per_site"] = built.trainable_params
+            if isinstance(
+                built, PlansSubnetworks
+            ):  # per round, per site; bytes per site are in the round records
+                results["strategies"][strategy]["trainable_params_per_site"] = (
+                    built.trainable_params
+                )
     write_report(out, results)
     return results
 
 
 def run_strategy(
-    cfg: RunConfig, backend: str, *, on_round: OnRound | None = None, strategy: Strategy | None = None,
-    attack: Attack | None = None, policy: SitePolicy = SitePolicy(), workers: int = 1,
+    cfg: RunConfig,
+    backend: str,
+    *,
+    on_round: OnRound | None = None,
+    strategy: Strategy | None = None,
+    attack: Attack | None = None,
+    policy: SitePolicy = SitePolicy(),
+    workers: int = 1,
 ) -> list[dict[str, Any]]:
     """One strategy's run; returns its per-round history (round 0 is the initial model's evaluation).
     `strategy` (in-process only) is the caller's own instance of `cfg.strategy`, to read its state after;
     `attack` (in-process only): some sites send forged updates (`simulation.attacks`); `policy`: every site's
     site policy; `workers` (in-process only): the grid's worker processes (0: one per core), the same results
     whatever their number."""
-    torch.set_num_threads(1)  # tiny per-site models: one thread is faster and never oversubscribes a small box
+    torch.set_num_threads(
+        1
+    )  # tiny per-site models: one thread is faster and never oversubscribes a small box
     if backend == "inprocess":
         # a site training on several processes (--nproc) is parallel already, and a forked worker may not start them
-        sites = {"pooled_site": cfg.diagnostics, "policy": policy, "workers": 1 if cfg.nproc > 1 else workers}
+        sites = {
+            "pooled_site": cfg.diagnostics,
+            "policy": policy,
+            "workers": 1 if cfg.nproc > 1 else workers,
+        }
         grid = (
             AttackedGrid(client_app, cfg.sites, cfg.to_flower(), attack=attack, **sites)
-            if attack else InProcessGrid(client_app, cfg.sites, cfg.to_flower(), **sites)
+            if attack
+            else InProcessGrid(client_app, cfg.sites, cfg.to_flower(), **sites)
         )
         with grid:  # ends its worker processes
             return run_federation(
-                grid, cfg, on_round=on_round, strategy=strategy, reference_node=grid.reference_node,
+                grid,
+                cfg,
+                on_round=on_round,
+                strategy=strategy,
+                reference_node=grid.reference_node,
                 virtual_speeds=simulated_speeds(grid.contexts, cfg.speed_list),
             ).history
     if strategy is not None or attack is not None:
-        raise ValueError("a strategy instance or an attack can only be passed to the inprocess backend")
+        raise ValueError(
+            "a strategy instance or an attack can only be passed to the inprocess backend"
+        )
     if backend == "ray":
         return _run_on_ray(cfg, policy)
     raise ValueError(f"unknown backend {backend!r}; choose inprocess or ray")
@@ -125,19 +180,27 @@ def _run_on_ray(cfg: RunConfig, policy: SitePolicy = SitePolicy()) -> list[dict[
 
         from hydrafl.simulation.ray_start import start_ray
     except ImportError as error:
-        raise RuntimeError("--backend ray needs the ray extra: pip install 'hydrafl[ray]'") from error
+        raise RuntimeError(
+            "--backend ray needs the ray extra: pip install 'hydrafl[ray]'"
+        ) from error
     if not cfg.run_dir:
-        raise ValueError("the ray backend reads the run's history back from its run_dir; set run_dir")
+        raise ValueError(
+            "the ray backend reads the run's history back from its run_dir; set run_dir"
+        )
     history_file = Path(cfg.run_dir) / "history.json"
     if not cfg.resume:
-        history_file.unlink(missing_ok=True)  # never mistake an earlier run's history for this one's
+        history_file.unlink(
+            missing_ok=True
+        )  # never mistake an earlier run's history for this one's
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     start_ray(os.cpu_count() or 1)
     run_simulation(
         server_app=build_server_app(cfg),
         client_app=PipelineApp(client_app, policy),
         num_supernodes=cfg.sites,
-        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},  # Ray itself: start_ray
+        backend_config={
+            "client_resources": {"num_cpus": 1, "num_gpus": 0.0}
+        },  # Ray itself: start_ray
     )
     history = json.loads(history_file.read_text()) if history_file.exists() else []
     if len(history) != cfg.rounds + 1:

@@ -72,7 +72,9 @@ class InProcessGrid(Grid):
             )
             for i in range(num_sites)
         }
-        consortium = new_signing_key()  # the simulation certifies its own sites' secure-aggregation keys
+        consortium = (
+            new_signing_key()
+        )  # the simulation certifies its own sites' secure-aggregation keys
         for node, context in self.contexts.items():
             install_identity(context, SiteIdentity.issue(consortium, node))
         self.reference_node: int | None = POOLED_NODE_ID if pooled_site else None
@@ -81,7 +83,11 @@ class InProcessGrid(Grid):
             self._pooled[POOLED_NODE_ID] = Context(
                 run_id=run_id,
                 node_id=POOLED_NODE_ID,
-                node_config={"pooled": True, "partition-id": num_sites, "num-partitions": num_sites},
+                node_config={
+                    "pooled": True,
+                    "partition-id": num_sites,
+                    "num-partitions": num_sites,
+                },
                 state=RecordDict(),
                 run_config=dict(run_config or {}),
             )
@@ -97,7 +103,12 @@ class InProcessGrid(Grid):
         return replace(self._run)
 
     def create_message(
-        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
     ) -> Message:
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
@@ -113,13 +124,21 @@ class InProcessGrid(Grid):
         return message_ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return [self._replies.pop(message_id) for message_id in message_ids if message_id in self._replies]
+        return [
+            self._replies.pop(message_id)
+            for message_id in message_ids
+            if message_id in self._replies
+        ]
 
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterator[Message]:
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterator[Message]:
         """Each site's reply as soon as its site has run, sites in node order. Lazy: a site runs when its reply
         is asked for, so only the reply being consumed is held (with workers, the replies of the few sites run
         ahead). Every site answers, so `timeout` never applies."""
-        yield from self._replies_to(sorted(messages, key=lambda message: message.metadata.dst_node_id))
+        yield from self._replies_to(
+            sorted(messages, key=lambda message: message.metadata.dst_node_id)
+        )
 
     def close(self) -> None:
         """End the worker processes, if any ran; a later message starts new ones."""
@@ -140,12 +159,16 @@ class InProcessGrid(Grid):
                 self._stamp(message)
                 yield self._deliver(message)
             return
-        if self._pool is None:  # forked now, so the workers inherit the app and whatever the run cached so far
+        if (
+            self._pool is None
+        ):  # forked now, so the workers inherit the app and whatever the run cached so far
             self._pool = WorkerPool(self.workers, self._answer)
         sent: deque[tuple[Message, Context | None, str]] = deque()
 
         def jobs() -> Iterator[Job | None]:
-            for message in messages:  # ids as the sequential grid gives them: message, then its reply
+            for (
+                message
+            ) in messages:  # ids as the sequential grid gives them: message, then its reply
                 self._stamp(message)
                 context = self._context_of(message)
                 sent.append((message, context, self._new_message_id()))
@@ -157,7 +180,9 @@ class InProcessGrid(Grid):
                 reply = _wire_copy(_unavailable(message))
             elif result.crash:
                 log.warning("site %d failed: %s", context.node_id, result.crash)
-                reply = _wire_copy(Message(Error(ErrorCode.CLIENT_APP_CRASHED, result.crash), reply_to=message))
+                reply = _wire_copy(
+                    Message(Error(ErrorCode.CLIENT_APP_CRASHED, result.crash), reply_to=message)
+                )
             else:
                 emit_logs(result.logs)
                 result.apply_state(context)
@@ -182,7 +207,9 @@ class InProcessGrid(Grid):
     def _deliver(self, message: Message) -> Message:
         """One round trip: serialise, run the site's ClientApp, serialise the reply back."""
         context = self._context_of(message)
-        reply = _unavailable(message) if context is None else self._answer(_wire_copy(message), context)
+        reply = (
+            _unavailable(message) if context is None else self._answer(_wire_copy(message), context)
+        )
         reply.metadata.__dict__["_message_id"] = self._new_message_id()
         return _wire_copy(reply)
 
@@ -193,7 +220,8 @@ class InProcessGrid(Grid):
         except Exception as error:  # a site's crash becomes an error reply, as on a real deployment
             log.warning("site %d raised %s: %s", context.node_id, type(error).__name__, error)
             return Message(
-                Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(error).__name__}: {error}"), reply_to=received
+                Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(error).__name__}: {error}"),
+                reply_to=received,
             )
         finally:
             claim_server_identity(self._run.run_id)
@@ -201,9 +229,12 @@ class InProcessGrid(Grid):
 
 def _unavailable(message: Message) -> Message:
     return Message(
-        Error(ErrorCode.NODE_UNAVAILABLE, f"no site with node id {message.metadata.dst_node_id}"), reply_to=message
+        Error(ErrorCode.NODE_UNAVAILABLE, f"no site with node id {message.metadata.dst_node_id}"),
+        reply_to=message,
     )
 
 
 def _wire_copy(message: Message) -> Message:
-    return message_from_proto(ProtoMessage.FromString(message_to_proto(message).SerializeToString()))
+    return message_from_proto(
+        ProtoMessage.FromString(message_to_proto(message).SerializeToString())
+    )

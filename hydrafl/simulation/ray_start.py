@@ -30,11 +30,17 @@ def start_ray(num_cpus: int) -> None:
     os.environ["PYTHONPATH"] = pythonpath
     for attempt in range(1, ATTEMPTS + 1):
         try:
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+            )
             return
         except Exception as error:  # Ray raises a plain Exception for a start that timed out
             ray.shutdown()
             if _TIMED_OUT not in str(error) or attempt == ATTEMPTS:
                 raise
-            log.warning("Ray's start timed out (attempt %d of %d); starting it again", attempt, ATTEMPTS)
+            log.warning(
+                "Ray's start timed out (attempt %d of %d); starting it again", attempt, ATTEMPTS
+            )

@@ -14,8 +14,22 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 from hydrafl.rounds import ROUNDS_TSV_COLUMNS, RoundRecord, megabytes, metric  # noqa: E402
 from hydrafl.trust import trust_lines  # noqa: E402
 
-SUMMARY_COLUMNS = ("strategy", "final loss", "final accuracy", "best accuracy", "MB up", "MB down", "seconds")
-DIAGNOSTIC_COLUMNS = ("strategy", "mean B_pg", "final B_pg", "mean cos(avg, full)", "final cos(avg, full)")
+SUMMARY_COLUMNS = (
+    "strategy",
+    "final loss",
+    "final accuracy",
+    "best accuracy",
+    "MB up",
+    "MB down",
+    "seconds",
+)
+DIAGNOSTIC_COLUMNS = (
+    "strategy",
+    "mean B_pg",
+    "final B_pg",
+    "mean cos(avg, full)",
+    "final cos(avg, full)",
+)
 
 
 def summary_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
@@ -44,7 +58,9 @@ def diagnostic_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
     rows = []
     for strategy, run in results["strategies"].items():
         scales = [r["noise_scale"] for r in run["rounds"] if r.get("noise_scale") is not None]
-        cosines = [r["full_data_cosine"] for r in run["rounds"] if r.get("full_data_cosine") is not None]
+        cosines = [
+            r["full_data_cosine"] for r in run["rounds"] if r.get("full_data_cosine") is not None
+        ]
         if scales or cosines:
             rows.append(
                 (
@@ -91,17 +107,26 @@ def write_report(out: Path, results: dict[str, Any]) -> None:
             "their number is below B_pg); cos(avg, full) compares the averaged delta with the delta of one site "
             "trained on all sites' pooled data from the same start weights.",
         ]
-    trust = [(strategy, trust_lines(run.get("trust", {}))) for strategy, run in results["strategies"].items()]
+    trust = [
+        (strategy, trust_lines(run.get("trust", {})))
+        for strategy, run in results["strategies"].items()
+    ]
     if any(sentences for _, sentences in trust):
         lines += ["", "## Privacy and security", ""]
-        lines += [f"- **{strategy}**: " + "; ".join(sentences) for strategy, sentences in trust if sentences]
+        lines += [
+            f"- **{strategy}**: " + "; ".join(sentences)
+            for strategy, sentences in trust
+            if sentences
+        ]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     rows = [
         f"{strategy}\t{RoundRecord(**record).tsv_row()}"
         for strategy, run in results["strategies"].items()
         for record in run["rounds"]
     ]
-    (out / "rounds.tsv").write_text("\n".join(["strategy\t" + "\t".join(ROUNDS_TSV_COLUMNS), *rows]) + "\n")
+    (out / "rounds.tsv").write_text(
+        "\n".join(["strategy\t" + "\t".join(ROUNDS_TSV_COLUMNS), *rows]) + "\n"
+    )
     _plot(out / "curves_by_round.png", results, by_bytes=False)
     _plot(out / "curves_by_bytes.png", results, by_bytes=True)
 

@@ -77,7 +77,9 @@ class Result:
 
 
 def make_job(message: Message, context: Context) -> Job:
-    return Job(message_to_proto(message).SerializeToString(), context_to_proto(context).SerializeToString())
+    return Job(
+        message_to_proto(message).SerializeToString(), context_to_proto(context).SerializeToString()
+    )
 
 
 def available_cores() -> int:
@@ -92,7 +94,9 @@ def worker_count(requested: int, sites: int) -> int:
         raise ValueError(f"workers must be >= 0 (0: one per core), got {requested}")
     count = min(requested or available_cores(), sites) if requested != 1 else 1
     if count > 1 and "fork" not in multiprocessing.get_all_start_methods():
-        log.warning("this platform cannot fork worker processes; the %d sites run one after another", sites)
+        log.warning(
+            "this platform cannot fork worker processes; the %d sites run one after another", sites
+        )
         return 1
     return count
 
@@ -131,7 +135,9 @@ class WorkerPool:
         parent_end, child_end = self._context.Pipe()
         inherited = [parent_end, *(worker.conn for worker in self._workers)]
         process = self._context.Process(
-            target=_work, args=(child_end, inherited, self._serve, self._threads), daemon=True,
+            target=_work,
+            args=(child_end, inherited, self._serve, self._threads),
+            daemon=True,
             name="hydrafl-site-worker",
         )
         process.start()
@@ -142,7 +148,9 @@ class WorkerPool:
     def size(self) -> int:
         return len(self._workers)
 
-    def run(self, jobs: Iterable[Job | None], *, window: int | None = None) -> Iterator[Result | None]:
+    def run(
+        self, jobs: Iterable[Job | None], *, window: int | None = None
+    ) -> Iterator[Result | None]:
         """Each job's result, in the jobs' order, as soon as it and every earlier one are done (None for a None
         job: a message with no site to run). At most `window` jobs (default twice those the workers can hold)
         are taken ahead of the result being waited for, so memory stays bounded by the window, not by the
@@ -171,7 +179,9 @@ class WorkerPool:
                 else:
                     queued.append((next_index, job))
                 next_index += 1
-            done.update(self._collect(queued, timeout=0))  # workers already done take more jobs before we yield
+            done.update(
+                self._collect(queued, timeout=0)
+            )  # workers already done take more jobs before we yield
             self._dispatch(queued)
             if next_result in done:
                 yield done.pop(next_result)
@@ -190,10 +200,15 @@ class WorkerPool:
             worker.sent.append(queued.popleft())
             try:
                 worker.conn.send(worker.sent[-1][1])
-            except (BrokenPipeError, ConnectionResetError):  # it died: `_collect` finds it and re-queues the job
+            except (
+                BrokenPipeError,
+                ConnectionResetError,
+            ):  # it died: `_collect` finds it and re-queues the job
                 return
 
-    def _collect(self, queued: deque[tuple[int, Job]], timeout: float | None = None) -> dict[int, Result]:
+    def _collect(
+        self, queued: deque[tuple[int, Job]], timeout: float | None = None
+    ) -> dict[int, Result]:
         """Wait (at most `timeout` seconds; None: until a worker with jobs has answered one or died) and take
         the results there are, by job index. A dead worker's current job gets a crash result, the jobs it had
         not started go back to the front of `queued`, and a fresh worker takes its place."""
@@ -211,7 +226,9 @@ class WorkerPool:
             if dead:
                 worker.process.join()
                 if worker.sent:
-                    results[worker.sent.popleft()[0]] = Result(crash=_death(worker.process.exitcode))
+                    results[worker.sent.popleft()[0]] = Result(
+                        crash=_death(worker.process.exitcode)
+                    )
                 queued.extendleft(reversed(worker.sent))
                 worker.conn.close()
                 self._workers[position] = self._start()
@@ -243,7 +260,9 @@ def _stop(workers: list[_Worker]) -> None:
 
 def _death(exitcode: int | None) -> str:
     if exitcode is not None and exitcode < 0:
-        return f"its worker process was killed by {signal.Signals(-exitcode).name} while it answered"
+        return (
+            f"its worker process was killed by {signal.Signals(-exitcode).name} while it answered"
+        )
     return f"its worker process exited with code {exitcode} while it answered"
 
 
@@ -258,10 +277,14 @@ def _work(conn: Connection, inherited: list[Connection], serve: Serve, threads: 
     its pipe only once every copy of the pool's end is closed)."""
     for end in inherited:
         end.close()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the pool's process's to handle; it ends the workers
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # Ctrl-C is the pool's process's to handle; it ends the workers
     forwarded = _forward_logs()
     if threads is not None:
-        sys.modules["torch"].set_num_threads(threads)  # the parent's count: the same kernels, the same sums
+        sys.modules["torch"].set_num_threads(
+            threads
+        )  # the parent's count: the same kernels, the same sums
     inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
     threading.Thread(target=_read_jobs, args=(conn, inbox), daemon=True).start()
     while (job := inbox.get()) is not None:
@@ -291,8 +314,23 @@ def _read_jobs(conn: Connection, inbox: queue.SimpleQueue[Job | None]) -> None:
             return
 
 
-_RECORD_FIELDS = ("name", "levelno", "levelname", "pathname", "filename", "module", "lineno", "funcName", "created",
-                  "msecs", "relativeCreated", "process", "processName", "exc_text", "stack_info")
+_RECORD_FIELDS = (
+    "name",
+    "levelno",
+    "levelname",
+    "pathname",
+    "filename",
+    "module",
+    "lineno",
+    "funcName",
+    "created",
+    "msecs",
+    "relativeCreated",
+    "process",
+    "processName",
+    "exc_text",
+    "stack_info",
+)
 
 
 class _Forward(logging.Handler):
@@ -303,7 +341,9 @@ class _Forward(logging.Handler):
         self.records: list[dict[str, Any]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        entry = {key: getattr(record, key) for key in _RECORD_FIELDS}  # not `extra`s, which may not pickle
+        entry = {
+            key: getattr(record, key) for key in _RECORD_FIELDS
+        }  # not `extra`s, which may not pickle
         entry["msg"] = record.getMessage()
         if record.exc_info:
             entry["exc_text"] = logging.Formatter().formatException(record.exc_info)
@@ -321,7 +361,10 @@ def _forward_logs() -> _Forward:
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
     forward = _Forward()
-    loggers = [logging.getLogger(), *(lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger))]
+    loggers = [
+        logging.getLogger(),
+        *(lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger)),
+    ]
     for logger in loggers:
         if logger.handlers or logger is logging.root:
             logger.handlers = [forward]

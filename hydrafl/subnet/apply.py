@@ -48,7 +48,9 @@ class _GradientMask:
         return grad * self.mask.to(dtype=grad.dtype, device=grad.device)
 
 
-def _freeze_dropped_heads(model: nn.Module, spec: SubnetSpec, arch: Architecture, handle: SubnetHandle) -> None:
+def _freeze_dropped_heads(
+    model: nn.Module, spec: SubnetSpec, arch: Architecture, handle: SubnetHandle
+) -> None:
     params = dict(model.named_parameters())
     for name, sl in trainable_slices(model, spec, arch).items():
         if sl.dim is not None:  # a tensor some dropped head owns part of
@@ -93,7 +95,9 @@ class SubnetHandle:
         self.remove()
 
 
-def apply_spec(model: nn.Module, spec: SubnetSpec, arch: Architecture | None = None) -> SubnetHandle:
+def apply_spec(
+    model: nn.Module, spec: SubnetSpec, arch: Architecture | None = None
+) -> SubnetHandle:
     """Make `model` train only the subnetwork `spec`, in place, until `handle.remove()`.
 
     - Unselected layers: their trainable parameters get requires_grad=False (marked, so `trainable_slices`
@@ -116,7 +120,9 @@ def apply_spec(model: nn.Module, spec: SubnetSpec, arch: Architecture | None = N
     try:
         for name, p in model.named_parameters():
             layer = arch.layer_of(name)
-            freeze = (layer is None and not spec.train_outside) or (layer is not None and layer not in spec.layers)
+            freeze = (layer is None and not spec.train_outside) or (
+                layer is not None and layer not in spec.layers
+            )
             if freeze and p.requires_grad:
                 p.requires_grad_(False)
                 setattr(p, _FROZEN_MARK, True)
@@ -133,7 +139,9 @@ def apply_spec(model: nn.Module, spec: SubnetSpec, arch: Architecture | None = N
                 continue
             keep = torch.zeros(arch.num_groups)
             keep[list(kept)] = 1.0
-            handle._hooks.append(model.get_submodule(ref.o).register_forward_pre_hook(_HeadMask(keep)))
+            handle._hooks.append(
+                model.get_submodule(ref.o).register_forward_pre_hook(_HeadMask(keep))
+            )
         if spec.freeze_heads and spec.heads is not None:
             _freeze_dropped_heads(model, spec, arch, handle)
         if spec.is_width:
@@ -149,13 +157,17 @@ class _WidthMask:
 
     def __init__(self, spec: SubnetSpec, generator: torch.Generator) -> None:
         self.spec, self.generator = spec, generator
-        self.choices = tuple(v for v in spec.width_levels if v < spec.width_ratio) + (spec.width_ratio,)
+        self.choices = tuple(v for v in spec.width_levels if v < spec.width_ratio) + (
+            spec.width_ratio,
+        )
         self.ratio = spec.width_ratio
         self._masks: dict[tuple[float, int, int], torch.Tensor] = {}
 
     def draw(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if len(self.choices) > 1:
-            self.ratio = self.choices[int(torch.randint(len(self.choices), (), generator=self.generator))]
+            self.ratio = self.choices[
+                int(torch.randint(len(self.choices), (), generator=self.generator))
+            ]
 
     def mask(self, period: int, length: int, like: torch.Tensor) -> torch.Tensor:
         key = (self.ratio, period, length)
@@ -179,7 +191,9 @@ class _WidthMask:
         return hook
 
 
-def _add_width_hooks(model: nn.Module, spec: SubnetSpec, arch: Architecture, handle: SubnetHandle) -> None:
+def _add_width_hooks(
+    model: nn.Module, spec: SubnetSpec, arch: Architecture, handle: SubnetHandle
+) -> None:
     """Mask q/k outputs and o inputs per head dim, and the FFN output projection's input per hidden unit."""
     width = handle._width = _WidthMask(spec, torch.Generator().manual_seed(spec.width_seed))
     handle._hooks.append(model.register_forward_pre_hook(width.draw))
@@ -188,15 +202,23 @@ def _add_width_hooks(model: nn.Module, spec: SubnetSpec, arch: Architecture, han
         if ref.index not in spec.layers:
             continue
         if not has_module(model, f"{ref.name}.{ffn_out}"):
-            raise SpecError(f"layer {ref.index} has no FFN output projection {ffn_out!r}; cannot apply a width")
+            raise SpecError(
+                f"layer {ref.index} has no FFN output projection {ffn_out!r}; cannot apply a width"
+            )
         for path in (ref.q, ref.k):
-            handle._hooks.append(model.get_submodule(path).register_forward_hook(width.output_hook(arch.head_dim)))
-        handle._hooks.append(model.get_submodule(ref.o).register_forward_pre_hook(width.input_hook(arch.head_dim)))
+            handle._hooks.append(
+                model.get_submodule(path).register_forward_hook(width.output_hook(arch.head_dim))
+            )
+        handle._hooks.append(
+            model.get_submodule(ref.o).register_forward_pre_hook(width.input_hook(arch.head_dim))
+        )
         out = model.get_submodule(f"{ref.name}.{ffn_out}")
         handle._hooks.append(out.register_forward_pre_hook(width.input_hook(None)))
 
 
-def trainable_slices(model: nn.Module, spec: SubnetSpec, arch: Architecture | None = None) -> dict[str, Slice]:
+def trainable_slices(
+    model: nn.Module, spec: SubnetSpec, arch: Architecture | None = None
+) -> dict[str, Slice]:
     """Exactly the coordinates the subnetwork trains, per parameter name (names of `model.named_parameters()`).
 
     Considered tensors are the federated trainable ones (requires_grad, or frozen by `apply_spec`); under LoRA
@@ -225,8 +247,13 @@ def trainable_slices(model: nn.Module, spec: SubnetSpec, arch: Architecture | No
             slices[name] = Slice(None)
             continue
         dims = arch.kv_dims(kept) if role in ("k", "v") else arch.query_dims(kept)
-        if p.shape[axis] != (arch.num_kv_heads if role in ("k", "v") else arch.num_heads) * arch.head_dim:
-            raise ValueError(f"{name} has shape {tuple(p.shape)}; axis {axis} does not match the head layout")
+        if (
+            p.shape[axis]
+            != (arch.num_kv_heads if role in ("k", "v") else arch.num_heads) * arch.head_dim
+        ):
+            raise ValueError(
+                f"{name} has shape {tuple(p.shape)}; axis {axis} does not match the head layout"
+            )
         slices[name] = Slice(axis, tuple(dims))
     return slices
 
@@ -243,7 +270,11 @@ def width_layout(model: nn.Module, arch: Architecture | None = None) -> dict[str
         if layer is not None and axis is None and (axis := ffn_width_axis(name, layer)) is not None:
             period = p.shape[axis]
         layer = -1 if layer is None else layer
-        layout[name] = WidthAxis(layer, -1, 0, tuple(p.shape)) if axis is None else WidthAxis(layer, axis, period, tuple(p.shape))
+        layout[name] = (
+            WidthAxis(layer, -1, 0, tuple(p.shape))
+            if axis is None
+            else WidthAxis(layer, axis, period, tuple(p.shape))
+        )
     return layout
 
 

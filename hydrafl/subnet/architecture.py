@@ -65,7 +65,12 @@ class Architecture:
     def query_dims(self, groups: Iterable[int]) -> list[int]:
         """Dims of the q output / o input owned by the query heads of `groups`."""
         d = self.head_dim
-        return [i for g in sorted(groups) for h in self.query_heads(g) for i in range(h * d, (h + 1) * d)]
+        return [
+            i
+            for g in sorted(groups)
+            for h in self.query_heads(g)
+            for i in range(h * d, (h + 1) * d)
+        ]
 
     def kv_dims(self, groups: Iterable[int]) -> list[int]:
         """Dims of the k/v outputs owned by the KV heads of `groups`."""
@@ -107,7 +112,10 @@ def find_architecture(model: nn.Module) -> Architecture:
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
         for pattern in PATTERNS:
-            if all(all(has_module(child, p) for p in (pattern.q, pattern.k, pattern.v, pattern.o)) for child in module):
+            if all(
+                all(has_module(child, p) for p in (pattern.q, pattern.k, pattern.v, pattern.o))
+                for child in module
+            ):
                 found.append((name, module, pattern))
     if not found:
         raise ValueError(
@@ -115,19 +123,27 @@ def find_architecture(model: nn.Module) -> Architecture:
             + "; ".join(f"{p.family}: {p.q}, {p.k}, {p.v}, {p.o}" for p in PATTERNS)
         )
     if len(found) > 1:
-        raise ValueError(f"several transformer layer lists found ({[f[0] for f in found]}); only one is supported")
+        raise ValueError(
+            f"several transformer layer lists found ({[f[0] for f in found]}); only one is supported"
+        )
     list_name, layer_list, pattern = found[0]
     layers, shapes = [], set()
     for i, layer in enumerate(layer_list):
         base = f"{list_name}.{i}"
         attention = layer.get_submodule(pattern.attention)
-        head_dim = getattr(attention, "head_dim", None) or getattr(attention, "attention_head_size", None)
+        head_dim = getattr(attention, "head_dim", None) or getattr(
+            attention, "attention_head_size", None
+        )
         q = _base_linear(layer.get_submodule(pattern.q))
         k = _base_linear(layer.get_submodule(pattern.k))
         o = _base_linear(layer.get_submodule(pattern.o))
         if not head_dim or q.out_features % head_dim or k.out_features % head_dim:
-            raise ValueError(f"cannot infer the head size of layer {i} ({type(attention).__name__})")
-        shapes.add((q.out_features // head_dim, k.out_features // head_dim, int(head_dim), o.out_features))
+            raise ValueError(
+                f"cannot infer the head size of layer {i} ({type(attention).__name__})"
+            )
+        shapes.add(
+            (q.out_features // head_dim, k.out_features // head_dim, int(head_dim), o.out_features)
+        )
         layers.append(
             LayerRef(
                 index=i,

@@ -29,34 +29,49 @@ from hydrafl.subnet.spec import SubnetSpec
 from hydrafl.subnet.width import ffn_width_axis, width_window
 
 
-def parameter_count(model: nn.Module, spec: SubnetSpec | None = None, *, trainable_only: bool = True) -> int:
+def parameter_count(
+    model: nn.Module, spec: SubnetSpec | None = None, *, trainable_only: bool = True
+) -> int:
     """Elements of the (trainable) parameters; with `spec`, of the coordinates the subnetwork trains."""
     if spec is not None:
         if not trainable_only:
-            raise ValueError("a subnetwork count is a count of trained coordinates: use trainable_only=True")
+            raise ValueError(
+                "a subnetwork count is a count of trained coordinates: use trainable_only=True"
+            )
         params = dict(model.named_parameters())
-        return sum(sl.numel(params[name].shape) for name, sl in trainable_slices(model, spec).items())
+        return sum(
+            sl.numel(params[name].shape) for name, sl in trainable_slices(model, spec).items()
+        )
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
-def parameter_bytes(model: nn.Module, spec: SubnetSpec | None = None, *, trainable_only: bool = True) -> int:
+def parameter_bytes(
+    model: nn.Module, spec: SubnetSpec | None = None, *, trainable_only: bool = True
+) -> int:
     """Like `parameter_count`, in bytes of each tensor's dtype (what a full or sliced payload carries)."""
     if spec is not None:
         if not trainable_only:
-            raise ValueError("a subnetwork count is a count of trained coordinates: use trainable_only=True")
+            raise ValueError(
+                "a subnetwork count is a count of trained coordinates: use trainable_only=True"
+            )
         params = dict(model.named_parameters())
         return sum(
             sl.numel(params[name].shape) * params[name].element_size()
             for name, sl in trainable_slices(model, spec).items()
         )
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad or not trainable_only)
+    return sum(
+        p.numel() * p.element_size()
+        for p in model.parameters()
+        if p.requires_grad or not trainable_only
+    )
 
 
 def _matmul_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [
         (name, m)
         for name, m in model.named_modules()
-        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)) and ".original_module" not in f".{name}"
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
+        and ".original_module" not in f".{name}"
     ]
 
 
@@ -80,7 +95,11 @@ def forward_flops(
         if not executed and spec is not None and layer in spec.layers:
             if spec.is_width:
                 fraction = _width_fraction(arch, spec, name, layer, axis, module.weight.shape)
-            elif role is not None and axis is not None and (kept := spec.heads_for(layer)) is not None:
+            elif (
+                role is not None
+                and axis is not None
+                and (kept := spec.heads_for(layer)) is not None
+            ):
                 fraction = len(kept) / arch.num_groups
         touched += numel * fraction
     attention = 0

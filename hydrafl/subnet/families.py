@@ -28,11 +28,29 @@ class FamilyPattern:
 # only prefixes the layer list's path with `base_model.model.`.
 PATTERNS: tuple[FamilyPattern, ...] = (
     FamilyPattern(
-        "bert", "attention.self", "attention.self.query", "attention.self.key", "attention.self.value",
+        "bert",
+        "attention.self",
+        "attention.self.query",
+        "attention.self.key",
+        "attention.self.value",
         "attention.output.dense",
     ),
-    FamilyPattern("vit", "attention", "attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj"),
-    FamilyPattern("llama", "self_attn", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
+    FamilyPattern(
+        "vit",
+        "attention",
+        "attention.q_proj",
+        "attention.k_proj",
+        "attention.v_proj",
+        "attention.o_proj",
+    ),
+    FamilyPattern(
+        "llama",
+        "self_attn",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+    ),
 )
 
 FFN_PATTERNS: Mapping[str, tuple[tuple[str, ...], str]] = {

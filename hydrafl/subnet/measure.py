@@ -51,7 +51,12 @@ def measure_layer_cost(
 
     top_s, top_bytes = step((num_layers - 1,))
     if num_layers == 1:
-        return LayerCost(fixed_s=top_s / 2, per_layer_s=top_s / 2, fixed_bytes=top_bytes / 2, per_layer_bytes=top_bytes / 2)
+        return LayerCost(
+            fixed_s=top_s / 2,
+            per_layer_s=top_s / 2,
+            fixed_bytes=top_bytes / 2,
+            per_layer_bytes=top_bytes / 2,
+        )
     all_s, all_bytes = step(tuple(range(num_layers)))
     per_layer_s = max(all_s - top_s, 0.0) / (num_layers - 1)
     per_layer_bytes = max(all_bytes - top_bytes, 0.0) / (num_layers - 1)

@@ -93,7 +93,9 @@ def layer_importance(
         for x, y in _samples(batches, max_samples):
             if method == "fisher":
                 for i in range(len(y)):
-                    grads = torch.autograd.grad(loss_fn(model, _one(x, i), y[i : i + 1]), params, allow_unused=True)
+                    grads = torch.autograd.grad(
+                        loss_fn(model, _one(x, i), y[i : i + 1]), params, allow_unused=True
+                    )
                     for j, g in enumerate(grads):
                         if g is not None:
                             acc[j] += g.double().pow(2).sum()
@@ -140,7 +142,9 @@ class _HeadGates:
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         x = args[0]
-        gate = torch.ones(x.shape[0], self.num_groups, dtype=x.dtype, device=x.device, requires_grad=True)
+        gate = torch.ones(
+            x.shape[0], self.num_groups, dtype=x.dtype, device=x.device, requires_grad=True
+        )
         self.gates.append(gate)
         view = (x.shape[0],) + (1,) * (x.dim() - 2) + (self.num_groups, 1)
         return ((x.unflatten(-1, (self.num_groups, -1)) * gate.view(view)).flatten(-2), *args[1:])
@@ -191,7 +195,10 @@ def head_importance(
     hooks = []
     if method == "taylor":
         gates = [_HeadGates(arch.num_groups) for _ in arch.layers]
-        hooks = [model.get_submodule(ref.o).register_forward_pre_hook(g) for ref, g in zip(arch.layers, gates)]
+        hooks = [
+            model.get_submodule(ref.o).register_forward_pre_hook(g)
+            for ref, g in zip(arch.layers, gates)
+        ]
         try:
             with _scoring_mode(model, []):
                 for x, y in _samples(batches, max_samples):
@@ -214,19 +221,26 @@ def head_importance(
             def hook(module: nn.Module, args: Any, output: Any) -> None:
                 weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
                 if weights is None:
-                    raise RuntimeError(f"layer {index} attention returned no weights even in eager mode")
+                    raise RuntimeError(
+                        f"layer {index} attention returned no weights even in eager mode"
+                    )
                 captured[index] = weights.detach()
 
             return hook
 
-        hooks = [model.get_submodule(ref.attention).register_forward_hook(capture(ref.index)) for ref in arch.layers]
+        hooks = [
+            model.get_submodule(ref.attention).register_forward_hook(capture(ref.index))
+            for ref in arch.layers
+        ]
         try:
             with _scoring_mode(model, []), eager_attention(model), torch.no_grad():
                 for x, y in _samples(batches, max_samples):
                     captured.clear()
                     loss_fn(model, x, y)
                     for i, w in captured.items():  # w: [batch, heads, queries, keys]
-                        per_head = w.double().amax(-1).mean(-1).sum(0)  # [heads], summed over the batch
+                        per_head = (
+                            w.double().amax(-1).mean(-1).sum(0)
+                        )  # [heads], summed over the batch
                         acc[i] += per_head.view(arch.num_groups, arch.group_size).mean(-1)
                     total += len(y)
         finally:

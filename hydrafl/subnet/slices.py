@@ -70,7 +70,9 @@ class Slice:
         if self.dim is None:
             target.add_(values, alpha=alpha)
         else:
-            target.index_add_(self.dim, self._index.to(target.device), values.to(target.dtype), alpha=alpha)
+            target.index_add_(
+                self.dim, self._index.to(target.device), values.to(target.dtype), alpha=alpha
+            )
 
     def mask(self, shape: Sequence[int]) -> torch.Tensor:
         """Boolean tensor of `shape`, True on the sliced coordinates (m_kj of the masked aggregation)."""
@@ -89,11 +91,17 @@ def layout_slices(layout: Layout, spec: SubnetSpec) -> dict[str, Slice]:
         elif layer in spec.layers:
             kept = spec.heads_for(layer)
             whole = axis < 0 or kept is None
-            slices[name] = Slice(None) if whole else Slice(axis, [i for g in kept for i in range(g * unit, (g + 1) * unit)])
+            slices[name] = (
+                Slice(None)
+                if whole
+                else Slice(axis, [i for g in kept for i in range(g * unit, (g + 1) * unit)])
+            )
     return slices
 
 
-def read_slices(trained: Mapping[str, Slice], layers: Mapping[str, int], spec: SubnetSpec) -> dict[str, Slice]:
+def read_slices(
+    trained: Mapping[str, Slice], layers: Mapping[str, int], spec: SubnetSpec
+) -> dict[str, Slice]:
     """The coordinates a subnetwork's forward pass reads, which is all a site has to download: what it trains
     (`trained`, from `trainable_slices` or the coordinator's layout), and every other federated tensor whole
     (`layers`: per name its layer, -1 outside the layers) except those of the layers `spec.bypass` skips.
@@ -107,7 +115,9 @@ def read_slices(trained: Mapping[str, Slice], layers: Mapping[str, int], spec: S
     }
 
 
-def extract(state: Mapping[str, torch.Tensor], slices: Mapping[str, Slice]) -> dict[str, torch.Tensor]:
+def extract(
+    state: Mapping[str, torch.Tensor], slices: Mapping[str, Slice]
+) -> dict[str, torch.Tensor]:
     """The sliced coordinates of `state`, one compact tensor per name (same dtype)."""
     missing = [name for name in slices if name not in state]
     if missing:
@@ -116,7 +126,9 @@ def extract(state: Mapping[str, torch.Tensor], slices: Mapping[str, Slice]) -> d
 
 
 def merge(
-    base: Mapping[str, torch.Tensor], slices: Mapping[str, Slice], extracted: Mapping[str, torch.Tensor]
+    base: Mapping[str, torch.Tensor],
+    slices: Mapping[str, Slice],
+    extracted: Mapping[str, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
     """`base` with every slice overwritten by `extracted` (new tensors for those names; others shared)."""
     out = dict(base)
@@ -134,7 +146,9 @@ def payload_bytes(extracted: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in extracted.values())
 
 
-def coordinate_masks(slices: Mapping[str, Slice], state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def coordinate_masks(
+    slices: Mapping[str, Slice], state: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Full-shape boolean masks of the sliced coordinates (for masked per-coordinate aggregation)."""
     return {name: sl.mask(state[name].shape) for name, sl in slices.items()}
 

@@ -80,24 +80,37 @@ class SubnetSpec:
                 raise SpecError(
                     f"heads must give one tuple per selected layer: {len(layers)} layers, {len(heads)} head tuples"
                 )
-            heads = tuple(_int_tuple(h, f"head indices of layer {layer}") for layer, h in zip(layers, heads))
+            heads = tuple(
+                _int_tuple(h, f"head indices of layer {layer}") for layer, h in zip(layers, heads)
+            )
             for layer, h in zip(layers, heads):
                 if not h:
-                    raise SpecError(f"empty selection: layer {layer} keeps no heads (drop the layer instead)")
+                    raise SpecError(
+                        f"empty selection: layer {layer} keeps no heads (drop the layer instead)"
+                    )
             order = sorted(range(len(layers)), key=lambda i: layers[i])
             heads = tuple(tuple(sorted(heads[i])) for i in order)
         ratio = self.width_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < float(ratio) <= 1.0:
+        if (
+            isinstance(ratio, bool)
+            or not isinstance(ratio, (int, float))
+            or not 0.0 < float(ratio) <= 1.0
+        ):
             raise SpecError(f"width_ratio must be a number in (0, 1], got {ratio!r}")
         for key in ("width_offset", "width_seed"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise SpecError(f"{key} must be an integer >= 0, got {value!r}")
         levels = tuple(self.width_levels)
-        if not all(not isinstance(v, bool) and isinstance(v, (int, float)) and 0.0 < v <= 1.0 for v in levels):
+        if not all(
+            not isinstance(v, bool) and isinstance(v, (int, float)) and 0.0 < v <= 1.0
+            for v in levels
+        ):
             raise SpecError(f"width_levels must be numbers in (0, 1], got {list(levels)}")
         if heads is not None and (float(ratio) < 1.0 or levels):
-            raise SpecError("a SubnetSpec selects heads or a width (width_ratio < 1 / width_levels), not both")
+            raise SpecError(
+                "a SubnetSpec selects heads or a width (width_ratio < 1 / width_levels), not both"
+            )
         object.__setattr__(self, "layers", tuple(sorted(layers)))
         object.__setattr__(self, "heads", heads)
         object.__setattr__(self, "width_ratio", float(ratio))
@@ -141,7 +154,9 @@ class SubnetSpec:
 
     # ---- ConfigRecord (flat: str/int/float/bool and lists of one scalar type, no nested dicts) ----
 
-    def to_config(self, prefix: str = protocol.SUBNET_PREFIX) -> dict[str, int | float | bool | str | list[int]]:
+    def to_config(
+        self, prefix: str = protocol.SUBNET_PREFIX
+    ) -> dict[str, int | float | bool | str | list[int]]:
         """Flat dict for a Flower ConfigRecord. Ragged per-layer heads are stored as counts + concatenation."""
         config: dict[str, Any] = {
             f"{prefix}layers": list(self.layers),
@@ -162,7 +177,9 @@ class SubnetSpec:
         return config
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any], prefix: str = protocol.SUBNET_PREFIX) -> SubnetSpec:
+    def from_config(
+        cls, config: Mapping[str, Any], prefix: str = protocol.SUBNET_PREFIX
+    ) -> SubnetSpec:
         """Inverse of `to_config`; raises SpecError naming the missing or malformed key."""
 
         def get(key: str, types: tuple[type, ...], default: Any = None) -> Any:
@@ -177,9 +194,13 @@ class SubnetSpec:
                     raise SpecError(f"{name!r} must be a list of integers, got {value!r}")
                 return list(value)
             if isinstance(value, bool) and bool not in types:
-                raise SpecError(f"{name!r} must be {'/'.join(t.__name__ for t in types)}, got {value!r}")
+                raise SpecError(
+                    f"{name!r} must be {'/'.join(t.__name__ for t in types)}, got {value!r}"
+                )
             if not isinstance(value, types):
-                raise SpecError(f"{name!r} must be {'/'.join(t.__name__ for t in types)}, got {value!r}")
+                raise SpecError(
+                    f"{name!r} must be {'/'.join(t.__name__ for t in types)}, got {value!r}"
+                )
             return value
 
         layers = get("layers", (list,))
@@ -187,8 +208,10 @@ class SubnetSpec:
         if not get("all-heads", (bool,)):
             counts = get("head-counts", (list,))
             flat = get("heads", (list,))
-            if len(counts) != len(layers) or sum(counts) != len(flat) or any(
-                isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts
+            if (
+                len(counts) != len(layers)
+                or sum(counts) != len(flat)
+                or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts)
             ):
                 raise SpecError(
                     f"{prefix}head-counts {counts} does not split {prefix}heads (length {len(flat)}) "

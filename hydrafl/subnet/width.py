@@ -70,7 +70,9 @@ def width_layout_from_heads(
         shape, period = tuple(shapes[name]), head_dim.get(layer, 0)
         if layer >= 0 and axis < 0 and (ffn := ffn_width_axis(name, layer)) is not None:
             axis, period = ffn, shape[ffn]
-        out[name] = WidthAxis(layer, axis, period, shape) if axis >= 0 else WidthAxis(layer, -1, 0, shape)
+        out[name] = (
+            WidthAxis(layer, axis, period, shape) if axis >= 0 else WidthAxis(layer, -1, 0, shape)
+        )
     return out
 
 
@@ -90,9 +92,13 @@ def width_slices(layout: WidthLayout, spec: SubnetSpec) -> dict[str, Slice]:
             slices[name] = Slice(None)
             continue
         if period <= 0 or shape[axis] % period:
-            raise SpecError(f"{name} has {shape[axis]} channels along axis {axis}, not whole blocks of {period}")
+            raise SpecError(
+                f"{name} has {shape[axis]} channels along axis {axis}, not whole blocks of {period}"
+            )
         window = width_window(period, spec.width_ratio, spec.width_offset)
-        slices[name] = Slice(axis, tuple(b * period + j for b in range(shape[axis] // period) for j in window))
+        slices[name] = Slice(
+            axis, tuple(b * period + j for b in range(shape[axis] // period) for j in window)
+        )
     return slices
 
 

@@ -28,7 +28,13 @@ from flwr.serverapp.strategy import Strategy
 from hydrafl import protocol
 from hydrafl.arrays import keep_dtypes
 from hydrafl.rounds import RoundRecord
-from hydrafl.server.aggregation.driver import DriverConfig, RoundCallback, RoundDriver, RoundFailed, RunResult
+from hydrafl.server.aggregation.driver import (
+    DriverConfig,
+    RoundCallback,
+    RoundDriver,
+    RoundFailed,
+    RunResult,
+)
 from hydrafl.strategies.hooks import BuffersUpdates, QueriesSites, restore_strategy_state
 
 log = logging.getLogger(__name__)
@@ -94,7 +100,9 @@ class WallClock:
 Clock = VirtualClock | WallClock
 
 
-def simulated_speeds(contexts: Mapping[int, Context], speeds: tuple[float, ...]) -> dict[int, float]:
+def simulated_speeds(
+    contexts: Mapping[int, Context], speeds: tuple[float, ...]
+) -> dict[int, float]:
     """Each simulated site's relative speed: its partition's entry of the run's `site_speeds`, cycled (as
     `site_app.site_speed` reads it), its own node_config `speed` first; 1.0 when neither is set."""
     out = {}
@@ -108,9 +116,19 @@ def simulated_speeds(contexts: Mapping[int, Context], speeds: tuple[float, ...])
 class AsyncDriver(RoundDriver):
     """Runs `config.num_rounds` buffer steps of a `BuffersUpdates` strategy over `grid`, replies from `clock`."""
 
-    def __init__(self, grid: Grid, strategy: Strategy, config: DriverConfig, clock: Clock, *, evaluate_every: int = 1) -> None:
+    def __init__(
+        self,
+        grid: Grid,
+        strategy: Strategy,
+        config: DriverConfig,
+        clock: Clock,
+        *,
+        evaluate_every: int = 1,
+    ) -> None:
         if not isinstance(strategy, BuffersUpdates):
-            raise TypeError(f"{type(strategy).__name__} has no buffer: the asynchronous driver needs a BuffersUpdates strategy")
+            raise TypeError(
+                f"{type(strategy).__name__} has no buffer: the asynchronous driver needs a BuffersUpdates strategy"
+            )
         super().__init__(grid, strategy, config)
         self.clock = clock
         self.evaluate_every = evaluate_every
@@ -119,13 +137,23 @@ class AsyncDriver(RoundDriver):
         self.failures: Counter[int] = Counter()
         self.local_rounds: Counter[int] = Counter()
 
-    def run(self, start: Callable[[], ArrayRecord], *, resume: bool = False, on_round: RoundCallback | None = None) -> RunResult:
+    def run(
+        self,
+        start: Callable[[], ArrayRecord],
+        *,
+        resume: bool = False,
+        on_round: RoundCallback | None = None,
+    ) -> RunResult:
         """`start` gives the initial arrays; it is called only when there is no checkpoint to resume from, so a
         restarted coordinator asks no site for a model (or a curvature probe) it already has."""
         history, version = [], 0
         checkpoint = self._load_for_resume() if resume else None
         if checkpoint is not None:
-            arrays, history, version = checkpoint.arrays, checkpoint.history, checkpoint.server_round
+            arrays, history, version = (
+                checkpoint.arrays,
+                checkpoint.history,
+                checkpoint.server_round,
+            )
             restore_strategy_state(self.strategy, checkpoint.strategy_state)
             log.info("resuming after model version %d", version)
         else:
@@ -135,13 +163,17 @@ class AsyncDriver(RoundDriver):
             return RunResult(arrays=arrays, history=history)
         record, started = RoundRecord(round=version + 1), time.perf_counter()
         if isinstance(self.strategy, QueriesSites):
-            self._query_round(version + 1, arrays, ConfigRecord(dict(self.config.train_config)), record)
+            self._query_round(
+                version + 1, arrays, ConfigRecord(dict(self.config.train_config)), record
+            )
         for node in sorted(self.grid.get_node_ids()):
             self._dispatch(node, arrays, version, record)
         while version < self.config.num_rounds:
             reply = self._receive(version)
             node, sent_version = self.sent.pop(reply.metadata.reply_to_message_id)
-            valid = next(self._valid_replies(version + 1, [reply], arrays, record), None)  # checked and decoded
+            valid = next(
+                self._valid_replies(version + 1, [reply], arrays, record), None
+            )  # checked and decoded
             if valid is None:
                 self.failures[node] += 1
                 record.sites_failed += 1
@@ -159,12 +191,19 @@ class AsyncDriver(RoundDriver):
     def _dispatch(self, node: int, arrays: ArrayRecord, version: int, record: RoundRecord) -> None:
         """Send `node` the model of `version` (the site's own local round count as its round, so its batches move on)."""
         self.local_rounds[node] += 1
-        config = ConfigRecord({**self.config.train_config, protocol.SERVER_ROUND: self.local_rounds[node],
-                               protocol.MODEL_VERSION: version})
+        config = ConfigRecord(
+            {
+                **self.config.train_config,
+                protocol.SERVER_ROUND: self.local_rounds[node],
+                protocol.MODEL_VERSION: version,
+            }
+        )
         message = self.strategy.train_message(node, arrays, config)
         if message is None:
             return
-        message.metadata.group_id = str(version)  # the coordinator keeps a version's messages while one is open
+        message.metadata.group_id = str(
+            version
+        )  # the coordinator keeps a version's messages while one is open
         self._count_down([message], record)
         self.sent[self.clock.send(message)] = (node, version)
 
@@ -179,19 +218,30 @@ class AsyncDriver(RoundDriver):
         try:
             return self.clock.receive(self.config.timeout_s)
         except TimeoutError as error:
-            raise RoundFailed(f"step {version + 1}: {error}; the run stops with model version {version} saved") from None
+            raise RoundFailed(
+                f"step {version + 1}: {error}; the run stops with model version {version} saved"
+            ) from None
 
-    def _step(self, arrays: ArrayRecord, version: int, record: RoundRecord, started: float) -> ArrayRecord:
+    def _step(
+        self, arrays: ArrayRecord, version: int, record: RoundRecord, started: float
+    ) -> ArrayRecord:
         """The buffer's step into model `version + 1`, evaluated when due; `record` filled in."""
         stepped = time.perf_counter()
         new_arrays, metrics, report = self.strategy.step(arrays)
         record.aggregation_s = time.perf_counter() - stepped
         new_arrays = keep_dtypes(new_arrays, arrays)
         if report.skipped:
-            log.warning("step %d: buffer skipped, ESS %.2f below ess-min (nodes %s)", version + 1, report.ess, report.nodes)
+            log.warning(
+                "step %d: buffer skipped, ESS %.2f below ess-min (nodes %s)",
+                version + 1,
+                report.ess,
+                report.nodes,
+            )
         record.staleness, record.update_weights = list(report.staleness), list(report.weights)
         record.ess, record.virtual_s = report.ess, self.clock.virtual_s
-        record.train_loss = None if metrics is None or "train_loss" not in metrics else float(metrics["train_loss"])
+        record.train_loss = (
+            None if metrics is None or "train_loss" not in metrics else float(metrics["train_loss"])
+        )
         if (version + 1) % self.evaluate_every == 0 or version + 1 == self.config.num_rounds:
             evaluation = self._evaluate_round(version + 1, new_arrays)
             record.loss, record.accuracy = evaluation.loss, evaluation.accuracy
@@ -201,7 +251,13 @@ class AsyncDriver(RoundDriver):
         record.oldest_open = min((sent for _, sent in self.sent.values()), default=version + 1)
         return new_arrays
 
-    def _close(self, record: RoundRecord, history: list, arrays: ArrayRecord, on_round: RoundCallback | None) -> None:
+    def _close(
+        self,
+        record: RoundRecord,
+        history: list,
+        arrays: ArrayRecord,
+        on_round: RoundCallback | None,
+    ) -> None:
         history.append(asdict(record))
         self._log_round(record, history, arrays)
         if on_round:

@@ -53,7 +53,9 @@ def load_checkpoint(run_dir: Path) -> Checkpoint | None:
         with path.open("rb") as handle:
             checkpoint = pickle.load(handle)
     except (pickle.UnpicklingError, EOFError, AttributeError) as error:
-        raise CheckpointError(f"checkpoint {path} is unreadable ({error}); delete it to start over") from error
+        raise CheckpointError(
+            f"checkpoint {path} is unreadable ({error}); delete it to start over"
+        ) from error
     if not isinstance(checkpoint, Checkpoint):
         raise CheckpointError(f"{path} is not a hydrafl checkpoint")
     return checkpoint

@@ -38,8 +38,17 @@ from hydrafl.compression.receive import decode_reply
 from hydrafl.privacy.ledger import PrivacyLedger
 from hydrafl.rounds import ROUNDS_TSV_COLUMNS, RoundRecord, metric
 from hydrafl.secagg import SecAggError, SecAggParams
-from hydrafl.server.aggregation.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
-from hydrafl.server.aggregation.pseudo_gradients import DeltaMoments, ZeroDeltaError, cosine_to_reference
+from hydrafl.server.aggregation.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    load_checkpoint,
+    save_checkpoint,
+)
+from hydrafl.server.aggregation.pseudo_gradients import (
+    DeltaMoments,
+    ZeroDeltaError,
+    cosine_to_reference,
+)
 from hydrafl.server.aggregation.screening import AuditsRejections, Screening, screen_replies
 from hydrafl.server.aggregation.secure_round import SecureRound
 from hydrafl.strategies import hooks
@@ -102,21 +111,35 @@ class RoundDriver:
         self.grid = grid
         self.strategy = strategy
         self.config = config
-        self.weights_from_deltas = not (isinstance(strategy, hooks.ConsumesDeltas) and strategy.consumes_deltas)
-        self.weighted_by_key: str = strategy.weighted_by_key if isinstance(strategy, FedAvg) else protocol.WEIGHT
+        self.weights_from_deltas = not (
+            isinstance(strategy, hooks.ConsumesDeltas) and strategy.consumes_deltas
+        )
+        self.weighted_by_key: str = (
+            strategy.weighted_by_key if isinstance(strategy, FedAvg) else protocol.WEIGHT
+        )
         self.privacy = PrivacyLedger.from_run_config(config.run_config, config.secagg)
         self.scheme = Scheme.from_config(config.train_config)
         """How sites compress their updates (`--compress`); replies are decoded as they arrive."""
         self.downloads = DownloadCompression.from_config(config.train_config)
         """What each site holds of the model (`--compress-downloads`): train and evaluate messages carry changes."""
 
-    def run(self, start: Callable[[], ArrayRecord], *, resume: bool = False, on_round: RoundCallback | None = None) -> RunResult:
+    def run(
+        self,
+        start: Callable[[], ArrayRecord],
+        *,
+        resume: bool = False,
+        on_round: RoundCallback | None = None,
+    ) -> RunResult:
         """`start` gives the initial arrays; it is called only when there is no checkpoint to resume from, so a
         restarted coordinator asks no site for a model (or a curvature probe) it already has."""
         history, first_round = [], 1
         checkpoint = self._load_for_resume() if resume else None
         if checkpoint is not None:
-            arrays, history, first_round = checkpoint.arrays, checkpoint.history, checkpoint.server_round + 1
+            arrays, history, first_round = (
+                checkpoint.arrays,
+                checkpoint.history,
+                checkpoint.server_round + 1,
+            )
             hooks.restore_strategy_state(self.strategy, checkpoint.strategy_state)
             self.privacy.restore(history)
             log.info("resuming after round %d", checkpoint.server_round)
@@ -146,7 +169,9 @@ class RoundDriver:
                 on_round(record)
         return RunResult(arrays=arrays, history=history)
 
-    def _train_round(self, server_round: int, arrays: ArrayRecord) -> tuple[ArrayRecord, RoundRecord]:
+    def _train_round(
+        self, server_round: int, arrays: ArrayRecord
+    ) -> tuple[ArrayRecord, RoundRecord]:
         random.seed(self.config.seed * 100_003 + server_round)  # Flower samples nodes with `random`
         config = ConfigRecord(dict(self.config.train_config))
         record = RoundRecord(round=server_round)
@@ -157,9 +182,13 @@ class RoundDriver:
         wire = self.downloads.prepare(messages, server_round)
         self._count_down(wire, record)
         if self.config.secagg is None:
-            valid: Iterable[Message] = self._valid_replies(server_round, self._exchange(wire, server_round), arrays, record)
+            valid: Iterable[Message] = self._valid_replies(
+                server_round, self._exchange(wire, server_round), arrays, record
+            )
         else:
-            secure = SecureRound(self._exchange, self.config.secagg, self.weighted_by_key, self.strategy)
+            secure = SecureRound(
+                self._exchange, self.config.secagg, self.weighted_by_key, self.strategy
+            )
             try:
                 valid = [secure.train(server_round, messages, arrays, record)]
             except SecAggError as error:
@@ -170,56 +199,81 @@ class RoundDriver:
                 self._reject(server_round, node, reason, record)
             record.sites_ok -= len(rejected)
         flower_validates = _flower_validates(self.strategy.aggregate_train)
-        if (flower_validates or self.config.diagnostics) and self.config.secagg is None:  # secagg: one reply
-            valid = self._collect(server_round, messages, valid, record, consistent=flower_validates)
+        if (
+            flower_validates or self.config.diagnostics
+        ) and self.config.secagg is None:  # secagg: one reply
+            valid = self._collect(
+                server_round, messages, valid, record, consistent=flower_validates
+            )
         received = _as_weights(valid, arrays) if self.weights_from_deltas else valid
         waited = _Waited()
         aggregation_started = time.perf_counter()
         try:
-            summed = self.config.secagg is not None and isinstance(self.strategy, hooks.TakesSecureSums)
+            summed = self.config.secagg is not None and isinstance(
+                self.strategy, hooks.TakesSecureSums
+            )
             aggregate = self.strategy.aggregate_summed if summed else self.strategy.aggregate_train
             new_arrays, train_metrics = aggregate(server_round, _timed(received, waited))
         except Exception:
             deque(valid, maxlen=0)
-            self._require_sites(server_round, len(messages), record)  # too few sites is the failure to report
+            self._require_sites(
+                server_round, len(messages), record
+            )  # too few sites is the failure to report
             raise
         record.aggregation_s = time.perf_counter() - aggregation_started - waited.seconds
         deque(valid, maxlen=0)  # replies the strategy did not ask for still count
         self._require_sites(server_round, len(messages), record)
         if new_arrays is None:
-            raise RoundFailed(f"round {server_round}: the strategy produced no model from {record.sites_ok} replies")
+            raise RoundFailed(
+                f"round {server_round}: the strategy produced no model from {record.sites_ok} replies"
+            )
         new_arrays = keep_dtypes(new_arrays, arrays)
         self.privacy.close_round(record)
         record.train_loss = _metric(train_metrics, "train_loss")
         return new_arrays, record
 
-    def _query_round(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, record: RoundRecord) -> None:
+    def _query_round(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, record: RoundRecord
+    ) -> None:
         """The strategy's questions before training (a planning round), exchanged like the round's own
         messages: same deadline and group id, their bytes counted in the round's."""
         queries = list(self.strategy.configure_query(server_round, arrays, config, self.grid))
         if not queries:
             return
         self._count_down(queries, record)
-        replies = sorted(self._exchange(queries, server_round), key=lambda reply: reply.metadata.src_node_id)
+        replies = sorted(
+            self._exchange(queries, server_round), key=lambda reply: reply.metadata.src_node_id
+        )
         for reply in replies:
             if not reply.has_error():
                 self._count_up(reply, record)
         self.strategy.aggregate_query(server_round, replies)
 
     def _valid_replies(
-        self, server_round: int, replies: Iterable[Message], arrays: ArrayRecord, record: RoundRecord
+        self,
+        server_round: int,
+        replies: Iterable[Message],
+        arrays: ArrayRecord,
+        record: RoundRecord,
     ) -> Iterator[Message]:
         """Each reply that passes the checks, as it arrives, with its bytes, data hash and counters recorded: the
         strategy can aggregate it before the next one is produced. A failed site is logged and skipped."""
         for reply in replies:
             if reply.has_error():
-                log.warning("round %d: site %d failed: %s", server_round, reply.metadata.src_node_id, reply.error.reason)
+                log.warning(
+                    "round %d: site %d failed: %s",
+                    server_round,
+                    reply.metadata.src_node_id,
+                    reply.error.reason,
+                )
                 continue
             sent_bytes = _array_bytes(reply)  # what travelled, before decoding
             try:
                 reply = decode_reply(reply, self.scheme)
             except CompressionError as error:
-                self._reject(server_round, reply.metadata.src_node_id, f"invalid update: {error}", record)
+                self._reject(
+                    server_round, reply.metadata.src_node_id, f"invalid update: {error}", record
+                )
                 continue
             if reason := self._invalid_reason(reply, arrays):
                 self._reject(server_round, reply.metadata.src_node_id, reason, record)
@@ -229,8 +283,10 @@ class RoundDriver:
             record.data_hash_per_site[node] = _data_hash(reply)
             self.privacy.note_reply(reply, record)
             site_metrics = records(reply.content, MetricRecord)[0]
-            for key, per_site in ((protocol.TRAINABLE_PARAMS, record.trainable_params_per_site),
-                                  (protocol.PEAK_MEMORY, record.peak_memory_per_site)):
+            for key, per_site in (
+                (protocol.TRAINABLE_PARAMS, record.trainable_params_per_site),
+                (protocol.PEAK_MEMORY, record.peak_memory_per_site),
+            ):
                 if key in site_metrics:
                     per_site[node] = int(site_metrics[key])
             record.sites_ok += 1
@@ -244,8 +300,13 @@ class RoundDriver:
             self.grid.record_rejection(node, server_round, reason)
 
     def _collect(
-        self, server_round: int, messages: Sequence[Message], valid: Iterable[Message], record: RoundRecord,
-        *, consistent: bool,
+        self,
+        server_round: int,
+        messages: Sequence[Message],
+        valid: Iterable[Message],
+        record: RoundRecord,
+        *,
+        consistent: bool,
     ) -> list[Message]:
         """All valid replies at once, in node order (any grid: the same sums), for what needs every reply
         together: Flower's aggregation (after the consistent-majority filter) and the diagnostics' two passes."""
@@ -269,19 +330,27 @@ class RoundDriver:
             )
 
     def _diagnose(
-        self, server_round: int, messages: Sequence[Message], valid: Sequence[Message], record: RoundRecord
+        self,
+        server_round: int,
+        messages: Sequence[Message],
+        valid: Sequence[Message],
+        record: RoundRecord,
     ) -> None:
         """B_pg over the valid deltas, streamed; the cosine to the reference site's delta from the same start."""
         moments = DeltaMoments()
         try:
             for reply in valid:
                 weight = float(records(reply.content, MetricRecord)[0][self.weighted_by_key])
-                moments.add({name: array_view(a) for name, a in _delta_record(reply).items()}, weight)
+                moments.add(
+                    {name: array_view(a) for name, a in _delta_record(reply).items()}, weight
+                )
             if len(valid) >= 2:
                 record.noise_scale = moments.noise_scale()
             if self.config.reference_node is not None:
                 reference = Message(
-                    messages[0].content, dst_node_id=self.config.reference_node, message_type=messages[0].metadata.message_type
+                    messages[0].content,
+                    dst_node_id=self.config.reference_node,
+                    message_type=messages[0].metadata.message_type,
                 )
                 [reply] = self._exchange([reference], server_round)
                 if reply.has_error():
@@ -289,22 +358,37 @@ class RoundDriver:
                 decode_reply(reply, self.scheme)
                 pooled = {name: _tensor(array_view(a)) for name, a in _delta_record(reply).items()}
                 record.full_data_cosine = cosine_to_reference(moments.mean(), pooled)
-        except (KeyError, ValueError, ZeroDeltaError) as error:  # e.g. Hydra: sites send different tensors
+        except (
+            KeyError,
+            ValueError,
+            ZeroDeltaError,
+        ) as error:  # e.g. Hydra: sites send different tensors
             log.warning("round %d: pseudo-gradient diagnostics undefined: %s", server_round, error)
 
     def _evaluate_round(self, server_round: int, arrays: ArrayRecord) -> RoundRecord:
         config = ConfigRecord(dict(self.config.evaluate_config))
         messages = list(self.strategy.configure_evaluate(server_round, arrays, config, self.grid))
-        messages = self.downloads.prepare(messages, server_round, full=server_round == self.config.num_rounds)
+        messages = self.downloads.prepare(
+            messages, server_round, full=server_round == self.config.num_rounds
+        )
         record = RoundRecord(round=server_round)
         self._count_down(messages, record)
-        if self.config.secagg is not None:  # the sites' metrics and example counts are summed masked, too
+        if (
+            self.config.secagg is not None
+        ):  # the sites' metrics and example counts are summed masked, too
             return self._secure_evaluation(server_round, messages, record)
         replies = []
-        for reply in sorted(self._exchange(messages, server_round), key=lambda reply: reply.metadata.src_node_id):
+        for reply in sorted(
+            self._exchange(messages, server_round), key=lambda reply: reply.metadata.src_node_id
+        ):
             reason = reply.error.reason if reply.has_error() else self._invalid_evaluation(reply)
             if reason:
-                log.warning("round %d: site %d failed evaluation: %s", server_round, reply.metadata.src_node_id, reason)
+                log.warning(
+                    "round %d: site %d failed evaluation: %s",
+                    server_round,
+                    reply.metadata.src_node_id,
+                    reason,
+                )
                 continue
             replies.append(reply)
         if _flower_validates(self.strategy.aggregate_evaluate):
@@ -316,17 +400,29 @@ class RoundDriver:
         record.loss, record.accuracy = _metric(metrics, "loss"), _metric(metrics, "accuracy")
         return record
 
-    def _secure_evaluation(self, server_round: int, messages: Sequence[Message], record: RoundRecord) -> RoundRecord:
+    def _secure_evaluation(
+        self, server_round: int, messages: Sequence[Message], record: RoundRecord
+    ) -> RoundRecord:
         """Evaluation under secure aggregation (`SecureRound.evaluate`); when it cannot complete, the round
         reports no loss or accuracy rather than any site's in the clear."""
         if len(messages) < 2:
-            log.warning("round %d: secure evaluation needs at least 2 sites, %d asked; no evaluation", server_round, len(messages))
+            log.warning(
+                "round %d: secure evaluation needs at least 2 sites, %d asked; no evaluation",
+                server_round,
+                len(messages),
+            )
             return record
-        secure = SecureRound(self._exchange, self.config.secagg, self.weighted_by_key, self.strategy)
+        secure = SecureRound(
+            self._exchange, self.config.secagg, self.weighted_by_key, self.strategy
+        )
         try:
             reply = secure.evaluate(server_round, messages, record)
         except SecAggError as error:
-            log.warning("round %d: secure evaluation failed, no evaluation this round: %s", server_round, error)
+            log.warning(
+                "round %d: secure evaluation failed, no evaluation this round: %s",
+                server_round,
+                error,
+            )
             return record
         metrics = self.strategy.aggregate_evaluate(server_round, [reply])
         record.loss, record.accuracy = _metric(metrics, "loss"), _metric(metrics, "accuracy")
@@ -336,9 +432,13 @@ class RoundDriver:
         """The replies as the grid yields them (in the order they arrive), so none need wait for the others."""
         if not messages:
             return iter(())
-        for message in messages:  # Flower's strategies leave group_id empty; runtimes key rounds on it
+        for (
+            message
+        ) in messages:  # Flower's strategies leave group_id empty; runtimes key rounds on it
             message.metadata.group_id = str(server_round)
-        return self.downloads.settle(messages, self.grid.send_and_receive(messages, timeout=self.config.timeout_s))
+        return self.downloads.settle(
+            messages, self.grid.send_and_receive(messages, timeout=self.config.timeout_s)
+        )
 
     def _invalid_reason(self, reply: Message, arrays: ArrayRecord) -> str:
         # a subnetwork strategy (Hydra and the width baselines) accepts each site's slices, not whole tensors
@@ -358,9 +458,12 @@ class RoundDriver:
         return ""
 
     @staticmethod
-    def _consistent(server_round: int, replies: list[Message], *, with_arrays: bool) -> list[Message]:
+    def _consistent(
+        server_round: int, replies: list[Message], *, with_arrays: bool
+    ) -> list[Message]:
         """The replies whose metric names (and array names) agree with most others: Flower's own aggregation
         refuses a whole round when any reply is laid out differently."""
+
         def layout(reply: Message) -> tuple:
             return (metric_layout(reply), array_names(reply) if with_arrays else ())
 
@@ -368,7 +471,8 @@ class RoundDriver:
         for reply in dropped:
             log.warning(
                 "round %d: site %d failed: its reply's metric or array names differ from the other sites'",
-                server_round, reply.metadata.src_node_id,
+                server_round,
+                reply.metadata.src_node_id,
             )
         return kept
 
@@ -397,7 +501,9 @@ class RoundDriver:
         saved = {k: v for k, v in checkpoint.run_config.items() if k not in ("rounds", "resume")}
         current = {k: v for k, v in self.config.run_config.items() if k not in ("rounds", "resume")}
         defaults = self.config.run_config_defaults
-        added = sorted(k for k in current.keys() - saved.keys() if k in defaults and current[k] == defaults[k])
+        added = sorted(
+            k for k in current.keys() - saved.keys() if k in defaults and current[k] == defaults[k]
+        )
         # a saved key this run does not have (another strategy's knob in an older checkpoint) configures nothing
         changed = sorted(k for k in current if saved.get(k) != current[k] and k not in added)
         if changed:
@@ -407,11 +513,14 @@ class RoundDriver:
         if added:
             log.warning(
                 "resuming %s, written before these keys existed; they take their defaults: %s",
-                self.config.run_dir, ", ".join(f"{k}={defaults[k]!r}" for k in added),
+                self.config.run_dir,
+                ", ".join(f"{k}={defaults[k]!r}" for k in added),
             )
         return checkpoint
 
-    def _log_round(self, record: RoundRecord, history: list[dict[str, Any]], arrays: ArrayRecord) -> None:
+    def _log_round(
+        self, record: RoundRecord, history: list[dict[str, Any]], arrays: ArrayRecord
+    ) -> None:
         log.info(
             "round %d: loss=%s accuracy=%s sites=%d/%d up=%dB down=%dB %.2fs",
             record.round,
@@ -437,8 +546,11 @@ class RoundDriver:
             ),
         )
         rows = [RoundRecord(**entry).tsv_row() for entry in history]
-        (run_dir / "rounds.tsv").write_text("\n".join(["\t".join(ROUNDS_TSV_COLUMNS), *rows]) + "\n")
+        (run_dir / "rounds.tsv").write_text(
+            "\n".join(["\t".join(ROUNDS_TSV_COLUMNS), *rows]) + "\n"
+        )
         (run_dir / "history.json").write_text(json.dumps(history, indent=1))
+
 
 def _data_hash(reply: Message) -> str:
     """The `data-hash` a site's train reply carries in a ConfigRecord ("" from apps that send none)."""
@@ -483,7 +595,9 @@ def _timed(replies: Iterable[Message], waited: _Waited) -> Iterator[Message]:
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.array(array, dtype=np.float64))  # a writable float64 copy of a wire view
+    return torch.from_numpy(
+        np.array(array, dtype=np.float64)
+    )  # a writable float64 copy of a wire view
 
 
 def _flower_validates(method: Callable) -> bool:

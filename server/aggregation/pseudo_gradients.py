@@ -41,7 +41,9 @@ class ZeroDeltaError(ValueError):
     """A quantity is undefined because a delta (or the mean delta and the spread) is exactly zero."""
 
 
-def _flatten(delta: Delta, names: Sequence[str], shapes: Mapping[str, torch.Size], what: str) -> torch.Tensor:
+def _flatten(
+    delta: Delta, names: Sequence[str], shapes: Mapping[str, torch.Size], what: str
+) -> torch.Tensor:
     if set(delta) != set(names):
         missing, extra = sorted(set(names) - set(delta)), sorted(set(delta) - set(names))
         raise KeyError(f"{what} has different tensors: missing {missing[:5]}, extra {extra[:5]}")
@@ -49,7 +51,9 @@ def _flatten(delta: Delta, names: Sequence[str], shapes: Mapping[str, torch.Size
     for name in names:
         tensor = delta[name]
         if tensor.shape != shapes[name]:
-            raise ValueError(f"{what}: {name} has shape {tuple(tensor.shape)}, expected {tuple(shapes[name])}")
+            raise ValueError(
+                f"{what}: {name} has shape {tuple(tensor.shape)}, expected {tuple(shapes[name])}"
+            )
         parts.append(tensor.detach().to("cpu", torch.float64).reshape(-1))
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
@@ -65,9 +69,15 @@ def _stack(deltas: Sequence[Delta]) -> tuple[torch.Tensor, list[str], dict[str, 
 
 
 def _weights(weights: Sequence[float] | torch.Tensor | None, n: int) -> torch.Tensor:
-    w = torch.ones(n, dtype=torch.float64) if weights is None else torch.as_tensor(weights, dtype=torch.float64)
+    w = (
+        torch.ones(n, dtype=torch.float64)
+        if weights is None
+        else torch.as_tensor(weights, dtype=torch.float64)
+    )
     if w.shape != (n,):
-        raise ValueError(f"{w.numel()} weights for {n} deltas; pass one weight (e.g. sample count) per site")
+        raise ValueError(
+            f"{w.numel()} weights for {n} deltas; pass one weight (e.g. sample count) per site"
+        )
     if not torch.isfinite(w).all() or (w < 0).any() or float(w.sum()) <= 0:
         raise ValueError(f"weights must be finite, non-negative and not all zero; got {w.tolist()}")
     return w
@@ -110,7 +120,9 @@ def _trace_over_signal(spread: float, v1: float, v2: float, signal: float, estim
 
 
 def _float64(value: ArrayLike) -> torch.Tensor:
-    if isinstance(value, np.ndarray):  # possibly a read-only view of wire bytes: copy while converting
+    if isinstance(
+        value, np.ndarray
+    ):  # possibly a read-only view of wire bytes: copy while converting
         return torch.from_numpy(np.array(value, dtype=np.float64))
     return value.detach().to("cpu", torch.float64)
 
@@ -131,8 +143,13 @@ class DeltaMoments:
             raise ValueError(f"weight {weight} must be finite and >= 0")
         tensors = {name: _float64(value) for name, value in delta.items()}
         if self.count and set(tensors) != set(self.weighted_sum):
-            missing, extra = sorted(set(self.weighted_sum) - set(tensors)), sorted(set(tensors) - set(self.weighted_sum))
-            raise KeyError(f"delta {self.count} has different tensors: missing {missing[:5]}, extra {extra[:5]}")
+            missing, extra = (
+                sorted(set(self.weighted_sum) - set(tensors)),
+                sorted(set(tensors) - set(self.weighted_sum)),
+            )
+            raise KeyError(
+                f"delta {self.count} has different tensors: missing {missing[:5]}, extra {extra[:5]}"
+            )
         for name, tensor in tensors.items():
             if self.count and tensor.shape != self.weighted_sum[name].shape:
                 raise ValueError(
@@ -163,7 +180,10 @@ class DeltaMoments:
 
 
 def noise_scale(
-    deltas: Sequence[Delta], weights: Sequence[float] | torch.Tensor | None = None, *, estimator: str = "unbiased"
+    deltas: Sequence[Delta],
+    weights: Sequence[float] | torch.Tensor | None = None,
+    *,
+    estimator: str = "unbiased",
 ) -> float:
     """B_pg = tr(Cov[delta_site]) / ||weighted mean delta||^2; see the module docstring for the estimators."""
     if estimator not in ("unbiased", "weighted"):
@@ -173,7 +193,9 @@ def noise_scale(
     v1 = w.sum()
     mean = (w[:, None] * stacked).sum(0) / v1
     spread = float((w * (stacked - mean).pow(2).sum(1)).sum())
-    return _trace_over_signal(spread, float(v1), float(w.pow(2).sum()), float(mean.pow(2).sum()), estimator)
+    return _trace_over_signal(
+        spread, float(v1), float(w.pow(2).sum()), float(mean.pow(2).sum()), estimator
+    )
 
 
 def cosine_to_reference(mean_delta: Delta, reference_delta: Delta) -> float:
@@ -185,5 +207,7 @@ def cosine_to_reference(mean_delta: Delta, reference_delta: Delta) -> float:
     norm_a, norm_b = float(a.norm()), float(b.norm())
     if norm_a == 0.0 or norm_b == 0.0:
         which = "mean delta" if norm_a == 0.0 else "reference delta"
-        raise ZeroDeltaError(f"the {which} is zero, so it has no direction to compare; the cosine is undefined")
+        raise ZeroDeltaError(
+            f"the {which} is zero, so it has no direction to compare; the cosine is undefined"
+        )
     return max(-1.0, min(1.0, float(a @ b) / (norm_a * norm_b)))

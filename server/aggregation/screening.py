@@ -65,17 +65,23 @@ class Screening:
             limit = self.norm_factor * statistics.median(norms.values())
             for node, norm in norms.items():
                 if norm > limit:
-                    rejected[node] = f"update norm {norm:.4g} above {self.norm_factor:g} x the round's median ({limit:.4g})"
+                    rejected[node] = (
+                        f"update norm {norm:.4g} above {self.norm_factor:g} x the round's median ({limit:.4g})"
+                    )
         if self.min_cosine > -1:
             kept = {node: update for node, update in updates.items() if node not in rejected}
             for node, cosine in cosines_to_mean(kept).items():
                 if cosine < self.min_cosine:
-                    rejected[node] = f"cosine {cosine:.3f} to the round's mean update, below {self.min_cosine:g}"
+                    rejected[node] = (
+                        f"cosine {cosine:.3f} to the round's mean update, below {self.min_cosine:g}"
+                    )
         return rejected
 
 
 def update_norm(update: Update) -> float:
-    return math.sqrt(sum(float(np.square(array, dtype=np.float64).sum()) for array in update.values()))
+    return math.sqrt(
+        sum(float(np.square(array, dtype=np.float64).sum()) for array in update.values())
+    )
 
 
 def cosines_to_mean(updates: Mapping[int, Update]) -> dict[int, float]:
@@ -101,12 +107,16 @@ def cosines_to_mean(updates: Mapping[int, Update]) -> dict[int, float]:
     return cosines
 
 
-def screen_replies(screening: Screening, replies: Iterable[Message]) -> tuple[list[Message], dict[int, str]]:
+def screen_replies(
+    screening: Screening, replies: Iterable[Message]
+) -> tuple[list[Message], dict[int, str]]:
     """The replies `screening` keeps, in node order, and why each other node's was rejected. All of the round's
     replies are held first: its median norm and mean direction need them all."""
     replies = sorted(replies, key=lambda reply: reply.metadata.src_node_id)
     updates = {
-        reply.metadata.src_node_id: {name: array_view(a) for name, a in records(reply.content, ArrayRecord)[0].items()}
+        reply.metadata.src_node_id: {
+            name: array_view(a) for name, a in records(reply.content, ArrayRecord)[0].items()
+        }
         for reply in replies
     }
     rejected = screening.reasons(updates)

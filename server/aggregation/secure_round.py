@@ -33,7 +33,14 @@ from flwr.common.serde import config_record_to_proto
 
 from hydrafl import protocol
 from hydrafl.arrays import record_nbytes
-from hydrafl.secagg import SecAggError, SecAggParams, ServerSession, decode_metrics, decode_sum, wire
+from hydrafl.secagg import (
+    SecAggError,
+    SecAggParams,
+    ServerSession,
+    decode_metrics,
+    decode_sum,
+    wire,
+)
 from hydrafl.secagg.noise import DistributedNoise
 from hydrafl.secagg.quantize import METRIC_SLOTS
 from hydrafl.strategies.hooks import TakesSecureSums
@@ -67,7 +74,13 @@ class RoundCounters(Protocol):
 class SecureRound:
     """Runs one round's secure aggregation; `bytes` and `seconds` are the protocol's own cost afterwards."""
 
-    def __init__(self, exchange: Exchange, params: SecAggParams, weighted_by_key: str, strategy: object = None) -> None:
+    def __init__(
+        self,
+        exchange: Exchange,
+        params: SecAggParams,
+        weighted_by_key: str,
+        strategy: object = None,
+    ) -> None:
         self.exchange = exchange
         self.params = params
         self.weighted_by_key = weighted_by_key
@@ -77,7 +90,13 @@ class SecureRound:
         self.survivors: list[int] = []
         self.bytes_up_per_site: dict[str, int] = {}
 
-    def train(self, server_round: int, messages: Sequence[Message], arrays: ArrayRecord, record: RoundCounters) -> Message:
+    def train(
+        self,
+        server_round: int,
+        messages: Sequence[Message],
+        arrays: ArrayRecord,
+        record: RoundCounters,
+    ) -> Message:
         """The synthetic reply of the round's `messages` (train messages, one per site) from `arrays`; the
         protocol's bytes and seconds, the survivors and their uploads go into `record` (also when it halts)."""
         try:
@@ -89,7 +108,9 @@ class SecureRound:
         record.bytes_up += sum(self.bytes_up_per_site.values())
         return reply
 
-    def evaluate(self, server_round: int, messages: Sequence[Message], record: RoundCounters) -> Message:
+    def evaluate(
+        self, server_round: int, messages: Sequence[Message], record: RoundCounters
+    ) -> Message:
         """The synthetic evaluate reply of the round's evaluate `messages`: the survivors' weighted mean of each
         of EVALUATE_METRICS and their total weight, summed by the same protocol (a round of its own, purpose
         "evaluate"), so no site's loss, accuracy or example count reaches the coordinator."""
@@ -101,25 +122,40 @@ class SecureRound:
         record.sites_ok = len(self.survivors)
         record.bytes_up_per_site.update(self.bytes_up_per_site)
         record.bytes_up += sum(self.bytes_up_per_site.values())
-        content = RecordDict({"metrics": MetricRecord({**means, self.weighted_by_key: int(weights[0])})})
+        content = RecordDict(
+            {"metrics": MetricRecord({**means, self.weighted_by_key: int(weights[0])})}
+        )
         return Message(content, reply_to=messages[0])
 
-    def _train(self, server_round: int, messages: Sequence[Message], arrays: ArrayRecord) -> Message:
+    def _train(
+        self, server_round: int, messages: Sequence[Message], arrays: ArrayRecord
+    ) -> Message:
         layout = self._layout(messages, arrays)
         size = sum(math.prod(arrays[name].shape) for name in layout.names)
         length = 2 * size if layout.per_coordinate else 1 + size
-        if self.params.dp_clip:  # before any site is asked: a sum that could wrap is refused, not decoded
+        if (
+            self.params.dp_clip
+        ):  # before any site is asked: a sum that could wrap is refused, not decoded
             DistributedNoise.of(layout.scaled(self.params), size, len(messages)).check_range()
-        weights, weighted, means = self._protocol(server_round, messages, layout, length, "train", arrays)
+        weights, weighted, means = self._protocol(
+            server_round, messages, layout, length, "train", arrays
+        )
         if layout.per_coordinate:
-            content = {"sums": _unflatten(weighted, arrays, layout.names, "float32"),
-                       "weights": _unflatten(weights.astype(np.float64), arrays, layout.names, "float32")}
+            content = {
+                "sums": _unflatten(weighted, arrays, layout.names, "float32"),
+                "weights": _unflatten(weights.astype(np.float64), arrays, layout.names, "float32"),
+            }
         else:
             content = {"arrays": _unflatten(weighted / weights[0], arrays, layout.names)}
         return _summed_reply(messages[0], content, int(weights.max()), self.weighted_by_key, means)
 
     def _protocol(
-        self, server_round: int, messages: Sequence[Message], layout: wire.Layout, length: int, purpose: str,
+        self,
+        server_round: int,
+        messages: Sequence[Message],
+        layout: wire.Layout,
+        length: int,
+        purpose: str,
         arrays: ArrayRecord | None = None,
     ) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
         """One secure round over `messages` (vectors of `length` elements, then the layout's metric slots):
@@ -130,24 +166,45 @@ class SecureRound:
         started = time.perf_counter()
         session = ServerSession.start(server_round, participants, params, length)
         setup = wire.keys_request(server_round, participants, params, layout)
-        self._ask(server_round, protocol.QUERY_SECAGG_KEYS, {n: setup for n in participants},
-                  lambda node, record: session.receive_keys(node, wire.parse_keys_reply(record)))
-        requests = {node: wire.shares_request(node, session.keys_for(node)) for node in session.keys}
-        self._ask(server_round, protocol.QUERY_SECAGG_SHARES, requests,
-                  lambda node, record: session.receive_shares(node, wire.parse_sealed(record)))
+        self._ask(
+            server_round,
+            protocol.QUERY_SECAGG_KEYS,
+            {n: setup for n in participants},
+            lambda node, record: session.receive_keys(node, wire.parse_keys_reply(record)),
+        )
+        requests = {
+            node: wire.shares_request(node, session.keys_for(node)) for node in session.keys
+        }
+        self._ask(
+            server_round,
+            protocol.QUERY_SECAGG_SHARES,
+            requests,
+            lambda node, record: session.receive_shares(node, wire.parse_sealed(record)),
+        )
         self.seconds += time.perf_counter() - started
-        routed = [_with_record(m, self._routed(session, m.metadata.dst_node_id, arrays is not None)) for m in messages
-                  if m.metadata.dst_node_id in session.sealed]
+        routed = [
+            _with_record(m, self._routed(session, m.metadata.dst_node_id, arrays is not None))
+            for m in messages
+            if m.metadata.dst_node_id in session.sealed
+        ]
         self.bytes += sum(_config_bytes(m.content[protocol.SECAGG_RECORD]) for m in routed)
         for reply in self.exchange(routed, server_round):
             self._receive_masked(session, reply)
         started = time.perf_counter()
         check = wire.check_request(session.check_request())
-        self._ask(server_round, protocol.QUERY_SECAGG_CHECK, {n: check for n in session.survivors},
-                  lambda node, record: session.receive_signature(node, wire.parse_check_reply(record)))
+        self._ask(
+            server_round,
+            protocol.QUERY_SECAGG_CHECK,
+            {n: check for n in session.survivors},
+            lambda node, record: session.receive_signature(node, wire.parse_check_reply(record)),
+        )
         request = wire.unmask_request(*session.unmask_request())
-        self._ask(server_round, protocol.QUERY_SECAGG_UNMASK, {n: request for n in session.signatures},
-                  lambda node, record: session.receive_unmask(node, wire.parse_unmask_reply(record)))
+        self._ask(
+            server_round,
+            protocol.QUERY_SECAGG_UNMASK,
+            {n: request for n in session.signatures},
+            lambda node, record: session.receive_unmask(node, wire.parse_unmask_reply(record)),
+        )
         total, count = session.result()
         survivors = list(session.survivors)
         cut = total.size - METRIC_SLOTS * len(layout.metrics)
@@ -155,48 +212,101 @@ class SecureRound:
         if arrays is None:
             weights, weighted = total[:1].astype(np.int64), np.zeros(0)
         else:
-            weights, weighted = decode_sum(total[:cut], count, scaled, per_coordinate=layout.per_coordinate)
+            weights, weighted = decode_sum(
+                total[:cut], count, scaled, per_coordinate=layout.per_coordinate
+            )
         decoded = decode_metrics(total[cut:], [r for _, r in layout.metrics], scaled)
         self.seconds += time.perf_counter() - started
         self.survivors = survivors
         if not weights.any():
-            raise SecAggError(f"round {server_round}: the survivors' weights sum to 0; the round halts")
-        means = {name: mean for (name, _), (mean, _) in zip(layout.metrics, decoded) if mean is not None}
+            raise SecAggError(
+                f"round {server_round}: the survivors' weights sum to 0; the round halts"
+            )
+        means = {
+            name: mean for (name, _), (mean, _) in zip(layout.metrics, decoded) if mean is not None
+        }
         return weights, weighted, means
 
     def _layout(self, messages: Sequence[Message], arrays: ArrayRecord) -> wire.Layout:
         if self.subnets is not None:
             names = list(arrays)
-            return wire.Layout(self.weighted_by_key, names, True, self.subnets.count_once,
-                               [tuple(arrays[name].shape) for name in names], list(TRAIN_METRICS))
+            return wire.Layout(
+                self.weighted_by_key,
+                names,
+                True,
+                self.subnets.count_once,
+                [tuple(arrays[name].shape) for name in names],
+                list(TRAIN_METRICS),
+            )
         names = list(records(messages[0].content, ArrayRecord)[0])
         if any(list(records(m.content, ArrayRecord)[0]) != names for m in messages):
-            raise SecAggError("the strategy sent sites different arrays: their updates cannot be summed")
-        return wire.Layout(self.weighted_by_key, names, count_once=bool(self.params.dp_clip), metrics=list(TRAIN_METRICS))
+            raise SecAggError(
+                "the strategy sent sites different arrays: their updates cannot be summed"
+            )
+        return wire.Layout(
+            self.weighted_by_key,
+            names,
+            count_once=bool(self.params.dp_clip),
+            metrics=list(TRAIN_METRICS),
+        )
 
     def _routed(self, session: ServerSession, node: int, train: bool) -> dict:
         """What a site's train message carries for the protocol: its shares, and a subnetwork's slices."""
         routed = {**wire.sealed_record(session.shares_for(node)), "length": session.length}
         if self.subnets is not None and train:
-            routed.update(wire.slices_record({n: (sl.dim, sl.index) for n, sl in self.subnets.site_slices(node).items()}))
+            routed.update(
+                wire.slices_record(
+                    {n: (sl.dim, sl.index) for n, sl in self.subnets.site_slices(node).items()}
+                )
+            )
         return routed
 
-    def _ask(self, server_round: int, kind: str, requests: dict[int, dict], accept: Callable[[int, ConfigRecord], None]) -> None:
+    def _ask(
+        self,
+        server_round: int,
+        kind: str,
+        requests: dict[int, dict],
+        accept: Callable[[int, ConfigRecord], None],
+    ) -> None:
         """Asks `kind` of each site and hands each answer to `accept`; a site whose answer is an error or
         malformed (`accept` raised SecAggError, changing nothing) is left out of the rest of the round."""
-        queries = [Message(RecordDict({protocol.SECAGG_RECORD: ConfigRecord(request)}), dst_node_id=node,
-                           message_type=kind) for node, request in requests.items()]
-        log.info("round %d: secure aggregation waits for %d sites to answer %s (a site that does not answer "
-                 "drops out at the round's deadline)", server_round, len(queries), kind)
+        queries = [
+            Message(
+                RecordDict({protocol.SECAGG_RECORD: ConfigRecord(request)}),
+                dst_node_id=node,
+                message_type=kind,
+            )
+            for node, request in requests.items()
+        ]
+        log.info(
+            "round %d: secure aggregation waits for %d sites to answer %s (a site that does not answer "
+            "drops out at the round's deadline)",
+            server_round,
+            len(queries),
+            kind,
+        )
         self.bytes += sum(_config_bytes(q.content[protocol.SECAGG_RECORD]) for q in queries)
-        for reply in sorted(self.exchange(queries, server_round), key=lambda r: r.metadata.src_node_id):
+        for reply in sorted(
+            self.exchange(queries, server_round), key=lambda r: r.metadata.src_node_id
+        ):
             node = reply.metadata.src_node_id
             if reply.has_error():
-                log.warning("round %d: site %d failed %s: %s", server_round, node, kind, reply.error.reason)
+                log.warning(
+                    "round %d: site %d failed %s: %s", server_round, node, kind, reply.error.reason
+                )
                 continue
-            record = reply.content.get(protocol.SECAGG_RECORD) if protocol.SECAGG_RECORD in reply.content else None
+            record = (
+                reply.content.get(protocol.SECAGG_RECORD)
+                if protocol.SECAGG_RECORD in reply.content
+                else None
+            )
             if not isinstance(record, ConfigRecord) or len(reply.content) != 1:
-                log.warning("round %d: site %d answered %s without its one secure-aggregation record", server_round, node, kind)
+                log.warning(
+                    "round %d: site %d answered %s without its one secure-aggregation record",
+                    server_round,
+                    node,
+                    kind,
+                )
                 continue
             self.bytes += _config_bytes(record)
             try:
@@ -212,8 +322,14 @@ class SecureRound:
             if reply.has_error():
                 raise SecAggError(reply.error.reason)
             arrays = records(reply.content, ArrayRecord)
-            if len(arrays) != 1 or list(arrays[0]) != [protocol.SECAGG_MASKED] or len(reply.content) != 1:
-                raise SecAggError(f"expected one ArrayRecord holding {protocol.SECAGG_MASKED!r} and nothing else")
+            if (
+                len(arrays) != 1
+                or list(arrays[0]) != [protocol.SECAGG_MASKED]
+                or len(reply.content) != 1
+            ):
+                raise SecAggError(
+                    f"expected one ArrayRecord holding {protocol.SECAGG_MASKED!r} and nothing else"
+                )
             array = arrays[0][protocol.SECAGG_MASKED]
             if array.dtype != "uint32" or tuple(array.shape) != (session.length,):
                 raise SecAggError(f"the masked vector must be uint32 of shape ({session.length},)")
@@ -227,27 +343,43 @@ class SecureRound:
 def _with_record(message: Message, routed: dict) -> Message:
     """A copy of a train message that also carries what is routed to its site (strategies share one
     RecordDict among all their messages, so it is never edited in place)."""
-    content = RecordDict({**dict(message.content.items()), protocol.SECAGG_RECORD: ConfigRecord(routed)})
-    return Message(content, dst_node_id=message.metadata.dst_node_id, message_type=message.metadata.message_type)
+    content = RecordDict(
+        {**dict(message.content.items()), protocol.SECAGG_RECORD: ConfigRecord(routed)}
+    )
+    return Message(
+        content,
+        dst_node_id=message.metadata.dst_node_id,
+        message_type=message.metadata.message_type,
+    )
 
 
-def _unflatten(flat: np.ndarray, arrays: ArrayRecord, names: list[str], dtype: str | None = None) -> ArrayRecord:
+def _unflatten(
+    flat: np.ndarray, arrays: ArrayRecord, names: list[str], dtype: str | None = None
+) -> ArrayRecord:
     """`flat` cut into `names`' shapes (in `arrays`' dtypes unless `dtype`)."""
     out, offset = {}, 0
     for name in names:
         shape = tuple(arrays[name].shape)
         size = math.prod(shape)
-        out[name] = Array(flat[offset:offset + size].reshape(shape).astype(dtype or arrays[name].dtype))
+        out[name] = Array(
+            flat[offset : offset + size].reshape(shape).astype(dtype or arrays[name].dtype)
+        )
         offset += size
     return ArrayRecord(out)
 
 
 def _summed_reply(
-    template: Message, arrays: dict[str, ArrayRecord], total_weight: int, weighted_by_key: str, means: dict[str, float],
+    template: Message,
+    arrays: dict[str, ArrayRecord],
+    total_weight: int,
+    weighted_by_key: str,
+    means: dict[str, float],
 ) -> Message:
     """One reply standing for all survivors: their weighted mean delta (or per-coordinate sums), their total
     weight, and the weighted mean of each metric decoded from the masked sum (`TRAIN_METRICS`)."""
-    content = RecordDict({**arrays, "metrics": MetricRecord({**means, weighted_by_key: total_weight})})
+    content = RecordDict(
+        {**arrays, "metrics": MetricRecord({**means, weighted_by_key: total_weight})}
+    )
     return Message(content, reply_to=template)
 
 

@@ -37,7 +37,9 @@ __all__ = [
 ]
 
 
-def _require_real(name: str, value: object, *, low: float, low_open: bool, high: float | None = None) -> None:
+def _require_real(
+    name: str, value: object, *, low: float, low_open: bool, high: float | None = None
+) -> None:
     """Reject non-finite numbers and values outside the given range, so a bad setup fails at construction."""
     upper = "inf)" if high is None else f"{high:g})"
     valid = f"{'(' if low_open else '['}{low:g}, {upper}"
@@ -96,7 +98,9 @@ class StabilityVerdict:
     def to_dict(self) -> dict[str, bool | float]:
         """Plain bool/float values, ready for JSON run reports."""
         return {
-            f.name: bool(getattr(self, f.name)) if f.name == "stable" else float(getattr(self, f.name))
+            f.name: bool(getattr(self, f.name))
+            if f.name == "stable"
+            else float(getattr(self, f.name))
             for f in fields(self)
         }
 
@@ -133,7 +137,12 @@ def stability_limit(u: float, mu: float, nesterov: bool = True) -> float:
     if not 0.0 < u < u_limit(mu, nesterov):
         return 0.0
     if nesterov:
-        return u * (1 - mu + mu * u) * (2 * (1 + mu) - (1 + 2 * mu) * u) / (1 + mu + mu * (1 + 2 * mu) * u)
+        return (
+            u
+            * (1 - mu + mu * u)
+            * (2 * (1 + mu) - (1 + 2 * mu) * u)
+            / (1 + mu + mu * (1 + 2 * mu) * u)
+        )
     return u * (1 - mu) * (2 * (1 + mu) - u) / (1 + mu)
 
 
@@ -224,10 +233,14 @@ def moment_radius(u: float, w: float, mu: float, nesterov: bool = True) -> float
 def exact_second_moment_rate(setup: OuterSetup) -> float:
     """Per-round factor rho by which E[x^2] eventually scales (ground truth for the criterion and Monte-Carlo)."""
     c, spread = mode_moments(setup)
-    return moment_radius(setup.outer_lr * c, setup.outer_lr**2 * spread, setup.momentum, setup.nesterov)
+    return moment_radius(
+        setup.outer_lr * c, setup.outer_lr**2 * spread, setup.momentum, setup.nesterov
+    )
 
 
-def monte_carlo_growth(setup: OuterSetup, rounds: int = 200, trials: int = 4000, seed: int = 0) -> float:
+def monte_carlo_growth(
+    setup: OuterSetup, rounds: int = 200, trials: int = 4000, seed: int = 0
+) -> float:
     """Simulate the model and return the per-round log growth rate of E[x^2] (its limit is log rho).
 
     Per-sample curvature is h + sqrt(v) * z with z ~ N(0, 1) (mean h, variance v; the criterion only
@@ -285,20 +298,28 @@ def plot_stable_region(
     mus = np.linspace(0.0, 0.99, 199)
 
     def edge(n_sites: int) -> np.ndarray:
-        return np.array([max_stable_outer_lr(replace(setup, sites=n_sites, momentum=float(m))) for m in mus])
+        return np.array(
+            [max_stable_outer_lr(replace(setup, sites=n_sites, momentum=float(m))) for m in mus]
+        )
 
     curves = {n: edge(n) for n in sites}
     own = curves[setup.sites] if setup.sites in curves else edge(setup.sites)
     verdict, colour = marker_style(setup)
-    gamma_max = 1.1 * max([setup.outer_lr, float(own.max()), *(float(c.max()) for c in curves.values())])
+    gamma_max = 1.1 * max(
+        [setup.outer_lr, float(own.max()), *(float(c.max()) for c in curves.values())]
+    )
 
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # only plotting needs it, not the coordinator
+    from matplotlib.backends.backend_agg import (
+        FigureCanvasAgg,
+    )  # only plotting needs it, not the coordinator
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7.0, 5.0), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    ax.fill_betweenx(mus, 0.0, own, color="tab:green", alpha=0.18, label=f"stable (M={setup.sites})")
+    ax.fill_betweenx(
+        mus, 0.0, own, color="tab:green", alpha=0.18, label=f"stable (M={setup.sites})"
+    )
     for n_sites, curve in curves.items():
         ax.plot(curve, mus, lw=1.5, label=f"edge M={n_sites}")
     ax.plot(

@@ -22,7 +22,9 @@ from sqlalchemy.engine import Connection, Engine
 
 log = logging.getLogger(__name__)
 
-FIRST_TABLES = frozenset({"sites", "runs", "messages", "replies", "audit_events", "coordinator_lease"})
+FIRST_TABLES = frozenset(
+    {"sites", "runs", "messages", "replies", "audit_events", "coordinator_lease"}
+)
 """Revision 0001's tables: a legacy database holds them all."""
 PG_LOCK_KEY = 0x68796472
 """The transaction-scoped advisory lock that makes coordinators opening one PostgreSQL database together
@@ -62,14 +64,18 @@ class SchemaState:
             return f"{self.revision}, newer than this hydrafl's head {self.head}: upgrade hydrafl"
         legacy = ", unversioned (made before migrations)" if self.legacy else ""
         if self.at_head:
-            return f"{self.revision} (head){legacy}" + ("; `hydrafl admin db upgrade` stamps it" if legacy else "")
+            return f"{self.revision} (head){legacy}" + (
+                "; `hydrafl admin db upgrade` stamps it" if legacy else ""
+            )
         return f"{self.revision}{legacy}; head is {self.head}: run `hydrafl admin db upgrade`"
 
 
 def alembic_config(connection: Connection | None = None) -> Config:
     """Alembic's configuration in code: scripts from this package (wherever it is installed), on `connection`."""
     config = Config()
-    config.set_main_option("script_location", str(Path(__file__).parent).replace("%", "%%"))  # ini interpolation
+    config.set_main_option(
+        "script_location", str(Path(__file__).parent).replace("%", "%%")
+    )  # ini interpolation
     config.set_main_option("path_separator", "os")
     config.attributes["connection"] = connection
     return config
@@ -85,7 +91,11 @@ def schema_state(connection: Connection) -> SchemaState:
     scripts = ScriptDirectory.from_config(alembic_config(connection))
     head = scripts.get_current_head()
     tables = set(inspect(connection).get_table_names())
-    revision = MigrationContext.configure(connection).get_current_revision() if "alembic_version" in tables else None
+    revision = (
+        MigrationContext.configure(connection).get_current_revision()
+        if "alembic_version" in tables
+        else None
+    )
     if revision is not None:
         try:
             scripts.get_revision(revision)

@@ -58,7 +58,9 @@ def download_model(sent_content: RecordDict) -> dict[str, tuple[int, ...]] | Non
         raise EnvelopeError(f"compressed download: {error}") from None
 
 
-def check_compressed_layout(reply: Envelope, content: RecordDict, sent: Envelope, sent_content: RecordDict) -> None:
+def check_compressed_layout(
+    reply: Envelope, content: RecordDict, sent: Envelope, sent_content: RecordDict
+) -> None:
     """Raise EnvelopeError unless `reply` declares a compressed update in the scheme `sent` asked for, over
     tensors it carried, in exactly the scheme's arrays. Call it after the records check (one ArrayRecord, one
     MetricRecord); nothing is read but the manifest."""
@@ -71,37 +73,56 @@ def check_compressed_layout(reply: Envelope, content: RecordDict, sent: Envelope
             dtype, bound = sent_shapes.get(name, (None, []))
             fits = len(shape) == len(bound) and all(n <= m for n, m in zip(shape, bound))
             if dtype != "float32" or not fits:
-                raise CompressionError(f"tensor {name!r} of shape {list(shape)} is not (a slice of) a float32 tensor sent")
-        arrays = {t.name: (t.dtype, tuple(t.shape)) for record in reply.arrays for t in record.tensors}
+                raise CompressionError(
+                    f"tensor {name!r} of shape {list(shape)} is not (a slice of) a float32 tensor sent"
+                )
+        arrays = {
+            t.name: (t.dtype, tuple(t.shape)) for record in reply.arrays for t in record.tensors
+        }
         check_layout(scheme, shapes, arrays)
     except CompressionError as error:
         raise EnvelopeError(f"compressed update: {error}") from None
 
 
 def check_compressed_values(
-    reply: Envelope, content: RecordDict, sent_content: RecordDict, chunk_bytes: Callable[[str], bytes]
+    reply: Envelope,
+    content: RecordDict,
+    sent_content: RecordDict,
+    chunk_bytes: Callable[[str], bytes],
 ) -> None:
     """Raise EnvelopeError unless the bfloat16 bits and top-k indices decode to finite values inside the update.
     Call it after the layout and chunk-size checks (each chunk then holds whole values: 1 MiB is a multiple of 4)."""
     try:
         _, shapes = _declared(content, sent_content)
         total = sum(math.prod(shape) for shape in shapes.values())
-        for tensor in (t for record in reply.arrays for t in record.tensors if t.name in CHECKED_VALUES):
+        for tensor in (
+            t for record in reply.arrays for t in record.tensors if t.name in CHECKED_VALUES
+        ):
             for digest in tensor.chunk_digests:
-                check_values(tensor.name, np.frombuffer(chunk_bytes(digest), dtype=tensor.dtype), total)
+                check_values(
+                    tensor.name, np.frombuffer(chunk_bytes(digest), dtype=tensor.dtype), total
+                )
     except CompressionError as error:
         raise EnvelopeError(f"compressed update: {error}") from None
 
 
-def _declared(content: RecordDict, sent_content: RecordDict) -> tuple[Scheme, dict[str, tuple[int, ...]]]:
+def _declared(
+    content: RecordDict, sent_content: RecordDict
+) -> tuple[Scheme, dict[str, tuple[int, ...]]]:
     """The scheme the sent message asked for and the tensors' shapes the reply declares in it."""
     scheme = _sent_scheme(sent_content)
     if not scheme.enabled:
-        raise CompressionError("the reply is compressed; the message it answers asked for no compression")
+        raise CompressionError(
+            "the reply is compressed; the message it answers asked for no compression"
+        )
     return scheme, read_description(scheme, dict(content[RECORD]))
 
 
 def _sent_scheme(sent_content: RecordDict) -> Scheme:
     """The scheme the run config of the sent message names (none when it names none)."""
-    configs = [record for record in sent_content.values() if isinstance(record, ConfigRecord) and "compress" in record]
+    configs = [
+        record
+        for record in sent_content.values()
+        if isinstance(record, ConfigRecord) and "compress" in record
+    ]
     return Scheme.from_config(configs[0]) if configs else Scheme()

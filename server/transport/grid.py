@@ -33,7 +33,13 @@ log = logging.getLogger(__name__)
 
 class CoordinatorGrid(Grid):
     def __init__(
-        self, store: Store, blobs: BlobStore, service: CoordinatorService, run_id: int, *, poll_interval_s: float = 0.5
+        self,
+        store: Store,
+        blobs: BlobStore,
+        service: CoordinatorService,
+        run_id: int,
+        *,
+        poll_interval_s: float = 0.5,
     ) -> None:
         self.store = store
         self.blobs = blobs
@@ -54,7 +60,12 @@ class CoordinatorGrid(Grid):
         return self._run
 
     def create_message(
-        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
     ) -> Message:
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
@@ -63,8 +74,15 @@ class CoordinatorGrid(Grid):
 
     def record_rejection(self, node_id: int, server_round: int, reason: str) -> None:
         """The driver rejected this site's reply (`hydrafl.server.aggregation.screening.AuditsRejections`): an audit event."""
-        name = next((site.name for site in self.store.sites() if site.node_id == node_id), str(node_id))
-        self.store.audit("update-screened", site_name=name, run_id=self._run.run_id, detail=f"round {server_round}: {reason}")
+        name = next(
+            (site.name for site in self.store.sites() if site.node_id == node_id), str(node_id)
+        )
+        self.store.audit(
+            "update-screened",
+            site_name=name,
+            run_id=self._run.run_id,
+            detail=f"round {server_round}: {reason}",
+        )
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         """Each message's chunks are stored, then made durable in one sync, before any row refers to them."""
@@ -83,9 +101,18 @@ class CoordinatorGrid(Grid):
             self._types[message_id] = message.metadata.message_type
             envelope, chunks = split_message(message, server_round, named=named)
             fresh = ((digest, data) for digest, data in chunks.items() if digest not in put)
-            self.blobs.put_stream(fresh, verified=True)  # named from these very bytes by split_message
+            self.blobs.put_stream(
+                fresh, verified=True
+            )  # named from these very bytes by split_message
             put.update(chunks)
-            stored.append((message_id, server_round, message.metadata.dst_node_id, envelope.SerializeToString()))
+            stored.append(
+                (
+                    message_id,
+                    server_round,
+                    message.metadata.dst_node_id,
+                    envelope.SerializeToString(),
+                )
+            )
         self.blobs.sync()
         self.store.add_outbounds(self._run.run_id, stored)
         for _, _, node_id, _ in stored:
@@ -121,11 +148,18 @@ class CoordinatorGrid(Grid):
             chunks = {digest: uploads.get(digest) for digest in chunk_hashes(envelope)}
             return join_message(envelope, chunks, metadata=metadata)
         except (EnvelopeError, KeyError, OSError, ValueError) as error:
-            log.error("the stored reply of node %d to %s cannot be decoded: %s", reply.node_id, metadata.reply_to_message_id, error)
+            log.error(
+                "the stored reply of node %d to %s cannot be decoded: %s",
+                reply.node_id,
+                metadata.reply_to_message_id,
+                error,
+            )
             reason = f"the coordinator could not decode this site's stored reply: {error}"
             return make_message(metadata=metadata, error=Error(ErrorCode.UNKNOWN, reason))
 
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterator[Message]:
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterator[Message]:
         """Pushes the messages now and starts the deadline; the replies follow as sites store them."""
         pending = list(self.push_messages(messages))
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -140,7 +174,11 @@ class CoordinatorGrid(Grid):
             yield from self.pull_messages(pending)
             pending = [message_id for message_id in pending if message_id not in self._pulled]
             if pending:  # woken by the next stored reply; the interval bounds a wake-up missed across processes
-                wait_s = self.poll_interval_s if deadline is None else min(self.poll_interval_s, deadline - time.monotonic())
+                wait_s = (
+                    self.poll_interval_s
+                    if deadline is None
+                    else min(self.poll_interval_s, deadline - time.monotonic())
+                )
                 self.service.mailbox.wait_for_reply(seen, max(wait_s, 0.0))
         if pending:
             self.store.close_messages(pending)

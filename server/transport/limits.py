@@ -75,7 +75,9 @@ class CallGuard:
     def call(self, node_id: int) -> Iterator[None]:
         with self._lock:
             if self._calls[node_id] >= self.limits.max_calls:
-                raise LimitExceeded(f"this site already has {self.limits.max_calls} calls in flight")
+                raise LimitExceeded(
+                    f"this site already has {self.limits.max_calls} calls in flight"
+                )
             self._calls[node_id] += 1
         try:
             yield
@@ -90,7 +92,9 @@ class CallGuard:
         with self.call(node_id):
             with self._lock:
                 if len(self._streams[node_id]) >= self.limits.max_streams:
-                    raise LimitExceeded(f"this site already has {self.limits.max_streams} chunk streams open")
+                    raise LimitExceeded(
+                        f"this site already has {self.limits.max_streams} chunk streams open"
+                    )
                 self._streams[node_id].add(stream)
             try:
                 yield stream
@@ -103,7 +107,12 @@ class CallGuard:
         while not self._stop.wait(period):
             horizon = time.monotonic() - self.limits.stream_idle_s
             with self._lock:
-                idle = [s for streams in self._streams.values() for s in streams if s.last_active < horizon]
+                idle = [
+                    s
+                    for streams in self._streams.values()
+                    for s in streams
+                    if s.last_active < horizon
+                ]
             for stream in idle:
                 stream.context.cancel()
 
@@ -155,7 +164,11 @@ class AuthThrottle:
             failures = self._recent(peer, now)
             failures.append(now)
             if len(self._failures) > 10_000:  # forget addresses with no recent failure
-                for stale in [p for p, f in self._failures.items() if not f or f[-1] < now - self.limits.auth_window_s]:
+                for stale in [
+                    p
+                    for p, f in self._failures.items()
+                    if not f or f[-1] < now - self.limits.auth_window_s
+                ]:
                     del self._failures[stale]
             return len(failures)
 

@@ -40,7 +40,9 @@ class Mailbox:
                 return False
             self._waiting += 1
             try:
-                self._changed.wait_for(lambda: self._closed or self._mail.get(node_id, 0) != seen, timeout_s)
+                self._changed.wait_for(
+                    lambda: self._closed or self._mail.get(node_id, 0) != seen, timeout_s
+                )
             finally:
                 self._waiting -= 1
             return True

@@ -37,7 +37,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hydrafl.proto.envelope import CHUNK_BYTES, UPLOADED, EnvelopeError
-from hydrafl.server.disk import ChunkStat, open_file, opened, preallocate, punch_hole, sync_filesystem
+from hydrafl.server.disk import (
+    ChunkStat,
+    open_file,
+    opened,
+    preallocate,
+    punch_hole,
+    sync_filesystem,
+)
 
 if TYPE_CHECKING:
     from hydrafl.server.blobs import BlobStore
@@ -112,7 +119,9 @@ class UploadPacks:
     # --- reading ----------------------------------------------------------------------------------------------
 
     def has(self, digest: str) -> bool:
-        return self._find(digest) is not None or (self._legacy is not None and self._legacy.has(digest))
+        return self._find(digest) is not None or (
+            self._legacy is not None and self._legacy.has(digest)
+        )
 
     def get(self, digest: str) -> bytes:
         found = self._find(digest)
@@ -176,10 +185,16 @@ class UploadPacks:
         try:
             for digest, data in chunks:
                 self.naming.check(digest)
-                if self._refresh(digest) or self._legacy_present(digest, data) or not self._claim(digest):
+                if (
+                    self._refresh(digest)
+                    or self._legacy_present(digest, data)
+                    or not self._claim(digest)
+                ):
                     present += 1
                     continue
-                pending.append(self._writers.submit(self._write, pack, pack.next_slot(), digest, data))
+                pending.append(
+                    self._writers.submit(self._write, pack, pack.next_slot(), digest, data)
+                )
                 while len(pending) > CHUNKS_IN_FLIGHT:
                     pending.popleft().result()
             while pending:
@@ -207,12 +222,16 @@ class UploadPacks:
                 self._writing.discard(digest)
                 self._written.notify_all()
 
-    def _write_claimed(self, pack: _StreamPack, index: int, digest: str, data: bytes | memoryview) -> None:
+    def _write_claimed(
+        self, pack: _StreamPack, index: int, digest: str, data: bytes | memoryview
+    ) -> None:
         if len(data) > CHUNK_BYTES:
             raise EnvelopeError(f"chunk {digest[:12]} has {len(data)} bytes; at most {CHUNK_BYTES}")
         self.naming.verify(digest, data)
         buffer = _slot_buffer()
-        np.frombuffer(buffer, np.uint8, len(data), HEADER_BYTES)[:] = np.frombuffer(data, np.uint8)  # GIL released
+        np.frombuffer(buffer, np.uint8, len(data), HEADER_BYTES)[:] = np.frombuffer(
+            data, np.uint8
+        )  # GIL released
         header = _Header(len(data), time.time(), digest)
         buffer[: _HEADER.size] = _pack_header(header)
         pack.write(memoryview(buffer)[: HEADER_BYTES + _blocks(len(data))], index)
@@ -249,7 +268,11 @@ class UploadPacks:
 
     def _legacy_present(self, digest: str, data: bytes | memoryview) -> bool:
         """Whether an earlier version's chunk file holds this chunk (its mtime refreshed by the re-put)."""
-        return self._legacy is not None and self._legacy.has(digest) and not self._legacy.put(digest, data)
+        return (
+            self._legacy is not None
+            and self._legacy.has(digest)
+            and not self._legacy.put(digest, data)
+        )
 
     def delete(self, digest: str) -> None:
         """Erase the chunk's slot (once a write of it in flight has ended); a finished pack goes with its last
@@ -329,12 +352,16 @@ class UploadPacks:
         with self._lock:
             if modified_ns == self._scanned_at_ns and not force:
                 return False
-            self._scanned_at_ns = modified_ns if time.time_ns() - modified_ns > SCAN_SETTLE_NS else -1
+            self._scanned_at_ns = (
+                modified_ns if time.time_ns() - modified_ns > SCAN_SETTLE_NS else -1
+            )
             new = [path for path in self.packs.glob(f"*{_SEALED}") if path not in self._scanned]
             self._scanned.update(new)
         for path in new:
             ref = _PackRef(path)
-            slots = [(index, header) for index, header in enumerate(_headers(path)) if header is not None]
+            slots = [
+                (index, header) for index, header in enumerate(_headers(path)) if header is not None
+            ]
             with self._lock:
                 for index, header in slots:
                     if header.digest not in self._index:
@@ -360,9 +387,13 @@ class _StreamPack:
         with self._lock:
             if self._descriptor is None:
                 self.folder.mkdir(parents=True, exist_ok=True)
-                self._descriptor = open_file(self.ref.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, direct=True)
+                self._descriptor = open_file(
+                    self.ref.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, direct=True
+                )
             index, self._slots = self._slots, self._slots + 1
-            if self._slots > self._allocated:  # 1, 2, 4, ... slots ahead: a one-chunk reply allocates one
+            if (
+                self._slots > self._allocated
+            ):  # 1, 2, 4, ... slots ahead: a one-chunk reply allocates one
                 more = min(max(self._allocated, 1), PREALLOCATE_SLOTS)
                 preallocate(self._descriptor, self._allocated * SLOT_BYTES, more * SLOT_BYTES)
                 self._allocated += more
@@ -385,7 +416,9 @@ class _StreamPack:
         finally:
             os.close(self._descriptor)
         partial = self.ref.path
-        if not self.written or not self.ref.indexed:  # none written, or all deleted while the stream ran
+        if (
+            not self.written or not self.ref.indexed
+        ):  # none written, or all deleted while the stream ran
             partial.unlink(missing_ok=True)
             return
         try:

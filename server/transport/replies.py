@@ -36,7 +36,9 @@ from hydrafl.server.transport.secagg_replies import check_secagg_reply, is_secag
 from hydrafl.updates import InvalidUpdate, check_metrics
 
 
-def allowed_reply_bytes(sent: Envelope, max_model_bytes: int, sent_content: RecordDict | None = None) -> int:
+def allowed_reply_bytes(
+    sent: Envelope, max_model_bytes: int, sent_content: RecordDict | None = None
+) -> int:
     """The most array bytes a reply to `sent` may carry: the model it stands for (what was sent, or what a
     compressed download changes), or, for a query that sent no arrays (the initial model), the coordinator's
     model limit; evaluate replies carry none (under secure aggregation, their masked vector). `sent_content`: `sent`'s records, when the caller has parsed them."""
@@ -46,7 +48,11 @@ def allowed_reply_bytes(sent: Envelope, max_model_bytes: int, sent_content: Reco
     if kind == "evaluate":
         return 0
     downloaded = download_model(parse_content(sent) if sent_content is None else sent_content)
-    sent_bytes = declared_nbytes(sent) if downloaded is None else sum(4 * math.prod(s) for s in downloaded.values())
+    sent_bytes = (
+        declared_nbytes(sent)
+        if downloaded is None
+        else sum(4 * math.prod(s) for s in downloaded.values())
+    )
     if sent_bytes:
         return sent_bytes
     return max_model_bytes if kind == "query" else 0
@@ -104,7 +110,9 @@ def check_reply(
         return
     _check_records(content, reply, sent.message_type, weighted_by_key)
     compressed = is_compressed(content)
-    if compressed:  # packed arrays of the run's scheme, held to its exact layout for the tensors sent
+    if (
+        compressed
+    ):  # packed arrays of the run's scheme, held to its exact layout for the tensors sent
         check_compressed_layout(reply, content, sent, sent_content)
     else:
         limit = allowed_reply_bytes(sent, max_model_bytes, sent_content)
@@ -114,14 +122,20 @@ def check_reply(
         check_compressed_values(reply, content, sent_content, chunk_bytes)
 
 
-def _check_records(content: RecordDict, reply: Envelope, message_type: str, weighted_by_key: str) -> None:
+def _check_records(
+    content: RecordDict, reply: Envelope, message_type: str, weighted_by_key: str
+) -> None:
     """Only the records a reply of this type may hold: train one ArrayRecord and one MetricRecord, evaluate one
     MetricRecord and no arrays, a query at most one ArrayRecord; ConfigRecords anywhere."""
     arrays, metrics, kind = len(reply.arrays), content.metric_records, message_kind(message_type)
     if kind == "train" and (arrays != 1 or len(metrics) != 1):
-        raise EnvelopeError(f"a train reply holds one ArrayRecord and one MetricRecord, not {arrays} and {len(metrics)}")
+        raise EnvelopeError(
+            f"a train reply holds one ArrayRecord and one MetricRecord, not {arrays} and {len(metrics)}"
+        )
     if kind == "evaluate" and (arrays or len(metrics) != 1):
-        raise EnvelopeError(f"an evaluate reply holds one MetricRecord and no arrays, not {len(metrics)} and {arrays}")
+        raise EnvelopeError(
+            f"an evaluate reply holds one MetricRecord and no arrays, not {len(metrics)} and {arrays}"
+        )
     if kind == "query" and arrays > 1:
         raise EnvelopeError(f"a query reply holds at most one ArrayRecord, not {arrays}")
     try:
@@ -131,7 +145,9 @@ def _check_records(content: RecordDict, reply: Envelope, message_type: str, weig
         raise EnvelopeError(str(error)) from None
 
 
-def _check_against_sent(reply: Envelope, shapes: dict[str, tuple[str, list[int]]], limit: int) -> None:
+def _check_against_sent(
+    reply: Envelope, shapes: dict[str, tuple[str, list[int]]], limit: int
+) -> None:
     """Each tensor is one of the model the site was sent (`shapes`: dtype, rank, no longer along any axis: the
     whole tensor or the slice a subnetwork trained; which slice is the strategy's check), and the reply is no
     larger than `limit`."""
@@ -140,7 +156,9 @@ def _check_against_sent(reply: Envelope, shapes: dict[str, tuple[str, list[int]]
             if tensor.name not in shapes:
                 raise EnvelopeError(f"array {tensor.name}: not a tensor this site was sent")
             dtype, shape = shapes[tensor.name]
-            fits = len(tensor.shape) == len(shape) and all(0 <= n <= m for n, m in zip(tensor.shape, shape))
+            fits = len(tensor.shape) == len(shape) and all(
+                0 <= n <= m for n, m in zip(tensor.shape, shape)
+            )
             if tensor.dtype != dtype or not fits:
                 raise EnvelopeError(
                     f"array {tensor.name}: shape {list(tensor.shape)} {tensor.dtype} does not fit in shape {shape} "
@@ -148,11 +166,16 @@ def _check_against_sent(reply: Envelope, shapes: dict[str, tuple[str, list[int]]
                 )
     total = declared_nbytes(reply)
     if total > limit:  # e.g. one tensor listed in several records, or arrays where none may be
-        raise EnvelopeError(f"the reply declares {total} bytes of arrays; a reply to this message may carry {limit}")
+        raise EnvelopeError(
+            f"the reply declares {total} bytes of arrays; a reply to this message may carry {limit}"
+        )
 
 
 def _check_chunks(
-    reply: Envelope, chunk_size: Callable[[str], int], chunk_bytes: Callable[[str], bytes], known_finite: Callable[[str], bool]
+    reply: Envelope,
+    chunk_size: Callable[[str], int],
+    chunk_bytes: Callable[[str], bytes],
+    known_finite: Callable[[str], bool],
 ) -> None:
     """Every chunk uploaded with the size the manifest gives it, float values finite. Each distinct chunk is
     read once per dtype, one at a time: the coordinator never holds a whole update to check it, and listing one
@@ -163,13 +186,17 @@ def _check_chunks(
         except (KeyError, OSError):
             raise EnvelopeError(f"chunk {digest[:12]} was not uploaded") from None
         if stored != size:
-            raise EnvelopeError(f"chunk {digest[:12]} holds {stored} bytes; its manifest makes it {size}")
+            raise EnvelopeError(
+                f"chunk {digest[:12]} holds {stored} bytes; its manifest makes it {size}"
+            )
     finite: set[tuple[str, str]] = set()
     for record in reply.arrays:
         for tensor in record.tensors:
             dtype = np.dtype(tensor.dtype)
             for digest in tensor.chunk_digests if dtype.kind == "f" else ():
-                if (digest, tensor.dtype) not in finite and not (dtype == np.float32 and known_finite(digest)):
+                if (digest, tensor.dtype) not in finite and not (
+                    dtype == np.float32 and known_finite(digest)
+                ):
                     if not np.isfinite(np.frombuffer(chunk_bytes(digest), dtype=dtype)).all():
                         raise EnvelopeError(f"array {record.key}/{tensor.name} contains NaN or Inf")
                     finite.add((digest, tensor.dtype))

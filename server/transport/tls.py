@@ -24,12 +24,18 @@ class ServerTls:
     client_ca: Path | None = None
 
     def __post_init__(self) -> None:
-        for flag, path in (("--tls-cert", self.cert), ("--tls-key", self.key), ("--tls-client-ca", self.client_ca)):
+        for flag, path in (
+            ("--tls-cert", self.cert),
+            ("--tls-key", self.key),
+            ("--tls-client-ca", self.client_ca),
+        ):
             if path is not None and not path.is_file():
                 raise ConfigError(f"{flag} {path} is not a file")
 
     @classmethod
-    def from_options(cls, cert: Path | None, key: Path | None, client_ca: Path | None) -> ServerTls | None:
+    def from_options(
+        cls, cert: Path | None, key: Path | None, client_ca: Path | None
+    ) -> ServerTls | None:
         """The coordinator's TLS files from its options; None (clear text) when none is given."""
         if cert is None and key is None:
             if client_ca is not None:

@@ -10,18 +10,40 @@ from hydrafl.benchmarks.privacy import QUICK, STRATEGIES, markdown, summarise
 
 
 def test_a_runs_summary_and_its_markdown_row():
-    history = [{"accuracy": 0.2, "dp_epsilon": None}, {"accuracy": 0.5, "dp_epsilon": 2.0, "dp_epsilon_exact": 1.8},
-               {"accuracy": 0.6, "dp_epsilon": 3.9, "dp_epsilon_exact": 3.5}]
+    history = [
+        {"accuracy": 0.2, "dp_epsilon": None},
+        {"accuracy": 0.5, "dp_epsilon": 2.0, "dp_epsilon_exact": 1.8},
+        {"accuracy": 0.6, "dp_epsilon": 3.9, "dp_epsilon_exact": 3.5},
+    ]
     run = summarise(4.0, 2.5, 0.8, QUICK, history, strategy="hydra")
     assert run["noise_std"] == pytest.approx(2.5 * 0.8 / QUICK.sites)
     assert (run["strategy"], run["clip"]) == ("hydra", 0.8)
     assert (run["epsilon"], run["accuracy"], run["epsilon_per_round"]) == (3.9, 0.6, [2.0, 3.9])
     assert (run["epsilon_exact"], run["epsilon_exact_per_round"]) == (3.5, [1.8, 3.5])
-    baseline = summarise(None, 0.0, 0.8, QUICK, [{"accuracy": 0.2, "dp_epsilon": None}, {"accuracy": 0.7, "dp_epsilon": None}],
-                         strategy="hydra")
-    table = markdown({"scale": {"sites": 3, "samples_per_site": 30, "rounds": 2, "partition": "dirichlet:0.5"},
-                      "delta": 1e-5, "runs": [baseline, run]})
-    assert "90 notes dealt by dirichlet:0.5" in table and "distributed DP, `--secagg --dp-clip`, is not in this benchmark" in table
+    baseline = summarise(
+        None,
+        0.0,
+        0.8,
+        QUICK,
+        [{"accuracy": 0.2, "dp_epsilon": None}, {"accuracy": 0.7, "dp_epsilon": None}],
+        strategy="hydra",
+    )
+    table = markdown(
+        {
+            "scale": {
+                "sites": 3,
+                "samples_per_site": 30,
+                "rounds": 2,
+                "partition": "dirichlet:0.5",
+            },
+            "delta": 1e-5,
+            "runs": [baseline, run],
+        }
+    )
+    assert (
+        "90 notes dealt by dirichlet:0.5" in table
+        and "distributed DP, `--secagg --dp-clip`, is not in this benchmark" in table
+    )
     assert "| hydra | no DP | 0.000 | 0.800 | 0.0000 | inf | inf | 0.700 |" in table
     assert f"| hydra | 4 | 2.500 | 0.800 | {2.5 * 0.8 / 3:.4f} | 3.900 | 3.500 | 0.600 |" in table
 
@@ -33,9 +55,15 @@ def test_privacy_quick(tmp_path):
     assert [run["strategy"] for run in result["runs"]] == [s for s in STRATEGIES for _ in range(2)]
     for baseline, private in zip(result["runs"][::2], result["runs"][1::2], strict=True):
         assert baseline["epsilon"] is None and baseline["noise_multiplier"] == 0.0
-        assert private["epsilon"] == pytest.approx(4.0, abs=1e-3)  # calibrated for the run's rounds and sample rate
+        assert private["epsilon"] == pytest.approx(
+            4.0, abs=1e-3
+        )  # calibrated for the run's rounds and sample rate
         assert private["epsilon_per_round"][0] < private["epsilon_per_round"][1]
-        assert private["epsilon_exact"] <= private["epsilon"]  # every site trains every round: PLD is the tight one
+        assert (
+            private["epsilon_exact"] <= private["epsilon"]
+        )  # every site trains every round: PLD is the tight one
         assert baseline["clip"] == private["clip"] == result["clips"][private["strategy"]] > 0
         assert 0.0 <= private["accuracy"] <= 1.0
-    assert (tmp_path / "privacy.md").read_text().count("\n| ") == 1 + 2 * len(STRATEGIES)  # header and the runs
+    assert (tmp_path / "privacy.md").read_text().count("\n| ") == 1 + 2 * len(
+        STRATEGIES
+    )  # header and the runs

@@ -28,13 +28,20 @@ RECORD_KEYS = {"round", "loss", "accuracy", "bytes_up", "bytes_down", "seconds"}
 
 def _hydrafl(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "hydrafl", *args], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-m", "hydrafl", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
 
 
 def _numbers(results: dict) -> dict:
     return {
-        name: [{k: v for k, v in r.items() if k not in {"seconds", "aggregation_s", "gap_s"}} for r in run["rounds"]]
+        name: [
+            {k: v for k, v in r.items() if k not in {"seconds", "aggregation_s", "gap_s"}}
+            for r in run["rounds"]
+        ]
         for name, run in results["strategies"].items()
     }
 
@@ -69,11 +76,31 @@ def test_simulate_writes_every_output_and_repeats_exactly(tmp_path):
 @pytest.mark.slow
 def test_resume_continues_a_stopped_run(tmp_path):
     runner = CliRunner()
-    common = ["simulate", "--task", "tabular", "--sites", "2", "--samples-per-site", "40", "--local-steps", "2",
-              "--strategies", "diloco", "--no-progress"]
-    assert runner.invoke(app, [*common, "--rounds", "3", "--out", str(tmp_path / "full")]).exit_code == 0
-    assert runner.invoke(app, [*common, "--rounds", "1", "--out", str(tmp_path / "split")]).exit_code == 0
-    resumed = runner.invoke(app, [*common, "--rounds", "3", "--resume", "--out", str(tmp_path / "split")])
+    common = [
+        "simulate",
+        "--task",
+        "tabular",
+        "--sites",
+        "2",
+        "--samples-per-site",
+        "40",
+        "--local-steps",
+        "2",
+        "--strategies",
+        "diloco",
+        "--no-progress",
+    ]
+    assert (
+        runner.invoke(app, [*common, "--rounds", "3", "--out", str(tmp_path / "full")]).exit_code
+        == 0
+    )
+    assert (
+        runner.invoke(app, [*common, "--rounds", "1", "--out", str(tmp_path / "split")]).exit_code
+        == 0
+    )
+    resumed = runner.invoke(
+        app, [*common, "--rounds", "3", "--resume", "--out", str(tmp_path / "split")]
+    )
     assert resumed.exit_code == 0, resumed.output
     full = json.loads((tmp_path / "full" / "results.json").read_text())
     split = json.loads((tmp_path / "split" / "results.json").read_text())
@@ -82,7 +109,7 @@ def test_resume_continues_a_stopped_run(tmp_path):
 
 def test_unknown_config_key_is_an_error_that_names_it(tmp_path):
     config = tmp_path / "bad.toml"
-    config.write_text('rounds = 2\nlocal_stepz = 3\n')
+    config.write_text("rounds = 2\nlocal_stepz = 3\n")
     result = CliRunner().invoke(app, ["simulate", "--config", str(config), "--no-progress"])
     assert result.exit_code == 2
     assert "local_stepz" in result.output and "bad.toml" in result.output
@@ -92,7 +119,17 @@ def test_bad_data_file_error_names_file_and_line(tmp_path):
     data = tmp_path / "visits.csv"
     data.write_text("age,lactate,outcome\n61,2.1,ward\n70,high,icu\n55,1.0,home\n")
     result = CliRunner().invoke(
-        app, ["simulate", "--data", str(data), "--label-column", "outcome", "--out", str(tmp_path / "o"), "--no-progress"]
+        app,
+        [
+            "simulate",
+            "--data",
+            str(data),
+            "--label-column",
+            "outcome",
+            "--out",
+            str(tmp_path / "o"),
+            "--no-progress",
+        ],
     )
     assert result.exit_code == 2
     assert "visits.csv" in result.output and "lactate" in result.output and "3" in result.output
@@ -105,24 +142,64 @@ def test_too_few_successful_sites_exits_non_zero_with_the_reason(tmp_path, monke
     monkeypatch.setattr(site_app, "train_site", broken)
     result = CliRunner().invoke(
         app,
-        ["simulate", "--task", "tabular", "--sites", "2", "--samples-per-site", "40", "--rounds", "2",
-         "--strategies", "fedavg", "--out", str(tmp_path / "o"), "--no-progress"],
+        [
+            "simulate",
+            "--task",
+            "tabular",
+            "--sites",
+            "2",
+            "--samples-per-site",
+            "40",
+            "--rounds",
+            "2",
+            "--strategies",
+            "fedavg",
+            "--out",
+            str(tmp_path / "o"),
+            "--no-progress",
+        ],
     )
     assert result.exit_code == 1
     assert "only 0 of 2 sites replied without error" in " ".join(result.output.split())
 
 
 def test_stability_command_json_and_plot(tmp_path):
-    args = ["--inner-lr", "0.1", "--curvature", "1", "--curvature-var", "2", "--batch-size", "1",
-            "--local-steps", "10", "--sites", "1", "--momentum", "0.9"]
+    args = [
+        "--inner-lr",
+        "0.1",
+        "--curvature",
+        "1",
+        "--curvature-var",
+        "2",
+        "--batch-size",
+        "1",
+        "--local-steps",
+        "10",
+        "--sites",
+        "1",
+        "--momentum",
+        "0.9",
+    ]
     stable = CliRunner().invoke(app, ["stability", *args, "--outer-lr", "1.0", "--json"])
     verdict = json.loads(stable.output)
-    expected = check(OuterSetup(inner_lr=0.1, curvature=1, curvature_var=2, batch_size=1, local_steps=10,
-                                sites=1, outer_lr=1.0, momentum=0.9))
+    expected = check(
+        OuterSetup(
+            inner_lr=0.1,
+            curvature=1,
+            curvature_var=2,
+            batch_size=1,
+            local_steps=10,
+            sites=1,
+            outer_lr=1.0,
+            momentum=0.9,
+        )
+    )
     assert verdict["stable"] is True
     assert verdict["max_stable_outer_lr"] == pytest.approx(expected.max_stable_outer_lr)
     assert verdict["max_stable_outer_lr"] == pytest.approx(1.8645, abs=1e-3)
-    unstable = CliRunner().invoke(app, ["stability", *args, "--outer-lr", "2.5", "--json", "--heavy-ball"])
+    unstable = CliRunner().invoke(
+        app, ["stability", *args, "--outer-lr", "2.5", "--json", "--heavy-ball"]
+    )
     assert json.loads(unstable.output)["stable"] is False
     plot = tmp_path / "region.png"
     text = CliRunner().invoke(app, ["stability", *args, "--outer-lr", "2.5", "--plot", str(plot)])
@@ -131,8 +208,20 @@ def test_stability_command_json_and_plot(tmp_path):
 
 @pytest.mark.parametrize(
     "command",
-    [[], ["simulate"], ["stability"], ["server"], ["site"], ["admin"], ["admin", "site", "add"], ["admin", "site", "list"],
-     ["admin", "site", "revoke"], ["admin", "run", "create"], ["admin", "run", "status"], ["admin", "run", "list"]],
+    [
+        [],
+        ["simulate"],
+        ["stability"],
+        ["server"],
+        ["site"],
+        ["admin"],
+        ["admin", "site", "add"],
+        ["admin", "site", "list"],
+        ["admin", "site", "revoke"],
+        ["admin", "run", "create"],
+        ["admin", "run", "status"],
+        ["admin", "run", "list"],
+    ],
 )
 def test_every_command_has_help(command):
     result = CliRunner().invoke(app, [*command, "--help"])
@@ -145,15 +234,34 @@ def test_simulate_on_a_users_csv(tmp_path):
     rows = ["age,lactate,heart_rate,outcome"]
     for _ in range(90):
         age, lactate, rate = rng.normal(60, 15), rng.gamma(2, 1), rng.normal(85, 15)
-        rows.append(f"{age:.1f},{lactate:.2f},{rate:.0f},{'icu' if lactate + rate / 50 > 4.5 else 'ward'}")
+        rows.append(
+            f"{age:.1f},{lactate:.2f},{rate:.0f},{'icu' if lactate + rate / 50 > 4.5 else 'ward'}"
+        )
     data = tmp_path / "visits.csv"
     data.write_text("\n".join(rows) + "\n")
     out = tmp_path / "out"
     result = CliRunner().invoke(
         app,
-        ["simulate", "--data", str(data), "--label-column", "outcome", "--sites", "3", "--rounds", "2",
-         "--local-steps", "3", "--strategies", "fedavg", "--partition", "dirichlet:1.0", "--out", str(out),
-         "--no-progress"],
+        [
+            "simulate",
+            "--data",
+            str(data),
+            "--label-column",
+            "outcome",
+            "--sites",
+            "3",
+            "--rounds",
+            "2",
+            "--local-steps",
+            "3",
+            "--strategies",
+            "fedavg",
+            "--partition",
+            "dirichlet:1.0",
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
     )
     assert result.exit_code == 0, result.output
     results = json.loads((out / "results.json").read_text())
@@ -179,28 +287,65 @@ def test_admin_site_commands(tmp_path):
 
 
 def test_a_site_with_an_unknown_tier_is_refused_before_it_connects():
-    result = CliRunner().invoke(app, ["site", "--token", "t", "--tier", "huge", "--coordinator", "127.0.0.1:1"])
+    result = CliRunner().invoke(
+        app, ["site", "--token", "t", "--tier", "huge", "--coordinator", "127.0.0.1:1"]
+    )
     assert result.exit_code == 2 and "small, medium, large" in result.output
 
 
 @pytest.mark.slow
 def test_simulate_hydra_bypass_sends_small_sites_less(tmp_path):
-    args = ["simulate", "--task", "tabular", "--strategies", "hydra", "--hydra-bypass", "--hydra-head-mode", "drop",
-            "--sites", "3", "--samples-per-site", "60", "--rounds", "1", "--local-steps", "1",
-            "--site-tiers", "small,medium,large", "--out", str(tmp_path), "--no-progress"]
+    args = [
+        "simulate",
+        "--task",
+        "tabular",
+        "--strategies",
+        "hydra",
+        "--hydra-bypass",
+        "--hydra-head-mode",
+        "drop",
+        "--sites",
+        "3",
+        "--samples-per-site",
+        "60",
+        "--rounds",
+        "1",
+        "--local-steps",
+        "1",
+        "--site-tiers",
+        "small,medium,large",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["config"]["knobs"] == {"hydra_bypass": True, "hydra_head_mode": "drop"}
     down = sorted(results["strategies"]["hydra"]["rounds"][1]["bytes_down_per_site"].values())
-    assert down[0] < down[1] < down[2]  # a small site's net skips a layer, a medium one drops heads: not sent
+    assert (
+        down[0] < down[1] < down[2]
+    )  # a small site's net skips a layer, a medium one drops heads: not sent
 
 
 @pytest.mark.slow
 def test_a_mixed_comparison_runs_with_tiers_cycling_over_the_sites(tmp_path):
-    args = ["simulate", "--task", "tabular", "--strategies", "hydra,heterofl,fjord,fedrolex,flora,fedavg",
-            "--site-tiers", "small,medium,large", "--rounds", "1", "--local-steps", "1", "--out", str(tmp_path),
-            "--no-progress"]
+    args = [
+        "simulate",
+        "--task",
+        "tabular",
+        "--strategies",
+        "hydra,heterofl,fjord,fedrolex,flora,fedavg",
+        "--site-tiers",
+        "small,medium,large",
+        "--rounds",
+        "1",
+        "--local-steps",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     results = json.loads((tmp_path / "results.json").read_text())

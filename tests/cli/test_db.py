@@ -35,7 +35,10 @@ def test_current_and_upgrade_take_an_old_database_to_head(tmp_path):
     assert f"database is at revision 0001, older than this hydrafl's {head}" in refused.output
 
     upgraded = _hydrafl("admin", "db", "upgrade", "--db", db)
-    assert upgraded.exit_code == 0 and f"database upgraded from revision 0001 to {head}" in upgraded.output
+    assert (
+        upgraded.exit_code == 0
+        and f"database upgraded from revision 0001 to {head}" in upgraded.output
+    )
     current = _hydrafl("admin", "db", "current", "--db", db)
     assert current.exit_code == 0 and current.stdout.strip() == f"{head} (head)"
     again = _hydrafl("admin", "db", "upgrade", "--db", db)
@@ -46,7 +49,9 @@ def test_current_and_upgrade_take_an_old_database_to_head(tmp_path):
 def test_a_newer_database_is_refused_by_every_command(tmp_path, monkeypatch):
     monkeypatch.setenv("HYDRAFL_HOME", str(tmp_path / "home"))
     db = f"sqlite:///{tmp_path / 'coordinator.db'}"
-    assert _hydrafl("admin", "db", "upgrade", "--db", db).exit_code == 0  # an empty database: created at head
+    assert (
+        _hydrafl("admin", "db", "upgrade", "--db", db).exit_code == 0
+    )  # an empty database: created at head
     with create_engine(db).begin() as connection:
         connection.execute(text("UPDATE alembic_version SET version_num = '0099'"))
     message = f"database is at revision 0099, newer than this hydrafl's {head_revision()}; upgrade hydrafl"
@@ -55,7 +60,9 @@ def test_a_newer_database_is_refused_by_every_command(tmp_path, monkeypatch):
         assert refused.exit_code == 2 and message in " ".join(refused.output.split()), args
     current = _hydrafl("admin", "db", "current", "--db", db)
     assert current.exit_code == 1 and "0099, newer than this hydrafl's head" in current.stdout
-    server = _hydrafl("server", "--db", db, "--listen", "127.0.0.1:0", "--blobs", str(tmp_path / "blobs"))
+    server = _hydrafl(
+        "server", "--db", db, "--listen", "127.0.0.1:0", "--blobs", str(tmp_path / "blobs")
+    )
     assert server.exit_code == 2 and message in " ".join(server.output.split())
 
 

@@ -9,7 +9,16 @@ import os
 import import_probes
 import pytest
 
-HEAVY = ("torch", "matplotlib", "transformers", "peft", "flwr", "hydrafl.config", "hydrafl.server.aggregation.stability", "hydrafl.data")
+HEAVY = (
+    "torch",
+    "matplotlib",
+    "transformers",
+    "peft",
+    "flwr",
+    "hydrafl.config",
+    "hydrafl.server.aggregation.stability",
+    "hydrafl.data",
+)
 """What the command line loaded before it parsed its arguments, and must not load for these commands."""
 
 
@@ -21,8 +30,13 @@ def _run(args: list[str], env: dict[str, str]) -> tuple[int, set[str], str]:
 
 @pytest.mark.parametrize(
     "args",
-    [["--help"], *(pytest.param([command, "--help"], marks=pytest.mark.slow)
-                   for command in ("admin", "site", "server"))],
+    [
+        ["--help"],
+        *(
+            pytest.param([command, "--help"], marks=pytest.mark.slow)
+            for command in ("admin", "site", "server")
+        ),
+    ],
 )
 def test_help_loads_no_model_or_flower_code(args, tmp_path):
     code, modules, output = _run(args, {**os.environ, "HYDRAFL_HOME": str(tmp_path)})
@@ -52,12 +66,28 @@ def test_the_admin_issues_a_site_identity_certified_by_a_consortium_key_it_keeps
     key, identity = tmp_path / "consortium.key", tmp_path / "st-marys.json"
     code, _, created = _run(["admin", "consortium", "create", str(key)], env)
     assert code == 0 and oct(key.stat().st_mode & 0o777) == "0o600"
-    code, modules, _ = _run(["admin", "site", "add", "st-marys", "--consortium-key", str(key),
-                             "--identity-out", str(identity), *db], env)
+    code, modules, _ = _run(
+        [
+            "admin",
+            "site",
+            "add",
+            "st-marys",
+            "--consortium-key",
+            str(key),
+            "--identity-out",
+            str(identity),
+            *db,
+        ],
+        env,
+    )
     assert code == 0 and sorted(name for name in modules if name.startswith(HEAVY)) == []
-    issued = SiteIdentity.from_json(identity.read_text())  # checks its certificate against its consortium key
+    issued = SiteIdentity.from_json(
+        identity.read_text()
+    )  # checks its certificate against its consortium key
     assert issued.node == Store(f"sqlite:///{tmp_path / 'coordinator.db'}").sites()[0].node_id
     assert base64.b64encode(issued.consortium_key).decode() in created
     assert oct(identity.stat().st_mode & 0o777) == "0o600"
-    code, _, _ = _run(["admin", "site", "certify", "nobody", "--consortium-key", str(key), *db], env)
+    code, _, _ = _run(
+        ["admin", "site", "certify", "nobody", "--consortium-key", str(key), *db], env
+    )
     assert code == 2  # no such site

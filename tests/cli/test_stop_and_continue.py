@@ -20,8 +20,19 @@ from hydrafl.cli import app
 from hydrafl.config import RunConfig
 
 WIDE = {"COLUMNS": "200"}
-QUICK = ["--task", "tabular", "--sites", "2", "--samples-per-site", "40", "--local-steps", "1", "--strategies", "fedavg",
-         "--no-progress"]
+QUICK = [
+    "--task",
+    "tabular",
+    "--sites",
+    "2",
+    "--samples-per-site",
+    "40",
+    "--local-steps",
+    "1",
+    "--strategies",
+    "fedavg",
+    "--no-progress",
+]
 
 
 def _flat(text: str) -> str:
@@ -30,11 +41,32 @@ def _flat(text: str) -> str:
 
 def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path):
     out = tmp_path / "study"
-    command = [sys.executable, "-m", "hydrafl", "simulate", "--task", "tabular", "--sites", "2",
-               "--samples-per-site", "40", "--local-steps", "1", "--strategies", "fedavg", "--rounds", "400",
-               "--workers", "1", "--out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "hydrafl",
+        "simulate",
+        "--task",
+        "tabular",
+        "--sites",
+        "2",
+        "--samples-per-site",
+        "40",
+        "--local-steps",
+        "1",
+        "--strategies",
+        "fedavg",
+        "--rounds",
+        "400",
+        "--workers",
+        "1",
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "COLUMNS": "400"}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path
+    )
     try:
         for line in process.stdout:  # a line per round, output not being a terminal
             if line.startswith("fedavg round 2/"):
@@ -62,12 +94,16 @@ def test_resume_without_out_continues_the_newest_run(tmp_path, monkeypatch):
     resumed = runner.invoke(app, ["simulate", *QUICK, "--rounds", "2", "--resume"], env=WIDE)
     assert resumed.exit_code == 0, resumed.output
     assert f"continuing hydrafl-runs/{run.name}" in _flat(resumed.output)
-    assert [p.name for p in (tmp_path / "hydrafl-runs").iterdir() if p.name != "latest"] == [run.name]
+    assert [p.name for p in (tmp_path / "hydrafl-runs").iterdir() if p.name != "latest"] == [
+        run.name
+    ]
     rounds = json.loads((run / "results.json").read_text())["strategies"]["fedavg"]["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2]
 
 
-def test_resume_without_out_refuses_with_the_list_of_runs_when_there_is_none_to_continue(tmp_path, monkeypatch):
+def test_resume_without_out_refuses_with_the_list_of_runs_when_there_is_none_to_continue(
+    tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     runner = CliRunner()
     none = runner.invoke(app, ["simulate", *QUICK, "--resume"], env=WIDE)
@@ -76,26 +112,53 @@ def test_resume_without_out_refuses_with_the_list_of_runs_when_there_is_none_to_
     for name, strategy in (("2026-01-01_10-00-00", "fedavg"), ("2026-01-02_10-00-00", "diloco")):
         (tmp_path / "hydrafl-runs" / name / strategy).mkdir(parents=True)
         (tmp_path / "hydrafl-runs" / name / strategy / "history.json").write_text("[]")
-    other = runner.invoke(app, ["simulate", *QUICK, "--resume"], env=WIDE)  # the newest ran diloco, not fedavg
+    other = runner.invoke(
+        app, ["simulate", *QUICK, "--resume"], env=WIDE
+    )  # the newest ran diloco, not fedavg
     said = _flat(other.output)
     assert other.exit_code == 2, other.output
-    assert "hydrafl-runs/2026-01-02_10-00-00 (diloco" in said and "hydrafl-runs/2026-01-01_10-00-00 (fedavg" in said
+    assert (
+        "hydrafl-runs/2026-01-02_10-00-00 (diloco" in said
+        and "hydrafl-runs/2026-01-01_10-00-00 (fedavg" in said
+    )
     assert "--out" in said
 
 
 def test_a_coordinator_logs_one_join_line_per_site_and_that_it_stopped_and_why(tmp_path):
-    cfg = RunConfig(task="tabular", sites=1, samples_per_site=40, rounds=1, local_steps=1, batch_size=16)
+    cfg = RunConfig(
+        task="tabular", sites=1, samples_per_site=40, rounds=1, local_steps=1, batch_size=16
+    )
     env, db, store, tokens, address = enrol(tmp_path, cfg)
     run_id = queue_run(store, cfg)
     log = tmp_path / "coordinator.log"
-    server = start_hydrafl("server", "--listen", address, "--db", db, "--blobs", str(tmp_path / "blobs"), env=env,
-                           log=log, verbose=False)
+    server = start_hydrafl(
+        "server",
+        "--listen",
+        address,
+        "--db",
+        db,
+        "--blobs",
+        str(tmp_path / "blobs"),
+        env=env,
+        log=log,
+        verbose=False,
+    )
     site = None
     try:
         wait_serving(address, process=server)
-        site = start_hydrafl("site", "--coordinator", address, env={**env, "HYDRAFL_SITE_TOKEN": tokens[0]},
-                             log=tmp_path / "site.log", verbose=False)
-        wait_until(lambda: store.run(run_id).status in ("finished", "failed"), 240, "the run did not finish")
+        site = start_hydrafl(
+            "site",
+            "--coordinator",
+            address,
+            env={**env, "HYDRAFL_SITE_TOKEN": tokens[0]},
+            log=tmp_path / "site.log",
+            verbose=False,
+        )
+        wait_until(
+            lambda: store.run(run_id).status in ("finished", "failed"),
+            240,
+            "the run did not finish",
+        )
         assert store.run(run_id).status == "finished"
         time.sleep(1)
         server.send_signal(signal.SIGINT)
@@ -116,8 +179,18 @@ def test_a_coordinator_stopped_by_sigterm_says_so(sent, why, tmp_path):
     cfg = RunConfig(task="tabular", sites=1)
     env, db, _, _, address = enrol(tmp_path, cfg)
     log = tmp_path / "coordinator.log"
-    server = start_hydrafl("server", "--listen", address, "--db", db, "--blobs", str(tmp_path / "blobs"), env=env,
-                           log=log, verbose=False)
+    server = start_hydrafl(
+        "server",
+        "--listen",
+        address,
+        "--db",
+        db,
+        "--blobs",
+        str(tmp_path / "blobs"),
+        env=env,
+        log=log,
+        verbose=False,
+    )
     try:
         wait_serving(address, process=server)
         server.send_signal(sent)

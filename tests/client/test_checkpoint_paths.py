@@ -14,8 +14,13 @@ def test_a_run_cannot_make_a_deployed_site_read_a_directory_of_its_choosing(tmp_
     (allowed / "bert").mkdir(parents=True)
     elsewhere.mkdir()
     for node in ({"demo-site": 0}, {"data-path": "visits.csv"}):
-        site, with_dir = SiteConfig.from_node_config(node), SiteConfig.from_node_config({**node, "model-dir": str(allowed)})
-        check_checkpoint_paths(RunConfig(task="clinical-notes-lm", distill_teacher="init"), site)  # built-ins: nothing needed
+        site, with_dir = (
+            SiteConfig.from_node_config(node),
+            SiteConfig.from_node_config({**node, "model-dir": str(allowed)}),
+        )
+        check_checkpoint_paths(
+            RunConfig(task="clinical-notes-lm", distill_teacher="init"), site
+        )  # built-ins: nothing needed
         with pytest.raises(PermissionError, match="outside this site's --model-dir"):
             check_checkpoint_paths(RunConfig(model=str(allowed / "bert")), site)
         check_checkpoint_paths(RunConfig(model=str(allowed / "bert")), with_dir)
@@ -23,6 +28,10 @@ def test_a_run_cannot_make_a_deployed_site_read_a_directory_of_its_choosing(tmp_
             with pytest.raises(PermissionError):
                 check_checkpoint_paths(RunConfig(model=escape), with_dir)
         with pytest.raises(PermissionError, match="distill-teacher"):
-            check_checkpoint_paths(RunConfig(task="clinical-notes-lm", distill_teacher=str(elsewhere)), site)
+            check_checkpoint_paths(
+                RunConfig(task="clinical-notes-lm", distill_teacher=str(elsewhere)), site
+            )
     simulated = SiteConfig.from_node_config({"partition-id": 0})
-    check_checkpoint_paths(RunConfig(model=str(elsewhere)), simulated)  # simulation: the researcher's own
+    check_checkpoint_paths(
+        RunConfig(model=str(elsewhere)), simulated
+    )  # simulation: the researcher's own

@@ -21,8 +21,11 @@ def model_message() -> tuple[Message, dict[str, np.ndarray]]:
     rng = np.random.default_rng(0)
     values = {name: rng.normal(size=(600, 500)).astype(np.float32) for name in ("a", "b", "c")}
     values["z1"] = values["z2"] = np.zeros(1000, dtype=np.float32)
-    message = Message(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in values.items()})}),
-                      dst_node_id=12, message_type="train")
+    message = Message(
+        RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in values.items()})}),
+        dst_node_id=12,
+        message_type="train",
+    )
     return message, values
 
 
@@ -43,13 +46,17 @@ def test_a_download_cut_short_resumes_with_only_what_it_lacks_into_the_bytes_it_
     received.keep_for(envelope)
     assembly = Assembly(envelope, received)
     rest = assembly.missing()
-    assert sorted(rest) == sorted(set(chunks) - set(tensors["a"].chunk_digests) - {tensors["b"].chunk_digests[0]})
+    assert sorted(rest) == sorted(
+        set(chunks) - set(tensors["a"].chunk_digests) - {tensors["b"].chunk_digests[0]}
+    )
     for digest in rest:
         assembly.add(digest, memoryview(bytes(chunks[digest])))  # as gRPC hands them over: views
     arrays = assembly.arrays()
     # one model held: each tensor's Array is the bytes filled from the start, not a copy of them
     assert {id(array.data) for array in arrays.values()} == {id(data) for data in began.values()}
-    assert sum(len(data) for data in began.values()) < sum(v.nbytes for v in values.values()) + 5 * 128
+    assert (
+        sum(len(data) for data in began.values()) < sum(v.nbytes for v in values.values()) + 5 * 128
+    )
     rebuilt = join_message(envelope, {}, verified=True, assembled=arrays).content["arrays"]
     assert all(np.array_equal(rebuilt[name].numpy(), value) for name, value in values.items())
 
@@ -83,7 +90,9 @@ def test_a_chunk_that_fails_its_check_is_refused_at_once_and_asked_for_again():
     assert not set(tensors["c"].chunk_digests) & set(assembly.missing())
     for digest in assembly.missing():
         assembly.add(digest, chunks[digest])
-    rebuilt = join_message(envelope, {}, verified=True, assembled=assembly.arrays()).content["arrays"]
+    rebuilt = join_message(envelope, {}, verified=True, assembled=assembly.arrays()).content[
+        "arrays"
+    ]
     assert np.array_equal(rebuilt["a"].numpy(), values["a"])  # no zero from the refused chunk
 
 

@@ -34,7 +34,9 @@ def refusing(monkeypatch):
 
 
 def _site(coordinator: FakeCoordinator, *args: str, env: dict | None = None):
-    result = CliRunner().invoke(app, ["site", "--coordinator", coordinator.address, *STOCK_APP, *args], env=env)
+    result = CliRunner().invoke(
+        app, ["site", "--coordinator", coordinator.address, *STOCK_APP, *args], env=env
+    )
     return result, " ".join(result.output.split())
 
 
@@ -51,7 +53,12 @@ def test_the_token_comes_from_one_source_and_a_token_on_the_command_line_warns(t
 
     (tmp_path / "empty.token").write_text(" \n")
     refused = {
-        "give the token one way: --token-file or --token, not both": ["--token-file", str(token_file), "--token", "t"],
+        "give the token one way: --token-file or --token, not both": [
+            "--token-file",
+            str(token_file),
+            "--token",
+            "t",
+        ],
         "cannot read --token-file": ["--token-file", str(tmp_path / "missing.token")],
         "Is a directory": ["--token-file", str(tmp_path)],
         "is empty": ["--token-file", str(tmp_path / "empty.token")],
@@ -60,7 +67,9 @@ def test_the_token_comes_from_one_source_and_a_token_on_the_command_line_warns(t
     for reason, args in refused.items():
         result, output = _site(refusing, *args)
         assert result.exit_code == 2 and reason in output, (args, output)
-    result, output = _site(refusing, "--token-file", str(token_file), env={"HYDRAFL_SITE_TOKEN": "env-token"})
+    result, output = _site(
+        refusing, "--token-file", str(token_file), env={"HYDRAFL_SITE_TOKEN": "env-token"}
+    )
     assert result.exit_code == 2 and "--token-file or $HYDRAFL_SITE_TOKEN, not both" in output
     assert len(refusing.joins) == 3  # none of them connected
 
@@ -69,9 +78,13 @@ def test_a_wrong_label_column_stops_the_site_before_it_connects(tmp_path, refusi
     data = tmp_path / "visits.csv"
     rows = "".join(f"{i},{i / 10},{'icu' if i % 2 else 'ward'}\n" for i in range(12))
     data.write_text(f"age,lactate,outcome\n{rows}")
-    result, output = _site(refusing, "--data", str(data), "--label-column", "diagnosis", env=TOKEN_ENV)
+    result, output = _site(
+        refusing, "--data", str(data), "--label-column", "diagnosis", env=TOKEN_ENV
+    )
     assert result.exit_code == 2
-    assert "there is no column 'diagnosis'; available columns: 'age', 'lactate', 'outcome'" in output
+    assert (
+        "there is no column 'diagnosis'; available columns: 'age', 'lactate', 'outcome'" in output
+    )
     assert refusing.joins == []
     result, _ = _site(refusing, "--data", str(data), "--label-column", "outcome", env=TOKEN_ENV)
     assert result.exit_code == 3 and len(refusing.joins) == 1  # its own data is fine: it connects
@@ -82,7 +95,9 @@ def test_a_wrong_label_column_stops_the_site_before_it_connects(tmp_path, refusi
     [(None, "cannot be read: Is a directory"), (b"\xff\xfe\x00 binary", "is not UTF-8 text")],
     ids=["a directory", "not text"],
 )
-def test_an_unreadable_policy_file_is_a_one_line_error_before_connecting(tmp_path, refusing, content, reason):
+def test_an_unreadable_policy_file_is_a_one_line_error_before_connecting(
+    tmp_path, refusing, content, reason
+):
     policy = tmp_path / "policy"
     if content is None:
         policy.mkdir()
@@ -90,32 +105,69 @@ def test_an_unreadable_policy_file_is_a_one_line_error_before_connecting(tmp_pat
         policy.write_bytes(content)
     result, output = _site(refusing, "--policy", str(policy), env=TOKEN_ENV)
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
-    assert "invalid site policy, not starting" in output and reason in output and "Traceback" not in output
+    assert (
+        "invalid site policy, not starting" in output
+        and reason in output
+        and "Traceback" not in output
+    )
     assert refusing.joins == []
 
 
 def test_is_loopback():
-    for address in ("127.0.0.1:9091", "127.8.9.10:1", "localhost:9091", "LocalHost", "[::1]:9091", "::1",
-                    "ipv4:127.0.0.1:50051", "dns:///localhost:80", "unix:/run/hydrafl.sock"):
+    for address in (
+        "127.0.0.1:9091",
+        "127.8.9.10:1",
+        "localhost:9091",
+        "LocalHost",
+        "[::1]:9091",
+        "::1",
+        "ipv4:127.0.0.1:50051",
+        "dns:///localhost:80",
+        "unix:/run/hydrafl.sock",
+    ):
         assert is_loopback(address), address
-    for address in ("10.255.255.1:9", "0.0.0.0:9091", "[::]:9091", "coordinator.example.org:9091",
-                    "192.168.1.20", "[2001:db8::1]:443", "localhost.example.org:1", ""):
+    for address in (
+        "10.255.255.1:9",
+        "0.0.0.0:9091",
+        "[::]:9091",
+        "coordinator.example.org:9091",
+        "192.168.1.20",
+        "[2001:db8::1]:443",
+        "localhost.example.org:1",
+        "",
+    ):
         assert not is_loopback(address), address
 
 
 def test_a_site_on_this_machine_sends_its_token_without_a_clear_text_warning(refusing):
     result, output = _site(refusing, env=TOKEN_ENV)
-    assert result.exit_code == 3 and refusing.joins == ["Bearer s3cret-token"]  # it got as far as sending it
+    assert result.exit_code == 3 and refusing.joins == [
+        "Bearer s3cret-token"
+    ]  # it got as far as sending it
     assert "without TLS" not in output  # loopback: a test on one machine
 
 
 @pytest.mark.slow
 def test_a_site_warns_before_it_sends_its_token_in_clear_text_off_this_machine():
-    command = [sys.executable, "-m", "hydrafl", "site", "--coordinator", "10.255.255.1:9", *STOCK_APP]
+    command = [
+        sys.executable,
+        "-m",
+        "hydrafl",
+        "site",
+        "--coordinator",
+        "10.255.255.1:9",
+        *STOCK_APP,
+    ]
     python_path = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, **TOKEN_ENV, "PYTHONPATH": python_path, "COLUMNS": "400"}
-    site = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=env)
+    site = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     lines: list[str] = []
 
     def read() -> None:
@@ -126,12 +178,16 @@ def test_a_site_warns_before_it_sends_its_token_in_clear_text_off_this_machine()
     reader.start()
     try:
         deadline = time.monotonic() + 60
-        while "--tls-ca" not in "".join(lines) and site.poll() is None and time.monotonic() < deadline:
+        while (
+            "--tls-ca" not in "".join(lines) and site.poll() is None and time.monotonic() < deadline
+        ):
             time.sleep(0.1)
     finally:
         site.terminate()
         site.wait(timeout=10)
         reader.join(timeout=10)
     warning = " ".join("".join(lines).split())
-    assert "warning: connecting to 10.255.255.1:9 without TLS" in warning and "pass --tls-ca" in warning
-
+    assert (
+        "warning: connecting to 10.255.255.1:9 without TLS" in warning
+        and "pass --tls-ca" in warning
+    )

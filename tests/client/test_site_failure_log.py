@@ -25,16 +25,22 @@ def _failed_records(caplog, level: int) -> list[logging.LogRecord]:
     server = coordinator.start()
     stop = threading.Event()
     caplog.set_level(level, logger="hydrafl.client.agent")
-    thread, raised = serve_in_thread(SiteAgent(coordinator.address, "site-token", failing_app, {}).run, stop)
+    thread, raised = serve_in_thread(
+        SiteAgent(coordinator.address, "site-token", failing_app, {}).run, stop
+    )
     try:
-        sent = coordinator.send(coordinator_message("query.fail", {"w": np.ones(3, dtype=np.float32)}))
+        sent = coordinator.send(
+            coordinator_message("query.fail", {"w": np.ones(3, dtype=np.float32)})
+        )
         coordinator.reply_to(sent, thread.is_alive)
     finally:
         stop.set()
         thread.join(timeout=10)
         server.stop(grace=None)
     assert not raised, raised
-    return [r for r in caplog.records if "failed" in r.getMessage() and r.levelno == logging.WARNING]
+    return [
+        r for r in caplog.records if "failed" in r.getMessage() and r.levelno == logging.WARNING
+    ]
 
 
 def test_a_failed_message_logs_one_line_without_verbose(caplog):

@@ -42,8 +42,18 @@ def test_the_site_command_refuses_a_missing_ca_before_it_connects(tmp_path, monk
     coordinator = FakeCoordinator(refuse=True)
     server = coordinator.start()
     try:
-        result = CliRunner().invoke(app, ["site", "--coordinator", coordinator.address, "--app",
-                                          "stock_flower_app:client_app", "--tls-ca", str(tmp_path / "ca.pem")])
+        result = CliRunner().invoke(
+            app,
+            [
+                "site",
+                "--coordinator",
+                coordinator.address,
+                "--app",
+                "stock_flower_app:client_app",
+                "--tls-ca",
+                str(tmp_path / "ca.pem"),
+            ],
+        )
     finally:
         server.stop(grace=None)
     assert result.exit_code == 2 and "is not a file" in " ".join(result.output.split())

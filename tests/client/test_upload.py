@@ -23,14 +23,20 @@ MIB_FLOATS = CHUNK_BYTES // 4
 def site(tmp_path):
     """A coordinator with one site and one message for it (a query, so the reply may carry new arrays)."""
     coordinator, grid, [(node, token)] = started_coordinator_run(tmp_path, "a")
-    request = Message(RecordDict({"config": ConfigRecord({"server-round": 1})}), dst_node_id=node.node_id,
-                      message_type="query.upload")
+    request = Message(
+        RecordDict({"config": ConfigRecord({"server-round": 1})}),
+        dst_node_id=node.node_id,
+        message_type="query.upload",
+    )
     request.metadata.group_id = "1"
     [message_id] = grid.push_messages([request])
     channel = grpc.insecure_channel(f"127.0.0.1:{coordinator.port}")
     metadata = (("authorization", f"Bearer {token}"),)
     stub = CoordinatorClient(channel)
-    assert stub.PullMessage(pb.PullMessageRequest(), metadata=metadata).envelope.message_id == message_id
+    assert (
+        stub.PullMessage(pb.PullMessageRequest(), metadata=metadata).envelope.message_id
+        == message_id
+    )
     yield stub, metadata, grid, request, message_id
     channel.close()
     coordinator.stop()
@@ -44,7 +50,10 @@ def _reply(request: Message) -> tuple[Message, dict[str, np.ndarray]]:
         "c": np.full(7, 0.5, dtype=np.float32),
     }
     record = ArrayRecord({name: Array(values) for name, values in arrays.items()})
-    reply = Message(RecordDict({"arrays": record, "metrics": MetricRecord({"num-examples": 3})}), reply_to=request)
+    reply = Message(
+        RecordDict({"arrays": record, "metrics": MetricRecord({"num-examples": 3})}),
+        reply_to=request,
+    )
     reply.metadata.__dict__["_message_id"] = "reply-1"
     return reply, arrays
 
@@ -52,7 +61,9 @@ def _reply(request: Message) -> tuple[Message, dict[str, np.ndarray]]:
 def _stored_equals(grid: CoordinatorGrid, message_id: str, arrays: dict[str, np.ndarray]) -> bool:
     [stored] = grid.pull_messages([message_id])
     record = stored.content["arrays"]
-    return sorted(record) == sorted(arrays) and all(np.array_equal(record[k].numpy(), v) for k, v in arrays.items())
+    return sorted(record) == sorted(arrays) and all(
+        np.array_equal(record[k].numpy(), v) for k, v in arrays.items()
+    )
 
 
 def test_a_first_push_streams_each_chunk_once_and_the_manifest_names_them_in_order(site):
@@ -60,7 +71,10 @@ def test_a_first_push_streams_each_chunk_once_and_the_manifest_names_them_in_ord
     reply, arrays = _reply(request)
     uploaded = upload_reply(stub, metadata, reply, 1, inline_bytes=0)
     assert not uploaded.resumed and not uploaded.duplicate
-    assert (uploaded.stored, uploaded.already_present) == (5, 0)  # 3 + one zero chunk + the small one
+    assert (uploaded.stored, uploaded.already_present) == (
+        5,
+        0,
+    )  # 3 + one zero chunk + the small one
     assert set(uploaded.seconds) == {"ask", "put", "push"}
     [row] = grid.store.replies_to([message_id])
     named_first, _ = split_message(reply, 1)  # what naming the whole reply before sending gives
@@ -79,7 +93,9 @@ def test_a_push_cut_short_resumes_with_only_the_missing_chunks(site):
     reply, arrays = _reply(request)
     _, chunks = split_message(reply, 1)
     first_two = list(chunks.items())[:2]
-    assert stub.PutChunks(iter(first_two), metadata=metadata).stored == 2  # the connection dropped after two
+    assert (
+        stub.PutChunks(iter(first_two), metadata=metadata).stored == 2
+    )  # the connection dropped after two
     uploaded = upload_reply(stub, metadata, reply, 1, inline_bytes=0)
     assert uploaded.resumed and not uploaded.duplicate
     assert (uploaded.stored, uploaded.already_present) == (3, 2)

@@ -30,20 +30,37 @@ def test_pixels_and_labels_read_back_as_written(tmp_path: Path) -> None:
     write_dicom(tmp_path / "a.dcm", plain)
     write_dicom(tmp_path / "b.dcm", inverted, photometric="MONOCHROME1")
     write_dicom(tmp_path / "study 2" / "c.dcm", colour, photometric="RGB")
-    write_dicom(tmp_path / "IM0004", ct, rescale=(-1.0, 3000.0))  # no suffix: a DICOM by its content
+    write_dicom(
+        tmp_path / "IM0004", ct, rescale=(-1.0, 3000.0)
+    )  # no suffix: a DICOM by its content
     header = ("patient", "file", "finding")
-    rows = [("p1", "a.dcm", "normal"), ("p2", "b.dcm", "effusion"), ("p3", "study 2/c.dcm", "normal"),
-            ("p4", "IM0004", "effusion")]
+    rows = [
+        ("p1", "a.dcm", "normal"),
+        ("p2", "b.dcm", "effusion"),
+        ("p3", "study 2/c.dcm", "normal"),
+        ("p4", "IM0004", "effusion"),
+    ]
     write_labels(tmp_path, rows, header)
 
     task, x, y = read_dataset(tmp_path, "finding")
 
-    assert (task.modality, task.image_size, task.channels, task.class_names) == ("image", 32, 1, ("effusion", "normal"))
+    assert (task.modality, task.image_size, task.channels, task.class_names) == (
+        "image",
+        32,
+        1,
+        ("effusion", "normal"),
+    )
     assert x.shape == (4, 1, 32, 32) and x.dtype == np.float32
     np.testing.assert_allclose(x[0, 0], _minmax(plain), atol=1e-6)
-    np.testing.assert_allclose(x[1, 0], 1.0 - _minmax(inverted), atol=1e-6)  # 0 is white in MONOCHROME1
-    np.testing.assert_allclose(x[2, 0], _minmax(colour @ np.array([0.299, 0.587, 0.114])), atol=1e-6)
-    np.testing.assert_allclose(x[3, 0], _minmax(3000.0 - ct.astype(np.float64)), atol=1e-6)  # slope -1: flipped
+    np.testing.assert_allclose(
+        x[1, 0], 1.0 - _minmax(inverted), atol=1e-6
+    )  # 0 is white in MONOCHROME1
+    np.testing.assert_allclose(
+        x[2, 0], _minmax(colour @ np.array([0.299, 0.587, 0.114])), atol=1e-6
+    )
+    np.testing.assert_allclose(
+        x[3, 0], _minmax(3000.0 - ct.astype(np.float64)), atol=1e-6
+    )  # slope -1: flipped
     assert y.tolist() == [1, 0, 1, 0]
 
 
@@ -65,7 +82,12 @@ def test_other_sizes_are_resized_to_the_image_task(tmp_path: Path) -> None:
 HEADER_EDITS = {
     "palette": {"PhotometricInterpretation": "PALETTE COLOR"},
     "truncated-pixels": {"PixelData": bytes(20)},
-    "three-samples-as-grey": {"SamplesPerPixel": 3, "PlanarConfiguration": 0, "Rows": 8, "Columns": 8},
+    "three-samples-as-grey": {
+        "SamplesPerPixel": 3,
+        "PlanarConfiguration": 0,
+        "Rows": 8,
+        "Columns": 8,
+    },
 }
 """Header edits that break file 1.dcm (32 x 32 x 16 bits): an unsupported encoding, pixel data too short for its
 header, and a header whose sample count turns one grey image into a colour-shaped array."""
@@ -102,7 +124,9 @@ def _folder_with(tmp_path: Path, breakage: str) -> Path:
         rows[1] = ("1.dcm", "")
     elif breakage == "no-rows":
         rows = []
-    write_labels(folder, rows, ("path", "label") if breakage == "no-file-column" else ("file", "label"))
+    write_labels(
+        folder, rows, ("path", "label") if breakage == "no-file-column" else ("file", "label")
+    )
     return folder
 
 
@@ -111,20 +135,59 @@ def _folder_with(tmp_path: Path, breakage: str) -> Path:
     [
         ("not-dicom", ["1.dcm", "labels.csv, line 3", "not a DICOM file", "re-export it as DICOM"]),
         ("no-pixels", ["1.dcm", "labels.csv, line 3", "no pixel data", "list image files only"]),
-        ("palette", ["1.dcm", "line 3", "'PALETTE COLOR' is not supported", "re-export it as one of MONOCHROME1"]),
-        ("truncated-pixels", ["1.dcm", "line 3", "cannot decode the pixel data", "replace the file or drop its row"]),
-        ("three-samples-as-grey", ["1.dcm", "line 3", "not one 2-D image", "fix SamplesPerPixel/Photometric"]),
-        ("multi-frame", ["1.dcm", "labels.csv, line 3", "3 frames", "export the frame that carries the label"]),
-        ("missing-file", ["labels.csv, line 6", "'5.dcm' does not exist", "fix the path", "or drop the row"]),
-        ("outside", ["labels.csv, line 6", "'../elsewhere.dcm' is outside", "relative to the folder"]),
-        ("unlabelled", ["9.dcm", "a DICOM file with no row in", "add a row 'extra/9.dcm,LABEL'", "or move the file"]),
-        ("duplicate", ["labels.csv, line 6", "'0.dcm' is already listed on line 2", "keep one row per file"]),
+        (
+            "palette",
+            [
+                "1.dcm",
+                "line 3",
+                "'PALETTE COLOR' is not supported",
+                "re-export it as one of MONOCHROME1",
+            ],
+        ),
+        (
+            "truncated-pixels",
+            ["1.dcm", "line 3", "cannot decode the pixel data", "replace the file or drop its row"],
+        ),
+        (
+            "three-samples-as-grey",
+            ["1.dcm", "line 3", "not one 2-D image", "fix SamplesPerPixel/Photometric"],
+        ),
+        (
+            "multi-frame",
+            ["1.dcm", "labels.csv, line 3", "3 frames", "export the frame that carries the label"],
+        ),
+        (
+            "missing-file",
+            ["labels.csv, line 6", "'5.dcm' does not exist", "fix the path", "or drop the row"],
+        ),
+        (
+            "outside",
+            ["labels.csv, line 6", "'../elsewhere.dcm' is outside", "relative to the folder"],
+        ),
+        (
+            "unlabelled",
+            [
+                "9.dcm",
+                "a DICOM file with no row in",
+                "add a row 'extra/9.dcm,LABEL'",
+                "or move the file",
+            ],
+        ),
+        (
+            "duplicate",
+            ["labels.csv, line 6", "'0.dcm' is already listed on line 2", "keep one row per file"],
+        ),
         ("empty-label", ["labels.csv, line 3", "column 'label'", "empty cell", "fill it in"]),
         ("no-rows", ["labels.csv", "no rows", "add one line per DICOM file"]),
-        ("no-file-column", ["labels.csv, line 1", "no column 'file'", "available columns: 'path', 'label'"]),
+        (
+            "no-file-column",
+            ["labels.csv, line 1", "no column 'file'", "available columns: 'path', 'label'"],
+        ),
     ],
 )
-def test_errors_name_the_file_or_line_and_the_fix(tmp_path: Path, breakage: str, fragments: list[str]) -> None:
+def test_errors_name_the_file_or_line_and_the_fix(
+    tmp_path: Path, breakage: str, fragments: list[str]
+) -> None:
     with pytest.raises(DataError) as raised:
         read_dataset(_folder_with(tmp_path, breakage), None)
     for fragment in fragments:
@@ -133,14 +196,19 @@ def test_errors_name_the_file_or_line_and_the_fix(tmp_path: Path, breakage: str,
 
 def test_a_label_column_that_is_not_there_is_named(tmp_path: Path) -> None:
     folder = _folder_with(tmp_path, "none")
-    with pytest.raises(DataError, match="no column 'finding'.*label_column.*available columns: 'file', 'label'"):
+    with pytest.raises(
+        DataError, match="no column 'finding'.*label_column.*available columns: 'file', 'label'"
+    ):
         read_dataset(folder, "finding")
 
 
 def test_a_federation_learns_from_dicom_folders(tmp_path: Path) -> None:
     folder = pattern_folder(tmp_path / "studies", per_class=30)
     cohort = load_cohort(data_path=folder, num_sites=2)
-    assert cohort.task.class_names == ("left", "right") and sum(len(site.train_y) for site in cohort.sites) == 48
+    assert (
+        cohort.task.class_names == ("left", "right")
+        and sum(len(site.train_y) for site in cohort.sites) == 48
+    )
 
     cfg = SMALL_RUN.replace(data=str(folder), sites=2, rounds=3, local_steps=8, batch_size=16)
     history = run_strategy(cfg, "inprocess")

@@ -27,8 +27,15 @@ def _write(path: Path, lines: list[str]) -> Path:
 
 def test_numeric_csv_round_trips_as_a_standardised_tabular_task(tmp_path: Path) -> None:
     labels = ["low", "mid", "high"]
-    lines = ["id,lactate, outcome ,hr"] + [f"{i},{2 * i + 1.5},{labels[i % 3]},{60 + i % 7}" for i in range(30)]
-    cohort = load_cohort(data_path=_write(tmp_path / "vitals.csv", lines), label_column="outcome", num_sites=3, seed=1)
+    lines = ["id,lactate, outcome ,hr"] + [
+        f"{i},{2 * i + 1.5},{labels[i % 3]},{60 + i % 7}" for i in range(30)
+    ]
+    cohort = load_cohort(
+        data_path=_write(tmp_path / "vitals.csv", lines),
+        label_column="outcome",
+        num_sites=3,
+        seed=1,
+    )
     task = cohort.task
     assert (task.name, task.modality, task.num_features) == ("file:vitals.csv", "tabular", 3)
     assert task.class_names == ("high", "low", "mid") and task.num_classes == 3
@@ -46,31 +53,55 @@ def test_numeric_csv_round_trips_as_a_standardised_tabular_task(tmp_path: Path) 
 
 def test_numeric_labels_sort_numerically(tmp_path: Path) -> None:
     lines = ["x,grade"] + [f"{i},{[2, 10, 1][i % 3]}" for i in range(12)]
-    cohort = load_cohort(data_path=_write(tmp_path / "g.csv", lines), label_column="grade", num_sites=2)
+    cohort = load_cohort(
+        data_path=_write(tmp_path / "g.csv", lines), label_column="grade", num_sites=2
+    )
     assert cohort.task.class_names == ("1", "2", "10")
 
 
 def test_text_csv_with_quoted_commas_becomes_a_text_task(tmp_path: Path) -> None:
-    notes = [f'"patient {i}, {"febrile" if i % 2 else "no fever"}, ""quoted"" note"' for i in range(20)]
+    notes = [
+        f'"patient {i}, {"febrile" if i % 2 else "no fever"}, ""quoted"" note"' for i in range(20)
+    ]
     lines = ["note,label"] + [f"{note},{i % 2}" for i, note in enumerate(notes)]
-    cohort = load_cohort(data_path=_write(tmp_path / "notes.csv", lines), label_column="label", num_sites=2)
+    cohort = load_cohort(
+        data_path=_write(tmp_path / "notes.csv", lines), label_column="label", num_sites=2
+    )
     task = cohort.task
-    assert (task.modality, task.vocab_size, task.seq_len, task.class_names) == ("text", 2048, 48, ("0", "1"))
+    assert (task.modality, task.vocab_size, task.seq_len, task.class_names) == (
+        "text",
+        2048,
+        48,
+        ("0", "1"),
+    )
     texts = [f'patient {i}, {"febrile" if i % 2 else "no fever"}, "quoted" note' for i in range(20)]
     expected = tokenize(texts, 2048, 48)
     x, y = _all_rows(cohort)
     row_label = {tuple(row.tolist()): i % 2 for i, row in enumerate(expected)}
     assert sorted(row_label[tuple(row.tolist())] for row in x) == sorted(i % 2 for i in range(20))
-    assert all(row_label[tuple(row.tolist())] == label for row, label in zip(x, y.tolist(), strict=True))
+    assert all(
+        row_label[tuple(row.tolist())] == label for row, label in zip(x, y.tolist(), strict=True)
+    )
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".ndjson"])
 def test_jsonl_text_and_tabular(tmp_path: Path, suffix: str) -> None:
-    records = [{"text": f"note {i} {'wheeze' if i % 2 else 'edema'}", "dx": ["copd", "hf"][i % 2]} for i in range(16)]
-    lines = [json.dumps(r) for r in records[:8]] + [""] + [json.dumps(r) for r in records[8:]]  # blank line is fine
-    cohort = load_cohort(data_path=_write(tmp_path / f"notes{suffix}", lines), label_column="dx", num_sites=2)
+    records = [
+        {"text": f"note {i} {'wheeze' if i % 2 else 'edema'}", "dx": ["copd", "hf"][i % 2]}
+        for i in range(16)
+    ]
+    lines = (
+        [json.dumps(r) for r in records[:8]] + [""] + [json.dumps(r) for r in records[8:]]
+    )  # blank line is fine
+    cohort = load_cohort(
+        data_path=_write(tmp_path / f"notes{suffix}", lines), label_column="dx", num_sites=2
+    )
     task = cohort.task
-    assert (task.name, task.modality, task.class_names) == (f"file:notes{suffix}", "text", ("copd", "hf"))
+    assert (task.name, task.modality, task.class_names) == (
+        f"file:notes{suffix}",
+        "text",
+        ("copd", "hf"),
+    )
     x, y = _all_rows(cohort)
     assert x.shape == (16, 48) and (x[:, 0] == 1).all()
     wheeze = tokenize(["wheeze"], 2048, 2)[0, 1]
@@ -79,7 +110,11 @@ def test_jsonl_text_and_tabular(tmp_path: Path, suffix: str) -> None:
     rows = [{"a": i, "b": 0.5 * i, "y": i % 2} for i in range(10)]
     table = _write(tmp_path / f"t{suffix}", [json.dumps(r) for r in rows])
     tab = load_cohort(data_path=table, label_column="y", num_sites=2)
-    assert (tab.task.modality, tab.task.num_features, tab.task.class_names) == ("tabular", 2, ("0", "1"))
+    assert (tab.task.modality, tab.task.num_features, tab.task.class_names) == (
+        "tabular",
+        2,
+        ("0", "1"),
+    )
 
 
 def test_file_partitions_by_label(tmp_path: Path) -> None:
@@ -87,33 +122,90 @@ def test_file_partitions_by_label(tmp_path: Path) -> None:
     path = _write(tmp_path / "p.csv", lines)
     cohort = load_cohort(data_path=path, label_column="y", num_sites=3, partition="pathological:1")
     assert [set(torch.cat([s.train_y, s.test_y]).tolist()) for s in cohort.sites] == [{0}, {1}, {2}]
-    with pytest.raises(DataError, match=r"partition 'natural'.*p\.csv.*iid, dirichlet:ALPHA or pathological:K"):
+    with pytest.raises(
+        DataError, match=r"partition 'natural'.*p\.csv.*iid, dirichlet:ALPHA or pathological:K"
+    ):
         load_cohort(data_path=path, label_column="y", partition="natural")
 
 
 @pytest.mark.parametrize(
     ("name", "lines", "label", "fragments"),
     [
-        ("v.csv", ["a,b,y", "1,2,x", "3,oops,z", "4,5,x"], "y", ["v.csv", "line 3", "'b'", "'oops' is not a finite"]),
-        ("v.csv", ["a,b,y", "1,2,x", "3,nan,z"], "y", ["v.csv", "line 3", "'b'", "not a finite number"]),
+        (
+            "v.csv",
+            ["a,b,y", "1,2,x", "3,oops,z", "4,5,x"],
+            "y",
+            ["v.csv", "line 3", "'b'", "'oops' is not a finite"],
+        ),
+        (
+            "v.csv",
+            ["a,b,y", "1,2,x", "3,nan,z"],
+            "y",
+            ["v.csv", "line 3", "'b'", "not a finite number"],
+        ),
         ("v.csv", ["a,b,y", "1,2,x", "3,,z"], "y", ["v.csv", "line 3", "'b'", "empty cell"]),
         ("v.csv", ["a,b,y", "1,2,x", "3,4,"], "y", ["v.csv", "line 3", "'y'", "empty cell"]),
         ("v.csv", ["a,b,y", "1,2,x", "3,4"], "y", ["v.csv", "line 3", "expected 3 fields"]),
-        ("v.csv", ["a,b,y", "1,2,x", "3,4,z"], None, ["v.csv", "label_column is required", "'a', 'b', 'y'"]),
-        ("v.csv", ["a,b,y", "1,2,x", "3,4,z"], "label", ["v.csv", "no column 'label'", "'a', 'b', 'y'"]),
+        (
+            "v.csv",
+            ["a,b,y", "1,2,x", "3,4,z"],
+            None,
+            ["v.csv", "label_column is required", "'a', 'b', 'y'"],
+        ),
+        (
+            "v.csv",
+            ["a,b,y", "1,2,x", "3,4,z"],
+            "label",
+            ["v.csv", "no column 'label'", "'a', 'b', 'y'"],
+        ),
         ("v.csv", ["a,b,y", "1,2,x", "3,4,x"], "y", ["v.csv", "'y' has a single class ('x')"]),
         ("v.csv", ["a,b,y"], "y", ["v.csv", "header but no data rows"]),
         ("v.csv", [""], "y", ["v.csv", "empty"]),
         ("v.csv", ["a,a,y", "1,2,x"], "y", ["v.csv", "line 1", "'a' appears twice"]),
         ("v.csv", ["y", "x", "z"], "y", ["v.csv", "only column"]),
-        ("m.csv", ["age,note,y", "40,cough,x", "50,fever,z"], "y", ["m.csv", "['note']", "['age']"]),
+        (
+            "m.csv",
+            ["age,note,y", "40,cough,x", "50,fever,z"],
+            "y",
+            ["m.csv", "['note']", "['age']"],
+        ),
         ("m.csv", ["note,site,y", "cough,a,x", "fever,b,z"], "y", ["m.csv", "['note', 'site']"]),
-        ("j.jsonl", ['{"a": 1, "y": "x"}', "", '{"a": 3, "y": '], "y", ["j.jsonl", "line 3", "malformed JSON"]),
-        ("j.jsonl", ['{"a": 1, "y": "x"}', "[1, 2]"], "y", ["j.jsonl", "line 2", "expected a JSON object"]),
-        ("j.jsonl", ['{"a": 1, "y": "x"}', '{"a": 2, "b": 3, "y": "z"}'], "y", ["j.jsonl", "line 2", "'b'", "first"]),
-        ("j.jsonl", ['{"a": 1, "y": "x"}', '{"y": "z"}'], "y", ["j.jsonl", "line 2", "'a'", "empty cell"]),
-        ("j.jsonl", ['{"a": 1, "y": "x"}', '{"a": [1], "y": "z"}'], "y", ["j.jsonl", "line 2", "'a'", "nested list"]),
-        ("j.jsonl", ['{"a": 1, "y": "x"}', '{"a": "high", "y": "z"}'], "y", ["j.jsonl", "line 2", "'a'", "'high'"]),
+        (
+            "j.jsonl",
+            ['{"a": 1, "y": "x"}', "", '{"a": 3, "y": '],
+            "y",
+            ["j.jsonl", "line 3", "malformed JSON"],
+        ),
+        (
+            "j.jsonl",
+            ['{"a": 1, "y": "x"}', "[1, 2]"],
+            "y",
+            ["j.jsonl", "line 2", "expected a JSON object"],
+        ),
+        (
+            "j.jsonl",
+            ['{"a": 1, "y": "x"}', '{"a": 2, "b": 3, "y": "z"}'],
+            "y",
+            ["j.jsonl", "line 2", "'b'", "first"],
+        ),
+        (
+            "j.jsonl",
+            ['{"a": 1, "y": "x"}', '{"y": "z"}'],
+            "y",
+            ["j.jsonl", "line 2", "'a'", "empty cell"],
+        ),
+        (
+            "j.jsonl",
+            ['{"a": 1, "y": "x"}', '{"a": [1], "y": "z"}'],
+            "y",
+            ["j.jsonl", "line 2", "'a'", "nested list"],
+        ),
+        (
+            "j.jsonl",
+            ['{"a": 1, "y": "x"}', '{"a": "high", "y": "z"}'],
+            "y",
+            ["j.jsonl", "line 2", "'a'", "'high'"],
+        ),
         ("j.jsonl", ["", "  "], "y", ["j.jsonl", "no JSON records"]),
         ("t.txt", ["a,y", "1,x"], "y", ["t.txt", "unsupported file type '.txt'", ".csv"]),
         ("few.csv", ["a,y", "1,x", "2,z", "3,x"], "y", ["3 rows are too few for 4 sites"]),
@@ -158,12 +250,19 @@ def _image_folder(root: Path, per_class: int = 6) -> Path:
 def test_image_folder_becomes_a_standardised_grayscale_task(tmp_path: Path) -> None:
     cohort = load_cohort(data_path=_image_folder(tmp_path / "xrays"), num_sites=2)
     task = cohort.task
-    assert (task.name, task.modality, task.image_size, task.channels) == ("file:xrays", "image", 32, 1)
+    assert (task.name, task.modality, task.image_size, task.channels) == (
+        "file:xrays",
+        "image",
+        32,
+        1,
+    )
     assert task.class_names == ("effusion", "normal")
     x, y = _all_rows(cohort)
     assert x.shape == (12, 1, 32, 32) and x.dtype == torch.float32
     assert y.bincount().tolist() == [6, 6]
-    assert x[y == 1].mean() > 0.5 > -0.5 > x[y == 0].mean()  # bright normals, dark effusions after standardising
+    assert (
+        x[y == 1].mean() > 0.5 > -0.5 > x[y == 0].mean()
+    )  # bright normals, dark effusions after standardising
 
 
 @pytest.mark.parametrize(
@@ -174,7 +273,9 @@ def test_image_folder_becomes_a_standardised_grayscale_task(tmp_path: Path) -> N
         ("corrupt", ["broken.png", "cannot read the image"]),
     ],
 )
-def test_image_folder_errors_name_the_folder_or_file(tmp_path: Path, breakage: str, fragments: list[str]) -> None:
+def test_image_folder_errors_name_the_folder_or_file(
+    tmp_path: Path, breakage: str, fragments: list[str]
+) -> None:
     root = _image_folder(tmp_path / "xrays")
     if breakage == "one_class":
         for file in (root / "effusion").iterdir():

@@ -62,7 +62,9 @@ def test_a_site_model_transfers_worse_to_other_sites(task: str) -> None:
         model = _fit(_features(site.train_x, spec), site.train_y, spec.num_classes)
         own.append(_accuracy(model, _features(site.test_x, spec), site.test_y))
         other += [
-            _accuracy(model, _features(b.test_x, spec), b.test_y) for k, b in enumerate(cohort.sites) if k != a
+            _accuracy(model, _features(b.test_x, spec), b.test_y)
+            for k, b in enumerate(cohort.sites)
+            if k != a
         ]
     # Averaged over all 4 x 3 (train site, test site) pairs to be robust to 80-row test sets.
     assert np.mean(own) - np.mean(other) > 0.08

@@ -86,7 +86,9 @@ def test_pathological_one_gives_one_class_per_site_and_uses_every_class() -> Non
     cohort = load_cohort("chest-xray", partition="pathological:1")
     classes = [set(y.tolist()) for y in _site_labels(cohort)]
     assert all(len(c) == 1 for c in classes)
-    assert set().union(*classes) == set(range(4))  # 4 sites, 4 classes: each class lives at exactly one site
+    assert set().union(*classes) == set(
+        range(4)
+    )  # 4 sites, 4 classes: each class lives at exactly one site
 
 
 def test_pathological_two_gives_two_classes_per_site() -> None:
@@ -103,4 +105,3 @@ def test_pathological_warns_when_classes_are_left_out() -> None:
     with pytest.warns(UserWarning, match="leaves class"):
         cohort = load_cohort("clinical-text", partition="pathological:1", num_sites=2)
     assert [set(y.tolist()) for y in _site_labels(cohort)] == [{0}, {1}]
-

@@ -22,7 +22,9 @@ def _prevalence(cohort: Cohort, site: int) -> np.ndarray:
 def _max_tv(cohort: Cohort) -> float:
     """Largest total-variation distance between two sites' label distributions."""
     pairs = itertools.combinations(range(len(cohort.sites)), 2)
-    return max(0.5 * np.abs(_prevalence(cohort, a) - _prevalence(cohort, b)).sum() for a, b in pairs)
+    return max(
+        0.5 * np.abs(_prevalence(cohort, a) - _prevalence(cohort, b)).sum() for a, b in pairs
+    )
 
 
 @pytest.fixture(scope="module", params=TASKS)
@@ -47,7 +49,9 @@ def test_shapes_dtypes_and_ranges_follow_the_task_spec(cohort: Cohort) -> None:
                 assert torch.equal(is_pad, torch.cummax(is_pad, dim=1).values)
             elif task.modality == "image":
                 assert x.dtype == torch.float32
-                assert x.shape[1:] == (task.channels, task.image_size, task.image_size) == (1, 32, 32)
+                assert (
+                    x.shape[1:] == (task.channels, task.image_size, task.image_size) == (1, 32, 32)
+                )
             else:
                 assert x.dtype == torch.float32 and x.shape[1:] == (task.num_features,) == (12,)
             assert torch.isfinite(x.float()).all()
@@ -58,11 +62,16 @@ def test_features_are_standardised_with_pooled_train_statistics(cohort: Cohort) 
         pytest.skip("token ids are not standardised")
     train = torch.cat([split.train_x for split in cohort.sites]).double()
     if cohort.task.modality == "tabular":
-        assert train.mean(0).abs().max() < 1e-5 and (train.std(0, unbiased=False) - 1).abs().max() < 1e-4
+        assert (
+            train.mean(0).abs().max() < 1e-5
+            and (train.std(0, unbiased=False) - 1).abs().max() < 1e-4
+        )
     else:
         assert abs(train.mean()) < 1e-5 and abs(train.std(unbiased=False) - 1) < 1e-4
     test = torch.cat([split.test_x for split in cohort.sites]).double()
-    assert test.mean().abs() < 0.2  # close to, but not exactly, standardised: no test statistics were used
+    assert (
+        test.mean().abs() < 0.2
+    )  # close to, but not exactly, standardised: no test statistics were used
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -89,7 +98,9 @@ def test_every_site_sees_every_class_but_in_its_own_proportions(task: str, seed:
 def test_tabular_sites_differ_in_population_and_measurement() -> None:
     cohort = load_cohort("tabular")
     age = [torch.cat([s.train_x[:, 0], s.test_x[:, 0]]).numpy() for s in cohort.sites]
-    assert max(a.mean() for a in age) - min(a.mean() for a in age) > 0.4  # in pooled standard deviations
+    assert (
+        max(a.mean() for a in age) - min(a.mean() for a in age) > 0.4
+    )  # in pooled standard deviations
     # Measurement shift: within one disposition, lab means still differ between hospitals.
     wbc, lactate = 6, 7
     for column in (wbc, lactate):
@@ -99,7 +110,9 @@ def test_tabular_sites_differ_in_population_and_measurement() -> None:
 
 def test_chest_xray_scanners_shift_intensity_within_a_class() -> None:
     cohort = load_cohort("chest-xray")
-    per_site = [s.train_x[s.train_y == 0].mean(dim=(1, 2, 3)).numpy() for s in cohort.sites]  # normal images
+    per_site = [
+        s.train_x[s.train_y == 0].mean(dim=(1, 2, 3)).numpy() for s in cohort.sites
+    ]  # normal images
     z_scores = [
         abs(a.mean() - b.mean()) / np.sqrt(a.var() / a.size + b.var() / b.size)
         for a, b in itertools.combinations(per_site, 2)
@@ -114,9 +127,12 @@ def test_clinical_text_sites_write_in_their_own_words() -> None:
         return set(x.unique().tolist()) - {0, 1}
 
     site0 = cohort.sites[0].train_x
-    within = len(words(site0[:160]) & words(site0[160:])) / len(words(site0[:160]) | words(site0[160:]))
+    within = len(words(site0[:160]) & words(site0[160:])) / len(
+        words(site0[:160]) | words(site0[160:])
+    )
     across = [
-        len(words(site0[:160]) & words(s.train_x[:160])) / len(words(site0[:160]) | words(s.train_x[:160]))
+        len(words(site0[:160]) & words(s.train_x[:160]))
+        / len(words(site0[:160]) | words(s.train_x[:160]))
         for s in cohort.sites[1:]
     ]
     assert max(across) < within - 0.1

@@ -47,7 +47,9 @@ def test_compose_runs_postgres_a_coordinator_and_three_sites_with_real_flags():
     compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
     services = compose["services"]
     targets = stages((DOCKER / "Dockerfile").read_text())
-    sites = [name for name, service in services.items() if service.get("image") == "hydrafl-site:latest"]
+    sites = [
+        name for name, service in services.items() if service.get("image") == "hydrafl-site:latest"
+    ]
     assert len(sites) == 3 and {"coordinator", "postgres", "enrol"} <= set(services)
     for name, service in services.items():
         image = service.get("image", "")
@@ -57,14 +59,23 @@ def test_compose_runs_postgres_a_coordinator_and_three_sites_with_real_flags():
         for command, args in hydrafl_calls([*argv, *service.get("command", [])]):
             usage = CliRunner().invoke(app, [*command.split(), "--help"]).output
             for flag in (word for word in args if word.startswith("--")):
-                known = flag in usage or (command == "admin run create" and key_type(flag[2:]) is not None)
+                known = flag in usage or (
+                    command == "admin run create" and key_type(flag[2:]) is not None
+                )
                 assert known, f"{name}: {flag} is not an option of `hydrafl {command}`"
 
 
 def test_each_site_mounts_only_its_own_token_and_data_and_never_reaches_the_database():
     services = yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]
-    sites = {name: service for name, service in services.items() if service.get("image") == "hydrafl-site:latest"}
-    volumes = {name: [mount.split(":")[0] for mount in service["volumes"]] for name, service in sites.items()}
+    sites = {
+        name: service
+        for name, service in services.items()
+        if service.get("image") == "hydrafl-site:latest"
+    }
+    volumes = {
+        name: [mount.split(":")[0] for mount in service["volumes"]]
+        for name, service in sites.items()
+    }
     for name, mounts in volumes.items():
         assert sorted(mounts) == sorted([f"{name}-token", f"{name}-data"])
         assert f"{name}-token:/run/secrets:ro" in sites[name]["volumes"]
@@ -79,12 +90,23 @@ def test_images_run_unprivileged_with_a_healthcheck_and_nothing_secret_inside():
     for name in ("coordinator", "site"):
         assert re.search(rf"^FROM hydrafl AS {name}$", dockerfile, flags=re.MULTILINE)
         assert "USER" not in targets[name], f"{name} changes user"
-    assert "HEALTHCHECK" in targets["coordinator"] and "hydrafl-healthcheck" in targets["coordinator"]
+    assert (
+        "HEALTHCHECK" in targets["coordinator"] and "hydrafl-healthcheck" in targets["coordinator"]
+    )
     assert "HEALTHCHECK" in (DOCKER / "postgres.Dockerfile").read_text()
-    assert re.search(r"^USER postgres$", (DOCKER / "postgres.Dockerfile").read_text(), flags=re.MULTILINE)
+    assert re.search(
+        r"^USER postgres$", (DOCKER / "postgres.Dockerfile").read_text(), flags=re.MULTILINE
+    )
     # Wheels and the proxy CA come in through RUN mounts only; nothing secret is COPY'd or ARG'd.
-    assert not re.search(r"^(COPY|ADD) .*(wheelhouse|dist|\.pem|token)", dockerfile, flags=re.MULTILINE | re.IGNORECASE)
-    assert "--mount=type=secret,id=ca," in dockerfile and "--mount=type=bind,source=wheelhouse" in dockerfile
+    assert not re.search(
+        r"^(COPY|ADD) .*(wheelhouse|dist|\.pem|token)",
+        dockerfile,
+        flags=re.MULTILINE | re.IGNORECASE,
+    )
+    assert (
+        "--mount=type=secret,id=ca," in dockerfile
+        and "--mount=type=bind,source=wheelhouse" in dockerfile
+    )
     assert not re.search(r"^ARG .*(TOKEN|PASSWORD|KEY|CERT)", dockerfile, flags=re.MULTILINE)
     ignored = (DOCKER / ".dockerignore").read_text().splitlines()
     assert ignored[1] == "*" and all(line.startswith("!") for line in ignored[2:])

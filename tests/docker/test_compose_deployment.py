@@ -43,9 +43,13 @@ def log(message: str) -> None:
 
 
 def run(args: list[str], env: dict[str, str], timeout: float = 1200, check: bool = True, **kwargs):
-    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout, **kwargs)
+    result = subprocess.run(
+        args, env=env, capture_output=True, text=True, timeout=timeout, **kwargs
+    )
     if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        raise AssertionError(
+            f"{' '.join(args)} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
     return result
 
 
@@ -79,7 +83,9 @@ def docker_env():
     """(docker client, environment with DOCKER_HOST): a daemon that answers, started here if need be."""
     client = buildkit_client()
     if client is None:
-        pytest.skip("no docker client that builds with BuildKit: install Debian's docker.io (or docker buildx)")
+        pytest.skip(
+            "no docker client that builds with BuildKit: install Debian's docker.io (or docker buildx)"
+        )
     env = {**os.environ, "DOCKER_BUILDKIT": "1"}
     if os.environ.get("DOCKER_HOST") and daemon_answers(client, env):
         yield client, env
@@ -90,7 +96,9 @@ def docker_env():
         return
     dockerd = shutil.which("dockerd")
     if dockerd is None:
-        pytest.skip("no Docker daemon: dockerd is not installed (apt-get install docker.io docker-compose debootstrap)")
+        pytest.skip(
+            "no Docker daemon: dockerd is not installed (apt-get install docker.io docker-compose debootstrap)"
+        )
     if os.geteuid() != 0:
         pytest.skip("no Docker daemon answers and starting dockerd needs root")
     if Path(PIDFILE).exists():  # left by a dockerd that died: refuse to start otherwise
@@ -101,9 +109,20 @@ def docker_env():
     daemon_log = Path("/tmp/hydrafl-dockerd.log")
     with daemon_log.open("w") as out:
         daemon = subprocess.Popen(
-            [dockerd, "--host", f"unix://{SOCKET}", "--data-root", DATA_ROOT, "--exec-root", EXEC_ROOT,
-             "--pidfile", PIDFILE],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                dockerd,
+                "--host",
+                f"unix://{SOCKET}",
+                "--data-root",
+                DATA_ROOT,
+                "--exec-root",
+                EXEC_ROOT,
+                "--pidfile",
+                PIDFILE,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     deadline = time.monotonic() + 60
     while not daemon_answers(client, env):
@@ -129,15 +148,38 @@ def wheelhouse(env: dict[str, str]) -> tuple[Path, Path]:
     """(dependencies, hydrafl's wheel): hydrafl's wheel is rebuilt every time; the dependencies are fetched by
     docker/wheelhouse.sh (the connected half of an air-gapped build) only when the cache lacks one."""
     deps, dist = WHEEL_CACHE, WHEEL_CACHE.with_name(WHEEL_CACHE.name + "-dist")
-    script_env = {**env, "WHEELHOUSE": str(deps), "DIST": str(dist), "PYTHON": sys.executable,
-                  "TORCH_INDEX": os.environ.get("TORCH_INDEX", "")}
+    script_env = {
+        **env,
+        "WHEELHOUSE": str(deps),
+        "DIST": str(dist),
+        "PYTHON": sys.executable,
+        "TORCH_INDEX": os.environ.get("TORCH_INDEX", ""),
+    }
     run([str(DOCKER_DIR / "wheelhouse.sh"), "--own-only"], script_env)
-    offline = {k: v for k, v in env.items() if not k.startswith("PIP_")} | {"PIP_CONFIG_FILE": os.devnull}
+    offline = {k: v for k, v in env.items() if not k.startswith("PIP_")} | {
+        "PIP_CONFIG_FILE": os.devnull
+    }
     wheel = next(dist.glob("hydrafl-*.whl"))
-    complete = run(
-        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-index", "--quiet",
-         "--find-links", str(deps), f"{wheel}[postgres]"], offline, check=False,
-    ).returncode == 0
+    complete = (
+        run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--dry-run",
+                "--ignore-installed",
+                "--no-index",
+                "--quiet",
+                "--find-links",
+                str(deps),
+                f"{wheel}[postgres]",
+            ],
+            offline,
+            check=False,
+        ).returncode
+        == 0
+    )
     if not complete:
         log(f"filling the wheelhouse {deps}")
         run([str(DOCKER_DIR / "wheelhouse.sh")], script_env)
@@ -173,9 +215,15 @@ def images(docker_env, tmp_path_factory):
     return marker
 
 
-def compose(env: dict[str, str], project: str, *args: str, check: bool = True, timeout: float = 900):
-    return run(["docker-compose", "-p", project, "-f", str(DOCKER_DIR / "compose.yaml"), *args], env,
-               timeout=timeout, check=check)
+def compose(
+    env: dict[str, str], project: str, *args: str, check: bool = True, timeout: float = 900
+):
+    return run(
+        ["docker-compose", "-p", project, "-f", str(DOCKER_DIR / "compose.yaml"), *args],
+        env,
+        timeout=timeout,
+        check=check,
+    )
 
 
 def scan_images(client: str, env: dict[str, str], needles: list[str]) -> list[str]:
@@ -202,7 +250,12 @@ def test_compose_runs_a_federated_job_to_the_end(docker_env, images):
     marker = images
     project = f"hydrafl-e2e-{os.getpid()}"
     password = secrets.token_urlsafe(16)
-    env = {**env, "HYDRAFL_PUBLISH": "127.0.0.1:0", "HYDRAFL_DB_PASSWORD": password, "HYDRAFL_DEMO_ROUNDS": str(ROUNDS)}
+    env = {
+        **env,
+        "HYDRAFL_PUBLISH": "127.0.0.1:0",
+        "HYDRAFL_DB_PASSWORD": password,
+        "HYDRAFL_DEMO_ROUNDS": str(ROUNDS),
+    }
     started = time.monotonic()
     try:
         up = compose(env, project, "up", "-d", check=False)
@@ -213,8 +266,23 @@ def test_compose_runs_a_federated_job_to_the_end(docker_env, images):
         status: dict = {}
         deadline = time.monotonic() + RUN_DEADLINE_S
         while time.monotonic() < deadline:
-            reply = compose(env, project, "exec", "-T", "coordinator", "hydrafl", "admin", "run", "status", "1",
-                            "--json", "--db", DB_URL, check=False, timeout=120)
+            reply = compose(
+                env,
+                project,
+                "exec",
+                "-T",
+                "coordinator",
+                "hydrafl",
+                "admin",
+                "run",
+                "status",
+                "1",
+                "--json",
+                "--db",
+                DB_URL,
+                check=False,
+                timeout=120,
+            )
             if reply.returncode == 0:
                 status = json.loads(reply.stdout)
                 if status["status"] in ("finished", "failed", "cancelled"):
@@ -230,7 +298,9 @@ def test_compose_runs_a_federated_job_to_the_end(docker_env, images):
             return compose(env, project, "ps", "-q", service).stdout.strip()
 
         coordinator = container("coordinator")
-        health = run([client, "inspect", "-f", "{{.State.Health.Status}}", coordinator], env).stdout.strip()
+        health = run(
+            [client, "inspect", "-f", "{{.State.Health.Status}}", coordinator], env
+        ).stdout.strip()
         assert health == "healthy", logs[-3000:]
         # Killed and started again as the same container (same hostname, pid 1), the coordinator takes its own
         # lease at once: it serves well before the lease would go stale (30 s), and never exits in between.
@@ -239,18 +309,26 @@ def test_compose_runs_a_federated_job_to_the_end(docker_env, images):
         restarted, serving = time.monotonic(), None
         while serving is None or (serving.returncode != 0 and time.monotonic() - restarted < 25):
             time.sleep(1)
-            serving = run([client, "exec", coordinator, "python", "/opt/hydrafl/bin/hydrafl-healthcheck"], env,
-                          check=False, timeout=60)
+            serving = run(
+                [client, "exec", coordinator, "python", "/opt/hydrafl/bin/hydrafl-healthcheck"],
+                env,
+                check=False,
+                timeout=60,
+            )
         own_lease_s = time.monotonic() - restarted
         restarted_logs = run([client, "logs", "--tail=30", coordinator], env, check=False)
         log(f"the restarted coordinator served {own_lease_s:.0f} s after docker start")
-        assert serving.returncode == 0, f"not serving {own_lease_s:.0f} s after a restart:\n{restarted_logs.stderr[-3000:]}"
+        assert serving.returncode == 0, (
+            f"not serving {own_lease_s:.0f} s after a restart:\n{restarted_logs.stderr[-3000:]}"
+        )
         assert "another coordinator" not in restarted_logs.stdout + restarted_logs.stderr
         for service in ("postgres", "coordinator", *SITES):
             uid = run([client, "exec", container(service), "id", "-u"], env).stdout.strip()
             assert uid != "0", f"{service} runs as root"
         for image in IMAGES:
-            user = run([client, "image", "inspect", "-f", "{{.Config.User}}", image], env).stdout.strip()
+            user = run(
+                [client, "image", "inspect", "-f", "{{.Config.User}}", image], env
+            ).stdout.strip()
             assert user not in ("", "0", "root"), f"{image} has no non-root USER"
 
         tokens = {}
@@ -258,12 +336,26 @@ def test_compose_runs_a_federated_job_to_the_end(docker_env, images):
             site_id = container(site)
             listing = run([client, "exec", site_id, "ls", "-A", "/run/secrets"], env).stdout.split()
             assert listing == ["site-token"], f"{site} sees {listing}"
-            tokens[site] = run([client, "exec", site_id, "cat", "/run/secrets/site-token"], env).stdout.strip()
+            tokens[site] = run(
+                [client, "exec", site_id, "cat", "/run/secrets/site-token"], env
+            ).stdout.strip()
             # Sites share a network with the coordinator only, never with the database.
-            probe = run([client, "exec", site_id, "python", "-c", "import socket; socket.getaddrinfo('postgres', 5432)"],
-                        env, check=False)
+            probe = run(
+                [
+                    client,
+                    "exec",
+                    site_id,
+                    "python",
+                    "-c",
+                    "import socket; socket.getaddrinfo('postgres', 5432)",
+                ],
+                env,
+                check=False,
+            )
             assert probe.returncode != 0, f"{site} can resolve the database"
-        assert len(set(tokens.values())) == len(SITES) and all(len(token) >= 20 for token in tokens.values())
+        assert len(set(tokens.values())) == len(SITES) and all(
+            len(token) >= 20 for token in tokens.values()
+        )
 
         scanned = time.monotonic()
         present = 'SERVICE = "hydrafl.proto.Coordinator"'  # healthcheck.py's: proves the scan reads the layers

@@ -20,7 +20,14 @@ from hydrafl.kernels.chunked_loss import (
 from hydrafl.kernels.distributed import free_port
 
 N, D, D_TEACHER, V = 37, 16, 12, 101
-SETTINGS = [(1, 8192, 1024), (1, 7, 5), (3, 7, 5), (4, 16, 37), (5, 1, 1), (2, 101, 2)]  # (shards, chunk, window)
+SETTINGS = [
+    (1, 8192, 1024),
+    (1, 7, 5),
+    (3, 7, 5),
+    (4, 16, 37),
+    (5, 1, 1),
+    (2, 101, 2),
+]  # (shards, chunk, window)
 
 
 def problem(dtype: torch.dtype = torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -45,10 +52,17 @@ def test_cross_entropy_equals_full_vocabulary(shards: int, chunk: int, window: i
     p = problem()
     full = F.cross_entropy(p["hidden"] @ p["weight"].T, p["target"])
     ours = chunked_cross_entropy(
-        p["hidden"], p["weight"], p["target"], num_shards=shards, chunk_size=chunk, window_size=window
+        p["hidden"],
+        p["weight"],
+        p["target"],
+        num_shards=shards,
+        chunk_size=chunk,
+        window_size=window,
     )
     assert abs(ours.item() - full.item()) <= 1e-6
-    for mine, theirs in zip(grads(ours, p["hidden"], p["weight"]), grads(full, p["hidden"], p["weight"]), strict=True):
+    for mine, theirs in zip(
+        grads(ours, p["hidden"], p["weight"]), grads(full, p["hidden"], p["weight"]), strict=True
+    ):
         torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-5)
 
 
@@ -60,11 +74,19 @@ def test_kl_equals_kl_div_over_valid_rows(shards: int, chunk: int, window: int) 
     teacher = F.log_softmax(p["teacher_hidden"] @ p["teacher_weight"].T, dim=-1)
     full = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1)[valid].mean()
     ours = chunked_kl_divergence(
-        p["hidden"], p["weight"], p["teacher_hidden"], p["teacher_weight"],
-        valid=valid, num_shards=shards, chunk_size=chunk, window_size=window,
+        p["hidden"],
+        p["weight"],
+        p["teacher_hidden"],
+        p["teacher_weight"],
+        valid=valid,
+        num_shards=shards,
+        chunk_size=chunk,
+        window_size=window,
     )
     assert abs(ours.item() - full.item()) <= 1e-6
-    for mine, theirs in zip(grads(ours, p["hidden"], p["weight"]), grads(full, p["hidden"], p["weight"]), strict=True):
+    for mine, theirs in zip(
+        grads(ours, p["hidden"], p["weight"]), grads(full, p["hidden"], p["weight"]), strict=True
+    ):
         torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-5)
 
 
@@ -82,7 +104,9 @@ def test_gradcheck_float64(shards: int) -> None:
         return chunked_cross_entropy(h, w, target, **blocks)
 
     def kl(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return chunked_kl_divergence(h, w, teacher_hidden, teacher_weight, valid=target != IGNORE_INDEX, **blocks)
+        return chunked_kl_divergence(
+            h, w, teacher_hidden, teacher_weight, valid=target != IGNORE_INDEX, **blocks
+        )
 
     assert torch.autograd.gradcheck(cross_entropy, (hidden, weight))
     assert torch.autograd.gradcheck(kl, (hidden, weight))
@@ -93,14 +117,20 @@ def test_merged_shard_stats_are_the_full_log_sum_exp_and_target_logit() -> None:
     hidden, weight, target = p["hidden"].detach(), p["weight"].detach(), p["target"]
     bounds = [0, 10, 11, 60, V]
     shards = [
-        cross_entropy_shard_stats(hidden, weight[a:b], target, vocab_start=a, chunk_size=8, window_size=16)
+        cross_entropy_shard_stats(
+            hidden, weight[a:b], target, vocab_start=a, chunk_size=8, window_size=16
+        )
         for a, b in zip(bounds, bounds[1:])
     ]
     merged = merge_cross_entropy_stats(shards)
     logits = hidden @ weight.T
     valid = target != IGNORE_INDEX
-    torch.testing.assert_close(merged.max + merged.sumexp.log(), logits.logsumexp(-1), atol=1e-6, rtol=0)
-    torch.testing.assert_close(merged.target[valid], logits[valid, target[valid]], atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        merged.max + merged.sumexp.log(), logits.logsumexp(-1), atol=1e-6, rtol=0
+    )
+    torch.testing.assert_close(
+        merged.target[valid], logits[valid, target[valid]], atol=1e-6, rtol=0
+    )
     assert torch.all(merged.target[~valid] == 0)
 
 
@@ -111,11 +141,15 @@ def test_global_count_normalises_across_ranks() -> None:
     count = int((p["target"] != IGNORE_INDEX).sum())
     halves = [slice(0, 10), slice(10, N)]
     total = sum(
-        chunked_cross_entropy(p["hidden"][rows], p["weight"], p["target"][rows], num_valid=count, chunk_size=16)
+        chunked_cross_entropy(
+            p["hidden"][rows], p["weight"], p["target"][rows], num_valid=count, chunk_size=16
+        )
         for rows in halves
     )
     assert abs(total.item() - full.item()) <= 1e-6
-    for mine, theirs in zip(grads(total, p["hidden"], p["weight"]), grads(full, p["hidden"], p["weight"]), strict=True):
+    for mine, theirs in zip(
+        grads(total, p["hidden"], p["weight"]), grads(full, p["hidden"], p["weight"]), strict=True
+    ):
         torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-5)
 
 
@@ -125,15 +159,21 @@ def test_a_frozen_head_and_the_teacher_get_no_gradient() -> None:
     teacher_hidden = p["teacher_hidden"].requires_grad_()
     full = F.cross_entropy(p["hidden"] @ weight.T, p["target"])
     ours = chunked_cross_entropy(p["hidden"], weight, p["target"], chunk_size=16, window_size=8)
-    torch.testing.assert_close(grads(ours, p["hidden"])[0], grads(full, p["hidden"])[0], atol=1e-6, rtol=1e-5)
-    kl = chunked_kl_divergence(p["hidden"], weight, teacher_hidden, p["teacher_weight"], chunk_size=16)
+    torch.testing.assert_close(
+        grads(ours, p["hidden"])[0], grads(full, p["hidden"])[0], atol=1e-6, rtol=1e-5
+    )
+    kl = chunked_kl_divergence(
+        p["hidden"], weight, teacher_hidden, p["teacher_weight"], chunk_size=16
+    )
     kl.backward()
     assert p["hidden"].grad is not None and teacher_hidden.grad is None
 
 
 def test_only_ignored_targets_give_zero_loss_and_zero_gradient() -> None:
     p = problem()
-    loss = chunked_cross_entropy(p["hidden"], p["weight"], torch.full((N,), IGNORE_INDEX), chunk_size=16)
+    loss = chunked_cross_entropy(
+        p["hidden"], p["weight"], torch.full((N,), IGNORE_INDEX), chunk_size=16
+    )
     assert loss.item() == 0.0
     assert all(torch.all(g == 0) for g in grads(loss, p["hidden"], p["weight"]))
 
@@ -154,7 +194,9 @@ def test_never_materialises_the_logits(largest_tensor) -> None:  # noqa: ANN001 
     teacher_hidden, teacher_weight = torch.randn(rows, dim), torch.randn(vocab, dim)
     target = torch.randint(0, vocab, (rows,))
     with largest_tensor as largest:
-        chunked_cross_entropy(hidden, weight, target, chunk_size=chunk, window_size=window, num_shards=2).backward()
+        chunked_cross_entropy(
+            hidden, weight, target, chunk_size=chunk, window_size=window, num_shards=2
+        ).backward()
         chunked_kl_divergence(
             hidden, weight, teacher_hidden, teacher_weight, chunk_size=chunk, window_size=window
         ).backward()
@@ -176,7 +218,9 @@ def test_errors_name_the_bad_value() -> None:
     with pytest.raises(ValueError, match="chunk_size=0"):
         chunked_cross_entropy(hidden, weight, p["target"], chunk_size=0)
     with pytest.raises(ValueError, match="valid mask"):
-        chunked_kl_divergence(hidden, weight, p["teacher_hidden"], p["teacher_weight"], valid=p["target"])
+        chunked_kl_divergence(
+            hidden, weight, p["teacher_hidden"], p["teacher_weight"], valid=p["target"]
+        )
     with pytest.raises(ValueError, match="teacher hidden"):
         chunked_kl_divergence(hidden, weight, p["teacher_hidden"][:5], p["teacher_weight"])
 
@@ -187,7 +231,9 @@ VOCAB_SPLIT = (0, 40, V)  # rank 0 holds ids [0, 40) of the head, rank 1 [40, 10
 @pytest.mark.slow
 def test_vocabulary_shards_on_two_ranks_give_the_full_loss_and_gradients(tmp_path: Path) -> None:
     p = problem()
-    mp.spawn(vocab_sharded_rank, args=(free_port(), str(tmp_path), p, VOCAB_SPLIT), nprocs=2, join=True)
+    mp.spawn(
+        vocab_sharded_rank, args=(free_port(), str(tmp_path), p, VOCAB_SPLIT), nprocs=2, join=True
+    )
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
     full = F.cross_entropy(p["hidden"] @ p["weight"].T, p["target"]) + chunked_kl_divergence(
         p["hidden"], p["weight"], p["teacher_hidden"], p["teacher_weight"]
@@ -196,6 +242,12 @@ def test_vocabulary_shards_on_two_ranks_give_the_full_loss_and_gradients(tmp_pat
     for result in ranks:  # every rank computes the same, full-vocabulary loss
         assert abs(result["loss"].item() - full.item()) <= 1e-6
     # each head shard gets exactly its rows of the full head's gradient; the hidden states' shares sum to theirs
-    torch.testing.assert_close(torch.cat([r["weight"] for r in ranks]), weight_grad, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(ranks[0]["hidden"] + ranks[1]["hidden"], hidden_grad, atol=1e-6, rtol=1e-5)
-    assert float(ranks[0]["hidden"].sub(hidden_grad).abs().max()) > 1e-3  # one shard's share is not the whole
+    torch.testing.assert_close(
+        torch.cat([r["weight"] for r in ranks]), weight_grad, atol=1e-6, rtol=1e-5
+    )
+    torch.testing.assert_close(
+        ranks[0]["hidden"] + ranks[1]["hidden"], hidden_grad, atol=1e-6, rtol=1e-5
+    )
+    assert (
+        float(ranks[0]["hidden"].sub(hidden_grad).abs().max()) > 1e-3
+    )  # one shard's share is not the whole

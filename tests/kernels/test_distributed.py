@@ -53,7 +53,11 @@ def _mlp_builder(num_features: int, num_classes: int) -> Callable[[], nn.Module]
     """A picklable builder whose spawned ranks import only torch (fast start-up on a busy CI machine)."""
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Linear(num_features, 32), nn.Tanh(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, num_classes)
+        nn.Linear(num_features, 32),
+        nn.Tanh(),
+        nn.Linear(32, 32),
+        nn.GELU(),
+        nn.Linear(32, num_classes),
     )
     return functools.partial(copy.deepcopy, model)
 
@@ -73,7 +77,9 @@ def _delta(end: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> dict
     return {k: end[k] - start[k] for k in start}
 
 
-def _run(build: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tensor, **overrides: object) -> DistributedResult:
+def _run(
+    build: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tensor, **overrides: object
+) -> DistributedResult:
     kwargs: dict[str, object] = {
         "global_batch_size": GLOBAL_BATCH,
         "lr": 1e-2,
@@ -88,7 +94,9 @@ def _run(build: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tensor, **ove
 
 
 @pytest.fixture(scope="module")
-def mlp_runs(site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]]) -> dict[tuple[str, int], object]:
+def mlp_runs(
+    site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]],
+) -> dict[tuple[str, int], object]:
     """1- and 2-process runs of an MLP for SGD and AdamW, by (optimizer, nproc), and the start state under "start".
     Each run is made once, when a test first asks for it (the spawns are the slow part)."""
     x, y, _ = site
@@ -117,7 +125,8 @@ def test_pick_device_uses_the_current_accelerator(monkeypatch: pytest.MonkeyPatc
 
 
 def test_one_process_runs_in_process_and_is_the_plain_loop(
-    site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]], monkeypatch: pytest.MonkeyPatch
+    site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     x, y, build = site
 
@@ -130,7 +139,9 @@ def test_one_process_runs_in_process_and_is_the_plain_loop(
     # The reference: a plain loop over the round's first three global batches, mean loss over each.
     model = build()
     optimizer = build_inner_optimizer(model, "adamw", lr=1e-2)
-    loader = ElasticLoader(len(x), global_batch_size=GLOBAL_BATCH, lanes=LANES, seed=3, server_round=1)
+    loader = ElasticLoader(
+        len(x), global_batch_size=GLOBAL_BATCH, lanes=LANES, seed=3, server_round=1
+    )
     losses = []
     for step in range(3):
         idx = torch.as_tensor(loader.global_batch(step))
@@ -144,7 +155,12 @@ def test_one_process_runs_in_process_and_is_the_plain_loop(
     for name, tensor in expected.items():
         torch.testing.assert_close(result.end_state[name], tensor, rtol=0, atol=0)
     assert result.loss == pytest.approx(sum(losses) / 3, rel=1e-12)
-    assert (result.samples, result.steps, result.nproc, result.device) == (3 * GLOBAL_BATCH, 3, 1, "cpu")
+    assert (result.samples, result.steps, result.nproc, result.device) == (
+        3 * GLOBAL_BATCH,
+        3,
+        1,
+        "cpu",
+    )
     assert result.samples_per_s > 0
 
 
@@ -153,11 +169,18 @@ def test_one_process_runs_in_process_and_is_the_plain_loop(
 def test_two_gloo_processes_equal_one_process(mlp_runs: dict, optimizer: str) -> None:
     one, two = mlp_runs[optimizer, 1], mlp_runs[optimizer, 2]
     start = mlp_runs["start"]
-    assert two.nproc == 2 and two.samples == one.samples == 6 * GLOBAL_BATCH  # 51 train rows: 6 full batches
+    assert (
+        two.nproc == 2 and two.samples == one.samples == 6 * GLOBAL_BATCH
+    )  # 51 train rows: 6 full batches
     assert _relative_difference(one.end_state, two.end_state) <= 1e-5
     # The pseudo-gradient a site sends (end - start) agrees too, not just the (large) weights.
     assert _relative_difference(_delta(one.end_state, start), _delta(two.end_state, start)) <= 1e-4
-    assert _relative_difference(_delta(one.end_state, start), {k: torch.zeros_like(v) for k, v in start.items()}) > 0
+    assert (
+        _relative_difference(
+            _delta(one.end_state, start), {k: torch.zeros_like(v) for k, v in start.items()}
+        )
+        > 0
+    )
     assert two.loss == pytest.approx(one.loss, rel=1e-5)
 
 
@@ -168,27 +191,37 @@ def test_a_dead_rank_is_restarted_and_the_round_replayed_to_the_same_delta(
     x, y, _ = site
     build = _mlp_builder(x.shape[1], int(y.max()) + 1)
     undisturbed = mlp_runs["sgd", 2]
-    restarted = _run(build, x, y, nproc=2, lr=0.05, loss_fn=RankOneDiesOnFirstAttempt(), max_restarts=1)
+    restarted = _run(
+        build, x, y, nproc=2, lr=0.05, loss_fn=RankOneDiesOnFirstAttempt(), max_restarts=1
+    )
     assert (undisturbed.restarts, restarted.restarts) == (0, 1)
     for name, tensor in undisturbed.end_state.items():
         torch.testing.assert_close(restarted.end_state[name], tensor, rtol=0, atol=0)
     assert (restarted.loss, restarted.data_hash) == (undisturbed.loss, undisturbed.data_hash)
-    with pytest.raises(DistributedTrainingError, match="2 training processes failed after 0 restart"):
+    with pytest.raises(
+        DistributedTrainingError, match="2 training processes failed after 0 restart"
+    ):
         _run(build, x, y, nproc=2, lr=0.05, loss_fn=RankOneDiesOnFirstAttempt())
 
 
 @pytest.mark.slow
 def test_a_launch_leaves_the_process_its_signal_handlers_and_ctrl_c_stops_it(
-    site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The elastic agent installs its own handlers and leaves them: a site would take Ctrl-C for a failed round.
     It also writes worker logs, which must go with the round."""
     x, y, _ = site
     build = _mlp_builder(x.shape[1], int(y.max()) + 1)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the launch and the agent put their files
+    monkeypatch.setattr(
+        tempfile, "tempdir", str(tmp_path)
+    )  # where the launch and the agent put their files
 
     def state() -> tuple[dict, list]:
-        return {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}, list(tmp_path.iterdir())
+        return {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}, list(
+            tmp_path.iterdir()
+        )
 
     before = state()
     _run(build, x, y, nproc=2, lr=0.05, steps=1)
@@ -197,7 +230,9 @@ def test_a_launch_leaves_the_process_its_signal_handlers_and_ctrl_c_stops_it(
     interrupt.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            _run(build, x, y, nproc=2, lr=0.05, steps=6, loss_fn=SlowLoss(5.0))  # 30 s: the signal comes first
+            _run(
+                build, x, y, nproc=2, lr=0.05, steps=6, loss_fn=SlowLoss(5.0)
+            )  # 30 s: the signal comes first
     finally:
         interrupt.cancel()
     assert state() == before
@@ -209,7 +244,9 @@ def test_data_hash_is_the_same_for_any_nproc(
 ) -> None:
     x, _, _ = site
     order = round_order(len(x), 3, 1)
-    expected = hash_global_batches(order[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH] for k in range(6))
+    expected = hash_global_batches(
+        order[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH] for k in range(6)
+    )
     assert mlp_runs["sgd", nproc].data_hash == mlp_runs["adamw", nproc].data_hash == expected
 
 
@@ -217,7 +254,9 @@ def test_data_hash_changes_with_the_round_and_the_steps(
     site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]],
 ) -> None:
     x, y, build = site
-    assert _run(build, x, y, server_round=2, steps=1).data_hash != _run(build, x, y, steps=1).data_hash
+    assert (
+        _run(build, x, y, server_round=2, steps=1).data_hash != _run(build, x, y, steps=1).data_hash
+    )
     assert _run(build, x, y, steps=2).data_hash != _run(build, x, y, steps=1).data_hash
 
 
@@ -235,7 +274,9 @@ def test_steps_beyond_one_pass_read_further_passes_identically_for_any_nproc(
     batches += [passes[1][k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH] for k in range(3)]
     assert one.data_hash == other.data_hash == hash_global_batches(batches)
     assert one.samples == other.samples == 9 * GLOBAL_BATCH
-    assert _relative_difference(_delta(one.end_state, start), _delta(other.end_state, start)) <= 1e-4
+    assert (
+        _relative_difference(_delta(one.end_state, start), _delta(other.end_state, start)) <= 1e-4
+    )
 
 
 def test_proximal_term_pulls_towards_the_start_weights(
@@ -256,10 +297,15 @@ def test_proximal_term_pulls_towards_the_start_weights(
 
 
 def test_nproc_beyond_the_lanes_is_an_error_before_any_spawn(
-    site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]], monkeypatch: pytest.MonkeyPatch
+    site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     x, y, build = site
-    monkeypatch.setattr(distributed, "elastic_launch", lambda *a, **k: pytest.fail("launched despite a bad world size"))
+    monkeypatch.setattr(
+        distributed,
+        "elastic_launch",
+        lambda *a, **k: pytest.fail("launched despite a bad world size"),
+    )
     with pytest.raises(WorldSizeError, match="between 1 and the number of lanes 4"):
         _run(build, x, y, nproc=5)
     with pytest.raises(WorldSizeError, match="do not divide evenly"):
@@ -277,7 +323,9 @@ def test_start_state_missing_a_trainable_parameter_is_an_error(
     state = _start_state(build)
     state.pop("net.head.weight")
     with pytest.raises(KeyError, match="net.head.weight"):
-        train_distributed(build, state, x, y, global_batch_size=GLOBAL_BATCH, lr=1e-2, lanes=LANES, steps=1)
+        train_distributed(
+            build, state, x, y, global_batch_size=GLOBAL_BATCH, lr=1e-2, lanes=LANES, steps=1
+        )
 
 
 def test_bf16_autocast_runs_with_a_finite_loss(

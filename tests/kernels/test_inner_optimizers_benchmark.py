@@ -15,7 +15,10 @@ def test_a_tiny_sweep_reports_b_pg_and_cosine_per_setting(tmp_path) -> None:
     sweep = Sweep(sites=(2, 3), rounds=1, local_steps=2, samples_per_site=40, batch_size=8)
     summary = run(sweep, strategy="fedavg", partition="iid", seed=0, show_progress=False)
     assert [(e["optimizer"], e["sites"]) for e in summary["settings"]] == [
-        ("adamw", 2), ("adamw", 3), ("muon", 2), ("muon", 3)
+        ("adamw", 2),
+        ("adamw", 3),
+        ("muon", 2),
+        ("muon", 3),
     ]
     for entry in summary["settings"]:
         assert len(entry["noise_scale"]) == len(entry["full_data_cosine"]) == 1

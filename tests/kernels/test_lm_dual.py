@@ -13,7 +13,9 @@ from hydrafl.kernels.lm_dual import LMDualOptimizer, PerSampleLoss, dual_step, r
 
 def primal_step(jacobian: torch.Tensor, residual: torch.Tensor, damping: float) -> torch.Tensor:
     """(J^T J + lambda I)^-1 J^T r: the textbook P x P form the dual must reproduce."""
-    curvature = jacobian.T @ jacobian + damping * torch.eye(jacobian.shape[1], dtype=jacobian.dtype)  # [P, P]
+    curvature = jacobian.T @ jacobian + damping * torch.eye(
+        jacobian.shape[1], dtype=jacobian.dtype
+    )  # [P, P]
     return torch.linalg.solve(curvature, jacobian.T @ residual)
 
 
@@ -25,13 +27,18 @@ def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(outputs, targets, reduction="none")
 
 
-@pytest.mark.parametrize(("batch", "width", "damping"), [(8, 50, 1e-3), (30, 30, 1.0), (40, 7, 1e-2), (1, 5, 10.0)])
+@pytest.mark.parametrize(
+    ("batch", "width", "damping"), [(8, 50, 1e-3), (30, 30, 1.0), (40, 7, 1e-2), (1, 5, 10.0)]
+)
 def test_dual_step_equals_primal_step(batch: int, width: int, damping: float) -> None:
     gen = torch.Generator().manual_seed(batch * width)
     jacobian = torch.randn(batch, width, generator=gen, dtype=torch.float64)
     residual = torch.randn(batch, generator=gen, dtype=torch.float64)
     torch.testing.assert_close(
-        dual_step(jacobian, residual, damping), primal_step(jacobian, residual, damping), atol=1e-8, rtol=0
+        dual_step(jacobian, residual, damping),
+        primal_step(jacobian, residual, damping),
+        atol=1e-8,
+        rtol=0,
     )
 
 
@@ -45,7 +52,9 @@ def test_jacobian_in_row_slices_equals_full_jacobian(slice_size: int) -> None:
     def residuals(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return cross_entropy(functional_call(head, p, (x,)), y).sqrt()
 
-    jacobian, residual = residual_jacobian(residuals, params, inputs, targets, slice_size=slice_size)
+    jacobian, residual = residual_jacobian(
+        residuals, params, inputs, targets, slice_size=slice_size
+    )
 
     def flat_residuals(*tensors: torch.Tensor) -> torch.Tensor:
         return residuals(dict(zip(params, tensors, strict=True)), inputs, targets)
@@ -76,7 +85,9 @@ class Arctan(nn.Module):
         return torch.atan(x * self.w)
 
 
-def test_damping_grows_and_rejects_while_the_step_overshoots_then_shrinks_once_it_is_accepted() -> None:
+def test_damping_grows_and_rejects_while_the_step_overshoots_then_shrinks_once_it_is_accepted() -> (
+    None
+):
     head = Arctan()
     inputs, targets = torch.ones(1, 1, dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64)
     optimizer = LMDualOptimizer(head, squared_error, damping=1e-3, decrease=3.0, increase=2.0)
@@ -105,7 +116,13 @@ def test_a_singular_system_counts_as_a_rejection() -> None:
 
 
 def fit(
-    head: nn.Module, loss_fn: PerSampleLoss, inputs: torch.Tensor, targets: torch.Tensor, *, lm: bool, lr: float
+    head: nn.Module,
+    loss_fn: PerSampleLoss,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    lm: bool,
+    lr: float,
 ) -> float:
     """The head's mean loss after 8 steps of LM or of SGD at learning rate `lr`."""
     if lm:
@@ -124,19 +141,25 @@ def fit(
 
 def test_fits_a_least_squares_head_faster_than_sgd() -> None:
     gen = torch.Generator().manual_seed(0)
-    inputs = torch.randn(64, 10, generator=gen) * torch.linspace(0.2, 3, 10)  # ill-conditioned features
+    inputs = torch.randn(64, 10, generator=gen) * torch.linspace(
+        0.2, 3, 10
+    )  # ill-conditioned features
     targets = inputs @ torch.randn(10, 2, generator=gen) + 0.01 * torch.randn(64, 2, generator=gen)
     results = {}
     for lm in (True, False):
         torch.manual_seed(1)
-        results[lm] = fit(nn.Linear(10, 2), squared_error, inputs, targets, lm=lm, lr=0.05)  # lr near SGD's limit
+        results[lm] = fit(
+            nn.Linear(10, 2), squared_error, inputs, targets, lm=lm, lr=0.05
+        )  # lr near SGD's limit
     assert results[True] < 1e-2 < results[False]
 
 
 def test_fits_a_logistic_head_faster_than_sgd() -> None:
     gen = torch.Generator().manual_seed(0)
     inputs = torch.randn(96, 12, generator=gen)
-    targets = (inputs @ torch.randn(12, 4, generator=gen) + 0.3 * torch.randn(96, 4, generator=gen)).argmax(1)
+    targets = (
+        inputs @ torch.randn(12, 4, generator=gen) + 0.3 * torch.randn(96, 4, generator=gen)
+    ).argmax(1)
     results = {}
     for lm in (True, False):
         torch.manual_seed(1)

@@ -46,7 +46,9 @@ def test_zero_gradient_parameters_are_not_updated(optimizer_name: str) -> None:
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     after = _steps(model, optimizer_name, [0.0, 0.0, 0.0])
     assert torch.equal(after["unused"], before["unused"])  # no gradient at all (None)
-    assert torch.equal(after["gated"], before["gated"])  # an exactly zero gradient, weight decay 0.1 notwithstanding
+    assert torch.equal(
+        after["gated"], before["gated"]
+    )  # an exactly zero gradient, weight decay 0.1 notwithstanding
     assert not torch.equal(after["hidden.weight"], before["hidden.weight"])  # the rest trains
 
 
@@ -61,7 +63,9 @@ def test_muon_momentum_does_not_carry_into_a_zero_gradient_step() -> None:
         F.cross_entropy(model(x), y).backward()
         before = model.gated.detach().clone()
         optimizer.step()
-    assert torch.equal(model.gated.detach(), before)  # the last step had momentum but no gradient: untouched
+    assert torch.equal(
+        model.gated.detach(), before
+    )  # the last step had momentum but no gradient: untouched
     assert [p is model.gated for p in optimizer.skipped] == [True]
 
 
@@ -70,21 +74,29 @@ def test_attention_key_biases_get_rounding_noise_only_and_are_skipped() -> None:
     cohort = load_cohort("tabular", num_sites=1, samples_per_site=40)
     split = cohort.sites[0]
     model = build_model(cohort.task, seed=0)
-    keys = {name for name, _ in model.named_parameters() if name.endswith("attention.self.key.bias")}
+    keys = {
+        name for name, _ in model.named_parameters() if name.endswith("attention.self.key.bias")
+    }
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = build_inner_optimizer(model, "muon", lr=1e-2)
     for _ in range(3):
         optimizer.zero_grad()
         F.cross_entropy(model(split.train_x[:16]), split.train_y[:16]).backward()
         raw = {name: p.grad for name, p in model.named_parameters() if name in keys}
-        assert all(g is not None and 0 < float(g.abs().max()) for g in raw.values())  # noise, not an exact 0
+        assert all(
+            g is not None and 0 < float(g.abs().max()) for g in raw.values()
+        )  # noise, not an exact 0
         optimizer.step()
-    skipped = {name for name, p in model.named_parameters() if any(p is q for q in optimizer.skipped)}
+    skipped = {
+        name for name, p in model.named_parameters() if any(p is q for q in optimizer.skipped)
+    }
     assert len(keys) == 2 and skipped == keys
     after = dict(model.named_parameters())
     assert all(torch.equal(after[name].detach(), before[name]) for name in keys)
     moved = [name for name in before if not torch.equal(after[name].detach(), before[name])]
-    assert len(moved) == len(before) - len(keys) - 1  # all but the key biases and the unused word embedding
+    assert (
+        len(moved) == len(before) - len(keys) - 1
+    )  # all but the key biases and the unused word embedding
 
 
 def test_skip_threshold_is_the_dtype_epsilon_times_the_largest_gradient() -> None:

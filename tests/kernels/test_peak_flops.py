@@ -22,16 +22,22 @@ from hydrafl.kernels.peak_flops import mfu, peak_flops
         ("Tesla T4", None, 8.1e12),
     ],
 )
-def test_known_gpus_match_their_own_entry(device_name: str, bf16: float | None, fp32: float) -> None:
+def test_known_gpus_match_their_own_entry(
+    device_name: str, bf16: float | None, fp32: float
+) -> None:
     assert peak_flops(device_name, bf16=True) == (pytest.approx(bf16) if bf16 else None)
     assert peak_flops(device_name, bf16=False) == pytest.approx(fp32)
 
 
 def test_mfu_is_achieved_over_peak_of_all_devices() -> None:
     # 1000 samples/s x 3e9 training FLOPs each = 3e12 FLOP/s over 2 x 312e12 bf16 peak
-    assert mfu(1000.0, 3e9, device_name="NVIDIA A100-SXM4-40GB", devices=2, bf16=True) == pytest.approx(3e12 / 624e12)
+    assert mfu(
+        1000.0, 3e9, device_name="NVIDIA A100-SXM4-40GB", devices=2, bf16=True
+    ) == pytest.approx(3e12 / 624e12)
     assert mfu(1000.0, 3e9, device_name="", devices=1, bf16=False) is None  # CPU
     assert mfu(1000.0, 3e9, device_name="Some Future GPU", devices=1, bf16=False) is None
-    assert mfu(1000.0, 3e9, device_name="Tesla T4", devices=1, bf16=True) is None  # no bf16 tensor cores
+    assert (
+        mfu(1000.0, 3e9, device_name="Tesla T4", devices=1, bf16=True) is None
+    )  # no bf16 tensor cores
     with pytest.raises(ValueError, match="devices=0"):
         mfu(1.0, 1.0, device_name="NVIDIA L4", devices=0, bf16=False)

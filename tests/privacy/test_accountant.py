@@ -32,7 +32,9 @@ def _rdp_gaussian_epsilon(z: float, rounds: int, delta: float) -> float:
     eps = rdp + log((alpha - 1) / alpha) - (log(delta) + log(alpha)) / (alpha - 1), minimised over alpha."""
     alpha = np.linspace(1.001, 200.0, 400_000)
     rdp = rounds * alpha * (2 / z) ** 2 / 2
-    return float(np.min(rdp + np.log((alpha - 1) / alpha) - (math.log(delta) + np.log(alpha)) / (alpha - 1)))
+    return float(
+        np.min(rdp + np.log((alpha - 1) / alpha) - (math.log(delta) + np.log(alpha)) / (alpha - 1))
+    )
 
 
 def _gaussian_delta(eps: float, mu: float) -> float:
@@ -63,7 +65,9 @@ def test_the_exact_accountant_is_the_analytic_gaussian(z, rounds):
     mu = math.sqrt(rounds) * 2 / z  # R Gaussians with mu each compose to one with mu sqrt(R)
     spent = exact_epsilon(z, RoundSample(4, 4), delta=DELTA, repeat=rounds)
     assert spent == pytest.approx(_gaussian_epsilon(mu, DELTA), abs=1e-3)
-    assert _gaussian_delta(spent, mu) <= DELTA * (1 + 1e-6)  # the discretisation errs on the safe side
+    assert _gaussian_delta(spent, mu) <= DELTA * (
+        1 + 1e-6
+    )  # the discretisation errs on the safe side
 
 
 @pytest.mark.parametrize("z", [0.7, 1.1, 2.0, 5.0])
@@ -80,28 +84,41 @@ def test_sampling_fewer_sites_never_raises_epsilon_above_full_participation():
         assert spent == sorted(spent, reverse=True)
     # 3 of 4 amplified alone is above the unamplified bound; the reported epsilon is the smaller of the two
     amplified = RdpAccountant(neighboring_relation=REPLACE_ONE)
-    amplified.compose(dp_accounting.SampledWithoutReplacementDpEvent(4, 3, dp_accounting.GaussianDpEvent(0.55)), 5)
+    amplified.compose(
+        dp_accounting.SampledWithoutReplacementDpEvent(4, 3, dp_accounting.GaussianDpEvent(0.55)), 5
+    )
     full = epsilon(1.1, RoundSample(4, 4), delta=DELTA, repeat=5)
-    assert amplified.get_epsilon(DELTA) > full == epsilon(1.1, RoundSample(3, 4), delta=DELTA, repeat=5)
+    assert (
+        amplified.get_epsilon(DELTA)
+        > full
+        == epsilon(1.1, RoundSample(3, 4), delta=DELTA, repeat=5)
+    )
 
 
 def test_a_fixed_sample_without_replacement_is_amplified_under_the_same_relation():
     reference = RdpAccountant(neighboring_relation=REPLACE_ONE)
-    event = dp_accounting.SampledWithoutReplacementDpEvent(20, 5, dp_accounting.GaussianDpEvent(1.5 / 2))
+    event = dp_accounting.SampledWithoutReplacementDpEvent(
+        20, 5, dp_accounting.GaussianDpEvent(1.5 / 2)
+    )
     reference.compose(event, 10)
     spent = epsilon(1.5, RoundSample(5, 20), delta=DELTA, repeat=10)
     assert spent == pytest.approx(reference.get_epsilon(DELTA), rel=1e-12)
     assert spent < epsilon(1.5, RoundSample(20, 20), delta=DELTA, repeat=10)
     # the PLD accountant has no replace-one event for it: those rounds count unamplified
     assert exact_epsilon(1.5, RoundSample(5, 20), delta=DELTA, repeat=10) == exact_epsilon(
-        1.5, RoundSample(20, 20), delta=DELTA, repeat=10)
+        1.5, RoundSample(20, 20), delta=DELTA, repeat=10
+    )
 
 
 def test_poisson_sampling_is_replace_one_too():
     unamplified = epsilon(1.0, RoundSample(20, 20), delta=DELTA, repeat=30)
-    assert epsilon(1.0, RoundSample(5, 20), delta=DELTA, repeat=30, sampling="poisson") == unamplified  # no RDP bound
+    assert (
+        epsilon(1.0, RoundSample(5, 20), delta=DELTA, repeat=30, sampling="poisson") == unamplified
+    )  # no RDP bound
     reference = PLDAccountant(REPLACE_ONE, value_discretization_interval=PLD_DISCRETISATION)
-    reference.compose(dp_accounting.PoissonSampledDpEvent(0.25, dp_accounting.GaussianDpEvent(1.0)), 30)
+    reference.compose(
+        dp_accounting.PoissonSampledDpEvent(0.25, dp_accounting.GaussianDpEvent(1.0)), 30
+    )
     exact = exact_epsilon(1.0, RoundSample(5, 20), delta=DELTA, repeat=30, sampling="poisson")
     assert exact == pytest.approx(reference.get_epsilon(DELTA), rel=1e-12)
     assert exact < exact_epsilon(1.0, RoundSample(20, 20), delta=DELTA, repeat=30)
@@ -111,17 +128,25 @@ def test_rounds_of_different_samples_compose_and_spending_only_grows():
     rounds = [RoundSample(4, 4), RoundSample(1, 4), RoundSample(4, 4)]
     reference = RdpAccountant(neighboring_relation=REPLACE_ONE)
     reference.compose(dp_accounting.GaussianDpEvent(0.5), 2)
-    reference.compose(dp_accounting.SampledWithoutReplacementDpEvent(4, 1, dp_accounting.GaussianDpEvent(0.5)))
+    reference.compose(
+        dp_accounting.SampledWithoutReplacementDpEvent(4, 1, dp_accounting.GaussianDpEvent(0.5))
+    )
     assert reference.get_epsilon(DELTA) < epsilon(1.0, RoundSample(4, 4), delta=DELTA, repeat=3)
-    assert epsilon(1.0, rounds, delta=DELTA) == pytest.approx(reference.get_epsilon(DELTA), rel=1e-12)
+    assert epsilon(1.0, rounds, delta=DELTA) == pytest.approx(
+        reference.get_epsilon(DELTA), rel=1e-12
+    )
     for spend in (epsilon, exact_epsilon):
         spent = [spend(2.0, RoundSample(10, 10), delta=DELTA, repeat=r) for r in (1, 2, 5, 10)]
         assert spent == sorted(spent) and len(set(spent)) == 4
 
 
 def test_a_sites_local_epsilon_is_one_site_every_round():
-    assert local_epsilon(2.0, 7, delta=DELTA) == epsilon(2.0, RoundSample(1, 1), delta=DELTA, repeat=7)
-    assert local_epsilon(2.0, 1, delta=DELTA) == pytest.approx(_rdp_gaussian_epsilon(2.0, 1, DELTA), rel=2e-3)
+    assert local_epsilon(2.0, 7, delta=DELTA) == epsilon(
+        2.0, RoundSample(1, 1), delta=DELTA, repeat=7
+    )
+    assert local_epsilon(2.0, 1, delta=DELTA) == pytest.approx(
+        _rdp_gaussian_epsilon(2.0, 1, DELTA), rel=2e-3
+    )
 
 
 def test_no_noise_is_infinite_and_no_round_is_zero():
@@ -130,12 +155,19 @@ def test_no_noise_is_infinite_and_no_round_is_zero():
         assert spend(1.0, [], delta=DELTA) == 0.0
 
 
-@pytest.mark.parametrize(("sample", "sampling"), [
-    (RoundSample(20, 20), "fixed"), (RoundSample(5, 20), "fixed"), (RoundSample(5, 20), "poisson"),
-])
+@pytest.mark.parametrize(
+    ("sample", "sampling"),
+    [
+        (RoundSample(20, 20), "fixed"),
+        (RoundSample(5, 20), "fixed"),
+        (RoundSample(5, 20), "poisson"),
+    ],
+)
 def test_calibration_gives_the_noise_that_spends_the_target(sample, sampling):
     z = calibrate_noise_multiplier(4.0, sample, 30, delta=DELTA, sampling=sampling)
-    assert epsilon(z, sample, delta=DELTA, repeat=30, sampling=sampling) == pytest.approx(4.0, abs=1e-3)
+    assert epsilon(z, sample, delta=DELTA, repeat=30, sampling=sampling) == pytest.approx(
+        4.0, abs=1e-3
+    )
     assert epsilon(z, sample, delta=DELTA, repeat=30, sampling=sampling) <= 4.0
     assert epsilon(z * 0.99, sample, delta=DELTA, repeat=30, sampling=sampling) > 4.0
 

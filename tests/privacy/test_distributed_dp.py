@@ -26,7 +26,9 @@ from hydrafl.strategies.noised_mean import NoisedMean
 from hydrafl.updates import records
 from hydrafl.validation import ConfigError
 
-PRIVATE = SMALL_RUN.replace(rounds=2, run_dir="", secagg=True, dp_clip=0.5, dp_noise_multiplier=1.1, min_sites=2)
+PRIVATE = SMALL_RUN.replace(
+    rounds=2, run_dir="", secagg=True, dp_clip=0.5, dp_noise_multiplier=1.1, min_sites=2
+)
 
 
 class _RecordingGrid(InProcessGrid):
@@ -38,7 +40,11 @@ class _RecordingGrid(InProcessGrid):
 
     def _deliver(self, message: Message) -> Message:
         if message.metadata.message_type == "train":
-            self.told += [c[protocol.RUN_EPSILON] for c in records(message.content, ConfigRecord) if protocol.RUN_EPSILON in c]
+            self.told += [
+                c[protocol.RUN_EPSILON]
+                for c in records(message.content, ConfigRecord)
+                if protocol.RUN_EPSILON in c
+            ]
         return super()._deliver(message)
 
 
@@ -47,21 +53,33 @@ def _run(cfg, client_app=site_app.client_app):
     return server_app.run_federation(grid, cfg), grid
 
 
-@pytest.mark.parametrize(("strategy", "failing"), [("fedavg", None), ("diloco", None), ("fedavg", 1)])
+@pytest.mark.parametrize(
+    ("strategy", "failing"), [("fedavg", None), ("diloco", None), ("fedavg", 1)]
+)
 def test_each_round_accounts_the_noise_its_survivors_added(strategy, failing):
     cfg = PRIVATE.replace(strategy=strategy)
-    result, grid = _run(cfg, site_app.client_app if failing is None else site_app_failing({failing}))
+    result, grid = _run(
+        cfg, site_app.client_app if failing is None else site_app_failing({failing})
+    )
     survivors = 3 if failing is None else 2
     effective = 1.1 * math.sqrt(survivors / 3)
     rounds = result.history[1:]
     assert [r["sites_ok"] for r in rounds] == [survivors, survivors]
     assert [r["dp_noise_multiplier"] for r in rounds] == [pytest.approx(effective, rel=1e-9)] * 2
     assert [r["dp_epsilon"] for r in rounds] == [
-        pytest.approx(distributed_epsilon([effective] * n, delta=1e-5), rel=1e-9) for n in (1, 2)]
-    assert [r["dp_clip"] for r in rounds] == [0.5, 0.5] and [r["dp_epsilon_exact"] for r in rounds] == [None, None]
-    fewest = 1.1 * math.sqrt(2 / 3)  # the threshold of 3 sites is 2: the least noise a decoded sum can hold
-    assert grid.told == [pytest.approx(distributed_epsilon([effective] * (n - 1) + [fewest], delta=1e-5), rel=1e-9)
-                         for n in (1, 2) for _ in range(3)]
+        pytest.approx(distributed_epsilon([effective] * n, delta=1e-5), rel=1e-9) for n in (1, 2)
+    ]
+    assert [r["dp_clip"] for r in rounds] == [0.5, 0.5] and [
+        r["dp_epsilon_exact"] for r in rounds
+    ] == [None, None]
+    fewest = 1.1 * math.sqrt(
+        2 / 3
+    )  # the threshold of 3 sites is 2: the least noise a decoded sum can hold
+    assert grid.told == [
+        pytest.approx(distributed_epsilon([effective] * (n - 1) + [fewest], delta=1e-5), rel=1e-9)
+        for n in (1, 2)
+        for _ in range(3)
+    ]
 
 
 def test_the_distributed_epsilon_is_the_gaussians_at_integer_orders_and_never_amplified_by_sampling():
@@ -71,19 +89,49 @@ def test_the_distributed_epsilon_is_the_gaussians_at_integer_orders_and_never_am
     assert central <= spent <= 1.01 * central  # fewer orders: a little above the central RDP bound
     assert spent > epsilon(1.1, RoundSample(2, 4), delta=1e-5, repeat=5)
     assert distributed_epsilon([1.1, 0.9], delta=1e-5) > distributed_epsilon([1.1, 1.1], delta=1e-5)
-    assert (distributed_epsilon([], delta=1e-5), distributed_epsilon([1.1, 0.0], delta=1e-5)) == (0.0, math.inf)
+    assert (distributed_epsilon([], delta=1e-5), distributed_epsilon([1.1, 0.0], delta=1e-5)) == (
+        0.0,
+        math.inf,
+    )
 
 
 def test_hydrafl_simulate_reports_the_distributed_epsilon_of_every_round(tmp_path):
-    result = CliRunner().invoke(app, [
-        "simulate", "--task", "tabular", "--sites", "4", "--samples-per-site", "40", "--rounds", "2", "--local-steps",
-        "2", "--batch-size", "8", "--no-progress", "--strategies", "fedavg", "--out", str(tmp_path), "--secagg",
-        "--dp-clip", "0.5", "--dp-noise-multiplier", "1.1"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "simulate",
+            "--task",
+            "tabular",
+            "--sites",
+            "4",
+            "--samples-per-site",
+            "40",
+            "--rounds",
+            "2",
+            "--local-steps",
+            "2",
+            "--batch-size",
+            "8",
+            "--no-progress",
+            "--strategies",
+            "fedavg",
+            "--out",
+            str(tmp_path),
+            "--secagg",
+            "--dp-clip",
+            "0.5",
+            "--dp-noise-multiplier",
+            "1.1",
+        ],
+    )
     assert result.exit_code == 0, result.output
-    rounds = json.loads((tmp_path / "results.json").read_text())["strategies"]["fedavg"]["rounds"][1:]
+    rounds = json.loads((tmp_path / "results.json").read_text())["strategies"]["fedavg"]["rounds"][
+        1:
+    ]
     assert [r["dp_noise_multiplier"] for r in rounds] == [pytest.approx(1.1, rel=1e-9)] * 2
     assert [r["dp_epsilon"] for r in rounds] == [
-        pytest.approx(distributed_epsilon([1.1] * n, delta=1e-5), rel=1e-9) for n in (1, 2)]
+        pytest.approx(distributed_epsilon([1.1] * n, delta=1e-5), rel=1e-9) for n in (1, 2)
+    ]
 
 
 def test_the_strategy_steps_on_the_sites_noised_mean_with_no_noise_of_the_coordinators():
@@ -96,14 +144,22 @@ def test_the_strategy_steps_on_the_sites_noised_mean_with_no_noise_of_the_coordi
     central, _ = _run(clip_only)
     secure, _ = _run(clip_only.replace(secagg=True))
     bound = quantisation_bound(3, SecAggParams(max_weight=1)) / 3
-    difference = max(float(np.abs(central.arrays[n].numpy() - secure.arrays[n].numpy()).max()) for n in central.arrays)
+    difference = max(
+        float(np.abs(central.arrays[n].numpy() - secure.arrays[n].numpy()).max())
+        for n in central.arrays
+    )
     plain, _ = _run(clip_only.replace(dp_clip=0.0))
-    moved = max(float(np.abs(central.arrays[n].numpy() - plain.arrays[n].numpy()).max()) for n in central.arrays)
+    moved = max(
+        float(np.abs(central.arrays[n].numpy() - plain.arrays[n].numpy()).max())
+        for n in central.arrays
+    )
     assert difference <= bound < moved  # the clip changed the model, and both runs clipped alike
 
 
 def test_what_distributed_dp_cannot_noise_is_refused():
     with pytest.raises(ConfigError, match="invalid --dp-adaptive=True: expected off with --secagg"):
         PRIVATE.replace(dp_adaptive=True)
-    with pytest.raises(ConfigError, match="invalid --dp-clip=0.5: expected 0 with --secagg for strategy 'hydra'"):
+    with pytest.raises(
+        ConfigError, match="invalid --dp-clip=0.5: expected 0 with --secagg for strategy 'hydra'"
+    ):
         TIERED_RUN.replace(secagg=True, dp_clip=0.5, dp_noise_multiplier=1.1)

@@ -22,12 +22,20 @@ SAMPLED = [4, 2, 3, 4]
 
 
 def _messages(count: int) -> list[Message]:
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SUPERLINK_NODE_ID, 1  # the driver's
-    return [Message(RecordDict({"config": ConfigRecord()}), dst_node_id=node, message_type="train")
-            for node in range(1, count + 1)]
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = (
+        1,
+        SUPERLINK_NODE_ID,
+        1,
+    )  # the driver's
+    return [
+        Message(RecordDict({"config": ConfigRecord()}), dst_node_id=node, message_type="train")
+        for node in range(1, count + 1)
+    ]
 
 
-def _run_round(ledger: PrivacyLedger, number: int, sampled: int) -> tuple[RoundRecord, list[Message]]:
+def _run_round(
+    ledger: PrivacyLedger, number: int, sampled: int
+) -> tuple[RoundRecord, list[Message]]:
     messages = _messages(sampled)
     ledger.open_round(messages, 4, STRATEGY)
     record = RoundRecord(round=number, sites_ok=sampled)
@@ -42,17 +50,27 @@ def test_each_round_records_both_epsilons_and_a_resumed_ledger_gives_the_same():
         record, messages = _run_round(ledger, number, sampled)
         rounds = [RoundSample(m, 4) for m in SAMPLED[:number]]
         assert record.dp_epsilon == pytest.approx(epsilon(1.1, rounds, delta=1e-5), rel=1e-12)
-        assert record.dp_epsilon_exact == pytest.approx(exact_epsilon(1.1, rounds, delta=1e-5), rel=1e-12)
-        assert all(message.content["config"][protocol.RUN_EPSILON] == record.dp_epsilon for message in messages)
+        assert record.dp_epsilon_exact == pytest.approx(
+            exact_epsilon(1.1, rounds, delta=1e-5), rel=1e-12
+        )
+        assert all(
+            message.content["config"][protocol.RUN_EPSILON] == record.dp_epsilon
+            for message in messages
+        )
         history.append(asdict(record))
 
     resumed = PrivacyLedger(1.1, 1e-5)
     resumed.restore(history[:2])
-    replayed = [_run_round(resumed, number, sampled)[0] for number, sampled in enumerate(SAMPLED[2:], start=3)]
+    replayed = [
+        _run_round(resumed, number, sampled)[0]
+        for number, sampled in enumerate(SAMPLED[2:], start=3)
+    ]
     assert [(r.dp_epsilon, r.dp_epsilon_exact) for r in replayed] == [
         (entry["dp_epsilon"], entry["dp_epsilon_exact"]) for entry in history[2:]
     ]
-    assert history[0]["dp_epsilon_exact"] <= history[0]["dp_epsilon"]  # all four sites: PLD is the tight one
+    assert (
+        history[0]["dp_epsilon_exact"] <= history[0]["dp_epsilon"]
+    )  # all four sites: PLD is the tight one
 
 
 def test_a_stored_history_from_before_the_exact_accountant_still_reads():

@@ -36,11 +36,14 @@ from hydrafl.validation import ConfigError
 Z, CLIP = 1.0, 0.05
 EXAMPLES = (1000, 10, 10)
 """An unequal split: one site holds 98% of the examples, which must not raise its weight under DP."""
-NEIGHBOURS: dict[str, Callable[[dict[str, np.ndarray], dict[str, np.ndarray]], dict[str, np.ndarray]]] = {
+NEIGHBOURS: dict[
+    str, Callable[[dict[str, np.ndarray], dict[str, np.ndarray]], dict[str, np.ndarray]]
+] = {
     "negated": lambda own, other: {name: -value for name, value in own.items()},
     "zero": lambda own, other: {name: np.zeros_like(value) for name, value in own.items()},
     "another site's": lambda own, other: {  # where its slice has the same shape
-        name: other[name] if other.get(name, value).shape == value.shape else value for name, value in own.items()
+        name: other[name] if other.get(name, value).shape == value.shape else value
+        for name, value in own.items()
     },
     "scaled x100": lambda own, other: {name: 100 * value for name, value in own.items()},
 }
@@ -58,11 +61,17 @@ class DrawnNoise:
         self.shift_squared = 0.0
         """Sum over calls of ||shift / std||^2 in follow mode: mu^2."""
 
-    def __call__(self, tensor: torch.Tensor, std: torch.Tensor | float, generator: torch.Generator) -> torch.Tensor:
+    def __call__(
+        self, tensor: torch.Tensor, std: torch.Tensor | float, generator: torch.Generator
+    ) -> torch.Tensor:
         std = torch.as_tensor(std, dtype=torch.float64).expand(tensor.shape)
         value = tensor.double()
         if not self.follow:
-            draw = torch.randn(tensor.shape, generator=torch.Generator().manual_seed(self.calls), dtype=torch.float64)
+            draw = torch.randn(
+                tensor.shape,
+                generator=torch.Generator().manual_seed(self.calls),
+                dtype=torch.float64,
+            )
             self.draws.append(draw)
             noised = value + draw * std
             self.released.append(noised)
@@ -70,7 +79,9 @@ class DrawnNoise:
             noised = self.released[self.calls]
             shift = noised - value - self.draws[self.calls] * std
             noiseless = std == 0
-            assert float(shift[noiseless].abs().sum()) < 1e-6, "a coordinate released without noise changed"
+            assert float(shift[noiseless].abs().sum()) < 1e-6, (
+                "a coordinate released without noise changed"
+            )
             self.shift_squared += float((shift[~noiseless] / std[~noiseless]).pow(2).sum())
         self.calls += 1
         tensor.copy_(noised.to(tensor.dtype))
@@ -86,29 +97,43 @@ def _replaced(reply: Message, arrays: dict[str, np.ndarray]) -> Message:
     """`reply` with other delta arrays (the same names, shapes and metrics)."""
     [record] = records(reply.content, ArrayRecord)
     [metrics] = records(reply.content, MetricRecord)
-    replaced = ArrayRecord({name: Array(np.ascontiguousarray(value)) for name, value in arrays.items()})
+    replaced = ArrayRecord(
+        {name: Array(np.ascontiguousarray(value)) for name, value in arrays.items()}
+    )
     content = RecordDict({"arrays": replaced, "metrics": MetricRecord(dict(metrics))})
     assert list(record) == list(arrays)
     return Message(content, reply_to=_request(reply))
 
 
 def _request(reply: Message) -> Message:
-    request = Message(RecordDict(), dst_node_id=reply.metadata.src_node_id, message_type=reply.metadata.message_type)
+    request = Message(
+        RecordDict(),
+        dst_node_id=reply.metadata.src_node_id,
+        message_type=reply.metadata.message_type,
+    )
     request.metadata.__dict__["_message_id"] = reply.metadata.reply_to_message_id
     return request
 
 
 def _deltas(reply: Message) -> dict[str, np.ndarray]:
-    return {name: array.numpy().copy() for name, array in records(reply.content, ArrayRecord)[0].items()}
+    return {
+        name: array.numpy().copy() for name, array in records(reply.content, ArrayRecord)[0].items()
+    }
 
 
-def _round_replies(strategy, grid, cfg: RunConfig, server_round: int, arrays: ArrayRecord) -> list[Message]:
+def _round_replies(
+    strategy, grid, cfg: RunConfig, server_round: int, arrays: ArrayRecord
+) -> list[Message]:
     """The sites' real training replies to the strategy's round, with the unequal example counts."""
     if isinstance(strategy, QueriesSites):
-        queries = list(strategy.configure_query(server_round, arrays, ConfigRecord(cfg.to_flower()), grid))
+        queries = list(
+            strategy.configure_query(server_round, arrays, ConfigRecord(cfg.to_flower()), grid)
+        )
         if queries:
             strategy.aggregate_query(server_round, list(grid.send_and_receive(queries)))
-    messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(cfg.to_flower()), grid))
+    messages = list(
+        strategy.configure_train(server_round, arrays, ConfigRecord(cfg.to_flower()), grid)
+    )
     replies = sorted(grid.send_and_receive(messages), key=lambda reply: reply.metadata.src_node_id)
     assert len(replies) == len(EXAMPLES) and not any(reply.has_error() for reply in replies)
     for reply, examples in zip(replies, EXAMPLES):
@@ -117,14 +142,18 @@ def _round_replies(strategy, grid, cfg: RunConfig, server_round: int, arrays: Ar
 
 
 @pytest.mark.parametrize("name", mean_strategies())
-def test_one_round_privacy_loss_is_at_most_the_accounted_mu_and_the_output_is_post_processing(name, monkeypatch):
+def test_one_round_privacy_loss_is_at_most_the_accounted_mu_and_the_output_is_post_processing(
+    name, monkeypatch
+):
     cfg = _run(name)
     grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
     arrays = server_app.request_initial_arrays(grid, cfg)
     strategy = build_strategy(cfg)
     replies = _round_replies(strategy, grid, cfg, 1, arrays)
     own, other = _deltas(replies[0]), _deltas(replies[1])
-    assert math.sqrt(sum(float((v.astype(np.float64) ** 2).sum()) for v in own.values())) > 2 * CLIP  # clipped
+    assert (
+        math.sqrt(sum(float((v.astype(np.float64) ** 2).sum()) for v in own.values())) > 2 * CLIP
+    )  # clipped
     noise = DrawnNoise()
     monkeypatch.setattr(central, "add_gaussian_", noise)
     losses = {}
@@ -139,12 +168,17 @@ def test_one_round_privacy_loss_is_at_most_the_accounted_mu_and_the_output_is_po
         losses[neighbour] = math.sqrt(noise.shift_squared)
         for array_name in released:
             np.testing.assert_allclose(
-                followed[array_name].numpy(), released[array_name].numpy(), rtol=1e-5, atol=1e-6,
+                followed[array_name].numpy(),
+                released[array_name].numpy(),
+                rtol=1e-5,
+                atol=1e-6,
                 err_msg=f"{name}, {neighbour} neighbour: the output is not a function of the release",
             )
     accounted = 2 / Z
     assert max(losses.values()) <= accounted * (1 + 1e-4), losses
-    assert losses["negated"] >= 0.5 * accounted, losses  # the check can see a loss: the extreme neighbour comes close
+    assert losses["negated"] >= 0.5 * accounted, (
+        losses
+    )  # the check can see a loss: the extreme neighbour comes close
 
 
 def test_stateful_server_optimizers_keep_only_post_processed_state(monkeypatch):
@@ -156,20 +190,33 @@ def test_stateful_server_optimizers_keep_only_post_processed_state(monkeypatch):
         arrays = server_app.request_initial_arrays(grid, cfg)
         strategy = build_strategy(cfg)
         replies = _round_replies(strategy, grid, cfg, 1, arrays)
-        neighbours = [_replaced(replies[0], NEIGHBOURS["negated"](_deltas(replies[0]), {})), *replies[1:]]
+        neighbours = [
+            _replaced(replies[0], NEIGHBOURS["negated"](_deltas(replies[0]), {})),
+            *replies[1:],
+        ]
         noise = DrawnNoise()
         monkeypatch.setattr(central, "add_gaussian_", noise)
         first, second = copy.deepcopy(strategy), copy.deepcopy(strategy)
         outputs = []
-        for run_strategy, run_replies, follow in ((first, replies, False), (second, neighbours, True)):
+        for run_strategy, run_replies, follow in (
+            (first, replies, False),
+            (second, neighbours, True),
+        ):
             noise.follow, noise.calls = follow, 0
             model = arrays
             for server_round in (1, 2):
-                run_strategy.configure_train(server_round, model, ConfigRecord(cfg.to_flower()), grid)
-                model, _ = run_strategy.aggregate_train(server_round, iter(copy.deepcopy(run_replies)))
+                run_strategy.configure_train(
+                    server_round, model, ConfigRecord(cfg.to_flower()), grid
+                )
+                model, _ = run_strategy.aggregate_train(
+                    server_round, iter(copy.deepcopy(run_replies))
+                )
             outputs.append(model)
         for array_name in outputs[0]:
-            second_model, first_model = outputs[1][array_name].numpy(), outputs[0][array_name].numpy()
+            second_model, first_model = (
+                outputs[1][array_name].numpy(),
+                outputs[0][array_name].numpy(),
+            )
             np.testing.assert_allclose(second_model, first_model, rtol=1e-5, atol=1e-6)
         assert math.sqrt(noise.shift_squared) <= math.sqrt(2) * 2 / Z * (1 + 1e-4)
 
@@ -179,5 +226,7 @@ def test_strategies_whose_output_is_not_post_processing_are_refused_by_name():
     assert {"fedmedian", "fedtrimmedavg", "krum", "multikrum", "bulyan"} <= refused
     for name in sorted(refused):
         lora = {"lora_rank": 4} if config_class(name).federates_lora else {}
-        with pytest.raises(ConfigError, match=f"0 for strategy '{name}': its output is not a post-processing"):
+        with pytest.raises(
+            ConfigError, match=f"0 for strategy '{name}': its output is not a post-processing"
+        ):
             RunConfig.build(strategy=name, dp_clip=CLIP, dp_noise_multiplier=Z, **lora)

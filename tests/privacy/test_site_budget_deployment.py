@@ -14,7 +14,9 @@ RUN = SMALL_RUN.replace(strategy="diloco", min_sites=2, dp_noise_multiplier=2.0,
 
 @pytest.mark.slow
 def test_a_site_at_its_privacy_budget_declines_and_the_coordinator_audits_it(tmp_path):
-    spent = [epsilon(2.0, RoundSample(3, 3), delta=1e-5, repeat=r) for r in (1, 2, 3)]  # 4.73, 7.08, 9.01
+    spent = [
+        epsilon(2.0, RoundSample(3, 3), delta=1e-5, repeat=r) for r in (1, 2, 3)
+    ]  # 4.73, 7.08, 9.01
     policy = tmp_path / "policy.toml"
     policy.write_text(f"max-epsilon = {(spent[0] + spent[1]) / 2}\n")
     site_options = [("--policy", str(policy)), (), ()]
@@ -26,5 +28,8 @@ def test_a_site_at_its_privacy_budget_declines_and_the_coordinator_audits_it(tmp
     assert [(r["sites_ok"], r["sites_failed"]) for r in rounds] == [(3, 0), (2, 1), (2, 1)]
     declines = [e for e in store.audit_events("site-declined") if e.site_name == "hospital-0"]
     assert [e.detail.split(":")[0] for e in declines] == ["round 2 train", "round 3 train"]
-    assert f"this round would bring the site's epsilon to {spent[1]:.4g}, over its max-epsilon" in declines[0].detail
+    assert (
+        f"this round would bring the site's epsilon to {spent[1]:.4g}, over its max-epsilon"
+        in declines[0].detail
+    )
     assert "privacy budget" in (tmp_path / "site-0.log").read_text()

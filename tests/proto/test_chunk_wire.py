@@ -23,14 +23,32 @@ def test_encode_writes_protobufs_bytes_and_decode_reads_them_back_in_place(size)
 
 
 def test_unknown_fields_are_skipped_and_the_last_value_wins_as_in_protobuf():
-    wire = (pb.Chunk(digest="x", data=b"123").SerializeToString() + b"\x18\x05" + b"\x21" + bytes(8)
-            + b"\x2d" + bytes(4) + b"\x0a\x01y")
+    wire = (
+        pb.Chunk(digest="x", data=b"123").SerializeToString()
+        + b"\x18\x05"
+        + b"\x21"
+        + bytes(8)
+        + b"\x2d"
+        + bytes(4)
+        + b"\x0a\x01y"
+    )
     chunk, parsed = decode_chunk(wire), pb.Chunk.FromString(wire)
     assert (chunk.digest, bytes(chunk.data)) == (parsed.digest, parsed.data) == ("y", b"123")
 
 
-@pytest.mark.parametrize("wire", [b"\x0a\x05ab", b"\x0b", b"\x0a", b"\xff" * 11, b"\x00\x00", b"\x0a\x02\xc3\x28",
-                                  b"\x21" + bytes(7), b"\xf8\xff\xff\xff\x1f\x00"])
+@pytest.mark.parametrize(
+    "wire",
+    [
+        b"\x0a\x05ab",
+        b"\x0b",
+        b"\x0a",
+        b"\xff" * 11,
+        b"\x00\x00",
+        b"\x0a\x02\xc3\x28",
+        b"\x21" + bytes(7),
+        b"\xf8\xff\xff\xff\x1f\x00",
+    ],
+)
 def test_malformed_chunks_are_refused_like_protobuf_refuses_them(wire):
     with pytest.raises(DecodeError):
         pb.Chunk.FromString(wire)

@@ -31,7 +31,9 @@ def _message() -> Message:
             "twin": Array(np.zeros(10, dtype=np.float32)),
         }
     )
-    content = RecordDict({"arrays": arrays, "config": ConfigRecord({"lr": 0.1}), "metrics": MetricRecord({"n": 3})})
+    content = RecordDict(
+        {"arrays": arrays, "config": ConfigRecord({"lr": 0.1}), "metrics": MetricRecord({"n": 3})}
+    )
     message = Message(content, dst_node_id=12, message_type="train", group_id="4")
     message.metadata.__dict__["_message_id"] = "m-1"
     return message
@@ -44,7 +46,9 @@ def test_chunks_are_views_of_the_message_and_any_memory_order_round_trips():
     message = Message(RecordDict({"arrays": record}), dst_node_id=12, message_type="train")
     envelope, chunks = split_message(message)
     c, f = envelope.arrays[0].tensors
-    assert c.chunk_digests == f.chunk_digests  # the same values in C order, whatever the memory layout
+    assert (
+        c.chunk_digests == f.chunk_digests
+    )  # the same values in C order, whatever the memory layout
     assert all(isinstance(piece, memoryview) for piece in chunks.values())
     assert bytes(chunks[c.chunk_digests[0]]) == values.tobytes()[:CHUNK_BYTES]
     rebuilt = join_message(envelope, chunks)
@@ -86,7 +90,9 @@ def _drop_checksums(envelope) -> None:
 def test_the_coordinators_manifest_lists_each_chunks_checksum_and_a_reply_none():
     envelope, chunks = split_message(_message())
     big = envelope.arrays[0].tensors[0]
-    assert list(big.chunk_checksums) == [XXH3.digest(chunks[digest]) for digest in big.chunk_digests]
+    assert list(big.chunk_checksums) == [
+        XXH3.digest(chunks[digest]) for digest in big.chunk_digests
+    ]
     reply, _ = split_message(Message(_message().content, reply_to=_message()))
     assert all(not tensor.chunk_checksums for tensor in reply.arrays[0].tensors)
     reply.arrays[0].tensors[0].chunk_checksums.extend(big.chunk_checksums)
@@ -98,18 +104,41 @@ def test_the_coordinators_manifest_lists_each_chunks_checksum_and_a_reply_none()
     ("corrupt", "reason"),
     [
         (lambda env, chunks: chunks.pop(env.arrays[0].tensors[0].chunk_digests[1]), "is missing"),
-        (lambda env, chunks: chunks.update({env.arrays[0].tensors[1].chunk_digests[0]: b"x" * 48}),
-         "fails its XXH3-128 checksum"),
-        (lambda env, chunks: _drop_checksums(env) or chunks.update({env.arrays[0].tensors[1].chunk_digests[0]: b"x" * 48}),
-         "fails its BLAKE3 check"),  # a manifest from before checksums: its chunks are checked against their names
-        (lambda env, chunks: env.arrays[0].tensors[0].chunk_checksums.pop(), "1 checksums for 2 chunks"),
-        (lambda env, chunks: env.arrays[0].tensors[1].chunk_checksums.__setitem__(0, "zz" * 16), "is not an XXH3-128"),
-        (lambda env, chunks: env.arrays[0].tensors[3].chunk_checksums.__setitem__(0, "0" * 32),
-         "listed with two different checksums"),  # "same" and "twin": one chunk
+        (
+            lambda env, chunks: chunks.update(
+                {env.arrays[0].tensors[1].chunk_digests[0]: b"x" * 48}
+            ),
+            "fails its XXH3-128 checksum",
+        ),
+        (
+            lambda env, chunks: (
+                _drop_checksums(env)
+                or chunks.update({env.arrays[0].tensors[1].chunk_digests[0]: b"x" * 48})
+            ),
+            "fails its BLAKE3 check",
+        ),  # a manifest from before checksums: its chunks are checked against their names
+        (
+            lambda env, chunks: env.arrays[0].tensors[0].chunk_checksums.pop(),
+            "1 checksums for 2 chunks",
+        ),
+        (
+            lambda env, chunks: env.arrays[0].tensors[1].chunk_checksums.__setitem__(0, "zz" * 16),
+            "is not an XXH3-128",
+        ),
+        (
+            lambda env, chunks: env.arrays[0].tensors[3].chunk_checksums.__setitem__(0, "0" * 32),
+            "listed with two different checksums",
+        ),  # "same" and "twin": one chunk
         (lambda env, chunks: env.arrays[0].tensors[1].shape.append(2), "does not match shape"),
-        (lambda env, chunks: setattr(env.arrays[0].tensors[1], "dtype", "object"), "dtype 'object' is not allowed"),
+        (
+            lambda env, chunks: setattr(env.arrays[0].tensors[1], "dtype", "object"),
+            "dtype 'object' is not allowed",
+        ),
         (lambda env, chunks: env.arrays[0].tensors[0].chunk_digests.pop(), "chunks listed"),
-        (lambda env, chunks: setattr(env, "content", b"\xff\x00garbage"), "not a valid Flower RecordDict"),
+        (
+            lambda env, chunks: setattr(env, "content", b"\xff\x00garbage"),
+            "not a valid Flower RecordDict",
+        ),
     ],
 )
 def test_malformed_envelopes_are_refused_with_the_reason(corrupt, reason):

@@ -29,7 +29,9 @@ def test_500_hostile_requests_get_the_right_status_store_nothing_and_leave_the_r
     with Progress(disable=True) as progress:
         result = hostile_campaign(tmp_path, requests=500, rounds=10, seed=3, progress=progress)
     assert result["requests"] == 500 and result["crashes"] == 0
-    assert result["right_status"], {kind: entry["wrong"] for kind, entry in result["kinds"].items() if entry["wrong"]}
+    assert result["right_status"], {
+        kind: entry["wrong"] for kind, entry in result["kinds"].items() if entry["wrong"]
+    }
     assert result["nothing_stored"], result["stored_difference"]
     assert result["run_unaffected"]
     sent = {kind for kind, entry in result["kinds"].items() if entry["sent"]}
@@ -47,6 +49,9 @@ def test_a_site_killed_mid_upload_resumes_it_after_a_restart(tmp_path):
 @pytest.mark.slow
 def test_a_site_whose_disk_fills_up_says_so_and_rejoins_once_there_is_space(tmp_path):
     result = site_disk_full(tmp_path, rounds=3)
-    assert "disk full (EFBIG)" in result["reply_reason"] and "disk full: File too large" in result["site_log_line"]
+    assert (
+        "disk full (EFBIG)" in result["reply_reason"]
+        and "disk full: File too large" in result["site_log_line"]
+    )
     assert "/" not in result["reply_reason"]  # the path stays in the site's log
     assert result["rounds_back_with_all_sites"] and result["run_status"] == "finished", result

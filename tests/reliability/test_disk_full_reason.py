@@ -20,7 +20,10 @@ def test_an_oserror_of_a_full_disk_anywhere_in_the_chain_is_disk_full():
         except OSError as error:
             raise RuntimeError("training failed") from error
     except RuntimeError as error:
-        assert disk_full(error, 1) == ("ENOSPC", "No space left on device writing /secret/tmp/rank0.pt")
+        assert disk_full(error, 1) == (
+            "ENOSPC",
+            "No space left on device writing /secret/tmp/rank0.pt",
+        )
 
 
 def test_a_failed_child_is_disk_full_when_the_temporary_directory_refuses_a_write(monkeypatch):

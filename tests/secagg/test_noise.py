@@ -22,10 +22,14 @@ PARAMS = SecAggParams(max_weight=1, dp_clip=1.0, dp_noise_multiplier=1.3)
 def _updates(seed: int = 0) -> dict[int, np.ndarray]:
     """Updates of norm 0.5 to 3: most are clipped to 1."""
     rng = np.random.default_rng(seed)
-    return {node: rng.normal(0.0, 1.0, SIZE) * rng.uniform(0.5, 3.0) / math.sqrt(SIZE) for node in NODES}
+    return {
+        node: rng.normal(0.0, 1.0, SIZE) * rng.uniform(0.5, 3.0) / math.sqrt(SIZE) for node in NODES
+    }
 
 
-def _secure_sum(encoded: dict[int, np.ndarray], params: SecAggParams, survivors: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def _secure_sum(
+    encoded: dict[int, np.ndarray], params: SecAggParams, survivors: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
     """(count, sum) the coordinator decodes when only `survivors` upload their encoded vectors."""
     server, sites = started(NODES, params, SIZE + 1)
     for node in survivors:
@@ -43,10 +47,14 @@ def _clipped(update: np.ndarray, clip: float) -> np.ndarray:
 
 
 @pytest.mark.parametrize("survivors", [5, 3])
-def test_the_secure_sums_noise_has_std_z_c_sqrt_k_over_n_and_the_mean_z_c_sqrt_k_over_n_over_k(survivors):
+def test_the_secure_sums_noise_has_std_z_c_sqrt_k_over_n_and_the_mean_z_c_sqrt_k_over_n_over_k(
+    survivors,
+):
     noise = DistributedNoise.of(PARAMS, SIZE, len(NODES))
     updates, kept = _updates(), NODES[:survivors]
-    encoded = {node: noise.encode(updates[node], PARAMS, np.random.default_rng(node)) for node in NODES}
+    encoded = {
+        node: noise.encode(updates[node], PARAMS, np.random.default_rng(node)) for node in NODES
+    }
     count, total = _secure_sum(encoded, PARAMS, kept)
     mean = total / count[0]
     residual = mean - sum(_clipped(updates[node], 1.0) for node in kept) / survivors
@@ -54,8 +62,12 @@ def test_the_secure_sums_noise_has_std_z_c_sqrt_k_over_n_and_the_mean_z_c_sqrt_k
     assert count[0] == survivors
     assert np.std(residual) == pytest.approx(expected, rel=0.02)
     assert abs(np.mean(residual)) < 4 * expected / math.sqrt(SIZE)
-    assert noise.bound == pytest.approx(1.0, rel=1e-3)  # C~ = C + gamma sqrt(d): 16 / 2^22 x 141 = 0.05%
-    assert noise.effective_noise_multiplier(survivors) == pytest.approx(1.3 * math.sqrt(survivors / 5), rel=1e-9)
+    assert noise.bound == pytest.approx(
+        1.0, rel=1e-3
+    )  # C~ = C + gamma sqrt(d): 16 / 2^22 x 141 = 0.05%
+    assert noise.effective_noise_multiplier(survivors) == pytest.approx(
+        1.3 * math.sqrt(survivors / 5), rel=1e-9
+    )
 
 
 def test_the_unmasked_sum_is_the_clipped_rounded_sum_plus_the_sites_noise_and_nothing_else():
@@ -63,7 +75,9 @@ def test_the_unmasked_sum_is_the_clipped_rounded_sum_plus_the_sites_noise_and_no
     rounding draw, no noise) and its Skellam share; the coordinator's sum is exactly their sum."""
     noise = DistributedNoise.of(PARAMS, SIZE, len(NODES))
     updates, kept = _updates(1), NODES[1:]
-    encoded = {node: noise.encode(updates[node], PARAMS, np.random.default_rng(node)) for node in NODES}
+    encoded = {
+        node: noise.encode(updates[node], PARAMS, np.random.default_rng(node)) for node in NODES
+    }
     count, total = _secure_sum(encoded, PARAMS, kept)
     rounded, shares = np.zeros(SIZE), np.zeros(SIZE)
     for node in kept:
@@ -76,13 +90,18 @@ def test_the_unmasked_sum_is_the_clipped_rounded_sum_plus_the_sites_noise_and_no
     step = 2 * PARAMS.clipping_range / PARAMS.quantization_range
     assert count[0] == len(kept)
     np.testing.assert_array_equal(total, (rounded + shares) * step)
-    assert np.abs(rounded * step - sum(_clipped(updates[node], 1.0) for node in kept)).max() < len(kept) * step
+    assert (
+        np.abs(rounded * step - sum(_clipped(updates[node], 1.0) for node in kept)).max()
+        < len(kept) * step
+    )
 
 
 def test_a_noise_that_could_wrap_the_field_is_refused_and_the_default_ranges_leave_room():
     DistributedNoise.of(PARAMS, 10**7, 100).check_range()
     with pytest.raises(SecAggError, match="could wrap the 2\\^32 field"):
-        DistributedNoise.of(SecAggParams(max_weight=1, dp_clip=1.0, dp_noise_multiplier=500.0), 10**6, 10).check_range()
+        DistributedNoise.of(
+            SecAggParams(max_weight=1, dp_clip=1.0, dp_noise_multiplier=500.0), 10**6, 10
+        ).check_range()
 
 
 def test_the_noise_parameters_are_checked():

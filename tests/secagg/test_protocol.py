@@ -47,7 +47,9 @@ def test_a_masked_vector_is_uniform_over_the_field_and_differs_from_the_update()
     from hydrafl.secagg import encode
 
     encoded = encode(data[NODES[0]][0], data[NODES[0]][1], SecAggParams(), np.random.default_rng(0))
-    assert stats.chisquare(np.bincount(encoded >> 28, minlength=16)).pvalue < 1e-12  # the plain encoding is not
+    assert (
+        stats.chisquare(np.bincount(encoded >> 28, minlength=16)).pvalue < 1e-12
+    )  # the plain encoding is not
     assert np.mean(masked == encoded) < 1e-3
     assert abs(np.corrcoef(masked[1:].astype(float), data[NODES[0]][0])[0, 1]) < 0.02
 
@@ -80,7 +82,9 @@ def test_a_survivor_silent_while_unmasking_still_counts():
 
 def test_fewer_survivors_than_the_threshold_halt_the_round():
     data = updates(NODES, 100)
-    with pytest.raises(SecAggError, match="only 2 of 5 sites sent masked vectors.*threshold is 3.*halts"):
+    with pytest.raises(
+        SecAggError, match="only 2 of 5 sites sent masked vectors.*threshold is 3.*halts"
+    ):
         secure_sum(data, SecAggParams(), drop_before_upload=(1001, 1002, 1003))
 
 

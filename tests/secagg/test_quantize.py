@@ -3,7 +3,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hydrafl.secagg import SecAggError, SecAggParams, decode_metrics, decode_sum, encode, encode_metrics, metric_bound
+from hydrafl.secagg import (
+    SecAggError,
+    SecAggParams,
+    decode_metrics,
+    decode_sum,
+    encode,
+    encode_metrics,
+    metric_bound,
+)
 
 
 def test_zero_encodes_exactly_and_the_range_is_clipped():
@@ -11,7 +19,11 @@ def test_zero_encodes_exactly_and_the_range_is_clipped():
     encoded = encode(np.array([0.0, 100.0, -100.0]), 10, params, np.random.default_rng(0))
     assert encoded.tolist() == [10, 512, 1024, 0]
     weights, total = decode_sum(encoded, 1, params, per_coordinate=False)
-    assert weights.tolist() == [10] and total.tolist() == [0.0, 10.0, -10.0]  # w * clip(delta * w / W) * W / w
+    assert weights.tolist() == [10] and total.tolist() == [
+        0.0,
+        10.0,
+        -10.0,
+    ]  # w * clip(delta * w / W) * W / w
 
 
 def test_per_coordinate_weights_sum_exactly():
@@ -24,12 +36,15 @@ def test_per_coordinate_weights_sum_exactly():
     np.testing.assert_allclose(total, [1.5, 0.25, -1.25, 0.0], atol=2e-2)
 
 
-@pytest.mark.parametrize(("delta", "weight", "message"), [
-    (np.array([np.nan]), 1, "NaN"),
-    (np.zeros(3), 1001, "max_weight=1000"),
-    (np.zeros(3), 2.5, "integers"),
-    (np.zeros(3), np.ones(2), "one per coordinate"),
-])
+@pytest.mark.parametrize(
+    ("delta", "weight", "message"),
+    [
+        (np.array([np.nan]), 1, "NaN"),
+        (np.zeros(3), 1001, "max_weight=1000"),
+        (np.zeros(3), 2.5, "integers"),
+        (np.zeros(3), np.ones(2), "one per coordinate"),
+    ],
+)
 def test_bad_input_is_refused(delta, weight, message):
     with pytest.raises(SecAggError, match=message):
         encode(delta, weight, SecAggParams(), np.random.default_rng(0))
@@ -48,8 +63,12 @@ def test_metric_slots_decode_only_the_weighted_mean_within_the_bound_and_clip_to
     params, rng = SecAggParams(), np.random.default_rng(0)
     ranges = [64.0, 1.0]
     sites = [([0.7, 0.5], 48), ([1.3, 0.25], 200), ([100.0, None], 7), ([-2.0, float("nan")], 1000)]
-    total = sum(encode_metrics(values, w, ranges, params, rng).astype(np.uint64) for values, w in sites)
-    [(loss, loss_weight), (accuracy, accuracy_weight)] = decode_metrics(total.astype(np.uint32), ranges, params)
+    total = sum(
+        encode_metrics(values, w, ranges, params, rng).astype(np.uint64) for values, w in sites
+    )
+    [(loss, loss_weight), (accuracy, accuracy_weight)] = decode_metrics(
+        total.astype(np.uint32), ranges, params
+    )
     assert (loss_weight, accuracy_weight) == (1255, 248)
     exact_loss = (0.7 * 48 + 1.3 * 200 + 64.0 * 7 + 0.0 * 1000) / 1255  # 100 clipped to 64, -2 to 0
     assert abs(loss - exact_loss) <= metric_bound(4, 64.0, params, 1255)

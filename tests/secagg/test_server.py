@@ -28,11 +28,20 @@ def test_keys_from_a_site_not_in_the_round_or_malformed_are_refused():
     assert server.keys == {}
 
 
-@pytest.mark.parametrize(("edit", "message"), [
-    (lambda sealed: {**sealed, 6: sealed[2]}, "addressed to"),  # a share for a site outside the round
-    (lambda sealed: {k: v for k, v in sealed.items() if k != 2}, "addressed to"),  # one neighbour left out
-    (lambda sealed: {**sealed, 2: sealed[2][:-1]}, "must be 176 bytes"),
-])
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda sealed: {**sealed, 6: sealed[2]},
+            "addressed to",
+        ),  # a share for a site outside the round
+        (
+            lambda sealed: {k: v for k, v in sealed.items() if k != 2},
+            "addressed to",
+        ),  # one neighbour left out
+        (lambda sealed: {**sealed, 2: sealed[2][:-1]}, "must be 176 bytes"),
+    ],
+)
 def test_a_malformed_share_or_one_for_another_site_changes_nothing(edit, message):
     params = SecAggParams()
     sites = sessions(NODES, params)
@@ -61,7 +70,9 @@ def test_a_masked_vector_of_the_wrong_shape_or_out_of_turn_is_refused():
 def test_revealed_shares_must_be_exactly_those_expected():
     server, sites = started(NODES, SecAggParams(), 4)
     for node in NODES[:4]:
-        server.receive_masked(node, sites[node].mask(np.zeros(4, np.uint32), server.shares_for(node)))
+        server.receive_masked(
+            node, sites[node].mask(np.zeros(4, np.uint32), server.shares_for(node))
+        )
     checked(server, sites)
     survivors, signatures = server.unmask_request()
     revealed = sites[1].unmask(survivors, signatures)

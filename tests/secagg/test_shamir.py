@@ -30,6 +30,8 @@ def test_corrupt_shares_beyond_the_threshold_are_outvoted_and_named(corrupt):
 def test_a_corrupt_share_at_exactly_the_threshold_rebuilds_nothing():
     secret = os.urandom(32)
     shares = split(secret, [1, 2, 3], 3)
-    shares[2] = split(os.urandom(32), [1, 2, 3], 3)[2]  # in range: a plain range check would pass it
+    shares[2] = split(os.urandom(32), [1, 2, 3], 3)[
+        2
+    ]  # in range: a plain range check would pass it
     with pytest.raises(SecAggError, match="no 3 of the 3 shares rebuild the committed secret"):
         recover(shares, 3, lambda s: s == secret)

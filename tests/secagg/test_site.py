@@ -14,7 +14,10 @@ NODES = [1, 2, 3, 4, 5]
 def test_a_share_routed_to_the_wrong_site_fails_authentication_and_changes_nothing():
     server, sites = started(NODES, SecAggParams(), 4)
     for_two = server.shares_for(2)
-    wrong = {**server.shares_for(3), 1: for_two[1]}  # site 1's share sealed for site 2, handed to site 3
+    wrong = {
+        **server.shares_for(3),
+        1: for_two[1],
+    }  # site 1's share sealed for site 2, handed to site 3
     with pytest.raises(SecAggError, match="failed authentication"):
         sites[3].mask(np.zeros(4, np.uint32), wrong)
     assert sites[3].stage == "shared" and set(sites[3].held) == {3}

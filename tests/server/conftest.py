@@ -23,7 +23,9 @@ def db_url(request, tmp_path) -> str:
         return f"sqlite:///{tmp_path / 'coordinator.db'}"
     url = request.getfixturevalue("postgres_url")
     engine = create_engine(url)
-    Base.metadata.drop_all(engine)  # each test starts from an empty database, its schema revision included
+    Base.metadata.drop_all(
+        engine
+    )  # each test starts from an empty database, its schema revision included
     with engine.begin() as connection:
         connection.execute(text("DROP TABLE IF EXISTS alembic_version"))
     return url

@@ -29,7 +29,12 @@ SENT = {"w": np.ones((64, 32), dtype=np.float32), "b": np.ones(32, dtype=np.floa
 
 
 def _request(config: dict, node_id: int = 1) -> Message:
-    content = RecordDict({"arrays": ArrayRecord({n: Array(a) for n, a in SENT.items()}), "config": ConfigRecord(config)})
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord({n: Array(a) for n, a in SENT.items()}),
+            "config": ConfigRecord(config),
+        }
+    )
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SUPERLINK_NODE_ID, 1
     message = Message(content, dst_node_id=node_id, message_type="train")
     message.metadata.group_id = "1"
@@ -44,7 +49,9 @@ def _update() -> dict[str, torch.Tensor]:
 
 def _compressed_reply(request: Message, scheme: Scheme) -> Message:
     arrays, description = ErrorFeedback("k", {}, {}).compress(_update(), scheme)
-    content = RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 5}), RECORD: description})
+    content = RecordDict(
+        {"arrays": arrays, "metrics": MetricRecord({"num-examples": 5}), RECORD: description}
+    )
     reply = Message(content, reply_to=request)
     reply.metadata.__dict__["_message_id"] = "r-1"
     return reply
@@ -53,12 +60,23 @@ def _compressed_reply(request: Message, scheme: Scheme) -> Message:
 def _check(reply: Message, request: Message) -> None:
     sent, _ = split_message(request, 1)
     envelope, chunks = split_message(reply, 1)
-    check_reply(envelope, sent, chunk_size=lambda d: len(chunks[d]), chunk_bytes=lambda d: bytes(chunks[d]),
-                weighted_by_key="num-examples", max_model_bytes=1 << 30)
+    check_reply(
+        envelope,
+        sent,
+        chunk_size=lambda d: len(chunks[d]),
+        chunk_bytes=lambda d: bytes(chunks[d]),
+        weighted_by_key="num-examples",
+        max_model_bytes=1 << 30,
+    )
 
 
 def _config(name: str) -> dict:
-    return {"compress": name, "compress-topk-fraction": 0.05, "compress-rank": 4, "compress-block": 256}
+    return {
+        "compress": name,
+        "compress-topk-fraction": 0.05,
+        "compress-rank": 4,
+        "compress-block": 256,
+    }
 
 
 @pytest.mark.parametrize("name", ["bf16", "int8", "int4", "topk", "powersgd"])
@@ -76,7 +94,9 @@ def _tampered(case: str) -> tuple[Message, Message]:
         return _compressed_reply(request, scheme), _request({"compress": "none"})
     if case == "other-fraction":
         return _compressed_reply(request, Scheme(name="topk", topk_fraction=0.1)), request
-    if case == "nan-bits":  # a site's own decoding refuses to send Inf: a hostile site sends the bits anyway
+    if (
+        case == "nan-bits"
+    ):  # a site's own decoding refuses to send Inf: a hostile site sends the bits anyway
         request = _request(_config("bf16"))
         reply = _compressed_reply(request, Scheme(name="bf16"))
         bits = from_record(reply.content["arrays"])["compress.bf16"].numpy().copy()
@@ -119,8 +139,14 @@ def test_a_reply_off_the_scheme_is_refused_with_the_reason(case, reason):
 
 
 def test_a_compressed_reply_is_accepted_by_the_coordinator_and_decoded_for_the_strategy(tmp_path):
-    coordinator = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", db_url=f"sqlite:///{tmp_path / 'c.db'}",
-                                                blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs"))
+    coordinator = Coordinator(
+        CoordinatorConfig(
+            listen="127.0.0.1:0",
+            db_url=f"sqlite:///{tmp_path / 'c.db'}",
+            blob_dir=tmp_path / "blobs",
+            runs_dir=tmp_path / "runs",
+        )
+    )
     coordinator.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{coordinator.port}")
     try:
@@ -135,8 +161,12 @@ def test_a_compressed_reply_is_accepted_by_the_coordinator_and_decoded_for_the_s
         assert pulled.has_message and pulled.envelope.message_id == message_id
         request.metadata.__dict__["_message_id"] = message_id
         envelope, chunks = split_message(_compressed_reply(request, Scheme(name="powersgd")), 1)
-        stub.PutChunks(iter(pb.Chunk(digest=d, data=bytes(c)) for d, c in chunks.items()), metadata=auth)
-        assert stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=auth).duplicate is False
+        stub.PutChunks(
+            iter(pb.Chunk(digest=d, data=bytes(c)) for d, c in chunks.items()), metadata=auth
+        )
+        assert (
+            stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=auth).duplicate is False
+        )
         [reply] = grid.pull_messages([message_id])
         decoded = from_record(decode_reply(reply, Scheme(name="powersgd")).content["arrays"])
         assert {n: tuple(t.shape) for n, t in decoded.items()} == {"w": (64, 32), "b": (32,)}
@@ -158,16 +188,32 @@ def test_a_reply_to_a_compressed_download_is_held_to_the_model_it_changes(name):
     assert len(list(downloads.settle([whole], [answered]))) == 1
     [delta] = downloads.prepare([_request(config)], 2)
     sent, _ = split_message(delta, 2)
-    assert {t.name for record in sent.arrays for t in record.tensors}.isdisjoint(SENT)  # packed, not the model
+    assert {t.name for record in sent.arrays for t in record.tensors}.isdisjoint(
+        SENT
+    )  # packed, not the model
     assert allowed_reply_bytes(sent, 0) == sum(array.nbytes for array in SENT.values())
     delta.metadata.__dict__["_message_id"] = "m-2"
     _check(_compressed_reply(delta, Scheme.from_config(config)), delta)
-    plain = Message(RecordDict({"arrays": ArrayRecord({n: Array(a) for n, a in SENT.items()}),
-                                "metrics": MetricRecord({"num-examples": 5})}), reply_to=delta)
+    plain = Message(
+        RecordDict(
+            {
+                "arrays": ArrayRecord({n: Array(a) for n, a in SENT.items()}),
+                "metrics": MetricRecord({"num-examples": 5}),
+            }
+        ),
+        reply_to=delta,
+    )
     plain.metadata.__dict__["_message_id"] = "r-2"
     _check(plain, delta)
-    wider = Message(RecordDict({"arrays": ArrayRecord({"w": Array(np.ones((65, 32), dtype=np.float32))}),
-                                "metrics": MetricRecord({"num-examples": 5})}), reply_to=delta)
+    wider = Message(
+        RecordDict(
+            {
+                "arrays": ArrayRecord({"w": Array(np.ones((65, 32), dtype=np.float32))}),
+                "metrics": MetricRecord({"num-examples": 5}),
+            }
+        ),
+        reply_to=delta,
+    )
     wider.metadata.__dict__["_message_id"] = "r-3"
     with pytest.raises(EnvelopeError, match="does not fit in shape"):
         _check(wider, delta)

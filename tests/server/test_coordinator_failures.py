@@ -13,11 +13,18 @@ from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
 
 
-def test_a_run_failure_the_database_refuses_to_record_is_logged_and_the_coordinator_keeps_serving(tmp_path, caplog):
+def test_a_run_failure_the_database_refuses_to_record_is_logged_and_the_coordinator_keeps_serving(
+    tmp_path, caplog
+):
     db_path = tmp_path / "c.db"
-    coordinator = Coordinator(CoordinatorConfig(
-        listen="127.0.0.1:0", db_url=f"sqlite:///{db_path}", blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs",
-    ))
+    coordinator = Coordinator(
+        CoordinatorConfig(
+            listen="127.0.0.1:0",
+            db_url=f"sqlite:///{db_path}",
+            blob_dir=tmp_path / "blobs",
+            runs_dir=tmp_path / "runs",
+        )
+    )
     coordinator.start()
     errors: list[BaseException] = []
 
@@ -29,17 +36,29 @@ def test_a_run_failure_the_database_refuses_to_record_is_logged_and_the_coordina
 
     thread = threading.Thread(target=serve)
     try:
-        run = coordinator.store.create_run({"strategy": "no-such-strategy", "rounds": 1})  # fails when started
+        run = coordinator.store.create_run(
+            {"strategy": "no-such-strategy", "rounds": 1}
+        )  # fails when started
         locker = sqlite3.connect(db_path, timeout=0)
-        locker.execute("BEGIN EXCLUSIVE")  # every write (and, without WAL, every read) now fails after its timeout
+        locker.execute(
+            "BEGIN EXCLUSIVE"
+        )  # every write (and, without WAL, every read) now fails after its timeout
         with caplog.at_level(logging.WARNING, logger="hydrafl.server.coordinator"):
             thread.start()
-            wait_until(lambda: "database is locked" in caplog.text or errors, 30, "the refusal was not logged")
+            wait_until(
+                lambda: "database is locked" in caplog.text or errors,
+                30,
+                "the refusal was not logged",
+            )
             assert not errors, errors
             assert thread.is_alive()
             locker.rollback()
             locker.close()
-            wait_until(lambda: coordinator.store.run(run.id).status == "failed", 30, "the run's failure was not recorded")
+            wait_until(
+                lambda: coordinator.store.run(run.id).status == "failed",
+                30,
+                "the run's failure was not recorded",
+            )
         assert "no-such-strategy" in coordinator.store.run(run.id).detail
         assert thread.is_alive() and not errors
     finally:

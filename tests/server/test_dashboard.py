@@ -32,8 +32,15 @@ def finished_run_store(db_url: str) -> tuple[Store, int, int]:
     history = [dataclasses.asdict(RoundRecord(round=0, loss=0.9, accuracy=0.3))]
     for server_round, seconds in ((1, 0.7), (2, 3.0), (3, 45.0)):
         record = RoundRecord(
-            round=server_round, loss=1.0 / server_round, accuracy=0.5 + server_round / 10, seconds=seconds,
-            aggregation_s=0.02 * server_round, gap_s=0.1, sites_ok=3, bytes_up=3000 * server_round, bytes_down=2000,
+            round=server_round,
+            loss=1.0 / server_round,
+            accuracy=0.5 + server_round / 10,
+            seconds=seconds,
+            aggregation_s=0.02 * server_round,
+            gap_s=0.1,
+            sites_ok=3,
+            bytes_up=3000 * server_round,
+            bytes_down=2000,
             bytes_up_per_site={node: 1000 * server_round for node in nodes},
             bytes_down_per_site={node: 2000 // 3 for node in nodes},
             rejected_per_site={nodes[2]: "norm outlier"} if server_round == 2 else {},
@@ -43,12 +50,36 @@ def finished_run_store(db_url: str) -> tuple[Store, int, int]:
     store.set_run_status(run.id, "finished", rounds_done=3, history=history)
     for site in sites[:2]:
         for server_round in (1, 2, 3):
-            store.audit("update-accepted", site_name=site.name, run_id=run.id, detail=f"{run.id}-{server_round}")
-    store.audit("update-rejected", site_name=HOSTILE, run_id=run.id, detail=f"INVALID_ARGUMENT: {HOSTILE} NaN")
-    store.audit("update-rejected", site_name=HOSTILE, run_id=run.id, detail="INVALID_ARGUMENT: shape")
-    store.audit("update-rejected", site_name="st-marys", run_id=run.id, detail="FAILED_PRECONDITION: late reply")
-    store.audit("update-rejected", site_name="st-marys", detail="FAILED_PRECONDITION: nothing to answer")
-    store.audit("site-declined", site_name="royal-infirmary", run_id=run.id, detail="round 1 train: out of memory")
+            store.audit(
+                "update-accepted",
+                site_name=site.name,
+                run_id=run.id,
+                detail=f"{run.id}-{server_round}",
+            )
+    store.audit(
+        "update-rejected",
+        site_name=HOSTILE,
+        run_id=run.id,
+        detail=f"INVALID_ARGUMENT: {HOSTILE} NaN",
+    )
+    store.audit(
+        "update-rejected", site_name=HOSTILE, run_id=run.id, detail="INVALID_ARGUMENT: shape"
+    )
+    store.audit(
+        "update-rejected",
+        site_name="st-marys",
+        run_id=run.id,
+        detail="FAILED_PRECONDITION: late reply",
+    )
+    store.audit(
+        "update-rejected", site_name="st-marys", detail="FAILED_PRECONDITION: nothing to answer"
+    )
+    store.audit(
+        "site-declined",
+        site_name="royal-infirmary",
+        run_id=run.id,
+        detail="round 1 train: out of memory",
+    )
     pending = store.create_run({"strategy": "diloco", "rounds": 5, "task": "tabular"})
     return store, run.id, pending.id
 
@@ -57,7 +88,9 @@ def finished_run_store(db_url: str) -> tuple[Store, int, int]:
 def board(db_url, tmp_path):
     """A dashboard on a finished run's database, SQLite or PostgreSQL (`conftest.db_url`)."""
     store, run_id, pending_id = finished_run_store(db_url)
-    dashboard = Dashboard(DashboardConfig(listen="127.0.0.1:0", token=TOKEN), store, tmp_path / "runs")
+    dashboard = Dashboard(
+        DashboardConfig(listen="127.0.0.1:0", token=TOKEN), store, tmp_path / "runs"
+    )
     dashboard.start()
     yield dashboard, run_id, pending_id
     dashboard.stop()
@@ -73,7 +106,9 @@ def test_every_path_needs_the_token(board):
     assert fetch(dashboard.url + "/", {"Authorization": "Bearer " + TOKEN[:-1] + "x"})[0] == 401
     assert fetch(dashboard.url + "/", {"Cookie": f"{COOKIE}=wrong"})[0] == 401
     assert fetch(dashboard.url + "/?token=wrong")[0] == 401
-    request = urllib.request.Request(dashboard.url + "/", method="POST", headers={"Authorization": f"Bearer {TOKEN}"})
+    request = urllib.request.Request(
+        dashboard.url + "/", method="POST", headers={"Authorization": f"Bearer {TOKEN}"}
+    )
     with pytest.raises(urllib.error.HTTPError, match="501"):  # read-only: GET and HEAD
         urllib.request.urlopen(request, timeout=10)
 
@@ -85,7 +120,9 @@ def test_a_bearer_header_or_the_cookie_set_from_the_query_opens_the_page(board):
     policy = headers["Content-Security-Policy"]
     assert "script-src" not in policy and "default-src 'none'" in policy
     status, headers, _ = fetch(f"{dashboard.url}/runs/{run_id}?token={TOKEN}")
-    assert status == 303 and headers["Location"] == f"/runs/{run_id}"  # the token leaves the address bar
+    assert (
+        status == 303 and headers["Location"] == f"/runs/{run_id}"
+    )  # the token leaves the address bar
     assert f"{COOKIE}={TOKEN}" in headers["Set-Cookie"] and "HttpOnly" in headers["Set-Cookie"]
     cookie = headers["Set-Cookie"].split(";")[0]
     status, _, body = fetch(dashboard.url + headers["Location"], {"Cookie": cookie})
@@ -97,7 +134,9 @@ def test_the_page_shows_rounds_curves_and_sites_and_escapes_what_sites_wrote(boa
     dashboard, run_id, pending_id = board
     _, _, body = fetch(f"{dashboard.url}/runs/{run_id}", {"Authorization": f"Bearer {TOKEN}"})
     assert HOSTILE not in body and "&lt;script&gt;alert(1)&lt;/script&gt;" in body
-    assert body.count("<polyline points=") == 3  # loss, accuracy, round seconds; no DP curve without DP
+    assert (
+        body.count("<polyline points=") == 3
+    )  # loss, accuracy, round seconds; no DP curve without DP
     loss_points = body.split("<polyline points='")[1].split("'")[0].split()
     assert len(loss_points) == 3
     assert f"<a href='/runs/{pending_id}'>" in body and "3/3" in body
@@ -105,7 +144,13 @@ def test_the_page_shows_rounds_curves_and_sites_and_escapes_what_sites_wrote(boa
     assert "screening rejected 1 replies" in body
     sites = body.split("<h2>Sites</h2>")[1].split("</table>")[0]
     st_marys = re.findall(r"<td[^>]*>([^<]*)</td>", sites.split("st-marys")[1].split("</tr>")[0])
-    assert st_marys[-5:] == ["0.01", "0.00", "3", "2", "0"]  # MB up, MB down, accepted, refused, declined
+    assert st_marys[-5:] == [
+        "0.01",
+        "0.00",
+        "3",
+        "2",
+        "0",
+    ]  # MB up, MB down, accepted, refused, declined
 
 
 def test_metrics_equal_the_store(board):
@@ -119,13 +164,28 @@ def test_metrics_equal_the_store(board):
     }
     run, pending = str(run_id), str(pending_id)
     store = dashboard.store
-    assert samples["hydrafl_rounds_completed_total", (("run", run),)] == store.run(run_id).rounds_done == 3
+    assert (
+        samples["hydrafl_rounds_completed_total", (("run", run),)]
+        == store.run(run_id).rounds_done
+        == 3
+    )
     assert samples["hydrafl_rounds_completed_total", (("run", pending),)] == 0
     accepted = len([e for e in store.audit_events("update-accepted") if e.run_id == run_id])
     assert samples["hydrafl_updates_accepted_total", (("run", run),)] == accepted == 6
-    assert samples["hydrafl_updates_refused_total", (("reason", "invalid_argument"), ("run", run))] == 2
-    assert samples["hydrafl_updates_refused_total", (("reason", "failed_precondition"), ("run", run))] == 1
-    assert samples["hydrafl_updates_refused_total", (("reason", "failed_precondition"), ("run", "none"))] == 1
+    assert (
+        samples["hydrafl_updates_refused_total", (("reason", "invalid_argument"), ("run", run))]
+        == 2
+    )
+    assert (
+        samples["hydrafl_updates_refused_total", (("reason", "failed_precondition"), ("run", run))]
+        == 1
+    )
+    assert (
+        samples[
+            "hydrafl_updates_refused_total", (("reason", "failed_precondition"), ("run", "none"))
+        ]
+        == 1
+    )
     assert samples["hydrafl_updates_refused_total", (("reason", "screening"), ("run", run))] == 1
     assert samples["hydrafl_received_bytes_total", (("run", run),)] == 3000 * (1 + 2 + 3)
     assert samples["hydrafl_sent_bytes_total", (("run", run),)] == 3 * 2000
@@ -137,7 +197,9 @@ def test_metrics_equal_the_store(board):
     assert samples["hydrafl_runs", (("status", "finished"),)] == 1
     assert samples["hydrafl_runs", (("status", "pending"),)] == 1
     assert samples["hydrafl_sites_enrolled", (("status", "active"),)] == 3
-    assert not any("site" in dict(labels) for _, labels in samples)  # no per-site (token-like) labels
+    assert not any(
+        "site" in dict(labels) for _, labels in samples
+    )  # no per-site (token-like) labels
 
 
 def test_the_dashboard_refuses_to_start_without_a_real_token():
@@ -164,12 +226,17 @@ def test_hydrafl_server_with_a_dashboard_and_no_token_exits_with_one_line(tmp_pa
     env = {"HYDRAFL_HOME": str(tmp_path), "HYDRAFL_DASHBOARD_TOKEN": "", "COLUMNS": "60"}
     result = CliRunner().invoke(app, ["server", "--dashboard", "127.0.0.1:0"], env=env)
     assert result.exit_code == 2
-    assert "--dashboard needs an admin token: pass --dashboard-token or set HYDRAFL_DASHBOARD_TOKEN" in result.output
+    assert (
+        "--dashboard needs an admin token: pass --dashboard-token or set HYDRAFL_DASHBOARD_TOKEN"
+        in result.output
+    )
 
 
 def test_a_dp_runs_rounds_show_the_exact_epsilon_beside_renyi_dps():
     from hydrafl.server.dashboard_page import _rounds_table
 
-    record = dataclasses.asdict(RoundRecord(round=1, sites_ok=4, dp_epsilon=26.5, dp_epsilon_exact=24.92))
+    record = dataclasses.asdict(
+        RoundRecord(round=1, sites_ok=4, dp_epsilon=26.5, dp_epsilon_exact=24.92)
+    )
     cells = re.findall(r"<t[dh][^>]*>([^<]*)</t[dh]>", _rounds_table([record], dp=True))
     assert cells[-2:] == ["26.5", "24.92"] and cells[cells.index("epsilon") + 1] == "epsilon exact"

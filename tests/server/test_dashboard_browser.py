@@ -31,8 +31,15 @@ def _browser() -> str:
 
 
 def _chromium(browser: str, profile: Path, *options: str) -> str:
-    command = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-               f"--user-data-dir={profile}", *options]
+    command = [
+        browser,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        f"--user-data-dir={profile}",
+        *options,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -45,14 +52,40 @@ def finished_run(tmp_path):
     env["HYDRAFL_DASHBOARD_TOKEN"] = TOKEN
     run_id = queue_run(store, SMALL_RUN)
     url = f"http://127.0.0.1:{free_port()}"
-    processes = [start_hydrafl("server", "--listen", address, "--db", db, "--blobs", str(tmp_path / "blobs"),
-                               "--dashboard", url.removeprefix("http://"), env=env, log=tmp_path / "coordinator.log")]
+    processes = [
+        start_hydrafl(
+            "server",
+            "--listen",
+            address,
+            "--db",
+            db,
+            "--blobs",
+            str(tmp_path / "blobs"),
+            "--dashboard",
+            url.removeprefix("http://"),
+            env=env,
+            log=tmp_path / "coordinator.log",
+        )
+    ]
     try:
         wait_serving(address, process=processes[0])
         for i, token in enumerate(tokens):
-            processes.append(start_hydrafl("site", "--coordinator", address, "--token", token, env=env,
-                                           log=tmp_path / f"site-{i}.log"))
-        wait_until(lambda: store.run(run_id).status in ("finished", "failed"), 300, "the run did not finish")
+            processes.append(
+                start_hydrafl(
+                    "site",
+                    "--coordinator",
+                    address,
+                    "--token",
+                    token,
+                    env=env,
+                    log=tmp_path / f"site-{i}.log",
+                )
+            )
+        wait_until(
+            lambda: store.run(run_id).status in ("finished", "failed"),
+            300,
+            "the run did not finish",
+        )
         assert store.run(run_id).status == "finished", store.run(run_id).detail
         yield url, store, run_id
     finally:
@@ -76,8 +109,10 @@ def test_the_dashboard_shows_a_finished_run_in_chromium(finished_run, tmp_path):
     refused = _chromium(browser, tmp_path / "no-token", "--dump-dom", f"{url}/runs/{run_id}")
     assert "401 Unauthorized" in refused and "polyline" not in refused
 
-    dom = _chromium(browser, tmp_path / "profile", "--dump-dom", f"{url}/runs/{run_id}?token={TOKEN}")
-    assert f"Run {run_id}: <span class=\"finished\">finished</span>, 3/3 rounds" in dom
+    dom = _chromium(
+        browser, tmp_path / "profile", "--dump-dom", f"{url}/runs/{run_id}?token={TOKEN}"
+    )
+    assert f'Run {run_id}: <span class="finished">finished</span>, 3/3 rounds' in dom
     curves = re.findall(r'<polyline points="([^"]+)"', dom)
     assert len(curves) == 3 and all(len(points.split()) == SMALL_RUN.rounds for points in curves)
     rounds_table = dom.split('<table class="rounds">')[1].split("</table>")[0]
@@ -85,8 +120,13 @@ def test_the_dashboard_shows_a_finished_run_in_chromium(finished_run, tmp_path):
     assert "push_reply" in dom and "hospital-0" in dom and "update-accepted" in dom
 
     shot = tmp_path / "dashboard.png"
-    _chromium(browser, tmp_path / "profile", f"--screenshot={shot}", "--window-size=1200,1800",
-              f"{url}/runs/{run_id}?token={TOKEN}")
+    _chromium(
+        browser,
+        tmp_path / "profile",
+        f"--screenshot={shot}",
+        "--window-size=1200,1800",
+        f"{url}/runs/{run_id}?token={TOKEN}",
+    )
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
     results = ROOT / "benchmarks" / "results"
     results.mkdir(parents=True, exist_ok=True)
@@ -94,9 +134,15 @@ def test_the_dashboard_shows_a_finished_run_in_chromium(finished_run, tmp_path):
 
     request = urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
     with urllib.request.urlopen(request, timeout=10) as response:
-        families = {family.name: family for family in text_string_to_metric_families(response.read().decode())}
-    rounds = {sample.labels["run"]: sample.value for sample in families["hydrafl_rounds_completed"].samples
-              if sample.name.endswith("_total")}
+        families = {
+            family.name: family
+            for family in text_string_to_metric_families(response.read().decode())
+        }
+    rounds = {
+        sample.labels["run"]: sample.value
+        for sample in families["hydrafl_rounds_completed"].samples
+        if sample.name.endswith("_total")
+    }
     assert rounds[str(run_id)] == store.run(run_id).rounds_done == SMALL_RUN.rounds
     accepted = [event for event in store.audit_events("update-accepted") if event.run_id == run_id]
     assert families["hydrafl_updates_accepted"].samples[0].value == len(accepted) > 0

@@ -35,7 +35,9 @@ def deployment(tmp_path):
 
     def start_site(token: str, *options: str) -> subprocess.Popen:
         log = tmp_path / f"site-{tokens.index(token)}.log"
-        process = start_hydrafl("site", "--coordinator", address, "--token", token, *options, env=env, log=log)
+        process = start_hydrafl(
+            "site", "--coordinator", address, "--token", token, *options, env=env, log=log
+        )
         processes.append(process)
         return process
 
@@ -59,7 +61,9 @@ def _finished_run(deployment, site_options: list[tuple[str, ...]] | None = None)
     start_server()
     for index, token in enumerate(tokens):
         start_site(token, *(site_options[index] if site_options else ()))
-    wait_until(lambda: store.run(run_id).status in ("finished", "failed"), 240, "the run did not finish")
+    wait_until(
+        lambda: store.run(run_id).status in ("finished", "failed"), 240, "the run did not finish"
+    )
     run = store.run(run_id)
     assert run.status == "finished", run.detail
     return run
@@ -73,9 +77,12 @@ def _history_numbers(history):
 def test_coordinator_and_three_sites_match_the_simulation(deployment, tmp_path):
     store, run_id = deployment[:2]
     run = _finished_run(deployment)
-    simulated = run_strategy(RunConfig.from_flower({**RUN.to_flower(), "run-dir": str(tmp_path / "sim")}), "inprocess")
-    for (r1, loss1, acc1, ok1, up1), (r2, loss2, acc2, ok2, up2) in zip(_history_numbers(run.history),
-                                                                        _history_numbers(simulated), strict=True):
+    simulated = run_strategy(
+        RunConfig.from_flower({**RUN.to_flower(), "run-dir": str(tmp_path / "sim")}), "inprocess"
+    )
+    for (r1, loss1, acc1, ok1, up1), (r2, loss2, acc2, ok2, up2) in zip(
+        _history_numbers(run.history), _history_numbers(simulated), strict=True
+    ):
         assert (r1, ok1, up1) == (r2, ok2, up2)
         assert loss1 == pytest.approx(loss2, rel=1e-5) and acc1 == pytest.approx(acc2, abs=1e-9)
     kinds = [event.kind for event in store.audit_events()]
@@ -83,8 +90,15 @@ def test_coordinator_and_three_sites_match_the_simulation(deployment, tmp_path):
     assert kinds.count("update-accepted") == RUN.rounds * RUN.sites * 2 + RUN.sites + 1 + RUN.sites
     assert "run-finished" in kinds
     run_dir = tmp_path / "home" / "runs" / str(run_id)
-    assert (run_dir / "rounds.tsv").read_text().splitlines()[0].startswith("round\tduration_s\taggregation_s\tgap_s")
-    latency = [line.split("\t") for line in (run_dir / "push_latency.tsv").read_text().splitlines()[1:]]
+    assert (
+        (run_dir / "rounds.tsv")
+        .read_text()
+        .splitlines()[0]
+        .startswith("round\tduration_s\taggregation_s\tgap_s")
+    )
+    latency = [
+        line.split("\t") for line in (run_dir / "push_latency.tsv").read_text().splitlines()[1:]
+    ]
     assert {row[0] for row in latency} == {f"hospital-{i}" for i in range(RUN.sites)}
     assert all(float(row[3]) <= float(row[4]) for row in latency)  # P50 <= P99
 
@@ -93,20 +107,37 @@ def test_coordinator_and_three_sites_match_the_simulation(deployment, tmp_path):
 def test_hydra_nets_over_the_wire_match_the_simulation(deployment, tmp_path):
     """Compact downloads and uploads (each site only its Hydra-net's slices) through the real transport; each
     site declares its own tier (`hydrafl site --tier`), the simulation gets the same tiers from the run."""
-    hydra = {"strategy": "hydra", "hydra-bypass": True, "hydra-head-mode": "drop", "score-samples": 16,
-             "outer-lr": 0.7}  # the run's diloco outer-lr back at its default: hydra's default outer step ignores it
+    hydra = {
+        "strategy": "hydra",
+        "hydra-bypass": True,
+        "hydra-head-mode": "drop",
+        "score-samples": 16,
+        "outer-lr": 0.7,
+    }  # the run's diloco outer-lr back at its default: hydra's default outer step ignores it
     _set_run_config(deployment, hydra)
     run = _finished_run(deployment, [("--tier", tier) for tier in ("small", "medium", "large")])
     cfg = RunConfig.from_flower(
-        {**RUN.to_flower(), **hydra, "site-tiers": "small,medium,large", "run-dir": str(tmp_path / "sim")}
+        {
+            **RUN.to_flower(),
+            **hydra,
+            "site-tiers": "small,medium,large",
+            "run-dir": str(tmp_path / "sim"),
+        }
     )
     simulated = run_strategy(cfg, "inprocess")
     for deployed, local in zip(run.history, simulated, strict=True):
-        for key in ("bytes_up_per_site", "bytes_down_per_site"):  # node ids differ: compare in site order
-            assert [n for _, n in sorted(deployed[key].items())] == [n for _, n in sorted(local[key].items())]
+        for key in (
+            "bytes_up_per_site",
+            "bytes_down_per_site",
+        ):  # node ids differ: compare in site order
+            assert [n for _, n in sorted(deployed[key].items())] == [
+                n for _, n in sorted(local[key].items())
+            ]
         assert deployed["loss"] == pytest.approx(local["loss"], rel=1e-5)
     down = sorted(simulated[1]["bytes_down_per_site"].values())
-    assert down[0] < down[1] < down[2]  # small, medium and large Hydra-nets: three different downloads
+    assert (
+        down[0] < down[1] < down[2]
+    )  # small, medium and large Hydra-nets: three different downloads
 
 
 @pytest.mark.slow
@@ -116,20 +147,29 @@ def test_compressed_downloads_over_the_wire_match_the_simulation(deployment, tmp
     compressed = {"compress": "int8", "compress-downloads": True}
     _set_run_config(deployment, compressed)
     run = _finished_run(deployment)
-    plain = run_strategy(RunConfig.from_flower({**RUN.to_flower(), "run-dir": str(tmp_path / "plain")}), "inprocess")
+    plain = run_strategy(
+        RunConfig.from_flower({**RUN.to_flower(), "run-dir": str(tmp_path / "plain")}), "inprocess"
+    )
     simulated = run_strategy(
-        RunConfig.from_flower({**RUN.to_flower(), **compressed, "run-dir": str(tmp_path / "sim")}), "inprocess"
+        RunConfig.from_flower({**RUN.to_flower(), **compressed, "run-dir": str(tmp_path / "sim")}),
+        "inprocess",
     )
     for deployed, local in zip(run.history, simulated, strict=True):
-        assert sorted(deployed["bytes_down_per_site"].values()) == sorted(local["bytes_down_per_site"].values())
+        assert sorted(deployed["bytes_down_per_site"].values()) == sorted(
+            local["bytes_down_per_site"].values()
+        )
         assert deployed["loss"] == pytest.approx(local["loss"], rel=1e-5)
     middle = len(plain) // 2  # after first contact, before the final evaluation's whole model
-    compressed_down, plain_down = (sum(h[middle]["bytes_down_per_site"].values()) for h in (run.history, plain))
+    compressed_down, plain_down = (
+        sum(h[middle]["bytes_down_per_site"].values()) for h in (run.history, plain)
+    )
     assert compressed_down < plain_down / 3
 
 
 @pytest.mark.slow
-def test_kill_9_of_the_coordinator_mid_run_then_restart_finishes_with_the_same_model(deployment, tmp_path):
+def test_kill_9_of_the_coordinator_mid_run_then_restart_finishes_with_the_same_model(
+    deployment, tmp_path
+):
     store, run_id, address, tokens, start_server, start_site = deployment
     server = start_server()
     for token in tokens:
@@ -139,21 +179,33 @@ def test_kill_9_of_the_coordinator_mid_run_then_restart_finishes_with_the_same_m
     server.wait()
     assert store.run(run_id).status == "running"
     start_server()
-    wait_until(lambda: store.run(run_id).status in ("finished", "failed"), 240, "the restarted run did not finish")
+    wait_until(
+        lambda: store.run(run_id).status in ("finished", "failed"),
+        240,
+        "the restarted run did not finish",
+    )
     run = store.run(run_id)
     assert run.status == "finished", run.detail
-    simulated = run_strategy(RunConfig.from_flower({**RUN.to_flower(), "run-dir": str(tmp_path / "sim")}), "inprocess")
+    simulated = run_strategy(
+        RunConfig.from_flower({**RUN.to_flower(), "run-dir": str(tmp_path / "sim")}), "inprocess"
+    )
     assert [r["round"] for r in run.history] == [0, 1, 2, 3]
     assert run.history[-1]["loss"] == pytest.approx(simulated[-1]["loss"], rel=1e-5)
     # every update accepted exactly once, before or after the crash: none lost, none counted twice
     accepted = [event.detail for event in store.audit_events("update-accepted")]
-    assert len(accepted) == len(set(accepted)) == RUN.rounds * RUN.sites * 2 + RUN.sites + 1 + RUN.sites
+    assert (
+        len(accepted)
+        == len(set(accepted))
+        == RUN.rounds * RUN.sites * 2 + RUN.sites + 1 + RUN.sites
+    )
 
 
 @pytest.mark.slow
 def test_a_site_killed_mid_round_is_left_out_at_the_deadline_and_rejoins(deployment, tmp_path):
     store, run_id, address, tokens, start_server, start_site = deployment
-    _set_run_config(deployment, {"min-sites": 2, "round-timeout-s": 10.0, "strategy": "fedavg", "rounds": 48})
+    _set_run_config(
+        deployment, {"min-sites": 2, "round-timeout-s": 10.0, "strategy": "fedavg", "rounds": 48}
+    )
     start_server()
     sites = {token: start_site(token) for token in tokens}
     wait_until(lambda: store.run(run_id).rounds_done >= 1, 240, "round 1 never completed")
@@ -161,12 +213,25 @@ def test_a_site_killed_mid_round_is_left_out_at_the_deadline_and_rejoins(deploym
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     # the victim may have sent this round's update before it died: wait for the first round it misses
-    wait_until(lambda: any(r.get("sites_failed") for r in store.run(run_id).history), 240, "no round missed the victim")
-    start_site(tokens[-1])  # rounds to spare (a few tenths of a second each): a site's process takes seconds to start
-    wait_until(lambda: store.run(run_id).status in ("finished", "failed"), 300, "the run did not finish")
+    wait_until(
+        lambda: any(r.get("sites_failed") for r in store.run(run_id).history),
+        240,
+        "no round missed the victim",
+    )
+    start_site(
+        tokens[-1]
+    )  # rounds to spare (a few tenths of a second each): a site's process takes seconds to start
+    wait_until(
+        lambda: store.run(run_id).status in ("finished", "failed"), 300, "the run did not finish"
+    )
     run = store.run(run_id)
     assert run.status == "finished", run.detail
     missed = next(i for i, record in enumerate(run.history) if record.get("sites_failed"))
     assert missed >= 2  # round 1 closed with everyone before the kill
-    assert (run.history[missed]["sites_ok"], run.history[missed]["sites_failed"]) == (2, 1)  # closed at the deadline
-    assert 3 in [record["sites_ok"] for record in run.history[missed + 1:]]  # the restarted site is back
+    assert (run.history[missed]["sites_ok"], run.history[missed]["sites_failed"]) == (
+        2,
+        1,
+    )  # closed at the deadline
+    assert 3 in [
+        record["sites_ok"] for record in run.history[missed + 1 :]
+    ]  # the restarted site is back

@@ -18,24 +18,44 @@ SLOW_FACTOR = 6
 
 @pytest.mark.slow
 def test_fedbuff_steps_without_waiting_for_a_slow_site(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+    )
     monkeypatch.setenv("HYDRAFL_SLOW_FACTOR", str(SLOW_FACTOR))
     steps, buffer = 12, 2
-    cfg = RunConfig.build(task="tabular", sites=3, samples_per_site=32, local_steps=2, batch_size=8,
-                          strategy="fedbuff", rounds=steps, buffer_size=buffer, evaluate_every=steps,
-                          site_wait_s=600.0)  # site processes import torch: minutes on a busy machine
-    store, run_id = run_to_end(tmp_path, cfg, [(), (), ("--app", "slow_site_app:client_app")], timeout_s=900)
+    cfg = RunConfig.build(
+        task="tabular",
+        sites=3,
+        samples_per_site=32,
+        local_steps=2,
+        batch_size=8,
+        strategy="fedbuff",
+        rounds=steps,
+        buffer_size=buffer,
+        evaluate_every=steps,
+        site_wait_s=600.0,
+    )  # site processes import torch: minutes on a busy machine
+    store, run_id = run_to_end(
+        tmp_path, cfg, [(), (), ("--app", "slow_site_app:client_app")], timeout_s=900
+    )
     run = store.run(run_id)
     assert run.status == "finished", run.detail
     history = run.history
-    assert [entry["round"] for entry in history] == list(range(steps + 1)) and run.rounds_done == steps
+    assert [entry["round"] for entry in history] == list(
+        range(steps + 1)
+    ) and run.rounds_done == steps
     assert history[-1]["loss"] is not None and history[-1]["loss"] < 2 * history[0]["loss"]
-    assert all(entry["loss"] is None for entry in history[1:-1])  # evaluate-every = steps: only the last
+    assert all(
+        entry["loss"] is None for entry in history[1:-1]
+    )  # evaluate-every = steps: only the last
     assert all(len(entry["staleness"]) == buffer for entry in history[1:])
     assert any(tau > 0 for entry in history[1:] for tau in entry["staleness"])
     node = {site.name: site.node_id for site in store.sites()}
     slow, fast = str(node["hospital-2"]), [str(node["hospital-0"]), str(node["hospital-1"])]
-    updates = {site: sum(site in entry["bytes_up_per_site"] for entry in history[1:]) for site in (slow, *fast)}
+    updates = {
+        site: sum(site in entry["bytes_up_per_site"] for entry in history[1:])
+        for site in (slow, *fast)
+    }
     assert all(updates[site] > updates[slow] >= 1 for site in fast), updates
     # once slowed (after its first training), the slow site trained on a model version the fast sites had moved
     # on from by the time it answered

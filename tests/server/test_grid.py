@@ -35,9 +35,14 @@ def round_of_three(tmp_path) -> tuple[_CountingGrid, list[Message]]:
     run = store.create_run({"rounds": 1})
     store.set_run_status(run.id, "running")
     blobs = BlobStore(tmp_path / "blobs")
-    grid = _CountingGrid(store, blobs, CoordinatorService(store, blobs), run.id, poll_interval_s=0.01)
+    grid = _CountingGrid(
+        store, blobs, CoordinatorService(store, blobs), run.id, poll_interval_s=0.01
+    )
     arrays = ArrayRecord({"w": Array(np.zeros(4, dtype=np.float32))})
-    messages = [Message(RecordDict({"arrays": arrays}), dst_node_id=node, message_type="train") for node in nodes]
+    messages = [
+        Message(RecordDict({"arrays": arrays}), dst_node_id=node, message_type="train")
+        for node in nodes
+    ]
     for message in messages:
         message.metadata.group_id = "1"
     return grid, messages
@@ -46,13 +51,18 @@ def round_of_three(tmp_path) -> tuple[_CountingGrid, list[Message]]:
 def _store_reply(grid: CoordinatorGrid, message: Message, value: float) -> None:
     """What the service does with a site's accepted reply: its chunks in the site's uploads, its envelope a row."""
     content = RecordDict(
-        {"arrays": ArrayRecord({"w": Array(np.full(4, value, dtype=np.float32))}), "metrics": MetricRecord({"num-examples": 1})}
+        {
+            "arrays": ArrayRecord({"w": Array(np.full(4, value, dtype=np.float32))}),
+            "metrics": MetricRecord({"num-examples": 1}),
+        }
     )
     reply = Message(content, reply_to=message)
     reply.metadata.__dict__["_message_id"] = f"{message.metadata.message_id}.reply"
     envelope, chunks = split_message(reply, 1)
     grid.blobs.uploads(message.metadata.dst_node_id).put_stream(chunks.items())
-    grid.store.add_reply(grid.store.outbound(message.metadata.message_id), envelope.SerializeToString())
+    grid.store.add_reply(
+        grid.store.outbound(message.metadata.message_id), envelope.SerializeToString()
+    )
 
 
 def test_each_reply_is_decoded_when_asked_for_and_not_kept(round_of_three):
@@ -69,12 +79,18 @@ def test_each_reply_is_decoded_when_asked_for_and_not_kept(round_of_three):
     assert grid.decoded == 3 and sorted(values) == [1.0, 2.0]
 
 
-def test_at_the_deadline_unanswered_messages_close_and_replies_stored_before_still_come(round_of_three):
+def test_at_the_deadline_unanswered_messages_close_and_replies_stored_before_still_come(
+    round_of_three,
+):
     grid, messages = round_of_three
     replies = grid.send_and_receive(messages, timeout=0.5)
     _store_reply(grid, messages[0], 0)
     assert next(replies).metadata.src_node_id == messages[0].metadata.dst_node_id
-    _store_reply(grid, messages[1], 1)  # on time, while the caller still works on the first reply, past the deadline
+    _store_reply(
+        grid, messages[1], 1
+    )  # on time, while the caller still works on the first reply, past the deadline
     time.sleep(0.6)
     assert [reply.metadata.src_node_id for reply in replies] == [messages[1].metadata.dst_node_id]
-    assert grid.store.outbound(messages[2].metadata.message_id).closed  # the straggler's late reply will be refused
+    assert grid.store.outbound(
+        messages[2].metadata.message_id
+    ).closed  # the straggler's late reply will be refused

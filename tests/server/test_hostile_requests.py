@@ -33,8 +33,11 @@ from hydrafl.updates import InvalidUpdate, check_train_reply
 SHAPE = (3, 2)
 SERVICE = "/hydrafl.proto.Coordinator/"
 REFUSALS = {
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -42,21 +45,33 @@ class Live:
     """A coordinator with sites a and b, one running run, and a train message to each."""
 
     def __init__(self, tmp_path, limits: SiteLimits) -> None:
-        self.coordinator = Coordinator(CoordinatorConfig(
-            listen="127.0.0.1:0", db_url=f"sqlite:///{tmp_path / 'c.db'}", blob_dir=tmp_path / "blobs",
-            runs_dir=tmp_path / "runs", limits=limits,
-        ))
+        self.coordinator = Coordinator(
+            CoordinatorConfig(
+                listen="127.0.0.1:0",
+                db_url=f"sqlite:///{tmp_path / 'c.db'}",
+                blob_dir=tmp_path / "blobs",
+                runs_dir=tmp_path / "runs",
+                limits=limits,
+            )
+        )
         self.coordinator.start()
         self.store = self.coordinator.store
-        (site_a, self.token_a), (site_b, self.token_b) = self.store.add_site("a"), self.store.add_site("b")
+        (site_a, self.token_a), (site_b, self.token_b) = (
+            self.store.add_site("a"),
+            self.store.add_site("b"),
+        )
         self.nodes = site_a.node_id, site_b.node_id
         run = self.store.create_run({"rounds": 1})
         self.store.set_run_status(run.id, "running")
-        self.grid = CoordinatorGrid(self.store, self.coordinator.blobs, self.coordinator.service, run.id)
+        self.grid = CoordinatorGrid(
+            self.store, self.coordinator.blobs, self.coordinator.service, run.id
+        )
         self.arrays = ArrayRecord({"w": Array(np.arange(6, dtype=np.float32).reshape(SHAPE))})
         self.requests = {}
         for node in self.nodes:
-            request = Message(RecordDict({"arrays": self.arrays}), dst_node_id=node, message_type="train")
+            request = Message(
+                RecordDict({"arrays": self.arrays}), dst_node_id=node, message_type="train"
+            )
             request.metadata.group_id = "1"
             [self.requests[node]] = [request]
             [request.metadata.__dict__["_message_id"]] = self.grid.push_messages([request])
@@ -90,11 +105,18 @@ def _reply(request: Message, content: RecordDict) -> tuple[pb.Envelope, dict]:
 
 def _delta(values=None, num_examples=5) -> RecordDict:
     values = np.full(SHAPE, 0.25, dtype=np.float32) if values is None else values
-    return RecordDict({"arrays": ArrayRecord({"w": Array(values)}), "metrics": MetricRecord({"num-examples": num_examples})})
+    return RecordDict(
+        {
+            "arrays": ArrayRecord({"w": Array(values)}),
+            "metrics": MetricRecord({"num-examples": num_examples}),
+        }
+    )
 
 
 def _upload(stub, token, chunks):
-    return stub.PutChunks(iter(pb.Chunk(digest=h, data=bytes(d)) for h, d in chunks.items()), metadata=_auth(token))
+    return stub.PutChunks(
+        iter(pb.Chunk(digest=h, data=bytes(d)) for h, d in chunks.items()), metadata=_auth(token)
+    )
 
 
 def _status(call):
@@ -111,15 +133,25 @@ def _healthy(live: Live) -> bool:
 
 
 def test_garbage_request_bytes_get_invalid_argument_on_every_method(live):
-    for method, streaming in (("Join", None), ("PullMessage", None), ("HasChunks", None), ("PushReply", None),
-                              ("GetChunks", "out"), ("PutChunks", "in")):
+    for method, streaming in (
+        ("Join", None),
+        ("PullMessage", None),
+        ("HasChunks", None),
+        ("PushReply", None),
+        ("GetChunks", "out"),
+        ("PutChunks", "in"),
+    ):
         identity = (lambda data: data), (lambda data: data)
         if streaming == "out":
             call = live.channel.unary_stream(SERVICE + method, *identity)
-            code, details = _status(lambda: list(call(b"\xff\xff\xff", metadata=_auth(live.token_a))))
+            code, details = _status(
+                lambda: list(call(b"\xff\xff\xff", metadata=_auth(live.token_a)))
+            )
         elif streaming == "in":
             call = live.channel.stream_unary(SERVICE + method, *identity)
-            code, details = _status(lambda: call(iter([b"\xff\xff\xff"]), metadata=_auth(live.token_a)))
+            code, details = _status(
+                lambda: call(iter([b"\xff\xff\xff"]), metadata=_auth(live.token_a))
+            )
         else:
             call = live.channel.unary_unary(SERVICE + method, *identity)
             code, details = _status(lambda: call(b"\xff\xff\xff", metadata=_auth(live.token_a)))
@@ -129,13 +161,17 @@ def test_garbage_request_bytes_get_invalid_argument_on_every_method(live):
 
 
 def test_garbage_bytes_to_the_health_service_get_invalid_argument_not_internal(live, caplog):
-    check = live.channel.unary_unary("/grpc.health.v1.Health/Check", lambda data: data, lambda data: data)
+    check = live.channel.unary_unary(
+        "/grpc.health.v1.Health/Check", lambda data: data, lambda data: data
+    )
     with caplog.at_level(logging.DEBUG):
         code, details = _status(lambda: check(b"\xff\xff\xff", timeout=5))
     assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
     assert "not a valid protobuf message" in details
     assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
-    watch = live.channel.unary_stream("/grpc.health.v1.Health/Watch", lambda data: data, lambda data: data)
+    watch = live.channel.unary_stream(
+        "/grpc.health.v1.Health/Watch", lambda data: data, lambda data: data
+    )
     code, _ = _status(lambda: list(watch(b"\xff\xff\xff", timeout=5)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert _healthy(live)
@@ -150,11 +186,21 @@ def test_only_bearer_tokens_failures_are_audited_and_throttled_per_address(live)
     for _ in range(SiteLimits().max_auth_failures - 4):
         _status(lambda: join(pb.JoinRequest(), metadata=_auth("forged")))
     code, details = _status(lambda: join(pb.JoinRequest(), metadata=_auth("another guess")))
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "too many failed authentications" in details
-    events = len(live.store.audit_events("auth-failed")) + len(live.store.audit_events("auth-throttled"))
-    for _ in range(50):  # refused before the token is looked up: no audit row, no database work per attempt
+    assert (
+        code == grpc.StatusCode.RESOURCE_EXHAUSTED and "too many failed authentications" in details
+    )
+    events = len(live.store.audit_events("auth-failed")) + len(
+        live.store.audit_events("auth-throttled")
+    )
+    for _ in range(
+        50
+    ):  # refused before the token is looked up: no audit row, no database work per attempt
         _status(lambda: join(pb.JoinRequest(), metadata=_auth("forged")))
-    assert len(live.store.audit_events("auth-failed")) + len(live.store.audit_events("auth-throttled")) == events == 10
+    assert (
+        len(live.store.audit_events("auth-failed")) + len(live.store.audit_events("auth-throttled"))
+        == events
+        == 10
+    )
     assert _healthy(live)
 
 
@@ -176,17 +222,28 @@ def test_a_wrong_token_flood_from_one_address_never_refuses_a_valid_site_beside_
     try:
         deadline, calls = time.monotonic() + 3, 0
         while guesses[0] < 200 or time.monotonic() < deadline:
-            code, details = _status(lambda: live.stub.Join(pb.JoinRequest(), metadata=_auth(live.token_a)))
+            code, details = _status(
+                lambda: live.stub.Join(pb.JoinRequest(), metadata=_auth(live.token_a))
+            )
             calls += 1
             if code != grpc.StatusCode.OK:
                 refused.append((code, details))
-        print(f"\n{guesses[0]} wrong tokens beside {calls} calls of a valid site: {len(refused)} of them refused")
-        _, token_c = live.store.add_site("c")  # known once the enrolled tokens are read again (each second)
+        print(
+            f"\n{guesses[0]} wrong tokens beside {calls} calls of a valid site: {len(refused)} of them refused"
+        )
+        _, token_c = live.store.add_site(
+            "c"
+        )  # known once the enrolled tokens are read again (each second)
         enrolled = time.monotonic()
-        while _status(lambda: live.stub.Join(pb.JoinRequest(), metadata=_auth(token_c)))[0] != grpc.StatusCode.OK:
+        while (
+            _status(lambda: live.stub.Join(pb.JoinRequest(), metadata=_auth(token_c)))[0]
+            != grpc.StatusCode.OK
+        ):
             assert time.monotonic() - enrolled < SiteLimits().known_tokens_refresh_s + 1
             time.sleep(0.1)
-        code, _ = _status(lambda: live.stub.Join(pb.JoinRequest(), metadata=_auth("yet another guess")))
+        code, _ = _status(
+            lambda: live.stub.Join(pb.JoinRequest(), metadata=_auth("yet another guess"))
+        )
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED  # the guessers stay throttled
     finally:
         stop.set()
@@ -195,9 +252,16 @@ def test_a_wrong_token_flood_from_one_address_never_refuses_a_valid_site_beside_
     assert refused == []
     live.store.revoke_site("c")
     code, _ = _status(lambda: live.stub.Join(pb.JoinRequest(), metadata=_auth(token_c)))
-    assert code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED)  # revoked: a guesser now
-    audited = len(live.store.audit_events("auth-failed")) + len(live.store.audit_events("auth-throttled"))
-    assert audited == SiteLimits().max_auth_failures  # the database work guesses cause stays bounded
+    assert code in (
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    )  # revoked: a guesser now
+    audited = len(live.store.audit_events("auth-failed")) + len(
+        live.store.audit_events("auth-throttled")
+    )
+    assert (
+        audited == SiteLimits().max_auth_failures
+    )  # the database work guesses cause stays bounded
     assert _healthy(live)
 
 
@@ -206,25 +270,60 @@ def test_a_reply_is_credited_to_the_token_s_site_whatever_its_metadata_says(live
     envelope, chunks = _reply(live.requests[node_a], _delta())
     forged = Message(RecordDict(), reply_to=live.requests[node_b])
     forged.metadata.__dict__["_message_id"] = "forged"
-    envelope.metadata = split_message(forged)[0].metadata  # claims to be node b answering b's message
+    envelope.metadata = split_message(forged)[
+        0
+    ].metadata  # claims to be node b answering b's message
     _upload(live.stub, live.token_a, chunks)
-    assert live.stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=_auth(live.token_a)).duplicate is False
+    assert (
+        live.stub.PushReply(
+            pb.PushReplyRequest(envelope=envelope), metadata=_auth(live.token_a)
+        ).duplicate
+        is False
+    )
     envelope.metadata = b"\xff not metadata"  # not even a valid encoding: ignored all the same
-    assert live.stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=_auth(live.token_a)).duplicate is True
+    assert (
+        live.stub.PushReply(
+            pb.PushReplyRequest(envelope=envelope), metadata=_auth(live.token_a)
+        ).duplicate
+        is True
+    )
     [reply] = live.grid.pull_messages([live.message_id(node_a), live.message_id(node_b)])
     assert not reply.has_error()
-    assert reply.metadata.src_node_id == node_a and reply.metadata.reply_to_message_id == live.message_id(node_a)
-    np.testing.assert_array_equal(reply.content["arrays"]["w"].numpy(), np.full(SHAPE, 0.25, dtype=np.float32))
+    assert (
+        reply.metadata.src_node_id == node_a
+        and reply.metadata.reply_to_message_id == live.message_id(node_a)
+    )
+    np.testing.assert_array_equal(
+        reply.content["arrays"]["w"].numpy(), np.full(SHAPE, 0.25, dtype=np.float32)
+    )
     envelope.reply_to_message_id = live.message_id(node_b)  # answering b's message with a's token
-    code, _ = _status(lambda: live.stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=_auth(live.token_a)))
+    code, _ = _status(
+        lambda: live.stub.PushReply(
+            pb.PushReplyRequest(envelope=envelope), metadata=_auth(live.token_a)
+        )
+    )
     assert code == grpc.StatusCode.PERMISSION_DENIED
-    assert live.store.next_message_for(node_b).message_id == live.message_id(node_b)  # b's message still open
+    assert live.store.next_message_for(node_b).message_id == live.message_id(
+        node_b
+    )  # b's message still open
 
 
 def _content_with_array(dtype: str) -> bytes:
-    smuggled = RecordDict({"metrics": MetricRecord({"num-examples": 5}),
-                           "hidden": ArrayRecord({"w": Array(dtype=dtype, shape=(3, 2), stype="numpy.ndarray",
-                                                             data=np.float32(1).tobytes())})})
+    smuggled = RecordDict(
+        {
+            "metrics": MetricRecord({"num-examples": 5}),
+            "hidden": ArrayRecord(
+                {
+                    "w": Array(
+                        dtype=dtype,
+                        shape=(3, 2),
+                        stype="numpy.ndarray",
+                        data=np.float32(1).tobytes(),
+                    )
+                }
+            ),
+        }
+    )
     return recorddict_to_proto(smuggled).SerializeToString()
 
 
@@ -266,33 +365,53 @@ def test_replies_the_round_could_not_aggregate_are_refused_at_the_edge(live, cas
         chunk = b"\0" * CHUNK_BYTES
         chunks = {UPLOADED.digest(chunk): chunk}
         tensor = envelope.arrays[0].tensors[0]
-        tensor.shape[:] = [20 << 10, CHUNK_BYTES // 4]  # 20 GiB of float32, one chunk listed 20,480 times
+        tensor.shape[:] = [
+            20 << 10,
+            CHUNK_BYTES // 4,
+        ]  # 20 GiB of float32, one chunk listed 20,480 times
         tensor.nbytes = 20 << 30
         tensor.chunk_digests[:] = [UPLOADED.digest(chunk)] * (20 << 10)
     if chunks and case != "repeated-chunk-declares-gigabytes":
         _upload(live.stub, live.token_a, chunks)
     started = time.perf_counter()
-    code, details = _status(lambda: live.stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=_auth(live.token_a)))
+    code, details = _status(
+        lambda: live.stub.PushReply(
+            pb.PushReplyRequest(envelope=envelope), metadata=_auth(live.token_a)
+        )
+    )
     refused_s = time.perf_counter() - started
     assert code == grpc.StatusCode.INVALID_ARGUMENT and reason in details, details
     assert refused_s < 2.0
     assert live.store.audit_events("update-rejected")[-1].detail.startswith("INVALID_ARGUMENT")
-    [stored] = live.grid.pull_messages([live.message_id(node_a)])  # the round goes on: the site failed, nothing else
+    [stored] = live.grid.pull_messages(
+        [live.message_id(node_a)]
+    )  # the round goes on: the site failed, nothing else
     assert stored.has_error() and reason in stored.error.reason
     assert stored.metadata.src_node_id == node_a
     assert live.coordinator.blobs.uploads(node_a).digests() == []  # its pending uploads are deleted
     good, good_chunks = _reply(live.requests[node_b], _delta())
     _upload(live.stub, live.token_b, good_chunks)
-    assert live.stub.PushReply(pb.PushReplyRequest(envelope=good), metadata=_auth(live.token_b)).duplicate is False
+    assert (
+        live.stub.PushReply(
+            pb.PushReplyRequest(envelope=good), metadata=_auth(live.token_b)
+        ).duplicate
+        is False
+    )
 
 
 def test_an_evaluate_reply_without_metrics_is_refused(live):
     node_a, _ = live.nodes
-    request = Message(RecordDict({"arrays": live.arrays}), dst_node_id=node_a, message_type="evaluate")
+    request = Message(
+        RecordDict({"arrays": live.arrays}), dst_node_id=node_a, message_type="evaluate"
+    )
     request.metadata.group_id = "1"
     [request.metadata.__dict__["_message_id"]] = live.grid.push_messages([request])
     envelope, _ = _reply(request, RecordDict())
-    code, details = _status(lambda: live.stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=_auth(live.token_a)))
+    code, details = _status(
+        lambda: live.stub.PushReply(
+            pb.PushReplyRequest(envelope=envelope), metadata=_auth(live.token_a)
+        )
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "one MetricRecord and no arrays" in details
 
 
@@ -301,28 +420,58 @@ def test_downloads_and_upload_lookups_are_scoped_to_the_site(live):
     envelope_b = pb.Envelope.FromString(live.store.outbound(live.message_id(node_b)).envelope)
     [digest] = envelope_b.arrays[0].tensors[0].chunk_digests
     other = SENT.digest(b"not part of any message")
-    code, details = _status(lambda: list(live.stub.GetChunks(pb.GetChunksRequest(digests=[other]), metadata=_auth(live.token_a))))
-    assert code == grpc.StatusCode.PERMISSION_DENIED and "not part of a message addressed to this site" in details
+    code, details = _status(
+        lambda: list(
+            live.stub.GetChunks(pb.GetChunksRequest(digests=[other]), metadata=_auth(live.token_a))
+        )
+    )
+    assert (
+        code == grpc.StatusCode.PERMISSION_DENIED
+        and "not part of a message addressed to this site" in details
+    )
     repeated = pb.GetChunksRequest(digests=[digest] * 300)
-    assert len(list(live.stub.GetChunks(repeated, metadata=_auth(live.token_a)))) == 1  # a's message has the same chunk
-    live.store.add_reply(live.store.outbound(live.message_id(node_a)), pb.Envelope(error_code=1, error_reason="x").SerializeToString())
-    code, _ = _status(lambda: list(live.stub.GetChunks(pb.GetChunksRequest(digests=[digest]), metadata=_auth(live.token_a))))
-    assert code == grpc.StatusCode.PERMISSION_DENIED  # a answered its message: nothing left to download
+    assert (
+        len(list(live.stub.GetChunks(repeated, metadata=_auth(live.token_a)))) == 1
+    )  # a's message has the same chunk
+    live.store.add_reply(
+        live.store.outbound(live.message_id(node_a)),
+        pb.Envelope(error_code=1, error_reason="x").SerializeToString(),
+    )
+    code, _ = _status(
+        lambda: list(
+            live.stub.GetChunks(pb.GetChunksRequest(digests=[digest]), metadata=_auth(live.token_a))
+        )
+    )
+    assert (
+        code == grpc.StatusCode.PERMISSION_DENIED
+    )  # a answered its message: nothing left to download
     _, chunks = _reply(live.requests[node_b], _delta())
     _upload(live.stub, live.token_b, chunks)
-    assert list(live.stub.HasChunks(pb.HasChunksRequest(digests=list(chunks)), metadata=_auth(live.token_b)).present) == list(chunks)
-    assert not live.stub.HasChunks(pb.HasChunksRequest(digests=list(chunks)), metadata=_auth(live.token_a)).present
+    assert list(
+        live.stub.HasChunks(
+            pb.HasChunksRequest(digests=list(chunks)), metadata=_auth(live.token_b)
+        ).present
+    ) == list(chunks)
+    assert not live.stub.HasChunks(
+        pb.HasChunksRequest(digests=list(chunks)), metadata=_auth(live.token_a)
+    ).present
 
 
 def test_uploads_beyond_what_the_open_messages_allow_are_refused_and_freed(live):
     node_a, _ = live.nodes
     allowed = int(np.prod(SHAPE)) * 4
-    junk = [bytes([i]) * (allowed // 2) for i in range(3)]  # each half the quota: the third one is over it
-    code, details = _status(lambda: _upload(live.stub, live.token_a, {UPLOADED.digest(j): j for j in junk}))
+    junk = [
+        bytes([i]) * (allowed // 2) for i in range(3)
+    ]  # each half the quota: the third one is over it
+    code, details = _status(
+        lambda: _upload(live.stub, live.token_a, {UPLOADED.digest(j): j for j in junk})
+    )
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "upload quota exceeded" in details
     assert live.coordinator.blobs.uploads(node_a).digests() == []
     _, chunks = _reply(live.requests[node_a], _delta())
-    assert _upload(live.stub, live.token_a, chunks).stored == 1  # within its quota the site uploads as before
+    assert (
+        _upload(live.stub, live.token_a, chunks).stored == 1
+    )  # within its quota the site uploads as before
 
 
 def test_tiny_chunks_cannot_fill_the_disk_past_the_chunk_quota(live):
@@ -333,9 +482,14 @@ def test_tiny_chunks_cannot_fill_the_disk_past_the_chunk_quota(live):
     assert quota == UploadQuota(24, math.ceil(24 / CHUNK_BYTES) + LAYOUT_ARRAYS)
     tiny = {UPLOADED.digest(bytes([i])): bytes([i]) for i in range(quota.nbytes)}
     code, details = _status(lambda: _upload(live.stub, live.token_a, tiny))
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and f"allow {quota.chunks}" in details, details
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and f"allow {quota.chunks}" in details, (
+        details
+    )
     folder = live.coordinator.blobs.uploads(node_a).root
-    assert sum(path.stat().st_blocks * 512 for path in folder.rglob("*") if path.is_file()) < SLOT_BYTES
+    assert (
+        sum(path.stat().st_blocks * 512 for path in folder.rglob("*") if path.is_file())
+        < SLOT_BYTES
+    )
     assert live.coordinator.blobs.uploads(node_a).digests() == []
     _, chunks = _reply(live.requests[node_a], _delta())
     assert _upload(live.stub, live.token_a, chunks).stored == 1
@@ -345,8 +499,11 @@ def test_a_chunk_sent_twice_at_once_is_stored_once_and_freed_with_the_rest(live)
     """The same name twice in one stream used to get two slots; freeing the site's pending uploads erased one and
     the other was found again, outside any quota."""
     node_a, _ = live.nodes
-    request = Message(RecordDict({"arrays": ArrayRecord({"w": Array(np.zeros(CHUNK_BYTES // 4, np.float32))})}),
-                      dst_node_id=node_a, message_type="train")
+    request = Message(
+        RecordDict({"arrays": ArrayRecord({"w": Array(np.zeros(CHUNK_BYTES // 4, np.float32))})}),
+        dst_node_id=node_a,
+        message_type="train",
+    )
     request.metadata.group_id = "1"
     live.grid.push_messages([request])
     bad = pb.Chunk(digest=UPLOADED.digest(b"x"), data=b"y")
@@ -354,10 +511,14 @@ def test_a_chunk_sent_twice_at_once_is_stored_once_and_freed_with_the_rest(live)
     for cycle in range(10):
         data = np.full(CHUNK_BYTES // 4, cycle, np.float32).tobytes()
         chunk = pb.Chunk(digest=UPLOADED.digest(data), data=data)
-        code, _ = _status(lambda: live.stub.PutChunks(iter([chunk, chunk, bad]), metadata=_auth(live.token_a)))
+        code, _ = _status(
+            lambda: live.stub.PutChunks(iter([chunk, chunk, bad]), metadata=_auth(live.token_a))
+        )
         assert code == grpc.StatusCode.INVALID_ARGUMENT
         sent.append(chunk.digest)
-    assert not live.stub.HasChunks(pb.HasChunksRequest(digests=sent), metadata=_auth(live.token_a)).present
+    assert not live.stub.HasChunks(
+        pb.HasChunksRequest(digests=sent), metadata=_auth(live.token_a)
+    ).present
     assert live.coordinator.blobs.uploads(node_a).digests() == []
     assert live.coordinator.service.ledger.pending_bytes(node_a) == 0
 
@@ -369,24 +530,35 @@ def test_a_push_accepted_while_the_same_site_fails_another_upload_keeps_its_chun
     uploads = live.coordinator.blobs.uploads(node_a)
     envelope, chunks = _reply(live.requests[node_a], _delta())
     _upload(live.stub, live.token_a, chunks)
-    bad = pb.Chunk(digest=UPLOADED.digest(b"x"), data=b"")  # within the quota the push's chunk leaves
+    bad = pb.Chunk(
+        digest=UPLOADED.digest(b"x"), data=b""
+    )  # within the quota the push's chunk leaves
     spoiled = []
-    spoiler = threading.Thread(target=lambda: spoiled.append(
-        _status(lambda: live.stub.PutChunks(iter([bad]), metadata=_auth(live.token_a)))[0]))
+    spoiler = threading.Thread(
+        target=lambda: spoiled.append(
+            _status(lambda: live.stub.PutChunks(iter([bad]), metadata=_auth(live.token_a)))[0]
+        )
+    )
     sync = uploads.sync
 
-    def sync_while_spoiled() -> None:  # the failing upload reaches its freeing while the push is past its check
+    def sync_while_spoiled() -> (
+        None
+    ):  # the failing upload reaches its freeing while the push is past its check
         spoiler.start()
         time.sleep(0.3)
         sync()
 
     uploads.sync = sync_while_spoiled
-    pushed = live.stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=_auth(live.token_a))
+    pushed = live.stub.PushReply(
+        pb.PushReplyRequest(envelope=envelope), metadata=_auth(live.token_a)
+    )
     spoiler.join(timeout=10)
     assert not pushed.duplicate and spoiled == [grpc.StatusCode.INVALID_ARGUMENT]
     assert all(uploads.has(digest) for digest in chunks)
     [reply] = live.grid.pull_messages([live.message_id(node_a)])
-    assert not reply.has_error() and np.array_equal(reply.content["arrays"]["w"].numpy(), _delta()["arrays"]["w"].numpy())
+    assert not reply.has_error() and np.array_equal(
+        reply.content["arrays"]["w"].numpy(), _delta()["arrays"]["w"].numpy()
+    )
 
 
 def test_idle_and_flooding_streams_of_one_site_starve_no_one(live):
@@ -402,7 +574,9 @@ def test_idle_and_flooding_streams_of_one_site_starve_no_one(live):
     results = []
 
     def open_stream():
-        results.append(_status(lambda: live.stub.PutChunks(silent(), metadata=_auth(live.token_a), timeout=10)))
+        results.append(
+            _status(lambda: live.stub.PutChunks(silent(), metadata=_auth(live.token_a), timeout=10))
+        )
 
     threads = [threading.Thread(target=open_stream) for _ in range(20)]
     started = time.perf_counter()
@@ -410,7 +584,9 @@ def test_idle_and_flooding_streams_of_one_site_starve_no_one(live):
         thread.start()
     time.sleep(0.3)
     assert _healthy(live)
-    assert live.stub.Join(pb.JoinRequest(), metadata=_auth(live.token_b), timeout=2).site_name == "b"
+    assert (
+        live.stub.Join(pb.JoinRequest(), metadata=_auth(live.token_b), timeout=2).site_name == "b"
+    )
     for thread in threads:
         thread.join(timeout=10)
     elapsed = time.perf_counter() - started
@@ -428,7 +604,9 @@ def _mutated_envelope(rng: random.Random, envelope: pb.Envelope) -> pb.Envelope:
     tensor = mutant.arrays[0].tensors[0]
     choice = rng.randrange(14)
     if choice == 0:
-        tensor.shape[:] = [rng.choice([-1, 0, 1, 2, 3, 7, 2**40, 2**62]) for _ in range(rng.randrange(5))]
+        tensor.shape[:] = [
+            rng.choice([-1, 0, 1, 2, 3, 7, 2**40, 2**62]) for _ in range(rng.randrange(5))
+        ]
     elif choice == 1:
         tensor.dtype = rng.choice(["float64", "int8", "object", "", "<f4", "bool", "float16"])
     elif choice == 2:
@@ -436,7 +614,9 @@ def _mutated_envelope(rng: random.Random, envelope: pb.Envelope) -> pb.Envelope:
     elif choice == 3:
         tensor.chunk_digests.append(tensor.chunk_digests[0])
     elif choice == 4:
-        tensor.chunk_digests[:] = [rng.choice(["", "../" * 20, "0" * 32, "g" * 32, tensor.chunk_digests[0][:31]])]
+        tensor.chunk_digests[:] = [
+            rng.choice(["", "../" * 20, "0" * 32, "g" * 32, tensor.chunk_digests[0][:31]])
+        ]
     elif choice == 5:
         tensor.name = rng.choice(["", "v", "w" * 1000, "w\0"])
     elif choice == 6:
@@ -451,7 +631,9 @@ def _mutated_envelope(rng: random.Random, envelope: pb.Envelope) -> pb.Envelope:
     elif choice == 9:
         mutant.content = _content_with_array(rng.choice(["float32", "object"]))
     elif choice == 10:
-        mutant.error_code, mutant.error_reason = rng.choice([(1, "x" * 5000), (0, "reason"), (3, "")])
+        mutant.error_code, mutant.error_reason = rng.choice(
+            [(1, "x" * 5000), (0, "reason"), (3, "")]
+        )
     elif choice == 11:
         mutant.metadata = bytes(rng.randrange(256) for _ in range(rng.randrange(64)))
     elif choice == 12:
@@ -468,8 +650,12 @@ def test_two_thousand_mutated_requests_get_clean_statuses_and_everything_accepte
     node_a, node_b = live.nodes
     request = live.requests[node_a]
     envelope, chunks = _reply(request, _delta())
-    requests = {"Join": pb.JoinRequest(), "PullMessage": pb.PullMessageRequest(),
-                "HasChunks": pb.HasChunksRequest(digests=list(chunks)), "PushReply": pb.PushReplyRequest(envelope=envelope)}
+    requests = {
+        "Join": pb.JoinRequest(),
+        "PullMessage": pb.PullMessageRequest(),
+        "HasChunks": pb.HasChunksRequest(digests=list(chunks)),
+        "PushReply": pb.PushReplyRequest(envelope=envelope),
+    }
     statuses: dict[str, int] = {}
     accepted = 0
     for i in range(2000):
@@ -479,20 +665,30 @@ def test_two_thousand_mutated_requests_get_clean_statuses_and_everything_accepte
         if kind == "envelope":
             _upload(live.stub, live.token_a, chunks)
             mutant = _mutated_envelope(rng, envelope)
-            code, _ = _status(lambda: live.stub.PushReply(pb.PushReplyRequest(envelope=mutant), metadata=_auth(live.token_a)))
+            code, _ = _status(
+                lambda: live.stub.PushReply(
+                    pb.PushReplyRequest(envelope=mutant), metadata=_auth(live.token_a)
+                )
+            )
             if code == grpc.StatusCode.OK:
                 accepted += 1
                 [reply] = live.grid.pull_messages([live.message_id(node_a)])
                 live.grid._pulled.clear()
-                if not reply.has_error():  # whatever was accepted decodes and either passes or fails the round's check
+                if (
+                    not reply.has_error()
+                ):  # whatever was accepted decodes and either passes or fails the round's check
                     record = next(iter(reply.content.array_records.values()))
                     try:
-                        check_train_reply(reply, live.arrays, shapes={name: a.shape for name, a in record.items()})
+                        check_train_reply(
+                            reply, live.arrays, shapes={name: a.shape for name, a in record.items()}
+                        )
                     except InvalidUpdate:
                         pass
         elif kind == "chunks":
             data = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
-            digest = rng.choice([UPLOADED.digest(data), UPLOADED.digest(data + b"x"), "zz", "../../etc/passwd"])
+            digest = rng.choice(
+                [UPLOADED.digest(data), UPLOADED.digest(data + b"x"), "zz", "../../etc/passwd"]
+            )
             code, _ = _status(lambda: _upload(live.stub, live.token_a, {digest: data}))
         else:
             method = rng.choice(list(requests))
@@ -503,7 +699,11 @@ def test_two_thousand_mutated_requests_get_clean_statuses_and_everything_accepte
                 else:
                     raw.insert(rng.randrange(len(raw) + 1), rng.randrange(256))
             call = live.channel.unary_unary(SERVICE + method, lambda data: data, lambda data: data)
-            code, _ = _status(lambda: call(bytes(raw[: rng.randrange(len(raw) + 1)]), metadata=_auth(live.token_a)))
+            code, _ = _status(
+                lambda: call(
+                    bytes(raw[: rng.randrange(len(raw) + 1)]), metadata=_auth(live.token_a)
+                )
+            )
         assert code == grpc.StatusCode.OK or code in REFUSALS, (i, kind, code)
         statuses[code.name] = statuses.get(code.name, 0) + 1
     print(f"\nfuzzed 2000 requests: {statuses}; {accepted} pushes accepted")
@@ -513,7 +713,12 @@ def test_two_thousand_mutated_requests_get_clean_statuses_and_everything_accepte
         session.execute(delete(Reply))
     _upload(live.stub, live.token_b, _reply(live.requests[node_b], _delta())[1])
     good, _ = _reply(live.requests[node_b], _delta())
-    assert live.stub.PushReply(pb.PushReplyRequest(envelope=good), metadata=_auth(live.token_b)).duplicate is False
+    assert (
+        live.stub.PushReply(
+            pb.PushReplyRequest(envelope=good), metadata=_auth(live.token_b)
+        ).duplicate
+        is False
+    )
     [reply] = live.grid.pull_messages([live.message_id(node_b)])
     check_train_reply(reply, live.arrays)
     with live.store.session() as session:

@@ -25,14 +25,19 @@ from hydrafl.server.store import CoordinatorLease, LeaseClaim, LeaseHeld, Store,
 
 
 def _claim(holder: str, stale_s: float = 30.0, pid: int = 1, host: str = "ward-7") -> LeaseClaim:
-    return LeaseClaim(holder=holder, host=host, pid=pid, listen=f"10.0.0.{pid}:9091", stale_s=stale_s)
+    return LeaseClaim(
+        holder=holder, host=host, pid=pid, listen=f"10.0.0.{pid}:9091", stale_s=stale_s
+    )
 
 
 def test_a_fresh_lease_refuses_others_and_a_stale_one_is_taken_over_once(db_url):
     store = Store(db_url)
     assert store.acquire_lease(_claim("a" * 32, stale_s=0.5, pid=11)) is None
     # from another host, so whether a pid 11 runs here says nothing about the holder: only staleness counts
-    with pytest.raises(LeaseHeld, match=r"ward-7 pid 11, listening on 10\.0\.0\.11:9091, last heartbeat 0\.\d s ago"):
+    with pytest.raises(
+        LeaseHeld,
+        match=r"ward-7 pid 11, listening on 10\.0\.0\.11:9091, last heartbeat 0\.\d s ago",
+    ):
         store.acquire_lease(_claim("b" * 32, pid=12, host="ward-8"))
     time.sleep(0.6)
     taken_from = store.acquire_lease(_claim("b" * 32, pid=12, host="ward-8"))
@@ -46,7 +51,9 @@ def test_a_fresh_lease_refuses_others_and_a_stale_one_is_taken_over_once(db_url)
     assert store.lease().holder == "b" * 32
     store.release_lease("b" * 32)
     assert store.lease() is None
-    assert store.acquire_lease(_claim("c" * 32)) is None  # released: free at once, nothing taken over
+    assert (
+        store.acquire_lease(_claim("c" * 32)) is None
+    )  # released: free at once, nothing taken over
     assert len(store.audit_events("lease-taken-over")) == 1
 
 
@@ -58,7 +65,9 @@ def test_coordinators_racing_for_the_lease_exactly_one_wins(db_url, stale_before
         if (previous := setup.lease()) is not None:
             setup.release_lease(previous.holder)
         if stale_before:
-            setup.acquire_lease(_claim(f"stale{attempt:027d}", stale_s=0.05))  # never a contender's holder id
+            setup.acquire_lease(
+                _claim(f"stale{attempt:027d}", stale_s=0.05)
+            )  # never a contender's holder id
             time.sleep(0.1)
         stores = [Store(db_url) for _ in range(4)]
         barrier = threading.Barrier(len(stores))
@@ -77,7 +86,9 @@ def test_coordinators_racing_for_the_lease_exactly_one_wins(db_url, stale_before
             thread.start()
         for thread in threads:
             thread.join()
-        assert sorted(outcomes) == list(range(len(stores)))  # each one either won or was told who did
+        assert sorted(outcomes) == list(
+            range(len(stores))
+        )  # each one either won or was told who did
         winners = [index for index, outcome in outcomes.items() if outcome == "won"]
         assert len(winners) == 1, outcomes
         assert setup.lease().pid == winners[0]
@@ -88,12 +99,20 @@ def test_coordinators_racing_for_the_lease_exactly_one_wins(db_url, stale_before
 
 
 def test_a_running_coordinator_heartbeats_and_releases_at_stop(db_url, tmp_path):
-    coordinator = Coordinator(CoordinatorConfig(
-        listen="127.0.0.1:0", db_url=db_url, blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs", lease_stale_s=0.6
-    ))
+    coordinator = Coordinator(
+        CoordinatorConfig(
+            listen="127.0.0.1:0",
+            db_url=db_url,
+            blob_dir=tmp_path / "blobs",
+            runs_dir=tmp_path / "runs",
+            lease_stale_s=0.6,
+        )
+    )
     coordinator.start()
     try:
-        time.sleep(1.0)  # past the stale threshold: only the heartbeats (every 0.1 s) keep the lease fresh
+        time.sleep(
+            1.0
+        )  # past the stale threshold: only the heartbeats (every 0.1 s) keep the lease fresh
         other = Store(db_url)
         assert lease_age_s(other.lease()) < 0.4
         with pytest.raises(LeaseHeld, match=f"pid {os.getpid()}, listening on 127.0.0.1:0"):
@@ -106,11 +125,21 @@ def test_a_running_coordinator_heartbeats_and_releases_at_stop(db_url, tmp_path)
 def test_a_coordinator_whose_lease_was_taken_over_stops_driving_runs_loudly(tmp_path, caplog):
     db_url = f"sqlite:///{tmp_path / 'coordinator.db'}"
     store = Store(db_url)
-    config = SMALL_RUN.replace(sites=2, samples_per_site=400, rounds=1, local_steps=10, batch_size=32, lr=2e-3)
-    run = store.create_run({k: v for k, v in config.to_flower().items() if k not in ("run-dir", "resume")})
-    coordinator = Coordinator(CoordinatorConfig(
-        listen="127.0.0.1:0", db_url=db_url, blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs", lease_stale_s=0.6
-    ))
+    config = SMALL_RUN.replace(
+        sites=2, samples_per_site=400, rounds=1, local_steps=10, batch_size=32, lr=2e-3
+    )
+    run = store.create_run(
+        {k: v for k, v in config.to_flower().items() if k not in ("run-dir", "resume")}
+    )
+    coordinator = Coordinator(
+        CoordinatorConfig(
+            listen="127.0.0.1:0",
+            db_url=db_url,
+            blob_dir=tmp_path / "blobs",
+            runs_dir=tmp_path / "runs",
+            lease_stale_s=0.6,
+        )
+    )
     coordinator.start()
     raised: list[BaseException] = []
     driver = threading.Thread(target=lambda: _record_error(coordinator.serve_forever, raised))
@@ -120,23 +149,37 @@ def test_a_coordinator_whose_lease_was_taken_over_stops_driving_runs_loudly(tmp_
         time.sleep(0.05)
     assert store.run(run.id).status == "running"  # waiting for its two sites
     with store.session() as session, session.begin():
-        session.get(CoordinatorLease, 1).holder = "f" * 32  # another coordinator took it while this one stalled
+        session.get(CoordinatorLease, 1).holder = (
+            "f" * 32
+        )  # another coordinator took it while this one stalled
     driver.join(timeout=10)
     coordinator.stop()
     assert not driver.is_alive() and len(raised) == 1 and isinstance(raised[0], LeaseLost)
-    assert any(r.levelno == logging.ERROR and "LEASE LOST" in r.getMessage() for r in caplog.records)
+    assert any(
+        r.levelno == logging.ERROR and "LEASE LOST" in r.getMessage() for r in caplog.records
+    )
     assert store.run(run.id).status == "running"  # left for the new holder to resume, not failed
     assert [e.kind for e in store.audit_events() if e.run_id == run.id] == ["run-running"]
-    assert store.lease().holder == "f" * 32  # stopping did not release the other coordinator's lease
+    assert (
+        store.lease().holder == "f" * 32
+    )  # stopping did not release the other coordinator's lease
 
 
 def test_a_failing_heartbeat_is_logged_and_retried_without_giving_the_run_up(tmp_path, caplog):
     db_url = f"sqlite:///{tmp_path / 'coordinator.db'}"
-    coordinator = Coordinator(CoordinatorConfig(
-        listen="127.0.0.1:0", db_url=db_url, blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs", lease_stale_s=0.6
-    ))
+    coordinator = Coordinator(
+        CoordinatorConfig(
+            listen="127.0.0.1:0",
+            db_url=db_url,
+            blob_dir=tmp_path / "blobs",
+            runs_dir=tmp_path / "runs",
+            lease_stale_s=0.6,
+        )
+    )
     coordinator.start()
-    CoordinatorLease.__table__.drop(create_engine(db_url))  # every renewal now fails in the database
+    CoordinatorLease.__table__.drop(
+        create_engine(db_url)
+    )  # every renewal now fails in the database
     time.sleep(0.5)
     assert not coordinator.lease.lost.is_set()
     coordinator.lease.check()  # still driving: a failed renewal is not a lost lease
@@ -158,7 +201,10 @@ def _server(tmp_path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "HYDRAFL_HOME": str(tmp_path / "home")}
     return subprocess.Popen(
         [sys.executable, "-m", "hydrafl", "server", "--blobs", str(tmp_path / "blobs"), *args],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -171,23 +217,35 @@ def _error_line(stderr: str) -> str:
 def test_a_second_server_on_the_same_database_or_the_same_port_refuses_to_start(tmp_path):
     db_url = f"sqlite:///{tmp_path / 'coordinator.db'}"
     address = f"127.0.0.1:{free_port()}"
-    first = Coordinator(CoordinatorConfig(listen=address, db_url=db_url, blob_dir=tmp_path / "blobs",
-                                          runs_dir=tmp_path / "runs"))
+    first = Coordinator(
+        CoordinatorConfig(
+            listen=address, db_url=db_url, blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs"
+        )
+    )
     first.start()
     try:
         other_db = f"sqlite:///{tmp_path / 'other.db'}"
         same_db = _server(tmp_path, "--db", db_url, "--listen", f"127.0.0.1:{free_port()}")
         same_port = _server(tmp_path, "--db", other_db, "--listen", address)
-        same_db_err, same_port_err = same_db.communicate(timeout=60)[1], same_port.communicate(timeout=60)[1]
+        same_db_err, same_port_err = (
+            same_db.communicate(timeout=60)[1],
+            same_port.communicate(timeout=60)[1],
+        )
     finally:
         first.stop()
     assert (same_db.returncode, same_port.returncode) == (2, 2)
     refusal = _error_line(same_db_err)
-    assert f"another coordinator holds this database: {socket.gethostname()} pid {os.getpid()}, " in refusal
+    assert (
+        f"another coordinator holds this database: {socket.gethostname()} pid {os.getpid()}, "
+        in refusal
+    )
     assert f"listening on {address}, last heartbeat " in refusal
     wait_s = int(re.search(r"Stop it, or wait (\d+) s if it died", refusal).group(1))
     assert 20 <= wait_s <= 30
-    assert _error_line(same_port_err) == f"error: cannot listen on {address}: the address is in use (another coordinator?)"
+    assert (
+        _error_line(same_port_err)
+        == f"error: cannot listen on {address}: the address is in use (another coordinator?)"
+    )
     assert Store(other_db).lease() is None  # refused before it touched its database's lease
 
 
@@ -228,14 +286,21 @@ def _pretend_pid(db_url: str, pid: int) -> None:
 
 
 @pytest.mark.slow
-def test_a_coordinator_restarted_with_the_same_host_and_pid_takes_its_own_lease_and_a_live_one_is_refused(tmp_path):
+def test_a_coordinator_restarted_with_the_same_host_and_pid_takes_its_own_lease_and_a_live_one_is_refused(
+    tmp_path,
+):
     """Same hostname, same pid, fresh heartbeat: while the coordinator that wrote the lease lives (it holds its
     state folder), a second one on that folder is refused; once it is killed -9, the restart takes the lease at
     once instead of waiting the 30 s for it to go stale."""
     db_url = f"sqlite:///{tmp_path / 'coordinator.db'}"
     home = tmp_path / "home"
-    config = CoordinatorConfig(listen="127.0.0.1:0", db_url=db_url, home=home, blob_dir=tmp_path / "blobs",
-                               runs_dir=tmp_path / "runs")
+    config = CoordinatorConfig(
+        listen="127.0.0.1:0",
+        db_url=db_url,
+        home=home,
+        blob_dir=tmp_path / "blobs",
+        runs_dir=tmp_path / "runs",
+    )
     address = f"127.0.0.1:{free_port()}"
     first = _server(tmp_path, "--db", db_url, "--listen", address)  # HYDRAFL_HOME is `home`
     try:
@@ -243,12 +308,18 @@ def test_a_coordinator_restarted_with_the_same_host_and_pid_takes_its_own_lease_
         store = Store(db_url)
         held = store.lease()
         _pretend_pid(db_url, os.getpid())
-        with pytest.raises(LeaseHeld, match=f"{socket.gethostname()} pid {os.getpid()}, listening on {address}"):
-            Coordinator(config).start()  # the same host and pid, but the first is alive: another coordinator
+        with pytest.raises(
+            LeaseHeld, match=f"{socket.gethostname()} pid {os.getpid()}, listening on {address}"
+        ):
+            Coordinator(
+                config
+            ).start()  # the same host and pid, but the first is alive: another coordinator
         first.send_signal(signal.SIGKILL)
         first.communicate()
         assert lease_age_s(store.lease()) < 5  # fresh: only knowing itself lets the restart in now
-        (tmp_path / "other-home").mkdir()  # another container: the same hostname and pid 1, its own volume
+        (
+            tmp_path / "other-home"
+        ).mkdir()  # another container: the same hostname and pid 1, its own volume
         with pytest.raises(LeaseHeld, match="wait (2\\d|30) s if it died"):  # 29.6 s prints as 30
             Coordinator(dataclasses.replace(config, home=tmp_path / "other-home")).start()
         restarted = Coordinator(config)
@@ -269,14 +340,30 @@ def _pid_one_server(tmp_path, home, *args: str) -> subprocess.Popen:
     """`hydrafl server` as pid 1 of its own pid namespace, as in a container: every start has the same hostname
     and pid 1. SIGKILL to the returned process kills the server too (`--kill-child`), as `docker kill` does."""
     env = {**os.environ, "HYDRAFL_HOME": str(home)}
-    command = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
-               sys.executable, "-m", "hydrafl", "server", "--blobs", str(tmp_path / "blobs"), *args]
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    command = [
+        "unshare",
+        "--pid",
+        "--fork",
+        "--kill-child",
+        "--mount-proc",
+        sys.executable,
+        "-m",
+        "hydrafl",
+        "server",
+        "--blobs",
+        str(tmp_path / "blobs"),
+        *args,
+    ]
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 @pytest.mark.slow
 def test_a_coordinator_killed_and_restarted_as_pid_1_takes_its_own_lease_at_once(tmp_path):
-    if subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode:
+    if subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True
+    ).returncode:
         pytest.skip("no pid namespaces here (unshare needs root)")
     db_url = f"sqlite:///{tmp_path / 'coordinator.db'}"
     home, other_home = tmp_path / "home", tmp_path / "other-home"
@@ -287,10 +374,18 @@ def test_a_coordinator_killed_and_restarted_as_pid_1_takes_its_own_lease_at_once
         store = Store(db_url)
         held = store.lease()
         assert (held.host, held.pid) == (socket.gethostname(), 1)
-        for folder in (other_home, home):  # another container (its own volume), and one on this one: both live
-            second = _pid_one_server(tmp_path, folder, "--db", db_url, "--listen", f"127.0.0.1:{free_port()}")
+        for folder in (
+            other_home,
+            home,
+        ):  # another container (its own volume), and one on this one: both live
+            second = _pid_one_server(
+                tmp_path, folder, "--db", db_url, "--listen", f"127.0.0.1:{free_port()}"
+            )
             assert second.wait(timeout=60) == 2
-            assert f"another coordinator holds this database: {socket.gethostname()} pid 1, " in second.stderr.read()
+            assert (
+                f"another coordinator holds this database: {socket.gethostname()} pid 1, "
+                in second.stderr.read()
+            )
         first.send_signal(signal.SIGKILL)
         first.communicate()
         restarted = _pid_one_server(tmp_path, home, "--db", db_url, "--listen", address)

@@ -23,8 +23,14 @@ HOUR_S = 3600.0
 
 def _started(tmp_path) -> Coordinator:
     """A real coordinator on a free loopback port, its store in `tmp_path` (the caller stops it)."""
-    coordinator = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", db_url=f"sqlite:///{tmp_path / 'c.db'}",
-                                                blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs"))
+    coordinator = Coordinator(
+        CoordinatorConfig(
+            listen="127.0.0.1:0",
+            db_url=f"sqlite:///{tmp_path / 'c.db'}",
+            blob_dir=tmp_path / "blobs",
+            runs_dir=tmp_path / "runs",
+        )
+    )
     coordinator.start()
     return coordinator
 
@@ -33,7 +39,9 @@ def test_a_waiter_wakes_on_its_own_mail_only_and_a_full_mailbox_answers_at_once(
     mailbox = Mailbox(slots=1)
     seen = mailbox.version(7)
     woken = threading.Event()
-    waiter = threading.Thread(target=lambda: woken.set() if mailbox.wait_for_mail(7, seen, HOUR_S) else None)
+    waiter = threading.Thread(
+        target=lambda: woken.set() if mailbox.wait_for_mail(7, seen, HOUR_S) else None
+    )
     waiter.start()
     mailbox.post(8)  # another site's message
     assert not woken.wait(0.3)
@@ -70,13 +78,20 @@ def test_a_long_poll_over_grpc_is_answered_by_the_message_stored_for_its_site(tm
             stub = CoordinatorStub(channel)
             auth = (("authorization", f"Bearer {token}"),)
             idle = stub.PullMessage(pb.PullMessageRequest(), metadata=auth)
-            assert not idle.has_message and idle.poll_after_s > 0  # no wait asked: "ask again later"
+            assert (
+                not idle.has_message and idle.poll_after_s > 0
+            )  # no wait asked: "ask again later"
             call = stub.PullMessage.future(pb.PullMessageRequest(wait_s=HOUR_S), metadata=auth)
-            message = Message(RecordDict({"arrays": ArrayRecord({"w": Array(np.ones(2, dtype=np.float32))})}),
-                              dst_node_id=site.node_id, message_type="train")
+            message = Message(
+                RecordDict({"arrays": ArrayRecord({"w": Array(np.ones(2, dtype=np.float32))})}),
+                dst_node_id=site.node_id,
+                message_type="train",
+            )
             message.metadata.group_id = "1"
             [message_id] = grid.push_messages([message])
-            pulled = call.result(timeout=60)  # the server caps the wait at 20 s; the message answers it first
+            pulled = call.result(
+                timeout=60
+            )  # the server caps the wait at 20 s; the message answers it first
             assert pulled.has_message and pulled.envelope.message_id == message_id
     finally:
         coordinator.stop()
@@ -87,7 +102,8 @@ def test_stopping_the_coordinator_answers_a_waiting_long_poll(tmp_path):
     _, token = coordinator.store.add_site("a")
     with grpc.insecure_channel(f"127.0.0.1:{coordinator.port}") as channel:
         call = CoordinatorStub(channel).PullMessage.future(
-            pb.PullMessageRequest(wait_s=HOUR_S), metadata=(("authorization", f"Bearer {token}"),))
+            pb.PullMessageRequest(wait_s=HOUR_S), metadata=(("authorization", f"Bearer {token}"),)
+        )
         while not coordinator.service.mailbox.waiting:  # the poll is waiting at the coordinator
             threading.Event().wait(0.01)
         stopper = threading.Thread(target=coordinator.stop)
@@ -107,19 +123,32 @@ def test_a_site_hears_only_of_its_own_runs_and_odd_waits_answer_at_once(tmp_path
         mine, theirs = store.create_run({"rounds": 1}), store.create_run({"rounds": 1})
         for run, node in ((mine, site.node_id), (theirs, other.node_id)):
             store.set_run_status(run.id, "running")
-            message = Message(RecordDict({"arrays": ArrayRecord({"w": Array(np.ones(2, dtype=np.float32))})}),
-                              dst_node_id=node, message_type="train")
+            message = Message(
+                RecordDict({"arrays": ArrayRecord({"w": Array(np.ones(2, dtype=np.float32))})}),
+                dst_node_id=node,
+                message_type="train",
+            )
             message.metadata.group_id = "1"
-            CoordinatorGrid(store, coordinator.blobs, coordinator.service, run.id).push_messages([message])
+            CoordinatorGrid(store, coordinator.blobs, coordinator.service, run.id).push_messages(
+                [message]
+            )
         with grpc.insecure_channel(f"127.0.0.1:{coordinator.port}") as channel:
             stub = CoordinatorStub(channel)
             auth = (("authorization", f"Bearer {token}"),)
-            assert stub.PullMessage(pb.PullMessageRequest(), metadata=auth).has_message  # run `mine`'s message
+            assert stub.PullMessage(
+                pb.PullMessageRequest(), metadata=auth
+            ).has_message  # run `mine`'s message
             for run in (mine, theirs):
                 store.set_run_status(run.id, "finished")
             for wait_s in (-1.0, float("nan")):
                 for run, said in ((mine, "finished"), (theirs, "")):
-                    idle = stub.PullMessage(pb.PullMessageRequest(last_run_id=run.id, wait_s=wait_s), metadata=auth)
-                    assert not idle.has_message and idle.poll_after_s > 0 and idle.last_run_status == said
+                    idle = stub.PullMessage(
+                        pb.PullMessageRequest(last_run_id=run.id, wait_s=wait_s), metadata=auth
+                    )
+                    assert (
+                        not idle.has_message
+                        and idle.poll_after_s > 0
+                        and idle.last_run_status == said
+                    )
     finally:
         coordinator.stop()

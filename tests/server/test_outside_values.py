@@ -44,19 +44,28 @@ class Live:
 
     def __init__(self, tmp_path) -> None:
         self.db = tmp_path / "c.db"
-        self.coordinator = Coordinator(CoordinatorConfig(
-            listen="127.0.0.1:0", db_url=f"sqlite:///{self.db}", blob_dir=tmp_path / "blobs",
-            runs_dir=tmp_path / "runs", limits=SiteLimits(stream_idle_s=1.0),
-        ))
+        self.coordinator = Coordinator(
+            CoordinatorConfig(
+                listen="127.0.0.1:0",
+                db_url=f"sqlite:///{self.db}",
+                blob_dir=tmp_path / "blobs",
+                runs_dir=tmp_path / "runs",
+                limits=SiteLimits(stream_idle_s=1.0),
+            )
+        )
         self.coordinator.start()
         self.store = self.coordinator.store
         (site_a, self.token_a), _ = self.store.add_site("a"), self.store.add_site("b")
         self.node_a = site_a.node_id
         self.run_id = self.store.create_run({"rounds": 1}).id
         self.store.set_run_status(self.run_id, "running")
-        self.grid = CoordinatorGrid(self.store, self.coordinator.blobs, self.coordinator.service, self.run_id)
+        self.grid = CoordinatorGrid(
+            self.store, self.coordinator.blobs, self.coordinator.service, self.run_id
+        )
         arrays = ArrayRecord({"w": Array(np.arange(6, dtype=np.float32).reshape(SHAPE))})
-        self.request = Message(RecordDict({"arrays": arrays}), dst_node_id=self.node_a, message_type="train")
+        self.request = Message(
+            RecordDict({"arrays": arrays}), dst_node_id=self.node_a, message_type="train"
+        )
         self.request.metadata.group_id = "1"
         [self.request.metadata.__dict__["_message_id"]] = self.grid.push_messages([self.request])
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.coordinator.port}")
@@ -77,7 +86,9 @@ class Live:
 
     def push(self, envelope: pb.Envelope) -> tuple[grpc.StatusCode, str]:
         try:
-            self.stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=_auth(self.token_a), timeout=60)
+            self.stub.PushReply(
+                pb.PushReplyRequest(envelope=envelope), metadata=_auth(self.token_a), timeout=60
+            )
         except grpc.RpcError as error:
             return error.code(), error.details()
         return grpc.StatusCode.OK, ""
@@ -89,8 +100,12 @@ def _auth(token: str) -> tuple[tuple[str, str], ...]:
 
 def _delta(**metrics) -> RecordDict:
     values = np.full(SHAPE, 0.25, dtype=np.float32)
-    return RecordDict({"arrays": ArrayRecord({"w": Array(values)}),
-                       "metrics": MetricRecord({"num-examples": 5, **metrics})})
+    return RecordDict(
+        {
+            "arrays": ArrayRecord({"w": Array(values)}),
+            "metrics": MetricRecord({"num-examples": 5, **metrics}),
+        }
+    )
 
 
 @pytest.fixture
@@ -125,11 +140,17 @@ def _log_bytes(path) -> int:
 def test_a_log_line_quoting_a_100k_word_takes_milliseconds(server_log):
     word = "w" * 100_000
     started = time.perf_counter()
-    logging.getLogger("hydrafl.server.transport.service").warning("refused INVALID_ARGUMENT from site a: array %s", word)
+    logging.getLogger("hydrafl.server.transport.service").warning(
+        "refused INVALID_ARGUMENT from site a: array %s", word
+    )
     elapsed_s = time.perf_counter() - started
-    print(f"\nlogging a 100,000-character word took {elapsed_s * 1e3:.1f} ms, {_log_bytes(server_log)} bytes")
+    print(
+        f"\nlogging a 100,000-character word took {elapsed_s * 1e3:.1f} ms, {_log_bytes(server_log)} bytes"
+    )
     assert elapsed_s < 0.1, elapsed_s
-    assert _log_bytes(server_log) < 2 * MAX_LOG_CHARS  # rich's time and level columns pad each wrapped line
+    assert (
+        _log_bytes(server_log) < 2 * MAX_LOG_CHARS
+    )  # rich's time and level columns pad each wrapped line
 
 
 def test_a_100k_character_tensor_name_is_refused_and_health_checks_stay_fast(live, server_log):
@@ -162,10 +183,18 @@ def test_a_100k_character_tensor_name_is_refused_and_health_checks_stay_fast(liv
         stop.set()
         prober.join()
     for code, details, seconds in results:
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and "tensor name has 100000 characters" in details, details
-        assert len(details) <= MAX_DETAIL_CHARS + MARKER_CHARS and seconds < 1.0, (len(details), seconds)
-    print(f"\nhealth checks during the attack: max {max(latencies) * 1e3:.1f} ms over {len(latencies)}; refusals "
-          f"took {', '.join(f'{seconds * 1e3:.0f} ms' for _, _, seconds in results)}")
+        assert (
+            code == grpc.StatusCode.INVALID_ARGUMENT
+            and "tensor name has 100000 characters" in details
+        ), details
+        assert len(details) <= MAX_DETAIL_CHARS + MARKER_CHARS and seconds < 1.0, (
+            len(details),
+            seconds,
+        )
+    print(
+        f"\nhealth checks during the attack: max {max(latencies) * 1e3:.1f} ms over {len(latencies)}; refusals "
+        f"took {', '.join(f'{seconds * 1e3:.0f} ms' for _, _, seconds in results)}"
+    )
     assert len(latencies) >= 4 and max(latencies) < 0.5, latencies
     assert _log_bytes(server_log) < 3 * LOG_BYTES_PER_REFUSAL
 
@@ -184,12 +213,27 @@ def test_two_pushes_with_7mb_names_add_kilobytes_to_the_database_and_the_log(liv
 
 
 def _metric_name(envelope: pb.Envelope, live: Live, name: str) -> None:
-    envelope.content = split_message(Message(RecordDict({"metrics": MetricRecord({"num-examples": 5, name: 1.0})}),
-                                             reply_to=live.request))[0].content
+    envelope.content = split_message(
+        Message(
+            RecordDict({"metrics": MetricRecord({"num-examples": 5, name: 1.0})}),
+            reply_to=live.request,
+        )
+    )[0].content
 
 
-@pytest.mark.parametrize("case", ["tensor-name", "record-key", "dtype", "metric-name", "config-key", "error-reason",
-                                  "chunk-digest", "has-chunks-digest"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "tensor-name",
+        "record-key",
+        "dtype",
+        "metric-name",
+        "config-key",
+        "error-reason",
+        "chunk-digest",
+        "has-chunks-digest",
+    ],
+)
 def test_megabyte_names_and_reasons_are_bounded_on_every_sink(live, server_log, case):
     """Each refusal path: the status a site reads, the audit row, the stored reply and the log stay bounded."""
     huge = "x" * (1 << 20)
@@ -203,9 +247,17 @@ def test_megabyte_names_and_reasons_are_bounded_on_every_sink(live, server_log, 
     elif case == "metric-name":
         _metric_name(envelope, live, huge)
     elif case == "config-key":
-        envelope.content = split_message(Message(RecordDict({
-            "metrics": MetricRecord({"num-examples": 5}), "config": ConfigRecord({huge: "v"})}),
-            reply_to=live.request))[0].content
+        envelope.content = split_message(
+            Message(
+                RecordDict(
+                    {
+                        "metrics": MetricRecord({"num-examples": 5}),
+                        "config": ConfigRecord({huge: "v"}),
+                    }
+                ),
+                reply_to=live.request,
+            )
+        )[0].content
     elif case == "error-reason":
         del envelope.arrays[:]
         envelope.content = b""
@@ -213,11 +265,15 @@ def test_megabyte_names_and_reasons_are_bounded_on_every_sink(live, server_log, 
     log_before = _log_bytes(server_log)
     try:
         if case == "chunk-digest":
-            live.stub.PutChunks(iter([pb.Chunk(digest=huge, data=b"\0" * 16)]), metadata=_auth(live.token_a))
+            live.stub.PutChunks(
+                iter([pb.Chunk(digest=huge, data=b"\0" * 16)]), metadata=_auth(live.token_a)
+            )
         elif case == "has-chunks-digest":
             live.stub.HasChunks(pb.HasChunksRequest(digests=[huge]), metadata=_auth(live.token_a))
         else:
-            live.stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=_auth(live.token_a))
+            live.stub.PushReply(
+                pb.PushReplyRequest(envelope=envelope), metadata=_auth(live.token_a)
+            )
         code, details = grpc.StatusCode.OK, ""
     except grpc.RpcError as error:
         code, details = error.code(), error.details()
@@ -226,7 +282,9 @@ def test_megabyte_names_and_reasons_are_bounded_on_every_sink(live, server_log, 
     assert len(details) <= MAX_DETAIL_CHARS + MARKER_CHARS
     events = live.store.audit_events()
     assert all(len(event.detail) <= MAX_DETAIL_CHARS + MARKER_CHARS for event in events)
-    assert case == "has-chunks-digest" or any(e.kind in ("update-rejected", "site-declined") for e in events)
+    assert case == "has-chunks-digest" or any(
+        e.kind in ("update-rejected", "site-declined") for e in events
+    )
     with live.store.session() as session:
         for reply in session.query(Reply):
             assert len(pb.Envelope.FromString(reply.envelope).error_reason) <= MAX_REASON_CHARS
@@ -248,11 +306,16 @@ def test_800_refusals_of_one_site_in_a_round_make_one_audit_row(live):
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a finite number" in details
     [row] = live.store.audit_events("update-rejected")
     assert (row.site_name, row.run_id, row.server_round, row.count) == ("a", live.run_id, 1, 800)
-    first, last = (moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment for moment in (row.at, row.last_at))
+    first, last = (
+        moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment
+        for moment in (row.at, row.last_at)
+    )
     assert started.replace(microsecond=0) <= first.replace(microsecond=0) <= last
     assert row.detail.startswith("INVALID_ARGUMENT") and "not a finite number" in row.detail
     runs = live.store.runs()
-    [site_a] = [site for site in site_rows(live.store, runs, live.coordinator.service) if site.name == "a"]
+    [site_a] = [
+        site for site in site_rows(live.store, runs, live.coordinator.service) if site.name == "a"
+    ]
     assert site_a.refused == 800  # the dashboard's and /metrics' counts are the rows' counts
     assert refused_per_run(live.store, runs)[str(live.run_id), "invalid_argument"] == 800
 
@@ -263,14 +326,20 @@ def test_the_dashboard_page_has_a_size_bound_whatever_the_tables_hold(tmp_path):
     store = Store(f"sqlite:///{tmp_path / 'c.db'}")
     huge = "<" * (1 << 20)
     with store.session() as session, session.begin():
-        session.add_all(Site(name=f"{i}{huge[:10_000]}", node_id=10_001 + i, token_hash=f"{i:064x}")
-                        for i in range(300))
-        session.add_all(Run(config={"strategy": huge[:10_000], "task": huge[:10_000]}, detail=huge[:10_000])
-                        for _ in range(300))
+        session.add_all(
+            Site(name=f"{i}{huge[:10_000]}", node_id=10_001 + i, token_hash=f"{i:064x}")
+            for i in range(300)
+        )
+        session.add_all(
+            Run(config={"strategy": huge[:10_000], "task": huge[:10_000]}, detail=huge[:10_000])
+            for _ in range(300)
+        )
         session.add(Run(config={"strategy": "fedavg", "task": huge}, status="running", detail=huge))
     for i in range(150):
         with store.session() as session, session.begin():
-            session.add(AuditEvent(kind="update-rejected", site_name=huge[:10_000], run_id=1, detail=huge))
+            session.add(
+                AuditEvent(kind="update-rejected", site_name=huge[:10_000], run_id=1, detail=huge)
+            )
     page = render_page(store, tmp_path / "runs", None, None)
     print(f"\npage: {len(page)} characters")
     assert len(page) <= MAX_PAGE_CHARS
@@ -286,8 +355,13 @@ def test_a_refusal_of_another_round_or_after_a_pause_starts_a_new_row(tmp_path, 
     record_refusal(store, "a", "INVALID_ARGUMENT: four", 1, 2)
     monkeypatch.setattr(audit, "REFUSAL_ROW_S", 0.0)  # the row's last refusal is now too old
     record_refusal(store, "a", "INVALID_ARGUMENT: five", 1, 2)
-    rows = [(e.site_name, e.server_round, e.count, e.detail) for e in store.audit_events("update-rejected")]
+    rows = [
+        (e.site_name, e.server_round, e.count, e.detail)
+        for e in store.audit_events("update-rejected")
+    ]
     assert rows == [
-        ("a", 1, 2, "INVALID_ARGUMENT: one"), ("a", 2, 2, "INVALID_ARGUMENT: three"),
-        ("b", 2, 1, "INVALID_ARGUMENT: b's"), ("a", 2, 1, "INVALID_ARGUMENT: five"),
+        ("a", 1, 2, "INVALID_ARGUMENT: one"),
+        ("a", 2, 2, "INVALID_ARGUMENT: three"),
+        ("b", 2, 1, "INVALID_ARGUMENT: b's"),
+        ("a", 2, 1, "INVALID_ARGUMENT: five"),
     ]

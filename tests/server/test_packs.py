@@ -39,7 +39,9 @@ def test_a_stream_fills_one_pack_that_reads_back_exactly(tmp_path):
     assert uploads.put_stream(items) == (5, 0)
     [pack] = pack_files(tmp_path)
     assert pack.stat().st_size == 5 * SLOT_BYTES and pack_files(tmp_path, ".part") == []
-    assert all(uploads.get(digest) == data and uploads.size(digest) == len(data) for digest, data in items)
+    assert all(
+        uploads.get(digest) == data and uploads.size(digest) == len(data) for digest, data in items
+    )
     assert sorted(uploads.digests()) == sorted(digest for digest, _ in items)
     assert uploads.missing([digest for digest, _ in items]) == []
     assert all(uploads.finite_float32(digest) for digest, data in items if len(data) % 4 == 0)
@@ -60,7 +62,9 @@ def test_another_process_sees_new_packs_erasures_and_refreshed_write_times(tmp_p
     assert reader.stat(first[1][0]).modified > before
     reader.delete(first[0][0])  # a sweep in another process
     assert not writer.has(first[0][0]) and writer.missing([first[0][0]]) == [first[0][0]]
-    assert writer.put(*first[0]) is True and reader.get(first[0][0]) == first[0][1]  # stored again, elsewhere
+    assert (
+        writer.put(*first[0]) is True and reader.get(first[0][0]) == first[0][1]
+    )  # stored again, elsewhere
 
 
 def test_a_pack_goes_with_its_last_chunk_and_erased_slots_free_their_blocks(tmp_path):
@@ -96,7 +100,9 @@ def test_a_crash_mid_stream_leaves_a_partial_that_is_never_read_and_is_swept(tmp
     buffer = packs._slot_buffer()  # aligned, as O_DIRECT needs
     digest, data = chunks(1, seed=5)[0]
     buffer[: packs._HEADER.size] = packs._pack_header(packs._Header(len(data), 0.0, digest))
-    crashed.write(memoryview(buffer), crashed.next_slot())  # written, never sealed: the process died here
+    crashed.write(
+        memoryview(buffer), crashed.next_slot()
+    )  # written, never sealed: the process died here
     uploads = namespace(tmp_path)
     assert not uploads.has(digest) and uploads.digests() == []
     assert uploads.partials() == [crashed.ref.path]

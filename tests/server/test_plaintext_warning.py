@@ -33,13 +33,27 @@ def test_only_loopback_addresses_are_loopback(address, loopback):
 
 @pytest.mark.parametrize(("listen", "warns"), [("0.0.0.0:0", True), ("127.0.0.1:0", False)])
 def test_a_plaintext_coordinator_on_the_network_warns(tmp_path, caplog, listen, warns):
-    coordinator = Coordinator(CoordinatorConfig(
-        listen=listen, db_url=f"sqlite:///{tmp_path / 'c.db'}", blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs"
-    ))
+    coordinator = Coordinator(
+        CoordinatorConfig(
+            listen=listen,
+            db_url=f"sqlite:///{tmp_path / 'c.db'}",
+            blob_dir=tmp_path / "blobs",
+            runs_dir=tmp_path / "runs",
+        )
+    )
     with caplog.at_level(logging.WARNING, logger="hydrafl.server.coordinator"):
         coordinator.start()
     coordinator.stop()
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "WITHOUT TLS" in r.getMessage()]
-    assert warnings == ([f"listening on {listen} WITHOUT TLS: site tokens and model updates cross the network in clear "
-                         "text; use --tls-cert/--tls-key, or listen on 127.0.0.1 behind a TLS-terminating proxy"]
-                        if warns else [])
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "WITHOUT TLS" in r.getMessage()
+    ]
+    assert warnings == (
+        [
+            f"listening on {listen} WITHOUT TLS: site tokens and model updates cross the network in clear "
+            "text; use --tls-cert/--tls-key, or listen on 127.0.0.1 behind a TLS-terminating proxy"
+        ]
+        if warns
+        else []
+    )

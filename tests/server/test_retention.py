@@ -39,15 +39,24 @@ class Home:
         self.store.set_run_status(self.run_id, "running")
         self.blobs = BlobStore(root / "blobs")
         self.runs = root / "runs"
-        self.grid = CoordinatorGrid(self.store, self.blobs, CoordinatorService(self.store, self.blobs), self.run_id,
-                                    poll_interval_s=0.01)
+        self.grid = CoordinatorGrid(
+            self.store,
+            self.blobs,
+            CoordinatorService(self.store, self.blobs),
+            self.run_id,
+            poll_interval_s=0.01,
+        )
         self.retention = Retention(self.store, self.blobs, self.runs, keep_checkpoints=2)
 
-    def round(self, server_round: int, model_value: float, *, answered: tuple[int, ...] | None = None) -> None:
+    def round(
+        self, server_round: int, model_value: float, *, answered: tuple[int, ...] | None = None
+    ) -> None:
         """Push a round's train messages (the model filled with `model_value`) and store the replies of `answered`."""
         arrays = ArrayRecord({"w": Array(np.full(64, model_value, dtype=np.float32))})
-        messages = [Message(RecordDict({"arrays": arrays}), dst_node_id=node, message_type="train")
-                    for node in self.nodes]
+        messages = [
+            Message(RecordDict({"arrays": arrays}), dst_node_id=node, message_type="train")
+            for node in self.nodes
+        ]
         for message in messages:
             message.metadata.group_id = str(server_round)
         self.grid.push_messages(messages)
@@ -56,13 +65,19 @@ class Home:
                 self.reply(message, model_value + message.metadata.dst_node_id)
 
     def reply(self, message: Message, value: float) -> None:
-        content = RecordDict({"arrays": ArrayRecord({"w": Array(np.full(64, value, dtype=np.float32))}),
-                              "metrics": MetricRecord({"num-examples": 1})})
+        content = RecordDict(
+            {
+                "arrays": ArrayRecord({"w": Array(np.full(64, value, dtype=np.float32))}),
+                "metrics": MetricRecord({"num-examples": 1}),
+            }
+        )
         reply = Message(content, reply_to=message)
         reply.metadata.__dict__["_message_id"] = f"{message.metadata.message_id}.reply"
         envelope, chunks = split_message(reply, 1)
         self.blobs.uploads(message.metadata.dst_node_id).put_stream(chunks.items())
-        self.store.add_reply(self.store.outbound(message.metadata.message_id), envelope.SerializeToString())
+        self.store.add_reply(
+            self.store.outbound(message.metadata.message_id), envelope.SerializeToString()
+        )
 
     def checkpoint(self, server_round: int) -> None:
         """What the driver does before its round callback: commit `checkpoint.pkl` atomically."""
@@ -81,12 +96,17 @@ class Home:
 
     def rows(self) -> int:
         with self.store.session() as session:
-            return sum(session.scalar(select(func.count()).select_from(table)) for table in (OutboundMessage, Reply))
+            return sum(
+                session.scalar(select(func.count()).select_from(table))
+                for table in (OutboundMessage, Reply)
+            )
 
     def assert_nothing_referenced_is_missing(self) -> None:
         with self.store.session() as session:
             for message in session.scalars(select(OutboundMessage)):
-                assert not self.blobs.missing(chunk_hashes(pb.Envelope.FromString(message.envelope)))
+                assert not self.blobs.missing(
+                    chunk_hashes(pb.Envelope.FromString(message.envelope))
+                )
             for reply in session.scalars(select(Reply)):
                 uploads = self.blobs.uploads(reply.node_id)
                 assert not uploads.missing(chunk_hashes(pb.Envelope.FromString(reply.envelope)))
@@ -98,13 +118,20 @@ def home(db_url, tmp_path) -> Home:
 
 
 def test_a_checkpointed_round_goes_with_its_chunks_and_round_0_stays(home):
-    for server_round, value in [(0, 0.0), (1, 1.0), (2, 2.0), (3, 1.0)]:  # round 3 re-sends round 1's model
+    for server_round, value in [
+        (0, 0.0),
+        (1, 1.0),
+        (2, 2.0),
+        (3, 1.0),
+    ]:  # round 3 re-sends round 1's model
         home.round(server_round, value)
     home.blobs.put(*_chunk(home.blobs, b"orphan"))
     home.retention.after_checkpoint(home.run_id, 2)
     assert home.rounds_stored() == [0, 3]
     home.assert_nothing_referenced_is_missing()
-    assert len(home.blobs.digests()) == 2  # round 0's model and round 1's, which round 3 shares; no orphan
+    assert (
+        len(home.blobs.digests()) == 2
+    )  # round 0's model and round 1's, which round 3 shares; no orphan
     for node in home.nodes:
         assert len(home.blobs.uploads(node).digests()) == 2  # its replies of rounds 0 and 3
     before = home.chunk_files(), home.rows()
@@ -115,10 +142,14 @@ def test_a_checkpointed_round_goes_with_its_chunks_and_round_0_stays(home):
 def test_uploads_of_a_site_that_may_still_answer_are_kept(home):
     home.round(1, 1.0, answered=tuple(home.nodes[1:]))  # the first site has not answered yet
     for node in home.nodes[:2]:
-        home.blobs.uploads(node).put(*_chunk(home.blobs.uploads(node), b"an upload no reply refers to yet"))
+        home.blobs.uploads(node).put(
+            *_chunk(home.blobs.uploads(node), b"an upload no reply refers to yet")
+        )
     home.retention.after_checkpoint(home.run_id, 0)
     assert len(home.blobs.uploads(home.nodes[0]).digests()) == 1  # in flight: kept
-    assert len(home.blobs.uploads(home.nodes[1]).digests()) == 1  # its reply's chunk only: the stray upload went
+    assert (
+        len(home.blobs.uploads(home.nodes[1]).digests()) == 1
+    )  # its reply's chunk only: the stray upload went
     home.assert_nothing_referenced_is_missing()
 
 
@@ -126,17 +157,23 @@ def test_an_ended_run_keeps_its_history_audit_events_and_last_checkpoints(home):
     for server_round in range(5):
         home.round(server_round, float(server_round))
         home.checkpoint(server_round)
-        home.store.set_run_status(home.run_id, "running", rounds_done=server_round, history=[{"round": server_round}])
+        home.store.set_run_status(
+            home.run_id, "running", rounds_done=server_round, history=[{"round": server_round}]
+        )
         home.retention.after_checkpoint(home.run_id, server_round)
     home.store.set_run_status(home.run_id, "finished")
     home.retention.after_run(home.run_id)
     assert home.rows() == 0 and home.chunk_files() == set()
     run = home.store.run(home.run_id)
-    assert run.history == [{"round": 4}] and home.store.run_events(home.run_id, ["update-accepted", "run-finished"])
+    assert run.history == [{"round": 4}] and home.store.run_events(
+        home.run_id, ["update-accepted", "run-finished"]
+    )
     folder = home.runs / str(home.run_id)
     kept = sorted(path.name for path in (folder / "checkpoints").iterdir())
     assert kept == ["round-00003.pkl", "round-00004.pkl"]
-    assert (folder / "checkpoints" / kept[-1]).samefile(folder / CHECKPOINT_FILE)  # the final model, one copy
+    assert (folder / "checkpoints" / kept[-1]).samefile(
+        folder / CHECKPOINT_FILE
+    )  # the final model, one copy
 
 
 def test_gc_dry_run_changes_nothing_and_gc_deletes_what_it_said(home):
@@ -145,34 +182,64 @@ def test_gc_dry_run_changes_nothing_and_gc_deletes_what_it_said(home):
     home.checkpoint(1)
     for server_round in range(4):
         (home.runs / str(home.run_id) / "checkpoints").mkdir(parents=True, exist_ok=True)
-        (home.runs / str(home.run_id) / "checkpoints" / f"round-{server_round:05d}.pkl").write_bytes(b"x" * 1000)
+        (
+            home.runs / str(home.run_id) / "checkpoints" / f"round-{server_round:05d}.pkl"
+        ).write_bytes(b"x" * 1000)
     home.store.set_run_status(home.run_id, "failed", detail="a test")
     home.blobs.put(*_chunk(home.blobs, b"orphan"))
-    args = ["admin", "gc", "--db", home.db_url, "--blobs", str(home.root / "blobs"), "--runs", str(home.runs)]
+    args = [
+        "admin",
+        "gc",
+        "--db",
+        home.db_url,
+        "--blobs",
+        str(home.root / "blobs"),
+        "--runs",
+        str(home.runs),
+    ]
     before = home.chunk_files(), home.rows(), sorted(home.runs.rglob("*"))
     dry = CliRunner().invoke(app, [*args, "--dry-run"])
     assert dry.exit_code == 0, dry.output
-    assert "would delete: 6 messages, 6 replies, 9 chunks" in dry.output and "2 run-folder files" in dry.output
+    assert (
+        "would delete: 6 messages, 6 replies, 9 chunks" in dry.output
+        and "2 run-folder files" in dry.output
+    )
     assert (home.chunk_files(), home.rows(), sorted(home.runs.rglob("*"))) == before
     real = CliRunner().invoke(app, args)
     assert real.exit_code == 0, real.output
     assert real.output.replace("deleted: ", "would delete: ") == dry.output
     assert home.chunk_files() == set() and home.rows() == 0
-    assert CliRunner().invoke(app, args).output.startswith("deleted: 0 messages, 0 replies, 0 chunks")
+    assert (
+        CliRunner().invoke(app, args).output.startswith("deleted: 0 messages, 0 replies, 0 chunks")
+    )
 
 
 def test_run_delete_refuses_a_running_run_and_removes_an_ended_one(home):
     home.round(0, 0.0)
     home.checkpoint(0)
-    args = ["admin", "run", "delete", str(home.run_id), "--db", home.db_url, "--blobs", str(home.root / "blobs"),
-            "--runs", str(home.runs)]
+    args = [
+        "admin",
+        "run",
+        "delete",
+        str(home.run_id),
+        "--db",
+        home.db_url,
+        "--blobs",
+        str(home.root / "blobs"),
+        "--runs",
+        str(home.runs),
+    ]
     refused = CliRunner().invoke(app, args)
     assert refused.exit_code == 1 and "is running" in refused.output
     assert home.rows() == 6 and (home.runs / str(home.run_id) / CHECKPOINT_FILE).exists()
     home.store.set_run_status(home.run_id, "finished")
     deleted = CliRunner().invoke(app, args)
     assert deleted.exit_code == 0, deleted.output
-    assert home.rows() == 0 and home.chunk_files() == set() and not (home.runs / str(home.run_id)).exists()
+    assert (
+        home.rows() == 0
+        and home.chunk_files() == set()
+        and not (home.runs / str(home.run_id)).exists()
+    )
     assert [run.id for run in home.store.runs()] == []
     with home.store.session() as session:
         assert not list(session.scalars(select(AuditEvent).where(AuditEvent.run_id == home.run_id)))
@@ -200,14 +267,22 @@ def test_keep_checkpoints_is_a_coordinator_key_of_at_least_one():
     assert CoordinatorConfig.from_options({"keep-checkpoints": 5}).keep_checkpoints == 5
     assert CoordinatorConfig().keep_checkpoints == 2
     for bad in (0, "2", 1.5, True):
-        with pytest.raises(ConfigError, match="keep-checkpoints must be a whole number of at least 1"):
+        with pytest.raises(
+            ConfigError, match="keep-checkpoints must be a whole number of at least 1"
+        ):
             CoordinatorConfig.from_options({"keep-checkpoints": bad})
 
 
 def test_a_straggler_pushing_to_a_swept_round_is_told_late_not_refused(tmp_path):
     """FAILED_PRECONDITION makes a site drop the reply and go on; PERMISSION_DENIED would stop it."""
-    coordinator = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", db_url=f"sqlite:///{tmp_path / 'c.db'}",
-                                                blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs"))
+    coordinator = Coordinator(
+        CoordinatorConfig(
+            listen="127.0.0.1:0",
+            db_url=f"sqlite:///{tmp_path / 'c.db'}",
+            blob_dir=tmp_path / "blobs",
+            runs_dir=tmp_path / "runs",
+        )
+    )
     coordinator.start()
     try:
         store = coordinator.store
@@ -215,17 +290,25 @@ def test_a_straggler_pushing_to_a_swept_round_is_told_late_not_refused(tmp_path)
         run = store.create_run({"rounds": 2})
         store.set_run_status(run.id, "running")
         grid = CoordinatorGrid(store, coordinator.blobs, coordinator.service, run.id)
-        request = Message(RecordDict({"arrays": ArrayRecord({"w": Array(np.ones(4, dtype=np.float32))})}),
-                          dst_node_id=site_a.node_id, message_type="train")
+        request = Message(
+            RecordDict({"arrays": ArrayRecord({"w": Array(np.ones(4, dtype=np.float32))})}),
+            dst_node_id=site_a.node_id,
+            message_type="train",
+        )
         request.metadata.group_id = "1"
         [message_id] = grid.push_messages([request])
         store.set_run_status(run.id, "running", rounds_done=1)
         coordinator.retention.after_checkpoint(run.id, 1)
         assert store.outbound(message_id) is None
-        late = pb.PushReplyRequest(envelope=pb.Envelope(reply_to_message_id=message_id, error_code=1))
+        late = pb.PushReplyRequest(
+            envelope=pb.Envelope(reply_to_message_id=message_id, error_code=1)
+        )
         with grpc.insecure_channel(f"127.0.0.1:{coordinator.port}") as channel:
             stub = CoordinatorStub(channel)
-            codes = ((token_a, grpc.StatusCode.FAILED_PRECONDITION), (token_b, grpc.StatusCode.PERMISSION_DENIED))
+            codes = (
+                (token_a, grpc.StatusCode.FAILED_PRECONDITION),
+                (token_b, grpc.StatusCode.PERMISSION_DENIED),
+            )
             for token, code in codes:
                 with pytest.raises(grpc.RpcError) as raised:
                     stub.PushReply(late, metadata=(("authorization", f"Bearer {token}"),))

@@ -35,7 +35,9 @@ def _deploy(tmp_path: Path, cfg: RunConfig, site_options: list[tuple[str, ...]])
 
 def _plain(cfg: RunConfig):
     plain = cfg.replace(secagg=False, run_dir="")
-    return server_app.run_federation(InProcessGrid(site_app.client_app, plain.sites, plain.to_flower()), plain).arrays
+    return server_app.run_federation(
+        InProcessGrid(site_app.client_app, plain.sites, plain.to_flower()), plain
+    ).arrays
 
 
 def _difference(a, b) -> float:
@@ -55,6 +57,10 @@ def test_hydra_sites_sum_their_slices_securely_over_the_wire(tmp_path):
     cfg = RunConfig.from_flower({**RUN.to_flower(), **HYDRA})
     run, deployed = _deploy(tmp_path, cfg, [("--tier", tier) for tier in TIERS])
     assert run.history[1]["sites_ok"] == 3
-    plain_cfg = cfg.replace(site_tiers=",".join(TIERS), layer_score="magnitude", head_score="magnitude")
+    plain_cfg = cfg.replace(
+        site_tiers=",".join(TIERS), layer_score="magnitude", head_score="magnitude"
+    )
     plain = _plain(plain_cfg)  # planned as the secure run plans: from the weights
-    assert _difference(deployed, plain) <= 0.7 * quantisation_bound(3, SecAggParams()) / 10  # Hydra's outer_lr 0.7
+    assert (
+        _difference(deployed, plain) <= 0.7 * quantisation_bound(3, SecAggParams()) / 10
+    )  # Hydra's outer_lr 0.7

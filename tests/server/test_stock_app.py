@@ -23,17 +23,40 @@ TESTS = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_stock_flower_apps_behind_hydrafl_site(tmp_path):
-    coordinator = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", db_url=f"sqlite:///{tmp_path / 'c.db'}",
-                                                blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs"))
+    coordinator = Coordinator(
+        CoordinatorConfig(
+            listen="127.0.0.1:0",
+            db_url=f"sqlite:///{tmp_path / 'c.db'}",
+            blob_dir=tmp_path / "blobs",
+            runs_dir=tmp_path / "runs",
+        )
+    )
     coordinator.start()
     tokens = [coordinator.store.add_site(name)[1] for name in ("a", "b")]
     run = coordinator.store.create_run({"strategy": "fedavg"})
     coordinator.store.set_run_status(run.id, "running")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
     sites = [
-        subprocess.Popen([sys.executable, "-m", "hydrafl", "site", "--coordinator", f"127.0.0.1:{coordinator.port}",
-                          "--token", token, "--app", "stock_flower_app:client_app"], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hydrafl",
+                "site",
+                "--coordinator",
+                f"127.0.0.1:{coordinator.port}",
+                "--token",
+                token,
+                "--app",
+                "stock_flower_app:client_app",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         for token in tokens
     ]
     try:
@@ -47,14 +70,26 @@ def test_stock_flower_apps_behind_hydrafl_site(tmp_path):
         def main(grid: Grid, context: Context) -> None:
             initial = ArrayRecord({"w": Array(np.zeros(3, dtype=np.float32))})
             strategy = FedAvg(min_available_nodes=2)
-            result["final"] = strategy.start(grid=grid, initial_arrays=initial, num_rounds=2, timeout=120).arrays
+            result["final"] = strategy.start(
+                grid=grid, initial_arrays=initial, num_rounds=2, timeout=120
+            ).arrays
 
         grid = CoordinatorGrid(coordinator.store, coordinator.blobs, coordinator.service, run.id)
-        server_app(grid, Context(run_id=run.id, node_id=0, node_config={}, state=RecordDict(), run_config={}))
-        np.testing.assert_array_equal(result["final"]["w"].numpy(), np.full(3, 2.0, dtype=np.float32))
-        accepted = 2 * 2 * 2  # 2 rounds x train+eval x 2 sites; each audited just after its reply is stored
+        server_app(
+            grid,
+            Context(run_id=run.id, node_id=0, node_config={}, state=RecordDict(), run_config={}),
+        )
+        np.testing.assert_array_equal(
+            result["final"]["w"].numpy(), np.full(3, 2.0, dtype=np.float32)
+        )
+        accepted = (
+            2 * 2 * 2
+        )  # 2 rounds x train+eval x 2 sites; each audited just after its reply is stored
         deadline = time.monotonic() + 10
-        while len(coordinator.store.audit_events("update-accepted")) < accepted and time.monotonic() < deadline:
+        while (
+            len(coordinator.store.audit_events("update-accepted")) < accepted
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.1)
         assert len(coordinator.store.audit_events("update-accepted")) == accepted
     finally:

@@ -65,7 +65,9 @@ def test_blob_stream_stores_in_parallel_and_stops_at_a_bad_chunk(tmp_path):
         blobs.put_stream(corrupt)
     assert blobs.has(items[24][0]) and not blobs.has(items[25][0])
     assert list((tmp_path / "blobs").rglob("*.part")) == []  # no half-written blob is left behind
-    stored, present = blobs.put_stream(items)  # the retry sends everything; only what is missing is written
+    stored, present = blobs.put_stream(
+        items
+    )  # the retry sends everything; only what is missing is written
     assert present >= 25 and stored + present == 40
     assert all(blobs.get(digest) == piece for digest, piece in items)
 
@@ -75,7 +77,9 @@ def test_runs_messages_and_idempotent_replies(store):
     site, _ = store.add_site("a")
     store.set_run_status(run.id, "running")
     store.add_outbound("1-1-train-1", run.id, 1, site.node_id, b"envelope")
-    store.add_outbound("1-1-train-1", run.id, 1, site.node_id, b"other")  # a re-send keeps the original
+    store.add_outbound(
+        "1-1-train-1", run.id, 1, site.node_id, b"other"
+    )  # a re-send keeps the original
     outbound = store.next_message_for(site.node_id)
     assert outbound.message_id == "1-1-train-1" and outbound.envelope == b"envelope"
     assert store.add_reply(outbound, b"reply") is True
@@ -84,5 +88,8 @@ def test_runs_messages_and_idempotent_replies(store):
     assert store.next_message_for(site.node_id) is None
     store.set_run_status(run.id, "finished", rounds_done=2, history=[{"round": 0}])
     assert store.run(run.id).status == "finished" and store.run(run.id).history == [{"round": 0}]
-    assert [e.kind for e in store.audit_events() if e.run_id == run.id] == ["run-running", "run-finished"]
+    assert [e.kind for e in store.audit_events() if e.run_id == run.id] == [
+        "run-running",
+        "run-finished",
+    ]
     assert isinstance(store.runs()[0], Run)

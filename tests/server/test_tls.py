@@ -46,7 +46,11 @@ def _certificate(name: str, issuer_key, issuer_name, *, ca: bool, san: bool):
 
 def _write(folder, name, key, cert):
     (folder / f"{name}.key").write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
     )
     (folder / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return folder / f"{name}.pem", folder / f"{name}.key"
@@ -57,25 +61,43 @@ def pki(tmp_path):
     ca_key, ca_cert = _certificate("hydrafl test CA", None, None, ca=True, san=False)
     rogue_key, rogue_cert = _certificate("rogue CA", None, None, ca=True, san=False)
     files = {"ca": _write(tmp_path, "ca", ca_key, ca_cert)[0]}
-    files["server"] = _write(tmp_path, "server", *_certificate("coordinator", ca_key, ca_cert.subject, ca=False, san=True))
-    files["site"] = _write(tmp_path, "site", *_certificate("st-marys", ca_key, ca_cert.subject, ca=False, san=False))
-    files["rogue"] = _write(tmp_path, "rogue", *_certificate("intruder", rogue_key, rogue_cert.subject, ca=False, san=False))
+    files["server"] = _write(
+        tmp_path,
+        "server",
+        *_certificate("coordinator", ca_key, ca_cert.subject, ca=False, san=True),
+    )
+    files["site"] = _write(
+        tmp_path, "site", *_certificate("st-marys", ca_key, ca_cert.subject, ca=False, san=False)
+    )
+    files["rogue"] = _write(
+        tmp_path,
+        "rogue",
+        *_certificate("intruder", rogue_key, rogue_cert.subject, ca=False, san=False),
+    )
     return files
 
 
 def _coordinator(tmp_path, pki, mutual: bool) -> Coordinator:
     cert, key = pki["server"]
     tls = ServerTls(cert=cert, key=key, client_ca=pki["ca"] if mutual else None)
-    coordinator = Coordinator(CoordinatorConfig(listen="127.0.0.1:0", db_url=f"sqlite:///{tmp_path / 'c.db'}",
-                                                blob_dir=tmp_path / "blobs", runs_dir=tmp_path / "runs", tls=tls))
+    coordinator = Coordinator(
+        CoordinatorConfig(
+            listen="127.0.0.1:0",
+            db_url=f"sqlite:///{tmp_path / 'c.db'}",
+            blob_dir=tmp_path / "blobs",
+            runs_dir=tmp_path / "runs",
+            tls=tls,
+        )
+    )
     coordinator.start()
     return coordinator
 
 
 def _join(port: int, token: str, credentials) -> str:
     with grpc.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
-        reply = CoordinatorStub(channel).Join(pb.JoinRequest(), metadata=(("authorization", f"Bearer {token}"),),
-                                              timeout=10)
+        reply = CoordinatorStub(channel).Join(
+            pb.JoinRequest(), metadata=(("authorization", f"Bearer {token}"),), timeout=10
+        )
     return reply.site_name
 
 
@@ -89,7 +111,10 @@ def test_tls_server_authentication(tmp_path, pki):
         with pytest.raises(grpc.RpcError) as refused:
             _join(coordinator.port, token, wrong_ca)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        with grpc.insecure_channel(f"127.0.0.1:{coordinator.port}") as plain, pytest.raises(grpc.RpcError):
+        with (
+            grpc.insecure_channel(f"127.0.0.1:{coordinator.port}") as plain,
+            pytest.raises(grpc.RpcError),
+        ):
             CoordinatorStub(plain).Join(pb.JoinRequest(), timeout=5)
     finally:
         coordinator.stop()
@@ -104,13 +129,20 @@ def test_mutual_tls_refuses_sites_without_a_valid_certificate(tmp_path, pki):
         good = grpc.ssl_channel_credentials(ca, site_key.read_bytes(), site_cert.read_bytes())
         assert _join(coordinator.port, token, good) == "st-marys"
         rogue_cert, rogue_key = pki["rogue"]
-        for credentials in (grpc.ssl_channel_credentials(ca),
-                            grpc.ssl_channel_credentials(ca, rogue_key.read_bytes(), rogue_cert.read_bytes())):
+        for credentials in (
+            grpc.ssl_channel_credentials(ca),
+            grpc.ssl_channel_credentials(ca, rogue_key.read_bytes(), rogue_cert.read_bytes()),
+        ):
             with pytest.raises(grpc.RpcError) as refused:
                 _join(coordinator.port, token, credentials)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        agent = SiteAgent(f"127.0.0.1:{coordinator.port}", token, client_app, {},
-                          tls=SiteTls(ca=pki["ca"], cert=site_cert, key=site_key))
+        agent = SiteAgent(
+            f"127.0.0.1:{coordinator.port}",
+            token,
+            client_app,
+            {},
+            tls=SiteTls(ca=pki["ca"], cert=site_cert, key=site_key),
+        )
         stop = threading.Event()
         thread = threading.Thread(target=agent.run, args=(stop,), daemon=True)
         thread.start()
@@ -132,7 +164,9 @@ def test_a_mutual_tls_certificate_authenticates_only_the_site_it_was_issued_to(t
         _, token_marys = coordinator.store.add_site("st-marys")
         _, token_other = coordinator.store.add_site("general")
         site_cert, site_key = pki["site"]
-        credentials = grpc.ssl_channel_credentials(pki["ca"].read_bytes(), site_key.read_bytes(), site_cert.read_bytes())
+        credentials = grpc.ssl_channel_credentials(
+            pki["ca"].read_bytes(), site_key.read_bytes(), site_cert.read_bytes()
+        )
         assert _join(coordinator.port, token_marys, credentials) == "st-marys"
         with pytest.raises(grpc.RpcError) as refused:
             _join(coordinator.port, token_other, credentials)

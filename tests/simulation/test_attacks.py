@@ -25,21 +25,30 @@ from hydrafl.simulation_config import SimulationConfig, build_simulation_config
 
 def _updates(seed: int = 0, sites: int = 10) -> dict[int, dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
-    return {node: {"w": rng.normal(size=(3, 4)).astype(np.float32), "b": rng.normal(size=2).astype(np.float32)}
-            for node in range(1, sites + 1)}
+    return {
+        node: {
+            "w": rng.normal(size=(3, 4)).astype(np.float32),
+            "b": rng.normal(size=2).astype(np.float32),
+        }
+        for node in range(1, sites + 1)
+    }
 
 
 ATTACKERS = {3, 7}
 
 
 def _honest(updates, name):
-    return np.stack([u[name].astype(np.float64) for node, u in updates.items() if node not in ATTACKERS])
+    return np.stack(
+        [u[name].astype(np.float64) for node, u in updates.items() if node not in ATTACKERS]
+    )
 
 
 def test_sign_flip_and_scale_change_the_attackers_own_update_only():
     updates = _updates()
     flipped = Attack(name="signflip", fraction=0.2).apply(updates, ATTACKERS, server_round=1)
-    scaled = Attack(name="scale", fraction=0.2, scale=50.0).apply(updates, ATTACKERS, server_round=1)
+    scaled = Attack(name="scale", fraction=0.2, scale=50.0).apply(
+        updates, ATTACKERS, server_round=1
+    )
     assert set(flipped) == set(scaled) == ATTACKERS
     for node in ATTACKERS:
         for name, own in updates[node].items():
@@ -56,13 +65,19 @@ def test_gaussian_is_a_seeded_n0_sigma_update_unrelated_to_the_site():
         assert values.dtype == np.float32
         assert abs(values.mean()) < 0.1 and values.std() == pytest.approx(3.0, rel=0.03)
     assert not np.array_equal(forged[3]["w"], forged[7]["w"])
-    np.testing.assert_array_equal(attack.apply(updates, ATTACKERS, server_round=2)[3]["w"], forged[3]["w"])
+    np.testing.assert_array_equal(
+        attack.apply(updates, ATTACKERS, server_round=2)[3]["w"], forged[3]["w"]
+    )
 
 
 def test_alie_sends_the_honest_mean_minus_z_times_their_standard_deviation():
     assert alie_z(10, 2) == 0.0  # s = 6 - 2 = 4, Phi^-1((8 - 4) / 8) = Phi^-1(0.5)
-    assert alie_z(25, 5) == pytest.approx(statistics.NormalDist().inv_cdf(12 / 20))  # s = 13 - 5 = 8
-    assert alie_z(100, 10) == pytest.approx(statistics.NormalDist().inv_cdf(49 / 90))  # s = 51 - 10 = 41
+    assert alie_z(25, 5) == pytest.approx(
+        statistics.NormalDist().inv_cdf(12 / 20)
+    )  # s = 13 - 5 = 8
+    assert alie_z(100, 10) == pytest.approx(
+        statistics.NormalDist().inv_cdf(49 / 90)
+    )  # s = 51 - 10 = 41
     with pytest.raises(ValueError, match="ALIE is undefined for 6 attackers of 10"):
         alie_z(10, 6)
     updates = _updates(1, sites=25)
@@ -70,7 +85,9 @@ def test_alie_sends_the_honest_mean_minus_z_times_their_standard_deviation():
     forged = Attack(name="alie", fraction=0.2).apply(updates, attackers, server_round=1)
     z = alie_z(25, 5)
     for name in ("w", "b"):
-        honest = np.stack([u[name].astype(np.float64) for node, u in updates.items() if node not in attackers])
+        honest = np.stack(
+            [u[name].astype(np.float64) for node, u in updates.items() if node not in attackers]
+        )
         expected = honest.mean(0) - z * honest.std(0, ddof=1)
         for node in attackers:
             np.testing.assert_allclose(forged[node][name], expected, rtol=1e-5)
@@ -78,10 +95,14 @@ def test_alie_sends_the_honest_mean_minus_z_times_their_standard_deviation():
 
 def test_ipm_sends_minus_epsilon_times_the_honest_mean():
     updates = _updates(2)
-    forged = Attack(name="ipm", fraction=0.2, ipm_epsilon=0.5).apply(updates, ATTACKERS, server_round=1)
+    forged = Attack(name="ipm", fraction=0.2, ipm_epsilon=0.5).apply(
+        updates, ATTACKERS, server_round=1
+    )
     for name in ("w", "b"):
         for node in ATTACKERS:
-            np.testing.assert_allclose(forged[node][name], -0.5 * _honest(updates, name).mean(0), rtol=1e-5)
+            np.testing.assert_allclose(
+                forged[node][name], -0.5 * _honest(updates, name).mean(0), rtol=1e-5
+            )
 
 
 def test_subnetwork_statistics_are_taken_per_name_and_shape_over_the_honest_replies():
@@ -97,7 +118,9 @@ def test_subnetwork_statistics_are_taken_per_name_and_shape_over_the_honest_repl
     np.testing.assert_allclose(stats[("w", (3,))][1], [0.0, 0.0, 0.0])  # one reply: no spread
     forged = Attack(name="ipm", fraction=0.25, ipm_epsilon=1.0).apply(updates, {4}, server_round=1)
     np.testing.assert_allclose(forged[4]["w"], [-2.0, -4.0])
-    np.testing.assert_array_equal(forged[4]["v"], [9.0, 9.0, 9.0])  # no honest array of that shape: unchanged
+    np.testing.assert_array_equal(
+        forged[4]["v"], [9.0, 9.0, 9.0]
+    )  # no honest array of that shape: unchanged
 
 
 def test_attackers_are_a_seeded_round_fraction_of_the_sites():
@@ -113,8 +136,14 @@ def test_attackers_are_a_seeded_round_fraction_of_the_sites():
 
 def _train_round(grid, cfg, arrays):
     messages = [
-        Message(RecordDict({"arrays": arrays, "config": ConfigRecord({**cfg.to_flower(), "server-round": 1})}),
-                dst_node_id=node, message_type=MessageType.TRAIN, group_id="1")
+        Message(
+            RecordDict(
+                {"arrays": arrays, "config": ConfigRecord({**cfg.to_flower(), "server-round": 1})}
+            ),
+            dst_node_id=node,
+            message_type=MessageType.TRAIN,
+            group_id="1",
+        )
         for node in grid.get_node_ids()
     ]
     return {reply.metadata.src_node_id: reply for reply in grid.send_and_receive(messages)}
@@ -124,20 +153,33 @@ def test_the_attacked_grid_forges_the_attackers_train_replies_after_every_site_h
     cfg = SMALL_RUN.replace(sites=5)
     honest_grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
     arrays = server_app.request_initial_arrays(honest_grid, cfg)
-    attacked_grid = AttackedGrid(site_app.client_app, cfg.sites, cfg.to_flower(), attack=Attack(name="signflip", fraction=0.4))
+    attacked_grid = AttackedGrid(
+        site_app.client_app,
+        cfg.sites,
+        cfg.to_flower(),
+        attack=Attack(name="signflip", fraction=0.4),
+    )
     assert len(attacked_grid.attacker_nodes) == 2
-    honest, attacked = _train_round(honest_grid, cfg, arrays), _train_round(attacked_grid, cfg, arrays)
+    honest, attacked = (
+        _train_round(honest_grid, cfg, arrays),
+        _train_round(attacked_grid, cfg, arrays),
+    )
     assert set(honest) == set(attacked) == set(honest_grid.get_node_ids())
     for node, reply in attacked.items():
         for name, array in reply.content["arrays"].items():
             expected = honest[node].content["arrays"][name].numpy()
             sign = -1 if node in attacked_grid.attacker_nodes else 1
             np.testing.assert_array_equal(array.numpy(), sign * expected)
-        assert reply.content["metrics"]["num-examples"] == honest[node].content["metrics"]["num-examples"]
+        assert (
+            reply.content["metrics"]["num-examples"]
+            == honest[node].content["metrics"]["num-examples"]
+        )
 
 
 def test_simulate_takes_the_attack_and_the_attackers_fraction_as_keys():
-    values = parse_flags(["--attack", "ipm", "--attackers", "0.3", "--strategies", "fedavg"], key_type)
+    values = parse_flags(
+        ["--attack", "ipm", "--attackers", "0.3", "--strategies", "fedavg"], key_type
+    )
     config = build_simulation_config(values)
     assert (config.attack, config.attackers) == ("ipm", 0.3)
     with pytest.raises(ConfigError, match="attack='flip'.*signflip, scale, gaussian, alie, ipm"):
@@ -155,8 +197,14 @@ def test_a_scaling_attack_wrecks_fedavg_but_not_the_masked_median(tmp_path):
     run = SMALL_RUN.replace(sites=5, samples_per_site=60, rounds=4)
 
     def final_round(strategy, attack="", knobs=None):
-        config = SimulationConfig(run=run, strategies=(strategy,), knobs=knobs or {}, out=str(tmp_path / strategy / attack),
-                                  attack=attack, attackers=0.2 if attack else 0.0)
+        config = SimulationConfig(
+            run=run,
+            strategies=(strategy,),
+            knobs=knobs or {},
+            out=str(tmp_path / strategy / attack),
+            attack=attack,
+            attackers=0.2 if attack else 0.0,
+        )
         return compare_strategies(config, show_progress=False)["strategies"][strategy]["rounds"][-1]
 
     clean = final_round("fedavg")

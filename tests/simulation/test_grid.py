@@ -25,8 +25,13 @@ def _stock_client_app() -> ClientApp:
         weights = message.content["arrays"]["w"].numpy() + OFFSETS[site]
         seen = context.state["seen"]["rounds"] if "seen" in context.state else 0
         context.state["seen"] = MetricRecord({"rounds": seen + 1})
-        metrics = {"num-examples": site + 1, "proximal-mu": float(message.content["config"].get("proximal-mu", -1.0))}
-        content = RecordDict({"arrays": ArrayRecord({"w": Array(weights)}), "metrics": MetricRecord(metrics)})
+        metrics = {
+            "num-examples": site + 1,
+            "proximal-mu": float(message.content["config"].get("proximal-mu", -1.0)),
+        }
+        content = RecordDict(
+            {"arrays": ArrayRecord({"w": Array(weights)}), "metrics": MetricRecord(metrics)}
+        )
         return Message(content, reply_to=message)
 
     @app.evaluate()
@@ -63,14 +68,19 @@ CASES = {
     # Krum with f=0 keeps the update with the smallest summed distance to its n-f-2=2 nearest: offset 2.
     "krum": (lambda: Krum(num_malicious_nodes=0, min_available_nodes=4), 2 * 2.0),
     # FedAvgM (lr 1, momentum 0.5): round 1 moves by m, round 2 by m + 0.5 m.
-    "fedavgm": (lambda: FedAvgM(server_momentum=0.5, min_available_nodes=4), _weighted_mean() * 2.5),
+    "fedavgm": (
+        lambda: FedAvgM(server_momentum=0.5, min_available_nodes=4),
+        _weighted_mean() * 2.5,
+    ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_builtin_strategy_runs_unmodified(name):
     make_strategy, expected_shift = CASES[name]
-    context = run_app(_stock_server_app(make_strategy(), rounds=2), _stock_client_app(), num_sites=4)
+    context = run_app(
+        _stock_server_app(make_strategy(), rounds=2), _stock_client_app(), num_sites=4
+    )
     final = context.state["final"]["w"].numpy()
     np.testing.assert_allclose(final, START + expected_shift, rtol=1e-6)
     mu = context.state["train-metrics"]["proximal-mu"]
@@ -83,7 +93,11 @@ def test_site_context_persists_across_rounds_and_crashes_become_error_replies():
     arrays = ArrayRecord({"w": Array(START)})
     for _ in range(3):
         messages = [
-            Message(RecordDict({"arrays": arrays, "config": ConfigRecord()}), dst_node_id=n, message_type="train")
+            Message(
+                RecordDict({"arrays": arrays, "config": ConfigRecord()}),
+                dst_node_id=n,
+                message_type="train",
+            )
             for n in grid.get_node_ids()
         ]
         replies = list(grid.send_and_receive(messages))
@@ -110,7 +124,9 @@ def test_server_arrays_are_isolated_from_site_mutation():
     grid = InProcessGrid(app, num_sites=1)
     arrays = ArrayRecord({"w": Array(START)})
     node = min(grid.get_node_ids())
-    [reply] = grid.send_and_receive([Message(RecordDict({"arrays": arrays}), dst_node_id=node, message_type="train")])
+    [reply] = grid.send_and_receive(
+        [Message(RecordDict({"arrays": arrays}), dst_node_id=node, message_type="train")]
+    )
     assert not reply.has_error()
     np.testing.assert_array_equal(arrays["w"].numpy(), START)
 
@@ -126,7 +142,9 @@ def test_replies_stream_in_node_order_each_site_running_when_its_reply_is_asked_
 
     grid = InProcessGrid(app, num_sites=3)
     nodes = sorted(grid.get_node_ids())
-    replies = grid.send_and_receive([Message(RecordDict(), dst_node_id=n, message_type="train") for n in reversed(nodes)])
+    replies = grid.send_and_receive(
+        [Message(RecordDict(), dst_node_id=n, message_type="train") for n in reversed(nodes)]
+    )
     assert ran == []
     assert (next(replies).metadata.src_node_id, ran) == (nodes[0], nodes[:1])
     assert [reply.metadata.src_node_id for reply in replies] == nodes[1:]

@@ -22,7 +22,9 @@ pytest.importorskip("ray")
 def test_ray_backend_matches_inprocess(small_run, tmp_path):
     for strategy in ("fedavg", "diloco"):
         cfg = small_run.replace(strategy=strategy, rounds=2)
-        inprocess = run_strategy(cfg.replace(run_dir=str(tmp_path / f"{strategy}-inprocess")), "inprocess")
+        inprocess = run_strategy(
+            cfg.replace(run_dir=str(tmp_path / f"{strategy}-inprocess")), "inprocess"
+        )
         on_ray = run_strategy(cfg.replace(run_dir=str(tmp_path / f"{strategy}-ray")), "ray")
         assert len(on_ray) == len(inprocess) == 3
         for a, b in zip(inprocess, on_ray):
@@ -46,7 +48,9 @@ def test_ray_sites_sum_securely_and_end_within_the_quantisation_bound(small_run,
     assert len(on_ray) == len(inprocess) == 3
     assert all(r["sites_ok"] == 2 and r["secagg_bytes"] > 0 for r in on_ray[1:])
     ends = [load_checkpoint(tmp_path / run).arrays for run in ("inprocess", "ray")]
-    difference = max(float(np.abs(ends[0][name].numpy() - ends[1][name].numpy()).max()) for name in ends[0])
+    difference = max(
+        float(np.abs(ends[0][name].numpy() - ends[1][name].numpy()).max()) for name in ends[0]
+    )
     assert 0 < difference <= 2 * cfg.rounds * quantisation_bound(2, SecAggParams()) / (2 * 10)
     for a, b in zip(inprocess, on_ray):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)
@@ -59,12 +63,20 @@ def test_ray_sites_apply_the_site_policy_and_report_their_local_epsilon(small_ru
     keeps per node, so after round r every site reports the local epsilon of r noised replies."""
     policy_file = tmp_path / "policy.toml"
     policy_file.write_text("max-update-norm = 1.0\nnoise-multiplier = 3.0\n")
-    config = SimulationConfig(run=small_run.replace(sites=2, rounds=2), strategies=("fedavg",), backend="ray",
-                              out=str(tmp_path / "out"), site_policy=str(policy_file))
-    history = run_strategy(config.run_config("fedavg"), config.backend, policy=_site_policy(config.site_policy))
+    config = SimulationConfig(
+        run=small_run.replace(sites=2, rounds=2),
+        strategies=("fedavg",),
+        backend="ray",
+        out=str(tmp_path / "out"),
+        site_policy=str(policy_file),
+    )
+    history = run_strategy(
+        config.run_config("fedavg"), config.backend, policy=_site_policy(config.site_policy)
+    )
     assert Path(config.out, "fedavg", "history.json").exists()
     for r, record in enumerate(history[1:], start=1):
         assert record["sites_ok"] == 2
-        assert list(record["local_epsilon_per_site"].values()) == [
-            pytest.approx(local_epsilon(3.0, r, delta=1e-5), rel=1e-12)
-        ] * 2
+        assert (
+            list(record["local_epsilon_per_site"].values())
+            == [pytest.approx(local_epsilon(3.0, r, delta=1e-5), rel=1e-12)] * 2
+        )

@@ -17,11 +17,14 @@ def _init_failing(errors: list[Exception], calls: list[dict]):
         calls.append(kwargs)
         if errors:
             raise errors.pop(0)
+
     return init
 
 
 def test_a_timed_out_start_is_retried_and_other_errors_are_not(monkeypatch, caplog):
-    timed_out = Exception("The current node timed out during startup. This could happen because ...")
+    timed_out = Exception(
+        "The current node timed out during startup. This could happen because ..."
+    )
     calls: list[dict] = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "shutdown", lambda: None)

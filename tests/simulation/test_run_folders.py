@@ -30,15 +30,35 @@ def test_each_run_gets_its_own_folder_and_latest_follows_the_newest(tmp_path, mo
     runs = sorted(p.name for p in RUNS_DIR.iterdir() if not p.is_symlink())
     assert runs == sorted([Path(first.out).name, Path(second.out).name])
     assert os.readlink(RUNS_DIR / "latest") == Path(second.out).name
-    assert list(json.loads((Path(first.out) / "results.json").read_text())["strategies"]) == ["fedavg"]
-    assert list(json.loads((RUNS_DIR / "latest" / "results.json").read_text())["strategies"]) == ["fedprox"]
-    assert sorted(p.name for p in Path(first.out).iterdir() if p.is_dir()) == ["fedavg"]  # no other run's folder
+    assert list(json.loads((Path(first.out) / "results.json").read_text())["strategies"]) == [
+        "fedavg"
+    ]
+    assert list(json.loads((RUNS_DIR / "latest" / "results.json").read_text())["strategies"]) == [
+        "fedprox"
+    ]
+    assert sorted(p.name for p in Path(first.out).iterdir() if p.is_dir()) == [
+        "fedavg"
+    ]  # no other run's folder
 
 
 def test_an_out_folder_holding_a_run_is_refused_before_training_and_resume_continues_it(tmp_path):
     out = tmp_path / "study"
-    common = ["simulate", "--task", "tabular", "--sites", "3", "--samples-per-site", "60", "--local-steps", "1",
-              "--strategies", "fedavg", "--out", str(out), "--no-progress"]
+    common = [
+        "simulate",
+        "--task",
+        "tabular",
+        "--sites",
+        "3",
+        "--samples-per-site",
+        "60",
+        "--local-steps",
+        "1",
+        "--strategies",
+        "fedavg",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     runner = CliRunner()
     assert runner.invoke(app, [*common, "--rounds", "1"]).exit_code == 0
     before = (out / "results.json").read_text()
@@ -51,7 +71,10 @@ def test_an_out_folder_holding_a_run_is_refused_before_training_and_resume_conti
 
     resumed = runner.invoke(app, [*common, "--rounds", "2", "--resume"])
     assert resumed.exit_code == 0, resumed.output
-    assert [r["round"] for r in json.loads((out / "results.json").read_text())["strategies"]["fedavg"]["rounds"]] == [0, 1, 2]
+    assert [
+        r["round"]
+        for r in json.loads((out / "results.json").read_text())["strategies"]["fedavg"]["rounds"]
+    ] == [0, 1, 2]
 
 
 def test_a_failed_runs_checkpoint_marks_its_folder_as_taken(tmp_path):

@@ -10,7 +10,10 @@ from helpers import FakeGrid, make_reply
 
 from hydrafl.strategies import DiLoCo
 
-START = {"w": np.array([[1.0, -2.0], [0.5, 3.0]], dtype=np.float32), "b": np.array([0.1, -0.4], dtype=np.float32)}
+START = {
+    "w": np.array([[1.0, -2.0], [0.5, 3.0]], dtype=np.float32),
+    "b": np.array([0.1, -0.4], dtype=np.float32),
+}
 DELTAS = [
     ({"w": np.array([[0.2, -0.1], [0.0, 0.3]]), "b": np.array([0.05, 0.0])}, 10),
     ({"w": np.array([[-0.4, 0.2], [0.1, 0.1]]), "b": np.array([-0.02, 0.1])}, 30),
@@ -22,7 +25,9 @@ def _record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
     return ArrayRecord({k: Array(np.asarray(v, dtype=np.float32)) for k, v in arrays.items()})
 
 
-def _outer_step(strategy: DiLoCo, arrays: dict[str, np.ndarray], deltas, server_round: int) -> dict[str, np.ndarray]:
+def _outer_step(
+    strategy: DiLoCo, arrays: dict[str, np.ndarray], deltas, server_round: int
+) -> dict[str, np.ndarray]:
     """One round: `arrays` sent to nodes 1, 2, ... (`configure_train`), which reply with `deltas`."""
     grid = FakeGrid(range(1, len(deltas) + 1))
     messages = list(strategy.configure_train(server_round, _record(arrays), ConfigRecord(), grid))
@@ -55,10 +60,14 @@ def test_outer_steps_equal_torch_sgd_fed_the_averaged_pseudo_gradient(nesterov):
         scaled = [({k: v * server_round for k, v in delta.items()}, n) for delta, n in DELTAS]
         arrays = _outer_step(strategy, arrays, scaled, server_round)
         for name, param in reference.items():
-            param.grad = torch.tensor(sum(n * d[name] for d, n in scaled) / total, dtype=torch.float32)
+            param.grad = torch.tensor(
+                sum(n * d[name] for d, n in scaled) / total, dtype=torch.float32
+            )
         optimizer.step()
         for name in START:
-            np.testing.assert_allclose(arrays[name], reference[name].detach().numpy(), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(
+                arrays[name], reference[name].detach().numpy(), rtol=1e-5, atol=1e-6
+            )
 
 
 def test_momentum_state_round_trips_through_state_dict():

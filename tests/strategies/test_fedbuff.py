@@ -24,7 +24,11 @@ def _buffer(**rule) -> StalenessBuffer:
 
 def test_sqrt_staleness_weighs_one_over_sqrt_of_one_plus_tau():
     buffer = _buffer(buffer_size=3)
-    assert [buffer.weigh(node, tau, 50) for node, tau in ((1, 0), (2, 3), (3, 8))] == [1.0, 0.5, pytest.approx(1 / 3)]
+    assert [buffer.weigh(node, tau, 50) for node, tau in ((1, 0), (2, 3), (3, 8))] == [
+        1.0,
+        0.5,
+        pytest.approx(1 / 3),
+    ]
     assert buffer.full
 
 
@@ -38,9 +42,17 @@ def test_poly_staleness_weighs_one_plus_tau_to_the_minus_a():
 def test_example_counts_weigh_against_the_running_mean_and_the_cap_truncates():
     # fresh updates of 100, 100 and 400 examples: the mean is 100, 100, 200 as each arrives -> 1, 1, 2
     uncapped = _buffer(buffer_size=3)
-    assert [uncapped.weigh(n, 0, count) for n, count in ((1, 100), (2, 100), (3, 400))] == [1.0, 1.0, 2.0]
+    assert [uncapped.weigh(n, 0, count) for n, count in ((1, 100), (2, 100), (3, 400))] == [
+        1.0,
+        1.0,
+        2.0,
+    ]
     capped = _buffer(buffer_size=3, weight_cap=1.5)
-    assert [capped.weigh(n, 0, count) for n, count in ((1, 100), (2, 100), (3, 400))] == [1.0, 1.0, 1.5]
+    assert [capped.weigh(n, 0, count) for n, count in ((1, 100), (2, 100), (3, 400))] == [
+        1.0,
+        1.0,
+        1.5,
+    ]
     report = capped.flush()
     assert report.scale == pytest.approx(3.5 / 3) and report.weights == [1.0, 1.0, 1.5]
     assert not capped.weights and capped.updates_seen == 3  # the running mean outlives the buffer
@@ -60,7 +72,9 @@ def test_the_ess_guard_skips_or_shrinks_a_buffer_dominated_by_one_site(action):
         buffer.weigh(node, tau, 20)
     report = buffer.flush()
     expected_ess = 3.25**2 / (3**2 + 0.25**2)
-    assert report.ess == pytest.approx(expected_ess) and report.ess == pytest.approx(1.16552, abs=1e-5)
+    assert report.ess == pytest.approx(expected_ess) and report.ess == pytest.approx(
+        1.16552, abs=1e-5
+    )
     assert report.staleness == [0, 0, 15, 0] and report.nodes == [1, 1, 2, 1]
     if action == "skip":
         assert report.skipped and report.scale == 0.0
@@ -84,7 +98,11 @@ def test_fedbuff_step_is_the_staleness_weighted_sum_over_k():
         strategy.add(_reply(deltas[node], 10, node), tau)
     assert strategy.buffer_full
     new, metrics, report = strategy.step(arrays)
-    weights = [0.9, 0.5, 0.9]  # fresh updates capped at 0.9, the 3-versions-stale one weighs 1/sqrt(4)
+    weights = [
+        0.9,
+        0.5,
+        0.9,
+    ]  # fresh updates capped at 0.9, the 3-versions-stale one weighs 1/sqrt(4)
     assert report.weights == pytest.approx(weights) and report.staleness == [0, 3, 0]
     expected = START["w"] - sum(w * np.array(deltas[n]) for w, n in zip(weights, (1, 2, 3))) / 3
     np.testing.assert_allclose(new["w"].numpy(), expected, rtol=1e-6)
@@ -106,13 +124,25 @@ def test_fedbuff_of_fresh_equal_updates_is_fedavg_and_a_skipped_buffer_keeps_the
 
 
 def test_knobs_are_checked_and_named():
-    cfg = RunConfig.build(strategy="fedbuff", buffer_size=3, staleness="poly", staleness_exponent=0.7, weight_cap=2.0)
-    assert cfg.options.rule_of_buffer() == BufferRule(
-        buffer_size=3, staleness="poly", staleness_exponent=0.7, weight_cap=2.0, ess_min=0.0, ess_action="shrink"
+    cfg = RunConfig.build(
+        strategy="fedbuff", buffer_size=3, staleness="poly", staleness_exponent=0.7, weight_cap=2.0
     )
-    for knobs, flag in (({"buffer_size": 0}, "buffer-size"), ({"staleness": "exp"}, "staleness"),
-                        ({"ess_min": 3.0}, "ess-min"), ({"weight_cap": math.inf}, "weight-cap"),
-                        ({"ess_action": "drop"}, "ess-action"), ({"evaluate_every": 0}, "evaluate-every")):
+    assert cfg.options.rule_of_buffer() == BufferRule(
+        buffer_size=3,
+        staleness="poly",
+        staleness_exponent=0.7,
+        weight_cap=2.0,
+        ess_min=0.0,
+        ess_action="shrink",
+    )
+    for knobs, flag in (
+        ({"buffer_size": 0}, "buffer-size"),
+        ({"staleness": "exp"}, "staleness"),
+        ({"ess_min": 3.0}, "ess-min"),
+        ({"weight_cap": math.inf}, "weight-cap"),
+        ({"ess_action": "drop"}, "ess-action"),
+        ({"evaluate_every": 0}, "evaluate-every"),
+    ):
         with pytest.raises(ConfigError, match=f"--{flag}="):
             RunConfig.build(strategy="fedbuff", **knobs)
     with pytest.raises(ConfigError, match="--dp-clip="):

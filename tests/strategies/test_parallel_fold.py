@@ -18,7 +18,9 @@ def test_the_partition_depends_on_the_length_only():
     a, b = torch.arange(2 * fold.BLOCK + 5, dtype=torch.float32), torch.zeros(2 * fold.BLOCK + 5)
     blocks = fold.blocks(a, None, b.view(1, -1))
     assert [tuple(x.numel() for x in block if x is not None) for block in blocks] == [
-        (fold.BLOCK, fold.BLOCK), (fold.BLOCK, fold.BLOCK), (5, 5)
+        (fold.BLOCK, fold.BLOCK),
+        (fold.BLOCK, fold.BLOCK),
+        (5, 5),
     ]
     assert all(block[1] is None for block in blocks)
     assert blocks[2][0][0].item() == 2 * fold.BLOCK  # views, in order
@@ -52,7 +54,9 @@ def test_a_slowed_thread_does_fewer_blocks_and_never_stalls_the_rest():
 
     fold.FoldPool(2).run(task, [(i,) for i in range(40)])
     slowed = owners[0]
-    assert sum(owner == slowed for owner in owners.values()) <= 2  # claimed item 0 and at most one before it
+    assert (
+        sum(owner == slowed for owner in owners.values()) <= 2
+    )  # claimed item 0 and at most one before it
 
 
 def test_an_error_in_a_task_is_raised_after_the_others_finish():
@@ -69,9 +73,16 @@ def test_an_error_in_a_task_is_raised_after_the_others_finish():
 
 
 def test_large_sums_are_writable_and_the_right_shape():
-    small, large = fold.empty((3, 4)), fold.empty((1024, 1024))  # 4 MB: on huge pages where the kernel has them
+    small, large = (
+        fold.empty((3, 4)),
+        fold.empty((1024, 1024)),
+    )  # 4 MB: on huge pages where the kernel has them
     large.fill_(2.0)
-    assert small.shape == (3, 4) and large.shape == (1024, 1024) and float(large.sum()) == 2.0 * 1024 * 1024
+    assert (
+        small.shape == (3, 4)
+        and large.shape == (1024, 1024)
+        and float(large.sum()) == 2.0 * 1024 * 1024
+    )
 
 
 def test_dead_sums_pages_are_reused_and_flags_fit_too():

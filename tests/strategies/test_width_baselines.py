@@ -35,7 +35,14 @@ from hydrafl.subnet.slices import extract
 from hydrafl.subnet.spec import SpecError, SubnetSpec
 from hydrafl.subnet.width import WidthAxis, width_layout_from_heads, width_slices, width_window
 
-TEXT = TaskSpec(name="text", modality="text", num_classes=3, class_names=("a", "b", "c"), vocab_size=40, seq_len=8)
+TEXT = TaskSpec(
+    name="text",
+    modality="text",
+    num_classes=3,
+    class_names=("a", "b", "c"),
+    vocab_size=40,
+    seq_len=8,
+)
 SHAPE = TinyShape(hidden=32, layers=2, heads=4, intermediate=48)  # head dim 8
 LLAMA = TinyShape(hidden=32, layers=2, heads=4, kv_heads=2, intermediate=48, max_positions=32)
 
@@ -50,10 +57,14 @@ def test_width_window_keeps_leading_channels_or_rolls_and_wraps():
 
 
 def test_width_spec_round_trips_and_refuses_heads_with_a_width():
-    spec = SubnetSpec(layers=(0, 1), width_ratio=0.4, width_offset=3, width_levels=(0.6, 0.2), width_seed=7)
+    spec = SubnetSpec(
+        layers=(0, 1), width_ratio=0.4, width_offset=3, width_levels=(0.6, 0.2), width_seed=7
+    )
     back = SubnetSpec.from_config(dict(ConfigRecord(spec.to_config())))
     assert back == spec and back.width_levels == (0.2, 0.6) and back.is_width
-    assert "hydra.width-offset" not in SubnetSpec(layers=(0,)).to_config()  # Hydra specs travel as before
+    assert (
+        "hydra.width-offset" not in SubnetSpec(layers=(0,)).to_config()
+    )  # Hydra specs travel as before
     with pytest.raises(SpecError, match="selects heads or a width"):
         SubnetSpec(layers=(0,), heads=((0,),), width_ratio=0.5)
     with pytest.raises(SpecError, match="width_offset must be an integer >= 0"):
@@ -131,7 +142,9 @@ def test_width_masking_equals_the_model_with_dropped_channels_zeroed():
 def test_fjord_draws_nested_widths_per_step_and_only_trains_inside_its_widest():
     model = _bert()
     x, y = _batch("bert")
-    spec = SubnetSpec(layers=(0, 1), width_ratio=0.6, width_levels=(0.2, 0.4, 0.6, 0.8, 1.0), width_seed=3)
+    spec = SubnetSpec(
+        layers=(0, 1), width_ratio=0.6, width_levels=(0.2, 0.4, 0.6, 0.8, 1.0), width_seed=3
+    )
     widest = trainable_slices(model, spec)
     drawn, name = set(), "net.bert.encoder.layer.0.intermediate.dense.weight"
     with apply_spec(model, spec) as handle:
@@ -149,7 +162,12 @@ def test_site_and_coordinator_agree_on_the_width_layout():
     for model in (_llama(), with_lora(_bert(), rank=4)):
         site = width_layout(model)
         layout = site_app.slice_layout(model)
-        heads = dict(zip(layout["layout.names"], zip(layout["layout.layers"], layout["layout.axes"], layout["layout.units"])))
+        heads = dict(
+            zip(
+                layout["layout.names"],
+                zip(layout["layout.layers"], layout["layout.axes"], layout["layout.units"]),
+            )
+        )
         shapes = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
         assert width_layout_from_heads(heads, shapes) == site
 
@@ -172,22 +190,39 @@ LAYOUT = {
     "m2": WidthAxis(2, -1, 0, (3,)),
 }
 HEAD_LAYOUT = {
-    "q": (0, 0, 2), FF_OUT: (0, -1, 2), "n": (0, -1, 2), "e": (-1, -1, 2), "m1": (1, -1, 2), "m2": (2, -1, 2),
+    "q": (0, 0, 2),
+    FF_OUT: (0, -1, 2),
+    "n": (0, -1, 2),
+    "e": (-1, -1, 2),
+    "m1": (1, -1, 2),
+    "m2": (2, -1, 2),
 }
 """What the sites report in the planning round (`site_app.slice_layout`): per tensor its layer, head axis, head dim."""
 START = {
-    "q": [[1.0], [2.0], [3.0], [4.0]], FF_OUT: [[1.0, 1.0, 1.0, 1.0]], "n": [1.0, 1.0], "e": [0.0, 0.0],
-    "m1": [1.0], "m2": [1.0, 1.0, 1.0],
+    "q": [[1.0], [2.0], [3.0], [4.0]],
+    FF_OUT: [[1.0, 1.0, 1.0, 1.0]],
+    "n": [1.0, 1.0],
+    "e": [0.0, 0.0],
+    "m1": [1.0],
+    "m2": [1.0, 1.0, 1.0],
 }
 # Site A (node 1, 10 examples, width 0.5) and site C (node 2, 30 examples, width 0.25); junk (100) outside their
 # slices never travels. Neither moves "m1" or "m2".
 DELTA_A = {
-    "q": [[0.2], [100.0], [0.4], [100.0]], FF_OUT: [[0.1, 0.3, 100.0, 100.0]], "n": [0.2, 0.2], "e": [1.0, 1.0],
-    "m1": [0.0], "m2": [0.0, 0.0, 0.0],
+    "q": [[0.2], [100.0], [0.4], [100.0]],
+    FF_OUT: [[0.1, 0.3, 100.0, 100.0]],
+    "n": [0.2, 0.2],
+    "e": [1.0, 1.0],
+    "m1": [0.0],
+    "m2": [0.0, 0.0, 0.0],
 }
 DELTA_C = {
-    "q": [[0.6], [100.0], [0.8], [100.0]], FF_OUT: [[0.5, 100.0, 100.0, 100.0]], "n": [0.6, -0.2], "e": [3.0, 1.0],
-    "m1": [0.0], "m2": [0.0, 0.0, 0.0],
+    "q": [[0.6], [100.0], [0.8], [100.0]],
+    FF_OUT: [[0.5, 100.0, 100.0, 100.0]],
+    "n": [0.6, -0.2],
+    "e": [3.0, 1.0],
+    "m1": [0.0],
+    "m2": [0.0, 0.0, 0.0],
 }
 
 
@@ -196,7 +231,9 @@ def _scores():
     4 + 4 + 2 + 1 + 2 = 13 coordinates; C is tier small: layer 0 with one head, 2 + 4 + 2 + 2 = 10. The widths
     train 11 (0.25), 12 (0.5), 15 (0.75) or 16 (1.0) coordinates: the closest are 0.5 and 0.25."""
     return {
-        node: make_scores_reply(node, HEAD_LAYOUT, layers=[3.0, 2.0, 1.0], heads=[[2.0, 1.0]] * 3, tier=tier)
+        node: make_scores_reply(
+            node, HEAD_LAYOUT, layers=[3.0, 2.0, 1.0], heads=[[2.0, 1.0]] * 3, tier=tier
+        )
         for node, tier in ((1, "medium"), (2, "small"))
     }
 
@@ -221,9 +258,13 @@ def _aggregate(strategy, deltas, server_round=1):
     replies = []
     for node, (delta, n) in enumerate(deltas, start=1):
         full = {name: torch.tensor(values, dtype=torch.float32) for name, values in delta.items()}
-        slices = {name: sl for name, sl in width_slices(LAYOUT, specs[node]).items() if name in full}
+        slices = {
+            name: sl for name, sl in width_slices(LAYOUT, specs[node]).items() if name in full
+        }
         compact = extract(full, slices)
-        replies.append(make_reply({name: t.numpy() for name, t in compact.items()}, n, node_id=node))
+        replies.append(
+            make_reply({name: t.numpy() for name, t in compact.items()}, n, node_id=node)
+        )
     new, metrics = strategy.aggregate_train(server_round, iter(replies))
     assert metrics is not None
     return {name: array.numpy() for name, array in new.items()}
@@ -232,7 +273,9 @@ def _aggregate(strategy, deltas, server_round=1):
 def test_heterofl_is_the_plain_mean_over_the_sites_that_trained_each_coordinate():
     new = _aggregate(HeteroFL(), [(DELTA_A, 10), (DELTA_C, 30)])
     # q keeps dim 0 of each head for both sites (ceil(0.5 * 2) = ceil(0.25 * 2) = 1): rows 0 and 2.
-    np.testing.assert_allclose(new["q"], [[1 - 0.4], [2.0], [3 - 0.6], [4.0]], rtol=1e-6)  # (0.2+0.6)/2, (0.4+0.8)/2
+    np.testing.assert_allclose(
+        new["q"], [[1 - 0.4], [2.0], [3 - 0.6], [4.0]], rtol=1e-6
+    )  # (0.2+0.6)/2, (0.4+0.8)/2
     # FF_OUT: A keeps units 0-1, C unit 0: unit 0 by both, unit 1 by A only, units 2-3 by nobody.
     np.testing.assert_allclose(new[FF_OUT], [[1 - 0.3, 1 - 0.3, 1.0, 1.0]], rtol=1e-6)
     np.testing.assert_allclose(new["n"], [1 - 0.4, 1 - 0.0], rtol=1e-6, atol=1e-7)
@@ -241,21 +284,41 @@ def test_heterofl_is_the_plain_mean_over_the_sites_that_trained_each_coordinate(
 
 def test_fjord_weights_the_nested_blocks_by_samples():
     new = _aggregate(FjORD(), [(DELTA_A, 10), (DELTA_C, 30)])
-    np.testing.assert_allclose(new["q"], [[1 - 0.5], [2.0], [3 - 0.7], [4.0]], rtol=1e-6)  # (2 + 18) / 40, (4 + 24) / 40
-    np.testing.assert_allclose(new[FF_OUT], [[1 - 0.4, 1 - 0.3, 1.0, 1.0]], rtol=1e-6)  # (1 + 15) / 40; A alone
-    np.testing.assert_allclose(new["n"], [1 - 0.5, 1 + 0.1], rtol=1e-6)  # (2 + 18) / 40, (2 - 6) / 40
+    np.testing.assert_allclose(
+        new["q"], [[1 - 0.5], [2.0], [3 - 0.7], [4.0]], rtol=1e-6
+    )  # (2 + 18) / 40, (4 + 24) / 40
+    np.testing.assert_allclose(
+        new[FF_OUT], [[1 - 0.4, 1 - 0.3, 1.0, 1.0]], rtol=1e-6
+    )  # (1 + 15) / 40; A alone
+    np.testing.assert_allclose(
+        new["n"], [1 - 0.5, 1 + 0.1], rtol=1e-6
+    )  # (2 + 18) / 40, (2 - 6) / 40
     np.testing.assert_allclose(new["e"], [0 - 2.5, 0 - 1.0], rtol=1e-6)
 
 
 def test_fedrolex_rolls_the_window_and_averages_plainly():
     delta_a = {**DELTA_A, "q": [[100.0], [0.2], [100.0], [0.4]], FF_OUT: [[100.0, 0.1, 0.3, 100.0]]}
-    delta_c = {**DELTA_C, "q": [[100.0], [0.6], [100.0], [0.8]], FF_OUT: [[100.0, 0.5, 100.0, 100.0]]}
-    new = _aggregate(FedRolex(), [(delta_a, 10), (delta_c, 30)], server_round=2)  # the window from channel 1 on
-    np.testing.assert_allclose(new["q"], [[1.0], [2 - 0.4], [3.0], [4 - 0.6]], rtol=1e-6)  # dim 1 of each head
-    np.testing.assert_allclose(new[FF_OUT], [[1.0, 1 - 0.3, 1 - 0.3, 1.0]], rtol=1e-6)  # units 1-2 and 1
-    only_a = [({"q": START["q"], FF_OUT: [[0.5, 100.0, 100.0, 0.5]]}, 10)]  # C sends nothing this round
+    delta_c = {
+        **DELTA_C,
+        "q": [[100.0], [0.6], [100.0], [0.8]],
+        FF_OUT: [[100.0, 0.5, 100.0, 100.0]],
+    }
+    new = _aggregate(
+        FedRolex(), [(delta_a, 10), (delta_c, 30)], server_round=2
+    )  # the window from channel 1 on
+    np.testing.assert_allclose(
+        new["q"], [[1.0], [2 - 0.4], [3.0], [4 - 0.6]], rtol=1e-6
+    )  # dim 1 of each head
+    np.testing.assert_allclose(
+        new[FF_OUT], [[1.0, 1 - 0.3, 1 - 0.3, 1.0]], rtol=1e-6
+    )  # units 1-2 and 1
+    only_a = [
+        ({"q": START["q"], FF_OUT: [[0.5, 100.0, 100.0, 0.5]]}, 10)
+    ]  # C sends nothing this round
     new = _aggregate(FedRolex(), only_a, server_round=4)  # A's width 0.5 from channel 3 on
-    np.testing.assert_allclose(new[FF_OUT], [[0.5, 1.0, 1.0, 0.5]], rtol=1e-6)  # units 3, then 0: wrapped
+    np.testing.assert_allclose(
+        new[FF_OUT], [[0.5, 1.0, 1.0, 0.5]], rtol=1e-6
+    )  # units 3, then 0: wrapped
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -273,10 +336,14 @@ def test_fedrolex_window_advances_each_round_and_wraps():
     grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
     arrays = server_app.request_initial_arrays(grid, cfg)
     queries = list(strategy.configure_query(1, arrays, ConfigRecord(cfg.to_flower()), grid))
-    scores = list(grid.send_and_receive(queries))  # the planning round, as the round driver exchanges it
+    scores = list(
+        grid.send_and_receive(queries)
+    )  # the planning round, as the round driver exchanges it
     strategy.aggregate_query(1, scores)
     shapes = {name: tuple(arrays[name].shape) for name in arrays}
-    layout = width_layout_from_heads(reply_layout(scores[0]), shapes)  # what the coordinator slices widths by
+    layout = width_layout_from_heads(
+        reply_layout(scores[0]), shapes
+    )  # what the coordinator slices widths by
     small = FIRST_NODE_ID  # the small tier
     rows = {}
     for server_round in (1, 2, 17):
@@ -289,7 +356,9 @@ def test_fedrolex_window_advances_each_round_and_wraps():
     assert 0 < kept < 16 and rows[1][0][:kept] == tuple(range(kept))
     assert rows[2][0][:kept] == tuple(range(1, kept + 1))  # advanced by one channel in every head
     assert rows[17][0] == rows[1][0]  # head dim 16: round 17 wraps back to round 1's window
-    assert rows[17][1] != rows[1][1] and rows[17][1][0] == 16  # the 128 FFN units have not wrapped yet
+    assert (
+        rows[17][1] != rows[1][1] and rows[17][1][0] == 16
+    )  # the 128 FFN units have not wrapped yet
 
 
 @pytest.mark.slow

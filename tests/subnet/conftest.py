@@ -10,8 +10,17 @@ from hydrafl.backbones import TinyShape, build_causal_lm
 from hydrafl.data import TaskSpec
 from hydrafl.models import Classifier, build_model
 
-TEXT = TaskSpec(name="text", modality="text", num_classes=3, class_names=("a", "b", "c"), vocab_size=40, seq_len=8)
-IMAGE = TaskSpec(name="image", modality="image", num_classes=2, class_names=("a", "b"), image_size=16, channels=1)
+TEXT = TaskSpec(
+    name="text",
+    modality="text",
+    num_classes=3,
+    class_names=("a", "b", "c"),
+    vocab_size=40,
+    seq_len=8,
+)
+IMAGE = TaskSpec(
+    name="image", modality="image", num_classes=2, class_names=("a", "b"), image_size=16, channels=1
+)
 SHAPE = TinyShape(hidden=32, layers=3, heads=4, intermediate=48, patch_size=8)
 LLAMA = TinyShape(hidden=32, layers=3, heads=4, kv_heads=2, intermediate=48, max_positions=32)
 
@@ -78,9 +87,16 @@ def _hadamard8() -> torch.Tensor:
 def _planted_bert(c: float = 5.0) -> Classifier:
     torch.manual_seed(0)
     config = BertConfig(
-        vocab_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=4, intermediate_size=4,
-        max_position_embeddings=PLANTED_LEN, num_labels=2, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, pad_token_id=0,
+        vocab_size=8,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=4,
+        max_position_embeddings=PLANTED_LEN,
+        num_labels=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=0,
     )
     net = BertForSequenceClassification(config)
     H = _hadamard8()

@@ -39,7 +39,9 @@ def _bert_reference(net, x: torch.Tensor, kept: dict[int, tuple[int, ...]]) -> t
                 context[:, head] = 0.0
         context = context.transpose(1, 2).reshape(B, S, heads * d)
         a = out.LayerNorm(F.linear(context, out.dense.weight, out.dense.bias) + h)
-        ffn = F.linear(F.gelu(layer.intermediate.dense(a)), layer.output.dense.weight, layer.output.dense.bias)
+        ffn = F.linear(
+            F.gelu(layer.intermediate.dense(a)), layer.output.dense.weight, layer.output.dense.bias
+        )
         h = layer.output.LayerNorm(ffn + a)
     pooled = torch.tanh(bert.pooler.dense(h[:, 0]))
     return net.classifier(pooled)
@@ -61,7 +63,9 @@ def test_bert_head_mask_equals_hand_written_reference(bert, text_batch):
         reference = _bert_reference(model.net, x, kept)
         after = model(x)
     assert torch.allclose(masked, reference, atol=1e-10, rtol=0)
-    assert (masked - full).abs().max() > 1e-5  # the mask really changes the function (100000x the tolerance)
+    assert (
+        masked - full
+    ).abs().max() > 1e-5  # the mask really changes the function (100000x the tolerance)
     assert torch.equal(after, full)  # remove() restores the model exactly
 
 
@@ -145,7 +149,9 @@ def test_masked_heads_get_exactly_zero_gradient_llama_full(llama, lm_batch, lm_l
 
 
 def test_masked_heads_get_exactly_zero_gradient_under_lora(llama, lm_batch, lm_loss):
-    model = with_lora(llama, rank=2, alpha=4, init_lora_weights=False)  # B random, so every factor gets gradient
+    model = with_lora(
+        llama, rank=2, alpha=4, init_lora_weights=False
+    )  # B random, so every factor gets gradient
     x, y = lm_batch
     spec = SubnetSpec(layers=(1,), heads=((0,),))  # group 0: query heads 0, 1
     with apply_spec(model, spec):
@@ -170,7 +176,10 @@ def test_bert_bias_rows_of_masked_heads_get_zero_gradient(bert, text_batch):
         F.cross_entropy(bert(x), y).backward()
     s = "net.bert.encoder.layer.2.attention.self"
     grads = dict(bert.named_parameters())
-    for proj in ("query", "value"):  # (the key bias has no effect on softmax: its gradient is ~0 for all heads)
+    for proj in (
+        "query",
+        "value",
+    ):  # (the key bias has no effect on softmax: its gradient is ~0 for all heads)
         b = grads[f"{s}.{proj}.bias"].grad
         assert torch.count_nonzero(b[:8]) == 0 and torch.count_nonzero(b[24:]) == 0
         assert torch.count_nonzero(b[8:24]) == 16
@@ -190,7 +199,9 @@ def test_frozen_layers_keep_the_function_bypassed_layers_skip_it(llama, lm_batch
             bypassed = llama(input_ids=x).logits
         assert len(calls) == 2  # a bypassed layer does not
         reference = copy.deepcopy(llama)
-        reference.model.layers = nn.ModuleList([reference.model.layers[0], reference.model.layers[2]])
+        reference.model.layers = nn.ModuleList(
+            [reference.model.layers[0], reference.model.layers[2]]
+        )
         expected = reference(input_ids=x).logits
         after = llama(input_ids=x).logits
     assert torch.allclose(bypassed, expected, atol=1e-6, rtol=0)
@@ -215,14 +226,18 @@ def test_width_ratio_is_applied_not_ignored(llama):
     from hydrafl.subnet.spec import SpecError
 
     with apply_spec(llama, SubnetSpec(layers=(0,), width_ratio=0.5)) as handle:
-        assert handle.width_ratio == 0.5  # masking per width: tests/strategies/test_width_baselines.py
+        assert (
+            handle.width_ratio == 0.5
+        )  # masking per width: tests/strategies/test_width_baselines.py
     assert all(p.requires_grad for p in llama.parameters())
     with pytest.raises(SpecError, match="selects heads or a width"):
         SubnetSpec(layers=(0,), heads=((0,),), width_ratio=0.5)
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_frozen_heads_keep_the_function_and_train_only_the_kept_heads_coordinates(llama, lm_batch, lm_loss, lora):
+def test_frozen_heads_keep_the_function_and_train_only_the_kept_heads_coordinates(
+    llama, lm_batch, lm_loss, lora
+):
     """freeze_heads: the forward pass is the whole model's, the gradient is the whole model's on the kept heads'
     coordinates and exactly zero on the dropped heads' (the same coordinates masking zeroes)."""
     model = with_lora(llama, rank=2, alpha=4, init_lora_weights=False) if lora else llama
@@ -254,8 +269,19 @@ def test_frozen_heads_are_read_whole_and_round_trip_through_the_config():
     spec = SubnetSpec(layers=(1,), heads=((0,),), freeze_heads=True)
     assert SubnetSpec.from_config(spec.to_config()) == spec
     dropped = SubnetSpec(layers=(1,), heads=((0,),))
-    assert SubnetSpec.from_config({k: v for k, v in dropped.to_config().items() if "freeze" not in k}) == dropped
+    assert (
+        SubnetSpec.from_config({k: v for k, v in dropped.to_config().items() if "freeze" not in k})
+        == dropped
+    )
     trained = {"q": Slice(0, (0, 1)), "ffn": Slice(None)}
     layers = {"q": 1, "ffn": 1, "k0": 0}
-    assert read_slices(trained, layers, spec) == {"q": Slice(None), "ffn": Slice(None), "k0": Slice(None)}
-    assert read_slices(trained, layers, dropped) == {"q": Slice(0, (0, 1)), "ffn": Slice(None), "k0": Slice(None)}
+    assert read_slices(trained, layers, spec) == {
+        "q": Slice(None),
+        "ffn": Slice(None),
+        "k0": Slice(None),
+    }
+    assert read_slices(trained, layers, dropped) == {
+        "q": Slice(0, (0, 1)),
+        "ffn": Slice(None),
+        "k0": Slice(None),
+    }

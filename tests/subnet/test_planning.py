@@ -19,7 +19,9 @@ from hydrafl.subnet.spec import SubnetSpec
 
 def test_combine_layer_scores_is_sample_weighted():
     sites = [([1.0, 3.0, 2.0], 10), ([4.0, 0.0, 1.0], 30)]
-    assert global_layer_scores(sites) == pytest.approx([3.25, 0.75, 1.25])  # (10*1+30*4)/40, (30+0)/40, (20+30)/40
+    assert global_layer_scores(sites) == pytest.approx(
+        [3.25, 0.75, 1.25]
+    )  # (10*1+30*4)/40, (30+0)/40, (20+30)/40
     assert combine_layer_scores(sites) == [0, 2, 1]
     # a site with a larger loss scale dominates raw sums; `normalize` compares shapes instead
     sites = [([0.0, 6.0, 0.0], 10), ([10.0, 0.0, 90.0], 10)]
@@ -47,7 +49,9 @@ def test_select_heads_and_build_spec():
 
 
 def test_plan_budget_hand_examples():
-    cost = LayerCost(fixed_s=0.1, per_layer_s=0.2, fixed_bytes=100, per_layer_bytes=50, head_fraction=0.5)
+    cost = LayerCost(
+        fixed_s=0.1, per_layer_s=0.2, fixed_bytes=100, per_layer_bytes=50, head_fraction=0.5
+    )
     common = dict(num_layers=4, num_groups=4, local_steps=10)
     # fast site, roomy: everything fits (w = 4 -> 0.9 s/step, 300 bytes)
     big = plan_budget(cost, memory_bytes=1000, speed=1.0, deadline_s=10.0, **common)
@@ -60,8 +64,12 @@ def test_plan_budget_hand_examples():
     small = plan_budget(cost, memory_bytes=190, speed=1.0, deadline_s=10.0, **common)
     assert (small.layers, small.heads) == (2, 3) and small.memory_bytes == pytest.approx(187.5)
     # equal work: more layers win ((4, 2) over (2, 4) when all cost scales with heads)
-    flat = LayerCost(fixed_s=0.0, per_layer_s=1.0, fixed_bytes=0, per_layer_bytes=0, head_fraction=1.0)
-    tie = plan_budget(flat, memory_bytes=1, speed=1.0, deadline_s=2.0, num_layers=4, num_groups=4, local_steps=1)
+    flat = LayerCost(
+        fixed_s=0.0, per_layer_s=1.0, fixed_bytes=0, per_layer_bytes=0, head_fraction=1.0
+    )
+    tie = plan_budget(
+        flat, memory_bytes=1, speed=1.0, deadline_s=2.0, num_layers=4, num_groups=4, local_steps=1
+    )
     assert (tie.layers, tie.heads) == (4, 2)
     with pytest.raises(ValueError, match="no Hydra-net fits: 1 layer / 1 head needs"):
         plan_budget(cost, memory_bytes=100, speed=1.0, deadline_s=10.0, **common)

@@ -28,7 +28,9 @@ def test_planted_head_is_the_only_carrier_of_the_label(planted):
                 logits, logits_swapped = model(x), model(swapped)
             accuracy = float((logits.argmax(-1) == y).float().mean())
             if head == star:
-                assert torch.equal(logits, logits_swapped)  # without head 2 the output ignores the informative token
+                assert torch.equal(
+                    logits, logits_swapped
+                )  # without head 2 the output ignores the informative token
                 assert accuracy <= 0.6
             else:
                 assert accuracy == 1.0
@@ -67,7 +69,9 @@ def test_attention_confidence_on_causal_lora_llama(llama, lm_batch, lm_loss):
     assert llama.config._attn_implementation == "sdpa"
     # the eager weights the score reads are causal: exactly 0 above the diagonal, first query all on key 0
     seen = []
-    hook = llama.model.layers[0].self_attn.register_forward_hook(lambda m, a, out: seen.append(out[1]))
+    hook = llama.model.layers[0].self_attn.register_forward_hook(
+        lambda m, a, out: seen.append(out[1])
+    )
     with torch.no_grad(), eager_attention(model):
         model(input_ids=x)
     hook.remove()
@@ -95,13 +99,18 @@ def _michel_reference(model, arch, samples, loss_fn):
 
             return hook
 
-        hooks = [model.get_submodule(ref.o).register_forward_pre_hook(make(ref.index)) for ref in arch.layers]
+        hooks = [
+            model.get_submodule(ref.o).register_forward_pre_hook(make(ref.index))
+            for ref in arch.layers
+        ]
         loss = loss_fn(model, x, y)
         grads = torch.autograd.grad(loss, [leaves[i] for i in range(arch.num_layers)])
         for h in hooks:
             h.remove()
         for i, g in enumerate(grads):
-            per_dim = (inputs[i] * g).double().sum(dim=tuple(range(g.dim() - 1)))  # [heads * head_dim]
+            per_dim = (
+                (inputs[i] * g).double().sum(dim=tuple(range(g.dim() - 1)))
+            )  # [heads * head_dim]
             total[i] += per_dim.view(arch.num_groups, -1).sum(-1).abs()
     return total / len(samples)
 
@@ -110,7 +119,9 @@ def test_gate_gradient_equals_michel_reference_on_llama_gqa(llama, lm_batch, lm_
     llama.eval()
     x, y = lm_batch
     arch = find_architecture(llama)
-    reference = _michel_reference(llama, arch, [(x[i : i + 1], y[i : i + 1]) for i in range(len(x))], lm_loss)
+    reference = _michel_reference(
+        llama, arch, [(x[i : i + 1], y[i : i + 1]) for i in range(len(x))], lm_loss
+    )
     scores = torch.tensor(head_importance(llama, [(x, y)], lm_loss), dtype=torch.float64)
     assert scores.shape == (3, 2)  # per layer, per KV group
     assert torch.allclose(scores, reference, rtol=1e-5, atol=1e-9)
@@ -120,10 +131,14 @@ def test_gate_gradient_equals_michel_reference_on_llama_gqa(llama, lm_batch, lm_
 def test_head_scores_do_not_depend_on_batching(bert, text_batch):
     x, y = text_batch
     one = torch.tensor(head_importance(bert, [(x, y)]))
-    three = torch.tensor(head_importance(bert, [(x[i : i + 2], y[i : i + 2]) for i in range(0, 6, 2)]))
+    three = torch.tensor(
+        head_importance(bert, [(x[i : i + 2], y[i : i + 2]) for i in range(0, 6, 2)])
+    )
     assert torch.allclose(one, three, rtol=1e-5, atol=1e-10)
     capped = torch.tensor(head_importance(bert, [(x, y)], max_samples=2))
-    assert torch.allclose(capped, torch.tensor(head_importance(bert, [(x[:2], y[:2])])), rtol=0, atol=0)
+    assert torch.allclose(
+        capped, torch.tensor(head_importance(bert, [(x[:2], y[:2])])), rtol=0, atol=0
+    )
 
 
 # ---- layer scores --------------------------------------------------------------------------------------------------
@@ -146,7 +161,9 @@ def test_fisher_matches_per_sample_backward_reference(bert, text_batch):
     assert scores == pytest.approx(reference, rel=1e-6)
 
 
-def test_taylor_matches_full_batch_reference_and_is_zero_for_an_identity_layer(llama, lm_batch, lm_loss):
+def test_taylor_matches_full_batch_reference_and_is_zero_for_an_identity_layer(
+    llama, lm_batch, lm_loss
+):
     with torch.no_grad():  # layer 1 becomes an exact identity: residual only
         llama.model.layers[1].self_attn.o_proj.weight.zero_()
         llama.model.layers[1].mlp.down_proj.weight.zero_()
@@ -168,10 +185,16 @@ def test_taylor_matches_full_batch_reference_and_is_zero_for_an_identity_layer(l
     assert split == pytest.approx(scores, rel=1e-4)
 
 
-def test_lora_trainable_only_taylor_is_zero_at_init_hence_default_over_all(llama, lm_batch, lm_loss):
+def test_lora_trainable_only_taylor_is_zero_at_init_hence_default_over_all(
+    llama, lm_batch, lm_loss
+):
     model = with_lora(llama, rank=2, alpha=4)  # PEFT default: B = 0
     x, y = lm_batch
-    assert layer_importance(model, [(x, y)], lm_loss, method="taylor", over="trainable") == [0.0, 0.0, 0.0]
+    assert layer_importance(model, [(x, y)], lm_loss, method="taylor", over="trainable") == [
+        0.0,
+        0.0,
+        0.0,
+    ]
     assert all(s > 0 for s in layer_importance(model, [(x, y)], lm_loss, method="taylor"))
     # scoring leaves requires_grad, .grad and train mode as they were
     model.train()

@@ -23,7 +23,9 @@ def _state(model):
 
 def test_llama_lora_slices_are_the_kept_groups_rows_and_columns(llama):
     model = with_lora(llama, rank=2, alpha=4)
-    spec = SubnetSpec(layers=(1,), heads=((0,),))  # KV group 0 = query heads 0, 1 = q/o dims 0..15, k/v dims 0..7
+    spec = SubnetSpec(
+        layers=(1,), heads=((0,),)
+    )  # KV group 0 = query heads 0, 1 = q/o dims 0..15, k/v dims 0..7
     slices = trainable_slices(model, spec)
     assert slices == {
         f"{L1}.q_proj.lora_A.default.weight": Slice(None),
@@ -39,7 +41,9 @@ def test_llama_lora_slices_are_the_kept_groups_rows_and_columns(llama):
     #                                 + o A 2x16 + o B 32x2 = 64+32+64+16+64+16+32+64 = 352 floats
     extracted = extract(_state(model), slices)
     assert payload_bytes(extracted) == 352 * 4 == 1408
-    record = to_record(extracted)  # what actually travels: the same data bytes, plus an .npy header per tensor
+    record = to_record(
+        extracted
+    )  # what actually travels: the same data bytes, plus an .npy header per tensor
     assert sum(array.numpy().nbytes for array in record.values()) == 1408
     assert 0 < record_nbytes(record) - 1408 <= 128 * len(record)
     assert parameter_count(model, spec) == 352 and parameter_bytes(model, spec) == 1408
@@ -125,7 +129,9 @@ def test_gradient_support_equals_the_slices_under_lora(bert, text_batch):
             continue
         mask = slices[name].mask(p.shape)
         assert torch.count_nonzero(p.grad[~mask]) == 0, name
-        assert torch.count_nonzero(p.grad[mask]) == int(mask.sum()), name  # every sliced coordinate is trained
+        assert torch.count_nonzero(p.grad[mask]) == int(mask.sum()), (
+            name
+        )  # every sliced coordinate is trained
     assert "base_model.model.net.classifier.modules_to_save.default.weight" in slices
 
 

@@ -23,7 +23,11 @@ def test_spec_is_canonical_sorted_and_aligned():
 
 def test_config_round_trip_through_a_flower_config_record():
     spec = SubnetSpec(
-        layers=(0, 2, 5), heads=((1,), (0, 2, 3), (2,)), bypass=True, train_outside=False, freeze_heads=True
+        layers=(0, 2, 5),
+        heads=((1,), (0, 2, 3), (2,)),
+        bypass=True,
+        train_outside=False,
+        freeze_heads=True,
     )
     config = spec.to_config()
     assert config == {
@@ -42,7 +46,11 @@ def test_config_round_trip_through_a_flower_config_record():
     all_heads = SubnetSpec(layers=(3,), width_ratio=0.5)
     record = ConfigRecord(all_heads.to_config(prefix="site-4."))
     assert sorted(record) == [
-        "site-4.all-heads", "site-4.bypass", "site-4.freeze-heads", "site-4.layers", "site-4.train-outside",
+        "site-4.all-heads",
+        "site-4.bypass",
+        "site-4.freeze-heads",
+        "site-4.layers",
+        "site-4.train-outside",
         "site-4.width-ratio",
     ]
     back = SubnetSpec.from_config(dict(record), prefix="site-4.")
@@ -57,7 +65,10 @@ def test_config_round_trip_through_a_flower_config_record():
         ({"layers": (0, 0)}, "layer indices contain duplicates"),
         ({"layers": (-1,)}, "layer indices must be >= 0"),
         ({"layers": (1.0,)}, "layer indices must be integers"),
-        ({"layers": (0, 1), "heads": ((0,),)}, "one tuple per selected layer: 2 layers, 1 head tuples"),
+        (
+            {"layers": (0, 1), "heads": ((0,),)},
+            "one tuple per selected layer: 2 layers, 1 head tuples",
+        ),
         ({"layers": (0,), "heads": ((1, 1),)}, "head indices of layer 0 contain duplicates"),
         ({"layers": (0,), "width_ratio": 0.0}, r"width_ratio must be a number in \(0, 1\]"),
         ({"layers": (0,), "width_ratio": 1.5}, r"width_ratio must be a number in \(0, 1\]"),
@@ -73,9 +84,14 @@ def test_spec_checked_against_the_model(llama, bert):
     SubnetSpec(layers=(2,), heads=((1,),)).check(arch)
     with pytest.raises(SpecError, match=r"layer 3 out of range: the model has 3 layers \(0..2\)"):
         SubnetSpec(layers=(0, 3)).check(arch)
-    with pytest.raises(SpecError, match=r"KV group 2 of layer 1 out of range: the model has 2 KV groups per layer \(0..1\)"):
+    with pytest.raises(
+        SpecError,
+        match=r"KV group 2 of layer 1 out of range: the model has 2 KV groups per layer \(0..1\)",
+    ):
         SubnetSpec(layers=(1,), heads=((2,),)).check(arch)
-    with pytest.raises(SpecError, match=r"head 4 of layer 0 out of range: the model has 4 heads per layer \(0..3\)"):
+    with pytest.raises(
+        SpecError, match=r"head 4 of layer 0 out of range: the model has 4 heads per layer \(0..3\)"
+    ):
         SubnetSpec(layers=(0,), heads=((4,),)).check(find_architecture(bert))
 
 
@@ -85,12 +101,22 @@ def test_spec_checked_against_the_model(llama, bert):
         ({"hydra.all-heads": True}, "config has no 'hydra.layers'"),
         ({"hydra.layers": 3, "hydra.all-heads": True}, "'hydra.layers' must be a list of integers"),
         (
-            {"hydra.layers": [0, 1], "hydra.all-heads": False, "hydra.head-counts": [1, 2], "hydra.heads": [0, 1]},
+            {
+                "hydra.layers": [0, 1],
+                "hydra.all-heads": False,
+                "hydra.head-counts": [1, 2],
+                "hydra.heads": [0, 1],
+            },
             r"hydra.head-counts \[1, 2\] does not split hydra.heads \(length 2\) over 2 layers",
         ),
         (
-            {"hydra.layers": [0], "hydra.all-heads": True, "hydra.width-ratio": True, "hydra.bypass": False,
-             "hydra.train-outside": True},
+            {
+                "hydra.layers": [0],
+                "hydra.all-heads": True,
+                "hydra.width-ratio": True,
+                "hydra.bypass": False,
+                "hydra.train-outside": True,
+            },
             "'hydra.width-ratio' must be int/float",
         ),
     ],

@@ -48,7 +48,12 @@ def upgrade() -> None:
     op.create_table(
         "replies",
         sa.Column("id", sa.Integer(), primary_key=True),
-        sa.Column("reply_to_message_id", sa.String(64), sa.ForeignKey("messages.message_id"), nullable=False),
+        sa.Column(
+            "reply_to_message_id",
+            sa.String(64),
+            sa.ForeignKey("messages.message_id"),
+            nullable=False,
+        ),
         sa.Column("run_id", sa.Integer(), sa.ForeignKey("runs.id"), nullable=False),
         sa.Column("server_round", sa.Integer(), nullable=False),
         sa.Column("node_id", sa.BigInteger(), nullable=False),

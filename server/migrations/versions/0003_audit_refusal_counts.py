@@ -18,7 +18,9 @@ depends_on = None
 def upgrade() -> None:
     with op.batch_alter_table("audit_events") as batch:
         batch.add_column(sa.Column("server_round", sa.Integer(), nullable=True))
-        batch.add_column(sa.Column("count", sa.Integer(), nullable=False, server_default=sa.text("1")))
+        batch.add_column(
+            sa.Column("count", sa.Integer(), nullable=False, server_default=sa.text("1"))
+        )
         batch.add_column(sa.Column("last_at", sa.DateTime(timezone=True), nullable=True))
         batch.create_index("ix_audit_events_kind_site", ["kind", "site_name", "id"])
 
