@@ -8,8 +8,10 @@ as a real one."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import Any
 
-from flwr.app import ConfigRecord, Context, Error, Message
+from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
@@ -17,8 +19,8 @@ from hydrafl import protocol
 from hydrafl.client import site_secagg
 from hydrafl.client.site_policy import SMALL_CELL_REASON, SitePolicy
 from hydrafl.compression.layout import DOWNLOAD_RECORD, CompressionError, Scheme
+from hydrafl.run_settings import run_settings
 from hydrafl.secagg.identity import SiteIdentity, new_signing_key
-from hydrafl.updates import records
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +51,7 @@ def _compressed(message: Message, reply: Message, context: Context) -> Message:
     answers through here, and a stock Flower app's simulation need not import torch."""
     if reply.has_error() or not message.metadata.message_type.startswith("train"):
         return reply
-    if not Scheme.from_config(
-        next(iter(records(message.content, ConfigRecord)), ConfigRecord())
-    ).enabled:
+    if not Scheme.from_config(run_settings(message, context)).enabled:
         return reply
     from hydrafl.compression.feedback import compress_reply
 
@@ -98,12 +98,18 @@ class PipelineApp(ClientApp):
     `context.state` the engine keeps per node across messages. It plays the consortium for its sites: each
     gets a certified secure-aggregation identity the first time it answers (the engine picks the node ids)."""
 
-    def __init__(self, inner: ClientApp, policy: SitePolicy) -> None:
+    def __init__(
+        self, inner: ClientApp, policy: SitePolicy, run_config: Mapping[str, Any] | None = None
+    ) -> None:
         super().__init__()
-        self.inner, self.policy = inner, policy
+        self.inner, self.policy, self.run_config = inner, policy, dict(run_config or {})
         self.consortium = new_signing_key()
 
     def __call__(self, message: Message, context: Context) -> Message:
+        if (
+            not context.run_config
+        ):  # Ray's engine gives sites no run_config: the run's, once per site
+            context.run_config.update(self.run_config)
         if site_secagg.IDENTITY_KEY not in context.state:
             site_secagg.install_identity(
                 context, SiteIdentity.issue(self.consortium, context.node_id)

@@ -77,8 +77,6 @@ def run_federation(
         required_sites=cfg.required_sites,
         seed=cfg.seed,
         timeout_s=cfg.round_deadline_s,
-        train_config=cfg.to_flower(),
-        evaluate_config=cfg.to_flower(),
         run_dir=Path(cfg.run_dir) if cfg.run_dir else None,
         run_config=cfg.to_flower(),
         run_config_defaults=RunConfig.flower_defaults(cfg.strategy),
@@ -120,7 +118,7 @@ def wait_for_sites(grid: Grid, required: int, timeout_s: float) -> list[int]:
 def _query(
     cfg: RunConfig, node: int, message_type: str, arrays: ArrayRecord | None = None, **keys: bool
 ) -> Message:
-    content = RecordDict({"config": ConfigRecord({**cfg.to_flower(), **keys})})
+    content = RecordDict({"config": ConfigRecord(dict(keys))})
     if arrays is not None:
         content["arrays"] = arrays
     return Message(content, dst_node_id=node, message_type=message_type)

@@ -27,8 +27,8 @@ from hydrafl import protocol
 from hydrafl.arrays import from_record, to_record
 from hydrafl.compression.codecs import decode, encode
 from hydrafl.compression.layout import RECORD, Scheme, describe
+from hydrafl.run_settings import run_settings
 from hydrafl.site_config import SiteConfig
-from hydrafl.updates import records
 
 STATE_ARRAYS = "compress.feedback"
 """The `context.state` ArrayRecord of residuals (`e/NAME`) and PowerSGD warm starts (`q/NAME`)."""
@@ -98,7 +98,7 @@ def compress_reply(message: Message, reply: Message, context: Context) -> Messag
     for an error reply); the residual is kept for the next round, also in the site's `state-dir` if it has one."""
     if reply.has_error() or not message.metadata.message_type.startswith("train"):
         return reply
-    config = next(iter(records(message.content, ConfigRecord)), ConfigRecord())
+    config = run_settings(message, context)
     scheme = Scheme.from_config(config)
     if not scheme.enabled:
         return reply

@@ -20,8 +20,8 @@ from hydrafl.compression.codecs import decode
 from hydrafl.compression.downloads import DELTA, FULL, SITE_REFERENCES, Tensors, content_hash
 from hydrafl.compression.feedback import coordinates_key, read_state, state_path, write_state
 from hydrafl.compression.layout import DOWNLOAD_RECORD, Scheme, download_shapes
+from hydrafl.run_settings import run_settings
 from hydrafl.site_config import SiteConfig
-from hydrafl.updates import records
 
 STATE_ARRAYS = "download.references"
 """The `context.state` ArrayRecord of the reference models, each tensor named `POSITION/NAME`."""
@@ -46,7 +46,7 @@ def receive_download(message: Message, context: Context) -> None:
         message.content[names[0]],
         SiteConfig.from_node_config(context.node_config).state_dir,
     )
-    config = next(iter(records(message.content, ConfigRecord)), ConfigRecord())
+    config = run_settings(message, context)
     scheme = Scheme.from_config(config)
     key, held = coordinates_key(config, scheme), site_references(context, state_dir)
     if download.get("mode") == FULL:

@@ -196,7 +196,7 @@ def _run_on_ray(cfg: RunConfig, policy: SitePolicy = SitePolicy()) -> list[dict[
     start_ray(os.cpu_count() or 1)
     run_simulation(
         server_app=build_server_app(cfg),
-        client_app=PipelineApp(client_app, policy),
+        client_app=PipelineApp(client_app, policy, cfg.to_flower()),
         num_supernodes=cfg.sites,
         backend_config={
             "client_resources": {"num_cpus": 1, "num_gpus": 0.0}

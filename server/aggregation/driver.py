@@ -77,6 +77,8 @@ class DriverConfig:
     seed: int = 0
     timeout_s: float | None = None
     train_config: dict[str, Any] = field(default_factory=dict)
+    """Keys every train message carries besides the strategy's: per-round ones only. The run's settings reach
+    a site once per run, in its Context (`hydrafl.run_settings`)."""
     evaluate_config: dict[str, Any] = field(default_factory=dict)
     run_dir: Path | None = None
     """Checkpoints, history.json and rounds.tsv go here; None keeps the run in memory only."""
@@ -118,9 +120,9 @@ class RoundDriver:
             strategy.weighted_by_key if isinstance(strategy, FedAvg) else protocol.WEIGHT
         )
         self.privacy = PrivacyLedger.from_run_config(config.run_config, config.secagg)
-        self.scheme = Scheme.from_config(config.train_config)
+        self.scheme = Scheme.from_config(config.run_config)
         """How sites compress their updates (`--compress`); replies are decoded as they arrive."""
-        self.downloads = DownloadCompression.from_config(config.train_config)
+        self.downloads = DownloadCompression.from_config(config.run_config)
         """What each site holds of the model (`--compress-downloads`): train and evaluate messages carry changes."""
 
     def run(
