@@ -43,13 +43,9 @@ from hydrafl.server.server_app import run_federation
 from hydrafl.server.stock_apps import ServerAppError, run_server_app
 from hydrafl.server.store import LeaseClaim, Run, Store, describe_lease, lease_age_s
 from hydrafl.server.transport.grid import CoordinatorGrid
+from hydrafl.server.transport.handlers import SERVICE_NAME, add_coordinator_service
 from hydrafl.server.transport.sent_cache import SentCache
-from hydrafl.server.transport.service import (
-    SERVER_OPTIONS,
-    SERVICE_NAME,
-    CoordinatorService,
-    add_coordinator_service,
-)
+from hydrafl.server.transport.service import SERVER_OPTIONS, CoordinatorService
 from hydrafl.server.transport.tls import ServerTls, plaintext_warning
 
 log = logging.getLogger(__name__)
@@ -185,7 +181,7 @@ class LeaseKeeper:
             self._thread.join()
         try:
             self.store.release_lease(self.claim.holder)
-        except Exception as error:  # noqa: BLE001  (the lease then goes stale on its own)
+        except Exception as error:
             log.warning(
                 "could not release the coordinator lease (%s); it goes stale in %g s",
                 error,
@@ -199,7 +195,7 @@ class LeaseKeeper:
         while not self._stopped.wait(interval_s):
             try:
                 held = self.store.renew_lease(self.claim.holder)
-            except Exception as error:  # noqa: BLE001  (any failure: keep beating, the database may come back)
+            except Exception as error:
                 log.warning(
                     "coordinator lease heartbeat failed (%s); retrying in %.1f s", error, interval_s
                 )
@@ -215,7 +211,7 @@ class LeaseKeeper:
     def _holder(self) -> str:
         try:
             lease = self.store.lease()
-        except Exception as error:  # noqa: BLE001  (only for the message)
+        except Exception as error:
             return f"holder unknown: {error}"
         return "lease released" if lease is None else describe_lease(lease, lease_age_s(lease))
 
@@ -339,7 +335,7 @@ class Coordinator:
                     continue
             except LeaseLost:
                 raise
-            except Exception as error:  # noqa: BLE001  (the coordinator outlives what it cannot do or record now)
+            except Exception as error:
                 log.error(
                     "coordinator: %s: %s; trying again in %g s",
                     type(error).__name__,
@@ -436,7 +432,7 @@ class Coordinator:
             log.error("run %d failed: %s", run.id, error)
             self._record_failure(run.id, detail=str(error))
             return
-        except (Exception, SystemExit) as error:  # noqa: BLE001  (the app's failure, even sys.exit, ends its run only)
+        except (Exception, SystemExit) as error:
             log.error(
                 "run %d failed: ServerApp %s raised %s: %s",
                 run.id,
@@ -459,7 +455,7 @@ class Coordinator:
         `RETRY_AFTER_ERROR_S` and go on: the run is tried again (from its checkpoint) and may fail again."""
         try:
             self.store.set_run_status(run_id, "failed", detail=detail, rounds_done=rounds_done)
-        except Exception as error:  # noqa: BLE001  (a failure to record a failure is never fatal)
+        except Exception as error:
             log.error(
                 "run %d: could not record its failure (%s: %s); trying again in %g s",
                 run_id,

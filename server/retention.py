@@ -7,7 +7,8 @@ What goes, and when:
   under the same message ids and reuses the stored replies.
 - An ended run (finished or failed) loses its messages, replies and chunks; it keeps its run row (history), its
   audit events and its run folder (rounds.tsv, history.json, its last checkpoints: the newest is its final model).
-- Each run folder keeps the last `keep_checkpoints` rounds' checkpoints (`hydrafl.server.aggregation.checkpoint.archive_checkpoint`).
+- Each run folder keeps the last `keep_checkpoints` rounds' checkpoints
+  (`hydrafl.server.aggregation.checkpoint.archive_checkpoint`).
 - A stock Flower ServerApp restarts from its beginning and reuses its stored replies: its rows go at its end only.
 - A chunk goes only when no remaining row refers to it (messages refer to chunks at the blob store's root, replies
   to chunks in their site's namespace). A site that may still answer a message has uploads in flight: its

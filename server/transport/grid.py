@@ -73,7 +73,8 @@ class CoordinatorGrid(Grid):
         return self.service.connected_nodes()
 
     def record_rejection(self, node_id: int, server_round: int, reason: str) -> None:
-        """The driver rejected this site's reply (`hydrafl.server.aggregation.screening.AuditsRejections`): an audit event."""
+        """The driver rejected this site's reply: an audit event
+        (`hydrafl.server.aggregation.screening.AuditsRejections`)."""
         name = next(
             (site.name for site in self.store.sites() if site.node_id == node_id), str(node_id)
         )

@@ -16,15 +16,18 @@ from collections.abc import Callable
 import numpy as np
 from flwr.app import RecordDict
 
+from hydrafl.bounded import bounded
 from hydrafl.proto.coordinator_pb2 import Envelope
 from hydrafl.proto.envelope import (
     CHUNK_BYTES,
+    MAX_REASON_CHARS,
     EnvelopeError,
     check_manifest,
     chunk_sizes,
     declared_nbytes,
     parse_content,
 )
+from hydrafl.server.store import AuditEvent, OutboundMessage, Site
 from hydrafl.server.transport.compressed_replies import (
     check_compressed_layout,
     check_compressed_values,
@@ -33,7 +36,7 @@ from hydrafl.server.transport.compressed_replies import (
     sent_model,
 )
 from hydrafl.server.transport.secagg_replies import check_secagg_reply, is_secagg, secagg_length
-from hydrafl.updates import InvalidUpdate, check_metrics
+from hydrafl.updates import InvalidUpdate, check_metrics, declared_reply_arrays
 
 
 def allowed_reply_bytes(
@@ -41,20 +44,22 @@ def allowed_reply_bytes(
 ) -> int:
     """The most array bytes a reply to `sent` may carry: the model it stands for (what was sent, or what a
     compressed download changes), or, for a query that sent no arrays (the initial model), the coordinator's
-    model limit; evaluate replies carry none (under secure aggregation, their masked vector). `sent_content`: `sent`'s records, when the caller has parsed them."""
+    model limit; evaluate replies carry none (under secure aggregation, their masked vector).
+    `sent_content`: `sent`'s records, when the caller has parsed them."""
     kind = message_kind(sent.message_type)
     if kind in ("train", "evaluate") and (length := secagg_length(sent)) is not None:
         return 4 * length  # a masked uint32 vector, whatever the site was sent
     if kind == "evaluate":
         return 0
-    downloaded = download_model(parse_content(sent) if sent_content is None else sent_content)
+    content = parse_content(sent) if sent_content is None else sent_content
+    downloaded = download_model(content)
     sent_bytes = (
         declared_nbytes(sent)
         if downloaded is None
         else sum(4 * math.prod(s) for s in downloaded.values())
     )
-    if sent_bytes:
-        return sent_bytes
+    if sent_bytes:  # a train reply's declared extra records (SCAFFOLD's) each stand for the model too
+        return sent_bytes * (1 + len(declared_reply_arrays(content)) if kind == "train" else 1)
     return max_model_bytes if kind == "query" else 0
 
 
@@ -108,7 +113,7 @@ def check_reply(
         check_secagg_reply(reply, content, sent.message_type, sent_content)
         _check_chunks(reply, chunk_size, chunk_bytes, known_finite)
         return
-    _check_records(content, reply, sent.message_type, weighted_by_key)
+    _check_records(content, reply, sent.message_type, weighted_by_key, sent_content)
     compressed = is_compressed(content)
     if (
         compressed
@@ -123,15 +128,25 @@ def check_reply(
 
 
 def _check_records(
-    content: RecordDict, reply: Envelope, message_type: str, weighted_by_key: str
+    content: RecordDict,
+    reply: Envelope,
+    message_type: str,
+    weighted_by_key: str,
+    sent_content: RecordDict,
 ) -> None:
-    """Only the records a reply of this type may hold: train one ArrayRecord and one MetricRecord, evaluate one
+    """Only the records a reply of this type may hold: train one ArrayRecord (the delta, first) and exactly the
+    extra ones its message declares (`updates.declared_reply_arrays`) and one MetricRecord, evaluate one
     MetricRecord and no arrays, a query at most one ArrayRecord; ConfigRecords anywhere."""
     arrays, metrics, kind = len(reply.arrays), content.metric_records, message_kind(message_type)
-    if kind == "train" and (arrays != 1 or len(metrics) != 1):
+    extra = declared_reply_arrays(sent_content) if kind == "train" else ()
+    if kind == "train" and (arrays != 1 + len(extra) or len(metrics) != 1):
         raise EnvelopeError(
-            f"a train reply holds one ArrayRecord and one MetricRecord, not {arrays} and {len(metrics)}"
+            f"a train reply holds {1 + len(extra)} ArrayRecord(s) and one MetricRecord, not {arrays} and "
+            f"{len(metrics)}"
         )
+    keys = [record.key for record in reply.arrays]
+    if kind == "train" and (keys[0] in extra or sorted(keys[1:]) != sorted(extra)):
+        raise EnvelopeError(f"a train reply holds its delta, then ArrayRecords {list(extra)}")
     if kind == "evaluate" and (arrays or len(metrics) != 1):
         raise EnvelopeError(
             f"an evaluate reply holds one MetricRecord and no arrays, not {len(metrics)} and {arrays}"
@@ -157,7 +172,7 @@ def _check_against_sent(
                 raise EnvelopeError(f"array {tensor.name}: not a tensor this site was sent")
             dtype, shape = shapes[tensor.name]
             fits = len(tensor.shape) == len(shape) and all(
-                0 <= n <= m for n, m in zip(tensor.shape, shape)
+                0 <= n <= m for n, m in zip(tensor.shape, shape, strict=True)
             )
             if tensor.dtype != dtype or not fits:
                 raise EnvelopeError(
@@ -200,3 +215,38 @@ def _check_chunks(
                     if not np.isfinite(np.frombuffer(chunk_bytes(digest), dtype=dtype)).all():
                         raise EnvelopeError(f"array {record.key}/{tensor.name} contains NaN or Inf")
                     finite.add((digest, tensor.dtype))
+
+
+def reply_event(site: Site, outbound: OutboundMessage, stored: Envelope) -> AuditEvent:
+    """The audit event of a stored reply: an accepted update, or the site's declining with its reason."""
+    if stored.error_reason or stored.error_code:
+        detail = bounded(
+            f"round {outbound.server_round} {stored.message_type}: {stored.error_reason}"
+        )
+        return AuditEvent(
+            kind="site-declined", site_name=site.name, run_id=outbound.run_id, detail=detail
+        )
+    return AuditEvent(
+        kind="update-accepted",
+        site_name=site.name,
+        run_id=outbound.run_id,
+        detail=outbound.message_id,
+    )
+
+
+def as_stored(reply: Envelope, outbound: OutboundMessage, sent: Envelope) -> Envelope:
+    """The reply as the coordinator keeps it: identity from the message it answers, never from the site."""
+    stored = Envelope(
+        message_id=f"{outbound.message_id}.reply",
+        reply_to_message_id=outbound.message_id,
+        message_type=sent.message_type,
+        run_id=outbound.run_id,
+        round=outbound.server_round,
+    )
+    if reply.error_code or reply.error_reason:
+        stored.error_code = reply.error_code or 1
+        stored.error_reason = reply.error_reason[:MAX_REASON_CHARS]
+    else:
+        stored.content = reply.content
+        stored.arrays.extend(reply.arrays)
+    return stored

@@ -478,7 +478,7 @@ def test_tiny_chunks_cannot_fill_the_disk_past_the_chunk_quota(live):
     """Each stored chunk takes a whole pack slot whatever its size, so a site's uploads are bounded in chunks as
     well as bytes: 24 distinct 1-byte chunks fit the 24-byte quota but not its chunk count, and are all freed."""
     node_a, _ = live.nodes
-    quota = live.coordinator.service._upload_quota(node_a)
+    quota = live.coordinator.service.uploads.quota(node_a)
     assert quota == UploadQuota(24, math.ceil(24 / CHUNK_BYTES) + LAYOUT_ARRAYS)
     tiny = {UPLOADED.digest(bytes([i])): bytes([i]) for i in range(quota.nbytes)}
     code, details = _status(lambda: _upload(live.stub, live.token_a, tiny))
@@ -520,7 +520,7 @@ def test_a_chunk_sent_twice_at_once_is_stored_once_and_freed_with_the_rest(live)
         pb.HasChunksRequest(digests=sent), metadata=_auth(live.token_a)
     ).present
     assert live.coordinator.blobs.uploads(node_a).digests() == []
-    assert live.coordinator.service.ledger.pending_bytes(node_a) == 0
+    assert live.coordinator.service.uploads.ledger.pending_bytes(node_a) == 0
 
 
 def test_a_push_accepted_while_the_same_site_fails_another_upload_keeps_its_chunks(live):
