@@ -21,7 +21,8 @@ from sqlalchemy import func, select
 
 from hydrafl.config import RunConfig
 from hydrafl.server.aggregation.checkpoint import load_checkpoint
-from hydrafl.server.store import OutboundMessage, Reply, Store
+from hydrafl.server.store import Store
+from hydrafl.server.tables import OutboundMessage, Reply
 
 RUN = RunConfig(
     task="tabular", sites=3, samples_per_site=60, rounds=10, local_steps=3, batch_size=16, lr=3e-3

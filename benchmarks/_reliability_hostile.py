@@ -37,7 +37,8 @@ from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
 from hydrafl.proto.envelope import CHUNK_BYTES, SENT, UPLOADED, split_message
 from hydrafl.protocol import GRPC_OPTIONS, MAX_GRPC_MESSAGE_BYTES
-from hydrafl.server.store import OutboundMessage, Reply, Store
+from hydrafl.server.store import Store
+from hydrafl.server.tables import OutboundMessage, Reply
 
 SERVICE = "/hydrafl.proto.Coordinator/"
 OK, UNAUTH, DENIED = (

@@ -33,17 +33,17 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-import psutil  # noqa: E402
-from flwr.app import Context, Message  # noqa: E402
-from flwr.clientapp import ClientApp  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import matplotlib.pyplot as plt
+import psutil
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+from rich.console import Console
+from rich.table import Table
 
-from hydrafl.benchmarks._common import benchmark_parser  # noqa: E402
-from hydrafl.benchmarks._wire_server import RssSampler, ServerProcess  # noqa: E402
-from hydrafl.config import RunConfig  # noqa: E402
-from hydrafl.server.store import Store  # noqa: E402
+from hydrafl.benchmarks._common import benchmark_parser
+from hydrafl.benchmarks._wire_server import RssSampler, ServerProcess
+from hydrafl.config import RunConfig
+from hydrafl.server.store import Store
 
 NAME = "many_sites"
 MB = 1e6

@@ -34,24 +34,25 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
+from rich.console import Console
+from rich.table import Table
 
-from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
+from hydrafl.benchmarks._common import benchmark_parser, verdict
 from hydrafl.benchmarks._flower_deployment import (
     STOCK_CLIENT_APP,
     STOCK_SERVER_APP,
     flower_round_seconds,
     free_port,
-)  # noqa: E402
-from hydrafl.benchmarks._stock_app import ROUND_TIMES_KEY  # noqa: E402
-from hydrafl.client.site_app import client_app  # noqa: E402
-from hydrafl.config import RunConfig  # noqa: E402
-from hydrafl.server.server_app import run_federation  # noqa: E402
-from hydrafl.server.store import Run, Store  # noqa: E402
-from hydrafl.simulation.grid import InProcessGrid  # noqa: E402
+)
+from hydrafl.benchmarks._stock_app import ROUND_TIMES_KEY
+from hydrafl.client.site_app import client_app
+from hydrafl.config import RunConfig
+from hydrafl.server.server_app import run_federation
+from hydrafl.server.store import Store
+from hydrafl.server.tables import Run
+from hydrafl.simulation.grid import InProcessGrid
 
 NAME = "round_overhead"
 GOAL_S = 0.2

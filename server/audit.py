@@ -12,7 +12,8 @@ from datetime import UTC
 from sqlalchemy import select, update
 
 from hydrafl.bounded import bounded
-from hydrafl.server.store import AuditEvent, Store, now
+from hydrafl.server.store import Store
+from hydrafl.server.tables import AuditEvent, now
 
 REFUSAL_ROW_S = 600.0
 """A site's refusals of one round are counted on one row while they keep coming: a refusal more than this long

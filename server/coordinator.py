@@ -38,10 +38,12 @@ from hydrafl.malloc_tuning import keep_chunk_buffers
 from hydrafl.rounds import RoundRecord, metric
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.config import CoordinatorConfig
+from hydrafl.server.lease import LeaseClaim, describe_lease, lease_age_s
 from hydrafl.server.retention import Retention
 from hydrafl.server.server_app import run_federation
 from hydrafl.server.stock_apps import ServerAppError, run_server_app
-from hydrafl.server.store import LeaseClaim, Run, Store, describe_lease, lease_age_s
+from hydrafl.server.store import Store
+from hydrafl.server.tables import Run
 from hydrafl.server.transport.grid import CoordinatorGrid
 from hydrafl.server.transport.handlers import SERVICE_NAME, add_coordinator_service
 from hydrafl.server.transport.sent_cache import SentCache

@@ -344,7 +344,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             self._route(url.path)
-        except Exception:  # noqa: BLE001  (one failed page must not stop the dashboard; the log has why)
+        except Exception:
             log.exception("dashboard: %s failed", url.path)
             self._send(
                 HTTPStatus.INTERNAL_SERVER_ERROR,

@@ -18,10 +18,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import defer
 
 from hydrafl.bounded import MAX_DETAIL_CHARS, marked
-from hydrafl.server.store import AuditEvent, Run, Store
+from hydrafl.server.store import Store
+from hydrafl.server.tables import AuditEvent, Run
 from hydrafl.server.transport.service import CoordinatorService
 
-"""The run_config key of a stock Flower ServerApp's rounds (as `hydrafl admin run status` reads it)."""
 NO_RUN = "none"
 """The `run` label of refusals that no run can be named for (an upload with nothing to answer)."""
 SCREENING = "screening"

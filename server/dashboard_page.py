@@ -27,7 +27,8 @@ from hydrafl.server.dashboard_data import (
     site_rows,
     trained_records,
 )
-from hydrafl.server.store import Run, Store
+from hydrafl.server.store import Store
+from hydrafl.server.tables import Run
 from hydrafl.server.transport.service import CoordinatorService
 from hydrafl.trust import trust_lines, trust_summary
 

@@ -21,7 +21,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from hydrafl.server.dashboard_data import accepted_per_run, refused_per_run, trained_records
-from hydrafl.server.store import Run, Store
+from hydrafl.server.store import Store
+from hydrafl.server.tables import Run
 from hydrafl.server.transport.service import CoordinatorService
 from hydrafl.trust import trust_summary
 

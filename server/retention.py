@@ -46,7 +46,9 @@ from hydrafl.proto.envelope import EnvelopeError, chunk_hashes
 from hydrafl.server.aggregation.checkpoint import archive_checkpoint, stale_checkpoints
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.config import DEFAULT_KEEP_CHECKPOINTS
-from hydrafl.server.store import AuditEvent, OutboundMessage, Reply, Run, Store, lease_age_s
+from hydrafl.server.lease import lease_age_s
+from hydrafl.server.store import Store
+from hydrafl.server.tables import AuditEvent, OutboundMessage, Reply, Run
 from hydrafl.server.transport.packs import UploadPacks
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from hydrafl.trust import trust_lines, trust_summary
 
 if TYPE_CHECKING:
     from hydrafl.server.retention import Retention
-    from hydrafl.server.store import AuditEvent
+    from hydrafl.server.tables import AuditEvent
 
 VERBOSE = "hydrafl.admin.verbose"
 """`ctx.meta` key: `hydrafl admin -v` was given."""

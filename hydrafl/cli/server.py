@@ -123,8 +123,8 @@ def serve(config: CoordinatorConfig, dashboard: DashboardConfig | None = None) -
     lost lease 1."""
     from hydrafl.server.coordinator import Coordinator, LeaseLost
     from hydrafl.server.dashboard import Dashboard
+    from hydrafl.server.lease import LeaseHeld
     from hydrafl.server.migrations import SchemaError
-    from hydrafl.server.store import LeaseHeld
     from hydrafl.server.transport.tls import plaintext_warning
 
     config.home.mkdir(parents=True, exist_ok=True)

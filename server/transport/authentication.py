@@ -12,7 +12,8 @@ from typing import NoReturn
 import grpc
 
 from hydrafl.bounded import bounded
-from hydrafl.server.store import Site, Store, hash_token
+from hydrafl.server.store import Store, hash_token
+from hydrafl.server.tables import Site
 from hydrafl.server.transport import limits as bounds
 
 log = logging.getLogger(__name__)

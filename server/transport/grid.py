@@ -25,7 +25,8 @@ from hydrafl.identity import claim_server_identity
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.envelope import EnvelopeError, Named, chunk_hashes, join_message, split_message
 from hydrafl.server.blobs import BlobStore
-from hydrafl.server.store import Reply, Store
+from hydrafl.server.store import Store
+from hydrafl.server.tables import Reply
 from hydrafl.server.transport.service import CoordinatorService
 
 log = logging.getLogger(__name__)

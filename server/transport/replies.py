@@ -27,7 +27,7 @@ from hydrafl.proto.envelope import (
     declared_nbytes,
     parse_content,
 )
-from hydrafl.server.store import AuditEvent, OutboundMessage, Site
+from hydrafl.server.tables import AuditEvent, OutboundMessage, Site
 from hydrafl.server.transport.compressed_replies import (
     check_compressed_layout,
     check_compressed_values,
@@ -58,7 +58,9 @@ def allowed_reply_bytes(
         if downloaded is None
         else sum(4 * math.prod(s) for s in downloaded.values())
     )
-    if sent_bytes:  # a train reply's declared extra records (SCAFFOLD's) each stand for the model too
+    if (
+        sent_bytes
+    ):  # a train reply's declared extra records (SCAFFOLD's) each stand for the model too
         return sent_bytes * (1 + len(declared_reply_arrays(content)) if kind == "train" else 1)
     return max_model_bytes if kind == "query" else 0
 

@@ -41,7 +41,8 @@ from hydrafl.protocol import GRPC_OPTIONS, WEIGHT
 from hydrafl.server.audit import record_refusal
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.retention import was_swept
-from hydrafl.server.store import FIRST_NODE_ID, OutboundMessage, Site, Store
+from hydrafl.server.store import FIRST_NODE_ID, Store
+from hydrafl.server.tables import OutboundMessage, Site
 from hydrafl.server.transport import limits as bounds
 from hydrafl.server.transport.authentication import SiteAuthenticator
 from hydrafl.server.transport.mailbox import Mailbox
@@ -92,7 +93,6 @@ class CoordinatorService:
 
     def seconds_since_seen(self) -> dict[int, float]:
         return self.callers.seconds_since_seen()
-
 
     @contextmanager
     def _bounded(

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from sqlalchemy import delete, func, select
 
-from hydrafl.server.store import OutboundMessage, Reply, Store
+from hydrafl.server.store import Store
+from hydrafl.server.tables import OutboundMessage, Reply
 
 
 def test_a_reply_to_a_message_swept_meanwhile_is_not_stored(tmp_path):

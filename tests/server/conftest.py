@@ -6,7 +6,7 @@ import pytest
 from postgres_server import postgres_server
 from sqlalchemy import create_engine, text
 
-from hydrafl.server.store import Base
+from hydrafl.server.tables import Base
 
 
 @pytest.fixture(scope="module")

@@ -41,8 +41,8 @@ def finished_run_store(db_url: str) -> tuple[Store, int, int]:
             sites_ok=3,
             bytes_up=3000 * server_round,
             bytes_down=2000,
-            bytes_up_per_site={node: 1000 * server_round for node in nodes},
-            bytes_down_per_site={node: 2000 // 3 for node in nodes},
+            bytes_up_per_site=dict.fromkeys(nodes, 1000 * server_round),
+            bytes_down_per_site=dict.fromkeys(nodes, 2000 // 3),
             rejected_per_site={nodes[2]: "norm outlier"} if server_round == 2 else {},
         )
         history.append(dataclasses.asdict(record))

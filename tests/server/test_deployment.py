@@ -14,7 +14,7 @@ from deployment import enrol, queue_run, start_hydrafl, wait_serving, wait_until
 from helpers import SMALL_RUN
 
 from hydrafl.config import RunConfig
-from hydrafl.server.store import Run as StoredRun
+from hydrafl.server.tables import Run as StoredRun
 from hydrafl.simulation.compare import run_strategy
 
 RUN = SMALL_RUN.replace(strategy="diloco", outer_lr=0.5)

@@ -12,7 +12,8 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
 from hydrafl.proto.envelope import split_message
 from hydrafl.server.blobs import BlobStore
-from hydrafl.server.store import Reply, Store
+from hydrafl.server.store import Store
+from hydrafl.server.tables import Reply
 from hydrafl.server.transport.grid import CoordinatorGrid
 from hydrafl.server.transport.service import CoordinatorService
 

@@ -23,7 +23,7 @@ from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
 from hydrafl.proto.envelope import CHUNK_BYTES, SENT, UPLOADED, split_message
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
-from hydrafl.server.store import Reply
+from hydrafl.server.tables import Reply
 from hydrafl.server.transport.grid import CoordinatorGrid
 from hydrafl.server.transport.limits import SiteLimits, UploadQuota
 from hydrafl.server.transport.packs import SLOT_BYTES

@@ -24,7 +24,8 @@ from hydrafl.server.migrations import (
     head_revision,
     schema_state,
 )
-from hydrafl.server.store import Base, Store, hash_token
+from hydrafl.server.store import Store, hash_token
+from hydrafl.server.tables import Base
 
 HISTORY = [{"round": 1, "loss": 0.91, "accuracy": 0.6}, {"round": 2, "loss": 0.72, "accuracy": 0.7}]
 ASSIGNMENT = pb.Envelope(

@@ -28,7 +28,8 @@ from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.dashboard_data import refused_per_run, site_rows
 from hydrafl.server.dashboard_page import MAX_PAGE_CHARS, render_page
-from hydrafl.server.store import AuditEvent, Reply, Run, Site, Store
+from hydrafl.server.store import Store
+from hydrafl.server.tables import AuditEvent, Reply, Run, Site
 from hydrafl.server.transport.grid import CoordinatorGrid
 from hydrafl.server.transport.limits import SiteLimits
 

@@ -22,7 +22,8 @@ from hydrafl.server.blobs import BlobStore
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.retention import Retention, was_swept
-from hydrafl.server.store import AuditEvent, OutboundMessage, Reply, Store
+from hydrafl.server.store import Store
+from hydrafl.server.tables import AuditEvent, OutboundMessage, Reply
 from hydrafl.server.transport.grid import CoordinatorGrid
 from hydrafl.server.transport.service import CoordinatorService
 from hydrafl.validation import ConfigError

@@ -20,7 +20,8 @@ from sqlalchemy import func, select
 from hydrafl.config import RunConfig
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.retention import SWEEP_PAUSE_ENV, Retention
-from hydrafl.server.store import AuditEvent, OutboundMessage, Reply, Store
+from hydrafl.server.store import Store
+from hydrafl.server.tables import AuditEvent, OutboundMessage, Reply
 
 LONG_RUN = SMALL_RUN.replace(rounds=30, local_steps=1)
 ROUND_ROWS = LONG_RUN.sites * 2 * 2

@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
 from hydrafl.proto.envelope import CHUNK_BYTES, INLINE_BYTES, UPLOADED, split_message
-from hydrafl.server.store import Reply
+from hydrafl.server.tables import Reply
 from hydrafl.server.transport.grid import CoordinatorGrid
 
 

@@ -7,7 +7,8 @@ from sqlalchemy import select
 
 from hydrafl.proto.envelope import SENT, EnvelopeError
 from hydrafl.server.blobs import BlobStore
-from hydrafl.server.store import Run, Site, Store, hash_token
+from hydrafl.server.store import Store, hash_token
+from hydrafl.server.tables import Run, Site
 
 
 @pytest.fixture
