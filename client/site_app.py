@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
 from contextlib import nullcontext
 from functools import lru_cache, partial
 from pathlib import Path
@@ -28,8 +27,10 @@ from flwr.clientapp import ClientApp
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hydrafl import protocol
-from hydrafl.arrays import from_record, to_record
+from hydrafl.arrays import to_record
 from hydrafl.catalog import IMAGE_MODELS
+from hydrafl.client.model_probes import estimate_curvature, slice_layout
+from hydrafl.client.site_model import lora_spec, site_model
 from hydrafl.client.training import (
     SiteTrainConfig,
     build_site_model,
@@ -38,35 +39,19 @@ from hydrafl.client.training import (
     train_site,
 )
 from hydrafl.config import RunConfig
-from hydrafl.data import (
-    NEXT_TOKEN_TASKS,
-    TASKS,
-    Cohort,
-    DataError,
-    SiteSplit,
-    TaskSpec,
-    load_cohort,
-)
+from hydrafl.data import NEXT_TOKEN_TASKS, TASKS, Cohort, DataError, SiteSplit, load_cohort
 from hydrafl.data.text_cohort import MINILM
 from hydrafl.footprint import training_footprint
-from hydrafl.losses import LossFn, TailPenalised, classification_loss
-from hydrafl.models import (
-    Classifier,
-    LoraSpec,
-    build_model,
-    federated_state,
-    lora_base_state,
-    task_loss,
-    training_loss,
-)
+from hydrafl.models import build_model, federated_state, lora_base_state, task_loss, training_loss
+from hydrafl.run_settings import run_settings
 from hydrafl.site_config import SiteConfig
+from hydrafl.strategies.registry import site_half
+from hydrafl.strategies.site import SiteHalf
 from hydrafl.subnet.apply import apply_spec, trainable_slices
-from hydrafl.subnet.architecture import find_architecture, head_axis_of
 from hydrafl.subnet.measure import measure_layer_cost
 from hydrafl.subnet.planning import COST_FIELDS
 from hydrafl.subnet.scoring import head_importance, layer_importance, weight_magnitude
-from hydrafl.subnet.slices import Slice, extract, read_slices
-from hydrafl.subnet.spec import SubnetSpec
+from hydrafl.subnet.slices import Slice, extract
 
 log = logging.getLogger(__name__)
 
@@ -173,78 +158,6 @@ def demo_cohort(cfg: RunConfig) -> Cohort:
     return run_cohort(dataclasses.replace(cfg, data="", label_column=""))
 
 
-@lru_cache(maxsize=8)
-def _working_model(
-    task: TaskSpec, model: str, seed: int, lora: LoraSpec | None, own_bases: bool
-) -> Classifier:
-    """One model object per process and LoRA shape (a LoRA baseline's site of rank r trains a rank-r adapter),
-    reloaded from the message's arrays before every use. Messages that carry
-    the frozen LoRA base weights (FLoRA merges into them) get a model of their own, so merged bases never
-    leak into runs whose messages do not carry them."""
-    return build_model(task, model=model, seed=seed, lora=lora)
-
-
-def lora_spec(cfg: RunConfig, rank: int | None = None) -> LoraSpec | None:
-    """The run's LoRA settings, None without LoRA. With a LoRA baseline's site `rank` r: a rank-r adapter with
-    alpha scaled by r / R, so its update B A * alpha_r / r is what the run's rank-R adapter computes from the
-    same r components (zero beyond them)."""
-    if not cfg.lora_rank:
-        return None
-    if rank is None or rank == cfg.lora_rank:
-        return LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_target_list)
-    if not 1 <= rank <= cfg.lora_rank:
-        raise ValueError(f"a site's LoRA rank must be in 1..{cfg.lora_rank}, got {rank}")
-    return LoraSpec(
-        rank=rank, alpha=cfg.lora_alpha * rank / cfg.lora_rank, targets=cfg.lora_target_list
-    )
-
-
-def _site_model(
-    task: TaskSpec,
-    cfg: RunConfig,
-    arrays: ArrayRecord,
-    spec: SubnetSpec | None = None,
-    rank: int | None = None,
-) -> Classifier:
-    """The working model loaded with `arrays`: the whole model; with a subnetwork `spec` only what its forward
-    pass reads (`subnet.slices.read_slices`; see `_load`); with a LoRA baseline's `rank` a rank-`rank` adapter
-    (`lora_spec`), sent exactly its factors."""
-    own_bases = any(name.endswith(".base_layer.weight") for name in arrays)
-    model = _working_model(task, cfg.model, cfg.seed, lora_spec(cfg, rank), own_bases)
-    read = None
-    if spec is not None:
-        layout = slice_layout(model)  # the layers as the coordinator knows them
-        layers = dict(zip(layout[protocol.LAYOUT_NAMES], layout[protocol.LAYOUT_LAYERS]))
-        read = read_slices(trainable_slices(model, spec), layers, spec)
-    _load(model, arrays, read)
-    return model
-
-
-def _load(model: Classifier, arrays: ArrayRecord, read: Mapping[str, Slice] | None = None) -> None:
-    """Copy `arrays` into the model's parameters. Each array is a whole tensor or, for a tensor of `read`, exactly
-    its slice; every tensor of `read` must arrive. Outside its slice a tensor is set to 0: nothing reads it
-    (masked heads and widths are multiplied by 0), and a non-finite value left there by an earlier round that
-    diverged would make that product NaN for good, since those coordinates are never sent again."""
-    parameters = dict(model.named_parameters())
-    unknown = sorted(set(arrays) - set(parameters))
-    if unknown:
-        raise ValueError(f"arrays {unknown[:3]} are not parameters of this site's model")
-    missing = sorted(set(read or ()) - set(arrays))
-    if missing:
-        raise ValueError(f"the site's model reads {missing[:3]}, which the message does not carry")
-    with torch.no_grad():
-        for name, tensor in from_record(arrays).items():
-            target = parameters[name]
-            if tensor.shape == target.shape:
-                target.copy_(tensor)
-            elif read is not None and name in read:
-                target.copy_(read[name].put(torch.zeros_like(target), tensor))
-            else:
-                raise ValueError(
-                    f"array {name!r} has shape {tuple(tensor.shape)}; the model's is {tuple(target.shape)}"
-                )
-
-
 def _received_arrays(message: Message) -> ArrayRecord:
     return next(iter(message.content.array_records.values()))
 
@@ -286,19 +199,18 @@ def train(message: Message, context: Context) -> Message:
     cfg, site = _run_config(message, context), _site(context)
     cohort, split = site_data(cfg, context)
     arrays, config = _received_arrays(message), _received_config(message)
-    spec = SubnetSpec.from_config(config) if "hydra.layers" in config else None
-    rank = (
-        int(config[protocol.SITE_RANK]) if protocol.SITE_RANK in config else None
-    )  # a LoRA baseline's site
-    model = _site_model(cohort.task, cfg, arrays, spec, rank)
+    half = _strategy_half(
+        message, context
+    )  # the run's strategy's part: subnetwork, rank, loss, reply
+    spec, rank = half.subnet(), half.lora_rank()
+    model = site_model(cohort.task, cfg, arrays, spec, rank)
     start = {name: p.clone() for name, p in federated_state(model).items() if name in arrays}
     local = SiteTrainConfig(
-        steps=cfg.local_steps,
+        steps=half.local_steps(cfg.local_steps, len(split.train_y), cfg.batch_size),
         batch_size=cfg.batch_size,
         lr=cfg.lr,
         optimizer=cfg.inner_optimizer,
         weight_decay=cfg.weight_decay,
-        proximal_mu=float(config.get("proximal-mu", 0.0)),
         nproc=cfg.nproc if site.nproc is None else site.nproc,  # the site's own hardware wins
         seed=site_seed(cfg.seed, site.index),
         server_round=int(config.get(protocol.SERVER_ROUND, 0)),
@@ -315,11 +227,9 @@ def train(message: Message, context: Context) -> Message:
         build_site_model, cohort.task, cfg.model, cfg.seed, spec, lora=lora, frozen=frozen
     )
     teacher = {"distill_teacher": cfg.distill_teacher, "distill_weight": cfg.distill_weight}
-    loss_fn = training_loss(cohort.task, model=cfg.model, seed=cfg.seed, **teacher)
-    if rank is not None and protocol.TAIL_PENALTY in config:  # a HetLoRA site's local regulariser
-        loss_fn = TailPenalised(
-            loss_fn, float(config[protocol.TAIL_PENALTY]), rank, float(config[protocol.TAIL_PRUNE])
-        )
+    loss_fn = half.loss(
+        training_loss(cohort.task, model=cfg.model, seed=cfg.seed, **teacher), start
+    )
     with apply_spec(model, spec) if spec else nullcontext():
         sample = slice(0, min(cfg.batch_size, len(split.train_y)))
         footprint = training_footprint(
@@ -344,6 +254,7 @@ def train(message: Message, context: Context) -> Message:
         slices = {name: Slice(None) for name in start}
     # only the subnetwork's coordinates travel, as compact slices (the strategy knows which it assigned)
     delta = extract({name: start[name] - end[name] for name in slices}, slices)
+    extra_arrays, extra_metrics = half.reply(start, end, local.steps, local.lr)
     metrics = MetricRecord(
         {
             protocol.WEIGHT: len(split.train_y),
@@ -355,6 +266,7 @@ def train(message: Message, context: Context) -> Message:
             "samples-per-s": result.samples_per_s,
             **({"mfu": result.mfu} if result.mfu is not None else {}),
             **({"restarts": result.restarts} if result.restarts else {}),
+            **extra_metrics,
         }
     )
     utilisation = f", MFU {result.mfu:.1%}" if result.mfu is not None else ""
@@ -377,15 +289,25 @@ def train(message: Message, context: Context) -> Message:
     info = ConfigRecord(
         {protocol.DATA_HASH: result.data_hash}
     )  # a string: MetricRecords hold numbers only
-    content = RecordDict({"arrays": to_record(delta), "metrics": metrics, "train-info": info})
+    content = RecordDict(
+        {"arrays": to_record(delta), **extra_arrays, "metrics": metrics, "train-info": info}
+    )
     return Message(content, reply_to=message)
+
+
+def _strategy_half(message: Message, context: Context) -> SiteHalf:
+    """The site half of the run's strategy (`hydrafl.strategies.site`), on the run's settings and this
+    message's keys; plain training when the strategy has none."""
+    settings = run_settings(message, context)
+    half = site_half(str(settings.get("strategy", ""))) or SiteHalf
+    return half(settings, context.state, message.content.array_records)
 
 
 @client_app.evaluate()
 def evaluate_site(message: Message, context: Context) -> Message:
     cfg = _run_config(message, context)
     cohort, split = site_data(cfg, context)
-    model = _site_model(cohort.task, cfg, _received_arrays(message))
+    model = site_model(cohort.task, cfg, _received_arrays(message))
     loss, accuracy = evaluate(model, split.test_x, split.test_y)
     metrics = MetricRecord({protocol.WEIGHT: len(split.test_y), "loss": loss, "accuracy": accuracy})
     return Message(RecordDict({"metrics": metrics}), reply_to=message)
@@ -406,7 +328,7 @@ def initial_model(message: Message, context: Context) -> Message:
 def curvature(message: Message, context: Context) -> Message:
     cfg = _run_config(message, context)
     cohort, split = site_data(cfg, context)
-    model = _site_model(cohort.task, cfg, _received_arrays(message))
+    model = site_model(cohort.task, cfg, _received_arrays(message))
     with sdpa_kernel(SDPBackend.MATH):  # the fused CPU attention kernels have no double backward
         h, v = estimate_curvature(
             model,
@@ -428,7 +350,7 @@ def scores(message: Message, context: Context) -> Message:
     memory, and the model's slice layout (see `slice_layout`)."""
     cfg, request = _run_config(message, context), _received_config(message)
     cohort, split = site_data(cfg, context)
-    model = _site_model(cohort.task, cfg, _received_arrays(message))
+    model = site_model(cohort.task, cfg, _received_arrays(message))
     n = min(int(request[protocol.SCORE_SAMPLES]), len(split.train_y))
     size = cfg.batch_size
     batches = [
@@ -517,65 +439,3 @@ def site_speed(cfg: RunConfig, context: Context) -> float:
 def _entry(values: tuple[float, ...], index: int, default: float) -> float:
     """Site `index`'s entry of a per-site run setting, cycled over the sites; `default` when it is empty."""
     return values[index % len(values)] if values else default
-
-
-def slice_layout(model: torch.nn.Module) -> dict[str, list[str] | list[int]]:
-    """How each federated tensor splits over heads, as flat lists for a ConfigRecord: per name its layer
-    (-1 outside the layers), head axis (-1 when every element serves every head) and the run of indices
-    along that axis one head group owns (query heads of a KV group for q and o, one KV head for k and v).
-    With it the coordinator rebuilds any spec's slices (`subnet.slices.layout_slices`) without the model."""
-    arch = find_architecture(model)
-    names = list(federated_state(model))
-    layers, axes, units = [], [], []
-    for name in names:
-        layer, role, axis = head_axis_of(arch, name)
-        layers.append(-1 if layer is None else layer)
-        axes.append(-1 if axis is None else axis)
-        units.append(arch.head_dim * (1 if role in ("k", "v") else arch.group_size))
-    return {
-        protocol.LAYOUT_NAMES: names,
-        protocol.LAYOUT_LAYERS: layers,
-        protocol.LAYOUT_AXES: axes,
-        protocol.LAYOUT_UNITS: units,
-    }
-
-
-def estimate_curvature(
-    model: torch.nn.Module,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    *,
-    seed: int,
-    iterations: int = 6,
-    loss_fn: LossFn = classification_loss,
-) -> tuple[float, float]:
-    """Top Hessian eigenvalue h of the task's mean loss `loss_fn` (power iteration on Hessian-vector products)
-    and the variance over samples of the per-sample curvature u^T H_i u along that direction."""
-    model.eval()
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def hvp(loss: torch.Tensor, vector: list[torch.Tensor]) -> list[torch.Tensor]:
-        grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
-        dot = sum((g * u).sum() for g, u in zip(grads, vector, strict=True) if g is not None)
-        second = torch.autograd.grad(dot, params, allow_unused=True)
-        return [
-            torch.zeros_like(p) if h is None else h for p, h in zip(params, second, strict=True)
-        ]
-
-    generator = torch.Generator().manual_seed(seed)
-    direction = [torch.randn(p.shape, generator=generator) for p in params]
-    for _ in range(iterations):
-        norm = torch.sqrt(sum((u**2).sum() for u in direction))
-        direction = [u / norm for u in direction]
-        product = hvp(loss_fn(model, x, y), direction)
-        direction = product
-    norm = torch.sqrt(sum((u**2).sum() for u in direction))
-    direction = [u / norm for u in direction]
-    per_sample = []
-    for i in range(min(len(x), 8)):
-        product = hvp(loss_fn(model, x[i : i + 1], y[i : i + 1]), direction)
-        per_sample.append(
-            float(sum((p * u).sum() for p, u in zip(product, direction, strict=True)))
-        )
-    samples = torch.tensor(per_sample, dtype=torch.float64)
-    return float(samples.mean().abs()), float(samples.var())

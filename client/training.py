@@ -44,8 +44,6 @@ class SiteTrainConfig:
     lr: float
     optimizer: str = "adamw"
     weight_decay: float = 0.0
-    proximal_mu: float = 0.0
-    """FedProx: adds mu/2 ||w - w_global||^2 to the loss."""
     nproc: int = 1
     """Training processes (one per accelerator, or CPU ranks under gloo); the global batch must split evenly."""
     seed: int = 0
@@ -172,7 +170,6 @@ def train_site(
             lr=config.lr,
             optimizer=config.optimizer,
             weight_decay=config.weight_decay,
-            proximal_mu=config.proximal_mu,
             seed=config.seed,
             server_round=config.server_round,
             nproc=config.nproc,

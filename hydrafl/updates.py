@@ -27,6 +27,20 @@ def records(content: RecordDict, kind: type[R]) -> list[R]:
     return [record for record in content.values() if isinstance(record, kind)]
 
 
+REPLY_ARRAYS = "reply-arrays"
+"""Train message key: the ArrayRecords a reply carries beside its delta, as the run's strategy declares them (its
+site half's `reply_arrays`, written by its coordinator half); the coordinator's transport reads it from the
+message it stored, never from the reply."""
+
+
+def declared_reply_arrays(content: RecordDict) -> tuple[str, ...]:
+    """The ArrayRecords a reply to a message of this `content` carries beside its delta (REPLY_ARRAYS)."""
+    for record in records(content, ConfigRecord):
+        if REPLY_ARRAYS in record:
+            return tuple(str(name) for name in record[REPLY_ARRAYS])  # type: ignore[union-attr]
+    return ()
+
+
 class InvalidUpdate(ValueError):
     """A reply that must not be aggregated; the message says which array or field is wrong."""
 
@@ -37,17 +51,36 @@ def check_train_reply(
     weighted_by_key: str = "num-examples",
     *,
     shapes: Mapping[str, tuple[int, ...]] | None = None,
+    extra_arrays: Sequence[str] = (),
 ) -> None:
     """Raise InvalidUpdate unless the reply holds one delta ArrayRecord over known coordinates with the
     global shapes (or, for a site that trained a subnetwork, the `shapes` of its slices) and dtypes, finite
-    values, and one MetricRecord of finite numbers with a positive weight."""
-    arrays, metrics = records(reply.content, ArrayRecord), records(reply.content, MetricRecord)
-    if len(arrays) != 1 or len(metrics) != 1:
+    values, and one MetricRecord of finite numbers with a positive weight. Beside the delta, first, it holds
+    exactly the ArrayRecords `extra_arrays` names (what the run's strategy's site half declares, e.g. SCAFFOLD's
+    control variate change), each held to the delta's rules."""
+    arrays = [(key, r) for key, r in reply.content.items() if isinstance(r, ArrayRecord)]
+    metrics = records(reply.content, MetricRecord)
+    keys = [key for key, _ in arrays]
+    if len(metrics) != 1 or len(arrays) != 1 + len(extra_arrays):
         raise InvalidUpdate(
-            f"expected one ArrayRecord and one MetricRecord, got {len(arrays)} and {len(metrics)}"
+            f"expected {1 + len(extra_arrays)} ArrayRecord(s) and one MetricRecord, got {len(arrays)} and "
+            f"{len(metrics)}"
         )
-    [delta], [metric_record] = arrays, metrics
-    check_metrics(metric_record, weighted_by_key)
+    if keys[0] in extra_arrays or sorted(keys[1:]) != sorted(extra_arrays):
+        names = ", ".join(quoted(key) for key in keys)
+        raise InvalidUpdate(
+            f"expected the delta then ArrayRecords {list(extra_arrays)}, got {bounded(names, 300)}"
+        )
+    check_metrics(metrics[0], weighted_by_key)
+    for _, record in arrays:
+        _check_delta(record, global_arrays, shapes)
+
+
+def _check_delta(
+    delta: ArrayRecord,
+    global_arrays: ArrayRecord,
+    shapes: Mapping[str, tuple[int, ...]] | None,
+) -> None:
     for name, array in delta.items():
         if name not in global_arrays:
             raise InvalidUpdate(f"array {quoted(name)} is not a coordinate of the global model")

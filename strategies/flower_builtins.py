@@ -12,7 +12,6 @@ from flwr.serverapp.strategy import (
     FedAvg,
     FedAvgM,
     FedMedian,
-    FedProx,
     FedTrimmedAvg,
     FedYogi,
     Krum,
@@ -36,20 +35,6 @@ class FedAvgConfig(StrategyConfig):
 
     def build(self, run: RunConfig, **common: Any) -> Strategy:
         return FedAvg(**common)
-
-
-@register("fedprox")
-@dataclass(frozen=True, kw_only=True)
-class FedProxConfig(StrategyConfig):
-    """FedProx: FedAvg whose sites add a proximal term mu/2 ||w - w_global||^2 (Li et al., 2020)."""
-
-    site_proximal_term: ClassVar[bool] = True
-    secure_sum: ClassVar[bool] = True
-    fedprox_mu: float = 0.01
-    """FedProx proximal term weight (sent to sites by FedProx itself as "proximal-mu")."""
-
-    def build(self, run: RunConfig, **common: Any) -> Strategy:
-        return FedProx(proximal_mu=self.fedprox_mu, **common)
 
 
 @register("fedavgm")

@@ -31,6 +31,14 @@ class ChecksReplyShapes(Protocol):
 
 
 @runtime_checkable
+class ExtraArrays(Protocol):
+    """Its site half's replies carry ArrayRecords beside the delta (SCAFFOLD's control variate change); the
+    reply checks admit exactly these, and its train messages name them (`hydrafl.updates.REPLY_ARRAYS`)."""
+
+    reply_arrays: tuple[str, ...]
+
+
+@runtime_checkable
 class PlansSubnetworks(Protocol):
     """Gives each site its own share of the model; reports how many coordinates each one trained."""
 

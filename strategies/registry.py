@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from flwr.serverapp.strategy import Strategy
 
     from hydrafl.config import RunConfig
+    from hydrafl.strategies.site import SiteHalf
 
 
 class UnknownStrategy(ValueError):
@@ -94,7 +95,62 @@ def register(name: str) -> Callable[[C], C]:
 
 ENTRY_POINT_GROUP = "hydrafl.strategies"
 """Where an installed package declares its strategy modules (`[project.entry-points."hydrafl.strategies"]`,
-`name = "package.module"`): each is imported with the built-ins, and registers itself as they do."""
+`name = "package.module"`): each is imported with the built-ins, and registers itself as they do. A site half
+in a module of its own is declared as `"name.site" = "package.module_site"`; a site imports only that one."""
+SITE_SUFFIX = ".site"
+
+_SITE_REGISTRY: dict[str, type[SiteHalf]] = {}
+
+S = TypeVar("S", bound="type[SiteHalf]")
+
+
+def register_site(name: str) -> Callable[[S], S]:
+    """Class decorator: strategy `name`'s sites train through this `SiteHalf` (`hydrafl.strategies.site`)."""
+
+    def decorate(half: S) -> S:
+        if name in _SITE_REGISTRY and _SITE_REGISTRY[name] is not half:
+            raise ValueError(
+                f"strategy {name!r} has two site halves: {_SITE_REGISTRY[name].__qualname__} and {half.__qualname__}"
+            )
+        _SITE_REGISTRY[name] = half
+        return half
+
+    return decorate
+
+
+SITE_LINE = re.compile(r'^@register_site\("([^"]+)"\)', re.MULTILINE)
+
+
+def site_half(name: str) -> type[SiteHalf] | None:
+    """Strategy `name`'s site half, importing only the module that declares it (the package's sources are read
+    for `@register_site("name")` lines, installed packages' entry points for `name` and `name.site`); None when
+    the strategy has none: its sites train plainly."""
+    if name and name not in _SITE_REGISTRY:
+        for module in _site_modules().get(name, ()):
+            importlib.import_module(module)
+    return _SITE_REGISTRY.get(name)
+
+
+def reply_arrays(name: str) -> tuple[str, ...]:
+    """The ArrayRecords a train reply of strategy `name` carries beside its delta: what its site half declares."""
+    half = site_half(name)
+    return half.reply_arrays if half is not None else ()
+
+
+@cache
+def _site_modules() -> dict[str, tuple[str, ...]]:
+    """Strategy name -> the modules that may register its site half."""
+    package = importlib.import_module("hydrafl.strategies")
+    found: dict[str, list[str]] = {}
+    for module in pkgutil.iter_modules(package.__path__):
+        source = Path(getattr(module.module_finder, "path", "")) / f"{module.name}.py"
+        if source.is_file():
+            for name in SITE_LINE.findall(source.read_text(encoding="utf-8")):
+                found.setdefault(name, []).append(f"{package.__name__}.{module.name}")
+    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        name = entry_point.name.removesuffix(SITE_SUFFIX)
+        found.setdefault(name, []).append(entry_point.value.partition(":")[0])
+    return {name: tuple(modules) for name, modules in found.items()}
 
 
 @cache

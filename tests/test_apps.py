@@ -57,7 +57,7 @@ def test_fedprox_proximal_mu_from_the_strategy_shrinks_the_update(grid):
     norms = {}
     for mu in (0.0, 50.0):
         delta = from_record(
-            _ask(grid, "train", node, initial, **{"proximal-mu": mu}).content["arrays"]
+            _ask(grid, "train", node, initial, **{"strategy": "fedprox", "proximal-mu": mu}).content["arrays"]
         )
         norms[mu] = float(sum((d**2).sum() for d in delta.values()))
     assert norms[50.0] < 0.5 * norms[0.0]

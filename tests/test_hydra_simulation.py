@@ -18,7 +18,7 @@ from helpers import (
 )
 
 from hydrafl.arrays import from_record, record_nbytes, to_record
-from hydrafl.client import site_app
+from hydrafl.client import site_app, site_model
 from hydrafl.lora_pairs import lora_pairs
 from hydrafl.models import build_model, task_loss
 from hydrafl.server import server_app
@@ -265,7 +265,7 @@ def test_a_site_trains_the_same_from_only_what_its_subnetwork_reads(spec):
         grid, "train", FIRST_NODE_ID, to_record(noisy), **config
     )  # the site's model now holds other values
     read = site_read_slices(CFG, spec)
-    working = site_app._working_model(
+    working = site_model._working_model(
         site_app.run_cohort(CFG).task, CFG.model, CFG.seed, None, False
     )
     with (

@@ -79,25 +79,53 @@ def test_strategies_and_core_do_not_import_server_or_client():
     assert len(checked) > 20
 
 
+SITE_HALF_BASES = ("hydrafl.strategies.registry", "hydrafl.strategies.site")
+"""All a site half may import of the strategies package (`strategies/site.py`)."""
+
+
+def _site_halves() -> list[Path]:
+    return [
+        path for path in ROOT.joinpath("strategies").glob("*.py") if path.stem.endswith("_site")
+    ]
+
+
 def test_strategies_import_no_site_or_model_code():
     forbidden = ("hydrafl.server", "hydrafl.client", "hydrafl.client.site_app", *MODEL_CODE)
     offenders = {
         path.name: sorted(name for name in _imports(path) if name.startswith(forbidden))
         for path in ROOT.joinpath("strategies").glob("*.py")
+        if path not in _site_halves()
     }
     assert {name: names for name, names in offenders.items() if names} == {}
 
 
-def test_the_site_app_imports_no_strategy_and_the_agent_not_the_coordinator():
-    assert not [
-        name
+def test_site_halves_import_no_coordinator_code_and_model_code_only_in_their_hooks():
+    """A site imports only its run's strategy's site half, and the coordinator imports it too (to read what
+    its replies carry), so it reaches neither side's runtime and loads model code only when a hook runs."""
+    forbidden = ("hydrafl.server", "hydrafl.client", "flwr.serverapp", "flwr.server")
+    halves = _site_halves()
+    assert {"fedprox_site", "lora_site", "subnet_site"} <= {path.stem for path in halves}
+    for path in halves:
+        strategies = {n for n in _imports(path) if n.startswith("hydrafl.strategies.")}
+        assert not [n for n in _imports(path) if n.startswith(forbidden)], path
+        assert {n.rpartition(".")[0] if n not in SITE_HALF_BASES else n for n in strategies} <= {
+            *SITE_HALF_BASES,
+            "hydrafl.strategies",
+        }, path
+        top = _imports(path, top_level_only=True)
+        assert not [n for n in top if n.startswith(MODEL_CODE)], path
+
+
+def test_the_site_app_imports_only_the_site_half_contract_and_the_agent_not_the_coordinator():
+    assert {
+        name.rpartition(".")[0] if name.count(".") > 2 else name
         for name in _imports(ROOT / "client" / "site_app.py")
         if name.startswith("hydrafl.strategies")
-    ]
+    } <= set(SITE_HALF_BASES)
     loaded = import_probes.loaded("site")
-    assert [name for name in loaded if name.startswith("hydrafl.strategies.")] == [
-        "hydrafl.strategies.registry"
-    ]
+    assert [name for name in loaded if name.startswith("hydrafl.strategies.")] == sorted(
+        SITE_HALF_BASES
+    )
     for path in ROOT.joinpath("client").glob("*.py"):
         assert not [name for name in _imports(path) if f"{name}.".startswith("hydrafl.server.")], (
             path

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from hydrafl.arrays import from_record, sliced_record, to_record
 from hydrafl.cli import app
-from hydrafl.client import site_app
+from hydrafl.client import site_app, site_model
 from hydrafl.client.training import train_flops_per_sample
 from hydrafl.config import ConfigError, RunConfig
 from hydrafl.kernels.elastic_loader import hash_global_batches, round_order
@@ -123,8 +123,8 @@ def test_a_hydra_subnetwork_on_any_nproc_sends_the_one_process_delta(spec, nproc
     read = site_read_slices(CFG, spec)
     assert any(".layer.0." in name for name in read) != spec.bypass
     one, two = (
-        _train_reply(1, **spec.to_config()),
-        _train_reply(nproc, read=read, **spec.to_config()),
+        _train_reply(1, strategy="hydra", **spec.to_config()),
+        _train_reply(nproc, read=read, strategy="hydra", **spec.to_config()),
     )
     d1, d2 = from_record(one.content["arrays"]), from_record(two.content["arrays"])
     assert sorted(d1) == sorted(d2) and not any(
@@ -134,7 +134,7 @@ def test_a_hydra_subnetwork_on_any_nproc_sends_the_one_process_delta(spec, nproc
     assert float(f1.norm()) > 1e-3 and float((f1 - f2).norm() / f1.norm()) <= 1e-4
     # what the spawned processes were handed were copies: the site's own model (its bypassed layer 0 included)
     # stays private, never in shared memory that simulation workers forked later would all write to
-    working = site_app._working_model(
+    working = site_model._working_model(
         site_app.run_cohort(CFG).task, CFG.model, CFG.seed, None, False
     )
     assert not [name for name, p in working.named_parameters() if p.is_shared()]

@@ -22,7 +22,9 @@ from hydrafl.kernels.distributed import train_distributed
 from hydrafl.kernels.elastic_loader import ElasticLoader
 from hydrafl.kernels.lm_dual import HeadLM
 from hydrafl.kernels.optimizers import build_inner_optimizer
+from hydrafl.losses import classification_loss
 from hydrafl.models import build_model, federated_state
+from hydrafl.strategies.fedprox_site import Proximal
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +102,8 @@ def test_proximal_term_limits_drift_from_the_global_model(site):
     for mu in (0.0, 10.0):
         model = build_model(task, seed=0)
         start = {k: v.clone() for k, v in federated_state(model).items()}
-        config = SiteTrainConfig(steps=30, batch_size=32, lr=3e-3, proximal_mu=mu, server_round=1)
-        _train(model, split, config)
+        config = SiteTrainConfig(steps=30, batch_size=32, lr=3e-3, server_round=1)
+        _train(model, split, config, loss_fn=Proximal(classification_loss, mu, start))
         drift[mu] = (
             sum(((federated_state(model)[k] - v) ** 2).sum() for k, v in start.items())
             .sqrt()

@@ -15,7 +15,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from helpers import SMALL_RUN, configure_round, make_reply, make_scores_reply
 
 from hydrafl.arrays import from_record, to_record
-from hydrafl.client import site_app
+from hydrafl.client import site_app, site_model
 from hydrafl.config import ConfigError, RunConfig
 from hydrafl.data import load_cohort
 from hydrafl.lora_pairs import LoraPairError, lora_pairs
@@ -366,8 +366,8 @@ def test_tiered_simulation_trains_with_hydra_sized_ranks(strategy, tmp_path):
     ):  # sites trained on merged bases, which stay out of the model other runs share
         task, lora = site_app.run_cohort(CFG).task, site_app.lora_spec(CFG)
         fresh = lora_base_state(build_model(task, lora=lora))
-        merged = lora_base_state(site_app._working_model(task, "tiny", 0, lora, True))
-        shared = lora_base_state(site_app._working_model(task, "tiny", 0, lora, False))
+        merged = lora_base_state(site_model._working_model(task, "tiny", 0, lora, True))
+        shared = lora_base_state(site_model._working_model(task, "tiny", 0, lora, False))
         assert all(not torch.equal(merged[name], weight) for name, weight in fresh.items())
         assert all(torch.equal(shared[name], weight) for name, weight in fresh.items())
 
@@ -432,7 +432,9 @@ def test_a_lora_site_of_rank_r_trains_what_the_rank_R_adapter_does_with_zeros_be
         arrays[pair.a], arrays[pair.b] = truncate(initial[pair.a], b, rank)
 
     def train(state, **config):
-        config = ConfigRecord({**CFG.to_flower(), "server-round": 1, **config})
+        config = ConfigRecord(
+            {**CFG.to_flower(), "strategy": "fedit", "server-round": 1, **config}
+        )
         message = Message(
             RecordDict({"arrays": to_record(state), "config": config}),
             dst_node_id=FIRST_NODE_ID,
@@ -500,7 +502,9 @@ def test_a_hetlora_site_under_the_tail_penalty_ends_with_a_smaller_tail():
         arrays[pair.b] = torch.randn(initial[pair.b].shape, generator=generator) * 0.1
 
     def tail_after(**penalty):
-        config = ConfigRecord({**CFG.to_flower(), SITE_RANK_KEY: 8, "server-round": 1, **penalty})
+        config = ConfigRecord(
+            {**CFG.to_flower(), "strategy": "hetlora", SITE_RANK_KEY: 8, "server-round": 1, **penalty}
+        )
         message = Message(
             RecordDict({"arrays": to_record(arrays), "config": config}),
             dst_node_id=FIRST_NODE_ID,
