@@ -8,7 +8,7 @@ repeat, one of another size than the manifest gives it or one failing its checks
 name where a manifest lists no checksums). Whatever goes wrong with one message (its content, its
 chunks, the ClientApp) becomes an error reply for that message and the agent takes the next one. An error
 reply's reason says what kind of failure it was, never what local data or paths caused it (those go to the
-site's own log). A failure for lack of disk space (the training processes' temporary files) is said as such,
+site's own log; `error_replies`). A failure for lack of disk space (the training processes' temporary files) is said as such,
 "disk full", in the reply and on its own log line; the next message is served as usual, so the site is back
 once space is.
 
@@ -19,37 +19,39 @@ with exponential backoff; a refused token stops the agent (a revoked site must n
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import math
 import os
-import tempfile
 import threading
-import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import grpc
-from flwr.app import Context, Error, Message, MessageType, Metadata, RecordDict
-from flwr.app.message.message import make_message
+from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
-from flwr.common.serde_utils import metadata_from_proto
-from flwr.proto.message_pb2 import Metadata as ProtoMetadata  # pylint: disable=no-name-in-module
+from flwr.common.constant import ErrorCode
 
-from hydrafl.client.download import Assembly, Received
+from hydrafl.client.download import Assembly, MessageRefused, Received, take_chunks
+from hydrafl.client.error_replies import (
+    DISK_FULL_REASON,
+    disk_full,
+    error_reply,
+    local_reason,
+    probe_bytes,
+    request_of,
+    size_text,
+)
 from hydrafl.client.site_pipeline import answer
 from hydrafl.client.site_policy import SitePolicy
 from hydrafl.client.site_secagg import install_identity
 from hydrafl.client.tls import SiteTls
 from hydrafl.client.upload import upload_reply
-from hydrafl.data import DataError
 from hydrafl.malloc_tuning import keep_chunk_buffers
 from hydrafl.netaddr import unreachable_reason
 from hydrafl.proto import coordinator_pb2 as pb
-from hydrafl.proto.chunk_wire import ChunkView, CoordinatorClient
+from hydrafl.proto.chunk_wire import CoordinatorClient
 from hydrafl.proto.envelope import (
     INLINE_BYTES,
     MAX_REASON_CHARS,
@@ -84,25 +86,9 @@ ENDED = ("finished", "failed")
 """The run statuses after which the coordinator sends a run's sites nothing more."""
 MAX_RUN_CONTEXTS = 4
 """Contexts kept for the most recent runs; a coordinator runs one at a time, so older ones are finished."""
-DEFAULT_TTL_S = 3600.0
 TENSOR_OVERHEAD_BYTES = 4096
 """What holding one tensor costs besides its data (its header, Array and bookkeeping; measured about 2.4 KB),
 counted against --max-download-mb so that a manifest of many empty tensors is bounded too."""
-FIXED_REASONS: tuple[tuple[type[BaseException], str], ...] = (
-    (DataError, "this site's data does not fit this run; see the site's log"),
-    (MemoryError, "this site ran out of memory handling the message; see the site's log"),
-    (
-        PermissionError,
-        "the run names a local checkpoint this site does not allow (--model-dir); see the site's log",
-    ),
-)
-"""What an error reply says about a local failure: the message of a local exception may name files, columns
-or values of the site's data, so only its type and a fixed sentence leave the site."""
-GENERIC_REASON = "this site failed to handle the message; see the site's log"
-DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
-"""A write refused for lack of space: no space left, the process's file-size limit, a disk quota."""
-DISK_FULL_REASON = "this site could not write its temporary files; see the site's log"
-MAX_DISK_PROBE_BYTES = 64 << 20
 
 
 def default_max_download_bytes() -> int:
@@ -116,11 +102,6 @@ class SiteRefused(RuntimeError):
 
 class Unreachable(RuntimeError):
     """The coordinator's address cannot work (its name does not resolve): waiting will not help."""
-
-
-class MessageRefused(Exception):
-    """The site will not handle this message (too large, chunks it did not ask for, a garbage run config). The
-    text describes only the coordinator's message and this site's own limits, so it is sent back as the reason."""
 
 
 class SiteAgent:
@@ -277,7 +258,7 @@ class SiteAgent:
     ) -> Message:
         """The reply to one message: the ClientApp's after the site policy, the policy's refusal, or an error
         reply. Nothing in the message ends the agent; a lost connection or a refused token still reaches `run`."""
-        request = _request(envelope, self.node_id)
+        request = request_of(envelope, self.node_id)
         try:
             reply = self._answer(stub, envelope, request, inline)
         except grpc.RpcError as error:
@@ -290,13 +271,13 @@ class SiteAgent:
                 error.details(),
             )
             reason = f"gRPC {error.code().name} while fetching the message"
-            reply = _error_reply(request, ErrorCode.MESSAGE_UNAVAILABLE, reason)
+            reply = error_reply(request, ErrorCode.MESSAGE_UNAVAILABLE, reason)
         except (MessageRefused, EnvelopeError) as error:
             reason = f"{type(error).__name__}: {error}"
             log.warning(
                 "message %s refused: %s", envelope.message_id[:8], reason[:MAX_REASON_CHARS]
             )
-            reply = _error_reply(request, ErrorCode.MOD_FAILED_PRECONDITION, reason)
+            reply = error_reply(request, ErrorCode.MOD_FAILED_PRECONDITION, reason)
         except Exception as error:  # the site's own failure: the full story stays in its log
             name = type(error).__name__
             # one line; the traceback with -v (DEBUG), where a site's operator looks for it
@@ -307,14 +288,14 @@ class SiteAgent:
                 " ".join(str(error).split()),
                 exc_info=log.isEnabledFor(logging.DEBUG),
             )
-            full = disk_full(error, _probe_bytes(envelope))
+            full = disk_full(error, probe_bytes(envelope))
             if full:  # said on its own line: the operator's fix is space, not the failure above
                 log.error(
                     "disk full: %s; this message fails, the site serves the next one once there is space",
                     full[1],
                 )
             reason = f"disk full ({full[0]}): {DISK_FULL_REASON}" if full else local_reason(error)
-            reply = _error_reply(request, ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason)
+            reply = error_reply(request, ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason)
         reply.metadata.__dict__["_message_id"] = uuid.uuid4().hex
         return reply
 
@@ -329,7 +310,7 @@ class SiteAgent:
         refusal = self.policy.refusal(envelope.run_id, str(context.run_config.get("strategy", "")))
         if refusal:  # checked before any download: a refused run costs the site nothing
             log.warning("declining a message of run %d: %s", envelope.run_id, refusal)
-            return _error_reply(request, ErrorCode.MOD_FAILED_PRECONDITION, refusal)
+            return error_reply(request, ErrorCode.MOD_FAILED_PRECONDITION, refusal)
         message = self._receive(stub, envelope, inline)
         return answer(self.client_app, message, context, self.policy)
 
@@ -365,8 +346,8 @@ class SiteAgent:
         held = declared_nbytes(envelope) + tensors * TENSOR_OVERHEAD_BYTES
         if held > self.max_download_bytes:
             raise MessageRefused(
-                f"message declares {_size(held)} of arrays ({tensors} tensors, counted {TENSOR_OVERHEAD_BYTES} "
-                f"bytes each besides their data); this site accepts at most {_size(self.max_download_bytes)} "
+                f"message declares {size_text(held)} of arrays ({tensors} tensors, counted {TENSOR_OVERHEAD_BYTES} "
+                f"bytes each besides their data); this site accepts at most {size_text(self.max_download_bytes)} "
                 "(--max-download-mb)"
             )
         sizes = chunk_sizes(envelope)
@@ -376,7 +357,7 @@ class SiteAgent:
         kept = (
             sizes.keys() - wanted.keys()
         )  # filled before a dropped download: a small message brings them again
-        _take(
+        take_chunks(
             (chunk for chunk in inline if chunk.digest not in kept), wanted, assembly
         )  # checked as downloads are
         self._fetch(stub, wanted, assembly)
@@ -393,14 +374,14 @@ class SiteAgent:
         pending = dict(wanted)
         call = stub.GetChunks(pb.GetChunksRequest(digests=list(wanted)), metadata=self.metadata)
         try:
-            _take(call, pending, assembly)
+            take_chunks(call, pending, assembly)
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and TOO_LARGE in (
                 error.details() or ""
             ):
                 raise MessageRefused(
                     f"the coordinator sent a chunk over this site's message limit: {error.details()}"
-                )
+                ) from error
             raise
         finally:
             call.cancel()
@@ -439,110 +420,8 @@ def parse_run_config(raw: bytes) -> dict[str, str | int | float | bool]:
     return values
 
 
-def local_reason(error: BaseException) -> str:
-    """The reason a local failure gives the coordinator: the exception's type and a fixed sentence."""
-    sentence = next(
-        (text for kind, text in FIXED_REASONS if isinstance(error, kind)), GENERIC_REASON
-    )
-    return f"{type(error).__name__}: {sentence}"
-
-
-def disk_full(error: BaseException, probe_bytes: int) -> tuple[str, str] | None:
-    """(errno name, what could not be written) when a failure looks like a full disk, else None. The one
-    thing a site writes is its training processes' temporary files (nproc > 1), whose own errors reach here
-    only as a failed child process: so an OSError of a full disk in the exception chain, else a probe write
-    of `probe_bytes` (the message's size, about what training saves) to the temporary directory, refused
-    the same way. The path goes to the site's log only."""
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in DISK_FULL_ERRNOS:
-            return errno.errorcode[
-                seen.errno
-            ], f"{seen.strerror} writing {seen.filename or 'a file'}"
-        seen = seen.__cause__ or seen.__context__
-    directory = tempfile.gettempdir()
-    try:
-        with tempfile.TemporaryFile(dir=directory) as probe:
-            probe.write(b"\0" * probe_bytes)
-            probe.flush()
-    except OSError as probe_error:
-        if probe_error.errno in DISK_FULL_ERRNOS:
-            return errno.errorcode[
-                probe_error.errno
-            ], f"{probe_error.strerror}: cannot write {_size(probe_bytes)} to {directory}"
-    return None
-
-
-def _probe_bytes(envelope: pb.Envelope) -> int:
-    """What a disk probe writes after a failure: the message's arrays (what training saves), within bounds."""
-    try:
-        return min(max(declared_nbytes(envelope), 1), MAX_DISK_PROBE_BYTES)
-    except EnvelopeError:
-        return 1
-
-
-def _take(
-    chunks: Iterable[ChunkView | pb.Chunk], pending: dict[str, int], assembly: Assembly
-) -> None:
-    """Each chunk into the assembly once checked against `pending` (digest -> size), which it leaves."""
-    for chunk in chunks:
-        _check_chunk(chunk, pending)
-        del pending[chunk.digest]
-        assembly.add(chunk.digest, chunk.data)
-
-
-def _check_chunk(chunk: ChunkView | pb.Chunk, pending: dict[str, int]) -> None:
-    if chunk.digest not in pending:
-        raise MessageRefused(
-            f"the coordinator sent chunk {chunk.digest[:12]!r}, which this site did not ask for "
-            "or already received"
-        )
-    if len(chunk.data) != pending[chunk.digest]:
-        raise MessageRefused(
-            f"chunk {chunk.digest[:12]} has {len(chunk.data)} bytes; its manifest makes it {pending[chunk.digest]}"
-        )
-
-
-def _request(envelope: pb.Envelope, node_id: int) -> Message:
-    """What a reply needs of the message (ids, run, type): its metadata or, when those bytes are garbage, the
-    envelope's own fields, so even a malformed message gets its error reply. A type Flower refuses becomes a
-    query: the coordinator takes a reply's type from the message it stored, never from the reply."""
-    try:
-        return make_message(
-            metadata=metadata_from_proto(ProtoMetadata.FromString(envelope.metadata)),
-            content=RecordDict(),
-        )
-    except (
-        Exception
-    ):  # protobuf and Flower raise several types for garbage bytes and invalid fields
-        pass
-    fields = {
-        "run_id": envelope.run_id,
-        "message_id": envelope.message_id,
-        "src_node_id": SUPERLINK_NODE_ID,
-        "dst_node_id": node_id,
-        "reply_to_message_id": "",
-        "group_id": str(envelope.round),
-        "created_at": time.time(),
-        "ttl": DEFAULT_TTL_S,
-    }
-    try:
-        metadata = Metadata(**fields, message_type=envelope.message_type)
-    except ValueError:
-        metadata = Metadata(**fields, message_type=MessageType.QUERY)
-    return make_message(metadata=metadata, content=RecordDict())
-
-
-def _error_reply(request: Message, code: int, reason: str) -> Message:
-    return Message(Error(code, reason[:MAX_REASON_CHARS]), reply_to=request)
-
-
 def _idle_wait(poll_after_s: float, previous: float) -> float:
     """The next idle poll's wait: what the coordinator asks, growing while idle, kept within bounds whatever
     it asks (a zero or NaN request must not make the site spin)."""
     asked = poll_after_s if math.isfinite(poll_after_s) else MAX_IDLE_POLL_S
     return min(max(asked, previous * 1.5, MIN_IDLE_POLL_S), MAX_IDLE_POLL_S)
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"

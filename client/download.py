@@ -16,11 +16,13 @@ tensors being filled, each with the chunks it still lacks.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from flwr.app import Array
 
 from hydrafl.proto import coordinator_pb2 as pb
+from hydrafl.proto.chunk_wire import ChunkView
 from hydrafl.proto.coordinator_pb2 import TensorManifest
 from hydrafl.proto.envelope import (
     CHUNK_BYTES,
@@ -136,7 +138,7 @@ class Assembly:
         """Every tensor's Array by (record key, tensor name); EnvelopeError names a chunk still missing."""
         return {
             (key, tensor.name): filling.array()
-            for (key, tensor), filling in zip(self._tensors, self._fillings)
+            for (key, tensor), filling in zip(self._tensors, self._fillings, strict=True)
         }
 
 
@@ -146,3 +148,30 @@ def _unique(fillings: list[Filling]) -> list[Filling]:
 
 def _content(tensor: TensorManifest) -> Content:
     return tensor.dtype, tuple(tensor.shape), tuple(tensor.chunk_digests)
+
+
+class MessageRefused(Exception):
+    """The site will not handle this message (too large, chunks it did not ask for, a garbage run config). The
+    text describes only the coordinator's message and this site's own limits, so it is sent back as the reason."""
+
+
+def take_chunks(
+    chunks: Iterable[ChunkView | pb.Chunk], pending: dict[str, int], assembly: Assembly
+) -> None:
+    """Each chunk into the assembly once checked against `pending` (digest -> size), which it leaves."""
+    for chunk in chunks:
+        check_chunk(chunk, pending)
+        del pending[chunk.digest]
+        assembly.add(chunk.digest, chunk.data)
+
+
+def check_chunk(chunk: ChunkView | pb.Chunk, pending: dict[str, int]) -> None:
+    if chunk.digest not in pending:
+        raise MessageRefused(
+            f"the coordinator sent chunk {chunk.digest[:12]!r}, which this site did not ask for "
+            "or already received"
+        )
+    if len(chunk.data) != pending[chunk.digest]:
+        raise MessageRefused(
+            f"chunk {chunk.digest[:12]} has {len(chunk.data)} bytes; its manifest makes it {pending[chunk.digest]}"
+        )

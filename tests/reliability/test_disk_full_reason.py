@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 import tempfile
 
-from hydrafl.client.agent import disk_full
+from hydrafl.client.error_replies import disk_full
 
 
 class ChildFailed(RuntimeError):
