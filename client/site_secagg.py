@@ -95,9 +95,9 @@ def masked_reply(
         weight = _weight(weight, layout.count_once)
         encoded = encode(np.zeros(0), weight, params, rng)
     else:
-        if distributed and (layout.per_coordinate or not layout.count_once):
+        if distributed and not layout.count_once:
             raise SecAggError(
-                "distributed DP needs every site to weigh 1 on the whole model, and this layout does not"
+                "distributed DP needs every site to weigh 1, and this layout does not"
             )
         [delta] = [r for r in reply.content.values() if isinstance(r, ArrayRecord)]
         if layout.per_coordinate:
@@ -115,14 +115,14 @@ def masked_reply(
             flat = np.concatenate(
                 [delta[name].numpy().astype(np.float64).ravel() for name in layout.names]
             )
-            weights = weight
+            weights = _weight(weight, layout.count_once)
         if honest and session.params.site_clip:
             flat = clip_norm(flat, session.params.site_clip)
         if (
             distributed
-        ):  # the site's own clip and noise share: the coordinator only ever sees a noised sum
+        ):  # the site's own clip and noise share: the coordinator only sees a noised sum
             encoded = DistributedNoise.of(params, flat.size, len(participants)).encode(
-                flat, params, rng
+                flat, params, rng, weights
             )
         else:
             encoded = encode(flat, weights, params, rng)
@@ -174,7 +174,7 @@ def _expanded(
             "the update's arrays differ from the slices the round assigned: it cannot be summed securely"
         )
     values, weights = [], []
-    for name, shape in zip(layout.names, layout.shapes):
+    for name, shape in zip(layout.names, layout.shapes, strict=True):
         if name not in slices:
             values.append(np.zeros(int(np.prod(shape))))
             weights.append(np.zeros(int(np.prod(shape)), dtype=np.int64))

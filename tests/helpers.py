@@ -242,4 +242,5 @@ def site_app_failing(partitions: set[int]) -> ClientApp:
 
     app.evaluate()(site_app.evaluate_site)
     app.query("init")(site_app.initial_model)
+    app.query("scores")(site_app.scores)  # Hydra's planning round
     return app

@@ -120,20 +120,39 @@ def calibrate_noise_multiplier(
 ) -> float:
     """The smallest noise multiplier z (to `tol`) whose run of `rounds` such rounds spends at most
     `target_epsilon` by `epsilon`, the epsilon the run reports and the sites budget against."""
+    return _smallest(
+        lambda z: epsilon(z, sample, delta=delta, repeat=rounds, sampling=sampling),
+        target_epsilon,
+        rounds,
+        tol,
+    )
+
+
+def calibrate_distributed_noise_multiplier(
+    target_epsilon: float, rounds: int, *, delta: float, tol: float = 1e-4
+) -> float:
+    """The smallest effective noise multiplier z (to `tol`) whose `rounds` distributed-DP rounds spend at most
+    `target_epsilon` by `distributed_epsilon` (integer orders, unamplified). With every site surviving, a
+    round's z_eff is the configured z less a lattice term of about 1e-11 (`secagg.noise`)."""
+    return _smallest(
+        lambda z: distributed_epsilon([z] * rounds, delta=delta), target_epsilon, rounds, tol
+    )
+
+
+def _smallest(
+    spent: Callable[[float], float], target_epsilon: float, rounds: int, tol: float
+) -> float:
+    """The smallest z (to `tol`) with spent(z) <= target_epsilon; epsilon falls as z grows."""
     if not (math.isfinite(target_epsilon) and target_epsilon > 0):
         raise AccountingError(f"target epsilon must be a positive number, got {target_epsilon}")
     if rounds < 1:
         raise AccountingError(f"rounds must be >= 1, got {rounds}")
-
-    def spends_more(z: float) -> bool:
-        return epsilon(z, sample, delta=delta, repeat=rounds, sampling=sampling) > target_epsilon
-
     low, high = 0.0, 1.0
-    while spends_more(high):
+    while spent(high) > target_epsilon:
         low, high = high, high * 2
-    while high - low > tol:  # epsilon falls as z grows
+    while high - low > tol:
         middle = (low + high) / 2
-        low, high = (middle, high) if spends_more(middle) else (low, middle)
+        low, high = (middle, high) if spent(middle) > target_epsilon else (low, middle)
     return high
 
 

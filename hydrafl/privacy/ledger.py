@@ -89,9 +89,15 @@ class PrivacyLedger:
         ]
 
     def open_round(
-        self, messages: Sequence[Message], sites_available: int, strategy: Strategy
+        self,
+        messages: Sequence[Message],
+        sites_available: int,
+        strategy: Strategy,
+        arrays: ArrayRecord | None = None,
     ) -> None:
-        """Before the round's train messages are sent: the spending after it goes into each message's config."""
+        """Before the round's train messages are sent: the spending after it goes into each message's config.
+        `arrays`: the model the round starts from (distributed DP's sites encode all of it: a subnetwork's site
+        expands its slices to full shape, while its message carries only what it reads)."""
         clip = round_clip(strategy) if self.secagg is None else self.secagg.dp_clip
         if not self.noise_multiplier or not messages:
             self.pending = None if clip is None else (None, math.nan, math.nan, clip, 0)
@@ -106,9 +112,8 @@ class PrivacyLedger:
                 self.noise_multiplier, [*self.samples, sample], delta=self.delta
             )
         else:
-            size = sum(
-                math.prod(a.shape) for a in records(messages[0].content, ArrayRecord)[0].values()
-            )
+            model = records(messages[0].content, ArrayRecord)[0] if arrays is None else arrays
+            size = sum(math.prod(a.shape) for a in model.values())
             spent, exact = (
                 self._distributed(sample, size, self.secagg.threshold(sample.sampled)),
                 None,

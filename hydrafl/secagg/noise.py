@@ -7,6 +7,15 @@ Noise: Skellam of variance mu is Poisson(mu / 2) - Poisson(mu / 2), integer valu
 Skellams is Skellam with the variances added. Each of the n sites a round sends to adds variance
 (z C~ / gamma)^2 / n per coordinate, so the k that survive sum to one Skellam of variance (k / n) (z C~ / gamma)^2.
 
+Subnetworks (Hydra-nets, the width and rank baselines): a site uploads its slices at full shape (0 elsewhere)
+with a 0/1 weight per coordinate, clipped to C over its slices, weighing 1. Its share goes on every coordinate,
+not only on those it covers, so each coordinate of the sum holds (k / n) (z C~ / gamma)^2 whether n_l = 1 or n
+sites cover it, and the coordinator's masked mean (sum / n_l) has std z C~ / n_l with every site surviving:
+central DP's. Shares scaled to 1 / n_l on covered coordinates only would give the same with no dropout, but a
+dropout would cost the least-covered coordinates most (one of n_l = 2 leaves half their noise), and the epsilon
+sent ahead would have to assume the worst coverage; with shares on every coordinate every coordinate keeps
+k / n, the same z_eff as a whole-model round, and a sparse layer's noise does not rest on its few sites.
+
 Rounding: the lattice step is gamma = 2 clipping_range / quantization_range. Stochastic rounding moves each
 coordinate by less than one step, so a rounded update's L2 norm is below C / gamma + sqrt(d) steps: the
 sensitivity uses that worst case, C~ = C + gamma sqrt(d) (simpler than Kairouz et al.'s conditional rounding,
@@ -71,9 +80,17 @@ class DistributedNoise:
         return (self.noise_multiplier * self.bound / self.step) ** 2 / self.sites
 
     def encode(
-        self, update: np.ndarray, params: SecAggParams, rng: np.random.Generator
+        self,
+        update: np.ndarray,
+        params: SecAggParams,
+        rng: np.random.Generator,
+        weights: int | np.ndarray = 1,
     ) -> np.ndarray:
-        """A site's encoded vector: `update` clipped to L2 norm C, weight 1, plus its Skellam share (mod 2^32)."""
+        """A site's encoded vector: `update` clipped to L2 norm C, its weight part, then the rounded update plus its
+        Skellam share on every coordinate (mod 2^32). `weights`: 1, or per coordinate the 0/1 mask of the slices a
+        subnetwork's site trained (exact, noiseless: the coordinator's plan already says which sites cover what).
+        The share goes on every coordinate, covered or not, so every coordinate of the survivors' sum holds the
+        same k / n of the noise, whoever covers it."""
         update = np.asarray(update, dtype=np.float64).ravel()
         if update.size != self.size:
             raise SecAggError(f"the update has {update.size} coordinates, the round {self.size}")
@@ -81,11 +98,10 @@ class DistributedNoise:
         if not math.isfinite(norm):
             raise SecAggError("the update has NaN or infinite values")
         encoded = encode(
-            update * min(1.0, self.clip / norm) if norm > 0 else update, 1, params, rng
+            update * min(1.0, self.clip / norm) if norm > 0 else update, weights, params, rng
         )
-        half = self.site_variance() / 2
-        noise = rng.poisson(half, self.size) - rng.poisson(half, self.size)  # int64
-        encoded[1:] += noise.astype(np.uint32)  # two's complement: adds the signed noise mod 2^32
+        noise = skellam(rng, self.site_variance(), self.size)
+        encoded[encoded.size - self.size :] += noise.astype(np.uint32)  # two's complement: mod 2^32
         return encoded
 
     def effective_noise_multiplier(self, survivors: int) -> float:
@@ -107,3 +123,9 @@ class DistributedNoise:
                 f"dp-noise-multiplier {self.noise_multiplier:g} x dp-clip {self.clip:g} over {self.sites} sites "
                 f"could wrap the 2^32 field; lower the noise multiplier or the clipping bound"
             )
+
+
+def skellam(rng: np.random.Generator, variance: float, size: int) -> np.ndarray:
+    """`size` draws of Skellam noise of `variance` (Poisson(variance / 2) - Poisson(variance / 2)), as int64."""
+    half = variance / 2
+    return rng.poisson(half, size) - rng.poisson(half, size)

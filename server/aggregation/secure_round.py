@@ -9,7 +9,9 @@ With distributed DP (`secagg.noise`) every site weighs 1 and adds its noise shar
 holds the survivors' noised mean, which the strategy steps on as it is (no coordinator noise on top).
 
 A subnetwork strategy's sites train slices: each expands its slices to full shapes with a 0/1 weight per
-coordinate, and the one reply holds the per-coordinate sums instead (`hooks.TakesSecureSums`).
+coordinate, and the one reply holds the per-coordinate sums instead (`hooks.TakesSecureSums`). With distributed
+DP every site weighs 1 there too, and its noise share covers every coordinate, so the strategy's masked mean
+(sum / n_l over the n_l survivors that trained a coordinate) carries central DP's z C / n_l.
 
 Stages: a keys query, a shares query, the train messages carrying each site's routed shares (the replies are
 masked vectors, summed as they arrive), a check query (survivors sign the survivor set), an unmask query. Every
@@ -169,7 +171,7 @@ class SecureRound:
         self._ask(
             server_round,
             protocol.QUERY_SECAGG_KEYS,
-            {n: setup for n in participants},
+            dict.fromkeys(participants, setup),
             lambda node, record: session.receive_keys(node, wire.parse_keys_reply(record)),
         )
         requests = {
@@ -195,14 +197,14 @@ class SecureRound:
         self._ask(
             server_round,
             protocol.QUERY_SECAGG_CHECK,
-            {n: check for n in session.survivors},
+            dict.fromkeys(session.survivors, check),
             lambda node, record: session.receive_signature(node, wire.parse_check_reply(record)),
         )
         request = wire.unmask_request(*session.unmask_request())
         self._ask(
             server_round,
             protocol.QUERY_SECAGG_UNMASK,
-            {n: request for n in session.signatures},
+            dict.fromkeys(session.signatures, request),
             lambda node, record: session.receive_unmask(node, wire.parse_unmask_reply(record)),
         )
         total, count = session.result()
@@ -223,7 +225,9 @@ class SecureRound:
                 f"round {server_round}: the survivors' weights sum to 0; the round halts"
             )
         means = {
-            name: mean for (name, _), (mean, _) in zip(layout.metrics, decoded) if mean is not None
+            name: mean
+            for (name, _), (mean, _) in zip(layout.metrics, decoded, strict=True)
+            if mean is not None
         }
         return weights, weighted, means
 
@@ -234,7 +238,7 @@ class SecureRound:
                 self.weighted_by_key,
                 names,
                 True,
-                self.subnets.count_once,
+                self.subnets.count_once or bool(self.params.dp_clip),
                 [tuple(arrays[name].shape) for name in names],
                 list(TRAIN_METRICS),
             )

@@ -16,7 +16,9 @@ from hydrafl.privacy.accountant import (
     PLD_DISCRETISATION,
     AccountingError,
     RoundSample,
+    calibrate_distributed_noise_multiplier,
     calibrate_noise_multiplier,
+    distributed_epsilon,
     epsilon,
     exact_epsilon,
     local_epsilon,
@@ -170,6 +172,17 @@ def test_calibration_gives_the_noise_that_spends_the_target(sample, sampling):
     )
     assert epsilon(z, sample, delta=DELTA, repeat=30, sampling=sampling) <= 4.0
     assert epsilon(z * 0.99, sample, delta=DELTA, repeat=30, sampling=sampling) > 4.0
+
+
+def test_distributed_calibration_spends_the_target_at_integer_orders():
+    """A little more noise than central DP's for the same target: the Skellam's bound holds at integer orders."""
+    z = calibrate_distributed_noise_multiplier(8.0, 8, delta=DELTA)
+    assert distributed_epsilon([z] * 8, delta=DELTA) == pytest.approx(8.0, abs=1e-3)
+    assert distributed_epsilon([z] * 8, delta=DELTA) <= 8.0
+    assert distributed_epsilon([z * 0.99] * 8, delta=DELTA) > 8.0
+    assert z >= calibrate_noise_multiplier(8.0, RoundSample(20, 20), 8, delta=DELTA)
+    with pytest.raises(AccountingError, match="rounds must be >= 1"):
+        calibrate_distributed_noise_multiplier(8.0, 0, delta=DELTA)
 
 
 def test_bad_parameters_are_named():

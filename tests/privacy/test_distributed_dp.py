@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Message
-from helpers import SMALL_RUN, TIERED_RUN, site_app_failing
+from helpers import SMALL_RUN, site_app_failing
 from typer.testing import CliRunner
 
 from hydrafl import protocol
@@ -159,7 +159,3 @@ def test_the_strategy_steps_on_the_sites_noised_mean_with_no_noise_of_the_coordi
 def test_what_distributed_dp_cannot_noise_is_refused():
     with pytest.raises(ConfigError, match="invalid --dp-adaptive=True: expected off with --secagg"):
         PRIVATE.replace(dp_adaptive=True)
-    with pytest.raises(
-        ConfigError, match="invalid --dp-clip=0.5: expected 0 with --secagg for strategy 'hydra'"
-    ):
-        TIERED_RUN.replace(secagg=True, dp_clip=0.5, dp_noise_multiplier=1.1)

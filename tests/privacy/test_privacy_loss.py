@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
+from dp_neighbours import NEIGHBOURS, deltas, round_replies
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from helpers import TIERED_RUN
 
@@ -28,25 +28,11 @@ from hydrafl.privacy import central
 from hydrafl.server import server_app
 from hydrafl.simulation.grid import InProcessGrid
 from hydrafl.strategies import build_strategy
-from hydrafl.strategies.hooks import QueriesSites
 from hydrafl.strategies.registry import config_class, mean_strategies, strategy_names
 from hydrafl.updates import records
 from hydrafl.validation import ConfigError
 
 Z, CLIP = 1.0, 0.05
-EXAMPLES = (1000, 10, 10)
-"""An unequal split: one site holds 98% of the examples, which must not raise its weight under DP."""
-NEIGHBOURS: dict[
-    str, Callable[[dict[str, np.ndarray], dict[str, np.ndarray]], dict[str, np.ndarray]]
-] = {
-    "negated": lambda own, other: {name: -value for name, value in own.items()},
-    "zero": lambda own, other: {name: np.zeros_like(value) for name, value in own.items()},
-    "another site's": lambda own, other: {  # where its slice has the same shape
-        name: other[name] if other.get(name, value).shape == value.shape else value
-        for name, value in own.items()
-    },
-    "scaled x100": lambda own, other: {name: 100 * value for name, value in own.items()},
-}
 
 
 class DrawnNoise:
@@ -115,32 +101,6 @@ def _request(reply: Message) -> Message:
     return request
 
 
-def _deltas(reply: Message) -> dict[str, np.ndarray]:
-    return {
-        name: array.numpy().copy() for name, array in records(reply.content, ArrayRecord)[0].items()
-    }
-
-
-def _round_replies(
-    strategy, grid, cfg: RunConfig, server_round: int, arrays: ArrayRecord
-) -> list[Message]:
-    """The sites' real training replies to the strategy's round, with the unequal example counts."""
-    if isinstance(strategy, QueriesSites):
-        queries = list(
-            strategy.configure_query(server_round, arrays, ConfigRecord(cfg.to_flower()), grid)
-        )
-        if queries:
-            strategy.aggregate_query(server_round, list(grid.send_and_receive(queries)))
-    messages = list(
-        strategy.configure_train(server_round, arrays, ConfigRecord(cfg.to_flower()), grid)
-    )
-    replies = sorted(grid.send_and_receive(messages), key=lambda reply: reply.metadata.src_node_id)
-    assert len(replies) == len(EXAMPLES) and not any(reply.has_error() for reply in replies)
-    for reply, examples in zip(replies, EXAMPLES):
-        records(reply.content, MetricRecord)[0]["num-examples"] = examples
-    return replies
-
-
 @pytest.mark.parametrize("name", mean_strategies())
 def test_one_round_privacy_loss_is_at_most_the_accounted_mu_and_the_output_is_post_processing(
     name, monkeypatch
@@ -149,8 +109,8 @@ def test_one_round_privacy_loss_is_at_most_the_accounted_mu_and_the_output_is_po
     grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
     arrays = server_app.request_initial_arrays(grid, cfg)
     strategy = build_strategy(cfg)
-    replies = _round_replies(strategy, grid, cfg, 1, arrays)
-    own, other = _deltas(replies[0]), _deltas(replies[1])
+    replies = round_replies(strategy, grid, cfg, 1, arrays)
+    own, other = deltas(replies[0]), deltas(replies[1])
     assert (
         math.sqrt(sum(float((v.astype(np.float64) ** 2).sum()) for v in own.values())) > 2 * CLIP
     )  # clipped
@@ -189,9 +149,9 @@ def test_stateful_server_optimizers_keep_only_post_processed_state(monkeypatch):
         grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
         arrays = server_app.request_initial_arrays(grid, cfg)
         strategy = build_strategy(cfg)
-        replies = _round_replies(strategy, grid, cfg, 1, arrays)
+        replies = round_replies(strategy, grid, cfg, 1, arrays)
         neighbours = [
-            _replaced(replies[0], NEIGHBOURS["negated"](_deltas(replies[0]), {})),
+            _replaced(replies[0], NEIGHBOURS["negated"](deltas(replies[0]), {})),
             *replies[1:],
         ]
         noise = DrawnNoise()

@@ -28,10 +28,13 @@ def _updates(seed: int = 0) -> dict[int, np.ndarray]:
 
 
 def _secure_sum(
-    encoded: dict[int, np.ndarray], params: SecAggParams, survivors: list[int]
+    encoded: dict[int, np.ndarray],
+    params: SecAggParams,
+    survivors: list[int],
+    per_coordinate: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(count, sum) the coordinator decodes when only `survivors` upload their encoded vectors."""
-    server, sites = started(NODES, params, SIZE + 1)
+    server, sites = started(NODES, params, len(encoded[NODES[0]]))
     for node in survivors:
         server.receive_masked(node, sites[node].mask(encoded[node], server.shares_for(node)))
     checked(server, sites)
@@ -39,7 +42,7 @@ def _secure_sum(
     for node in signatures:
         server.receive_unmask(node, sites[node].unmask(kept, signatures))
     total, count = server.result()
-    return decode_sum(total, count, params, per_coordinate=False)
+    return decode_sum(total, count, params, per_coordinate=per_coordinate)
 
 
 def _clipped(update: np.ndarray, clip: float) -> np.ndarray:
@@ -94,6 +97,45 @@ def test_the_unmasked_sum_is_the_clipped_rounded_sum_plus_the_sites_noise_and_no
         np.abs(rounded * step - sum(_clipped(updates[node], 1.0) for node in kept)).max()
         < len(kept) * step
     )
+
+
+LAYERS = {"all five": NODES, "two": NODES[:2], "one": NODES[4:]}
+"""A Hydra-net's coverage: which sites train each of three layers of SIZE // 4 coordinates (the rest no site)."""
+
+
+@pytest.mark.parametrize("dropped", [None, 11])
+def test_a_subnetwork_sum_holds_the_same_noise_on_every_coordinate_and_its_mean_z_c_over_n_l(
+    dropped,
+):
+    """Each site clips over its slices and adds its share on every coordinate: a layer covered by 1, 2 or 5
+    sites holds k / n of the noise (z C~ sqrt(k / n) on the sum, that over n_l on the mean), also when one of
+    the two sites covering a layer dropped; the weights decode exactly, with no noise."""
+    width = SIZE // 4
+    noise = DistributedNoise.of(PARAMS, SIZE, len(NODES))
+    masks = {
+        node: np.concatenate(
+            [np.full(width, node in covering, dtype=np.int64) for covering in LAYERS.values()]
+            + [np.zeros(SIZE - 3 * width, dtype=np.int64)]
+        )
+        for node in NODES
+    }
+    updates = {node: update * masks[node] for node, update in _updates(2).items()}
+    encoded = {
+        node: noise.encode(updates[node], PARAMS, np.random.default_rng(node), masks[node])
+        for node in NODES
+    }
+    kept = [node for node in NODES if node != dropped]
+    weights, sums = _secure_sum(encoded, PARAMS, kept, per_coordinate=True)
+    np.testing.assert_array_equal(weights, sum(masks[node] for node in kept))
+    residual = sums - sum(_clipped(updates[node], 1.0) for node in kept)
+    on_sum = 1.3 * noise.bound * math.sqrt(len(kept) / len(NODES))
+    for index, (name, covering) in enumerate(LAYERS.items()):
+        layer = slice(index * width, (index + 1) * width)
+        covered = len([node for node in covering if node in kept])
+        assert np.std(residual[layer]) == pytest.approx(on_sum, rel=0.04), name
+        mean_noise = residual[layer] / covered
+        assert np.std(mean_noise) == pytest.approx(on_sum / covered, rel=0.04), name
+    assert np.std(residual[3 * width :]) == pytest.approx(on_sum, rel=0.04)  # no site: discarded
 
 
 def test_a_noise_that_could_wrap_the_field_is_refused_and_the_default_ranges_leave_room():
