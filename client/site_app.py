@@ -31,17 +31,12 @@ from hydrafl.arrays import to_record
 from hydrafl.catalog import IMAGE_MODELS
 from hydrafl.client.model_probes import estimate_curvature, slice_layout
 from hydrafl.client.site_model import lora_spec, site_model
-from hydrafl.client.training import (
-    SiteTrainConfig,
-    build_site_model,
-    evaluate,
-    site_seed,
-    train_site,
-)
+from hydrafl.client.training import build_site_model, evaluate, site_seed, train_site
 from hydrafl.config import RunConfig
 from hydrafl.data import NEXT_TOKEN_TASKS, TASKS, Cohort, DataError, SiteSplit, load_cohort
 from hydrafl.data.text_cohort import MINILM
 from hydrafl.footprint import training_footprint
+from hydrafl.kernels.distributed import LocalTraining
 from hydrafl.models import build_model, federated_state, lora_base_state, task_loss, training_loss
 from hydrafl.run_settings import run_settings
 from hydrafl.site_config import SiteConfig
@@ -205,7 +200,7 @@ def train(message: Message, context: Context) -> Message:
     spec, rank = half.subnet(), half.lora_rank()
     model = site_model(cohort.task, cfg, arrays, spec, rank)
     start = {name: p.clone() for name, p in federated_state(model).items() if name in arrays}
-    local = SiteTrainConfig(
+    local = LocalTraining(
         steps=half.local_steps(cfg.local_steps, len(split.train_y), cfg.batch_size),
         batch_size=cfg.batch_size,
         lr=cfg.lr,

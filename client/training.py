@@ -9,14 +9,13 @@ uninterrupted run and a run with more processes train on exactly the same batche
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from hydrafl.data import TaskSpec
-from hydrafl.kernels.distributed import train_distributed
-from hydrafl.kernels.optimizers import INNER_OPTIMIZERS
+from hydrafl.kernels.distributed import LocalTraining, train_distributed
 from hydrafl.kernels.peak_flops import mfu
 from hydrafl.losses import LossFn, classification_loss
 from hydrafl.models import LoraSpec, build_model
@@ -26,7 +25,6 @@ from hydrafl.subnet.counts import forward_flops
 from hydrafl.subnet.spec import SubnetSpec
 
 __all__ = [
-    "SiteTrainConfig",
     "SiteTrainResult",
     "build_site_model",
     "evaluate",
@@ -34,35 +32,6 @@ __all__ = [
     "train_flops_per_sample",
     "train_site",
 ]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SiteTrainConfig:
-    steps: int
-    batch_size: int
-    """Global batch size (over all processes); capped at the number of training samples."""
-    lr: float
-    optimizer: str = "adamw"
-    weight_decay: float = 0.0
-    nproc: int = 1
-    """Training processes (one per accelerator, or CPU ranks under gloo); the global batch must split evenly."""
-    seed: int = 0
-    """Data-order seed; `site_seed` gives each site its own."""
-    server_round: int = 0
-    bf16: bool = False
-    max_restarts: int = 0
-    """With nproc > 1: how often the ranks are restarted (the round replayed) when one dies."""
-
-    def __post_init__(self) -> None:
-        if self.steps < 1 or self.batch_size < 1 or self.nproc < 1 or self.max_restarts < 0:
-            raise ValueError(
-                f"steps={self.steps}, batch_size={self.batch_size} and nproc={self.nproc} must all be >= 1, "
-                f"max_restarts={self.max_restarts} >= 0"
-            )
-        if self.optimizer not in INNER_OPTIMIZERS:
-            raise ValueError(
-                f"unknown inner optimizer {self.optimizer!r}; choose one of {', '.join(INNER_OPTIMIZERS)}"
-            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -133,7 +102,7 @@ def train_site(
     state: dict[str, torch.Tensor],
     x: torch.Tensor,
     y: torch.Tensor,
-    config: SiteTrainConfig,
+    config: LocalTraining,
     *,
     rebuild: Callable[[], nn.Module] | None = None,
     device: str | torch.device | None = None,
@@ -148,11 +117,12 @@ def train_site(
     the task's training loss (`hydrafl.models.training_loss`), picklable for nproc > 1. `spec`: the subnetwork
     applied to `model` (and by `rebuild`), which its MFU counts.
     """
-    global_batch = min(config.batch_size, len(x))
-    if global_batch % config.nproc:
+    # the global batch capped at the data; global batches do not depend on the lanes, only how ranks split them
+    config = replace(config, batch_size=min(config.batch_size, len(x)), lanes=config.nproc)
+    if config.batch_size % config.nproc:
         raise ValueError(
-            f"batch size {global_batch} does not split evenly over nproc={config.nproc} processes; use a batch "
-            f"size that is a multiple of {config.nproc}"
+            f"batch size {config.batch_size} does not split evenly over nproc={config.nproc} processes; "
+            f"use a batch size that is a multiple of {config.nproc}"
         )
     if config.nproc > 1 and rebuild is None:
         raise ValueError(
@@ -165,19 +135,9 @@ def train_site(
             state,
             x,
             y,
-            steps=config.steps,
-            global_batch_size=global_batch,
-            lr=config.lr,
-            optimizer=config.optimizer,
-            weight_decay=config.weight_decay,
-            seed=config.seed,
-            server_round=config.server_round,
-            nproc=config.nproc,
-            lanes=config.nproc,  # global batches do not depend on the lanes, only how ranks split them
-            bf16=config.bf16,
+            config,
             device=device,
             loss_fn=loss_fn,
-            max_restarts=config.max_restarts,
         )
     finally:
         model.to(home)

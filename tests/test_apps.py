@@ -10,7 +10,8 @@ from helpers import SMALL_RUN
 
 from hydrafl.arrays import from_record
 from hydrafl.client import site_app
-from hydrafl.client.training import SiteTrainConfig, site_seed, train_site
+from hydrafl.client.training import site_seed, train_site
+from hydrafl.kernels.distributed import LocalTraining
 from hydrafl.models import build_model, federated_state
 from hydrafl.server import server_app
 from hydrafl.simulation.grid import InProcessGrid
@@ -42,7 +43,7 @@ def test_train_reply_is_start_minus_end_of_local_training(grid):
     split = cohort.sites[1]
     model = build_model(cohort.task, seed=CFG.seed)
     start = {k: v.clone() for k, v in federated_state(model).items()}
-    local = SiteTrainConfig(
+    local = LocalTraining(
         steps=4, batch_size=8, lr=3e-3, seed=site_seed(CFG.seed, 1), server_round=2
     )
     train_site(model, start, split.train_x, split.train_y, local)
@@ -57,7 +58,9 @@ def test_fedprox_proximal_mu_from_the_strategy_shrinks_the_update(grid):
     norms = {}
     for mu in (0.0, 50.0):
         delta = from_record(
-            _ask(grid, "train", node, initial, **{"strategy": "fedprox", "proximal-mu": mu}).content["arrays"]
+            _ask(
+                grid, "train", node, initial, **{"strategy": "fedprox", "proximal-mu": mu}
+            ).content["arrays"]
         )
         norms[mu] = float(sum((d**2).sum() for d in delta.values()))
     assert norms[50.0] < 0.5 * norms[0.0]

@@ -14,10 +14,11 @@ from helpers import SMALL_RUN, TIERED_RUN
 from hydrafl.backbones import TinyShape, build_causal_lm
 from hydrafl.causal_lm import CausalLM, DistillationError
 from hydrafl.client import site_app
-from hydrafl.client.training import SiteTrainConfig, evaluate, train_site
+from hydrafl.client.training import evaluate, train_site
 from hydrafl.config import ConfigError, RunConfig
 from hydrafl.data import DataError, load_cohort
 from hydrafl.data.notes_lm_cohort import IGNORE_INDEX
+from hydrafl.kernels.distributed import LocalTraining
 from hydrafl.models import LoraSpec, build_model, federated_state, task_loss, training_loss
 from hydrafl.server import server_app
 from hydrafl.simulation.compare import compare_strategies
@@ -159,7 +160,7 @@ def test_lora_federates_exactly_the_lora_tensors_and_trains(cohort):
     )  # A and B of q/k/v/o in each of the 2 layers; the LM head stays frozen
     split = cohort.sites[0]
     start = {n: t.clone() for n, t in federated_state(model).items()}
-    config = SiteTrainConfig(steps=4, batch_size=8, lr=1e-2)
+    config = LocalTraining(steps=4, batch_size=8, lr=1e-2)
     loss_fn = task_loss(cohort.task)
     result = train_site(
         model, start, split.train_x, split.train_y, config, device="cpu", loss_fn=loss_fn
@@ -248,7 +249,7 @@ def test_two_process_ddp_delta_equals_one_process(cohort):
     rebuild = partial(build_site_model, cohort.task, "tiny", 0, None)
     results = {}
     for nproc in (1, 2):
-        config = SiteTrainConfig(steps=3, batch_size=8, lr=0.5, optimizer="sgd", nproc=nproc)
+        config = LocalTraining(steps=3, batch_size=8, lr=0.5, optimizer="sgd", nproc=nproc)
         results[nproc] = train_site(
             build_model(cohort.task, seed=0),
             start,

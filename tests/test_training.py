@@ -10,15 +10,9 @@ import torch
 from spawned_ranks import RankOneDiesOnFirstAttempt
 
 from hydrafl.client import training
-from hydrafl.client.training import (
-    SiteTrainConfig,
-    evaluate,
-    site_seed,
-    train_flops_per_sample,
-    train_site,
-)
+from hydrafl.client.training import evaluate, site_seed, train_flops_per_sample, train_site
 from hydrafl.data import load_cohort
-from hydrafl.kernels.distributed import train_distributed
+from hydrafl.kernels.distributed import LocalTraining, train_distributed
 from hydrafl.kernels.elastic_loader import ElasticLoader
 from hydrafl.kernels.lm_dual import HeadLM
 from hydrafl.kernels.optimizers import build_inner_optimizer
@@ -42,7 +36,7 @@ def test_batches_are_a_pure_function_of_seed_round_and_site(site):
     task, split = site
 
     def data_hash(seed, server_round):
-        config = SiteTrainConfig(
+        config = LocalTraining(
             steps=7, batch_size=32, lr=1e-3, seed=seed, server_round=server_round
         )
         return _train(build_model(task, seed=0), split, config).data_hash
@@ -69,7 +63,7 @@ def test_every_inner_optimizer_reduces_the_loss(site, optimizer):
     result = _train(
         model,
         split,
-        SiteTrainConfig(steps=40, batch_size=32, lr=lr, optimizer=optimizer, server_round=1),
+        LocalTraining(steps=40, batch_size=32, lr=lr, optimizer=optimizer, server_round=1),
     )
     assert result.num_examples == 40 * 32 and result.mfu is None  # CPU: throughput only
     after, _ = evaluate(model, split.train_x, split.train_y)
@@ -102,7 +96,7 @@ def test_proximal_term_limits_drift_from_the_global_model(site):
     for mu in (0.0, 10.0):
         model = build_model(task, seed=0)
         start = {k: v.clone() for k, v in federated_state(model).items()}
-        config = SiteTrainConfig(steps=30, batch_size=32, lr=3e-3, server_round=1)
+        config = LocalTraining(steps=30, batch_size=32, lr=3e-3, server_round=1)
         _train(model, split, config, loss_fn=Proximal(classification_loss, mu, start))
         drift[mu] = (
             sum(((federated_state(model)[k] - v) ** 2).sum() for k, v in start.items())
@@ -117,7 +111,7 @@ def test_lm_dual_trains_only_the_head_and_equals_its_steps_taken_by_hand(site):
     model = build_model(task, seed=0)
     start = {k: v.clone() for k, v in federated_state(model).items()}
     # Gauss-Newton on a 195-parameter head wants batches of its size (small ones overfit each batch)
-    config = SiteTrainConfig(
+    config = LocalTraining(
         steps=4, batch_size=96, lr=1.0, optimizer="lm-dual", seed=3, server_round=2
     )
     before, _ = evaluate(model, split.train_x, split.train_y)
@@ -155,28 +149,16 @@ def test_lm_dual_trains_only_the_head_and_equals_its_steps_taken_by_hand(site):
         torch.testing.assert_close(result.end_state[f"net.head.{name}"], tensor, rtol=0, atol=0)
 
 
-def test_lm_dual_refuses_several_processes(site):
-    task, split = site
+def test_lm_dual_refuses_several_processes():
     with pytest.raises(ValueError, match="lm-dual fine-tunes the head in one process"):
-        train_distributed(
-            lambda: build_model(task, seed=0),
-            {},
-            split.train_x,
-            split.train_y,
-            steps=1,
-            global_batch_size=32,
-            lr=1.0,
-            optimizer="lm-dual",
-            nproc=2,
-            lanes=2,
-        )
+        LocalTraining(steps=1, batch_size=32, lr=1.0, optimizer="lm-dual", nproc=2, lanes=2)
 
 
 @pytest.mark.slow
 def test_a_site_whose_training_process_dies_replays_the_round_when_restarts_are_allowed(site):
     task, split = site
     build = functools.partial(build_model, task, seed=0)
-    config = SiteTrainConfig(steps=3, batch_size=8, lr=1e-2, nproc=2, max_restarts=1)
+    config = LocalTraining(steps=3, batch_size=8, lr=1e-2, nproc=2, max_restarts=1)
     undisturbed = _train(build(), split, config, rebuild=build)
     restarted = _train(build(), split, config, rebuild=build, loss_fn=RankOneDiesOnFirstAttempt())
     assert (undisturbed.restarts, restarted.restarts) == (0, 1)
@@ -187,7 +169,7 @@ def test_a_site_whose_training_process_dies_replays_the_round_when_restarts_are_
 
 def test_restarts_cannot_be_negative():
     with pytest.raises(ValueError, match="max_restarts=-1"):
-        SiteTrainConfig(steps=3, batch_size=8, lr=1e-2, max_restarts=-1)
+        LocalTraining(steps=3, batch_size=8, lr=1e-2, max_restarts=-1)
 
 
 def test_a_site_on_a_listed_gpu_reports_its_mfu(site, monkeypatch):
@@ -202,7 +184,7 @@ def test_a_site_on_a_listed_gpu_reports_its_mfu(site, monkeypatch):
     monkeypatch.setattr(training, "train_distributed", on_an_h100)
     task, split = site
     model = build_model(task, seed=0)
-    result = _train(model, split, SiteTrainConfig(steps=2, batch_size=16, lr=1e-3))
+    result = _train(model, split, LocalTraining(steps=2, batch_size=16, lr=1e-3))
     flops = train_flops_per_sample(model, split.train_x)
     assert flops > 0 and result.mfu == pytest.approx(
         result.samples_per_s * flops / 67e12, rel=1e-12

@@ -43,6 +43,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel
 
+from hydrafl.catalog import INNER_OPTIMIZERS
 from hydrafl.kernels.elastic_loader import ElasticLoader, LoaderConfigError, hash_global_batches
 from hydrafl.kernels.lm_dual import HeadLM
 from hydrafl.kernels.optimizers import build_inner_optimizer
@@ -51,6 +52,7 @@ from hydrafl.losses import LossFn, classification_loss
 __all__ = [
     "DistributedResult",
     "DistributedTrainingError",
+    "LocalTraining",
     "pick_device",
     "process_group_backend",
     "train_distributed",
@@ -105,6 +107,52 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LocalTraining:
+    """One round of a site's local training, however many processes run it: the one statement of a site's
+    training parameters, from the ClientApp to each rank."""
+
+    steps: int | None = None
+    """Global batches to train on; None: every full global batch of one pass."""
+    batch_size: int
+    """The global batch (over all processes); it must split evenly over `nproc` and the `lanes`."""
+    lr: float
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0
+    proximal_mu: float = 0.0
+    """FedProx: adds mu/2 ||w - w_start||^2 to the loss."""
+    seed: int = 0
+    """Data-order seed (`hydrafl.client.training.site_seed` gives each site its own)."""
+    server_round: int = 0
+    nproc: int = 1
+    """Training processes (one per accelerator, or CPU ranks under gloo)."""
+    lanes: int = 8
+    """The loader's lanes: nproc must divide them (the global batches do not depend on them)."""
+    bf16: bool = False
+    """Train under bfloat16 autocast."""
+    max_restarts: int = 0
+    """With nproc > 1: how often the ranks are restarted (the round replayed) when one dies."""
+
+    def __post_init__(self) -> None:
+        if (self.steps is not None and self.steps < 1) or self.batch_size < 1 or self.nproc < 1:
+            raise ValueError(
+                f"steps={self.steps}, batch_size={self.batch_size} and nproc={self.nproc} must be >= 1"
+            )
+        if self.max_restarts < 0 or self.proximal_mu < 0:
+            raise ValueError(
+                f"max_restarts={self.max_restarts} and proximal_mu={self.proximal_mu} must be >= 0"
+            )
+        if self.optimizer not in INNER_OPTIMIZERS:
+            raise ValueError(
+                f"unknown inner optimizer {self.optimizer!r}; choose one of "
+                f"{', '.join(INNER_OPTIMIZERS)}"
+            )
+        if self.optimizer == "lm-dual" and (self.nproc > 1 or self.proximal_mu):
+            raise ValueError(
+                "lm-dual fine-tunes the head in one process without a proximal term; use nproc=1"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class _Job:
     """Everything a rank needs, picklable for the spawned ranks."""
 
@@ -112,17 +160,8 @@ class _Job:
     state: dict[str, torch.Tensor]
     x: torch.Tensor
     y: torch.Tensor
-    steps: int
-    global_batch_size: int
-    lr: float
-    optimizer: str
-    weight_decay: float
-    proximal_mu: float
-    seed: int
-    server_round: int
-    nproc: int
-    lanes: int
-    bf16: bool
+    training: LocalTraining
+    """With its steps resolved."""
     device_type: str
     loss_fn: LossFn
 
@@ -132,78 +171,50 @@ def train_distributed(
     state: dict[str, torch.Tensor],
     x: torch.Tensor,
     y: torch.Tensor,
+    training: LocalTraining,
     *,
-    steps: int | None = None,
-    global_batch_size: int,
-    lr: float,
-    optimizer: str = "adamw",
-    weight_decay: float = 0.0,
-    proximal_mu: float = 0.0,
-    seed: int = 0,
-    server_round: int = 0,
-    nproc: int = 1,
-    lanes: int = 8,
-    bf16: bool = False,
     device: str | torch.device | None = None,
     loss_fn: LossFn = classification_loss,
-    max_restarts: int = 0,
 ) -> DistributedResult:
-    """Train `build()` loaded with `state` for `steps` global batches of (x, y) on `nproc` processes.
+    """Train `build()` loaded with `state` for `training.steps` global batches of (x, y) on `training.nproc`
+    processes.
 
     `build` must be picklable for nproc > 1 (e.g. `functools.partial(build_model, task)`); with nproc=1 it may
-    return a live model, which is trained in place (and moved to the device). `steps=None` trains on every full
-    global batch of one pass; more steps read further passes. `lanes` must be divisible by nproc and divide
-    the global batch (the batches themselves do not depend on it). `proximal_mu` adds FedProx's
-    mu/2 ||w - w_start||^2 to the loss. `bf16` trains under bfloat16 autocast. `device` defaults to
+    return a live model, which is trained in place (and moved to the device). `device` defaults to
     `pick_device()`. `loss_fn(model, x, y)` is the task's batch-mean loss (picklable for nproc > 1); it must
-    call the model's forward, which is all DDP sees. `max_restarts`: how often the elastic agent restarts the
-    ranks when one dies (nproc > 1), before the round fails with `DistributedTrainingError`.
+    call the model's forward, which is all DDP sees. A rank that dies is restarted `training.max_restarts`
+    times before the round fails with `DistributedTrainingError`.
     """
-    if nproc < 1 or max_restarts < 0:
-        raise ValueError(f"nproc={nproc} must be >= 1 and max_restarts={max_restarts} >= 0")
     # Validates lanes, world size, batch size and dataset size before any process starts.
     probe = ElasticLoader(
         len(x),
-        global_batch_size=global_batch_size,
-        lanes=lanes,
-        world_size=nproc,
-        seed=seed,
-        server_round=server_round,
+        global_batch_size=training.batch_size,
+        lanes=training.lanes,
+        world_size=training.nproc,
+        seed=training.seed,
+        server_round=training.server_round,
     )
-    if steps is None:
-        steps = probe.steps_per_round
-    if steps < 1:
-        raise LoaderConfigError(f"steps={steps} must be >= 1")
-    if proximal_mu < 0:
-        raise ValueError(f"proximal_mu={proximal_mu} must be >= 0")
-    if optimizer == "lm-dual" and (nproc > 1 or proximal_mu):
-        raise ValueError(
-            "lm-dual fine-tunes the head in one process without a proximal term; use nproc=1"
-        )
+    if training.steps is None:
+        if probe.steps_per_round < 1:
+            raise LoaderConfigError(
+                f"{len(x)} samples hold no global batch of {training.batch_size}"
+            )
+        training = replace(training, steps=probe.steps_per_round)
     if len(x) != len(y):
         raise ValueError(f"x has {len(x)} rows but y has {len(y)}")
     device_type = torch.device(device).type if device is not None else pick_device().type
     job = _Job(
         build=build,
-        state={
+        state={  # the caller's stay unshared
             name: tensor.detach().cpu().clone() for name, tensor in state.items()
-        },  # the caller's stay unshared
+        },
         x=x,
         y=y,
-        steps=steps,
-        global_batch_size=global_batch_size,
-        lr=lr,
-        optimizer=optimizer,
-        weight_decay=weight_decay,
-        proximal_mu=proximal_mu,
-        seed=seed,
-        server_round=server_round,
-        nproc=nproc,
-        lanes=lanes,
-        bf16=bf16,
+        training=training,
         device_type=device_type,
         loss_fn=loss_fn,
     )
+    nproc, max_restarts = training.nproc, training.max_restarts
     if nproc == 1:
         return _run_rank(job, rank=0, model_wrapper=None)
     if device_type == "cuda" and nproc > torch.accelerator.device_count():
@@ -279,13 +290,13 @@ def _rank_main(job: _Job, out: str) -> None:
     the process group, train, rank 0 writes the result."""
     rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     # Share the host's cores between the ranks instead of oversubscribing them.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.nproc))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.training.nproc))
     device = _rank_device(job.device_type, rank)
     dist.init_process_group(
         process_group_backend(device),
-        store=_attempt_store(rank, job.nproc, attempt),
+        store=_attempt_store(rank, job.training.nproc, attempt),
         rank=rank,
-        world_size=job.nproc,
+        world_size=job.training.nproc,
         **({"device_id": device} if device.type == "cuda" else {}),
     )
     try:
@@ -337,19 +348,24 @@ def _run_rank(
     _load_start_state(model, job.state)
     model.to(device)
     trained = model_wrapper(model) if model_wrapper is not None else model
-    head_lm = HeadLM(model, model.head()) if job.optimizer == "lm-dual" else None  # type: ignore[operator]
+    head_lm = HeadLM(model, model.head()) if job.training.optimizer == "lm-dual" else None  # type: ignore[operator]
     optimizer = (
         None
         if head_lm
-        else build_inner_optimizer(model, job.optimizer, lr=job.lr, weight_decay=job.weight_decay)
+        else build_inner_optimizer(
+            model,
+            job.training.optimizer,
+            lr=job.training.lr,
+            weight_decay=job.training.weight_decay,
+        )
     )
     trainable = [p for p in model.parameters() if p.requires_grad]
-    anchors = [p.detach().clone() for p in trainable] if job.proximal_mu else []
+    anchors = [p.detach().clone() for p in trainable] if job.training.proximal_mu else []
     loaders: list[ElasticLoader] = []
-    local_size = job.global_batch_size // job.nproc
-    if local_size * job.nproc != job.global_batch_size:
+    local_size = job.training.batch_size // job.training.nproc
+    if local_size * job.training.nproc != job.training.batch_size:
         raise LoaderConfigError(
-            f"global batch {job.global_batch_size} does not split evenly over {job.nproc} ranks; the DDP mean would "
+            f"global batch {job.training.batch_size} does not split evenly over {job.training.nproc} ranks; the DDP mean would "
             "not be the global mean"
         )
     trained.train()
@@ -368,12 +384,12 @@ def _run_rank(
         optimizer.zero_grad()
         # Equal shares: the mean over the ranks (DDP's gradient average) of each share's mean is the global mean
         # (a loss over a varying number of valid tokens rescales its share itself, see `hydrafl.causal_lm`).
-        with _autocast(device, job.bf16):
+        with _autocast(device, job.training.bf16):
             loss = job.loss_fn(trained, xb, yb)
         loss_sum += loss.detach().double().cpu()
-        if job.proximal_mu:  # the same on every rank: DDP's average keeps it as is
+        if job.training.proximal_mu:  # the same on every rank: DDP's average keeps it as is
             proximal = sum(((p - a) ** 2).sum() for p, a in zip(trainable, anchors, strict=True))
-            loss = loss + 0.5 * job.proximal_mu * proximal
+            loss = loss + 0.5 * job.training.proximal_mu * proximal
         loss.backward()
         optimizer.step()
     if device.type != "cpu":
@@ -383,21 +399,21 @@ def _run_rank(
         dist.all_reduce(
             loss_sum
         )  # sum over ranks of the share means: nproc x the global mean, per step
-        loss_sum = loss_sum.cpu() / job.nproc
+        loss_sum = loss_sum.cpu() / job.training.nproc
     elapsed = time.perf_counter() - start
-    samples = job.steps * job.global_batch_size
+    samples = job.training.steps * job.training.batch_size
     model_state = model.state_dict()
     end_state = {name: model_state[name].detach().cpu().clone() for name in job.state}
     return DistributedResult(
         end_state=end_state,
-        loss=float(loss_sum) / job.steps,
+        loss=float(loss_sum) / job.training.steps,
         samples=samples,
         data_hash=hash_global_batches(
             loader.global_batch(step) for loader in loaders for step in range(loader.step)
         ),
         samples_per_s=samples / elapsed if elapsed > 0 else math.inf,
-        steps=job.steps,
-        nproc=job.nproc,
+        steps=job.training.steps,
+        nproc=job.training.nproc,
         device=device.type,
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "",
     )
@@ -410,19 +426,19 @@ def _rank_batches(job: _Job, rank: int, loaders: list[ElasticLoader]) -> Iterato
     for epoch in itertools.count():
         loader = ElasticLoader(
             len(job.x),
-            global_batch_size=job.global_batch_size,
-            lanes=job.lanes,
-            world_size=job.nproc,
+            global_batch_size=job.training.batch_size,
+            lanes=job.training.lanes,
+            world_size=job.training.nproc,
             rank=rank,
-            seed=job.seed,
-            server_round=job.server_round,
+            seed=job.training.seed,
+            server_round=job.training.server_round,
             epoch=epoch,
         )
         loaders.append(loader)
         for ids in loader:
             yield ids
             emitted += 1
-            if emitted == job.steps:
+            if emitted == job.training.steps:
                 return
 
 

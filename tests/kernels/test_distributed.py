@@ -23,13 +23,13 @@ from hydrafl.kernels import distributed
 from hydrafl.kernels.distributed import (
     DistributedResult,
     DistributedTrainingError,
+    LocalTraining,
     pick_device,
     process_group_backend,
     train_distributed,
 )
 from hydrafl.kernels.elastic_loader import (
     ElasticLoader,
-    LoaderConfigError,
     WorldSizeError,
     hash_global_batches,
     round_order,
@@ -81,7 +81,7 @@ def _run(
     build: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tensor, **overrides: object
 ) -> DistributedResult:
     kwargs: dict[str, object] = {
-        "global_batch_size": GLOBAL_BATCH,
+        "batch_size": GLOBAL_BATCH,
         "lr": 1e-2,
         "optimizer": "sgd",
         "seed": 3,
@@ -90,7 +90,9 @@ def _run(
         "lanes": LANES,
     }
     kwargs.update(overrides)
-    return train_distributed(build, _start_state(build), x, y, **kwargs)  # type: ignore[arg-type]
+    runtime = {key: kwargs.pop(key) for key in ("device", "loss_fn") if key in kwargs}
+    training = LocalTraining(**kwargs)  # type: ignore[arg-type]
+    return train_distributed(build, _start_state(build), x, y, training, **runtime)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -310,7 +312,7 @@ def test_nproc_beyond_the_lanes_is_an_error_before_any_spawn(
         _run(build, x, y, nproc=5)
     with pytest.raises(WorldSizeError, match="do not divide evenly"):
         _run(build, x, y, nproc=3)
-    with pytest.raises(LoaderConfigError, match="steps=0"):
+    with pytest.raises(ValueError, match="steps=0"):
         _run(build, x, y, steps=0)
     with pytest.raises(ValueError, match="nproc=0"):
         _run(build, x, y, nproc=0)
@@ -324,7 +326,11 @@ def test_start_state_missing_a_trainable_parameter_is_an_error(
     state.pop("net.head.weight")
     with pytest.raises(KeyError, match="net.head.weight"):
         train_distributed(
-            build, state, x, y, global_batch_size=GLOBAL_BATCH, lr=1e-2, lanes=LANES, steps=1
+            build,
+            state,
+            x,
+            y,
+            LocalTraining(batch_size=GLOBAL_BATCH, lr=1e-2, lanes=LANES, steps=1),
         )
 
 
