@@ -22,7 +22,7 @@ from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.chunk_wire import CoordinatorClient
 
 if TYPE_CHECKING:
-    from hydrafl.benchmarks.wire import Federation, Scale
+    from hydrafl.benchmarks._wire_setup import Federation, Scale
 
 DOWNLOAD_ROUND = 1000
 """The requests of the download runs take rounds from here (the upload runs take rounds from 2)."""
@@ -84,7 +84,8 @@ def download_throughput(
     scale: Scale, federation: Federation, coordinator: ServerProcess, raw: ServerProcess
 ) -> dict[str, Any]:
     """Median seconds of the site's receive path and of the raw stream, same bytes, alternating order."""
-    from hydrafl.benchmarks.wire import GOAL_RATIO, channel, make_update
+    from hydrafl.benchmarks._wire_report import GOAL_RATIO
+    from hydrafl.benchmarks._wire_setup import channel, make_update
 
     arrays = make_update(scale.update_bytes, seed=MODEL_SEED)
     node_id, token = federation.sites[0]

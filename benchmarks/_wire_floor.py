@@ -26,7 +26,7 @@ from hydrafl.server.disk import open_file, preallocate, sync_filesystem
 from hydrafl.server.transport.packs import HEADER_BYTES, SLOT_BYTES
 
 if TYPE_CHECKING:
-    from hydrafl.benchmarks.wire import Scale
+    from hydrafl.benchmarks._wire_setup import Scale
 
 
 def durable_writes(chunks: dict[str, memoryview], folder: Path) -> None:
@@ -56,7 +56,7 @@ def durable_writes(chunks: dict[str, memoryview], folder: Path) -> None:
 def floor_here(models: dict[tuple[int, int], list], request: dict[str, Any]) -> dict[str, Any]:
     """`durable_writes` of one model's chunks into `request["floor"]` in this process, as its packs would be
     written; seconds, then the folder removed."""
-    from hydrafl.benchmarks.wire import make_update
+    from hydrafl.benchmarks._wire_setup import make_update
 
     key = (request["nbytes"], request["seed"])
     if key not in models:
@@ -77,7 +77,7 @@ def raw_beside_floor(
     """The raw stream while the coordinator's process writes the same bytes durably (`durable_writes`), both
     started together: what an upload that must both receive and store an update is up against on this machine,
     where the disk's writes and the stream share the cores. Median seconds until both end, and each alone."""
-    from hydrafl.benchmarks.wire import channel, make_update, raw_push
+    from hydrafl.benchmarks._wire_setup import channel, make_update, raw_push
 
     arrays = make_update(scale.update_bytes, seed=MODEL_SEED)
     floor = {
@@ -86,11 +86,15 @@ def raw_beside_floor(
         "seed": MODEL_SEED,
     }
     runs: dict[str, list[float]] = {"both": [], "raw": [], "floor": []}
+
+    def write_floor(answer: dict[str, Any]) -> None:
+        answer.update(coordinator.ask(floor))
+
     with channel(raw.address) as raw_channel:
         put = raw_channel.stream_unary(RAW_METHOD)
         for _ in range(scale.reps):
             answer: dict[str, Any] = {}
-            writer = threading.Thread(target=lambda: answer.update(coordinator.ask(floor)))
+            writer = threading.Thread(target=write_floor, args=(answer,))
             started = time.perf_counter()
             writer.start()
             runs["raw"].append(raw_push(put, arrays)["seconds"])

@@ -9,13 +9,13 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-import numpy as np  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from rich.console import Console
+from rich.table import Table
 
-from hydrafl.benchmarks._common import verdict  # noqa: E402
-from hydrafl.server.blobs import WRITERS  # noqa: E402
+from hydrafl.benchmarks._common import verdict
+from hydrafl.server.blobs import WRITERS
 
 GIB = 1 << 30
 GOAL_RATIO = 0.7

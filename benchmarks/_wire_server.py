@@ -84,7 +84,7 @@ def _push_model(
     (and its cache of what it sends) then serves the download. `models` keeps each (bytes, seed)'s arrays."""
     from hydrafl.benchmarks._wire_download import model_message
     from hydrafl.benchmarks._wire_pairs import mark
-    from hydrafl.benchmarks.wire import make_update
+    from hydrafl.benchmarks._wire_setup import make_update
     from hydrafl.server.transport.grid import CoordinatorGrid
 
     key = (request["nbytes"], request["seed"])

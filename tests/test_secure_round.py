@@ -14,7 +14,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord
 from helpers import SMALL_RUN, TIERED_RUN, site_app_failing
 
 from hydrafl import protocol
-from hydrafl.benchmarks.secagg import ModifiedSitesGrid
+from hydrafl.benchmarks._secagg_poisoner import ModifiedSitesGrid
 from hydrafl.client import site_app
 from hydrafl.config import SECAGG_ROUND_TIMEOUT_S
 from hydrafl.secagg import SecAggParams, metric_bound, quantisation_bound, wire
