@@ -122,7 +122,8 @@ def flower_round_seconds(
     port = free_port()
     (work / "flwr-home").mkdir(parents=True)
     (work / "flwr-home" / "config.toml").write_text(
-        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n'
+        f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
     )
     app_dir = work / "flower-app"
     app_dir.mkdir()

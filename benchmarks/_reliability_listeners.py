@@ -17,15 +17,10 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-from rich.progress import Progress  # noqa: E402
+from rich.progress import Progress
 
-from hydrafl.benchmarks._reliability_cluster import (  # noqa: E402
-    RUN,
-    Cluster,
-    cluster_wait,  # noqa: E402
-    free_port,
-)
-from hydrafl.benchmarks._reliability_hostile import (  # noqa: E402
+from hydrafl.benchmarks._reliability_cluster import RUN, Cluster, cluster_wait, free_port
+from hydrafl.benchmarks._reliability_hostile import (
     INVALID,
     Attacker,
     SerialisedAgent,
@@ -34,7 +29,7 @@ from hydrafl.benchmarks._reliability_hostile import (  # noqa: E402
     push_long_name,
     start_agent,
 )
-from hydrafl.benchmarks._reliability_sockets import (  # noqa: E402
+from hydrafl.benchmarks._reliability_sockets import (
     HealthProbe,
     Trickle,
     closed_by_peer,
@@ -338,7 +333,10 @@ def listener_markdown(part: dict[str, Any]) -> list[str]:
     ]
     for a in part["attacks"]:
         health = a["health"]
-        latency = f"{health['median_ms']:.0f} / {health['max_ms']:.0f} ms ({health['checks']} checks, {health['failed']} failed)"
+        latency = (
+            f"{health['median_ms']:.0f} / {health['max_ms']:.0f} ms "
+            f"({health['checks']} checks, {health['failed']} failed)"
+        )
         if "held_peak" in a:
             lines.append(
                 f"| {a['attack']} | {a['size']} | {a['held_peak']} ({a['cap']}) | {latency} | - | - | - |"
@@ -353,7 +351,8 @@ def listener_markdown(part: dict[str, Any]) -> list[str]:
         if "held_peak" in a:
             extra = (
                 f"; {a['slow_clients']} clients sending a byte every 0.2 s: {a['slow_closed']} dropped, the last "
-                f"after {a['slow_closed_after_s_max']:.1f} s; of {a['dashboard_requests']} authorised /metrics requests "
+                f"after {a['slow_closed_after_s_max']:.1f} s; "
+                f"of {a['dashboard_requests']} authorised /metrics requests "
                 f"beside them {a['dashboard_requests_failed']} were closed unanswered (the cap was full), the others "
                 f"took at most {a['dashboard_request_ms_max']:.0f} ms"
                 if "slow_clients" in a

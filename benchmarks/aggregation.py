@@ -41,15 +41,15 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from flwr.app import Message  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from flwr.app import Message
+from rich.console import Console
+from rich.table import Table
 
-from hydrafl.arrays import array_view, from_record  # noqa: E402
-from hydrafl.benchmarks._aggregation_worker import (  # noqa: E402
+from hydrafl.arrays import array_view, from_record
+from hydrafl.benchmarks._aggregation_worker import (
     ARRAYS_PER_MODEL,
     MASKED_FRACTION,
     PROBES,
@@ -61,7 +61,7 @@ from hydrafl.benchmarks._aggregation_worker import (  # noqa: E402
     make_reply,
     num_examples,
 )
-from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
+from hydrafl.benchmarks._common import benchmark_parser, verdict
 
 NAME = "aggregation"
 GOAL_RATIO = 0.85
@@ -127,14 +127,14 @@ class Workload:
 
 def torch_adds(work: Workload, sums: list[torch.Tensor]) -> None:
     """The baseline: in-place adds into preallocated sums (torch's threads, the setting's count)."""
-    for tensors, weight in zip(work.tensors, work.weights):
-        for total, values in zip(sums, tensors):
+    for tensors, weight in zip(work.tensors, work.weights, strict=True):
+        for total, values in zip(sums, tensors, strict=True):
             total.add_(values, alpha=weight)
 
 
 def torch_masked_adds(work: Workload, sums: list[torch.Tensor], counts: list[torch.Tensor]) -> None:
-    for tensors, masks, weight in zip(work.tensors, work.float_masks, work.weights):
-        for total, count, values, mask in zip(sums, counts, tensors, masks):
+    for tensors, masks, weight in zip(work.tensors, work.float_masks, work.weights, strict=True):
+        for total, count, values, mask in zip(sums, counts, tensors, masks, strict=True):
             total.addcmul_(mask, values, value=weight)
             count.add_(mask, alpha=weight)
 
@@ -180,7 +180,7 @@ def timed_setting(work: Workload, scale: Scale, threads: int, busy: bool) -> dic
             spinner.wait()
     input_bytes = scale.sites * scale.model_bytes
     ratios = {
-        name: statistics.median(b / s for b, s in zip(seconds[baseline], seconds[name]))
+        name: statistics.median(b / s for b, s in zip(seconds[baseline], seconds[name], strict=True))
         for name, baseline in BASELINE_OF.items()
     }
     return {
@@ -205,15 +205,15 @@ def equality(work: Workload) -> dict[str, Any]:
     names = list(work.replies[0].content["arrays"])
     total_weight = sum(work.weights)
     weighted = {
-        name: sum(w * t[i].double() for t, w in zip(work.tensors, work.weights)) / total_weight
+        name: sum(w * t[i].double() for t, w in zip(work.tensors, work.weights, strict=True)) / total_weight
         for i, name in enumerate(names)
     }
     masked = {}
     for i, name in enumerate(names):
-        counts = sum(w * m[i].double() for m, w in zip(work.float_masks, work.weights))
+        counts = sum(w * m[i].double() for m, w in zip(work.float_masks, work.weights, strict=True))
         sums = sum(
             w * m[i].double() * t[i].double()
-            for t, m, w in zip(work.tensors, work.float_masks, work.weights)
+            for t, m, w in zip(work.tensors, work.float_masks, work.weights, strict=True)
         )
         masked[name] = torch.where(counts > 0, sums / counts.clamp(min=1e-30), 0.0)
     one, two = hydrafl_aggregate(work.replies, 1), hydrafl_aggregate(work.replies, 2)

@@ -25,11 +25,11 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import matplotlib.pyplot as plt
+from rich.console import Console
+from rich.table import Table
 
-from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
+from hydrafl.benchmarks._common import benchmark_parser, verdict
 
 NAME = "cli_startup"
 FULL_REPS = 10

@@ -36,11 +36,11 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import matplotlib.pyplot as plt
+from rich.console import Console
+from rich.table import Table
 
-from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
+from hydrafl.benchmarks._common import benchmark_parser, verdict
 
 NAME = "compression"
 GOAL_RATIO = 4.0
@@ -235,7 +235,7 @@ def wire_times(mib: int, link_gbps: float, schemes: tuple[str, ...]) -> dict[str
 def plot(summary: dict[str, Any], wire: dict[str, Any], path: Path) -> None:
     setups = list(summary)
     figure, axes = plt.subplots(1, len(setups) + 1, figsize=(5 * (len(setups) + 1), 4))
-    for axis, setup in zip(axes, setups):
+    for axis, setup in zip(axes, setups, strict=False):  # the last axis: the wire sizes
         for scheme, row in summary[setup]["schemes"].items():
             axis.scatter(row["upload_ratio"], -row["accuracy_gap_points"], s=40)
             axis.annotate(scheme, (row["upload_ratio"], -row["accuracy_gap_points"]), fontsize=8)

@@ -24,14 +24,14 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import matplotlib.pyplot as plt
+from rich.console import Console
+from rich.table import Table
 
-from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
-from hydrafl.client.site_app import run_cohort  # noqa: E402
-from hydrafl.config import RunConfig  # noqa: E402
-from hydrafl.simulation.compare import run_strategy  # noqa: E402
+from hydrafl.benchmarks._common import benchmark_parser, verdict
+from hydrafl.client.site_app import run_cohort
+from hydrafl.config import RunConfig
+from hydrafl.simulation.compare import run_strategy
 
 NAME = "fedbuff"
 GOAL_TIME_RATIO = 0.5
@@ -60,7 +60,7 @@ def _run(**keys: Any) -> list[dict[str, Any]]:
 
 def time_to_reach(times: list[float], losses: list[float], target: float) -> float | None:
     """The first virtual time at which the loss is at or below `target` (None: never)."""
-    return next((t for t, loss in zip(times, losses) if loss <= target), None)
+    return next((t for t, loss in zip(times, losses, strict=True) if loss <= target), None)
 
 
 def late_loss(losses: list[float]) -> float:
@@ -203,7 +203,7 @@ def main() -> None:
         "FedBuff loss at FedAvg's s",
     ):
         table.add_column(column, justify="right")
-    for seed, entry in zip(seeds, slow):
+    for seed, entry in zip(seeds, slow, strict=True):
         reached, ratio = entry["fedbuff_reached_s"], entry["time_ratio"]
         table.add_row(
             str(seed),
@@ -229,7 +229,7 @@ def main() -> None:
         "last-quarter loss",
     ):
         capped.add_column(column, justify="right")
-    for seed, entry in zip(seeds, stale):
+    for seed, entry in zip(seeds, stale, strict=True):
         capped.add_row(
             str(seed),
             f"{entry['train_sizes'][entry['slow_site']]}/{sum(entry['train_sizes'])}",

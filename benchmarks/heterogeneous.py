@@ -44,15 +44,15 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import matplotlib.pyplot as plt
+from rich.console import Console
+from rich.table import Table
 
-from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
-from hydrafl.config import RunConfig  # noqa: E402
-from hydrafl.simulation.compare import compare_strategies  # noqa: E402
-from hydrafl.simulation.grid import FIRST_NODE_ID  # noqa: E402
-from hydrafl.simulation_config import SimulationConfig  # noqa: E402
+from hydrafl.benchmarks._common import benchmark_parser, verdict
+from hydrafl.config import RunConfig
+from hydrafl.simulation.compare import compare_strategies
+from hydrafl.simulation.grid import FIRST_NODE_ID
+from hydrafl.simulation_config import SimulationConfig
 
 NAME = "heterogeneous"
 TIERS = ("small", "medium", "large")

@@ -26,17 +26,17 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-import numpy as np  # noqa: E402
-from PIL import Image  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
-from rich.table import Table  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from PIL import Image
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
-from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
-from hydrafl.catalog import IMAGE_FOLDER_MODEL  # noqa: E402
-from hydrafl.config import RunConfig  # noqa: E402
-from hydrafl.simulation.compare import run_strategy  # noqa: E402
+from hydrafl.benchmarks._common import benchmark_parser, verdict
+from hydrafl.catalog import IMAGE_FOLDER_MODEL
+from hydrafl.config import RunConfig
+from hydrafl.simulation.compare import run_strategy
 
 NAME = "image_models"
 MODELS = ("cnn", "vit")

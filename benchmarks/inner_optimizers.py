@@ -30,14 +30,14 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-from rich.console import Console  # noqa: E402
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
-from rich.table import Table  # noqa: E402
+import matplotlib.pyplot as plt
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
-from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
-from hydrafl.config import RunConfig  # noqa: E402
-from hydrafl.simulation.compare import run_strategy  # noqa: E402
+from hydrafl.benchmarks._common import benchmark_parser, verdict
+from hydrafl.config import RunConfig
+from hydrafl.simulation.compare import run_strategy
 
 NAME = "inner_optimizers"
 OPTIMIZERS = ("adamw", "muon")

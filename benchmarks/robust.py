@@ -6,8 +6,9 @@ Ten simulated hospitals, 20% of them attackers (`hydrafl.simulation.attacks`: si
 ipm), on the clinical-text and tabular cohorts, several seeds. Methods: FedAvg, Hydra with its masked mean
 (three resource tiers, so sites train different subnetworks), Flower's dense robust rules (FedMedian,
 FedTrimmedAvg, Krum, Multi-Krum, Bulyan) and Hydra with the masked median, trimmed mean and norm-clipped mean
-(`strategies.robust`), and FedAvg and Hydra behind screening (`hydrafl.server.aggregation.screening`: norm above 3 x the round's
-median, cosine to the round's mean below 0). Every method runs the same seeds, data, rounds and attackers.
+(`strategies.robust`), and FedAvg and Hydra behind screening (`hydrafl.server.aggregation.screening`: norm
+above 3 x the round's median, cosine to the round's mean below 0). Every method runs the same seeds, data,
+rounds and attackers.
 The Markdown gives each gap with its standard error over seeds: at this scale the clean run itself moves by
 several points from seed to seed.
 
@@ -32,15 +33,15 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-from rich.console import Console  # noqa: E402
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
-from rich.table import Table  # noqa: E402
+import matplotlib.pyplot as plt
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
-from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
-from hydrafl.config import ATTACKS, RunConfig  # noqa: E402
-from hydrafl.simulation.compare import compare_strategies  # noqa: E402
-from hydrafl.simulation_config import SimulationConfig  # noqa: E402
+from hydrafl.benchmarks._common import benchmark_parser, verdict
+from hydrafl.config import ATTACKS, RunConfig
+from hydrafl.simulation.compare import compare_strategies
+from hydrafl.simulation_config import SimulationConfig
 
 NAME = "robust"
 CLEAN = "none"
@@ -241,7 +242,7 @@ def markdown(
 def plot(summary: dict[str, Any], methods: list[str], attacks: list[str], path: Path) -> None:
     fig, axes = plt.subplots(1, len(summary), figsize=(7 * len(summary), 4), squeeze=False)
     width = 0.8 / len(methods)
-    for ax, (task, entry) in zip(axes[0], summary.items()):
+    for ax, (task, entry) in zip(axes[0], summary.items(), strict=True):
         for i, method in enumerate(methods):
             values = [100 * entry["mean_accuracy"][a].get(method, float("nan")) for a in attacks]
             ax.bar(

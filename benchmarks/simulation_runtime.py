@@ -29,14 +29,14 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-import psutil  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import matplotlib.pyplot as plt
+import psutil
+from matplotlib.ticker import MaxNLocator
+from rich.console import Console
+from rich.table import Table
 
-from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
-from hydrafl.config import RunConfig  # noqa: E402
+from hydrafl.benchmarks._common import benchmark_parser, verdict
+from hydrafl.config import RunConfig
 
 NAME = "simulation_runtime"
 BACKENDS = ("inprocess", "ray")

@@ -32,20 +32,20 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import psutil
+from rich.console import Console
+from rich.table import Table
 
-from hydrafl.benchmarks._common import benchmark_parser, verdict  # noqa: E402
+from hydrafl.benchmarks._common import benchmark_parser, verdict
 from hydrafl.benchmarks.simulation_runtime import (
     MB,
     SAMPLE_S,
     become_subreaper,
     reap_leftovers,
     tree_memory,
-)  # noqa: E402
+)
 
 NAME = "simulation_scale"
 GOAL_SCALE_S = 300.0

@@ -8,9 +8,9 @@ repeat, one of another size than the manifest gives it or one failing its checks
 name where a manifest lists no checksums). Whatever goes wrong with one message (its content, its
 chunks, the ClientApp) becomes an error reply for that message and the agent takes the next one. An error
 reply's reason says what kind of failure it was, never what local data or paths caused it (those go to the
-site's own log; `error_replies`). A failure for lack of disk space (the training processes' temporary files) is said as such,
-"disk full", in the reply and on its own log line; the next message is served as usual, so the site is back
-once space is.
+site's own log; `error_replies`). A failure for lack of disk space (the training processes' temporary files)
+is said as such, "disk full", in the reply and on its own log line; the next message is served as usual, so the
+site is back once space is.
 
 Downloads fetch only the chunks the site lacks; uploads ask which chunks the coordinator already holds
 first, so a retried or interrupted upload resumes instead of starting over. A dropped connection is retried

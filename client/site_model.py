@@ -61,7 +61,9 @@ def site_model(
     read = None
     if spec is not None:
         layout = slice_layout(model)  # the layers as the coordinator knows them
-        layers = dict(zip(layout[protocol.LAYOUT_NAMES], layout[protocol.LAYOUT_LAYERS]))
+        layers = dict(
+            zip(layout[protocol.LAYOUT_NAMES], layout[protocol.LAYOUT_LAYERS], strict=True)
+        )
         read = read_slices(trainable_slices(model, spec), layers, spec)
     load_arrays(model, arrays, read)
     return model

@@ -116,7 +116,10 @@ class SitePolicy:
         if spend <= self.max_epsilon:
             return ""
         shown = "no central DP, infinite" if math.isinf(spend) else f"{spend:.4g}"
-        return f"privacy budget: this round would bring the site's epsilon to {shown}, over its max-epsilon {self.max_epsilon:g}"
+        return (
+            f"privacy budget: this round would bring the site's epsilon to {shown}, "
+            f"over its max-epsilon {self.max_epsilon:g}"
+        )
 
     def small_cell_refusal(self, counts: Mapping[str, int]) -> str:
         """Why the site will not train on a split with these records per class, or "" when it may. For the

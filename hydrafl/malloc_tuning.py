@@ -60,4 +60,7 @@ def _mallopt(*settings: tuple[int, int]) -> bool:
         mallopt = ctypes.CDLL(None).mallopt  # the process's own libc
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
-    return all([bool(mallopt(option, value)) for option, value in settings])
+    applied = [
+        bool(mallopt(option, value)) for option, value in settings
+    ]  # each one, even after a failure
+    return all(applied)

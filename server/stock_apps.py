@@ -58,7 +58,7 @@ def load_server_app(reference: str) -> ServerApp:
         if missing and (module_name == missing or module_name.startswith(f"{missing}.")):
             raise ServerAppNotFound(f"{cannot}: no module named {missing!r}") from None
         raise ServerAppError(f"{cannot}: {_one_line(str(error))}") from None
-    except Exception as error:  # noqa: BLE001  (the module's own import-time code may raise anything)
+    except Exception as error:
         raise ServerAppError(f"{cannot}: {type(error).__name__}: {_one_line(str(error))}") from None
     if not isinstance(app, ServerApp):
         raise ServerAppError(f"{reference!r} is a {type(app).__name__}, not a flwr ServerApp")

@@ -177,7 +177,7 @@ def serve_in_thread(target, *args) -> tuple[threading.Thread, list[BaseException
     def body() -> None:
         try:
             target(*args)
-        except BaseException as error:  # noqa: BLE001  (the test reports it)
+        except BaseException as error:
             raised.append(error)
 
     thread = threading.Thread(target=body, daemon=True)

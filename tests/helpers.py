@@ -81,7 +81,8 @@ def make_scores_reply(
 ) -> Message:
     """A site's reply to the planning round's scoring query (`strategies.planner.read_scores`): metrics
     `layer-L` and `head-L-G` (one row of head-group scores per layer), `num-examples`, the step cost it measured
-    (`cost.*`: the `COST_FIELDS`; a site sends no head fraction) and the memory it declares when given; ConfigRecord `site` with its tier and its slice layout
+    (`cost.*`: the `COST_FIELDS`; a site sends no head fraction) and the memory it declares when given;
+    ConfigRecord `site` with its tier and its slice layout
     (per federated array: layer or -1, head axis or -1, indices one head group owns along it)."""
     metrics = {
         f"{protocol.LAYER_PREFIX}{layer}": float(score) for layer, score in enumerate(layers)
@@ -124,7 +125,7 @@ def reply_layout(reply: Message) -> dict[str, tuple[int, int, int]]:
         protocol.LAYOUT_UNITS,
     )
     names, layers, axes, units = (list(site[key]) for key in keys)
-    return dict(zip(names, zip(layers, axes, units)))
+    return dict(zip(names, zip(layers, axes, units, strict=True), strict=True))
 
 
 class FakeGrid:
@@ -200,7 +201,7 @@ def site_read_slices(cfg: RunConfig, spec: SubnetSpec) -> dict[str, Slice]:
     layout = site_app.slice_layout(model)
     return read_slices(
         trainable_slices(model, spec),
-        dict(zip(layout["layout.names"], layout["layout.layers"])),
+        dict(zip(layout["layout.names"], layout["layout.layers"], strict=True)),
         spec,
     )
 

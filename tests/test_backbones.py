@@ -56,7 +56,8 @@ def test_tiny_causal_lm_config(llama, lm_batch):
     assert llama(input_ids=lm_batch[0]).logits.shape == (4, 8, 40)
     again = build_causal_lm(40, shape=LLAMA, seed=0)
     assert all(
-        torch.equal(a, b) for a, b in zip(llama.state_dict().values(), again.state_dict().values())
+        torch.equal(a, b)
+        for a, b in zip(llama.state_dict().values(), again.state_dict().values(), strict=True)
     )
     with pytest.raises(ValueError, match="do not divide"):
         build_causal_lm(40, shape=TinyShape(hidden=32, heads=4, kv_heads=3))

@@ -257,7 +257,7 @@ def test_a_compressed_run_learns_like_an_uncompressed_one():
 def test_hydra_sites_compress_the_compact_slices_they_send():
     plain = _run(TIERED_RUN)
     compressed = _run(TIERED_RUN.replace(compress="int8"))
-    for before, after in zip(plain.history[1:], compressed.history[1:]):
+    for before, after in zip(plain.history[1:], compressed.history[1:], strict=True):
         assert after["sites_ok"] == 3 and not after["rejected_per_site"]
         assert (
             before["bytes_up"] / after["bytes_up"] > 3.5

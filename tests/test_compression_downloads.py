@@ -135,7 +135,10 @@ def test_sites_rebuild_exactly_what_the_coordinator_believes_and_the_loss_stays_
     models = [_model(0)]
     for step in range(1, 6):
         models.append(
-            {n: t + 0.05 * s for (n, t), s in zip(models[-1].items(), _model(step).values())}
+            {
+                n: t + 0.05 * s
+                for (n, t), s in zip(models[-1].items(), _model(step).values(), strict=True)
+            }
         )
     received = {name: torch.zeros_like(t) for name, t in models[0].items()}
     for server_round, model in enumerate(models):
@@ -305,7 +308,7 @@ def test_a_run_with_compressed_downloads_learns_like_one_without_and_counts_fewe
 def test_hydra_sites_take_compressed_downloads_of_their_slices():
     plain = _run(TIERED_RUN.replace(compress="int8"))
     compressed = _run(TIERED_RUN.replace(compress="int8", compress_downloads=True))
-    for before, after in zip(plain.history[1:], compressed.history[1:]):
+    for after in compressed.history[1:]:
         assert after["sites_ok"] == 3 and not after["rejected_per_site"]
     assert sum(r["bytes_down"] for r in compressed.history) < sum(
         r["bytes_down"] for r in plain.history

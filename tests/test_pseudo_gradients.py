@@ -129,7 +129,7 @@ def test_streamed_moments_equal_the_batch_noise_scale_and_mean() -> None:
     ]
     weights = [10.0, 3.0, 7.0, 1.0, 12.0, 5.0]
     moments = DeltaMoments()
-    for delta, weight in zip(deltas, weights):
+    for delta, weight in zip(deltas, weights, strict=True):
         moments.add(
             {k: v.numpy() for k, v in delta.items()}, weight
         )  # numpy, as the driver reads the wire

@@ -114,7 +114,7 @@ def _close(expected: Any, actual: Any, where: str) -> None:
         assert len(actual) == len(expected), (
             f"{where}: {len(actual)} entries, expected {len(expected)}"
         )
-        for i, (e, a) in enumerate(zip(expected, actual)):
+        for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
             _close(e, a, f"{where}[{i}]")
     elif isinstance(expected, float):
         assert math.isclose(actual, expected, rel_tol=1e-5, abs_tol=1e-7), (

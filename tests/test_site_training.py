@@ -233,7 +233,7 @@ def test_diagnostics_stream_the_noise_scale_and_compare_with_the_full_data_delta
     )
     deltas = [{"w": torch.tensor(SITE_DELTAS[i], dtype=torch.float64)} for i in range(3)]
     weights = [SITE_WEIGHTS[i] for i in range(3)]
-    average = {"w": sum(w * d["w"] for w, d in zip(weights, deltas)) / sum(weights)}
+    average = {"w": sum(w * d["w"] for w, d in zip(weights, deltas, strict=True)) / sum(weights)}
     assert history[1]["noise_scale"] == pytest.approx(noise_scale(deltas, weights), rel=1e-12)
     expected_cosine = cosine_to_reference(average, {"w": torch.tensor(POOLED_DELTA)})
     assert history[1]["full_data_cosine"] == pytest.approx(expected_cosine, rel=1e-12)

@@ -21,6 +21,7 @@ from typer.core import TyperGroup
 
 from hydrafl.cli.common import DbOption, console, fail, fail_one_line, open_store, warn
 from hydrafl.cli.db import db_admin
+from hydrafl.cli.export import run_export
 from hydrafl.rounds import megabytes
 from hydrafl.trust import trust_lines, trust_summary
 
@@ -82,7 +83,8 @@ ConsortiumKeyOption = Annotated[
 IdentityOutOption = Annotated[
     Path | None,
     typer.Option(
-        help="Where the site's identity file goes (default NAME.secagg-identity.json); hand it to the site with its token."
+        help="Where the site's identity file goes (default NAME.secagg-identity.json); "
+        "hand it to the site with its token."
     ),
 ]
 
@@ -475,3 +477,6 @@ def run_delete(
     except ValueError as error:
         fail_one_line(str(error), 2)
     print(f"deleted run {run_id}: {report.describe()}")
+
+
+run_admin.command("export")(run_export)

@@ -158,7 +158,7 @@ def read_description(scheme: Scheme, description: Mapping[str, Any]) -> dict[str
     if not all(isinstance(d, int) and 0 <= d <= MAX_DIMENSION for d in dims):
         raise CompressionError("dims must be integers in 0..2^40")
     shapes, offset = {}, 0
-    for name, rank in zip(names, ranks):
+    for name, rank in zip(names, ranks, strict=True):
         shapes[name] = tuple(dims[offset : offset + rank])
         offset += rank
     return shapes

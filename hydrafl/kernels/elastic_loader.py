@@ -2,8 +2,9 @@
 
 The round's global sample order is a pure function of (seed, round): a seeded permutation `order` of the
 dataset's indices. A round that needs more than one pass over the data reads further passes (`epoch` 1, 2, ...),
-each its own permutation, a pure function of (seed, round, epoch); pass 0 is the round's order. Position g of that order belongs to lane g mod L, for a fixed number of lanes L (at least
-the largest world size ever used). Each global batch of G samples takes G / L consecutive items from every
+each its own permutation, a pure function of (seed, round, epoch); pass 0 is the round's order. Position g
+of that order belongs to lane g mod L, for a fixed number of lanes L (at least the largest world size ever
+used). Each global batch of G samples takes G / L consecutive items from every
 lane, so global batch k is exactly order[k G : (k + 1) G], whoever reads it. Rank r of W owns the contiguous
 lanes [r L/W, (r + 1) L/W) and emits their items round-robin; the W rank batches, interleaved lane block by
 lane block (`assemble_global_batch`), give the global batch in canonical order.

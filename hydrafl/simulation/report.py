@@ -9,10 +9,10 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import matplotlib.pyplot as plt
 
-from hydrafl.rounds import ROUNDS_TSV_COLUMNS, RoundRecord, megabytes, metric  # noqa: E402
-from hydrafl.trust import trust_lines  # noqa: E402
+from hydrafl.rounds import ROUNDS_TSV_COLUMNS, RoundRecord, megabytes, metric
+from hydrafl.trust import trust_lines
 
 SUMMARY_COLUMNS = (
     "strategy",
@@ -77,11 +77,12 @@ def diagnostic_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
 def write_report(out: Path, results: dict[str, Any]) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=1))
     config = results["config"]
+    partition = config["partition"] or ("iid" if config["data"] else "natural")
     lines = [
         "# hydrafl strategy comparison",
         "",
         f"task `{config['data'] or config['task']}`, {config['sites']} sites, {config['rounds']} rounds, "
-        f"{config['local_steps']} local steps, partition `{config['partition'] or ('iid' if config['data'] else 'natural')}`, seed {config['seed']}",
+        f"{config['local_steps']} local steps, partition `{partition}`, seed {config['seed']}",
         "",
         "| " + " | ".join(SUMMARY_COLUMNS) + " |",
         "|" + "---|" * len(SUMMARY_COLUMNS),

@@ -33,8 +33,8 @@ def global_layer_scores(
             raise ValueError(f"site {k} sent non-finite or negative scores: {list(scores)}")
         scale = sum(scores) if normalize else 1.0
         scale = scale if scale > 0 else 1.0
-        for l, s in enumerate(scores):
-            combined[l] += n * s / scale
+        for layer, s in enumerate(scores):
+            combined[layer] += n * s / scale
         total_n += n
     return [c / total_n for c in combined]
 
@@ -44,7 +44,7 @@ def combine_layer_scores(
 ) -> list[int]:
     """Global layer ranking (most important first; ties to the lower index) from (scores, n_samples) per site."""
     combined = global_layer_scores(site_scores, normalize=normalize)
-    return sorted(range(len(combined)), key=lambda l: (-combined[l], l))
+    return sorted(range(len(combined)), key=lambda layer: (-combined[layer], layer))
 
 
 def select_heads(scores: Sequence[float], k: int) -> tuple[int, ...]:

@@ -29,9 +29,10 @@ def _samples(
             n = min(n, max_samples - seen)
             if n <= 0:
                 return
-        take = (lambda t: t[:n]) if n < len(y) else (lambda t: t)
-        x = {k: take(v) for k, v in x.items()} if isinstance(x, Mapping) else take(x)
-        yield x, take(y)
+        if n < len(y):
+            x = {k: v[:n] for k, v in x.items()} if isinstance(x, Mapping) else x[:n]
+            y = y[:n]
+        yield x, y
         seen += n
 
 
@@ -50,7 +51,7 @@ def _scoring_mode(model: nn.Module, params: Sequence[nn.Parameter]) -> Iterator[
     try:
         yield
     finally:
-        for p, flag in zip(params, flags):
+        for p, flag in zip(params, flags, strict=True):
             p.requires_grad_(flag)
         model.train(was_training)
 
@@ -101,14 +102,14 @@ def layer_importance(
                             acc[j] += g.double().pow(2).sum()
             else:
                 grads = torch.autograd.grad(loss_fn(model, x, y), params, allow_unused=True)
-                for j, (g, p) in enumerate(zip(grads, params)):
+                for j, (g, p) in enumerate(zip(grads, params, strict=True)):
                     if g is not None:
                         acc[j] += len(y) * (g.double() * p.detach().double()).sum()
             total += len(y)
     if total == 0:
         raise ValueError("no samples to score on")
     sums = [torch.zeros((), dtype=torch.float64) for _ in range(arch.num_layers)]
-    for (layer, _), a in zip(named, acc):
+    for (layer, _), a in zip(named, acc, strict=True):
         sums[layer] += a
     # fisher: trace of the layer's empirical Fisher; taylor: |theta . mean gradient| of the layer.
     return [float(s) / total if method == "fisher" else abs(float(s)) / total for s in sums]
@@ -197,7 +198,7 @@ def head_importance(
         gates = [_HeadGates(arch.num_groups) for _ in arch.layers]
         hooks = [
             model.get_submodule(ref.o).register_forward_pre_hook(g)
-            for ref, g in zip(arch.layers, gates)
+            for ref, g in zip(arch.layers, gates, strict=True)
         ]
         try:
             with _scoring_mode(model, []):
@@ -207,7 +208,7 @@ def head_importance(
                     loss = loss_fn(model, x, y) * len(y)
                     used = [(i, g.gates[-1]) for i, g in enumerate(gates) if g.gates]
                     grads = torch.autograd.grad(loss, [gate for _, gate in used], allow_unused=True)
-                    for (i, _), grad in zip(used, grads):
+                    for (i, _), grad in zip(used, grads, strict=True):
                         if grad is not None:
                             acc[i] += grad.detach().double().abs().sum(0)
                     total += len(y)

@@ -81,9 +81,10 @@ class SubnetSpec:
                     f"heads must give one tuple per selected layer: {len(layers)} layers, {len(heads)} head tuples"
                 )
             heads = tuple(
-                _int_tuple(h, f"head indices of layer {layer}") for layer, h in zip(layers, heads)
+                _int_tuple(h, f"head indices of layer {layer}")
+                for layer, h in zip(layers, heads, strict=True)
             )
-            for layer, h in zip(layers, heads):
+            for layer, h in zip(layers, heads, strict=True):
                 if not h:
                     raise SpecError(
                         f"empty selection: layer {layer} keeps no heads (drop the layer instead)"
@@ -144,7 +145,7 @@ class SubnetSpec:
                 )
         if self.heads is not None:
             unit = "KV group" if arch.group_size > 1 else "head"
-            for layer, kept in zip(self.layers, self.heads):
+            for layer, kept in zip(self.layers, self.heads, strict=True):
                 for h in kept:
                     if h >= arch.num_groups:
                         raise SpecError(
@@ -218,7 +219,7 @@ class SubnetSpec:
                     f"over {len(layers)} layers"
                 )
             starts = [sum(counts[:i]) for i in range(len(counts))]
-            heads = tuple(tuple(flat[s : s + c]) for s, c in zip(starts, counts))
+            heads = tuple(tuple(flat[s : s + c]) for s, c in zip(starts, counts, strict=True))
         return cls(
             layers=tuple(layers),
             heads=heads,

@@ -18,8 +18,8 @@ def _round(
         "accuracy": accuracy,
         "bytes_up": up,
         "bytes_down": down,
-        "trainable_params_per_site": dict(zip(nodes, params)),
-        "peak_memory_per_site": dict(zip(nodes, memory)),
+        "trainable_params_per_site": dict(zip(nodes, params, strict=True)),
+        "peak_memory_per_site": dict(zip(nodes, memory, strict=True)),
     }
 
 

@@ -46,7 +46,7 @@ def test_wire_quick(tmp_path):
     assert len(beside["both"]) == len(beside["raw"]) == len(beside["floor"]) == throughput["reps"]
     assert all(
         both >= max(raw, floor)
-        for both, raw, floor in zip(beside["both"], beside["raw"], beside["floor"])
+        for both, raw, floor in zip(beside["both"], beside["raw"], beside["floor"], strict=True)
     )
     tmpfs = result["throughput_tmpfs"]
     if tmpfs is not None:  # reported beside the disk-backed goal, never judged against it

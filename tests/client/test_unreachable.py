@@ -33,7 +33,7 @@ def test_reasons_for_each_kind_of_wrong_address():
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
-        address = "127.0.0.1:%d" % listener.getsockname()[1]
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
         assert unreachable_reason(address) == (
             f"{address} accepts connections but does not answer gRPC (TLS on one side only?)",
             True,

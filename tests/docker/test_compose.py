@@ -23,7 +23,7 @@ IMAGE_TARGETS = {"hydrafl-coordinator:latest": "coordinator", "hydrafl-site:late
 def stages(dockerfile: str) -> dict[str, str]:
     """Each `FROM ... AS name` stage's text, by name."""
     parts = re.split(r"^FROM .* AS (\w[\w-]*)\s*$", dockerfile, flags=re.MULTILINE)
-    return dict(zip(parts[1::2], parts[2::2]))
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
 def entrypoint(stage: str) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -120,7 +121,7 @@ def test_merged_shard_stats_are_the_full_log_sum_exp_and_target_logit() -> None:
         cross_entropy_shard_stats(
             hidden, weight[a:b], target, vocab_start=a, chunk_size=8, window_size=16
         )
-        for a, b in zip(bounds, bounds[1:])
+        for a, b in itertools.pairwise(bounds)
     ]
     merged = merge_cross_entropy_stats(shards)
     logits = hidden @ weight.T
@@ -187,7 +188,7 @@ def test_bfloat16_inputs_accumulate_in_float32() -> None:
     assert abs(loss.item() - reference.item()) < 2e-2
 
 
-def test_never_materialises_the_logits(largest_tensor) -> None:  # noqa: ANN001  (fixture in conftest.py)
+def test_never_materialises_the_logits(largest_tensor) -> None:
     rows, dim, vocab, window, chunk = 128, 4, 512, 16, 64
     hidden = torch.randn(rows, dim, requires_grad=True)
     weight = torch.randn(vocab, dim, requires_grad=True)

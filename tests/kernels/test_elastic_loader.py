@@ -39,7 +39,7 @@ def ranks(world_size: int, **overrides: int) -> list[ElasticLoader]:
 def global_batches(loaders: list[ElasticLoader], steps: int | None = None) -> list[list[int]]:
     """Step the ranks together and assemble each step's global batch from the rank batches."""
     batches = []
-    for rank_batches in itertools.islice(zip(*loaders), steps):
+    for rank_batches in itertools.islice(zip(*loaders, strict=True), steps):
         assert {len(batch) for batch in rank_batches} == {BATCH // len(loaders)}
         batches.append(assemble_global_batch(rank_batches, LANES))
     return batches

@@ -64,7 +64,7 @@ def test_jacobian_in_row_slices_equals_full_jacobian(slice_size: int) -> None:
     torch.testing.assert_close(residual, flat_residuals(*params.values()))
 
 
-def test_memory_is_batch_by_params_never_params_squared(largest_tensor) -> None:  # noqa: ANN001  (conftest)
+def test_memory_is_batch_by_params_never_params_squared(largest_tensor) -> None:
     torch.manual_seed(0)
     head = nn.Linear(1000, 3)  # P = 3003
     inputs, targets = torch.randn(32, 1000), torch.randint(0, 3, (32,))

@@ -31,7 +31,10 @@ def test_defaults_live_under_hydrafl_home(tmp_path, monkeypatch):
 
 
 def test_a_toml_file_is_read_and_flags_win_over_it(tmp_path):
-    text = 'listen = "0.0.0.0:7000"\ndb = "sqlite:///x.db"\nblobs = "/srv/blobs"\nlease-stale-s = 12\nsend-cache-mb = 0\n'
+    text = (
+        'listen = "0.0.0.0:7000"\ndb = "sqlite:///x.db"\nblobs = "/srv/blobs"\n'
+        "lease-stale-s = 12\nsend-cache-mb = 0\n"
+    )
     config = CoordinatorConfig.load(_toml(tmp_path, text), {"listen": "127.0.0.1:7001"})
     assert (config.listen, config.db_url, config.blob_dir) == (
         "127.0.0.1:7001",

@@ -31,7 +31,7 @@ def test_a_run_failure_the_database_refuses_to_record_is_logged_and_the_coordina
     def serve() -> None:
         try:
             coordinator.serve_forever(idle_poll_s=0.1)
-        except BaseException as error:  # noqa: BLE001  (the test inspects it)
+        except BaseException as error:
             errors.append(error)
 
     thread = threading.Thread(target=serve)

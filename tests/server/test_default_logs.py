@@ -33,7 +33,7 @@ def test_coordinator_and_sites_log_joins_rounds_and_the_run_end_at_the_default_l
     ]
     try:
         wait_serving(address, process=processes[0])
-        for token, log in zip(tokens, logs[1:]):
+        for token, log in zip(tokens, logs[1:], strict=True):
             processes.append(
                 start_hydrafl(
                     "site",

@@ -119,12 +119,18 @@ def _upload(stub, token, chunks):
     )
 
 
-def _status(call):
+def _status(call, *args, **kwargs):
+    """The status of `call(*args, **kwargs)`: OK, or the code and details of the RpcError it raised."""
     try:
-        call()
+        call(*args, **kwargs)
     except grpc.RpcError as error:
         return error.code(), error.details()
     return grpc.StatusCode.OK, ""
+
+
+def _drained(call, *args, **kwargs) -> list:
+    """Every answer of a server-streaming `call`."""
+    return list(call(*args, **kwargs))
 
 
 def _healthy(live: Live) -> bool:
@@ -144,17 +150,13 @@ def test_garbage_request_bytes_get_invalid_argument_on_every_method(live):
         identity = (lambda data: data), (lambda data: data)
         if streaming == "out":
             call = live.channel.unary_stream(SERVICE + method, *identity)
-            code, details = _status(
-                lambda: list(call(b"\xff\xff\xff", metadata=_auth(live.token_a)))
-            )
+            code, details = _status(_drained, call, b"\xff\xff\xff", metadata=_auth(live.token_a))
         elif streaming == "in":
             call = live.channel.stream_unary(SERVICE + method, *identity)
-            code, details = _status(
-                lambda: call(iter([b"\xff\xff\xff"]), metadata=_auth(live.token_a))
-            )
+            code, details = _status(call, iter([b"\xff\xff\xff"]), metadata=_auth(live.token_a))
         else:
             call = live.channel.unary_unary(SERVICE + method, *identity)
-            code, details = _status(lambda: call(b"\xff\xff\xff", metadata=_auth(live.token_a)))
+            code, details = _status(call, b"\xff\xff\xff", metadata=_auth(live.token_a))
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (method, code, details)
         assert "not a valid protobuf message" in details
     assert _healthy(live)
@@ -180,7 +182,7 @@ def test_garbage_bytes_to_the_health_service_get_invalid_argument_not_internal(l
 def test_only_bearer_tokens_failures_are_audited_and_throttled_per_address(live):
     join = live.stub.Join
     for header in (live.token_a, f"bearer {live.token_a}", "Bearer ", "Bearer forged"):
-        code, _ = _status(lambda: join(pb.JoinRequest(), metadata=(("authorization", header),)))
+        code, _ = _status(join, pb.JoinRequest(), metadata=(("authorization", header),))
         assert code == grpc.StatusCode.UNAUTHENTICATED, header
     assert len(live.store.audit_events("auth-failed")) == 4
     for _ in range(SiteLimits().max_auth_failures - 4):
@@ -512,7 +514,7 @@ def test_a_chunk_sent_twice_at_once_is_stored_once_and_freed_with_the_rest(live)
         data = np.full(CHUNK_BYTES // 4, cycle, np.float32).tobytes()
         chunk = pb.Chunk(digest=UPLOADED.digest(data), data=data)
         code, _ = _status(
-            lambda: live.stub.PutChunks(iter([chunk, chunk, bad]), metadata=_auth(live.token_a))
+            live.stub.PutChunks, iter([chunk, chunk, bad]), metadata=_auth(live.token_a)
         )
         assert code == grpc.StatusCode.INVALID_ARGUMENT
         sent.append(chunk.digest)
@@ -666,9 +668,9 @@ def test_two_thousand_mutated_requests_get_clean_statuses_and_everything_accepte
             _upload(live.stub, live.token_a, chunks)
             mutant = _mutated_envelope(rng, envelope)
             code, _ = _status(
-                lambda: live.stub.PushReply(
-                    pb.PushReplyRequest(envelope=mutant), metadata=_auth(live.token_a)
-                )
+                live.stub.PushReply,
+                pb.PushReplyRequest(envelope=mutant),
+                metadata=_auth(live.token_a),
             )
             if code == grpc.StatusCode.OK:
                 accepted += 1
@@ -689,7 +691,7 @@ def test_two_thousand_mutated_requests_get_clean_statuses_and_everything_accepte
             digest = rng.choice(
                 [UPLOADED.digest(data), UPLOADED.digest(data + b"x"), "zz", "../../etc/passwd"]
             )
-            code, _ = _status(lambda: _upload(live.stub, live.token_a, {digest: data}))
+            code, _ = _status(_upload, live.stub, live.token_a, {digest: data})
         else:
             method = rng.choice(list(requests))
             raw = bytearray(requests[method].SerializeToString())
@@ -699,11 +701,8 @@ def test_two_thousand_mutated_requests_get_clean_statuses_and_everything_accepte
                 else:
                     raw.insert(rng.randrange(len(raw) + 1), rng.randrange(256))
             call = live.channel.unary_unary(SERVICE + method, lambda data: data, lambda data: data)
-            code, _ = _status(
-                lambda: call(
-                    bytes(raw[: rng.randrange(len(raw) + 1)]), metadata=_auth(live.token_a)
-                )
-            )
+            cut = bytes(raw[: rng.randrange(len(raw) + 1)])
+            code, _ = _status(call, cut, metadata=_auth(live.token_a))
         assert code == grpc.StatusCode.OK or code in REFUSALS, (i, kind, code)
         statuses[code.name] = statuses.get(code.name, 0) + 1
     print(f"\nfuzzed 2000 requests: {statuses}; {accepted} pushes accepted")

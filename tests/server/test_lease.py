@@ -75,7 +75,12 @@ def test_coordinators_racing_for_the_lease_exactly_one_wins(db_url, stale_before
         barrier = threading.Barrier(len(stores))
         outcomes: dict[int, str] = {}
 
-        def contend(index: int) -> None:
+        def contend(
+            index: int,
+            stores: list[Store] = stores,
+            barrier: threading.Barrier = barrier,
+            outcomes: dict[int, str] = outcomes,
+        ) -> None:  # this attempt's
             barrier.wait()
             try:
                 stores[index].acquire_lease(_claim(f"{index:x}" * 32, pid=index))

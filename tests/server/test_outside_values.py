@@ -336,7 +336,7 @@ def test_the_dashboard_page_has_a_size_bound_whatever_the_tables_hold(tmp_path):
             for _ in range(300)
         )
         session.add(Run(config={"strategy": "fedavg", "task": huge}, status="running", detail=huge))
-    for i in range(150):
+    for _ in range(150):
         with store.session() as session, session.begin():
             session.add(
                 AuditEvent(kind="update-rejected", site_name=huge[:10_000], run_id=1, detail=huge)

@@ -133,14 +133,11 @@ def test_a_masked_vector_must_be_uint32_of_the_rounds_length_with_nothing_in_the
     clear (the weight and the metrics are inside the sum)."""
     a, b = live.nodes
     arrays = ArrayRecord({"w": Array(np.zeros((3, 2), dtype=np.float32))})
-    routed = lambda node: RecordDict(
-        {
-            "arrays": arrays,
-            protocol.SECAGG_RECORD: ConfigRecord(  # noqa: E731
-                {**wire.sealed_record({}), "length": 7}
-            ),
-        }
-    )
+
+    def routed(node: int) -> RecordDict:
+        secagg = ConfigRecord({**wire.sealed_record({}), "length": 7})
+        return RecordDict({"arrays": arrays, protocol.SECAGG_RECORD: secagg})
+
     requests = live.push(kind, routed)
     if kind == "train":
         plain = RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 5})})

@@ -27,7 +27,7 @@ def test_ray_backend_matches_inprocess(small_run, tmp_path):
         )
         on_ray = run_strategy(cfg.replace(run_dir=str(tmp_path / f"{strategy}-ray")), "ray")
         assert len(on_ray) == len(inprocess) == 3
-        for a, b in zip(inprocess, on_ray):
+        for a, b in zip(inprocess, on_ray, strict=True):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
             assert b["accuracy"] == pytest.approx(a["accuracy"], abs=1e-9)
             assert (b["bytes_up"], b["bytes_down"]) == (a["bytes_up"], a["bytes_down"])
@@ -52,7 +52,7 @@ def test_ray_sites_sum_securely_and_end_within_the_quantisation_bound(small_run,
         float(np.abs(ends[0][name].numpy() - ends[1][name].numpy()).max()) for name in ends[0]
     )
     assert 0 < difference <= 2 * cfg.rounds * quantisation_bound(2, SecAggParams()) / (2 * 10)
-    for a, b in zip(inprocess, on_ray):
+    for a, b in zip(inprocess, on_ray, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)
 
 

@@ -27,10 +27,10 @@ def _bert_reference(net, x: torch.Tensor, kept: dict[int, tuple[int, ...]]) -> t
         heads, d = att.num_attention_heads, att.attention_head_size
         B, S, _ = h.shape
 
-        def split(t):
-            return t.view(B, S, heads, d).transpose(1, 2)  # [B, heads, S, d]
-
-        q, k, v = split(att.query(h)), split(att.key(h)), split(att.value(h))
+        q, k, v = (
+            t.view(B, S, heads, d).transpose(1, 2)  # [B, heads, S, d]
+            for t in (att.query(h), att.key(h), att.value(h))
+        )
         scores = q @ k.transpose(-1, -2) / math.sqrt(d)
         scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
         context = torch.softmax(scores, dim=-1) @ v  # [B, heads, S, d]
@@ -93,7 +93,7 @@ def test_llama_gqa_group_mask_equals_zeroed_o_columns(llama, lm_batch, lora):
         with apply_spec(model, spec):
             masked = model(input_ids=x).logits
         reference_model = copy.deepcopy(model)
-        _zero_o_inputs(reference_model, arch, 1, list(range(0, 16)))
+        _zero_o_inputs(reference_model, arch, 1, list(range(16)))
         _zero_o_inputs(reference_model, arch, 2, list(range(16, 32)))
         reference = reference_model(input_ids=x).logits
         full = model(input_ids=x).logits
@@ -110,7 +110,7 @@ def test_vit_head_mask_equals_zeroed_o_columns(vit, image_batch):
         with apply_spec(model, spec):
             masked = model(x)
         reference_model = copy.deepcopy(model)
-        _zero_o_inputs(reference_model, arch, 0, list(range(0, 16)) + list(range(24, 32)))
+        _zero_o_inputs(reference_model, arch, 0, list(range(16)) + list(range(24, 32)))
         reference = reference_model(x)
         full = model(x)
     assert torch.allclose(masked, reference, atol=1e-6, rtol=0)

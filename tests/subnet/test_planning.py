@@ -57,7 +57,8 @@ def test_plan_budget_hand_examples():
     big = plan_budget(cost, memory_bytes=1000, speed=1.0, deadline_s=10.0, **common)
     assert (big.layers, big.heads) == (4, 4)
     assert big.step_s == pytest.approx(0.9) and big.memory_bytes == pytest.approx(300)
-    # half-speed site: (0.1 + 0.2 w) / 0.5 * 10 <= 10.5  ->  w <= 2.125: (2 layers, 4 heads) w = 2 beats (3, 1) w = 1.875
+    # half-speed site: (0.1 + 0.2 w) / 0.5 * 10 <= 10.5  ->  w <= 2.125:
+    # (2 layers, 4 heads) w = 2 beats (3, 1) w = 1.875
     slow = plan_budget(cost, memory_bytes=1000, speed=0.5, deadline_s=10.5, **common)
     assert (slow.layers, slow.heads) == (2, 4) and slow.step_s == pytest.approx(1.0)
     # small memory: 100 + 50 w <= 190  ->  w <= 1.8: (2, 3) with w = 2 * (0.5 + 0.5 * 3/4) = 1.75

@@ -91,7 +91,7 @@ def _michel_reference(model, arch, samples, loss_fn):
     for x, y in samples:
         leaves, inputs = {}, {}
 
-        def make(i):
+        def make(i, inputs=inputs, leaves=leaves):  # this sample's
             def hook(module, args):
                 inputs[i] = args[0].detach()
                 leaves[i] = torch.zeros_like(inputs[i], requires_grad=True)
