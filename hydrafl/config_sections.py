@@ -157,7 +157,7 @@ class FederationConfig:
     screen_norm: float = 0.0
     """Screening: reject a reply whose update norm is above this many times the round's median; 0 = off."""
     screen_cosine: float = -1.0
-    """Screening: reject a reply whose cosine to the round's mean update is below this; -1 = off."""
+    """Screening: reject a reply whose cosine to the others' mean update is below this; -1 = off."""
 
     def __post_init__(self) -> None:
         _check(self.sites >= 1, "sites", self.sites, "an integer >= 1")

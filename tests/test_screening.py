@@ -46,36 +46,56 @@ def test_a_scaled_update_is_rejected_by_its_norm_with_the_reason():
     assert Screening(norm_factor=200.0).reasons(updates) == {}
 
 
-def test_a_sign_flipped_update_is_rejected_by_its_cosine_to_the_mean():
+def test_a_sign_flipped_update_is_rejected_by_its_cosine_to_the_others_mean():
     updates = _honest()
     updates[2] = {"w": -updates[2]["w"]}
     cosines = cosines_to_mean(updates)
-    mean = np.mean([u["w"].astype(np.float64) for u in updates.values()], axis=0)
+    others = np.mean(
+        [u["w"].astype(np.float64) for node, u in updates.items() if node != 2], axis=0
+    )
     expected = float(
-        updates[2]["w"] @ mean / (np.linalg.norm(updates[2]["w"]) * np.linalg.norm(mean))
+        updates[2]["w"] @ others / (np.linalg.norm(updates[2]["w"]) * np.linalg.norm(others))
     )
     assert cosines[2] == pytest.approx(expected, rel=1e-6) and cosines[2] < -0.5
     assert all(cosine > 0.5 for node, cosine in cosines.items() if node != 2)
     rejected = Screening(min_cosine=0.0).reasons(updates)
-    assert rejected == {2: f"cosine {cosines[2]:.3f} to the round's mean update, below 0"}
+    assert rejected == {2: f"cosine {cosines[2]:.3f} to the others' mean update, below 0"}
+
+
+def test_a_sign_flip_among_nearly_orthogonal_honest_updates_is_caught_only_leaving_itself_out():
+    """Ten sites whose honest updates share a weak common direction (pairwise cosine about 0.03, as updates
+    over many coordinates can be): the flipped update's cosine to a mean that includes itself is about +0.2,
+    which a screen at 0 keeps; to the others' mean it is about -0.07, and every honest site's about +0.06."""
+    rng = np.random.default_rng(3)
+    common = rng.normal(size=40_000)
+    updates = {node: {"w": common / 6 + rng.normal(size=40_000)} for node in range(1, 11)}
+    updates[7] = {"w": -updates[7]["w"]}
+    whole = np.mean([u["w"] for u in updates.values()], axis=0)
+    with_itself = float(
+        updates[7]["w"] @ whole / (np.linalg.norm(updates[7]["w"]) * np.linalg.norm(whole))
+    )
+    cosines = cosines_to_mean(updates)
+    assert with_itself > 0.15 and cosines[7] < -0.05
+    assert min(cosine for node, cosine in cosines.items() if node != 7) > 0.03
+    assert list(Screening(min_cosine=0.0).reasons(updates)) == [7]
 
 
 def test_cosine_goes_over_arrays_of_matching_name_and_shape():
     updates = {
-        1: {"a": np.array([1.0, 0.0]), "b": np.array([1.0])},
-        2: {
-            "a": np.array([1.0, 2.0]),
-            "b": np.array([3.0, 4.0]),
-        },  # its "b" has another shape: a group of its own
+        1: {
+            "a": np.array([1.0, 0.0]),
+            "b": np.array([1.0]),
+        },  # its "b" (1,): no other site's to compare
+        2: {"a": np.array([1.0, 2.0]), "b": np.array([3.0, 4.0])},  # nor its "b" (2,)
         3: {"a": np.array([-2.0, 1.0])},
+        4: {"c": np.array([5.0])},  # shares nothing: no cosine
     }
     cosines = cosines_to_mean(updates)
-    mean_a = np.array(
-        [0.0, 1.0]
-    )  # over 1, 2, 3; mean of "b" (1,) is [1.0] (site 1 alone), of "b" (2,) itself
-    assert cosines[1] == pytest.approx((0.0 + 1.0) / (np.sqrt(2.0) * np.sqrt(1.0 + 1.0)))
-    assert cosines[2] == pytest.approx((2.0 + 25.0) / (np.sqrt(5.0 + 25.0) * np.sqrt(1.0 + 25.0)))
-    assert cosines[3] == pytest.approx(1.0 / (np.sqrt(5.0) * np.linalg.norm(mean_a)))
+    # each against the mean of the others' "a": [-0.5, 1.5], [-0.5, 0.5], [1.0, 1.0]
+    assert cosines[1] == pytest.approx(-0.5 / (1.0 * np.sqrt(2.5)))
+    assert cosines[2] == pytest.approx(0.5 / (np.sqrt(5.0) * np.sqrt(0.5)))
+    assert cosines[3] == pytest.approx(-1.0 / (np.sqrt(5.0) * np.sqrt(2.0)))
+    assert 4 not in cosines and 4 not in Screening(min_cosine=0.9).reasons(updates)
 
 
 def test_screening_needs_two_updates_and_the_run_refuses_bad_settings():
@@ -114,6 +134,22 @@ def test_screened_rounds_keep_the_attackers_out_and_audit_them(strategy):
     assert [(node, rnd) for node, rnd, _ in grid.rejections] == [(attacker, 1), (attacker, 2)]
     # the model is the honest sites' alone: the same as a run where the attacker sends nothing usable
     assert np.isfinite(history[-1]["loss"]) and history[-1]["loss"] < 5
+
+
+def test_a_sign_flipping_site_in_real_rounds_is_rejected_by_cosine_and_the_honest_sites_kept():
+    cfg = SMALL_RUN.replace(sites=5, min_sites=4, rounds=1, screen_cosine=0.0)
+    grid = _Audited(
+        site_app.client_app,
+        cfg.sites,
+        cfg.to_flower(),
+        attack=Attack(name="signflip", fraction=0.2),
+    )
+    [attacker] = grid.attacker_nodes
+    history = server_app.run_federation(grid, cfg).history
+    for record in history[1:]:
+        assert list(record["rejected_per_site"]) == [str(attacker)]
+        assert "to the others' mean update, below 0" in record["rejected_per_site"][str(attacker)]
+        assert (record["sites_ok"], record["sites_failed"]) == (4, 1)
 
 
 class _NanSite(InProcessGrid):

@@ -1,17 +1,21 @@
 """Screening of a round's updates before aggregation, whatever the strategy: a reply whose update norm is far
-above the round's median, or whose direction is far from the round's mean, is rejected with its reason.
+above the round's median, or whose direction is far from the mean of the others, is rejected with its reason.
 
 Both tests need the whole round (its median norm, its mean direction), so with screening on the driver holds
 every valid reply of the round before aggregating (O(sites x model) memory instead of streaming them).
 
 - Norm: the L2 norm of everything the reply carries; rejected above `norm_factor` x the median of the round's
   norms (a site that trains a smaller subnetwork has a smaller norm: the test only cuts from above).
-- Cosine: computed over the replies the norm test kept, against their mean. Subnetwork strategies (Hydra, the
-  width baselines, the LoRA baselines' ranks) send compact slices whose shapes differ by site, so the mean is
-  taken per (array name, shape) over the replies carrying an array of that name and shape, and a reply's cosine
-  is sum <x_a, mean_a> / (||x|| ||mean restricted to its arrays||) over its own arrays. Two sites that trained
-  different slices of the same size are compared position by position: screening judges the update's
-  direction, not which coordinates it covers. Rejected below `min_cosine`.
+- Cosine: computed over the replies the norm test kept, each against the mean of the others (leave-one-out).
+  Against a mean that includes the reply itself, a sign-flipped update passes: its own share of the mean
+  outweighs the others' when honest updates are nearly orthogonal (as they are over many coordinates), so its
+  cosine stays positive. Subnetwork strategies (Hydra, the width baselines, the LoRA baselines' ranks) send
+  compact slices whose shapes differ by site, so the others' mean is taken per (array name, shape) over the
+  other replies carrying an array of that name and shape, and a reply's cosine is
+  sum <x_a, mean_a> / (||x restricted to those arrays|| ||mean restricted to them||) over its arrays that some
+  other reply also carries; a reply that shares none has no cosine (only the norm test judges it). Two sites
+  that trained different slices of the same size are compared position by position: screening judges the
+  update's direction, not which coordinates it covers. Rejected below `min_cosine`.
 
 A grid that keeps an audit trail (the coordinator's) implements `AuditsRejections` and is told of each one.
 """
@@ -49,7 +53,7 @@ class Screening:
     norm_factor: float = 0.0
     """Reject an update whose norm is above this many times the round's median; 0 = off."""
     min_cosine: float = -1.0
-    """Reject an update whose cosine to the round's mean update is below this; -1 = off."""
+    """Reject an update whose cosine to the mean of the round's other updates is below this; -1 = off."""
 
     @property
     def enabled(self) -> bool:
@@ -73,7 +77,7 @@ class Screening:
             for node, cosine in cosines_to_mean(kept).items():
                 if cosine < self.min_cosine:
                     rejected[node] = (
-                        f"cosine {cosine:.3f} to the round's mean update, below {self.min_cosine:g}"
+                        f"cosine {cosine:.3f} to the others' mean update, below {self.min_cosine:g}"
                     )
         return rejected
 
@@ -85,8 +89,9 @@ def update_norm(update: Update) -> float:
 
 
 def cosines_to_mean(updates: Mapping[int, Update]) -> dict[int, float]:
-    """Each update's cosine to the mean update, the mean taken per (name, shape) (see the module docstring);
-    an update or a mean of norm 0 has cosine 0."""
+    """Each update's cosine to the mean of the other updates, taken per (name, shape) (see the module
+    docstring); an update or a mean of norm 0 has cosine 0, and an update sharing no array with another has
+    none."""
     sums: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
     counts: dict[tuple[str, tuple[int, ...]], int] = {}
     for update in updates.values():
@@ -97,13 +102,19 @@ def cosines_to_mean(updates: Mapping[int, Update]) -> dict[int, float]:
     cosines = {}
     for node, update in updates.items():
         dot = own = mean_sq = 0.0
+        shared = False
         for name, array in update.items():
             key = (name, tuple(array.shape))
-            mean, values = sums[key] / counts[key], np.asarray(array, dtype=np.float64)
-            dot += float(np.vdot(values, mean))
+            if counts[key] < 2:
+                continue
+            values = np.asarray(array, dtype=np.float64)
+            others = (sums[key] - values) / (counts[key] - 1)
+            dot += float(np.vdot(values, others))
             own += float(np.vdot(values, values))
-            mean_sq += float(np.vdot(mean, mean))
-        cosines[node] = dot / math.sqrt(own * mean_sq) if own > 0 and mean_sq > 0 else 0.0
+            mean_sq += float(np.vdot(others, others))
+            shared = True
+        if shared:
+            cosines[node] = dot / math.sqrt(own * mean_sq) if own > 0 and mean_sq > 0 else 0.0
     return cosines
 
 
