@@ -5,15 +5,20 @@
 A decode is `Array.numpy()` (a copy of an array out of its serialised bytes); an encode is
 `Array.from_numpy_ndarray` (every `Array(ndarray)` or `Array(tensor)` ends there). Both are counted in bytes and
 divided by the model's, so "3" is three whole models' worth, however the work was split over arrays. Views
-that copy nothing (`hydrafl.arrays.array_view`) are not decodes.
+that copy nothing (`hydrafl.arrays.array_view`) are not decodes, nor is handing over values already in memory
+(`server.aggregation.flower_adapter.HeldArray`).
 
 Only the coordinator is counted: the in-process grid runs each site inside its `send_and_receive`, and the
 count pauses while a reply is produced. A run of 2 rounds of the real hydrafl app (3 tabular sites); round 2 is
 reported, between the ends of round 1 and round 2 (training, aggregation, evaluation).
+
+Measured, 3 sites: before the round pipeline FedAvg 12 decodes and 4 encodes, DiLoCo 4 and 1; after it 4 and
+1 for both (`tests/benchmarks/test_round_conversions.py` holds them).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +27,6 @@ from dataclasses import dataclass
 from flwr.app import Array
 
 from hydrafl.arrays import record_nbytes
-from hydrafl.benchmarks._common import benchmark_parser
 from hydrafl.client.site_app import client_app
 from hydrafl.config import RunConfig
 from hydrafl.rounds import RoundRecord
@@ -57,11 +61,13 @@ def counting(counts: Counts) -> Iterator[None]:
             counts.encoded += len(array.data)
         return array
 
-    Array.numpy, Array.from_numpy_ndarray = counted_numpy, classmethod(counted_from_numpy)
+    Array.numpy = counted_numpy  # type: ignore[method-assign]
+    Array.from_numpy_ndarray = classmethod(counted_from_numpy)  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
-        Array.numpy, Array.from_numpy_ndarray = numpy, classmethod(from_numpy)
+        Array.numpy = numpy  # type: ignore[method-assign]
+        Array.from_numpy_ndarray = classmethod(from_numpy)  # type: ignore[method-assign,assignment]
 
 
 class SitesUncounted(InProcessGrid):
@@ -113,7 +119,9 @@ def round_conversions(strategy: str, sites: int = 3) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = benchmark_parser(__doc__, "the same (the probe is already small)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sites", type=int, default=3)
     args = parser.parse_args()
     table = {strategy: round_conversions(strategy, args.sites) for strategy in STRATEGIES}

@@ -12,13 +12,15 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from helpers import SMALL_RUN
+from flwr.serverapp.strategy import FedAvg
+from helpers import SMALL_RUN, make_reply
 
-from hydrafl.arrays import from_record, to_record
+from hydrafl.arrays import from_record, to_record, weights_from_delta
 from hydrafl.client import site_app
 from hydrafl.server import server_app
 from hydrafl.server.aggregation.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from hydrafl.server.aggregation.driver import DriverConfig, RoundDriver, RoundFailed
+from hydrafl.server.aggregation.flower_adapter import FlowerAdapter, HeldArray
 from hydrafl.simulation.grid import InProcessGrid
 from hydrafl.strategies import DiLoCo
 
@@ -321,3 +323,41 @@ def test_a_streamed_round_holds_o_model_memory_whatever_the_number_of_sites():
     assert growth < model_bytes / 4, (
         f"8 sites took {growth / model_bytes:.2f} model sizes more than 2"
     )
+
+
+def _site_deltas(sites: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(7)
+    return [{"w": rng.normal(size=(4, 3)), "b": rng.normal(size=(3,))} for _ in range(sites)]
+
+
+def test_flowers_strategies_get_the_same_weights_in_memory_as_serialised():
+    """The adapter hands Flower's FedAvg each site's end weights without encoding them: the model is the one
+    Flower makes from serialised weights (start - delta), bit for bit, and plain Arrays come out."""
+    start = to_record({"w": np.ones((4, 3), np.float32), "b": np.zeros(3, np.float32)})
+    deltas = _site_deltas(3)
+    replies = [make_reply(d, 10.0 * (i + 1), node_id=i + 1) for i, d in enumerate(deltas)]
+    held, _ = FlowerAdapter(FedAvg()).aggregate_train(1, replies, start, summed=False)
+    serialised = [make_reply(d, 10.0 * (i + 1), node_id=i + 1) for i, d in enumerate(deltas)]
+    for reply in serialised:
+        reply.content["arrays"] = weights_from_delta(start, reply.content["arrays"])
+    expected, _ = FedAvg().aggregate_train(1, serialised)
+    for name in ("w", "b"):
+        assert type(held[name]) is not HeldArray
+        assert held[name].data == expected[name].data
+
+
+class _FirstSite(FedAvg):
+    """A selection rule: the first reply's weights, as they came."""
+
+    def aggregate_train(self, server_round, replies):
+        return next(iter(replies)).content["arrays"], None
+
+
+def test_a_model_made_of_a_replys_own_weights_leaves_the_adapter_serialised():
+    start = to_record({"w": np.ones((4, 3), np.float32), "b": np.zeros(3, np.float32)})
+    [delta] = _site_deltas(1)
+    arrays, _ = FlowerAdapter(_FirstSite()).aggregate_train(
+        1, [make_reply(delta, 1.0)], start, summed=False
+    )
+    assert {type(array) for array in arrays.values()} == {Array}
+    np.testing.assert_array_equal(arrays["w"].numpy(), 1 - delta["w"].astype(np.float32))

@@ -19,7 +19,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.serverapp import Grid
@@ -35,7 +34,9 @@ from hydrafl.server.aggregation.driver import (
     RoundFailed,
     RunResult,
 )
-from hydrafl.strategies.hooks import BuffersUpdates, QueriesSites, restore_strategy_state
+from hydrafl.server.aggregation.evaluation import metric_value
+from hydrafl.server.aggregation.traffic import count_down
+from hydrafl.strategies.hooks import BuffersUpdates
 
 log = logging.getLogger(__name__)
 
@@ -147,33 +148,27 @@ class AsyncDriver(RoundDriver):
         """`start` gives the initial arrays; it is called only when there is no checkpoint to resume from, so a
         restarted coordinator asks no site for a model (or a curvature probe) it already has."""
         history, version = [], 0
-        checkpoint = self._load_for_resume() if resume else None
+        checkpoint = self._resume() if resume else None
         if checkpoint is not None:
             arrays, history, version = (
                 checkpoint.arrays,
                 checkpoint.history,
                 checkpoint.server_round,
             )
-            restore_strategy_state(self.strategy, checkpoint.strategy_state)
             log.info("resuming after model version %d", version)
         else:
             arrays = start()
-            self._close(self._evaluate_round(0, arrays), history, arrays, on_round)
+            self._close(self.evaluation.run(0, arrays), history, arrays, on_round)
         if version >= self.config.num_rounds:
             return RunResult(arrays=arrays, history=history)
         record, started = RoundRecord(round=version + 1), time.perf_counter()
-        if isinstance(self.strategy, QueriesSites):
-            self._query_round(
-                version + 1, arrays, ConfigRecord(dict(self.config.train_config)), record
-            )
+        self._query_round(version + 1, arrays, ConfigRecord(dict(self.config.train_config)), record)
         for node in sorted(self.grid.get_node_ids()):
             self._dispatch(node, arrays, version, record)
         while version < self.config.num_rounds:
-            reply = self._receive(version)
+            reply = self._next_reply(version)
             node, sent_version = self.sent.pop(reply.metadata.reply_to_message_id)
-            valid = next(
-                self._valid_replies(version + 1, [reply], arrays, record), None
-            )  # checked and decoded
+            valid = next(self.intake.valid(version + 1, [reply], arrays, record), None)
             if valid is None:
                 self.failures[node] += 1
                 record.sites_failed += 1
@@ -189,7 +184,8 @@ class AsyncDriver(RoundDriver):
         return RunResult(arrays=arrays, history=history)
 
     def _dispatch(self, node: int, arrays: ArrayRecord, version: int, record: RoundRecord) -> None:
-        """Send `node` the model of `version` (the site's own local round count as its round, so its batches move on)."""
+        """Send `node` the model of `version` (the site's own local round count as its round, so its batches
+        move on)."""
         self.local_rounds[node] += 1
         config = ConfigRecord(
             {
@@ -204,10 +200,10 @@ class AsyncDriver(RoundDriver):
         message.metadata.group_id = str(
             version
         )  # the coordinator keeps a version's messages while one is open
-        self._count_down([message], record)
+        count_down([message], record)
         self.sent[self.clock.send(message)] = (node, version)
 
-    def _receive(self, version: int) -> Message:
+    def _next_reply(self, version: int) -> Message:
         """The next reply; RoundFailed when too few sites are still at work or none answered in time."""
         working = {node for node, _ in self.sent.values()}
         if len(working) < max(self.config.required_sites, 1):
@@ -239,26 +235,12 @@ class AsyncDriver(RoundDriver):
             )
         record.staleness, record.update_weights = list(report.staleness), list(report.weights)
         record.ess, record.virtual_s = report.ess, self.clock.virtual_s
-        record.train_loss = (
-            None if metrics is None or "train_loss" not in metrics else float(metrics["train_loss"])
-        )
+        record.train_loss = metric_value(metrics, "train_loss")
         if (version + 1) % self.evaluate_every == 0 or version + 1 == self.config.num_rounds:
-            evaluation = self._evaluate_round(version + 1, new_arrays)
+            evaluation = self.evaluation.run(version + 1, new_arrays)
             record.loss, record.accuracy = evaluation.loss, evaluation.accuracy
             record.bytes_down += evaluation.bytes_down
             record.bytes_up += evaluation.bytes_up
         record.seconds = time.perf_counter() - started
         record.oldest_open = min((sent for _, sent in self.sent.values()), default=version + 1)
         return new_arrays
-
-    def _close(
-        self,
-        record: RoundRecord,
-        history: list,
-        arrays: ArrayRecord,
-        on_round: RoundCallback | None,
-    ) -> None:
-        history.append(asdict(record))
-        self._log_round(record, history, arrays)
-        if on_round:
-            on_round(record)

@@ -7,6 +7,7 @@ Written atomically (temp file + rename) so a crash mid-write leaves the previous
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import shutil
@@ -16,8 +17,12 @@ from typing import Any
 
 from flwr.app import ArrayRecord
 
+log = logging.getLogger(__name__)
+
 CHECKPOINT_FILE = "checkpoint.pkl"
 ARCHIVE_DIR = "checkpoints"
+RUN_LENGTH_KEYS = ("rounds", "resume")
+"""Run config keys a resume may change: how long the run goes on, and whether it resumes."""
 
 
 class CheckpointError(RuntimeError):
@@ -58,6 +63,37 @@ def load_checkpoint(run_dir: Path) -> Checkpoint | None:
         ) from error
     if not isinstance(checkpoint, Checkpoint):
         raise CheckpointError(f"{path} is not a hydrafl checkpoint")
+    return checkpoint
+
+
+def resume_checkpoint(
+    run_dir: Path | None, run_config: dict[str, Any], defaults: dict[str, Any]
+) -> Checkpoint | None:
+    """The checkpoint a run with `run_config` resumes from, None when there is none yet. A key the checkpoint
+    lacks was added by a later hydrafl: at its default (`defaults`) the run goes on, with a warning (a
+    coordinator upgraded mid-run keeps its runs); any other change of configuration refuses the resume."""
+    if run_dir is None:
+        raise CheckpointError("resume needs a run directory")
+    checkpoint = load_checkpoint(run_dir)
+    if checkpoint is None:
+        return None
+    saved = {k: v for k, v in checkpoint.run_config.items() if k not in RUN_LENGTH_KEYS}
+    current = {k: v for k, v in run_config.items() if k not in RUN_LENGTH_KEYS}
+    added = sorted(
+        k for k in current.keys() - saved.keys() if k in defaults and current[k] == defaults[k]
+    )
+    # a saved key this run does not have (another strategy's knob in an older checkpoint) configures nothing
+    changed = sorted(k for k in current if saved.get(k) != current[k] and k not in added)
+    if changed:
+        raise CheckpointError(
+            f"cannot resume {run_dir}: configuration changed since it was written ({', '.join(changed)})"
+        )
+    if added:
+        log.warning(
+            "resuming %s, written before these keys existed; they take their defaults: %s",
+            run_dir,
+            ", ".join(f"{k}={defaults[k]!r}" for k in added),
+        )
     return checkpoint
 
 
