@@ -304,7 +304,16 @@ class RunConfig(
         return cls(**{name: values[name] for name in RUN_WIDE_KEYS if name in values}, strategy="")
 
 
-SIMULATION_KEYS = {"strategies", "backend", "out", "attack", "attackers", "site_policy", "workers"}
+SIMULATION_KEYS = {
+    "strategies",
+    "backend",
+    "out",
+    "attack",
+    "attackers",
+    "site_policy",
+    "workers",
+    "export",
+}
 """`hydrafl.simulation_config.SimulationConfig`'s own keys (valid in a comparison, not in one run)."""
 RUN_WIDE_KEYS = tuple(
     f.name for f in dataclasses.fields(RunConfig) if f.name not in ("options", "strategy")

@@ -53,6 +53,9 @@ class SimulationConfig:
     workers: int = 0
     """Worker processes the inprocess backend runs sites in, in parallel; 0 = one per core; 1 = every site in
     this process, one after another. The results are the same, bit for bit, whatever the number."""
+    export: bool = False
+    """Write each strategy's final model to OUT/STRATEGY/model in the form a hospital loads without hydrafl: a
+    Hugging Face `save_pretrained` folder, a PEFT adapter beside its base, or safetensors with its architecture."""
 
     def __post_init__(self) -> None:
         _check(

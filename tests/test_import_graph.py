@@ -31,6 +31,7 @@ MODEL_CODE = (
     "hydrafl.subnet.architecture",
     "hydrafl.subnet.scoring",
     "hydrafl.subnet.measure",
+    "hydrafl.export",
 )
 """Site-side code: nn.Module models and what trains, scores or measures them, the cohorts, the kernels, plots."""
 

@@ -98,6 +98,17 @@ def simulate(
     for row in summary_rows(results):
         table.add_row(*row)
     Console().print(table)
+    if simulation.export:
+        _export(simulation)
+
+
+def _export(simulation: SimulationConfig) -> None:
+    """Each strategy's final model beside its results (`--export`)."""
+    from hydrafl.cli.export import describe, export_run
+
+    for strategy in simulation.strategies:
+        run_dir = Path(simulation.out) / strategy
+        print(describe(export_run(run_dir, run_dir / "model")))
 
 
 def _compare(simulation: SimulationConfig, progress: bool, newest: bool) -> dict[str, Any]:
