@@ -1,10 +1,13 @@
 """Run configuration: the run-wide settings and the chosen strategy's own knobs, validated once at the edge.
 
-`RunConfig` is everything the ServerApp and ClientApp of one federated run need; it travels as Flower's
-flat `run_config` (str/int/float/bool only, so "" means "not set"): the run-wide keys and the strategy's knobs
-side by side, every key kebab-case. The knobs belong to the strategy's `StrategyConfig` (`hydrafl.strategies`),
-so this module knows no strategy by name. `SimulationConfig` adds what `hydrafl simulate` needs to compare
-several strategies (`hydrafl.simulation_config`). TOML files use the CLI flag names. Nothing here imports torch, the cohorts or the kernels.
+`RunConfig` is everything the ServerApp and ClientApp of one federated run need: the sections of
+`hydrafl.config_sections` (data, model, site training, federation, privacy, compression), each checking its own
+keys, plus the strategy and its knobs and the checks that span sections. It travels as Flower's flat
+`run_config` (str/int/float/bool only, so "" means "not set"), once per run to each site: the run-wide keys and
+the strategy's knobs side by side, every key kebab-case. The knobs belong to the strategy's `StrategyConfig`
+(`hydrafl.strategies`), so this module knows no strategy by name. `SimulationConfig` adds what `hydrafl
+simulate` needs to compare several strategies (`hydrafl.simulation_config`). TOML files use the CLI flag
+names. Nothing here imports torch, the cohorts or the kernels.
 """
 
 from __future__ import annotations
