@@ -20,6 +20,7 @@ import logging
 from contextlib import nullcontext
 from functools import lru_cache, partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -38,7 +39,7 @@ from hydrafl.data.text_cohort import MINILM
 from hydrafl.footprint import training_footprint
 from hydrafl.kernels.distributed import LocalTraining
 from hydrafl.models import build_model, federated_state, lora_base_state, task_loss, training_loss
-from hydrafl.run_settings import run_settings
+from hydrafl.run_settings import message_keys, run_settings
 from hydrafl.site_config import SiteConfig
 from hydrafl.strategies.registry import site_half
 from hydrafl.strategies.site import SiteHalf
@@ -129,7 +130,7 @@ def site_data(cfg: RunConfig, context: Context) -> tuple[Cohort, SiteSplit]:
 def train_class_counts(message: Message, context: Context) -> dict[str, int]:
     """Records per class of the training split a `train` message would train on, for the site policy's
     small-cell check before any training; empty for a task without class labels (next-token prediction)."""
-    cohort, split = site_data(_run_config(message, context), context)
+    cohort, split = site_data(_run_config(context), context)
     if split.train_y.ndim != 1:
         return {}
     counts = torch.bincount(split.train_y, minlength=cohort.task.num_classes).tolist()
@@ -138,7 +139,13 @@ def train_class_counts(message: Message, context: Context) -> dict[str, int]:
 
 def _site(context: Context) -> SiteConfig:
     """The site's own settings (`hydrafl site`'s flags, or what the simulation set), typed and checked."""
-    return SiteConfig.from_node_config(context.node_config)
+    return _parsed_site(tuple(sorted(context.node_config.items())))
+
+
+@lru_cache(maxsize=64)
+def _parsed_site(node_config: tuple[tuple[str, Any], ...]) -> SiteConfig:
+    """Parsed and checked once per site, not once per message."""
+    return SiteConfig.from_node_config(dict(node_config))
 
 
 def demo_cohort(cfg: RunConfig) -> Cohort:
@@ -157,16 +164,26 @@ def _received_arrays(message: Message) -> ArrayRecord:
     return next(iter(message.content.array_records.values()))
 
 
-def _received_config(message: Message) -> ConfigRecord:
-    records = message.content.config_records
-    return next(iter(records.values())) if records else ConfigRecord()
+def _run_config(context: Context) -> RunConfig:
+    """The run's settings, from the site's Context (`hydrafl.run_settings`): parsed and checked once per run,
+    not once per message."""
+    return _parsed_run(
+        tuple(sorted(context.run_config.items())), tuple(sorted(context.node_config.items()))
+    )
 
 
-def _run_config(message: Message, context: Context) -> RunConfig:
-    """The run's settings: the site's own run_config, overridden by what the coordinator sent with the
-    message (so runtimes that cannot set a site's run_config, like Flower's Ray engine, still work)."""
-    cfg = RunConfig.site_view({**context.run_config, **_received_config(message)})
-    check_checkpoint_paths(cfg, _site(context))
+def forget_parsed_settings() -> None:
+    """Drop the parsed settings (a benchmark counting parses per run starts from none)."""
+    _parsed_site.cache_clear()
+    _parsed_run.cache_clear()
+
+
+@lru_cache(maxsize=64)
+def _parsed_run(
+    run_config: tuple[tuple[str, Any], ...], node_config: tuple[tuple[str, Any], ...]
+) -> RunConfig:
+    cfg = RunConfig.site_view(dict(run_config))
+    check_checkpoint_paths(cfg, _parsed_site(node_config))
     return cfg
 
 
@@ -191,9 +208,9 @@ def check_checkpoint_paths(cfg: RunConfig, site: SiteConfig) -> None:
 
 @client_app.train()
 def train(message: Message, context: Context) -> Message:
-    cfg, site = _run_config(message, context), _site(context)
+    cfg, site = _run_config(context), _site(context)
     cohort, split = site_data(cfg, context)
-    arrays, config = _received_arrays(message), _received_config(message)
+    arrays, config = _received_arrays(message), message_keys(message)
     half = _strategy_half(
         message, context
     )  # the run's strategy's part: subnetwork, rank, loss, reply
@@ -300,7 +317,7 @@ def _strategy_half(message: Message, context: Context) -> SiteHalf:
 
 @client_app.evaluate()
 def evaluate_site(message: Message, context: Context) -> Message:
-    cfg = _run_config(message, context)
+    cfg = _run_config(context)
     cohort, split = site_data(cfg, context)
     model = site_model(cohort.task, cfg, _received_arrays(message))
     loss, accuracy = evaluate(model, split.test_x, split.test_y)
@@ -310,18 +327,18 @@ def evaluate_site(message: Message, context: Context) -> Message:
 
 @client_app.query("init")
 def initial_model(message: Message, context: Context) -> Message:
-    cfg = _run_config(message, context)
+    cfg = _run_config(context)
     cohort, _ = site_data(cfg, context)
     model = build_model(cohort.task, model=cfg.model, seed=cfg.seed, lora=lora_spec(cfg))
     state = federated_state(model)
-    if _received_config(message).get(protocol.LORA_BASES, False):
+    if message_keys(message).get(protocol.LORA_BASES, False):
         state |= lora_base_state(model)
     return Message(RecordDict({"arrays": to_record(state)}), reply_to=message)
 
 
 @client_app.query("curvature")
 def curvature(message: Message, context: Context) -> Message:
-    cfg = _run_config(message, context)
+    cfg = _run_config(context)
     cohort, split = site_data(cfg, context)
     model = site_model(cohort.task, cfg, _received_arrays(message))
     with sdpa_kernel(SDPBackend.MATH):  # the fused CPU attention kernels have no double backward
@@ -341,9 +358,10 @@ def curvature(message: Message, context: Context) -> Message:
 @client_app.query("scores")
 def scores(message: Message, context: Context) -> Message:
     """Layer importance (`layer-L`) and head importance (`head-L-G`, per KV group) on a few of the site's
-        training batches (or, asked for `magnitude` in a private run, from the model's weights alone), with the site's tier, its measured step cost (`subnet.measure.measure_layer_cost`) and declared
-    memory, and the model's slice layout (see `slice_layout`)."""
-    cfg, request = _run_config(message, context), _received_config(message)
+    training batches (or, asked for `magnitude` in a private run, from the model's weights alone), with the
+    site's tier, its measured step cost (`subnet.measure.measure_layer_cost`) and declared memory, and the
+    model's slice layout (see `slice_layout`)."""
+    cfg, request = _run_config(context), message_keys(message)
     cohort, split = site_data(cfg, context)
     model = site_model(cohort.task, cfg, _received_arrays(message))
     n = min(int(request[protocol.SCORE_SAMPLES]), len(split.train_y))
