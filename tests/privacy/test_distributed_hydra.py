@@ -161,3 +161,20 @@ def test_a_hydra_round_with_a_dropped_site_accounts_the_survivors_noise():
         pytest.approx(distributed_epsilon([effective] * n, delta=1e-5), rel=1e-9) for n in (1, 2)
     ]
     assert all(np.isfinite(r["train_loss"]) for r in rounds)
+
+
+@pytest.mark.parametrize("strategy", ["heterofl", "fedit"])
+def test_the_width_and_rank_baselines_share_the_mechanism(strategy):
+    """A width baseline's nested channels and FedIT's LoRA ranks take the same path: one accounted round whose
+    model moved by the decoded sums over the sites that trained each coordinate."""
+    lora = {"lora_rank": 4} if strategy == "fedit" else {}
+    cfg = PRIVATE.replace(strategy=strategy, dp_clip=0.5, dp_noise_multiplier=1.1, **lora)
+    result, [([reply], start, new)], _ = _recorded_run(cfg)
+    names = list(reply.content["sums"])
+    sums, weights = _flat(reply.content["sums"], names), _flat(reply.content["weights"], names)
+    trained = weights > 0
+    assert 0 < trained.sum() and set(np.unique(weights[trained])) <= {1.0, 2.0, 3.0}
+    moved = _flat(start, names) - _flat(new, names)
+    np.testing.assert_allclose(moved[trained], (sums / np.maximum(weights, 1))[trained], atol=1e-5)
+    assert not moved[~trained].any()
+    assert result.history[1]["dp_noise_multiplier"] == pytest.approx(1.1, rel=1e-9)
