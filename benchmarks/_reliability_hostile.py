@@ -34,6 +34,7 @@ from sqlalchemy import select
 from hydrafl.apps import client_app
 from hydrafl.client.agent import SiteAgent
 from hydrafl.proto import coordinator_pb2 as pb
+from hydrafl.proto.chunk_wire import CoordinatorClient
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
 from hydrafl.proto.envelope import CHUNK_BYTES, SENT, UPLOADED, split_message
 from hydrafl.protocol import GRPC_OPTIONS, MAX_GRPC_MESSAGE_BYTES
@@ -94,7 +95,7 @@ class SerialisedAgent(SiteAgent):
 
     lock = threading.Lock()
 
-    def _push(self, stub: CoordinatorStub, reply: Message, server_round: int) -> None:
+    def _push(self, stub: CoordinatorClient, reply: Message, server_round: int) -> None:
         with self.lock:
             super()._push(stub, reply, server_round)
 

@@ -151,7 +151,9 @@ def site_disk_full(root: Path, rounds: int = 3, timeout_s: float = 900) -> dict[
             cfg
         )  # queued once all three have joined: every round samples all three
         wait_until(
-            lambda: _declined(cluster, run_id), timeout_s, "the disk-full site never failed a round"
+            lambda: bool(_declined(cluster, run_id)),
+            timeout_s,
+            "the disk-full site never failed a round",
         )
         resource.prlimit(
             full.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY)

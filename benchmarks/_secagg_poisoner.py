@@ -46,7 +46,7 @@ def poisoning_app(
     def train(message: Message, context: Context) -> Message:
         reply = site_app.train(message, context)
         [key] = [k for k, r in reply.content.items() if isinstance(r, ArrayRecord)]
-        arrays = reply.content[key]
+        arrays = reply.content.array_records[key]
         if context.node_config["partition-id"] in poisoners:
             reply.content[key] = ArrayRecord(
                 {n: Array(a.numpy() * np.float32(scale)) for n, a in arrays.items()}
@@ -85,7 +85,7 @@ class ModifiedSitesGrid(InProcessGrid):
         return site_secagg.masked_reply(received, reply, context, routed, honest=False)
 
 
-POISON_CASES = (
+POISON_CASES: tuple[tuple[str, dict[str, Any], bool, bool], ...] = (
     ("plain, clean", {}, False, False),
     ("plain, poisoned", {}, True, True),
     ("plain, poisoned, screening", {"screen_norm": SCREEN_NORM, "min_sites": 8}, True, True),
@@ -126,7 +126,8 @@ SHORT_NAMES = {
 
 def poisoning(cfg: RunConfig, progress: Progress) -> dict[str, Any]:
     task = progress.add_task("poisoner runs", total=len(POISON_CASES))
-    rows, norms = [], []
+    rows: list[dict[str, Any]] = []
+    norms: list[float] = []
     for name, changes, poisoned, skips_bound in POISON_CASES:
         progress.update(task, description=f"poisoner run: {name}")
         run = cfg.replace(**changes)

@@ -81,7 +81,7 @@ def _loss_and_gradient(w: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple[flo
 @client_app.train()
 def train(message: Message, context: Context) -> Message:
     x, y = _site_data(_partition(context))
-    w = message.content["arrays"]["w"].numpy().copy()
+    w = message.content.array_records["arrays"]["w"].numpy().copy()
     for _ in range(STEPS):
         loss, gradient = _loss_and_gradient(w, x, y)
         w -= LR * gradient
@@ -97,7 +97,7 @@ def train(message: Message, context: Context) -> Message:
 @client_app.evaluate()
 def evaluate(message: Message, context: Context) -> Message:
     x, y = _site_data(_partition(context))
-    loss, _ = _loss_and_gradient(message.content["arrays"]["w"].numpy(), x, y)
+    loss, _ = _loss_and_gradient(message.content.array_records["arrays"]["w"].numpy(), x, y)
     return Message(
         RecordDict({"metrics": MetricRecord({"num-examples": SAMPLES, "loss": loss})}),
         reply_to=message,

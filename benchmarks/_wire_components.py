@@ -78,6 +78,7 @@ def components(scale: Scale, workdir: Path) -> dict[str, Any]:
         for _ in range(3):
             store.authenticate(token)
         outbound = store.outbound(message_id)
+        assert outbound is not None  # added just before
         store.run(outbound.run_id)
         store.add_reply(outbound, serialized)
         store.audit("update-accepted", site_name=site.name, run_id=run.id, detail=message_id)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.clientapp import ClientApp
 
 from hydrafl.benchmarks._wire_pairs import paired_runs, rates
 from hydrafl.benchmarks._wire_server import RAW_GET_METHOD, ServerProcess
@@ -31,7 +32,7 @@ MODEL_SEED = 3
 
 def _site(address: str, token: str, update_bytes: int) -> SiteAgent:
     return SiteAgent(
-        address, token, client_app=None, node_config={}, max_download_bytes=2 * update_bytes
+        address, token, client_app=ClientApp(), node_config={}, max_download_bytes=2 * update_bytes
     )
 
 
@@ -66,7 +67,7 @@ def hydrafl_download(
     federation.store.close_messages(
         [stored["message_id"]]
     )  # answered as far as this benchmark goes
-    got = received.content["arrays"]
+    got = received.content.array_records["arrays"]
     exact = len(got) == len(arrays) and all(
         np.array_equal(got[f"w{i:02d}"].numpy(), a) for i, a in enumerate(arrays)
     )
@@ -104,7 +105,8 @@ def download_throughput(
         }
 
     with channel(coordinator.address) as hydrafl_channel, channel(raw.address) as raw_channel:
-        stub, get = CoordinatorClient(hydrafl_channel), raw_channel.unary_stream(RAW_GET_METHOD)
+        stub = CoordinatorClient(hydrafl_channel)
+        get: grpc.UnaryStreamMultiCallable[Any, Any] = raw_channel.unary_stream(RAW_GET_METHOD)
         runs = paired_runs(
             scale.reps,
             arrays,

@@ -14,6 +14,7 @@ import shutil
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,7 +92,7 @@ def raw_beside_floor(
         answer.update(coordinator.ask(floor))
 
     with channel(raw.address) as raw_channel:
-        put = raw_channel.stream_unary(RAW_METHOD)
+        put: Callable[..., bytes] = raw_channel.stream_unary(RAW_METHOD)
         for _ in range(scale.reps):
             answer: dict[str, Any] = {}
             writer = threading.Thread(target=write_floor, args=(answer,))

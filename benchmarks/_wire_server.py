@@ -215,6 +215,8 @@ class ServerProcess:
                 text=True,
                 env={**os.environ, **ENV},
             )
+        assert self.process.stdin is not None and self.process.stdout is not None  # both piped
+        self.requests, self.replies = self.process.stdin, self.process.stdout
 
     @property
     def pid(self) -> int:
@@ -225,7 +227,7 @@ class ServerProcess:
         return f"127.0.0.1:{self.port}"
 
     def wait_ready(self) -> ServerProcess:
-        line = self.process.stdout.readline()
+        line = self.replies.readline()
         if not line:
             raise RuntimeError(f"{self.kind} server did not start:\n{self.log_tail()}")
         self.port = int(json.loads(line)["port"])
@@ -233,9 +235,9 @@ class ServerProcess:
 
     def ask(self, request: dict[str, Any]) -> dict[str, Any]:
         """One request to a coordinator child (`_push_model`), and its answer."""
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        line = self.process.stdout.readline()
+        self.requests.write(json.dumps(request) + "\n")
+        self.requests.flush()
+        line = self.replies.readline()
         if not line:
             raise RuntimeError(f"{self.kind} server stopped:\n{self.log_tail()}")
         return json.loads(line)
@@ -251,9 +253,9 @@ class ServerProcess:
 
     def stop(self) -> None:
         """Close its stdin (it stops and exits); kill it if it lingers. Idempotent."""
-        if self.process.stdin.closed:
+        if self.requests.closed:
             return
-        self.process.stdin.close()
+        self.requests.close()
         try:
             self.process.wait(timeout=20)
         except subprocess.TimeoutExpired:

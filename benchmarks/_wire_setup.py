@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,7 +89,10 @@ def pull_request(stub: CoordinatorClient, metadata: Metadata) -> Message:
 
 
 def push_update(
-    stub: CoordinatorClient, metadata: Metadata, envelope: pb.Envelope, chunks: dict[str, bytes]
+    stub: CoordinatorClient,
+    metadata: Metadata,
+    envelope: pb.Envelope,
+    chunks: Mapping[str, bytes | memoryview],
 ) -> dict:
     """The RPCs of a push that asks about every chunk first (a resumed one), each timed (monotonic start/end): the
     memory run names every site's chunks before the clock starts, so that only the uploads overlap."""
@@ -162,7 +165,7 @@ def raw_push(put: Callable[..., bytes], arrays: list[np.ndarray]) -> dict:
 
     def stream() -> Iterator[bytes]:
         for array in arrays:
-            view = memoryview(array).cast("B")
+            view = array.data.cast("B")
             for start in range(0, len(view), CHUNK_BYTES):
                 yield bytes(view[start : start + CHUNK_BYTES])
 

@@ -180,7 +180,9 @@ def timed_setting(work: Workload, scale: Scale, threads: int, busy: bool) -> dic
             spinner.wait()
     input_bytes = scale.sites * scale.model_bytes
     ratios = {
-        name: statistics.median(b / s for b, s in zip(seconds[baseline], seconds[name], strict=True))
+        name: statistics.median(
+            b / s for b, s in zip(seconds[baseline], seconds[name], strict=True)
+        )
         for name, baseline in BASELINE_OF.items()
     }
     return {
@@ -205,7 +207,8 @@ def equality(work: Workload) -> dict[str, Any]:
     names = list(work.replies[0].content["arrays"])
     total_weight = sum(work.weights)
     weighted = {
-        name: sum(w * t[i].double() for t, w in zip(work.tensors, work.weights, strict=True)) / total_weight
+        name: sum(w * t[i].double() for t, w in zip(work.tensors, work.weights, strict=True))
+        / total_weight
         for i, name in enumerate(names)
     }
     masked = {}

@@ -215,7 +215,7 @@ def protocol_core(scale: Scale, tiny_params: int, progress: Progress) -> list[di
 def accuracy(scale: Scale, progress: Progress) -> dict[str, Any]:
     cfg = scale.run
     task = progress.add_task("accuracy runs", total=2)
-    results = {}
+    results: dict[str, dict[str, Any]] = {}
     for secagg in (False, True):
         progress.update(task, description=f"accuracy run, secagg={secagg}")
         run = cfg.replace(secagg=secagg)

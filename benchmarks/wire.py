@@ -41,6 +41,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,7 @@ def hydrafl_push(
     seconds = time.perf_counter() - started
     del reply
     [stored] = grid.pull_messages([message_id])
-    record = stored.content["arrays"]
+    record = stored.content.array_records["arrays"]
     exact = [np.array_equal(record[f"w{i:02d}"].numpy(), array) for i, array in enumerate(arrays)]
     return {
         "seconds": seconds,
@@ -123,7 +124,8 @@ def throughput(
     grid, (node_id, token) = federation.grid, federation.sites[0]
     arrays = make_update(scale.update_bytes, seed=0)
     with channel(coordinator.address) as hydrafl_channel, channel(raw.address) as raw_channel:
-        stub, put = CoordinatorClient(hydrafl_channel), raw_channel.stream_unary(RAW_METHOD)
+        stub = CoordinatorClient(hydrafl_channel)
+        put: Callable[..., bytes] = raw_channel.stream_unary(RAW_METHOD)
         runs = paired_runs(
             scale.reps,
             arrays,

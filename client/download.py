@@ -49,7 +49,7 @@ def unfilled_bytes(size: int) -> tuple[bytes, memoryview]:
     drop it then."""
     data = _new_bytes(None, size)
     buffer = (ctypes.c_char * size).from_address(_bytes_buffer(data))
-    buffer.owner = data  # the view keeps the bytes it writes into alive, however long it is kept
+    buffer.owner = data  # type: ignore[attr-defined]  # the view keeps the bytes it writes into alive, however long it is kept
     return data, memoryview(buffer).cast("B")
 
 

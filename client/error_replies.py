@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import tempfile
 import time
+from typing import Any
 
 from flwr.app import Error, Message, MessageType, Metadata, RecordDict
 from flwr.app.message.message import make_message
@@ -91,7 +92,7 @@ def request_of(envelope: pb.Envelope, node_id: int) -> Message:
         Exception
     ):  # protobuf and Flower raise several types for garbage bytes and invalid fields
         pass
-    fields = {
+    fields: dict[str, Any] = {
         "run_id": envelope.run_id,
         "message_id": envelope.message_id,
         "src_node_id": SUPERLINK_NODE_ID,

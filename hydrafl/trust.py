@@ -36,7 +36,7 @@ def trust_summary(history: list[dict[str, Any]], run_config: dict[str, Any]) -> 
             "epsilon_exact_per_round": exact,
             "clip_per_round": [record.get("dp_clip") for record in trained],
         }
-    local = {}
+    local: dict[str, Any] = {}
     for record in trained:
         local.update(record.get("local_epsilon_per_site") or {})
     if local:

@@ -108,7 +108,7 @@ def naming(envelope: Envelope) -> ChunkNaming:
 def chunk_views(array: Array) -> list[memoryview]:
     """An Array's values as raw C-order bytes in chunks; views into its serialised data when it is C-ordered."""
     values = array_view(array) if array.stype == SType.NUMPY else array.numpy()
-    return byte_chunks(memoryview(np.ascontiguousarray(values).reshape(-1).view(np.uint8)))
+    return byte_chunks(np.ascontiguousarray(values).reshape(-1).view(np.uint8).data)
 
 
 def byte_chunks(raw: memoryview) -> list[memoryview]:
@@ -140,7 +140,7 @@ def split_message(
     names = naming(envelope)
     if message.has_error():
         envelope.error_code = message.error.code
-        envelope.error_reason = message.error.reason
+        envelope.error_reason = message.error.reason or ""
         return envelope, chunks
     rest = RecordDict(
         {

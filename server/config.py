@@ -104,11 +104,11 @@ class CoordinatorConfig:
         for key, value in values.items():
             if key not in NUMBER_KEYS and not isinstance(value, str | Path):
                 raise ConfigError(f"key {key!r} in {source} must be a string, got {value!r}")
-        cert, key, client_ca = (
+        cert, tls_key, client_ca = (
             Path(values[name]) if values.get(name) else None for name in TLS_KEYS
         )
         given: dict[str, Any] = {
-            "tls": ServerTls.from_options(cert, key, client_ca),
+            "tls": ServerTls.from_options(cert, tls_key, client_ca),
             "listen": str(values.get("listen", DEFAULT_LISTEN)),
             "lease_stale_s": values.get("lease-stale-s", LEASE_STALE_S),
             "keep_checkpoints": values.get("keep-checkpoints", DEFAULT_KEEP_CHECKPOINTS),

@@ -24,7 +24,7 @@ import re
 import socket
 import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import IO, Any
@@ -234,7 +234,7 @@ class LeasedGrid(CoordinatorGrid):
         self.lease.check()
         return super().push_messages(messages)
 
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterator[Message]:
         self.lease.check()
         return super().pull_messages(message_ids)
 
@@ -420,6 +420,7 @@ class Coordinator:
         resume an app: a run left running by a stopped coordinator starts again from its beginning."""
         self.store.set_run_status(run.id, "running", rounds_done=0)
         log.info("run %d started: ServerApp %s", run.id, run.server_app)
+        assert run.server_app is not None  # only a stock app's run comes here
         self.service.latencies.clear()
         grid = StockAppGrid(self.store, self.blobs, self.service, run.id, lease=self.lease)
         try:

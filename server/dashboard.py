@@ -144,6 +144,7 @@ class Dashboard:
     @property
     def url(self) -> str:
         host, port = self.server.server_address[:2]
+        host = host.decode() if isinstance(host, bytes) else host
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def start(self) -> None:

@@ -13,9 +13,10 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import func, select
-from sqlalchemy.orm import defer
+from sqlalchemy.orm import InstrumentedAttribute, defer
 
 from hydrafl.bounded import MAX_DETAIL_CHARS, marked
 from hydrafl.server.store import Store
@@ -213,7 +214,7 @@ def push_latencies(
     return rows
 
 
-def _count_by(store: Store, column: object, kind: str) -> list[tuple]:
+def _count_by(store: Store, column: InstrumentedAttribute[Any], kind: str) -> list[tuple]:
     """(value of `column`, number of audit events of `kind`) pairs; a row of counted refusals counts `count`."""
     with store.session() as session:
         query = (

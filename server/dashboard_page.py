@@ -113,7 +113,7 @@ def svg_curve(points: Sequence[tuple[float, float | None]], *, title: str, color
 
 def _default_run(runs: list[Run]) -> Run | None:
     running = [run for run in runs if run.status == "running"]
-    return (running or runs or [None])[-1]
+    return (running or runs)[-1] if runs else None
 
 
 def _runs_table(runs: list[Run], chosen: Run | None) -> str:

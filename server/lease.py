@@ -7,8 +7,9 @@ import math
 import os
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import cast
 
-from sqlalchemy import delete, update
+from sqlalchemy import CursorResult, delete, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -140,7 +141,7 @@ class LeaseRows:
                     heartbeat_at=moment,
                 )
             )
-            taken = swapped.rowcount == 1
+            taken = cast(CursorResult, swapped).rowcount == 1  # an UPDATE's result
             if taken and seen.holder != claim.holder:
                 detail = f"from {describe_lease(seen, age_s)} (holder {seen.holder})"
                 session.add(AuditEvent(kind="lease-taken-over", detail=detail))
@@ -154,7 +155,7 @@ class LeaseRows:
                 .where(CoordinatorLease.id == LEASE_ROW, CoordinatorLease.holder == holder)
                 .values(heartbeat_at=now())
             )
-            return renewed.rowcount == 1
+            return cast(CursorResult, renewed).rowcount == 1
 
     def release_lease(self, holder: str) -> None:
         """Give the lease up, so the next coordinator starts at once instead of waiting for it to go stale."""

@@ -35,9 +35,10 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 from google.protobuf.message import DecodeError
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import CursorResult, delete, func, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -111,7 +112,7 @@ class Retention:
         self.grace_s = grace_s
 
     @classmethod
-    def beside(cls, store: Store, blobs: BlobStore, runs_dir: Path, **options: object) -> Retention:
+    def beside(cls, store: Store, blobs: BlobStore, runs_dir: Path, **options: Any) -> Retention:
         """For a process other than the coordinator (`hydrafl admin gc`): with a grace while a coordinator's
         lease is fresh, since that coordinator may be re-using chunks right now."""
         lease = store.lease()
@@ -202,7 +203,7 @@ class Retention:
             marked = session.execute(
                 update(Run).where(Run.id == run_id, Run.status != "running").values(status=DELETING)
             )
-            return marked.rowcount == 1
+            return cast(CursorResult, marked).rowcount == 1  # an UPDATE's result
 
     # --- the steps ---------------------------------------------------------------------------------------------
 

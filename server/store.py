@@ -148,6 +148,8 @@ class Store(LeaseRows):
     ) -> None:
         with self.session() as session, session.begin():
             run = session.get(Run, run_id)
+            if run is None:
+                raise ValueError(f"no run {run_id}; `hydrafl admin run list` shows the runs")
             changed = run.status != status
             run.status = status
             run.detail = detail or run.detail

@@ -276,15 +276,15 @@ def run_create(
 
     try:
         values = {**(load_toml(config) if config else {}), **parse_flags(ctx.args, key_type)}
-        run_config = RunConfig.from_flower(values, source=str(config) if config else "options")
+        run = RunConfig.from_flower(values, source=str(config) if config else "options")
     except ConfigError as error:
         fail(str(error), 2)
-    stored = {k: v for k, v in run_config.to_flower().items() if k not in ("run-dir", "resume")}
-    run = open_store(db, create=True).create_run(stored)
+    stored = {k: v for k, v in run.to_flower().items() if k not in ("run-dir", "resume")}
+    created = open_store(db, create=True).create_run(stored)
     console.print(
-        f"created run {run.id} ({run_config.strategy}, {run_config.rounds} rounds, task {run_config.task})"
+        f"created run {created.id} ({run.strategy}, {run.rounds} rounds, task {run.task})"
     )
-    print(run.id)
+    print(created.id)
 
 
 def _create_server_app_run(reference: str, entries: list[str], db: str | None) -> None:

@@ -110,8 +110,8 @@ def db_upgrade(db: DbOption = None) -> None:
     except SchemaError as error:
         fail_one_line(str(error), 2)
     if before == after:
-        console.print(f"database already at revision {escape(after.revision)} (head)")
+        console.print(f"database already at revision {escape(after.revision or '')} (head)")
     else:
         console.print(
-            f"database upgraded from revision {escape(before.label)} to {escape(after.revision)}"
+            f"database upgraded from revision {escape(before.label)} to {escape(after.revision or '')}"
         )

@@ -33,7 +33,7 @@ DIAGNOSTIC_COLUMNS = (
 
 
 def summary_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for strategy, run in results["strategies"].items():
         rounds = run["rounds"]
         last = rounds[-1]
@@ -55,7 +55,7 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
 def diagnostic_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
     """Per strategy, the pseudo-gradient noise scale and full-data cosine over the training rounds (only
     strategies whose rounds carry them: runs with `diagnostics`)."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for strategy, run in results["strategies"].items():
         scales = [r["noise_scale"] for r in run["rounds"] if r.get("noise_scale") is not None]
         cosines = [

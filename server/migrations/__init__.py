@@ -83,13 +83,20 @@ def alembic_config(connection: Connection | None = None) -> Config:
 
 def head_revision() -> str:
     """The newest revision this hydrafl knows (what `hydrafl server` upgrades to)."""
-    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+    return _head(ScriptDirectory.from_config(alembic_config()))
+
+
+def _head(scripts: ScriptDirectory) -> str:
+    head = scripts.get_current_head()
+    if head is None:
+        raise SchemaError("this hydrafl ships no schema revisions: its installation is broken")
+    return head
 
 
 def schema_state(connection: Connection) -> SchemaState:
     """Read where the database stands, without changing it."""
     scripts = ScriptDirectory.from_config(alembic_config(connection))
-    head = scripts.get_current_head()
+    head = _head(scripts)
     tables = set(inspect(connection).get_table_names())
     revision = (
         MigrationContext.configure(connection).get_current_revision()
@@ -147,6 +154,7 @@ def upgrade_database(engine: Engine) -> tuple[SchemaState, SchemaState]:
         check_usable(before, upgrade=True)
         config = alembic_config(connection)
         if before.legacy:
+            assert before.revision is not None  # a legacy revision is read from its tables
             command.stamp(config, before.revision)
         if not before.at_head:
             command.upgrade(config, "head")

@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import NoReturn
+from collections.abc import Mapping
+from typing import NoReturn, cast
 
 import grpc
 
@@ -49,7 +50,10 @@ class SiteAuthenticator:
 
     def site(self, context: grpc.ServicerContext) -> Site:
         peer = _peer_address(context.peer())
-        headers = [value for key, value in context.invocation_metadata() if key == "authorization"]
+        metadata = context.invocation_metadata()
+        headers = [
+            str(value) for key, value in metadata if key == "authorization"
+        ]  # text: not `-bin`
         token = (
             headers[0][7:].strip() if len(headers) == 1 and headers[0].startswith("Bearer ") else ""
         )
@@ -101,7 +105,8 @@ def _peer_address(peer: str) -> str:
 def _certificate_names(context: grpc.ServicerContext) -> set[str] | None:
     """The names on the client certificate (common name and subject alternative names), None when the client
     presented none (no mutual TLS): with mutual TLS a certificate authenticates only the site it names."""
-    auth = context.auth_context()
+    # a list of values per property (grpc's stub types each as one bytes value)
+    auth = cast(Mapping[str, list[bytes]], context.auth_context())
     names = auth.get("x509_common_name", []) + auth.get("x509_subject_alternative_name", [])
     if "x509_pem_cert" not in auth and not names:
         return None

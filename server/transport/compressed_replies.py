@@ -71,7 +71,9 @@ def check_compressed_layout(
         sent_shapes = sent_model(sent, sent_content)
         for name, shape in shapes.items():
             dtype, bound = sent_shapes.get(name, (None, []))
-            fits = len(shape) == len(bound) and all(n <= m for n, m in zip(shape, bound, strict=True))
+            fits = len(shape) == len(bound) and all(
+                n <= m for n, m in zip(shape, bound, strict=True)
+            )
             if dtype != "float32" or not fits:
                 raise CompressionError(
                     f"tensor {name!r} of shape {list(shape)} is not (a slice of) a float32 tensor sent"

@@ -59,7 +59,7 @@ def add_coordinator_service(
     def serialize(message: ProtoMessage) -> bytes:
         return message.SerializeToString()
 
-    handlers = {
+    handlers: dict[str, grpc.RpcMethodHandler] = {
         "Join": grpc.unary_unary_rpc_method_handler(
             unary(service.Join, pb.JoinRequest), response_serializer=serialize
         ),
@@ -80,7 +80,7 @@ def add_coordinator_service(
         ),
     }
     check = health_pb2.HealthCheckRequest
-    health_handlers = {
+    health_handlers: dict[str, grpc.RpcMethodHandler] = {
         "Check": grpc.unary_unary_rpc_method_handler(
             unary(health.Check, check), response_serializer=serialize
         ),

@@ -400,6 +400,7 @@ class _StreamPack:
             return index
 
     def write(self, data: memoryview, index: int) -> None:
+        assert self._descriptor is not None  # opened by the slot's allocation
         written = os.pwrite(self._descriptor, data, index * SLOT_BYTES)
         if written != len(data):
             raise OSError(f"short write to {self.ref.path.name}: {written} of {len(data)} bytes")

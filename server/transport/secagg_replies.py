@@ -43,7 +43,7 @@ def check_secagg_reply(
 ) -> None:
     """Raise EnvelopeError unless `reply` is what this stage allows in answer to `sent`."""
     try:
-        request = sent[protocol.SECAGG_RECORD]
+        request = sent.config_records[protocol.SECAGG_RECORD]
         if message_type in MASKED_KINDS:
             _check_masked(reply, content, request)
             return
@@ -89,7 +89,7 @@ def _check_masked(reply: Envelope, content: RecordDict, request: ConfigRecord) -
     ):
         raise EnvelopeError(
             f"a secure-aggregation reply holds one array {protocol.SECAGG_MASKED!r}, uint32 "
-            f"of shape [{length}]"
+            f"of shape [{length!r}]"
         )
     if content.metric_records or content.config_records:
         raise EnvelopeError(

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 import numpy as np
@@ -97,7 +97,7 @@ class CoordinatorService:
     @contextmanager
     def _bounded(
         self, site: Site, context: grpc.ServicerContext, *, stream: bool = False
-    ) -> Iterator[object]:
+    ) -> Iterator[Any]:  # the stream's handle (`touch`) when `stream`
         try:
             with (
                 self.guard.stream(site.node_id, context)
