@@ -34,11 +34,13 @@ class DiLoCo(FedAvg):
 
     consumes_deltas = True
 
-    def __init__(
-        self, *, outer_lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True, **kwargs: Any
-    ) -> None:
+    def __init__(self, config: OuterConfig | None = None, **kwargs: Any) -> None:
+        """`config`: the outer optimizer's knobs (default: DiLoCo's); `kwargs`: FedAvg's sampling."""
         super().__init__(**kwargs)
-        self.outer = OuterOptimizer(lr=outer_lr, momentum=momentum, nesterov=nesterov)
+        config = config or DiLoCoConfig()
+        self.outer = OuterOptimizer(
+            lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.outer_nesterov
+        )
         self.current_arrays: ArrayRecord | None = None
         self.central_dp: CentralDp | None = None
         """Central DP on the mean pseudo-gradient (`hydrafl.privacy.central.with_central_dp` sets it)."""
@@ -101,9 +103,4 @@ class DiLoCoConfig(OuterConfig):
     secure_sum: ClassVar[bool] = True
 
     def build(self, run: RunConfig, **common: Any) -> DiLoCo:
-        return DiLoCo(
-            outer_lr=self.outer_lr,
-            momentum=self.outer_momentum,
-            nesterov=self.outer_nesterov,
-            **common,
-        )
+        return DiLoCo(self, **common)

@@ -1,5 +1,24 @@
-"""What the round driver and the reports may ask of a strategy beyond Flower's `Strategy` hooks, as typed
-protocols: a strategy offers one by having its members, and callers check with `isinstance`."""
+"""The strategy contract: what a strategy must and may offer, on each side.
+
+Required, to register (`registry.register`, which checks the declared capabilities against the config type,
+`registry.check_capabilities`):
+- a frozen `StrategyConfig` subclass holding the knobs (their defaults written there once, attribute
+  docstrings as their help) and the capabilities as ClassVars (`federates_lora`, `lora_bases_travel`,
+  `site_proximal_term`, `probes_curvature`, which needs an outer optimizer's knobs, `slices_transformer`,
+  `secure_sum`, which decides secure aggregation's and central DP's eligibility: `registry.mean_strategies`);
+- its `build(run, **common)`, making the coordinator half from the config object itself (`DiLoCo(self)`);
+- the coordinator half: a Flower `Strategy` (`configure_train`, `aggregate_train`, `configure_evaluate`,
+  `aggregate_evaluate`), usually a subclass of one of Flower's.
+
+Optional, on the coordinator (the protocols below; the driver checks each with `isinstance`):
+`ConsumesDeltas`, `ChecksReplyShapes`, `ExtraArrays`, `PlansSubnetworks`, `TakesSecureSums`, `QueriesSites`,
+`BuffersUpdates`, and `state_dict`/`load_state_dict` for what a checkpoint must keep (`strategy_state`).
+
+Optional, at the site: a site half (`site.SiteHalf`, registered under the same name with
+`registry.register_site`, in a module the site imports alone): its hooks `subnet`, `lora_rank`,
+`local_steps`, `loss` and `reply`, its `reply_arrays`, and its state in the site's `Context.state`.
+
+Outside packages add both halves through the `hydrafl.strategies` entry-point group (`registry`)."""
 
 from __future__ import annotations
 

@@ -10,9 +10,10 @@ import torch
 
 
 class OuterOptimizer:
-    """lr 1 without momentum is the plain mean update (no outer optimizer)."""
+    """lr 1 without momentum is the plain mean update (no outer optimizer). Its settings come from the
+    strategy's config (`diloco.OuterConfig` and the like), where their defaults are written once."""
 
-    def __init__(self, *, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True) -> None:
+    def __init__(self, *, lr: float, momentum: float, nesterov: bool) -> None:
         if lr <= 0 or not 0 <= momentum < 1:
             raise ValueError(
                 f"the outer optimizer needs lr > 0 and 0 <= momentum < 1, got {lr=}, {momentum=}"

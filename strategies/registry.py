@@ -79,10 +79,30 @@ C = TypeVar("C", bound=type[StrategyConfig])
 _REGISTRY: dict[str, type[StrategyConfig]] = {}
 
 
+OUTER_OPTIMIZER_KNOBS = ("outer_lr", "outer_momentum", "outer_nesterov")
+"""The knobs of an outer optimizer (`diloco.OuterConfig`): what a curvature probe predicts the stability of."""
+
+
+def check_capabilities(name: str, config: type[StrategyConfig]) -> None:
+    """TypeError unless the config's declared capabilities agree with what its type holds: a strategy that
+    probes curvature holds an outer optimizer's knobs, one whose LoRA bases travel federates LoRA, and every
+    strategy builds."""
+    if config.build is StrategyConfig.build:
+        raise TypeError(f"strategy {name!r}: {config.__qualname__} defines no build()")
+    if config.probes_curvature and not set(OUTER_OPTIMIZER_KNOBS) <= set(knob_names(config)):
+        raise TypeError(
+            f"strategy {name!r} probes curvature, which predicts an outer optimizer's stability, but "
+            f"{config.__qualname__} has no {', '.join(OUTER_OPTIMIZER_KNOBS)} knobs"
+        )
+    if config.lora_bases_travel and not config.federates_lora:
+        raise TypeError(f"strategy {name!r} sends LoRA bases but does not federate LoRA")
+
+
 def register(name: str) -> Callable[[C], C]:
-    """Class decorator: `name` is served by this config class and its `build`."""
+    """Class decorator: `name` is served by this config class and its `build` (`check_capabilities` first)."""
 
     def decorate(config: C) -> C:
+        check_capabilities(name, config)
         if name in _REGISTRY and _REGISTRY[name] is not config:
             raise ValueError(
                 f"strategy {name!r} is registered twice: {_REGISTRY[name].__qualname__} and {config.__qualname__}"

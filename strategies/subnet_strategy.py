@@ -96,7 +96,7 @@ class SubnetStrategy(FedAvg):
         """A robust rule (median, trimmed mean) holds the round's replies; the mean streams them."""
         self.planner = planner or SitePlanner()
         self.plan = plan or LayoutPlan(self.planner)
-        self.outer = outer or OuterOptimizer(lr=1.0, momentum=0.0)
+        self.outer = outer or OuterOptimizer(lr=1.0, momentum=0.0, nesterov=True)
         self.lora_products = lora_products
         self.current_arrays: ArrayRecord | None = None
         self.specs: dict[int, SubnetSpec] = {}

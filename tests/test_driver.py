@@ -23,6 +23,7 @@ from hydrafl.server.aggregation.driver import DriverConfig, RoundDriver, RoundFa
 from hydrafl.server.aggregation.flower_adapter import FlowerAdapter, HeldArray
 from hydrafl.simulation.grid import InProcessGrid
 from hydrafl.strategies import DiLoCo
+from hydrafl.strategies.diloco import DiLoCoConfig
 
 TIMING_KEYS = {"seconds", "aggregation_s", "gap_s"}
 
@@ -222,8 +223,7 @@ def _delta_app(crashing: frozenset[int] = frozenset()) -> ClientApp:
 def _diloco(sites: int) -> dict:
     """DiLoCo's settings for a round over all `sites`, without federated evaluation."""
     return {
-        "outer_lr": 1.0,
-        "momentum": 0.0,
+        "config": DiLoCoConfig(outer_lr=1.0, outer_momentum=0.0),
         "fraction_evaluate": 0.0,
         "min_available_nodes": sites,
         "min_train_nodes": sites,

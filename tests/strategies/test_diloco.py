@@ -9,6 +9,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 from helpers import FakeGrid, make_reply
 
 from hydrafl.strategies import DiLoCo
+from hydrafl.strategies.diloco import DiLoCoConfig
+from hydrafl.strategies.outer import OuterOptimizer
+from hydrafl.validation import ConfigError
 
 START = {
     "w": np.array([[1.0, -2.0], [0.5, 3.0]], dtype=np.float32),
@@ -39,19 +42,19 @@ def _outer_step(
 
 
 def test_outer_lr_one_without_momentum_is_fedavg_of_end_weights():
-    strategy = DiLoCo(outer_lr=1.0, momentum=0.0)
+    strategy = DiLoCo(DiLoCoConfig(outer_lr=1.0, outer_momentum=0.0))
     new = _outer_step(strategy, START, DELTAS, 1)
     total = sum(n for _, n in DELTAS)
     for name in START:
         end_weights = [START[name] - delta[name] for delta, _ in DELTAS]
-        fedavg = sum(n * w for w, (_, n) in zip(end_weights, DELTAS)) / total
+        fedavg = sum(n * w for w, (_, n) in zip(end_weights, DELTAS, strict=True)) / total
         np.testing.assert_allclose(new[name], fedavg, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_outer_steps_equal_torch_sgd_fed_the_averaged_pseudo_gradient(nesterov):
     lr, momentum = 0.7, 0.9
-    strategy = DiLoCo(outer_lr=lr, momentum=momentum, nesterov=nesterov)
+    strategy = DiLoCo(DiLoCoConfig(outer_lr=lr, outer_momentum=momentum, outer_nesterov=nesterov))
     reference = {name: torch.tensor(value, requires_grad=True) for name, value in START.items()}
     optimizer = torch.optim.SGD(reference.values(), lr=lr, momentum=momentum, nesterov=nesterov)
     arrays = {name: value.copy() for name, value in START.items()}
@@ -71,9 +74,9 @@ def test_outer_steps_equal_torch_sgd_fed_the_averaged_pseudo_gradient(nesterov):
 
 
 def test_momentum_state_round_trips_through_state_dict():
-    first = DiLoCo(outer_lr=0.5, momentum=0.9)
+    first = DiLoCo(DiLoCoConfig(outer_lr=0.5, outer_momentum=0.9))
     _outer_step(first, START, DELTAS, 1)
-    second = DiLoCo(outer_lr=0.5, momentum=0.9)
+    second = DiLoCo(DiLoCoConfig(outer_lr=0.5, outer_momentum=0.9))
     second.load_state_dict(first.state_dict())
     a = _outer_step(first, START, DELTAS, 2)
     b = _outer_step(second, START, DELTAS, 2)
@@ -83,7 +86,20 @@ def test_momentum_state_round_trips_through_state_dict():
 
 
 def test_rejects_invalid_outer_hyperparameters():
-    with pytest.raises(ValueError, match=r"0 <= momentum < 1, got lr=0.7, momentum=1.0"):
-        DiLoCo(outer_lr=0.7, momentum=1.0)
+    with pytest.raises(ConfigError, match=r"--outer-momentum=1.0: expected 0 <= mu < 1"):
+        DiLoCoConfig(outer_momentum=1.0)
     with pytest.raises(ValueError, match=r"lr > 0 .*, got lr=0.0"):
-        DiLoCo(outer_lr=0.0)
+        DiLoCo(DiLoCoConfig(outer_lr=0.0))
+
+
+def test_the_defaults_live_in_the_config_alone():
+    """DiLoCo() is DiLoCo with DiLoCoConfig's defaults: the outer optimizer states none of its own."""
+    outer = DiLoCo().outer
+    defaults = DiLoCoConfig()
+    assert (outer.lr, outer.momentum, outer.nesterov) == (
+        defaults.outer_lr,
+        defaults.outer_momentum,
+        defaults.outer_nesterov,
+    )
+    with pytest.raises(TypeError):
+        OuterOptimizer(lr=0.7)  # type: ignore[call-arg]
