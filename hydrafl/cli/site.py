@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from hydrafl.secagg import SiteIdentity
 
 
+HYDRAFL_APP = "hydrafl.apps:client_app"
+
+
 def site(
     ctx: typer.Context,
     coordinator: Annotated[str, typer.Option(help="Coordinator HOST:PORT.")] = "127.0.0.1:9091",
@@ -89,8 +92,19 @@ def site(
         ),
     ] = None,
     client_app: Annotated[
-        str, typer.Option("--app", help="ClientApp to run, as module:attribute.")
-    ] = "hydrafl.apps:client_app",
+        str,
+        typer.Option(
+            "--app",
+            help="ClientApp to run, as module:attribute, found from the working directory as "
+            "`flower-supernode` finds it.",
+        ),
+    ] = HYDRAFL_APP,
+    node_config: Annotated[
+        str,
+        typer.Option(
+            help="Your app's node config, in Flower's syntax and types: \"partition-id=0 num-partitions=2\".",
+        ),
+    ] = "",
     tls_ca: Annotated[
         Path | None,
         typer.Option(help="CA that signed the coordinator's certificate (PEM); enables TLS."),
@@ -125,6 +139,7 @@ def site(
         check_address("--coordinator", coordinator)
     except ConfigError as error:
         fail_one_line(str(error), 2)
+    app_node_config = _node_config(node_config)
     import grpc
 
     from hydrafl.client.agent import SiteAgent, SiteRefused, Unreachable
@@ -154,9 +169,10 @@ def site(
         site_policy = load_policy(policy) if policy else SitePolicy()
     except PolicyError as error:
         fail(f"invalid site policy, not starting: {error}", 2)
+    own_app = client_app != HYDRAFL_APP
     if data is not None:
         _check_own_data(data, label_column)
-    else:
+    elif not own_app:
         console.print("no --data: joining with a synthetic demo cohort of the run's task")
     try:
         tls = SiteTls.from_options(tls_ca, tls_cert, tls_key)
@@ -170,8 +186,8 @@ def site(
         coordinator,
         site_token,
         _load_app(client_app),
-        site_config.to_node_config(),
-        demo=data is None,
+        {**site_config.to_node_config(), **app_node_config},
+        demo=data is None and not own_app,
         policy=site_policy,
         tls=tls,
         max_download_bytes=max_download_mb * 1_000_000 if max_download_mb else None,
@@ -261,16 +277,27 @@ def _check_own_data(data: Path, label_column: str) -> None:
 
 
 def _load_app(reference: str) -> ClientApp:
-    """The ClientApp object at module:attribute (`--app`); a wrong reference is an error, not a traceback."""
-    import importlib
-
+    """The ClientApp object at module:attribute (`--app`), resolved as Flower resolves it (the working
+    directory first on the path); a wrong reference is an error, not a traceback."""
     from flwr.clientapp import ClientApp
+    from flwr.supercore.object_ref import load_app
 
-    module_name, _, attribute = reference.partition(":")
     try:
-        app_object = getattr(importlib.import_module(module_name), attribute or "app")
-    except (ImportError, AttributeError) as error:
+        app_object = load_app(reference, ValueError)
+    except (ImportError, AttributeError, ValueError) as error:
         fail(f"cannot load ClientApp {reference!r}: {error}", 2)
     if not isinstance(app_object, ClientApp):
         fail(f"{reference!r} is a {type(app_object).__name__}, not a flwr ClientApp", 2)
     return app_object
+
+
+def _node_config(text: str) -> dict[str, bool | int | float | str]:
+    """`--node-config` parsed by Flower's own parser, so values have the types `flower-supernode` gives."""
+    if not text:
+        return {}
+    from flwr.common.config import parse_config_args
+
+    try:
+        return dict(parse_config_args([text]))
+    except (ValueError, TypeError) as error:
+        fail(f"--node-config {text!r}: {error}", 2)
