@@ -3,8 +3,8 @@ a strategy written to Flower's API what Flower's own `Strategy.start` would.
 
 - Weights, not deltas: sites reply with deltas (start - end); a strategy that does not declare
   `consumes_deltas` (Flower's built-ins) is handed each site's end weights instead. They are computed in
-  memory from the round's start, decoded once, and handed over as `HeldArray`s, so the strategy reads them
-  without a second encode and decode (before: 2 decodes and an encode per reply, and Flower's own decode).
+  memory from the round's start, decoded once a round, and handed over as `HeldArray`s: serialised, they
+  would cost an encode and a decode per reply for nothing but the strategy's reading them back.
 - A majority of matching replies: Flower's built-in aggregation (FedAvg and its family) refuses a whole round
   when any reply is laid out differently (metric names, array names), so before it runs, the replies are cut
   to the largest group that agrees and the others fail alone. Which hooks are Flower's own is read from the

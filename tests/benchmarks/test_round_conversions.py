@@ -5,7 +5,8 @@ Before it, Flower's FedAvg cost 12 decodes and 4 encodes a round: the reply chec
 then per reply the start and the delta decoded again and the site's end weights encoded (6 and 3), and Flower
 decoding those weights (3) before encoding its average (1). Now the start is decoded once a round and the
 weights reach Flower in memory (`flower_adapter.HeldArray`): the check's 3, the start's 1, Flower's 1 encode.
-DiLoCo (deltas, streamed) was already at what its aggregation needs: 4 and 1.
+DiLoCo (deltas, streamed) was already there: 4 and 1. The check's copies (`updates.check_train_reply` reads
+each delta with `Array.numpy()`) are what is left: read as views, both strategies would make 1 and 1.
 """
 
 from __future__ import annotations
