@@ -9,7 +9,6 @@ into ru_maxrss, so a child of a big benchmark process would report the parent's 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -101,12 +100,13 @@ def hydrafl_masked(
     built as replies arrive when not given."""
     accumulator = MaskedDeltaAccumulator(threads=threads)
     arriving = iter(replies)
-    for site in itertools.count():
-        reply = next(arriving, None)  # the previous reply is released first, as `add_all` does
-        if reply is None:
-            return accumulator.mean()
+    site = 0
+    # each reply is released (`del`) before the next one is read, as `add_all` does
+    while (reply := next(arriving, None)) is not None:
         accumulator.add(reply, masks[site] if masks is not None else make_masks(site, params))
         del reply
+        site += 1
+    return accumulator.mean()
 
 
 def flower_aggregate(replies: Iterable[Message], threads: int | None = None) -> ArrayRecord:

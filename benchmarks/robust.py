@@ -141,7 +141,7 @@ def summarise(accuracy: dict[str, dict[str, dict[str, list[float]]]]) -> dict[st
                 continue
             loss = 100 * (clean - by_method["fedavg"])
             robust = {m: acc for m, acc in by_method.items() if METHODS[m].robust}
-            best = max(robust, key=robust.get) if robust else None
+            best = max(robust, key=lambda method: robust[method]) if robust else None
             gap = 100 * (clean - robust[best]) if best else None
             verdicts[attack] = {
                 "fedavg_loss_points": loss,

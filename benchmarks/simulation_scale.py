@@ -155,7 +155,9 @@ def scale_runs(sites: int, work: Path) -> dict[str, Any]:
                     for r in history
                 ],
             )
-            arrays[label] = load_checkpoint(out / "fedavg").arrays
+            checkpoint = load_checkpoint(out / "fedavg")
+            assert checkpoint is not None  # the run just wrote it
+            arrays[label] = checkpoint.arrays
         runs[label] = run
         print(
             f"{label}: {run['wall_s']:.1f} s (load {run['load_before']:.1f} -> {run['load_after']:.1f})",

@@ -185,15 +185,15 @@ class SitePolicy:
             return reply
         for key, record in list(reply.content.items()):
             if isinstance(record, ArrayRecord):
-                reply.content[key] = self._privatise(record)
+                reply.content[key] = self._privatise(record, self.max_update_norm)
         return reply
 
-    def _privatise(self, record: ArrayRecord) -> ArrayRecord:
+    def _privatise(self, record: ArrayRecord, bound: float) -> ArrayRecord:
         values = {name: array.numpy().astype(np.float64) for name, array in record.items()}
         norm = math.sqrt(sum(float((v**2).sum()) for v in values.values()))
-        scale = min(1.0, self.max_update_norm / norm) if norm > 0 else 1.0
+        scale = min(1.0, bound / norm) if norm > 0 else 1.0
         rng = np.random.default_rng(secrets.randbits(128))
-        std = self.noise_multiplier * self.max_update_norm
+        std = self.noise_multiplier * bound
         out = {}
         for name, value in values.items():
             private = value * scale + (rng.normal(0.0, std, size=value.shape) if std else 0.0)
@@ -223,9 +223,9 @@ def load_policy(path: str | Path) -> SitePolicy:
             allowed_runs=_tuple(values, "allowed-runs", int),
             allowed_strategies=_tuple(values, "allowed-strategies", str),
             max_update_norm=_number(values.get("max-update-norm")),
-            noise_multiplier=_number(values.get("noise-multiplier", 0.0)),
+            noise_multiplier=_number_or(values.get("noise-multiplier"), 0.0),
             max_epsilon=_number(values.get("max-epsilon")),
-            delta=_number(values.get("delta", 1e-5)),
+            delta=_number_or(values.get("delta"), 1e-5),
             min_class_count=_integer(values, "min-class-count"),
         )
     except PolicyError as error:
@@ -262,6 +262,11 @@ def _integer(values: dict, key: str) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
         raise PolicyError(f"{key} must be an integer, got {value!r}")
     return value
+
+
+def _number_or(value: object, default: float) -> float:
+    number = _number(value)
+    return default if number is None else number
 
 
 def _number(value: object) -> float | None:

@@ -26,7 +26,9 @@ def decode_reply(reply: Message, scheme: Scheme) -> Message:
     if len(keys) != 1:
         raise CompressionError(f"a compressed reply holds one ArrayRecord, not {len(keys)}")
     shapes = read_description(scheme, dict(reply.content[RECORD]))
-    arrays = {name: array_view(array) for name, array in reply.content[keys[0]].items()}
+    arrays = {
+        name: array_view(array) for name, array in reply.content.array_records[keys[0]].items()
+    }
     reply.content[keys[0]] = to_record(decode(arrays, shapes, scheme))
     del reply.content[RECORD]
     return reply

@@ -153,17 +153,17 @@ class AttackedGrid(InProcessGrid):
         ):
             yield from replies
             return
-        replies = list(replies)  # the round's honest updates, before any attacker's is forged
+        honest = list(replies)  # the round's honest updates, before any attacker's is forged
         server_round = int(messages[0].metadata.group_id or 0)
         arrays = {
-            reply.metadata.src_node_id: _arrays(reply) for reply in replies if not reply.has_error()
+            reply.metadata.src_node_id: _arrays(reply) for reply in honest if not reply.has_error()
         }
         updates = {
             node: {name: array.numpy() for name, array in record.items()}
             for node, (_, record) in arrays.items()
         }
         forged = self.attack.apply(updates, self.attacker_nodes, server_round)
-        for reply in replies:
+        for reply in honest:
             node = reply.metadata.src_node_id
             if node in forged:
                 key, _ = arrays[node]

@@ -108,8 +108,12 @@ def forward_flops(
         if spec is not None:
             if spec.bypass and ref.index not in spec.layers:
                 continue
-            if not executed and ref.index in spec.layers and spec.heads_for(ref.index) is not None:
-                heads = len(spec.heads_for(ref.index)) * arch.group_size
+            if (
+                not executed
+                and ref.index in spec.layers
+                and (kept := spec.heads_for(ref.index)) is not None
+            ):
+                heads = len(kept) * arch.group_size
         head_dim = arch.head_dim
         if spec is not None and spec.is_width and not executed and ref.index in spec.layers:
             head_dim = len(width_window(arch.head_dim, spec.width_ratio, spec.width_offset))
