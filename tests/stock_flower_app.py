@@ -29,6 +29,15 @@ def evaluate(message: Message, context: Context) -> Message:
     return Message(RecordDict({"metrics": metrics}), reply_to=message)
 
 
+failing_client_app = ClientApp()
+
+
+@failing_client_app.train()
+@failing_client_app.evaluate()
+def fail(message: Message, context: Context) -> Message:
+    raise OSError("disk full at the site")
+
+
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
     """FedAvg over `num-server-rounds` rounds from w = 0; the final arrays go to `result-path` (an .npz) when set."""

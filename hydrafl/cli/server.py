@@ -121,9 +121,10 @@ def server(
 def serve(config: CoordinatorConfig, dashboard: DashboardConfig | None = None) -> None:
     """Start a coordinator on `config` (and its dashboard) and drive runs until interrupted; refusals exit 2, a
     lost lease 1."""
-    from hydrafl.server.coordinator import Coordinator, LeaseLost
+    from hydrafl.server.coordinator import Coordinator
     from hydrafl.server.dashboard import Dashboard
     from hydrafl.server.lease import LeaseHeld
+    from hydrafl.server.lease_keeper import LeaseLost
     from hydrafl.server.migrations import SchemaError
     from hydrafl.server.transport.tls import plaintext_warning
 

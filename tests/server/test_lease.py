@@ -20,8 +20,9 @@ from helpers import SMALL_RUN
 from sqlalchemy import create_engine
 
 from hydrafl.server.config import CoordinatorConfig
-from hydrafl.server.coordinator import Coordinator, LeaseLost
+from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.lease import LeaseClaim, LeaseHeld, lease_age_s
+from hydrafl.server.lease_keeper import LeaseLost
 from hydrafl.server.store import Store
 from hydrafl.server.tables import CoordinatorLease
 

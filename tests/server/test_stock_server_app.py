@@ -29,8 +29,9 @@ def _hydrafl(*args: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.slow
-def test_a_stock_server_app_queued_by_admin_runs_on_the_coordinator_with_stock_sites(tmp_path):
+def _queued_stock_run(tmp_path, client_app: str) -> tuple[Store, int, dict, str]:
+    """stock_flower_app's ServerApp queued by `admin run create` for 2 rounds, driven by a real coordinator
+    with two real sites running `client_app`, to its end; (store, run id, env, db url)."""
     env = {
         **os.environ,
         "HYDRAFL_HOME": str(tmp_path / "home"),
@@ -59,6 +60,7 @@ def test_a_stock_server_app_queued_by_admin_runs_on_the_coordinator_with_stock_s
     )
     assert created.returncode == 0, created.stderr
     run_id = int(created.stdout.strip())
+    log = tmp_path / "coordinator.log"
     processes = [
         start_hydrafl(
             "server",
@@ -69,7 +71,7 @@ def test_a_stock_server_app_queued_by_admin_runs_on_the_coordinator_with_stock_s
             "--blobs",
             str(tmp_path / "blobs"),
             env=env,
-            log=tmp_path / "coordinator.log",
+            log=log,
         )
     ]
     try:
@@ -82,7 +84,7 @@ def test_a_stock_server_app_queued_by_admin_runs_on_the_coordinator_with_stock_s
                 "--token",
                 token,
                 "--app",
-                "stock_flower_app:client_app",
+                client_app,
                 env=env,
                 log=tmp_path / f"site-{i}.log",
             )
@@ -97,6 +99,13 @@ def test_a_stock_server_app_queued_by_admin_runs_on_the_coordinator_with_stock_s
         for process in processes:
             process.kill()
             process.wait()
+    return store, run_id, env, db
+
+
+@pytest.mark.slow
+def test_a_stock_server_app_queued_by_admin_runs_on_the_coordinator_with_stock_sites(tmp_path):
+    store, run_id, env, db = _queued_stock_run(tmp_path, "stock_flower_app:client_app")
+    result = tmp_path / "final.npz"
     run = store.run(run_id)
     assert (run.status, run.detail, run.rounds_done) == ("finished", "", 2), (
         tmp_path / "coordinator.log"
@@ -118,6 +127,25 @@ def test_a_stock_server_app_queued_by_admin_runs_on_the_coordinator_with_stock_s
     )
     assert (summary["status"], summary["rounds_done"], summary["rounds"]) == ("finished", 2, 2)
     assert summary["server_app"] == "stock_flower_app:server_app"
+    # each round recorded from its replies as FedAvg aggregates them: the sites evaluate loss = mean(w) = round
+    rounds = [(r["round"], r["sites_ok"], r["sites_failed"], r["loss"]) for r in summary["history"]]
+    assert rounds == [(1, 2, 0, 1.0), (2, 2, 0, 2.0)]
+
+
+@pytest.mark.slow
+def test_a_stock_run_whose_sites_all_fail_ends_failed_with_their_reason_and_round(tmp_path):
+    """Flower's FedAvg goes on through rounds of failures and returns; before, such a run ended `finished`."""
+    store, run_id, _, _ = _queued_stock_run(tmp_path, "stock_flower_app:failing_client_app")
+    run = store.run(run_id)
+    assert run.status == "failed", (tmp_path / "coordinator.log").read_text()
+    assert run.detail.startswith(
+        "no site answered any of the run's 8 messages successfully: round 1, node"
+    )
+    assert "OSError" in run.detail  # the site's own message stays in its log
+    assert [(r["round"], r["sites_ok"], r["sites_failed"]) for r in run.history] == [
+        (1, 0, 4),
+        (2, 0, 4),
+    ]
 
 
 def _create(db: str, *args: str):
