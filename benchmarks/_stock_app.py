@@ -118,5 +118,6 @@ def main(grid: Grid, context: Context) -> None:
         with open(str(context.run_config[ROUND_TIMES_KEY]), "w") as out:
             json.dump(strategy.seconds, out)
     if os.environ.get(RESULT_ENV):
-        loss = float(result.evaluate_metrics_clientapp[rounds]["loss"])
+        loss = result.evaluate_metrics_clientapp[rounds]["loss"]
+        assert isinstance(loss, float | int)  # a MetricRecord value may be a list too
         np.savez(os.environ[RESULT_ENV], w=result.arrays["w"].numpy(), loss=np.float64(loss))

@@ -10,7 +10,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import click
 import typer
@@ -326,7 +326,7 @@ def run_status(
     except ValueError as error:
         fail(str(error), 2)
     declines = [_decline(event) for event in store.run_events(run_id, DECLINE_KINDS)]
-    summary = {
+    summary: dict[str, Any] = {
         "run": run.id,
         "status": run.status,
         "rounds_done": run.rounds_done,

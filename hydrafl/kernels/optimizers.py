@@ -47,15 +47,15 @@ class InnerOptimizer:
 
 def skip_zero_gradients(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """Set `.grad = None` on parameters whose gradient is zero up to rounding noise; returns them."""
-    with_grad = [p for p in params if p.grad is not None]
+    with_grad = [(p, p.grad) for p in params if p.grad is not None]
     if not with_grad:
         return []
-    peaks = torch.stack([p.grad.detach().abs().amax().float() for p in with_grad])  # [P]
+    peaks = torch.stack([grad.detach().abs().amax().float() for _, grad in with_grad])  # [P]
     largest = float(peaks.max())
     zero = [
         p
-        for p, peak in zip(with_grad, peaks.tolist(), strict=True)
-        if peak <= torch.finfo(p.grad.dtype).eps * largest
+        for (p, grad), peak in zip(with_grad, peaks.tolist(), strict=True)
+        if peak <= torch.finfo(grad.dtype).eps * largest
     ]
     for p in zero:
         p.grad = None
