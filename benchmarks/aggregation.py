@@ -116,7 +116,10 @@ class Workload:
         return cls(
             replies=replies,
             tensors=[
-                [torch.from_numpy(array_view(a)) for a in reply.content["arrays"].values()]
+                [
+                    torch.from_numpy(array_view(a))
+                    for a in reply.content.array_records["arrays"].values()
+                ]
                 for reply in replies
             ],
             masks=masks,

@@ -50,7 +50,7 @@ def content_hash(tensors: Mapping[str, torch.Tensor]) -> str:
         json.dumps([[name, list(t.shape)] for name, t in tensors.items()]).encode()
     )
     for tensor in tensors.values():
-        digest.update(tensor.detach().to(torch.float32).contiguous().reshape(-1).numpy())
+        digest.update(tensor.detach().to(torch.float32).contiguous().reshape(-1).numpy().data)
     return digest.hexdigest()
 
 
@@ -99,7 +99,7 @@ class DownloadCompression:
             node, content = message.metadata.dst_node_id, message.content
             names = [name for name, record in content.items() if isinstance(record, ArrayRecord)]
             if len(names) != 1 or any(
-                array.dtype != "float32" for array in content[names[0]].values()
+                array.dtype != "float32" for array in content.array_records[names[0]].values()
             ):
                 wire.append(message)
                 continue
@@ -108,11 +108,11 @@ class DownloadCompression:
             key = coordinates_key(
                 next(iter(records(content, ConfigRecord)), ConfigRecord()), self.scheme
             )
-            arrays, held = content[names[0]], self.held.get((node, key))
+            arrays, held = content.array_records[names[0]], self.held.get((node, key))
             usable = (
                 held is not None and not full and _same_layout(self.models[held.digest], arrays)
             )
-            base = held.digest if usable else ""
+            base = held.digest if held is not None and usable else ""
             if (base, id(arrays)) not in built:
                 built[base, id(arrays)] = self._delta(base, arrays) if base else self._full(arrays)
             sent, download = built[base, id(arrays)]
