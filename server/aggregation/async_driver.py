@@ -131,6 +131,8 @@ class AsyncDriver(RoundDriver):
                 f"{type(strategy).__name__} has no buffer: the asynchronous driver needs a BuffersUpdates strategy"
             )
         super().__init__(grid, strategy, config)
+        self.buffer: BuffersUpdates = strategy
+        """The strategy, as the buffer it is."""
         self.clock = clock
         self.evaluate_every = evaluate_every
         self.sent: dict[str, tuple[int, int]] = {}
@@ -174,8 +176,8 @@ class AsyncDriver(RoundDriver):
                 record.sites_failed += 1
             else:
                 self.failures[node] = 0
-                self.strategy.add(valid, version - sent_version)
-            if self.strategy.buffer_full:
+                self.buffer.add(valid, version - sent_version)
+            if self.buffer.buffer_full:
                 arrays, version = self._step(arrays, version, record, started), version + 1
                 self._close(record, history, arrays, on_round)
                 record, started = RoundRecord(round=version + 1), time.perf_counter()
@@ -194,7 +196,7 @@ class AsyncDriver(RoundDriver):
                 protocol.MODEL_VERSION: version,
             }
         )
-        message = self.strategy.train_message(node, arrays, config)
+        message = self.buffer.train_message(node, arrays, config)
         if message is None:
             return
         message.metadata.group_id = str(
@@ -223,7 +225,7 @@ class AsyncDriver(RoundDriver):
     ) -> ArrayRecord:
         """The buffer's step into model `version + 1`, evaluated when due; `record` filled in."""
         stepped = time.perf_counter()
-        new_arrays, metrics, report = self.strategy.step(arrays)
+        new_arrays, metrics, report = self.buffer.step(arrays)
         record.aggregation_s = time.perf_counter() - stepped
         new_arrays = keep_dtypes(new_arrays, arrays)
         if report.skipped:
