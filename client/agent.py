@@ -26,7 +26,7 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 from flwr.app import Context, Message, RecordDict
@@ -118,8 +118,12 @@ class SiteAgent:
         max_download_bytes: int | None = None,
         inline_bytes: int = INLINE_BYTES,
         secagg_identity: SiteIdentity | None = None,
+        threads: Callable[[], int] | None = None,
     ) -> None:
         self.coordinator = coordinator
+        self.threads = threads
+        """Torch threads to train with, asked before every message (`client.machine_share`); None leaves
+        torch's own choice."""
         self.inline_bytes = inline_bytes
         """Replies whose chunks total at most this go inline in PushReply; larger ones (all, with 0) stream after
         asking which chunks the coordinator already holds, so an interrupted upload resumes."""
@@ -312,6 +316,10 @@ class SiteAgent:
             log.warning("declining a message of run %d: %s", envelope.run_id, refusal)
             return error_reply(request, ErrorCode.MOD_FAILED_PRECONDITION, refusal)
         message = self._receive(stub, envelope, inline)
+        if self.threads is not None:
+            import torch  # the app trains with it: loaded by then, this costs nothing
+
+            torch.set_num_threads(self.threads())
         return answer(self.client_app, message, context, self.policy)
 
     def _context(self, stub: CoordinatorClient, run_id: int) -> Context:

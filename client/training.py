@@ -118,7 +118,12 @@ def train_site(
     applied to `model` (and by `rebuild`), which its MFU counts.
     """
     # the global batch capped at the data; global batches do not depend on the lanes, only how ranks split them
-    config = replace(config, batch_size=min(config.batch_size, len(x)), lanes=config.nproc)
+    config = replace(
+        config,
+        batch_size=min(config.batch_size, len(x)),
+        lanes=config.nproc,
+        threads=config.threads or torch.get_num_threads(),  # what this site process was given
+    )
     if config.batch_size % config.nproc:
         raise ValueError(
             f"batch size {config.batch_size} does not split evenly over nproc={config.nproc} processes; "

@@ -99,6 +99,14 @@ def site(
             "`flower-supernode` finds it.",
         ),
     ] = HYDRAFL_APP,
+    threads: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Torch threads this site trains with; 0: its share of this machine's cores among the "
+            "hydrafl sites running on it (all of them for a site alone on its server).",
+        ),
+    ] = 0,
     node_config: Annotated[
         str,
         typer.Option(
@@ -143,6 +151,7 @@ def site(
     import grpc
 
     from hydrafl.client.agent import SiteAgent, SiteRefused, Unreachable
+    from hydrafl.client.machine_share import MachineShare
     from hydrafl.client.site_policy import PolicyError, SitePolicy, load_policy
     from hydrafl.client.tls import SiteTls, plaintext_warning
     from hydrafl.site_config import SiteConfig
@@ -182,6 +191,7 @@ def site(
     warning = plaintext_warning(coordinator, tls)
     if warning:
         warn(warning)
+    share = MachineShare(fixed=threads)
     agent = SiteAgent(
         coordinator,
         site_token,
@@ -192,6 +202,7 @@ def site(
         tls=tls,
         max_download_bytes=max_download_mb * 1_000_000 if max_download_mb else None,
         secagg_identity=identity,
+        threads=share.threads,
     )
     try:
         agent.run()
@@ -205,6 +216,8 @@ def site(
         fail(f"{coordinator} answered {error.code().name}: {error.details()}", 1)
     except KeyboardInterrupt:
         pass
+    finally:
+        share.release()
 
 
 def _site_token(source: ParameterSource | None, token: str, token_file: Path | None) -> str:

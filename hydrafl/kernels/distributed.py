@@ -131,6 +131,9 @@ class LocalTraining:
     """Train under bfloat16 autocast."""
     max_restarts: int = 0
     """With nproc > 1: how often the ranks are restarted (the round replayed) when one dies."""
+    threads: int = 0
+    """Torch threads the site trains with, over all its processes; 0: the machine's cores. A site sharing its
+    machine with others takes its share (`hydrafl.client.machine_share`)."""
 
     def __post_init__(self) -> None:
         if (self.steps is not None and self.steps < 1) or self.batch_size < 1 or self.nproc < 1:
@@ -290,7 +293,9 @@ def _rank_main(job: _Job, out: str) -> None:
     the process group, train, rank 0 writes the result."""
     rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     # Share the host's cores between the ranks instead of oversubscribing them.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.training.nproc))
+    torch.set_num_threads(
+        max(1, (job.training.threads or os.cpu_count() or 1) // job.training.nproc)
+    )
     device = _rank_device(job.device_type, rank)
     dist.init_process_group(
         process_group_backend(device),
@@ -365,8 +370,8 @@ def _run_rank(
     local_size = job.training.batch_size // job.training.nproc
     if local_size * job.training.nproc != job.training.batch_size:
         raise LoaderConfigError(
-            f"global batch {job.training.batch_size} does not split evenly over {job.training.nproc} ranks; the DDP mean would "
-            "not be the global mean"
+            f"global batch {job.training.batch_size} does not split evenly over "
+            f"{job.training.nproc} ranks; the DDP mean would not be the global mean"
         )
     trained.train()
     loss_sum = torch.zeros((), dtype=torch.float64)

@@ -91,7 +91,14 @@ def test_round_overhead_quick(tmp_path):
     result = run_quick("round_overhead", tmp_path, timeout_s=500)
     rounds = result["rounds"]
     assert result["quick"] is True and result["stock_sites"] == 2
-    for key in ("inprocess_s", "grpc_s", "stock_grpc_s", "stock_flower_s"):
+    for key in (
+        "inprocess_s",
+        "grpc_s",
+        "busy_inprocess_s",
+        "busy_grpc_s",
+        "stock_grpc_s",
+        "stock_flower_s",
+    ):
         assert len(result[key]) == rounds and all(seconds > 0 for seconds in result[key]), key
     assert result["median_stock_flower_s"] == pytest.approx(
         statistics.median(result["stock_flower_s"])
@@ -101,4 +108,7 @@ def test_round_overhead_quick(tmp_path):
     )
     assert result["overhead_s"] == pytest.approx(
         result["median_grpc_s"] - result["median_inprocess_s"]
+    )
+    assert result["busy_overhead_s"] == pytest.approx(
+        statistics.median(result["busy_grpc_s"]) - statistics.median(result["busy_inprocess_s"])
     )
