@@ -336,10 +336,10 @@ def _content_with_array(dtype: str) -> bytes:
         ("object-dtype-in-content", "through the manifest"),
         ("huge-zero-size-dimension", "is not a tensor shape"),
         ("repeated-chunk-declares-gigabytes", "does not fit in shape"),
-        ("evaluate-shape-on-train", "one ArrayRecord and one MetricRecord"),
+        ("evaluate-shape-on-train", "ArrayRecord(s) and one MetricRecord"),
         ("nan-metric", "not a finite number"),
         ("no-weight", "must be a number"),
-        ("two-array-records", "one ArrayRecord and one MetricRecord"),
+        ("two-array-records", "ArrayRecord(s) and one MetricRecord"),
         ("tensor-not-sent", "not a tensor this site was sent"),
     ],
 )
