@@ -83,6 +83,8 @@ def allowed_reply_chunks(sent: Envelope, max_model_bytes: int) -> int:
     tensors = len(sent_model(sent, sent_content))
     if not tensors and message_kind(sent.message_type) == "query":
         tensors = QUERY_REPLY_ARRAYS
+    if message_kind(sent.message_type) == "train":  # each declared extra record repeats the tensors
+        tensors *= 1 + len(declared_reply_arrays(sent_content))
     return math.ceil(nbytes / CHUNK_BYTES) + max(tensors, LAYOUT_ARRAYS)
 
 
