@@ -167,9 +167,18 @@ def _site_modules() -> dict[str, tuple[str, ...]]:
         if source.is_file():
             for name in SITE_LINE.findall(source.read_text(encoding="utf-8")):
                 found.setdefault(name, []).append(f"{package.__name__}.{module.name}")
-    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        name = entry_point.name.removesuffix(SITE_SUFFIX)
-        found.setdefault(name, []).append(entry_point.value.partition(":")[0])
+    declared = {
+        ep.name: ep.value.partition(":")[0]
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    }
+    for (
+        name,
+        module,
+    ) in declared.items():  # `name.site` when declared, else the strategy's own module
+        if not name.endswith(SITE_SUFFIX) and f"{name}{SITE_SUFFIX}" not in declared:
+            found.setdefault(name, []).append(module)
+        elif name.endswith(SITE_SUFFIX):
+            found.setdefault(name.removesuffix(SITE_SUFFIX), []).append(module)
     return {name: tuple(modules) for name, modules in found.items()}
 
 

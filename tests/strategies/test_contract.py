@@ -3,6 +3,9 @@ defaults written once, site halves found by name."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -52,3 +55,40 @@ def test_site_halves_are_found_by_the_strategy_name_alone():
     for name, half in expected.items():
         assert registry.site_half(name).__name__ == half  # type: ignore[union-attr]
     assert registry.site_half("fedavg") is None and registry.site_half("") is None
+
+
+def test_an_installed_package_adds_a_site_half_that_the_site_imports_alone(tmp_path):
+    """An outside package declares `name` (its strategy module) and `name.site` (its site half) in the
+    `hydrafl.strategies` entry-point group; a site finds the half by the run's strategy name and imports only
+    the half's module."""
+    (tmp_path / "my_strategy.py").write_text(
+        "raise ImportError('a site must not import the coordinator half')\n"
+    )
+    (tmp_path / "my_site.py").write_text(
+        "from hydrafl.strategies.registry import register_site\n"
+        "from hydrafl.strategies.site import SiteHalf\n\n\n"
+        '@register_site("my-fedavg")\n'
+        "class MySite(SiteHalf):\n"
+        '    reply_arrays = ("my.extra",)\n'
+    )
+    info = tmp_path / "my_strategy-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-strategy\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        "[hydrafl.strategies]\nmy-fedavg = my_strategy\nmy-fedavg.site = my_site\n"
+    )
+    probe = (
+        "import sys\n"
+        "from hydrafl.strategies.registry import reply_arrays, site_half\n"
+        "print(site_half('my-fedavg').__name__, *reply_arrays('my-fedavg'), 'my_strategy' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["MySite", "my.extra", "False"]
