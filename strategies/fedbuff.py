@@ -33,18 +33,14 @@ class FedBuff(FedAvg):
 
     consumes_deltas = True
 
-    def __init__(
-        self,
-        *,
-        rule: BufferRule = BufferRule(),
-        outer_lr: float = 1.0,
-        momentum: float = 0.0,
-        nesterov: bool = True,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, config: BufferConfig | None = None, **kwargs: Any) -> None:
+        """`config`: the buffer's and outer optimizer's knobs (default: FedBuff's); `kwargs`: FedAvg's."""
         super().__init__(**kwargs)
-        self.buffer = StalenessBuffer(rule=rule)
-        self.outer = OuterOptimizer(lr=outer_lr, momentum=momentum, nesterov=nesterov)
+        config = config or FedBuffConfig()
+        self.buffer = StalenessBuffer(rule=config.rule_of_buffer())
+        self.outer = OuterOptimizer(
+            lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.outer_nesterov
+        )
         self.accumulator = self.new_accumulator()
 
     def new_accumulator(self) -> WeightedDeltaAccumulator:
@@ -165,10 +161,4 @@ class FedBuffConfig(BufferConfig):
 
     def build(self, run: RunConfig, **common: Any) -> FedBuff:
         self.check_run(run)
-        return FedBuff(
-            rule=self.rule_of_buffer(),
-            outer_lr=self.outer_lr,
-            momentum=self.outer_momentum,
-            nesterov=self.outer_nesterov,
-            **common,
-        )
+        return FedBuff(self, **common)

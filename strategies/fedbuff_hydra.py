@@ -39,13 +39,14 @@ class FedBuffHydra(FedBuff):
 
     def __init__(
         self,
+        config: BufferConfig | None = None,
         *,
         planner: SitePlanner | None = None,
         bypass: bool = False,
         freeze_heads: bool = True,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(config, **kwargs)
         self.planner = planner or SitePlanner()
         self.planner.scoring[protocol.SCORE_BYPASS] = bypass
         self.bypass, self.freeze_heads = bypass, freeze_heads
@@ -159,12 +160,9 @@ class FedBuffHydraConfig(BudgetConfig, BufferConfig):
     def build(self, run: RunConfig, **common: Any) -> FedBuffHydra:
         self.check_run(run)
         return FedBuffHydra(
-            rule=self.rule_of_buffer(),
+            self,
             planner=self.planner(run),
             bypass=self.hydra_bypass,
             freeze_heads=self.hydra_head_mode == "freeze",
-            outer_lr=self.outer_lr,
-            momentum=self.outer_momentum,
-            nesterov=self.outer_nesterov,
             **common,
         )

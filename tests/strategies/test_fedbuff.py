@@ -11,7 +11,7 @@ from flwr.app import Array, ArrayRecord
 from helpers import make_reply
 
 from hydrafl.config import RunConfig
-from hydrafl.strategies.fedbuff import FedBuff
+from hydrafl.strategies.fedbuff import FedBuff, FedBuffConfig
 from hydrafl.strategies.staleness import BufferRule, StalenessBuffer, ess
 from hydrafl.validation import ConfigError
 
@@ -90,7 +90,7 @@ def _reply(delta: list[float], examples: int, node: int):
 
 
 def test_fedbuff_step_is_the_staleness_weighted_sum_over_k():
-    strategy = FedBuff(rule=BufferRule(buffer_size=3, weight_cap=0.9))
+    strategy = FedBuff(FedBuffConfig(buffer_size=3, weight_cap=0.9))
     arrays = ArrayRecord({"w": Array(START["w"])})
     deltas = {1: [0.3, 0.0, -0.6], 2: [0.9, 0.3, 0.0], 3: [-0.3, 0.6, 0.3]}
     for node, tau in ((1, 0), (2, 3), (3, 0)):
@@ -104,19 +104,22 @@ def test_fedbuff_step_is_the_staleness_weighted_sum_over_k():
         0.9,
     ]  # fresh updates capped at 0.9, the 3-versions-stale one weighs 1/sqrt(4)
     assert report.weights == pytest.approx(weights) and report.staleness == [0, 3, 0]
-    expected = START["w"] - sum(w * np.array(deltas[n]) for w, n in zip(weights, (1, 2, 3))) / 3
+    expected = (
+        START["w"]
+        - sum(w * np.array(deltas[n]) for w, n in zip(weights, (1, 2, 3), strict=True)) / 3
+    )
     np.testing.assert_allclose(new["w"].numpy(), expected, rtol=1e-6)
     assert metrics is not None and not strategy.buffer_full
 
 
 def test_fedbuff_of_fresh_equal_updates_is_fedavg_and_a_skipped_buffer_keeps_the_model():
-    strategy = FedBuff(rule=BufferRule(buffer_size=2))
+    strategy = FedBuff(FedBuffConfig(buffer_size=2))
     arrays = ArrayRecord({"w": Array(START["w"])})
     strategy.add(_reply([0.2, 0.4, 0.0], 30, 1), 0)
     strategy.add(_reply([0.0, -0.4, 1.0], 30, 2), 0)
     new, _, _ = strategy.step(arrays)
     np.testing.assert_allclose(new["w"].numpy(), START["w"] - np.array([0.1, 0.0, 0.5]), rtol=1e-6)
-    guarded = FedBuff(rule=BufferRule(buffer_size=2, ess_min=2.0, ess_action="skip"))
+    guarded = FedBuff(FedBuffConfig(buffer_size=2, ess_min=2.0, ess_action="skip"))
     guarded.add(_reply([0.2, 0.4, 0.0], 30, 1), 0)
     guarded.add(_reply([0.2, 0.4, 0.0], 30, 1), 1)  # one site twice: ESS 1
     kept, _, report = guarded.step(arrays)

@@ -8,15 +8,14 @@ from flwr.app import ConfigRecord
 from helpers import FakeGrid, make_reply, sent_specs
 from toy_hydra import DELTA_A, DELTA_B, SPEC_A, SPEC_B, START, toy_record, toy_scores
 
-from hydrafl.strategies.fedbuff_hydra import FedBuffHydra
+from hydrafl.strategies.fedbuff_hydra import FedBuffHydra, FedBuffHydraConfig
 from hydrafl.strategies.planner import SitePlanner
-from hydrafl.strategies.staleness import BufferRule
 
 
 def _planned() -> FedBuffHydra:
     """Planned on `toy_scores`: node 1 (small tier, 10 examples) trains SPEC_A, node 2 (untiered, 30) SPEC_B."""
     strategy = FedBuffHydra(
-        rule=BufferRule(buffer_size=2), planner=SitePlanner(untiered=(1.0, 0.5))
+        FedBuffHydraConfig(buffer_size=2), planner=SitePlanner(untiered=(1.0, 0.5))
     )
     scores = toy_scores()
     queries = list(strategy.configure_query(1, toy_record(START), ConfigRecord(), FakeGrid([1, 2])))
