@@ -111,7 +111,8 @@ class BuffersUpdates(Protocol):
         """Fold in one valid update that started `staleness` model versions ago."""
 
     def step(self, arrays: ArrayRecord) -> tuple[ArrayRecord, MetricRecord | None, BufferReport]:
-        """The model after the full buffer's step (`arrays` itself when the buffer is skipped), and the buffer emptied."""
+        """The model after the full buffer's step (`arrays` itself when the buffer is skipped), and the
+        buffer emptied."""
 
 
 def strategy_state(strategy: Strategy) -> dict[str, Any]:
