@@ -1,9 +1,9 @@
 """What a site does with one message, in every runtime: a compressed download is rebuilt into its model
-(`hydrafl.compression.reference`), the ClientApp answers, then the site operator's policy
-shapes what may leave (small cells, clipping, noise, privacy budget), then a train reply is compressed as the
-run asks (`hydrafl.compression.feedback`) or, under secure aggregation, masked (train and evaluate replies). The site agent, the in-process
-simulation grid and Ray's simulated sites (`PipelineApp`) all answer through here, so a simulated site behaves
-as a real one."""
+(`hydrafl.compression.reference`), the ClientApp answers, then the site operator's policy shapes what may
+leave (small cells, clipping, noise, privacy budget), then a train reply is compressed as the run asks
+(`hydrafl.compression.feedback`) or, under secure aggregation, masked (train and evaluate replies). The site
+agent, the in-process simulation grid and Ray's simulated sites (`PipelineApp`) all answer through here, so a
+simulated site behaves as a real one."""
 
 from __future__ import annotations
 
@@ -106,10 +106,16 @@ class PipelineApp(ClientApp):
         self.consortium = new_signing_key()
 
     def __call__(self, message: Message, context: Context) -> Message:
-        if (
-            not context.run_config
-        ):  # Ray's engine gives sites no run_config: the run's, once per site
-            context.run_config.update(self.run_config)
+        if not context.run_config and self.run_config:
+            # Ray's engine gives sites no run_config and forbids changing it: the app sees the run's in a
+            # Context of its own that shares the node's state, so what it keeps there persists
+            context = Context(
+                run_id=context.run_id,
+                node_id=context.node_id,
+                node_config=context.node_config,
+                state=context.state,
+                run_config=dict(self.run_config),
+            )
         if site_secagg.IDENTITY_KEY not in context.state:
             site_secagg.install_identity(
                 context, SiteIdentity.issue(self.consortium, context.node_id)

@@ -43,7 +43,7 @@ def _query(cfg, grid, node, arrays) -> Message:
 
 def _ask(grid, message_type, node, arrays, **config):
     """`node`'s reply to a message on `arrays` as the coordinator sends it: a scoring query is Hydra's own, a
-    train message carries the run's config; `config` adds keys or overrides them."""
+    train message carries the run's config; `config` adds per-message keys (the run's settings are the grid's)."""
     sent = (
         _query(CFG, grid, node, arrays).content["config"]
         if message_type == "query.scores"
@@ -220,9 +220,9 @@ def test_a_site_that_declares_little_memory_gets_a_hydra_net_that_fits_it():
     assert (
         undeclared["memory-bytes"] == 0 and "cost.fixed-bytes" not in undeclared
     )  # nothing to size against
-    metrics = _ask(
-        grid, "query.scores", FIRST_NODE_ID, initial, **{"round-timeout-s": 3600.0}
-    ).content["metrics"]
+    timed = cfg.replace(round_timeout_s=3600.0)  # the run's settings reach a site once per run
+    timed_grid = InProcessGrid(site_app.client_app, timed.sites, timed.to_flower())
+    metrics = _ask(timed_grid, "query.scores", FIRST_NODE_ID, initial).content["metrics"]
     fixed, per_layer = metrics["cost.fixed-bytes"], metrics["cost.per-layer-bytes"]
     assert (
         fixed > 0 and per_layer > 0 and metrics["memory-bytes"] == 0
@@ -445,12 +445,12 @@ def test_a_site_scores_with_the_runs_methods_on_its_first_training_samples(layer
 
 
 def test_a_site_that_declares_itself_slow_sits_out_a_deadline_a_fast_site_meets_with_every_layer():
-    grid = InProcessGrid(site_app.client_app, CFG.sites, CFG.to_flower())
-    initial = server_app.request_initial_arrays(grid, CFG)
-    declared = {"site-tiers": "", "site-speeds": "0.02,1,1", "round-timeout-s": 3600.0}
+    declared = CFG.replace(site_tiers="", site_speeds="0.02,1,1", round_timeout_s=3600.0)
+    grid = InProcessGrid(site_app.client_app, declared.sites, declared.to_flower())  # once per run
+    initial = server_app.request_initial_arrays(grid, declared)
 
     def cost(node: int) -> LayerCost:
-        metrics = _ask(grid, "query.scores", node, initial, **declared).content["metrics"]
+        metrics = _ask(grid, "query.scores", node, initial).content["metrics"]
         return LayerCost(
             **{field: float(metrics[f"cost.{field.replace('_', '-')}"]) for field in COST_FIELDS}
         )

@@ -44,12 +44,13 @@ def _train_reply(
     **extra: object,
 ) -> Message:
     """A site's train reply from the initial model, sent whole or, with `read`, cut to those slices."""
+    cfg = cfg.replace(nproc=nproc)  # the run's settings reach the site once, with its grid
     grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
     node = sorted(grid.get_node_ids())[node_index]
     initial = server_app.request_initial_arrays(grid, cfg)
     if read is not None:
         initial = sliced_record(initial, read)
-    config = ConfigRecord({**cfg.to_flower(), "nproc": nproc, "server-round": 2, **extra})
+    config = ConfigRecord({"server-round": 2, **extra})
     message = Message(
         RecordDict({"arrays": initial, "config": config}), dst_node_id=node, message_type="train"
     )
