@@ -118,8 +118,6 @@ class LocalTraining:
     lr: float
     optimizer: str = "adamw"
     weight_decay: float = 0.0
-    proximal_mu: float = 0.0
-    """FedProx: adds mu/2 ||w - w_start||^2 to the loss."""
     seed: int = 0
     """Data-order seed (`hydrafl.client.training.site_seed` gives each site its own)."""
     server_round: int = 0
@@ -140,19 +138,15 @@ class LocalTraining:
             raise ValueError(
                 f"steps={self.steps}, batch_size={self.batch_size} and nproc={self.nproc} must be >= 1"
             )
-        if self.max_restarts < 0 or self.proximal_mu < 0:
-            raise ValueError(
-                f"max_restarts={self.max_restarts} and proximal_mu={self.proximal_mu} must be >= 0"
-            )
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts={self.max_restarts} must be >= 0")
         if self.optimizer not in INNER_OPTIMIZERS:
             raise ValueError(
                 f"unknown inner optimizer {self.optimizer!r}; choose one of "
                 f"{', '.join(INNER_OPTIMIZERS)}"
             )
-        if self.optimizer == "lm-dual" and (self.nproc > 1 or self.proximal_mu):
-            raise ValueError(
-                "lm-dual fine-tunes the head in one process without a proximal term; use nproc=1"
-            )
+        if self.optimizer == "lm-dual" and self.nproc > 1:
+            raise ValueError("lm-dual fine-tunes the head in one process; use nproc=1")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -364,8 +358,6 @@ def _run_rank(
             weight_decay=job.training.weight_decay,
         )
     )
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    anchors = [p.detach().clone() for p in trainable] if job.training.proximal_mu else []
     loaders: list[ElasticLoader] = []
     local_size = job.training.batch_size // job.training.nproc
     if local_size * job.training.nproc != job.training.batch_size:
@@ -392,9 +384,6 @@ def _run_rank(
         with _autocast(device, job.training.bf16):
             loss = job.loss_fn(trained, xb, yb)
         loss_sum += loss.detach().double().cpu()
-        if job.training.proximal_mu:  # the same on every rank: DDP's average keeps it as is
-            proximal = sum(((p - a) ** 2).sum() for p, a in zip(trainable, anchors, strict=True))
-            loss = loss + 0.5 * job.training.proximal_mu * proximal
         loss.backward()
         optimizer.step()
     if device.type != "cpu":

@@ -281,23 +281,6 @@ def test_steps_beyond_one_pass_read_further_passes_identically_for_any_nproc(
     )
 
 
-def test_proximal_term_pulls_towards_the_start_weights(
-    site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]],
-) -> None:
-    x, y, _ = site
-    build = _mlp_builder(x.shape[1], int(y.max()) + 1)
-    start = _start_state(build)
-
-    def delta_norm(mu: float) -> float:
-        delta = _delta(_run(build, x, y, proximal_mu=mu, lr=0.2).end_state, start)
-        return math.sqrt(sum(float(d.pow(2).sum()) for d in delta.values()))
-
-    drift = {mu: delta_norm(mu) for mu in (0.0, 5.0)}
-    assert drift[5.0] < 0.5 * drift[0.0]
-    with pytest.raises(ValueError, match="proximal_mu=-1"):
-        _run(build, x, y, proximal_mu=-1.0)
-
-
 def test_nproc_beyond_the_lanes_is_an_error_before_any_spawn(
     site: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]],
     monkeypatch: pytest.MonkeyPatch,
