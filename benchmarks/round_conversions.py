@@ -13,7 +13,8 @@ count pauses while a reply is produced. A run of 2 rounds of the real hydrafl ap
 reported, between the ends of round 1 and round 2 (training, aggregation, evaluation).
 
 Measured, 3 sites: before the round pipeline FedAvg 12 decodes and 4 encodes, DiLoCo 4 and 1; after it 4 and
-1 for both (`tests/benchmarks/test_round_conversions.py` holds them).
+1 for both; with the reply check reading views, 1 and 1 for both (`tests/benchmarks/test_round_conversions.py`
+holds them).
 """
 
 from __future__ import annotations

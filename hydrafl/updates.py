@@ -12,6 +12,7 @@ from typing import TypeVar
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from hydrafl.arrays import array_view
 from hydrafl.bounded import bounded, quoted
 
 MAX_WEIGHT = 1e15
@@ -90,9 +91,10 @@ def _check_delta(
             raise InvalidUpdate(
                 f"array {quoted(name)} is outside the subnetwork the site was assigned"
             )
-        values = (
-            array.numpy()
-        )  # the values' own shape: an Array's declared shape is not checked against its bytes
+        try:  # a view, not a copy: the values' own shape (an Array's declared shape is not its bytes')
+            values = array_view(array)
+        except (ValueError, TypeError, EOFError) as error:
+            raise InvalidUpdate(f"array {quoted(name)} is not a NumPy array: {error}") from None
         if (
             tuple(values.shape) != tuple(shape)
             or tuple(array.shape) != tuple(shape)

@@ -121,7 +121,8 @@ class WeightedDeltaAccumulator:
             columns = [fold.blocks(delta) for delta, _ in members]
             for index, (total,) in enumerate(fold.blocks(self.sums[name])):
                 block_terms = [
-                    (column[index][0], weight) for column, (_, weight) in zip(columns, members)
+                    (column[index][0], weight)
+                    for column, (_, weight) in zip(columns, members, strict=True)
                 ]
                 tasks.append((total, block_terms, fresh))
         self.pool.run(fold.axpy_terms, tasks)
@@ -294,7 +295,7 @@ class MaskedDeltaAccumulator:
         flags = fold.empty((sum(sizes),), torch.bool).split(
             sizes
         )  # one mapping: huge pages for small layers too
-        for (name, total), covered in zip(self.sums.items(), flags):
+        for (name, total), covered in zip(self.sums.items(), flags, strict=True):
             covered = covered.view(total.shape)
             out[name] = (total, covered)
             tasks += fold.blocks(total, self.weights[name], covered)

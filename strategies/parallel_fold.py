@@ -107,7 +107,7 @@ def blocks(*tensors: torch.Tensor | None) -> list[tuple[torch.Tensor | None, ...
         ]  # one block: most layers, and this runs for each of them in every reply
     parts = [None if tensor is None else _split(tensor) for tensor in flats]
     count = max(len(part) for part in parts if part is not None)
-    return list(zip(*(part if part is not None else [None] * count for part in parts)))
+    return list(zip(*(part if part is not None else [None] * count for part in parts), strict=True))
 
 
 def _split(values: torch.Tensor) -> tuple[torch.Tensor, ...]:

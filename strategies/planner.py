@@ -39,7 +39,8 @@ TIER_BUDGETS: Mapping[str, tuple[float, float]] = {
 """Per tier: the fraction of the layers, and of the heads (KV groups) in each of them, a site trains."""
 
 Layout = Mapping[str, tuple[int, int, int]]
-"""Per federated tensor: (layer or -1, head axis or -1, indices one head group owns along it); `site_app.slice_layout`."""
+"""Per federated tensor: (layer or -1, head axis or -1, indices one head group owns along it);
+`site_app.slice_layout`."""
 
 
 class ScoringError(RuntimeError):
@@ -78,14 +79,14 @@ def read_scores(
             protocol.LAYOUT_UNITS,
         )
     )
-    layout = dict(zip(names, zip(layers, axes, units)))
+    layout = dict(zip(names, zip(layers, axes, units, strict=True), strict=True))
     if set(layout) != set(arrays) or not num_layers or not num_groups:
         raise ValueError(
             "its layout does not name the global arrays, or it has no layer/head scores"
         )
     heads = [
-        [float(metrics[f"{protocol.HEAD_PREFIX}{l}-{g}"]) for g in range(num_groups)]
-        for l in range(num_layers)
+        [float(metrics[f"{protocol.HEAD_PREFIX}{layer}-{g}"]) for g in range(num_groups)]
+        for layer in range(num_layers)
     ]
     cost = None
     if f"{protocol.COST_PREFIX}fixed-s" in metrics:
@@ -96,7 +97,7 @@ def read_scores(
             }
         )
     scores = SiteScores(
-        layers=[float(metrics[f"{protocol.LAYER_PREFIX}{l}"]) for l in range(num_layers)],
+        layers=[float(metrics[f"{protocol.LAYER_PREFIX}{layer}"]) for layer in range(num_layers)],
         heads=heads,
         weight=float(metrics[weighted_by_key]),
         tier=str(site[protocol.TIER]),

@@ -9,7 +9,8 @@ even, as numpy's), or their mean after cutting max(1, floor(beta k)) values at e
 alone cuts nothing below k = 1 / beta, so a tiered layer trained by 3 or 4 sites would take a plain mean); a
 coordinate no site trained keeps its value. A coordinate trained by one or two sites has no majority to protect
 it (the median of two values is their mean; nothing can be trimmed): `aggregate` counts those coordinates
-(`unprotected`) and logs the count, and only screening (`hydrafl.server.aggregation.screening`) keeps an outlier out there.
+(`unprotected`) and logs the count, and only screening (`hydrafl.server.aggregation.screening`) keeps an
+outlier out there.
 
 clipped-mean (norm bounding; a one-step, zero-centred form of centred clipping, Karimireddy et al., ICML 2021):
 each site's whole update is scaled down to at most `clip_factor` x the round's median size, then the masked

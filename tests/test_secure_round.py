@@ -150,8 +150,10 @@ def test_the_honest_site_bound_clips_each_update_before_masking_and_a_modified_s
     names = list(records(plain_grid.train_replies[0].content, ArrayRecord)[0])
     norms = [float(np.linalg.norm(d)) for d in deltas]
     clip = 0.5 * min(norms)  # every honest update is above it
-    mean = sum(w * d for w, d in zip(weights, deltas)) / sum(weights)
-    clipped = sum(w * d * clip / n for w, d, n in zip(weights, deltas, norms)) / sum(weights)
+    mean = sum(w * d for w, d in zip(weights, deltas, strict=True)) / sum(weights)
+    clipped = sum(w * d * clip / n for w, d, n in zip(weights, deltas, norms, strict=True)) / sum(
+        weights
+    )
     flat = lambda arrays: np.concatenate(
         [arrays[n].numpy().astype(np.float64).ravel() for n in names]
     )  # noqa: E731
@@ -167,7 +169,7 @@ def test_the_honest_site_bound_clips_each_update_before_masking_and_a_modified_s
     escaped = server_app.run_federation(grid, ONE_ROUND.replace(secagg=True, secagg_clip=clip))
     step = start - flat(escaped.arrays)
     unbounded = weights[0] * deltas[0] + sum(
-        w * d * clip / n for w, d, n in zip(weights[1:], deltas[1:], norms[1:])
+        w * d * clip / n for w, d, n in zip(weights[1:], deltas[1:], norms[1:], strict=True)
     )
     assert (
         np.abs(step - unbounded / sum(weights)).max()

@@ -81,7 +81,7 @@ class SiteIdentity:
     """The consortium's Ed25519 public key: the one key this site trusts to certify its peers."""
 
     @classmethod
-    def issue(cls, consortium_private: bytes, node: int) -> "SiteIdentity":
+    def issue(cls, consortium_private: bytes, node: int) -> SiteIdentity:
         """A new identity for `node`, certified by the consortium (at enrolment, or by a simulation)."""
         signing_key = new_signing_key()
         return cls(
@@ -118,7 +118,7 @@ class SiteIdentity:
         )
 
     @classmethod
-    def from_json(cls, text: str) -> "SiteIdentity":
+    def from_json(cls, text: str) -> SiteIdentity:
         """An identity file's content; SecAggError when it is malformed or its certificate is not the
         consortium's for its own key."""
         try:

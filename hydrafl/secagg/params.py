@@ -108,7 +108,7 @@ class SecAggParams:
         return {field: getattr(self, field) for field in self.__slots__}
 
     @classmethod
-    def from_config(cls, config: dict) -> "SecAggParams":
+    def from_config(cls, config: dict) -> SecAggParams:
         try:
             return cls(
                 **{field: type(getattr(cls(), field))(config[field]) for field in cls.__slots__}

@@ -104,7 +104,7 @@ def encode_metrics(
             f"the metrics' weight must be an integer in [0, max_weight={params.max_weight}], got {weight}"
         )
     slots = np.zeros(METRIC_SLOTS * len(values), dtype=np.uint32)
-    for i, (value, limit) in enumerate(zip(values, ranges)):
+    for i, (value, limit) in enumerate(zip(values, ranges, strict=True)):
         if value is None or not np.isfinite(value):
             continue
         scaled = (

@@ -51,7 +51,7 @@ class ServerSession:
     @classmethod
     def start(
         cls, server_round: int, participants: list[int], params: SecAggParams, length: int
-    ) -> "ServerSession":
+    ) -> ServerSession:
         ordered = tuple(sorted(int(p) for p in participants))
         if len(set(ordered)) != len(ordered) or length < 1:
             raise SecAggError(

@@ -48,7 +48,10 @@ class SignedKeys:
     SIZES = (crypto.KEY_BYTES, crypto.KEY_BYTES, 32, 32, SIGNATURE_BYTES, SIGNATURE_BYTES)
 
     def check_sizes(self) -> None:
-        if any(not isinstance(v, bytes) or len(v) != n for v, n in zip(self.fields(), self.SIZES)):
+        if any(
+            not isinstance(v, bytes) or len(v) != n
+            for v, n in zip(self.fields(), self.SIZES, strict=True)
+        ):
             raise SecAggError(
                 f"malformed key material: fields of {list(self.SIZES)} bytes expected"
             )
@@ -112,7 +115,7 @@ class SiteSession:
         participants: list[int],
         params: SecAggParams,
         identity: SiteIdentity,
-    ) -> "SiteSession":
+    ) -> SiteSession:
         """A new round: fresh keys; refuses a round this site is not in, one its identity is not for, or one the
         parameters cannot run (a threshold at or below half the shares among them)."""
         ordered = tuple(sorted(int(p) for p in participants))
@@ -177,7 +180,7 @@ class SiteSession:
         key_shares = shamir.split(self.mask_key, xs, self._threshold())
         seed_shares = shamir.split(self.self_seed, xs, self._threshold())
         sealed = {}
-        for peer, x in zip(peers, xs):
+        for peer, x in zip(peers, xs, strict=True):
             if peer == self.node:
                 continue
             plain = _ids(self.node, peer) + key_shares[x] + seed_shares[x]
@@ -287,7 +290,7 @@ class SiteSession:
         )
 
     @classmethod
-    def from_state(cls, text: str, identity: SiteIdentity) -> "SiteSession":
+    def from_state(cls, text: str, identity: SiteIdentity) -> SiteSession:
         """The session `to_state` wrote; the identity is the site's own, kept apart from any one round."""
         data = json.loads(text)
         share_key, mask_key, self_seed = (base64.b64decode(raw) for raw in data["keys"])

@@ -86,7 +86,7 @@ def parse_keys_request(record: Mapping[str, Any]) -> tuple[int, list[int], SecAg
         per_coordinate,
         _typed(record, "count-once", bool),
         shapes,
-        list(zip(metric_names, metric_ranges)),
+        list(zip(metric_names, metric_ranges, strict=True)),
     )
     return _int(record, "round"), _ints(record, "participants"), params, layout
 
@@ -111,7 +111,7 @@ def parse_slices(record: Mapping[str, Any]) -> dict[str, tuple[int | None, tuple
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     return {
         name: (None if dim == -1 else dim, tuple(index[start : start + length]))
-        for name, dim, start, length in zip(names, dims, starts, lengths)
+        for name, dim, start, length in zip(names, dims, starts, lengths, strict=True)
     }
 
 
@@ -120,7 +120,7 @@ _KEY_FIELDS = ("share-key", "mask-key", "commitment", "signing-key", "certificat
 
 
 def keys_reply(keys: SignedKeys) -> Record:
-    return dict(zip(_KEY_FIELDS, keys.fields()))
+    return dict(zip(_KEY_FIELDS, keys.fields(), strict=True))
 
 
 def parse_keys_reply(record: Mapping[str, Any]) -> SignedKeys:
@@ -142,7 +142,7 @@ def parse_shares_request(record: Mapping[str, Any]) -> tuple[int, dict[int, Sign
     nodes, columns = _ints(record, "nodes"), [_list(record, key, bytes) for key in _KEY_FIELDS]
     _same_length(nodes, *columns)
     return _int(record, "node"), {
-        node: SignedKeys(*fields) for node, *fields in zip(nodes, *columns)
+        node: SignedKeys(*fields) for node, *fields in zip(nodes, *columns, strict=True)
     }
 
 
@@ -199,7 +199,7 @@ def _by_node(values: Mapping[int, bytes], nodes_key: str, values_key: str) -> Re
 def _parse_by_node(record: Mapping[str, Any], nodes_key: str, values_key: str) -> dict[int, bytes]:
     nodes, values = _ints(record, nodes_key), _list(record, values_key, bytes)
     _same_length(nodes, values)
-    return dict(zip(nodes, values))
+    return dict(zip(nodes, values, strict=True))
 
 
 def _typed(record: Mapping[str, Any], key: str, kind: type) -> Any:

@@ -25,9 +25,10 @@ def test_streamed_mean_equals_weighted_mean():
     weights = [3, 1, 4, 1, 5, 9, 2]
     accumulator = WeightedDeltaAccumulator()
     accumulator.add_all(
-        make_reply({"w": d}, n, node_id=i + 1) for i, (d, n) in enumerate(zip(deltas, weights))
+        make_reply({"w": d}, n, node_id=i + 1)
+        for i, (d, n) in enumerate(zip(deltas, weights, strict=True))
     )
-    expected = sum(n * d for d, n in zip(deltas, weights)) / sum(weights)
+    expected = sum(n * d for d, n in zip(deltas, weights, strict=True)) / sum(weights)
     np.testing.assert_allclose(accumulator.mean()["w"].numpy(), expected, rtol=1e-6)
     assert accumulator.total_weight == sum(weights)
     assert len(accumulator.metric_records) == 7
@@ -136,7 +137,8 @@ def test_weighted_blocks_equal_the_reference_and_are_bit_identical_across_thread
         accumulator.add_all(replies())
         means[threads] = accumulator.mean()
     factors = [
-        clipped(site_deltas(s), dp_clip) if dp_clip else w for s, w in zip(range(SITES), weights())
+        clipped(site_deltas(s), dp_clip) if dp_clip else w
+        for s, w in zip(range(SITES), weights(), strict=True)
     ]
     assert dp_clip is None or max(factors) < 1  # every reply was really clipped
     for name in site_deltas(0):
@@ -187,7 +189,8 @@ def test_masked_blocks_equal_the_reference_and_are_bit_identical_across_threads(
         {n: d * site_masks(s)[n].numpy() for n, d in site_deltas(s).items()} for s in range(SITES)
     ]
     factors = [
-        clipped(masked[s], dp_clip) if dp_clip else w for s, w in zip(range(SITES), weights())
+        clipped(masked[s], dp_clip) if dp_clip else w
+        for s, w in zip(range(SITES), weights(), strict=True)
     ]
     counted = [1.0] * SITES if dp_clip else weights()
     assert dp_clip is None or max(factors) < 1
@@ -238,9 +241,10 @@ def test_sliced_blocks_equal_the_reference_and_are_bit_identical_across_threads(
     for name, shape in shapes.items():
         masks = [slices[s][name].mask(shape).numpy() for s in range(3)]
         sums = sum(
-            f * m * full[name][s].astype(np.float64) for s, (f, m) in enumerate(zip(factors, masks))
+            f * m * full[name][s].astype(np.float64)
+            for s, (f, m) in enumerate(zip(factors, masks, strict=True))
         )
-        counts = sum(c * m for c, m in zip(counted, masks))
+        counts = sum(c * m for c, m in zip(counted, masks, strict=True))
         delta, trained = results[1][name]
         np.testing.assert_allclose(
             delta.numpy(),

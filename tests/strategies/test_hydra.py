@@ -196,7 +196,10 @@ def test_layout_slices_equal_trainable_slices_of_the_live_model(family):
     layout = dict(
         zip(
             layout["layout.names"],
-            zip(layout["layout.layers"], layout["layout.axes"], layout["layout.units"]),
+            zip(
+                layout["layout.layers"], layout["layout.axes"], layout["layout.units"], strict=True
+            ),
+            strict=True,
         )
     )
     groups = 2 if family == "llama" else 4

@@ -190,7 +190,13 @@ def test_a_product_of_higher_rank_is_cut_to_its_best_rank_r_approximation():
     )
     assert sent_specs(messages) == {1: SMALL, 2: SMALL}
     new, _ = strategy.aggregate_train(
-        1, iter([make_reply(d, n, node_id=i + 1) for i, (d, n) in enumerate(zip(deltas, (1, 3)))])
+        1,
+        iter(
+            [
+                make_reply(d, n, node_id=i + 1)
+                for i, (d, n) in enumerate(zip(deltas, (1, 3), strict=True))
+            ]
+        ),
     )
     new = {name: array.numpy() for name, array in new.items()}
 

@@ -432,9 +432,7 @@ def test_a_lora_site_of_rank_r_trains_what_the_rank_R_adapter_does_with_zeros_be
         arrays[pair.a], arrays[pair.b] = truncate(initial[pair.a], b, rank)
 
     def train(state, **config):
-        config = ConfigRecord(
-            {**CFG.to_flower(), "strategy": "fedit", "server-round": 1, **config}
-        )
+        config = ConfigRecord({**CFG.to_flower(), "strategy": "fedit", "server-round": 1, **config})
         message = Message(
             RecordDict({"arrays": to_record(state), "config": config}),
             dst_node_id=FIRST_NODE_ID,
@@ -503,7 +501,13 @@ def test_a_hetlora_site_under_the_tail_penalty_ends_with_a_smaller_tail():
 
     def tail_after(**penalty):
         config = ConfigRecord(
-            {**CFG.to_flower(), "strategy": "hetlora", SITE_RANK_KEY: 8, "server-round": 1, **penalty}
+            {
+                **CFG.to_flower(),
+                "strategy": "hetlora",
+                SITE_RANK_KEY: 8,
+                "server-round": 1,
+                **penalty,
+            }
         )
         message = Message(
             RecordDict({"arrays": to_record(arrays), "config": config}),

@@ -165,7 +165,13 @@ def test_site_and_coordinator_agree_on_the_width_layout():
         heads = dict(
             zip(
                 layout["layout.names"],
-                zip(layout["layout.layers"], layout["layout.axes"], layout["layout.units"]),
+                zip(
+                    layout["layout.layers"],
+                    layout["layout.axes"],
+                    layout["layout.units"],
+                    strict=True,
+                ),
+                strict=True,
             )
         )
         shapes = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
