@@ -17,7 +17,7 @@ RUNS_DIR = Path("hydrafl-runs")
 LATEST = "latest"
 RUN_MARKERS = ("results.json", "report.md")
 """Files a finished comparison leaves in its folder."""
-STRATEGY_MARKERS = ("history.json", "checkpoint.pkl")
+STRATEGY_MARKERS = ("history.json", "checkpoint.json", "checkpoint.pkl")
 """Files a strategy's run leaves in its sub-folder, also when it failed."""
 
 

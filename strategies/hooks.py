@@ -117,10 +117,11 @@ class BuffersUpdates(Protocol):
 
 def strategy_state(strategy: Strategy) -> dict[str, Any]:
     """hydrafl strategies export `state_dict()`; Flower's keep state (FedOpt moments, FedAvgM momentum,
-    current arrays) in plain attributes, which are saved whole."""
+    current arrays) in plain attributes, which are saved whole except their callables (the aggregation
+    functions and Bulyan's selection rule): those are code, which building the strategy gives the resume."""
     if hasattr(strategy, "state_dict"):
         return strategy.state_dict()
-    return dict(vars(strategy))
+    return {key: value for key, value in vars(strategy).items() if not callable(value)}
 
 
 def restore_strategy_state(strategy: Strategy, state: dict[str, Any]) -> None:

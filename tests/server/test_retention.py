@@ -3,7 +3,6 @@ stay), ended runs keep their history and final model, sweeps are idempotent, and
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import grpc
@@ -17,7 +16,7 @@ from hydrafl.cli import app
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
 from hydrafl.proto.envelope import chunk_hashes, split_message
-from hydrafl.server.aggregation.checkpoint import CHECKPOINT_FILE
+from hydrafl.server.aggregation.checkpoint import CHECKPOINT_FILE, Checkpoint, save_checkpoint
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
@@ -81,11 +80,17 @@ class Home:
         )
 
     def checkpoint(self, server_round: int) -> None:
-        """What the driver does before its round callback: commit `checkpoint.pkl` atomically."""
-        folder = self.runs / str(self.run_id)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "tmp").write_bytes(f"round {server_round}".encode() * 100)
-        os.replace(folder / "tmp", folder / CHECKPOINT_FILE)
+        """What the driver does before its round callback: commit the round's checkpoint."""
+        save_checkpoint(
+            self.runs / str(self.run_id),
+            Checkpoint(
+                server_round=server_round,
+                arrays=ArrayRecord({"w": Array(np.full(100, server_round, dtype=np.float32))}),
+                strategy_state={},
+                history=[{"round": server_round}],
+                run_config={},
+            ),
+        )
 
     def rounds_stored(self) -> list[int]:
         with self.store.session() as session:
@@ -171,10 +176,10 @@ def test_an_ended_run_keeps_its_history_audit_events_and_last_checkpoints(home):
     )
     folder = home.runs / str(home.run_id)
     kept = sorted(path.name for path in (folder / "checkpoints").iterdir())
-    assert kept == ["round-00003.pkl", "round-00004.pkl"]
-    assert (folder / "checkpoints" / kept[-1]).samefile(
-        folder / CHECKPOINT_FILE
-    )  # the final model, one copy
+    assert [name[:11] for name in kept] == ["round-00003"] * 2 + ["round-00004"] * 2
+    assert (folder / "checkpoints" / "round-00004.json").samefile(folder / CHECKPOINT_FILE) and (
+        folder / "checkpoints" / kept[-2]
+    ).samefile(next(folder.glob("round-*.safetensors")))  # the final model, one copy
 
 
 def test_gc_dry_run_changes_nothing_and_gc_deletes_what_it_said(home):

@@ -170,10 +170,8 @@ def test_thirty_rounds_keep_blobs_rows_and_the_home_bounded(deployment, capsys):
     assert final["round_rows"] == 0 and final["blob_bytes"] == 0
     assert [entry["round"] for entry in run.history] == list(range(31))
     folder = deployment.runs / str(deployment.run_id)
-    assert sorted(path.name for path in (folder / "checkpoints").iterdir()) == [
-        "round-00029.pkl",
-        "round-00030.pkl",
-    ]
+    kept = sorted(path.name for path in (folder / "checkpoints").iterdir())
+    assert [name[:11] for name in kept] == ["round-00029"] * 2 + ["round-00030"] * 2
 
 
 @pytest.mark.slow
