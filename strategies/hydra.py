@@ -34,24 +34,23 @@ if TYPE_CHECKING:
 class Hydra(SubnetStrategy):
     """Per-site Hydra-nets: the top layers of the global ranking and, in each, the site's own top heads."""
 
-    def __init__(  # outer_lr 1 without momentum: no outer optimizer
+    def __init__(
         self,
         *,
         bypass: bool = False,
         freeze_heads: bool = True,
-        outer_lr: float = 1.0,
-        momentum: float = 0.0,
-        nesterov: bool = True,
+        outer: OuterOptimizer | None = None,
         planner: SitePlanner | None = None,
         **kwargs: Any,
     ) -> None:
+        """`outer` None: no outer optimizer, the plain masked mean (`--outer none`, an outer lr 1 step)."""
         planner = planner or SitePlanner()
         planner.scoring[protocol.SCORE_BYPASS] = (
             bypass  # a site measures its step cost as its net will run
         )
         super().__init__(
             planner=planner,
-            outer=OuterOptimizer(lr=outer_lr, momentum=momentum, nesterov=nesterov),
+            outer=outer or OuterOptimizer(lr=1.0, momentum=0.0, nesterov=False),
             **kwargs,
         )
         self.bypass, self.freeze_heads = bypass, freeze_heads
@@ -117,17 +116,15 @@ class HydraConfig(BudgetConfig, OuterConfig):
             self.robust_rule,
             "mean with hydra-lora=products: the robust rules go coordinate by coordinate (set hydra-lora=factors)",
         )
-        outer = {
-            "outer_lr": self.outer_lr,
-            "momentum": self.outer_momentum,
-            "nesterov": self.outer_nesterov,
-        }
+        outer = OuterOptimizer(
+            lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_nesterov
+        )
         return Hydra(
             planner=self.planner(run, rescore_every=self.rescore_every),
             bypass=self.hydra_bypass,
             lora_products=self.hydra_lora == "products",
             freeze_heads=self.hydra_head_mode == "freeze",
             robust=self.rule(),
-            **(outer if self.outer == "nesterov" else {}),
+            outer=outer if self.outer == "nesterov" else None,
             **common,
         )

@@ -20,6 +20,7 @@ from hydrafl.config import ConfigError, RunConfig
 from hydrafl.data import TaskSpec
 from hydrafl.models import build_model
 from hydrafl.strategies import AggregationError, Hydra, MaskedDeltaAccumulator, build_strategy
+from hydrafl.strategies.outer import OuterOptimizer
 from hydrafl.strategies.planner import SitePlanner
 from hydrafl.subnet.apply import trainable_slices
 from hydrafl.subnet.planning import LayerCost
@@ -106,7 +107,7 @@ def test_accumulator_coverage_and_refusals():
 
 def test_nesterov_steps_trained_coordinates_like_torch_sgd_and_freezes_the_rest():
     lr, momentum = 0.5, 0.9
-    strategy = _hydra(outer_lr=lr, momentum=momentum, nesterov=True)
+    strategy = _hydra(outer=OuterOptimizer(lr=lr, momentum=momentum, nesterov=True))
     arrays = {k: v.copy() for k, v in START.items()}
     reference = torch.tensor(
         START["v"], requires_grad=True
@@ -134,7 +135,7 @@ def test_outer_nesterov_with_lr_one_and_no_momentum_equals_plain_hydra():
 
 def test_the_run_config_wires_the_outer_optimizer_into_hydra():
     built = _built(outer="nesterov", outer_lr=0.7, outer_momentum=0.9)
-    by_hand = _hydra(outer_lr=0.7, momentum=0.9, nesterov=True)
+    by_hand = _hydra(outer=OuterOptimizer(lr=0.7, momentum=0.9, nesterov=True))
     unused = _built(
         outer_lr=0.7, outer_momentum=0.9
     )  # without outer = nesterov these knobs take no effect
@@ -151,9 +152,9 @@ def test_the_run_config_wires_the_outer_optimizer_into_hydra():
 
 
 def test_state_dict_round_trip():
-    first = _hydra(outer_lr=0.5, momentum=0.9)
+    first = _hydra(outer=OuterOptimizer(lr=0.5, momentum=0.9, nesterov=True))
     _step(first, START, [(DELTA_A, 10), (DELTA_B, 30)], 1)
-    second = _hydra(outer_lr=0.5, momentum=0.9)
+    second = _hydra(outer=OuterOptimizer(lr=0.5, momentum=0.9, nesterov=True))
     second.load_state_dict(first.state_dict())
     assert second.trainable_params == {1: {"1": 2 * 2 + 2, "2": 2 * 2 + 3 + 2}}  # w rows, v, o
     assert (

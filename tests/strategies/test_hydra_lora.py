@@ -13,6 +13,7 @@ from hydrafl.config import RunConfig
 from hydrafl.lora_pairs import lora_pairs
 from hydrafl.strategies import AggregationError, Hydra, build_strategy
 from hydrafl.strategies.lora_factors import MaskedProductAccumulator, product_slice
+from hydrafl.strategies.outer import OuterOptimizer
 from hydrafl.strategies.planner import SitePlanner
 from hydrafl.subnet.slices import Slice, layout_slices
 from hydrafl.subnet.spec import SubnetSpec
@@ -216,7 +217,7 @@ def test_a_product_of_higher_rank_is_cut_to_its_best_rank_r_approximation():
 
 def test_outer_nesterov_runs_on_the_products_across_rounds_and_resumes():
     lr, momentum = 0.7, 0.9
-    strategy = _hydra(outer_lr=lr, momentum=momentum, nesterov=True)
+    strategy = _hydra(outer=OuterOptimizer(lr=lr, momentum=momentum, nesterov=True))
     after_1 = _aggregate(strategy)
     d1 = _mean_q_step(START)
     p1 = START[Q_B].astype(np.float64) @ START[Q_A] - lr * (d1 + momentum * d1)  # buffer b1 = d1
@@ -227,7 +228,7 @@ def test_outer_nesterov_runs_on_the_products_across_rounds_and_resumes():
         "l0.q.lora-product",
     ]
 
-    resumed = _hydra(outer_lr=lr, momentum=momentum, nesterov=True)
+    resumed = _hydra(outer=OuterOptimizer(lr=lr, momentum=momentum, nesterov=True))
     resumed.load_state_dict(strategy.state_dict())
     after_2 = _aggregate(resumed, start=after_1, server_round=2)
     d2 = _mean_q_step(after_1)
