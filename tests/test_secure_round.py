@@ -154,9 +154,10 @@ def test_the_honest_site_bound_clips_each_update_before_masking_and_a_modified_s
     clipped = sum(w * d * clip / n for w, d, n in zip(weights, deltas, norms, strict=True)) / sum(
         weights
     )
-    flat = lambda arrays: np.concatenate(
-        [arrays[n].numpy().astype(np.float64).ravel() for n in names]
-    )  # noqa: E731
+
+    def flat(arrays: ArrayRecord) -> np.ndarray:
+        return np.concatenate([arrays[n].numpy().astype(np.float64).ravel() for n in names])
+
     start = flat(plain.arrays) + mean  # FedAvg steps by the mean delta (start - end)
     bounded, _ = _run(ONE_ROUND.replace(secagg=True, secagg_clip=clip))
     step = start - flat(bounded.arrays)

@@ -35,7 +35,7 @@ class DampedAverage(FedAvg):
         self.damping = damping
         self.start: ArrayRecord | None = None
 
-    def configure_train(self, server_round, arrays, config, grid):  # noqa: ANN001, ANN201
+    def configure_train(self, server_round, arrays, config, grid):
         self.start = arrays
         return super().configure_train(server_round, arrays, config, grid)
 
