@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID
@@ -245,3 +246,32 @@ def site_app_failing(partitions: set[int]) -> ClientApp:
     app.query("init")(site_app.initial_model)
     app.query("scores")(site_app.scores)  # Hydra's planning round
     return app
+
+
+def assert_same_numbers_over_grpc(tmp_path: Path, cfg: RunConfig) -> None:
+    """A real coordinator and real `hydrafl site` processes (the reply checks on the wire, each site's state
+    in its agent's Context across rounds) end every round with the in-process grid's numbers."""
+    from deployment import run_to_end
+
+    from hydrafl.simulation.compare import run_strategy
+
+    inprocess = run_strategy(cfg.replace(run_dir=str(tmp_path / "in")), "inprocess")
+    store, run_id = run_to_end(tmp_path, cfg, [()] * cfg.sites, timeout_s=600)
+    run = store.run(run_id)
+    assert run.status == "finished", run.detail
+    losses = [record["loss"] for record in inprocess]
+    assert [record["loss"] for record in run.history] == pytest.approx(losses, rel=1e-5)
+    assert [r["bytes_up"] for r in run.history] == [r["bytes_up"] for r in inprocess]
+    assert all(record["sites_ok"] == cfg.sites for record in run.history[1:])
+
+
+def assert_same_numbers_on_ray(tmp_path: Path, cfg: RunConfig) -> None:
+    """Flower's Ray engine ends every round with the in-process grid's numbers."""
+    from hydrafl.simulation.compare import run_strategy
+
+    pytest.importorskip("ray")
+    inprocess = run_strategy(cfg.replace(run_dir=str(tmp_path / "in")), "inprocess")
+    on_ray = run_strategy(cfg.replace(run_dir=str(tmp_path / "ray")), "ray")
+    losses = [record["loss"] for record in inprocess]
+    assert [record["loss"] for record in on_ray] == pytest.approx(losses, rel=1e-5)
+    assert [r["bytes_up"] for r in on_ray] == [r["bytes_up"] for r in inprocess]

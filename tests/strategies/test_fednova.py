@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
-from helpers import SMALL_RUN, FakeGrid
+from helpers import SMALL_RUN, FakeGrid, assert_same_numbers_on_ray, assert_same_numbers_over_grpc
 
 from hydrafl.arrays import from_record, to_record
 from hydrafl.client import site_app
 from hydrafl.server import server_app
-from hydrafl.simulation.compare import run_strategy
 from hydrafl.simulation.grid import InProcessGrid
 from hydrafl.strategies.fednova import FedNova
 from hydrafl.strategies.fednova_site import LOCAL_STEPS, FedNovaSite
@@ -115,28 +114,10 @@ def test_secure_aggregation_and_central_dp_are_refused_by_name(changes, flag):
 
 @pytest.mark.slow
 def test_the_same_numbers_over_grpc_with_real_site_processes(tmp_path):
-    """A real coordinator and real `hydrafl site` processes (the reply checks on the wire, each site's state
-    in its agent's Context across rounds) end every round with the in-process grid's numbers."""
-    from deployment import run_to_end
-
-    cfg = CFG.replace(sites=2, rounds=2)
-    inprocess = run_strategy(cfg.replace(run_dir=str(tmp_path / "in")), "inprocess")
-    store, run_id = run_to_end(tmp_path, cfg, [()] * cfg.sites, timeout_s=600)
-    run = store.run(run_id)
-    assert run.status == "finished", run.detail
-    assert [r["loss"] for r in run.history] == pytest.approx(
-        [r["loss"] for r in inprocess], rel=1e-5
-    )
-    assert [r["bytes_up"] for r in run.history] == [r["bytes_up"] for r in inprocess]
-    assert all(record["sites_ok"] == cfg.sites for record in run.history[1:])
+    assert_same_numbers_over_grpc(tmp_path, CFG.replace(sites=2, rounds=2))
 
 
 @pytest.mark.slow
 @pytest.mark.ray
 def test_the_same_numbers_on_ray(tmp_path):
-    pytest.importorskip("ray")
-    cfg = CFG.replace(sites=2, rounds=2)
-    inprocess = run_strategy(cfg.replace(run_dir=str(tmp_path / "in")), "inprocess")
-    on_ray = run_strategy(cfg.replace(run_dir=str(tmp_path / "ray")), "ray")
-    assert [r["loss"] for r in on_ray] == pytest.approx([r["loss"] for r in inprocess], rel=1e-5)
-    assert [r["bytes_up"] for r in on_ray] == [r["bytes_up"] for r in inprocess]
+    assert_same_numbers_on_ray(tmp_path, CFG.replace(sites=2, rounds=2))
