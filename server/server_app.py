@@ -18,6 +18,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
 from hydrafl import protocol
+from hydrafl.compression.layout import Scheme
 from hydrafl.config import RunConfig
 from hydrafl.rounds import RoundRecord
 from hydrafl.secagg import SecAggParams
@@ -72,8 +73,17 @@ def run_federation(
             check_outer_stability(grid, cfg, initial)
         return initial
 
+    scheme = Scheme(
+        name=cfg.compress,
+        topk_fraction=cfg.compress_topk_fraction,
+        rank=cfg.compress_rank,
+        block=cfg.compress_block,
+    )
+    wire = scheme.to_config() if scheme.enabled else {}  # the one run setting a reply's check needs
     config = DriverConfig(
         num_rounds=cfg.rounds,
+        train_config=wire,
+        evaluate_config=wire,
         required_sites=cfg.required_sites,
         seed=cfg.seed,
         timeout_s=cfg.round_deadline_s,

@@ -79,6 +79,16 @@ class Scheme:
         except (TypeError, ValueError) as error:
             raise CompressionError(str(error)) from None
 
+    def to_config(self) -> dict[str, str | int | float]:
+        """The scheme's keys as `from_config` reads them: what a message says about the form of its reply
+        (the coordinator's edge holds a compressed reply to the message it answers, never to the reply's say)."""
+        return {
+            "compress": self.name,
+            "compress-topk-fraction": self.topk_fraction,
+            "compress-rank": self.rank,
+            "compress-block": self.block,
+        }
+
     def factorised(self, shape: Sequence[int]) -> tuple[int, int, int] | None:
         """powersgd: (rows, columns, rank) of the matrix a tensor is sent as, or None when it goes whole (a
         vector, or a matrix whose factors would not be smaller)."""

@@ -65,8 +65,9 @@ class DriverConfig:
     seed: int = 0
     timeout_s: float | None = None
     train_config: dict[str, Any] = field(default_factory=dict)
-    """Keys every train message carries besides the strategy's: per-round ones only. The run's settings reach
-    a site once per run, in its Context (`hydrafl.run_settings`)."""
+    """Keys every train message carries besides the strategy's: the form its reply must take (the compression
+    scheme, which the coordinator's edge holds a reply to); the run's other settings reach a site once per run,
+    in its Context (`hydrafl.run_settings`)."""
     evaluate_config: dict[str, Any] = field(default_factory=dict)
     run_dir: Path | None = None
     """Checkpoints, history.json and rounds.tsv go here; None keeps the run in memory only."""
