@@ -197,7 +197,8 @@ def site(
         site_token,
         _load_app(client_app),
         {**site_config.to_node_config(), **app_node_config},
-        demo=data is None and not own_app,
+        demo=data
+        is None,  # a site's share of the run's demo cohort, for hydrafl's app or one wrapping it
         policy=site_policy,
         tls=tls,
         max_download_bytes=max_download_mb * 1_000_000 if max_download_mb else None,
