@@ -322,12 +322,7 @@ class CompressionConfig:
 
     def __post_init__(self) -> None:
         try:
-            Scheme(
-                name=self.compress,
-                topk_fraction=self.compress_topk_fraction,
-                rank=self.compress_rank,
-                block=self.compress_block,
-            )
+            self.scheme  # noqa: B018  (building it checks the scheme's keys)
         except CompressionError as error:
             raise ConfigError(str(error)) from None
         _check(
@@ -335,6 +330,16 @@ class CompressionConfig:
             "compress-downloads",
             self.compress_downloads,
             "off without --compress SCHEME: downloads are compressed in the upload scheme",
+        )
+
+    @property
+    def scheme(self) -> Scheme:
+        """The compression scheme these keys name (`hydrafl.compression.layout`)."""
+        return Scheme(
+            name=self.compress,
+            topk_fraction=self.compress_topk_fraction,
+            rank=self.compress_rank,
+            block=self.compress_block,
         )
 
 

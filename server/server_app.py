@@ -18,7 +18,6 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
 from hydrafl import protocol
-from hydrafl.compression.layout import Scheme
 from hydrafl.config import RunConfig
 from hydrafl.rounds import RoundRecord
 from hydrafl.secagg import SecAggParams
@@ -73,12 +72,7 @@ def run_federation(
             check_outer_stability(grid, cfg, initial)
         return initial
 
-    scheme = Scheme(
-        name=cfg.compress,
-        topk_fraction=cfg.compress_topk_fraction,
-        rank=cfg.compress_rank,
-        block=cfg.compress_block,
-    )
+    scheme = cfg.scheme
     wire = scheme.to_config() if scheme.enabled else {}  # the one run setting a reply's check needs
     config = DriverConfig(
         num_rounds=cfg.rounds,

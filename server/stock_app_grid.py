@@ -16,13 +16,12 @@ from typing import Any
 from flwr.app import Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
+from hydrafl import protocol
 from hydrafl.bounded import bounded
 from hydrafl.rounds import RoundRecord
 from hydrafl.server.lease_keeper import LeasedGrid
 from hydrafl.updates import records
 
-WEIGHT = "num-examples"
-"""The key Flower's strategies weigh replies by (`weighted_by_key`'s default)."""
 LOSS_KEYS = ("loss", "train_loss", "train-loss")
 """Where a ClientApp puts its loss; the first present is the round's."""
 
@@ -94,10 +93,12 @@ class StockAppGrid(LeasedGrid):
     def _fold(self, kind: str, metrics: list[MetricRecord]) -> MetricRecord:
         """The round's `kind` metrics so far, aggregated as Flower's FedAvg does by default."""
         kept = self._metrics.setdefault(kind, [])
-        kept.extend(record for record in metrics if WEIGHT in record)
+        kept.extend(record for record in metrics if protocol.WEIGHT in record)
         if not kept:
             return MetricRecord()
-        return aggregate_metricrecords([RecordDict({"metrics": record}) for record in kept], WEIGHT)
+        return aggregate_metricrecords(
+            [RecordDict({"metrics": record}) for record in kept], protocol.WEIGHT
+        )
 
 
 def _kind(message: Message) -> str:
