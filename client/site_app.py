@@ -35,7 +35,7 @@ from hydrafl.client.site_model import lora_spec, site_model
 from hydrafl.client.training import build_site_model, evaluate, site_seed, train_site
 from hydrafl.config import RunConfig
 from hydrafl.data import NEXT_TOKEN_TASKS, TASKS, Cohort, DataError, SiteSplit, load_cohort
-from hydrafl.data.text_cohort import MINILM
+from hydrafl.data.text_cohort import MINILM, tokenizer_for
 from hydrafl.footprint import training_footprint
 from hydrafl.kernels.distributed import LocalTraining
 from hydrafl.models import build_model, federated_state, lora_base_state, task_loss, training_loss
@@ -80,9 +80,7 @@ def _cohort(
 
 def run_cohort(cfg: RunConfig) -> Cohort:
     """The cohort a run's sites share out (cached per process; loading it early surfaces data errors)."""
-    tokenizer = (
-        MINILM if cfg.model == MINILM and not cfg.data else "hash"
-    )  # a pretrained model reads its own tokens
+    tokenizer = tokenizer_for(cfg.model, cfg.data)
     return _cohort(
         cfg.task,
         cfg.data,

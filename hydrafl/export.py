@@ -29,7 +29,7 @@ from hydrafl.backbones import LoraSpec
 from hydrafl.causal_lm import CausalLM
 from hydrafl.config import RunConfig
 from hydrafl.data import TaskSpec, load_cohort
-from hydrafl.data.text_cohort import MINILM, minilm_path
+from hydrafl.data.text_cohort import MINILM, minilm_path, tokenizer_for
 from hydrafl.models import Classifier, SmallCNN, TabularTransformer, build_model, federated_state
 
 TRANSFORMERS = "transformers"
@@ -53,7 +53,7 @@ class Exported:
 def run_task(cfg: RunConfig, data: str = "") -> TaskSpec:
     """The task the run's sites trained: the synthetic cohort's, or that of `data` (a sample of the sites'
     own files, which the coordinator does not hold)."""
-    tokenizer = MINILM if cfg.model == MINILM and not (data or cfg.data) else "hash"
+    tokenizer = tokenizer_for(cfg.model, data or cfg.data)
     cohort = load_cohort(
         cfg.task,
         num_sites=1,

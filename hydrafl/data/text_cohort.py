@@ -231,6 +231,12 @@ CLOSINGS = (
 )
 
 
+def tokenizer_for(model: str, data: str) -> str:
+    """The tokenizer a run's synthetic notes are encoded with: a pretrained MiniLM reads its own WordPiece
+    tokens; anything else, and any file (`--data`), the hashing tokenizer."""
+    return MINILM if model == MINILM and not data else "hash"
+
+
 def task_spec(tokenizer: str = "hash") -> TaskSpec:
     vocab_size, seq_len = (
         (_minilm_tokenizer().vocab_size, MINILM_SEQ_LEN)
