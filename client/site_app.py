@@ -31,14 +31,21 @@ from hydrafl import protocol
 from hydrafl.arrays import to_record
 from hydrafl.catalog import IMAGE_MODELS
 from hydrafl.client.model_probes import estimate_curvature, slice_layout
-from hydrafl.client.site_model import lora_spec, site_model
+from hydrafl.client.site_model import site_model
 from hydrafl.client.training import build_site_model, evaluate, site_seed, train_site
 from hydrafl.config import RunConfig
 from hydrafl.data import NEXT_TOKEN_TASKS, TASKS, Cohort, DataError, SiteSplit, load_cohort
 from hydrafl.data.text_cohort import MINILM, tokenizer_for
 from hydrafl.footprint import training_footprint
 from hydrafl.kernels.distributed import LocalTraining
-from hydrafl.models import build_model, federated_state, lora_base_state, task_loss, training_loss
+from hydrafl.models import (
+    build_model,
+    federated_state,
+    lora_base_state,
+    lora_spec,
+    task_loss,
+    training_loss,
+)
 from hydrafl.run_settings import message_keys, run_settings
 from hydrafl.site_config import SiteConfig
 from hydrafl.strategies.registry import site_half

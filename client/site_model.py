@@ -14,7 +14,7 @@ from hydrafl.arrays import from_record
 from hydrafl.client.model_probes import slice_layout
 from hydrafl.config import RunConfig
 from hydrafl.data import TaskSpec
-from hydrafl.models import Classifier, LoraSpec, build_model
+from hydrafl.models import Classifier, LoraSpec, build_model, lora_spec
 from hydrafl.subnet.apply import trainable_slices
 from hydrafl.subnet.slices import Slice, read_slices
 from hydrafl.subnet.spec import SubnetSpec
@@ -29,21 +29,6 @@ def _working_model(
     the frozen LoRA base weights (FLoRA merges into them) get a model of their own, so merged bases never
     leak into runs whose messages do not carry them."""
     return build_model(task, model=model, seed=seed, lora=lora)
-
-
-def lora_spec(cfg: RunConfig, rank: int | None = None) -> LoraSpec | None:
-    """The run's LoRA settings, None without LoRA. With a LoRA baseline's site `rank` r: a rank-r adapter with
-    alpha scaled by r / R, so its update B A * alpha_r / r is what the run's rank-R adapter computes from the
-    same r components (zero beyond them)."""
-    if not cfg.lora_rank:
-        return None
-    if rank is None or rank == cfg.lora_rank:
-        return LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_target_list)
-    if not 1 <= rank <= cfg.lora_rank:
-        raise ValueError(f"a site's LoRA rank must be in 1..{cfg.lora_rank}, got {rank}")
-    return LoraSpec(
-        rank=rank, alpha=cfg.lora_alpha * rank / cfg.lora_rank, targets=cfg.lora_target_list
-    )
 
 
 def site_model(

@@ -25,12 +25,18 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from hydrafl.backbones import LoraSpec
 from hydrafl.causal_lm import CausalLM
 from hydrafl.config import RunConfig
 from hydrafl.data import TaskSpec, load_cohort
 from hydrafl.data.text_cohort import MINILM, minilm_path, tokenizer_for
-from hydrafl.models import Classifier, SmallCNN, TabularTransformer, build_model, federated_state
+from hydrafl.models import (
+    Classifier,
+    SmallCNN,
+    TabularTransformer,
+    build_model,
+    federated_state,
+    lora_spec,
+)
 
 TRANSFORMERS = "transformers"
 PEFT = "peft"
@@ -68,12 +74,7 @@ def run_task(cfg: RunConfig, data: str = "") -> TaskSpec:
 
 def final_model(cfg: RunConfig, arrays: Mapping[str, torch.Tensor], task: TaskSpec) -> nn.Module:
     """The run's model as its sites build it, holding the run's final arrays."""
-    lora = (
-        LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_target_list)
-        if cfg.lora_rank
-        else None
-    )
-    model = build_model(task, model=cfg.model, seed=cfg.seed, lora=lora)
+    model = build_model(task, model=cfg.model, seed=cfg.seed, lora=lora_spec(cfg))
     state = model.state_dict()
     unknown = sorted(set(arrays) - set(state))
     missing = sorted(set(federated_state(model)) - set(arrays))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,9 @@ from hydrafl.causal_lm import CausalLM, build_lm, build_teacher
 from hydrafl.data import TaskSpec
 from hydrafl.data.notes_lm_cohort import NEXT_TOKEN
 from hydrafl.data.text_cohort import MINILM, minilm_path
+
+if TYPE_CHECKING:
+    from hydrafl.config import RunConfig
 from hydrafl.losses import DistillationLoss, LossFn, classification_loss, next_token_loss
 
 
@@ -233,6 +237,21 @@ def _from_pretrained(path: Path, task: TaskSpec) -> nn.Module:
         )
     return loaders[task.modality].from_pretrained(
         path, num_labels=task.num_classes, local_files_only=True, ignore_mismatched_sizes=True
+    )
+
+
+def lora_spec(cfg: RunConfig, rank: int | None = None) -> LoraSpec | None:
+    """The run's LoRA settings, None without LoRA. With a LoRA baseline's site `rank` r: a rank-r adapter with
+    alpha scaled by r / R, so its update B A * alpha_r / r is what the run's rank-R adapter computes from the
+    same r components (zero beyond them)."""
+    if not cfg.lora_rank:
+        return None
+    if rank is None or rank == cfg.lora_rank:
+        return LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_target_list)
+    if not 1 <= rank <= cfg.lora_rank:
+        raise ValueError(f"a site's LoRA rank must be in 1..{cfg.lora_rank}, got {rank}")
+    return LoraSpec(
+        rank=rank, alpha=cfg.lora_alpha * rank / cfg.lora_rank, targets=cfg.lora_target_list
     )
 
 
