@@ -20,6 +20,7 @@ from hydrafl import protocol
 from hydrafl.bounded import bounded
 from hydrafl.rounds import RoundRecord
 from hydrafl.server.lease_keeper import LeasedGrid
+from hydrafl.server.transport.replies import message_kind
 from hydrafl.updates import records
 
 LOSS_KEYS = ("loss", "train_loss", "train-loss")
@@ -42,7 +43,9 @@ class StockAppGrid(LeasedGrid):
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         messages = list(messages)
-        if any(_kind(message) == MessageType.TRAIN for message in messages):
+        if any(
+            message_kind(message.metadata.message_type) == MessageType.TRAIN for message in messages
+        ):
             if self.train_rounds:
                 self.store.set_run_status(
                     self.run.run_id, "running", rounds_done=self.train_rounds, history=self.history
@@ -79,7 +82,7 @@ class StockAppGrid(LeasedGrid):
         self.succeeded += 1
         if not self.history:
             return
-        entry, kind = self.history[-1], _kind(reply)
+        entry, kind = self.history[-1], message_kind(reply.metadata.message_type)
         if kind not in (MessageType.TRAIN, MessageType.EVALUATE):
             return
         folded = self._fold(kind, records(reply.content, MetricRecord))
@@ -99,10 +102,6 @@ class StockAppGrid(LeasedGrid):
         return aggregate_metricrecords(
             [RecordDict({"metrics": record}) for record in kept], protocol.WEIGHT
         )
-
-
-def _kind(message: Message) -> str:
-    return message.metadata.message_type.split(".")[0]
 
 
 def _first(values: MetricRecord, keys: tuple[str, ...]) -> float | None:
