@@ -120,8 +120,9 @@ def wait_for_sites(grid: Grid, required: int, timeout_s: float) -> list[int]:
 
 
 def _query(
-    cfg: RunConfig, node: int, message_type: str, arrays: ArrayRecord | None = None, **keys: bool
+    node: int, message_type: str, arrays: ArrayRecord | None = None, **keys: bool
 ) -> Message:
+    """A query carrying only its own keys: the run's settings reach each site once per run."""
     content = RecordDict({"config": ConfigRecord(dict(keys))})
     if arrays is not None:
         content["arrays"] = arrays
@@ -135,7 +136,7 @@ def request_initial_arrays(grid: Grid, cfg: RunConfig) -> ArrayRecord:
     declines = []
     for node in sorted(grid.get_node_ids()):
         query = _query(
-            cfg, node, protocol.QUERY_INIT, **{protocol.LORA_BASES: cfg.options.lora_bases_travel}
+            node, protocol.QUERY_INIT, **{protocol.LORA_BASES: cfg.options.lora_bases_travel}
         )
         [reply] = grid.send_and_receive([query])
         if not reply.has_error():
@@ -151,7 +152,7 @@ def check_outer_stability(grid: Grid, cfg: RunConfig, arrays: ArrayRecord) -> No
     """Probe each site's curvature and warn before training when the outer optimizer is predicted unstable
     (exact mean-square criterion on the quadratic model; exact for SGD inner steps, indicative otherwise)."""
     messages = [
-        _query(cfg, node, protocol.QUERY_CURVATURE, arrays) for node in sorted(grid.get_node_ids())
+        _query(node, protocol.QUERY_CURVATURE, arrays) for node in sorted(grid.get_node_ids())
     ]
     probes = [
         reply.content["metrics"]
