@@ -184,14 +184,16 @@ class Attacker:
         self.v6_channel = grpc.insecure_channel(v6_address, options=options)
         self.stub = CoordinatorStub(self.channel)
         self.template: pb.Envelope | None = None
+        self.others_seen: set[str] = set()
 
     def close(self) -> None:
         self.channel.close()
         self.v6_channel.close()
 
     def ready(self) -> bool:
-        """Mallory has answered a train message of the run: forged replies have something to answer. The
-        newest such reply still stored becomes the template (the last one seen stays when its round is gone)."""
+        """Mallory has answered a train message of the run and another site's message has been seen: forged
+        replies have something to answer and someone else's message to claim. The newest such reply still stored
+        becomes the template (the last one seen stays when its round is gone)."""
         with self.store.session() as session:
             rows = session.scalars(
                 select(Reply)
@@ -203,7 +205,8 @@ class Attacker:
                 if envelope.message_type == "train" and envelope.arrays:
                     self.template = envelope
                     break
-        return self.template is not None
+        self.others_seen.update(message.message_id for message in self._other_messages())
+        return self.template is not None and bool(self.others_seen)
 
     def send(self, kind: str) -> tuple[grpc.StatusCode, str]:
         """One request of `kind`, under the agent's lock; its status and details (for an accepted request,
@@ -347,7 +350,9 @@ class Attacker:
 
     def _another_sites_message_id(self) -> None:
         forged = self._forged()
-        forged.reply_to_message_id = self.rng.choice(self._other_messages()).message_id
+        # between rounds the other sites may have no message stored: one seen earlier is still theirs
+        self.others_seen.update(message.message_id for message in self._other_messages())
+        forged.reply_to_message_id = self.rng.choice(sorted(self.others_seen))
         self._push(forged)
 
     def _another_sites_chunk(self) -> str:
