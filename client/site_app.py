@@ -233,11 +233,13 @@ def train(message: Message, context: Context) -> Message:
         server_round=int(config.get(protocol.SERVER_ROUND, 0)),
         bf16=cfg.bf16 if site.bf16 is None else site.bf16,
         max_restarts=site.max_restarts,
+        nnodes=site.nnodes,
+        rdzv=site.rdzv,
     )
     # copies: pickling for the spawned processes moves a tensor's storage into shared memory, and the working
     # model's own tensors there would be shared with every simulation worker forked later
     frozen = None
-    if local.nproc > 1:
+    if local.world_size > 1:
         frozen = {name: t.clone() for name, t in model.state_dict().items() if name not in start}
     lora = lora_spec(cfg, rank)
     rebuild = partial(
@@ -297,7 +299,7 @@ def train(message: Message, context: Context) -> Message:
         "round %d: %d samples on %d process(es), %.0f samples/s%s, loss %.4f, data %s",
         local.server_round,
         result.num_examples,
-        local.nproc,
+        local.world_size,
         result.samples_per_s,
         utilisation,
         result.loss,

@@ -121,22 +121,22 @@ def train_site(
     config = replace(
         config,
         batch_size=min(config.batch_size, len(x)),
-        lanes=config.nproc,
+        lanes=config.world_size,
         threads=config.threads or torch.get_num_threads(),  # what this site process was given
     )
-    if config.batch_size % config.nproc:
+    if config.batch_size % config.world_size:
         raise ValueError(
-            f"batch size {config.batch_size} does not split evenly over nproc={config.nproc} processes; "
-            f"use a batch size that is a multiple of {config.nproc}"
+            f"batch size {config.batch_size} does not split evenly over {config.world_size} processes; "
+            f"use a batch size that is a multiple of {config.world_size}"
         )
-    if config.nproc > 1 and rebuild is None:
+    if config.world_size > 1 and rebuild is None:
         raise ValueError(
-            f"nproc={config.nproc} needs `rebuild`, a picklable builder of the model for each process"
+            f"{config.world_size} processes need `rebuild`, a picklable builder of the model for each"
         )
     home = next(model.parameters()).device
     try:
         result = train_distributed(
-            rebuild if config.nproc > 1 else (lambda: model),  # type: ignore[arg-type]
+            rebuild if config.world_size > 1 else (lambda: model),  # type: ignore[arg-type]
             state,
             x,
             y,
@@ -153,7 +153,7 @@ def train_site(
             result.samples_per_s,
             flops,
             device_name=result.device_name,
-            devices=config.nproc,
+            devices=config.world_size,
             bf16=config.bf16,
         )
     return SiteTrainResult(

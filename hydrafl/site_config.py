@@ -39,6 +39,10 @@ class SiteConfig:
     """Training processes (DDP); None takes the run's."""
     max_restarts: int = field(default=0, metadata=_key("max-restarts", int, "--max-restarts"))
     """With nproc > 1: how often the training processes are restarted when one dies."""
+    nnodes: int = field(default=1, metadata=_key("nnodes", int, "--nnodes"))
+    """Hosts this site trains on, `nproc` processes each; this process is the one that talks to the coordinator."""
+    rdzv: str = field(default="", metadata=_key("rdzv", str, "--rdzv"))
+    """With nnodes > 1: HOST:PORT of the site's rendezvous store, hosted by this process for the other hosts."""
     bf16: bool | None = field(default=None, metadata=_key("bf16", bool, "--bf16"))
     """Train under bfloat16 autocast; None takes the run's."""
     memory_mb: float | None = field(default=None, metadata=_key("memory-mb", float, "--memory-mb"))
@@ -60,6 +64,7 @@ class SiteConfig:
         least = {
             "nproc": 1,
             "max_restarts": 0,
+            "nnodes": 1,
             "memory_mb": 0,
             "demo_site": 0,
             "partition_id": 0,
@@ -75,6 +80,8 @@ class SiteConfig:
             raise ConfigError(
                 f"{_flag('tier')} {self.tier!r}: choose one of {', '.join(SITE_TIERS)}"
             )
+        if self.nnodes > 1 and not self.rdzv:
+            raise ConfigError(f"{_flag('nnodes')} {self.nnodes} needs {_flag('rdzv')} HOST:PORT")
         if self.label_column and self.data_path is None:
             raise ConfigError(f"{_flag('label_column')} needs {_flag('data_path')}")
 

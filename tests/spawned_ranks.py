@@ -72,3 +72,17 @@ def vocab_sharded_rank(
         )
     finally:
         dist.destroy_process_group()
+
+
+class SecondHostRankDiesOnFirstAttempt:
+    """The task's loss, except that local rank 1 of the host started with $HYDRAFL_TEST_SECOND_HOST set kills
+    its process in the first attempt (as an OOM kill on that host would)."""
+
+    def __call__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if (
+            os.environ.get("HYDRAFL_TEST_SECOND_HOST")
+            and os.environ["LOCAL_RANK"] == "1"
+            and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+        ):
+            os._exit(3)
+        return classification_loss(model, x, y)

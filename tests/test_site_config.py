@@ -19,6 +19,8 @@ EVERY_FIELD = SiteConfig(
     model_dir=Path("/models"),
     nproc=2,
     max_restarts=3,
+    nnodes=2,
+    rdzv="10.0.0.5:29400",
     bf16=False,
     memory_mb=512.0,
     speed=0.5,
@@ -69,6 +71,7 @@ def test_from_node_config_refuses_unknown_keys_and_wrong_types_naming_the_key(no
         ({"speed": 0.0}, "node_config 'speed' must be positive"),
         ({"partition_id": -1}, "node_config 'partition-id' must be at least 0"),
         ({"label_column": "outcome"}, "--label-column needs --data"),
+        ({"nnodes": 2}, "--nnodes 2 needs --rdzv HOST:PORT"),
     ],
 )
 def test_a_bad_value_names_the_flag_that_set_it(fields, named):

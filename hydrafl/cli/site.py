@@ -65,6 +65,26 @@ def site(
             min=0, help="With --nproc > 1: restart the training processes this often when one dies."
         ),
     ] = 0,
+    nnodes: Annotated[
+        int,
+        typer.Option(
+            min=1, help="Hosts this site trains on, --nproc processes each (torch elastic)."
+        ),
+    ] = 1,
+    node_rank: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="With --nnodes > 1: 0 on the host that talks to the coordinator, 1.. on the others "
+            "(which need no token and only train).",
+        ),
+    ] = 0,
+    rdzv: Annotated[
+        str,
+        typer.Option(
+            help="With --nnodes > 1: HOST:PORT of the site's rendezvous, on the node-rank-0 host."
+        ),
+    ] = "",
     bf16: Annotated[bool, typer.Option("--bf16", help="Train under bfloat16 autocast.")] = False,
     memory_mb: Annotated[
         float,
@@ -145,8 +165,13 @@ def site(
 
     try:  # before the imports below (torch among them): a typo costs a second
         check_address("--coordinator", coordinator)
+        _check_hosts(nnodes, node_rank, rdzv)
     except ConfigError as error:
         fail_one_line(str(error), 2)
+    if node_rank > 0:
+        setup_logging(verbose)
+        _train_for_the_leader(rdzv, nnodes=nnodes, nproc=nproc, max_restarts=max_restarts)
+        return
     app_node_config = _node_config(node_config)
     import grpc
 
@@ -167,6 +192,8 @@ def site(
             model_dir=model_dir,
             nproc=nproc,
             max_restarts=max_restarts,
+            nnodes=nnodes,
+            rdzv=rdzv,
             bf16=True if bf16 else None,
             memory_mb=memory_mb or None,
             tier=tier,
@@ -219,6 +246,49 @@ def site(
         pass
     finally:
         share.release()
+
+
+def _check_hosts(nnodes: int, node_rank: int, rdzv: str) -> None:
+    from hydrafl.netaddr import check_address
+    from hydrafl.validation import ConfigError
+
+    if nnodes == 1:
+        if node_rank or rdzv:
+            raise ConfigError(
+                "--node-rank and --rdzv are for a site on several hosts (--nnodes > 1)"
+            )
+        return
+    if node_rank >= nnodes:
+        raise ConfigError(f"--node-rank {node_rank} must be below --nnodes {nnodes}")
+    if not rdzv:
+        raise ConfigError(
+            f"--nnodes {nnodes} needs --rdzv HOST:PORT, an address of the node-rank-0 host"
+        )
+    check_address("--rdzv", rdzv)
+
+
+def _train_for_the_leader(rdzv: str, *, nnodes: int, nproc: int, max_restarts: int) -> None:
+    """A host other than the leader: no coordinator, no token; it trains in every round the leader starts."""
+    from functools import partial
+
+    from hydrafl.kernels.distributed import run_round_on_this_host
+    from hydrafl.kernels.multi_host import serve_training_host
+
+    console.print(
+        f"training for the site's leader at {escape(rdzv)}: {nproc} process(es) on this host, "
+        f"{nnodes} hosts"
+    )
+    run_round = partial(
+        run_round_on_this_host,
+        nnodes=nnodes,
+        nproc=nproc,
+        endpoint=rdzv,
+        max_restarts=max_restarts,
+    )
+    try:
+        serve_training_host(rdzv, lambda run_id: run_round(run_id=run_id))
+    except KeyboardInterrupt:
+        pass
 
 
 def _site_token(source: ParameterSource | None, token: str, token_file: Path | None) -> str:

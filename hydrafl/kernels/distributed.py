@@ -1,6 +1,6 @@
 """Multi-process local training for one site: N ranks, DistributedDataParallel, elastic deterministic batches.
 
-Every rank reads its share of each global batch from an `ElasticLoader` (world_size = nproc), so global batch k
+Every rank reads its share of each global batch from an `ElasticLoader` (world_size = nproc x hosts), so batch k
 holds the same samples for any world size that divides the loader's lanes. The ranks' shares are equal (lanes
 divide evenly over the ranks and the global batch over the lanes), so each rank's mean loss over its share,
 averaged by DDP over the ranks, has exactly the gradient of the mean loss over the global batch: the end state
@@ -12,9 +12,10 @@ every global batch of every pass, in order.
 Ranks are started as torchrun starts them: torch.distributed.elastic's agent (`elastic_launch`, one node,
 c10d rendezvous on loopback) sets RANK/WORLD_SIZE/MASTER_* and, when a rank dies, restarts the whole group up to
 `max_restarts` times. A restart replays the round from the start state on the same global batches (they are a
-pure function of seed and round), so it sends the delta an undisturbed run sends. Ranks talk through
-torch.distributed: gloo on CPU, nccl when the accelerator is CUDA (`pick_device`). Rank 0 hands the end state
-back to the caller through a file in a temporary directory.
+pure function of seed and round), so it sends the delta an undisturbed run sends. A site on several hosts
+starts each host's ranks the same way, into one rendezvous across them (`hydrafl.kernels.multi_host`). Ranks
+talk through torch.distributed: gloo on CPU, nccl when the accelerator is CUDA (`pick_device`). The caller's
+local rank 0 hands the end state back to it through a file in a temporary directory.
 """
 
 from __future__ import annotations
@@ -22,14 +23,10 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import signal
-import socket
 import tempfile
-import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -37,14 +34,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel
 
 from hydrafl.catalog import INNER_OPTIMIZERS
+from hydrafl.kernels import multi_host
 from hydrafl.kernels.elastic_loader import ElasticLoader, LoaderConfigError, hash_global_batches
+from hydrafl.kernels.launch import elastic_run, one_host_config
 from hydrafl.kernels.lm_dual import HeadLM
 from hydrafl.kernels.optimizers import build_inner_optimizer
 from hydrafl.losses import LossFn, classification_loss
@@ -99,13 +95,6 @@ def process_group_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LocalTraining:
     """One round of a site's local training, however many processes run it: the one statement of a site's
@@ -132,11 +121,30 @@ class LocalTraining:
     threads: int = 0
     """Torch threads the site trains with, over all its processes; 0: the machine's cores. A site sharing its
     machine with others takes its share (`hydrafl.client.machine_share`)."""
+    nnodes: int = 1
+    """Hosts the site trains on, `nproc` processes each (`hydrafl.kernels.multi_host`)."""
+    rdzv: str = ""
+    """With nnodes > 1: HOST:PORT of the site's rendezvous store, which this (the leader's) process hosts."""
+
+    @property
+    def world_size(self) -> int:
+        """Training processes over all the site's hosts."""
+        return self.nproc * self.nnodes
 
     def __post_init__(self) -> None:
-        if (self.steps is not None and self.steps < 1) or self.batch_size < 1 or self.nproc < 1:
+        if (
+            (self.steps is not None and self.steps < 1)
+            or self.batch_size < 1
+            or self.nproc < 1
+            or self.nnodes < 1
+        ):
             raise ValueError(
-                f"steps={self.steps}, batch_size={self.batch_size} and nproc={self.nproc} must be >= 1"
+                f"steps={self.steps}, batch_size={self.batch_size}, nproc={self.nproc} and "
+                f"nnodes={self.nnodes} must be >= 1"
+            )
+        if self.nnodes > 1 and not self.rdzv:
+            raise ValueError(
+                "training on several hosts needs the site's rendezvous endpoint (rdzv)"
             )
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts={self.max_restarts} must be >= 0")
@@ -145,8 +153,8 @@ class LocalTraining:
                 f"unknown inner optimizer {self.optimizer!r}; choose one of "
                 f"{', '.join(INNER_OPTIMIZERS)}"
             )
-        if self.optimizer == "lm-dual" and self.nproc > 1:
-            raise ValueError("lm-dual fine-tunes the head in one process; use nproc=1")
+        if self.optimizer == "lm-dual" and self.world_size > 1:
+            raise ValueError("lm-dual fine-tunes the head in one process; use nproc=1 on one host")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -174,7 +182,7 @@ def train_distributed(
     loss_fn: LossFn = classification_loss,
 ) -> DistributedResult:
     """Train `build()` loaded with `state` for `training.steps` global batches of (x, y) on `training.nproc`
-    processes.
+    processes (on each of `training.nnodes` hosts).
 
     `build` must be picklable for nproc > 1 (e.g. `functools.partial(build_model, task)`); with nproc=1 it may
     return a live model, which is trained in place (and moved to the device). `device` defaults to
@@ -187,7 +195,7 @@ def train_distributed(
         len(x),
         global_batch_size=training.batch_size,
         lanes=training.lanes,
-        world_size=training.nproc,
+        world_size=training.world_size,
         seed=training.seed,
         server_round=training.server_round,
     )
@@ -212,93 +220,86 @@ def train_distributed(
         loss_fn=loss_fn,
     )
     nproc, max_restarts = training.nproc, training.max_restarts
-    if nproc == 1:
+    if training.world_size == 1:
         return _run_rank(job, rank=0, model_wrapper=None)
     if device_type == "cuda" and nproc > torch.accelerator.device_count():
         raise ValueError(
             f"nproc={nproc} exceeds the {torch.accelerator.device_count()} CUDA devices"
         )
     with tempfile.TemporaryDirectory(prefix="hydrafl-ddp-") as tmp:
-        launch = LaunchConfig(
-            min_nodes=1,
-            max_nodes=1,
-            nproc_per_node=nproc,
-            run_id=f"hydrafl-{uuid.uuid4().hex}",
-            rdzv_backend="c10d",  # torchrun --standalone: the agent hosts the rendezvous store on loopback
-            rdzv_endpoint=f"127.0.0.1:{free_port()}",
-            local_addr="127.0.0.1",  # the ranks' MASTER_ADDR; else the host name, which need not resolve
-            max_restarts=max_restarts,
-            monitor_interval=0.1,
-            start_method="spawn",
-            logs_specs=DefaultLogsSpecs(log_dir=str(Path(tmp) / "logs")),  # gone with the round
-        )
+        logs = Path(tmp) / "logs"  # gone with the round
+        announcement = None
+        if training.nnodes > 1:
+            announcement = multi_host.RoundAnnouncement(training.rdzv)
+            launch = multi_host.launch_config(
+                nnodes=training.nnodes,
+                nproc=nproc,
+                run_id=announcement.run_id,
+                endpoint=training.rdzv,
+                max_restarts=max_restarts,
+                log_dir=logs,
+            )
+        else:
+            launch = one_host_config(nproc=nproc, max_restarts=max_restarts, log_dir=logs)
         out = Path(tmp) / "rank0.pt"
         try:
-            with _process_signal_handlers():
-                elastic_launch(launch, _rank_main)(job, str(out))
+            elastic_run(launch, _rank_main, job, str(out))
         except ChildFailedError as error:
             raise DistributedTrainingError(
-                f"{nproc} training processes failed after {max_restarts} restart(s): {error.format_msg()}"
+                f"{training.world_size} training processes failed after {max_restarts} restart(s): "
+                f"{error.format_msg()}"
             ) from error
+        finally:
+            if announcement is not None:
+                announcement.done()
         payload = torch.load(out, weights_only=True)
     return DistributedResult(**payload)
 
 
-_AGENT_SIGNALS = tuple(
-    getattr(signal, name)
-    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-    if hasattr(signal, name)
-)
+def run_round_on_this_host(
+    *, nnodes: int, nproc: int, run_id: str, endpoint: str, max_restarts: int
+) -> None:
+    """This host's `nproc` ranks of a round the site's leader announced as `run_id`; the job comes from the
+    leader's ranks, and the result goes back through them."""
+    with tempfile.TemporaryDirectory(prefix="hydrafl-ddp-") as tmp:
+        launch = multi_host.launch_config(
+            nnodes=nnodes,
+            nproc=nproc,
+            run_id=run_id,
+            endpoint=endpoint,
+            max_restarts=max_restarts,
+            log_dir=Path(tmp) / "logs",
+        )
+        try:
+            elastic_run(launch, _rank_main, None, None)
+        except ChildFailedError as error:
+            raise DistributedTrainingError(
+                f"{nproc} training processes on this host failed after {max_restarts} restart(s): "
+                f"{error.format_msg()}"
+            ) from error
 
 
-@contextmanager
-def _process_signal_handlers() -> Iterator[None]:
-    """The process's own signal handlers, back after the launch. The elastic agent installs handlers that raise
-    `SignalException` (an ordinary Exception) and leaves them in place: a site would then take Ctrl-C or a
-    container stop for a failed round and carry on. A signal during the launch is delivered as the process
-    would have had it: SIGINT as KeyboardInterrupt, others to the restored handler."""
-    if (
-        threading.current_thread() is not threading.main_thread()
-    ):  # handlers can only change on the main thread
-        yield
-        return
-    saved = {
-        sig: handler for sig in _AGENT_SIGNALS if (handler := signal.getsignal(sig)) is not None
-    }
-
-    def restore() -> None:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
-
-    try:
-        yield
-    except SignalException as error:
-        restore()
-        if error.sigval == signal.SIGINT:
-            raise KeyboardInterrupt from error
-        signal.raise_signal(error.sigval)
-        raise
-    finally:
-        restore()
-
-
-def _rank_main(job: _Job, out: str) -> None:
+def _rank_main(job: _Job | None, out: str | None) -> None:
     """Entry point of a rank started by the elastic agent (RANK, WORLD_SIZE, MASTER_* in the environment): join
-    the process group, train, rank 0 writes the result."""
-    rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    # Share the host's cores between the ranks instead of oversubscribing them.
-    torch.set_num_threads(
-        max(1, (job.training.threads or os.cpu_count() or 1) // job.training.nproc)
+    the process group, take the job from the leader's ranks when this host has none, train; the leader's local
+    rank 0 writes the result to `out`."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    device = _rank_device(job.device_type if job else pick_device().type, local_rank)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=rank == 0
     )
-    device = _rank_device(job.device_type, rank)
     dist.init_process_group(
         process_group_backend(device),
-        store=_attempt_store(rank, job.training.nproc, attempt),
+        store=store,
         rank=rank,
-        world_size=job.training.nproc,
+        world_size=world_size,
         **({"device_id": device} if device.type == "cuda" else {}),
     )
     try:
+        job = _job_from_leader(job, device)
+        # Share the host's cores between its ranks instead of oversubscribing them.
+        torch.set_num_threads(max(1, (job.training.threads or os.cpu_count() or 1) // local_world))
 
         def wrap(model: nn.Module) -> nn.Module:
             # Some parameters get no gradient (e.g. word embeddings of an encoder fed `inputs_embeds`).
@@ -309,31 +310,44 @@ def _rank_main(job: _Job, out: str) -> None:
             )
 
         result = _run_rank(job, rank=rank, model_wrapper=wrap)
-        if rank == 0:
-            result = replace(result, restarts=attempt)
+        # the most restarts any host's agent made (a host whose rank died counts one; the others may not)
+        restarts = torch.tensor(int(os.environ["TORCHELASTIC_RESTART_COUNT"]), device=device)
+        dist.all_reduce(restarts, op=dist.ReduceOp.MAX)
+        if out is not None and local_rank == 0:
+            result = replace(result, restarts=int(restarts))
             torch.save({field.name: getattr(result, field.name) for field in fields(result)}, out)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _attempt_store(rank: int, world_size: int, attempt: int) -> dist.Store:
-    """The process group's store, keyed by restart attempt. The agent keeps one store for all attempts, and a
-    restarted rank could otherwise read the address a dead rank of the last attempt published, and hang."""
-    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world_size,
-        is_master=not agent_hosts_it and rank == 0,
-    )
-    return dist.PrefixStore(f"hydrafl/attempt-{attempt}", store)
+def _job_from_leader(job: _Job | None, device: torch.device) -> _Job:
+    """The round's job: this rank's own on the leader's host; on another host, broadcast from a leader's rank."""
+    if int(os.environ["GROUP_WORLD_SIZE"]) == 1:
+        assert job is not None
+        return job
+    holders: list[bool] = [False] * dist.get_world_size()
+    dist.all_gather_object(holders, job is not None)
+    box = [job]
+    dist.broadcast_object_list(box, src=holders.index(True))
+    received = box[0]
+    assert received is not None
+    if received.training.world_size != dist.get_world_size():
+        raise ValueError(
+            f"the site's leader trains on {received.training.world_size} processes but "
+            f"{dist.get_world_size()} joined: start every host with the same --nproc"
+        )
+    if received.device_type != device.type:
+        raise ValueError(
+            f"the site's leader trains on {received.device_type}, this host on {device.type}"
+        )
+    return received
 
 
-def _rank_device(device_type: str, rank: int) -> torch.device:
+def _rank_device(device_type: str, local_rank: int) -> torch.device:
     if device_type == "cpu":
         return torch.device("cpu")
-    index = rank % max(1, torch.accelerator.device_count())
+    index = local_rank % max(1, torch.accelerator.device_count())
     torch.accelerator.set_device_index(index)
     return torch.device(device_type, index)
 
@@ -342,7 +356,7 @@ def _run_rank(
     job: _Job, *, rank: int, model_wrapper: Callable[[nn.Module], nn.Module] | None
 ) -> DistributedResult:
     """Train this rank's model on its share of every global batch; the whole loop for nproc == 1."""
-    device = _rank_device(job.device_type, rank)
+    device = _rank_device(job.device_type, int(os.environ.get("LOCAL_RANK", 0)))
     model = job.build()
     _load_start_state(model, job.state)
     model.to(device)
@@ -359,11 +373,12 @@ def _run_rank(
         )
     )
     loaders: list[ElasticLoader] = []
-    local_size = job.training.batch_size // job.training.nproc
-    if local_size * job.training.nproc != job.training.batch_size:
+    world_size = job.training.world_size
+    local_size = job.training.batch_size // world_size
+    if local_size * world_size != job.training.batch_size:
         raise LoaderConfigError(
             f"global batch {job.training.batch_size} does not split evenly over "
-            f"{job.training.nproc} ranks; the DDP mean would not be the global mean"
+            f"{world_size} ranks; the DDP mean would not be the global mean"
         )
     trained.train()
     loss_sum = torch.zeros((), dtype=torch.float64)
@@ -393,7 +408,7 @@ def _run_rank(
         dist.all_reduce(
             loss_sum
         )  # sum over ranks of the share means: nproc x the global mean, per step
-        loss_sum = loss_sum.cpu() / job.training.nproc
+        loss_sum = loss_sum.cpu() / world_size
     elapsed = time.perf_counter() - start
     samples = job.training.steps * job.training.batch_size
     model_state = model.state_dict()
@@ -407,7 +422,7 @@ def _run_rank(
         ),
         samples_per_s=samples / elapsed if elapsed > 0 else math.inf,
         steps=job.training.steps,
-        nproc=job.training.nproc,
+        nproc=world_size,
         device=device.type,
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "",
     )
@@ -422,7 +437,7 @@ def _rank_batches(job: _Job, rank: int, loaders: list[ElasticLoader]) -> Iterato
             len(job.x),
             global_batch_size=job.training.batch_size,
             lanes=job.training.lanes,
-            world_size=job.training.nproc,
+            world_size=job.training.world_size,
             rank=rank,
             seed=job.training.seed,
             server_round=job.training.server_round,

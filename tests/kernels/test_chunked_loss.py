@@ -18,7 +18,7 @@ from hydrafl.kernels.chunked_loss import (
     cross_entropy_shard_stats,
     merge_cross_entropy_stats,
 )
-from hydrafl.kernels.distributed import free_port
+from hydrafl.kernels.launch import free_port
 
 N, D, D_TEACHER, V = 37, 16, 12, 101
 SETTINGS = [

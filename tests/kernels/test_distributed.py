@@ -135,7 +135,7 @@ def test_one_process_runs_in_process_and_is_the_plain_loop(
     def no_launch(*args: object, **kwargs: object) -> None:
         raise AssertionError("nproc=1 must not start processes")
 
-    monkeypatch.setattr(distributed, "elastic_launch", no_launch)
+    monkeypatch.setattr(distributed, "elastic_run", no_launch)
     result = _run(build, x, y, optimizer="adamw", steps=3)
 
     # The reference: a plain loop over the round's first three global batches, mean loss over each.
@@ -288,7 +288,7 @@ def test_nproc_beyond_the_lanes_is_an_error_before_any_spawn(
     x, y, build = site
     monkeypatch.setattr(
         distributed,
-        "elastic_launch",
+        "elastic_run",
         lambda *a, **k: pytest.fail("launched despite a bad world size"),
     )
     with pytest.raises(WorldSizeError, match="between 1 and the number of lanes 4"):
