@@ -55,6 +55,11 @@ class SiteConfig:
     """How many sites the simulation has (Flower's simulation engines set it with `partition_id`)."""
     pooled: bool = field(default=False, metadata=_key("pooled", bool))
     """The simulation's reference site, which trains on every site's training data together."""
+    dedup_key: str = field(
+        default="", repr=False, metadata=_key("dedup-key", str, "--dedup-key-file")
+    )
+    """The consortium's deduplication secret, hex (`hydrafl.client.dedup`); "" takes no part in deduplication.
+    The site's own: it never travels."""
 
     def __post_init__(self) -> None:
         least = {
@@ -75,6 +80,8 @@ class SiteConfig:
             raise ConfigError(
                 f"{_flag('tier')} {self.tier!r}: choose one of {', '.join(SITE_TIERS)}"
             )
+        if self.dedup_key:
+            _check_dedup_key(self.dedup_key)
         if self.label_column and self.data_path is None:
             raise ConfigError(f"{_flag('label_column')} needs {_flag('data_path')}")
 
@@ -113,6 +120,20 @@ class SiteConfig:
                 )
             values[specs[key].name] = _typed(key, specs[key].metadata["kind"], value)
         return cls(**values)
+
+
+def _check_dedup_key(hex_key: str) -> None:
+    """16 to 64 bytes of hex: BLAKE2b's key sizes, and too many to guess."""
+    try:
+        size = len(bytes.fromhex(hex_key))
+    except ValueError:
+        raise ConfigError(
+            f"{_flag('dedup_key')} must hold hex text (e.g. from `openssl rand -hex 32`)"
+        ) from None
+    if not 16 <= size <= 64:
+        raise ConfigError(
+            f"{_flag('dedup_key')} must hold 16 to 64 bytes (32 to 128 hex digits), got {size}"
+        )
 
 
 def _flag(name: str) -> str:

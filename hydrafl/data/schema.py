@@ -48,3 +48,6 @@ class Cohort:
 
     task: TaskSpec
     sites: tuple[SiteSplit, ...]
+    planted: tuple[tuple[int, int, int, int], ...] = ()
+    """Planted cross-site duplicates (`hydrafl.data.duplicates`): (site, train row, copy's site, copy's train
+    row) of every copy, which deduplication should find."""

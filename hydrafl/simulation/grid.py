@@ -13,6 +13,7 @@ site's training data: the full-data reference of the pseudo-gradient diagnostics
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -39,6 +40,14 @@ FIRST_NODE_ID = 1001
 POOLED_NODE_ID = 1000
 
 
+def simulated_dedup_key(seed: int) -> str:
+    """The simulated consortium's deduplication key (hex), from the run's seed: same seed, same signatures, so
+    the same records dropped. A secret only in name: the simulation is one process."""
+    return hashlib.blake2b(
+        f"hydrafl simulated dedup key {seed}".encode(), digest_size=32
+    ).hexdigest()
+
+
 class InProcessGrid(Grid):
     """Runs `client_app` for each pushed message, synchronously, in this process (or in `workers` forked worker
     processes; 0: one per core); every site's replies pass `policy`, as a real site's pass its operator's.
@@ -62,11 +71,16 @@ class InProcessGrid(Grid):
         self.workers = worker_count(workers, num_sites)
         self._pool: WorkerPool | None = None
         self._run = replace(Run.create_empty(run_id), override_config=dict(run_config or {}))
+        dedup_key = simulated_dedup_key(int((run_config or {}).get("seed", 0)))
         self.contexts = {
             FIRST_NODE_ID + i: Context(
                 run_id=run_id,
                 node_id=FIRST_NODE_ID + i,
-                node_config={"partition-id": i, "num-partitions": num_sites},
+                node_config={
+                    "partition-id": i,
+                    "num-partitions": num_sites,
+                    "dedup-key": dedup_key,
+                },
                 state=RecordDict(),
                 run_config=dict(run_config or {}),
             )
