@@ -3,7 +3,8 @@
 `hydrafl site` builds a `SiteConfig` from its flags once; the site's ClientApp reads it back from Flower's flat
 `node_config` (`SiteConfig.from_node_config`), which refuses a key it does not know, so a misspelt key fails
 loudly instead of silently falling back to the run's setting. The simulation's grids set `partition-id`,
-`num-partitions` and, for the full-data reference site, `pooled`. Torch-free: the command line imports it.
+`num-partitions`, the simulated consortium's `dedup-key` and, for the full-data reference site, `pooled`.
+Torch-free: the command line imports it.
 """
 
 from __future__ import annotations

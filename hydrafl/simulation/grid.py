@@ -8,7 +8,8 @@ the fixed order keeps aggregation order (and therefore floating-point sums) dete
 the sites run in that many forked worker processes (`hydrafl.simulation.workers`), a few sites ahead of the
 reply being consumed, and the replies still come in node order: the same sums, bit for bit. With `pooled_site`,
 one more site (`reference_node`, never listed by `get_node_ids`, so strategies never sample it) holds every
-site's training data: the full-data reference of the pseudo-gradient diagnostics.
+site's training data: the full-data reference of the pseudo-gradient diagnostics. Every site holds the
+simulated consortium's deduplication key (`simulated_dedup_key`), as real sites hold theirs.
 """
 
 from __future__ import annotations
