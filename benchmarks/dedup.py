@@ -19,6 +19,7 @@ and finds the planted copies with recall and precision >= 0.95.
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 from pathlib import Path
 from typing import Any
@@ -28,10 +29,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 
-from hydrafl.benchmarks._common import benchmark_parser, verdict
+from hydrafl.benchmarks._common import benchmark_parser, progress_columns, verdict
 from hydrafl.client.dedup import site_signatures
 from hydrafl.client.site_app import run_cohort
 from hydrafl.config import RunConfig
@@ -143,6 +144,41 @@ def goals(summary: dict[str, Any], detected: dict[str, list[dict[str, float]]]) 
     return out
 
 
+def plot(summary: dict[str, Any], path: Path) -> None:
+    tasks = list(summary)
+    figure, axes = plt.subplots(2, len(tasks), figsize=(5.5 * len(tasks), 7), squeeze=False)
+    width = 0.8 / len(CONDITIONS)
+    for column, task in enumerate(tasks):
+        weights_axis, accuracy_axis = axes[0][column], axes[1][column]
+        for k, condition in enumerate(CONDITIONS):
+            numbers = summary[task][condition]
+            sites = range(len(numbers["weights"]))
+            weights_axis.bar(
+                [i + (k - 1) * width for i in sites],
+                [100 * w for w in numbers["weights"]],
+                width,
+                label=condition,
+            )
+            accuracy_axis.bar(
+                k,
+                numbers["accuracy_mean"],
+                yerr=numbers["accuracy_std"],
+                capsize=4,
+                label=condition,
+            )
+        weights_axis.set_title(f"{task}: share of the training weight")
+        weights_axis.set_xlabel("site")
+        weights_axis.set_ylabel("% of training records")
+        weights_axis.legend()
+        accuracy_axis.set_title(f"{task}: final accuracy")
+        accuracy_axis.set_xticks(range(len(CONDITIONS)), CONDITIONS)
+        low = min(summary[task][c]["accuracy_mean"] for c in CONDITIONS)
+        accuracy_axis.set_ylim(max(0.0, low - 0.1), 1.0)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         "# Cross-site duplicates with and without deduplication",
@@ -189,41 +225,6 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: dict[str, Any], path: Path) -> None:
-    tasks = list(summary)
-    figure, axes = plt.subplots(2, len(tasks), figsize=(5.5 * len(tasks), 7), squeeze=False)
-    width = 0.8 / len(CONDITIONS)
-    for column, task in enumerate(tasks):
-        weights_axis, accuracy_axis = axes[0][column], axes[1][column]
-        for k, condition in enumerate(CONDITIONS):
-            numbers = summary[task][condition]
-            sites = range(len(numbers["weights"]))
-            weights_axis.bar(
-                [i + (k - 1) * width for i in sites],
-                [100 * w for w in numbers["weights"]],
-                width,
-                label=condition,
-            )
-            accuracy_axis.bar(
-                k,
-                numbers["accuracy_mean"],
-                yerr=numbers["accuracy_std"],
-                capsize=4,
-                label=condition,
-            )
-        weights_axis.set_title(f"{task}: share of the training weight")
-        weights_axis.set_xlabel("site")
-        weights_axis.set_ylabel("% of training records")
-        weights_axis.legend()
-        accuracy_axis.set_title(f"{task}: final accuracy")
-        accuracy_axis.set_xticks(range(len(CONDITIONS)), CONDITIONS)
-        low = min(summary[task][c]["accuracy_mean"] for c in CONDITIONS)
-        accuracy_axis.set_ylim(max(0.0, low - 0.1), 1.0)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-
-
 def main() -> None:
     parser = benchmark_parser(__doc__, "3 sites x 80 records, 2 rounds, tabular, one seed")
     parser.add_argument("--seeds", type=int, default=3)
@@ -233,13 +234,8 @@ def main() -> None:
     tasks = ["tabular"] if args.quick else args.tasks
     jobs = [(t, c, s) for t in tasks for s in range(seeds) for c in CONDITIONS]
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns) as progress:
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    with Progress(*progress_columns()) as progress:
         bar = progress.add_task("dedup runs", total=len(jobs))
         for task, condition, seed in jobs:
             progress.update(bar, description=f"{task} {condition} seed {seed}")
@@ -249,27 +245,36 @@ def main() -> None:
     detected = {task: [detection(task, seed, scale) for seed in range(seeds)] for task in tasks}
     summary = summarise(runs)
     result = {
-        "quick": args.quick,
-        "seeds": seeds,
-        "scale": scale,
-        "duplicates": DUPLICATES,
-        "runs": runs,
         "summary": summary,
-        "detection": detected,
         "goals": goals(summary, detected),
+        "detection": detected,
+        "scale": scale,
+        "seeds": seeds,
+        "duplicates": DUPLICATES,
+        "quick": args.quick,
+        "runs": runs,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{NAME}.json").write_text(json.dumps(result, indent=1))
-    (args.out / f"{NAME}.md").write_text(markdown(result))
-    plot(summary, args.out / f"{NAME}.png")
+    write_results(args.out, result)
+    print_summary(result)
+
+
+def write_results(out: Path, result: dict[str, Any]) -> None:
+    """dedup.json, dedup.md and dedup.png in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{NAME}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{NAME}.md").write_text(markdown(result))
+    plot(result["summary"], out / f"{NAME}.png")
+
+
+def print_summary(result: dict[str, Any]) -> None:
     console = Console()
-    for task in tasks:
+    for task, conditions in result["summary"].items():
         table = Table(
             title=f"{task}: {DUPLICATES:.0%} of the other sites' records copied to site 0"
         )
         for column in ("condition", "accuracy", "site weights (%)"):
             table.add_column(column)
-        for condition, numbers in summary[task].items():
+        for condition, numbers in conditions.items():
             table.add_row(
                 condition,
                 f"{numbers['accuracy_mean']:.3f} +- {numbers['accuracy_std']:.3f}",
