@@ -166,6 +166,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
                 capsize=4,
                 label=condition,
             )
+        weights_axis.set_xticks(range(len(summary[task]["clean"]["weights"])))
         weights_axis.set_title(f"{task}: share of the training weight")
         weights_axis.set_xlabel("site")
         weights_axis.set_ylabel("% of training records")

@@ -2,10 +2,11 @@
 list the coordinator answers with.
 
 A record becomes a set of tokens: a note the word shingles of its token ids (SHINGLE_WORDS words each), a
-table row its `column=value` pairs; an image has no such tokens and is refused. Every token is hashed with
-BLAKE2b keyed by the consortium's secret (`hydrafl site --dedup-key-file`, which never travels) before
-datasketch's MinHash permutes it, so the signatures leave the site keyed: the coordinator, without the key,
-cannot hash a guessed record and compare, and the same record under another key has an unrelated signature.
+table row its `column=value` pairs as recorded (before the site standardises its file); an image has no such
+tokens and is refused. Every token is hashed with BLAKE2b keyed by the consortium's secret (`hydrafl site
+--dedup-key-file`, which never travels) before datasketch's MinHash permutes it, so the signatures leave the site
+keyed: the coordinator, without the key, cannot hash a guessed record and compare, and the same record under
+another key has an unrelated signature.
 The site also sends a keyed check value (an HMAC of a fixed label), so sites holding different keys are told
 apart without revealing either key.
 
@@ -116,7 +117,8 @@ def signatures(records: Sequence[list[bytes]], key: bytes, num_perm: int) -> np.
 
 def site_signatures(split: SiteSplit, modality: str, key: bytes, num_perm: int) -> np.ndarray:
     """The signatures of a site's training records, in row order."""
-    records = [record_tokens(row, modality) for row in split.train_x]
+    rows = split.train_x if split.train_records is None else split.train_records
+    records = [record_tokens(row, modality) for row in rows]
     return signatures(records, key, num_perm)
 
 
@@ -143,6 +145,7 @@ def deduplicated(split: SiteSplit, context: Context) -> SiteSplit:
         train_y=split.train_y[keep],
         test_x=split.test_x,
         test_y=split.test_y,
+        train_records=None if split.train_records is None else split.train_records[keep],
     )
 
 

@@ -135,6 +135,7 @@ def load_cohort(
             vocab_size=spec.vocab_size,
             seed=seed,
         )
+    recorded = x if spec.modality == "tabular" else None
     x = _standardise(x, np.concatenate(train_rows), spec.modality)
     sites = tuple(
         SiteSplit(
@@ -142,6 +143,7 @@ def load_cohort(
             train_y=torch.from_numpy(y[train]),
             test_x=torch.from_numpy(x[test]),
             test_y=torch.from_numpy(y[test]),
+            train_records=None if recorded is None else torch.from_numpy(recorded[train]),
         )
         for train, test in zip(train_rows, test_rows, strict=True)
     )

@@ -40,6 +40,9 @@ class SiteSplit:
     train_y: torch.Tensor
     test_x: torch.Tensor
     test_y: torch.Tensor
+    train_records: torch.Tensor | None = None
+    """Tabular: the training rows as recorded, before standardisation (which differs between sites that each
+    standardise their own file), row for row with `train_x`: what deduplication compares. None: `train_x`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from datasketch import MinHash
 from flwr.common.serde import message_to_proto
 from helpers import SMALL_RUN
@@ -40,6 +41,44 @@ def test_planted_duplicates_are_found_with_high_recall_and_precision(task):
     planted = {frozenset({(s, row), (c, copy)}) for s, row, c, copy in cohort.planted}
     assert len(planted & found) / len(planted) >= 0.95  # recall
     assert len(planted & found) / len(found) >= 0.95  # precision
+
+
+def test_rows_shared_by_two_sites_files_are_found_though_each_site_standardises_its_own(tmp_path):
+    rng = np.random.default_rng(1)
+    shared = rng.normal(size=(15, 4)).round(3)
+    cohorts = []
+    for site in range(2):
+        own = rng.normal(loc=site, size=(45, 4)).round(3)  # another mean and spread at each site
+        rows = np.concatenate([shared, own])[rng.permutation(60)]
+        path = tmp_path / f"site{site}.csv"
+        lines = ["a,b,c,d,label"] + [
+            ",".join(map(str, row)) + f",{i % 2}" for i, row in enumerate(rows)
+        ]
+        path.write_text("\n".join(lines) + "\n")
+        cohorts.append(
+            load_cohort(
+                "",
+                num_sites=1,
+                partition="iid",
+                data_path=path,
+                label_column="label",
+                samples_per_site=2,
+            )
+        )
+    splits = [cohort.sites[0] for cohort in cohorts]
+    truth = {
+        ((0, i), (1, j))
+        for i, a in enumerate(splits[0].train_records)
+        for j, b in enumerate(splits[1].train_records)
+        if torch.equal(a, b)
+    }
+    assert len(truth) >= 5
+    (i, j) = next(iter(truth))[0][1], next(iter(truth))[1][1]
+    assert not torch.equal(splits[0].train_x[i], splits[1].train_x[j])  # standardised apart
+    signatures = {
+        node: site_signatures(split, "tabular", KEY, NUM_PERM) for node, split in enumerate(splits)
+    }
+    assert set(duplicate_pairs(signatures, 0.8)) == truth
 
 
 def test_each_group_of_copies_keeps_one_record_at_the_site_with_the_fewest_records():
@@ -92,13 +131,10 @@ def test_the_exchange_drops_the_copies_and_the_coordinator_receives_no_record_no
     ]  # what training now sees
 
     received = b"".join(grid.received)
-    tokens = {
-        token
-        for site in cohort.sites
-        for row in site.train_x
-        for token in record_tokens(row, "tabular")
-    }
+    recorded = [row for site in cohort.sites for row in site.train_records]  # what the sites hash
+    tokens = {token for row in recorded for token in record_tokens(row, "tabular")}
     assert len(tokens) > 1000 and not any(token in received for token in tokens)
+    assert not any(row.numpy().tobytes() in received for row in recorded)
     assert not any(
         row.numpy().tobytes() in received for site in cohort.sites for row in site.train_x
     )
@@ -107,7 +143,7 @@ def test_the_exchange_drops_the_copies_and_the_coordinator_receives_no_record_no
     )
     assert all(signature.tobytes() in received for signature in keyed)  # what did arrive
     unkeyed = []
-    for row in cohort.sites[1].train_x:
+    for row in cohort.sites[1].train_records:
         sketch = MinHash(NUM_PERM, seed=1, scheme="affine32")
         sketch.update_batch(record_tokens(row, "tabular"))
         unkeyed.append(sketch.hashvalues.tobytes())
