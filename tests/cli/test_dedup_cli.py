@@ -69,3 +69,24 @@ def test_a_dedup_setting_that_cannot_work_is_a_one_line_error(tmp_path, flags, n
     )
     assert result.exit_code == 2
     assert named in result.output
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        ("not hex", "hold hex text"),
+        ("ab" * 4, "hold 16 to 64 bytes"),
+        ("ab" * 65, "hold 16 to 64 bytes"),
+    ],
+)
+def test_a_site_refuses_a_key_file_that_holds_no_usable_key_before_connecting(
+    tmp_path, key, message
+):
+    key_file = tmp_path / "consortium.key"
+    key_file.write_text(key)
+    result = CliRunner().invoke(
+        app,
+        ["site", "--coordinator", "127.0.0.1:1", "--token", "t", "--dedup-key-file", str(key_file)],
+    )
+    assert result.exit_code == 2
+    assert f"--dedup-key-file must {message}" in " ".join(result.output.split())
