@@ -57,18 +57,18 @@ def deduplicate_sites(
     ]
     signatures: dict[int, np.ndarray] = {}
     checks: dict[int, str] = {}
-    refusals = []
+    refusals: list[tuple[int, str]] = []
     for reply in grid.send_and_receive(asked):
         node = reply.metadata.src_node_id
         if reply.has_error():
-            refusals.append(f"site {node}: {reply.error.reason}")
+            refusals.append((node, str(reply.error.reason)))
             continue
         signatures[node], checks[node] = _signatures_reply(reply, node, num_perm)
-    if refusals or len(signatures) < len(nodes):
-        missing = [f"site {node}: no reply" for node in nodes if node not in signatures]
-        raise DedupError(
-            f"the dedup step needs every site: {'; '.join(sorted(refusals) or missing)}"
-        )
+    answered = set(signatures) | {node for node, _ in refusals}
+    reasons = [f"site {node}: {reason}" for node, reason in sorted(refusals)]
+    reasons += [f"site {node}: no reply" for node in nodes if node not in answered]
+    if reasons:
+        raise DedupError(f"the dedup step needs every site: {'; '.join(reasons)}")
     _check_keys(checks)
     drops = records_to_drop(signatures, threshold)
     told = [
@@ -104,7 +104,7 @@ def _signatures_reply(reply: Message, node: int, num_perm: int) -> tuple[np.ndar
     content = reply.content
     arrays = [record.get(protocol.DEDUP_SIGNATURES) for record in content.array_records.values()]
     checks = [record.get(protocol.DEDUP_KEY_CHECK) for record in content.config_records.values()]
-    if len(arrays) != 1 or arrays[0] is None or len(checks) != 1:
+    if len(arrays) != 1 or arrays[0] is None or len(checks) != 1 or not isinstance(checks[0], str):
         raise DedupError(
             f"site {node}: a signatures reply holds one signature array and a key check"
         )
@@ -114,7 +114,7 @@ def _signatures_reply(reply: Message, node: int, num_perm: int) -> tuple[np.ndar
             f"site {node}: signatures must be uint32 [records, {num_perm}], got "
             f"{signatures.dtype} {list(signatures.shape)}"
         )
-    return signatures, str(checks[0])
+    return signatures, checks[0]
 
 
 def _check_keys(checks: Mapping[int, str]) -> None:
