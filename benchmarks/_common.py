@@ -5,6 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    ProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
 
 def benchmark_parser(doc: str | None, quick_help: str) -> argparse.ArgumentParser:
     """--out (JSON and PNG go there) and --quick (a smoke-test size); callers add their own options."""
@@ -16,6 +24,16 @@ def benchmark_parser(doc: str | None, quick_help: str) -> argparse.ArgumentParse
     )
     parser.add_argument("--quick", action="store_true", help=f"smoke-test size: {quick_help}")
     return parser
+
+
+def progress_columns() -> tuple[ProgressColumn, ...]:
+    """A benchmark's progress bar: what runs, the bar, runs done of all, time so far."""
+    return (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
 
 
 def verdict(ok: bool, yes: str = "goal met", no: str = "BELOW GOAL") -> str:

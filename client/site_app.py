@@ -30,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from hydrafl import protocol
 from hydrafl.arrays import to_record
 from hydrafl.catalog import IMAGE_MODELS
+from hydrafl.client.dedup import deduplicated, drop_reply, signatures_reply
 from hydrafl.client.model_probes import estimate_curvature, slice_layout
 from hydrafl.client.site_model import site_model
 from hydrafl.client.training import build_site_model, evaluate, site_seed, train_site
@@ -72,6 +73,7 @@ def _cohort(
     samples: int,
     seed: int,
     tokenizer: str = "hash",
+    duplicates: float = 0.0,
 ) -> Cohort:
     return load_cohort(
         task,
@@ -82,6 +84,7 @@ def _cohort(
         label_column=label_column or None,
         samples_per_site=samples,
         text_tokenizer=tokenizer,
+        duplicates=duplicates,
     )
 
 
@@ -97,10 +100,17 @@ def run_cohort(cfg: RunConfig) -> Cohort:
         cfg.samples_per_site,
         cfg.seed,
         tokenizer,
+        cfg.duplicates,
     )
 
 
 def site_data(cfg: RunConfig, context: Context) -> tuple[Cohort, SiteSplit]:
+    """This site's data, without the training records the run's deduplication dropped (`all_site_data`)."""
+    cohort, split = all_site_data(cfg, context)
+    return cohort, deduplicated(split, context)
+
+
+def all_site_data(cfg: RunConfig, context: Context) -> tuple[Cohort, SiteSplit]:
     """This site's data. A hospital site names its own file (`data-path` in its node_config); a demo site
     (`demo-site`) takes its share of the run task's synthetic cohort; a simulated site its `partition-id`; the
     simulation's full-data reference site (`pooled`) every site's training data together. Only the last two,
@@ -341,6 +351,18 @@ def initial_model(message: Message, context: Context) -> Message:
     if message_keys(message).get(protocol.LORA_BASES, False):
         state |= lora_base_state(model)
     return Message(RecordDict({"arrays": to_record(state)}), reply_to=message)
+
+
+@client_app.query("dedup_signatures")
+def dedup_signatures(message: Message, context: Context) -> Message:
+    cohort, split = all_site_data(_run_config(context), context)
+    return signatures_reply(message, split, cohort.task.modality, _site(context).dedup_key)
+
+
+@client_app.query("dedup_drop")
+def dedup_drop(message: Message, context: Context) -> Message:
+    _, split = all_site_data(_run_config(context), context)
+    return drop_reply(message, context, len(split.train_y))
 
 
 @client_app.query("curvature")

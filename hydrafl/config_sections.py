@@ -11,10 +11,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hydrafl.catalog import INNER_OPTIMIZERS, NEXT_TOKEN_TASKS, SITE_TIERS, TASKS
+from hydrafl.catalog import INNER_OPTIMIZERS, NEXT_TOKEN_TASKS, SITE_TIERS, TASKS, has_images
 from hydrafl.compression.layout import CompressionError, Scheme
 from hydrafl.validation import ConfigError
 from hydrafl.validation import check as _check
+
+DUPLICATE_TASKS = ("clinical-text", "tabular")
+"""The synthetic cohorts that can plant cross-site duplicates (`hydrafl.data.duplicates`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,8 +38,37 @@ class DataConfig:
     """Synthetic cohort size per site."""
     seed: int = 0
     """Same seed, same numbers."""
+    duplicates: float = 0.0
+    """Synthetic clinical-text and tabular cohorts: plant copies of this fraction of the other sites' training
+    records at site 0 (half exact, half near copies), as hospitals that share patients hold them."""
+    dedup: bool = False
+    """Before round 1, find the training records that near-duplicate another site's (keyed MinHash and LSH over
+    the sites' signatures; every site needs the consortium's dedup key) and train on one copy of each."""
+    dedup_threshold: float = 0.8
+    """The estimated Jaccard similarity (of a note's words, a row's column=value pairs) from which two records
+    at two sites count as one."""
 
     def __post_init__(self) -> None:
+        _check(
+            0 <= self.duplicates <= 1
+            and (not self.duplicates or (not self.data and self.task in DUPLICATE_TASKS)),
+            "duplicates",
+            self.duplicates,
+            f"a fraction in [0, 1], planted in the synthetic {' and '.join(DUPLICATE_TASKS)} cohorts only "
+            "(0 otherwise)",
+        )
+        _check(
+            0 < self.dedup_threshold <= 1,
+            "dedup-threshold",
+            self.dedup_threshold,
+            "a float in (0, 1]",
+        )
+        _check(
+            not self.dedup or not has_images(task=self.task, data=self.data),
+            "dedup",
+            self.dedup,
+            "false for images: deduplication compares the words of notes and the values of table rows",
+        )
         if not self.data and self.task not in TASKS + NEXT_TOKEN_TASKS:
             raise ConfigError(
                 f"unknown task {self.task!r}; choose one of {', '.join(TASKS + NEXT_TOKEN_TASKS)}, "

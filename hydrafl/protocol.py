@@ -21,6 +21,12 @@ QUERY_SECAGG_CHECK = "query.secagg_check"
 """Secure aggregation, consistency check: a survivor answers with its signature over the survivor set."""
 QUERY_SECAGG_UNMASK = "query.secagg_unmask"
 """Secure aggregation, unmask: a survivor answers with the shares that remove the masks."""
+QUERY_DEDUP_SIGNATURES = "query.dedup_signatures"
+"""Deduplication: a site answers with the keyed MinHash signatures of its training records (`DEDUP_NUM_PERM`
+permutations each) and its key check."""
+QUERY_DEDUP_DROP = "query.dedup_drop"
+"""Deduplication: the message carries the training rows this site drops (`DEDUP_DROP`); the site keeps the list
+for the run and answers with its remaining records."""
 SECAGG_QUERIES = (QUERY_SECAGG_KEYS, QUERY_SECAGG_SHARES, QUERY_SECAGG_CHECK, QUERY_SECAGG_UNMASK)
 
 # Config keys the coordinator adds to a message for one site.
@@ -61,6 +67,11 @@ SECAGG_MASKED = "secagg.masked"
 """Secure aggregation: the one array (uint32) of a train or evaluate reply, the site's masked encoded update
 and metrics (nothing else travels in the clear)."""
 
+DEDUP_NUM_PERM = "dedup.num-perm"
+"""Signatures query: how many MinHash permutations each signature has."""
+DEDUP_DROP = "dedup.drop"
+"""Drop query: the array (int64) of the site's training rows to drop."""
+
 # Record keys of a site's replies.
 WEIGHT = "num-examples"
 """The weight of a reply in an average (Flower's `weighted_by_key` default)."""
@@ -88,6 +99,13 @@ LAYOUT_NAMES = "layout.names"
 LAYOUT_LAYERS = "layout.layers"
 LAYOUT_AXES = "layout.axes"
 LAYOUT_UNITS = "layout.units"
+
+DEDUP_SIGNATURES = "dedup.signatures"
+"""Signatures reply: the array (uint32 [records, permutations]) of keyed MinHash signatures."""
+DEDUP_KEY_CHECK = "dedup.key-check"
+"""Signatures reply ConfigRecord: the site's key check, equal at two sites exactly when their keys are."""
+DEDUP_DROPPED = "dedup.dropped"
+"""Drop reply metric: the training records the site dropped."""
 
 MAX_GRPC_MESSAGE_BYTES = 8 << 20
 """Arrays travel as chunk streams, so no single gRPC message needs more."""

@@ -3,7 +3,8 @@
 `hydrafl site` builds a `SiteConfig` from its flags once; the site's ClientApp reads it back from Flower's flat
 `node_config` (`SiteConfig.from_node_config`), which refuses a key it does not know, so a misspelt key fails
 loudly instead of silently falling back to the run's setting. The simulation's grids set `partition-id`,
-`num-partitions` and, for the full-data reference site, `pooled`. Torch-free: the command line imports it.
+`num-partitions`, the simulated consortium's `dedup-key` and, for the full-data reference site, `pooled`.
+Torch-free: the command line imports it.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ class SiteConfig:
     """How many sites the simulation has (Flower's simulation engines set it with `partition_id`)."""
     pooled: bool = field(default=False, metadata=_key("pooled", bool))
     """The simulation's reference site, which trains on every site's training data together."""
+    dedup_key: str = field(
+        default="", repr=False, metadata=_key("dedup-key", str, "--dedup-key-file")
+    )
+    """The consortium's deduplication secret, hex (`hydrafl.client.dedup`); "" takes no part in deduplication.
+    The site's own: it never travels."""
 
     def __post_init__(self) -> None:
         least = {
@@ -82,6 +88,8 @@ class SiteConfig:
             )
         if self.nnodes > 1 and not self.rdzv:
             raise ConfigError(f"{_flag('nnodes')} {self.nnodes} needs {_flag('rdzv')} HOST:PORT")
+        if self.dedup_key:
+            _check_dedup_key(self.dedup_key)
         if self.label_column and self.data_path is None:
             raise ConfigError(f"{_flag('label_column')} needs {_flag('data_path')}")
 
@@ -120,6 +128,20 @@ class SiteConfig:
                 )
             values[specs[key].name] = _typed(key, specs[key].metadata["kind"], value)
         return cls(**values)
+
+
+def _check_dedup_key(hex_key: str) -> None:
+    """16 to 64 bytes of hex: BLAKE2b's key sizes, and too many to guess."""
+    try:
+        size = len(bytes.fromhex(hex_key))
+    except ValueError:
+        raise ConfigError(
+            f"{_flag('dedup_key')} must hold hex text (e.g. from `openssl rand -hex 32`)"
+        ) from None
+    if not 16 <= size <= 64:
+        raise ConfigError(
+            f"{_flag('dedup_key')} must hold 16 to 64 bytes (32 to 128 hex digits), got {size}"
+        )
 
 
 def _flag(name: str) -> str:

@@ -1,8 +1,9 @@
 """The ServerApp every hydrafl runtime runs (simulation grid, Ray, the coordinator).
 
 It never builds a model and never imports model code (the coordinator handles named arrays only): the
-initial arrays come from a site (`query.init`), DiLoCo's curvature probe from sites (`query.curvature`);
-then the strategy goes to the round driver.
+initial arrays come from a site (`query.init`), DiLoCo's curvature probe from sites (`query.curvature`), the
+cross-site duplicates from the sites' keyed signatures (`hydrafl.server.dedup`); then the strategy goes to the
+round driver.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hydrafl.server.aggregation.async_driver import AsyncDriver, VirtualClock, W
 from hydrafl.server.aggregation.driver import DriverConfig, RoundDriver, RunResult
 from hydrafl.server.aggregation.screening import Screening
 from hydrafl.server.aggregation.stability import OuterSetup, check_spectrum
+from hydrafl.server.dedup import SiteDedup, deduplicate_sites
 from hydrafl.strategies import build_strategy
 from hydrafl.strategies.hooks import BuffersUpdates
 
@@ -57,14 +59,20 @@ def run_federation(
     strategy: Strategy | None = None,
     reference_node: int | None = None,
     virtual_speeds: Mapping[int, float] | None = None,
+    on_dedup: Callable[[dict[int, SiteDedup]], None] | None = None,
 ) -> RunResult:
     """One federated run of `cfg.strategy` (or of `strategy`, built from `cfg` by the caller to read its
     state afterwards): initial model from a site, optional stability check, rounds. `reference_node` is a
     full-data site of the grid (simulation) that `cfg.diagnostics` compares the averaged delta with.
     `virtual_speeds` (simulation: per node its relative speed) runs an asynchronous strategy on a virtual clock
-    instead of the wall clock."""
+    instead of the wall clock. With `cfg.dedup` the sites drop their cross-site duplicates first (on a resume
+    too: a restarted site has forgotten its list); `on_dedup` receives each site's outcome."""
     strategy = strategy or build_strategy(cfg)
     wait_for_sites(grid, cfg.available_sites, cfg.site_wait_s)
+    if cfg.dedup:
+        outcome = deduplicate_sites(grid, cfg.dedup_threshold)
+        if on_dedup is not None:
+            on_dedup(outcome)
 
     def start() -> ArrayRecord:
         initial = request_initial_arrays(grid, cfg)

@@ -90,7 +90,7 @@ def simulate(
         results = _compare(simulation, progress, newest)
     except KeyboardInterrupt:
         _stopped(simulation.out, ctx.args, config)
-    from hydrafl.simulation.report import SUMMARY_COLUMNS, summary_rows
+    from hydrafl.simulation.report import SUMMARY_COLUMNS, dedup_lines, summary_rows
 
     table = Table(title=f"hydrafl simulate -> {simulation.out}")
     for column in SUMMARY_COLUMNS:
@@ -98,6 +98,8 @@ def simulate(
     for row in summary_rows(results):
         table.add_row(*row)
     Console().print(table)
+    for line in dedup_lines(results):
+        console.print(escape(f"dedup {line[2:].replace('**', '')}"), highlight=False)
     if simulation.export:
         _export(simulation)
 

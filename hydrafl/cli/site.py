@@ -150,6 +150,13 @@ def site(
             "--consortium-key`); without it the site refuses --secagg runs."
         ),
     ] = None,
+    dedup_key_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="File holding the consortium's deduplication secret (hex, e.g. `openssl rand -hex 32`), "
+            "shared by the sites and never by the coordinator; without it the site refuses --dedup runs."
+        ),
+    ] = None,
     verbose: Annotated[
         bool,
         typer.Option(
@@ -198,6 +205,7 @@ def site(
             memory_mb=memory_mb or None,
             tier=tier,
             state_dir=state_dir,
+            dedup_key=_read_secret(dedup_key_file, "--dedup-key-file") if dedup_key_file else "",
         )
     except ConfigError as error:
         fail(escape(str(error)), 2)
@@ -326,12 +334,7 @@ def _read_identity(path: Path) -> SiteIdentity:
 
 
 def _read_token(path: Path) -> str:
-    try:
-        token = path.read_text(encoding="utf-8").strip()
-    except OSError as error:
-        fail(escape(f"cannot read --token-file {path}: {error.strerror or error}"), 2)
-    except UnicodeDecodeError:
-        fail(escape(f"--token-file {path} is not a text file"), 2)
+    token = _read_secret(path, "--token-file")
     if not token:
         fail(
             escape(
@@ -340,6 +343,16 @@ def _read_token(path: Path) -> str:
             2,
         )
     return token
+
+
+def _read_secret(path: Path, flag: str) -> str:
+    """A secret kept in a file (out of `ps`), stripped; unreadable is a one-line error."""
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except OSError as error:
+        fail(escape(f"cannot read {flag} {path}: {error.strerror or error}"), 2)
+    except UnicodeDecodeError:
+        fail(escape(f"{flag} {path} is not a text file"), 2)
 
 
 def _check_own_data(data: Path, label_column: str) -> None:

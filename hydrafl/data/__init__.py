@@ -13,6 +13,7 @@ import torch
 
 from hydrafl.catalog import NEXT_TOKEN_TASKS, TASKS
 from hydrafl.data import image_cohort, notes_lm_cohort, tabular_cohort, text_cohort
+from hydrafl.data.duplicates import plant_duplicates
 from hydrafl.data.files import read_dataset
 from hydrafl.data.partition import parse_partition, split_by_label, train_test_indices
 from hydrafl.data.schema import Cohort, DataError, SiteSplit, TaskSpec
@@ -48,6 +49,7 @@ def load_cohort(
     samples_per_site: int = 400,
     test_fraction: float = 0.2,
     text_tokenizer: str = "hash",
+    duplicates: float = 0.0,
 ) -> Cohort:
     """Build a cohort of `num_sites` sites, each with a seeded train/test split.
 
@@ -56,6 +58,8 @@ def load_cohort(
     "pathological:K"). With `data_path` the file or image folder is used instead (`task` and
     `samples_per_site` are ignored), `partition` defaults to "iid" and `label_column` names the label
     of a table. `text_tokenizer` ("hash" or "minilm", see `text_cohort.TOKENIZERS`) encodes synthetic notes.
+    `duplicates` > 0 plants copies of that fraction of the other sites' training records at site 0
+    (`hydrafl.data.duplicates`, synthetic cohorts only).
     Same arguments give bit-identical tensors.
     """
     _check_arguments(
@@ -63,6 +67,7 @@ def load_cohort(
         seed=seed,
         samples_per_site=samples_per_site,
         test_fraction=test_fraction,
+        duplicates=duplicates,
     )
     if data_path is not None:
         if text_tokenizer != "hash":
@@ -115,6 +120,22 @@ def load_cohort(
         )
         train_rows.append(rows[train])
         test_rows.append(rows[test])
+    planted: tuple[tuple[int, int, int, int], ...] = ()
+    if duplicates:
+        if data_path is not None:
+            raise DataError(
+                "duplicates are planted in synthetic cohorts; a --data file has its own"
+            )
+        x, y, train_rows, planted = plant_duplicates(
+            x,
+            y,
+            train_rows,
+            fraction=duplicates,
+            modality=spec.modality,
+            vocab_size=spec.vocab_size,
+            seed=seed,
+        )
+    recorded = x if spec.modality == "tabular" else None
     x = _standardise(x, np.concatenate(train_rows), spec.modality)
     sites = tuple(
         SiteSplit(
@@ -122,14 +143,15 @@ def load_cohort(
             train_y=torch.from_numpy(y[train]),
             test_x=torch.from_numpy(x[test]),
             test_y=torch.from_numpy(y[test]),
+            train_records=None if recorded is None else torch.from_numpy(recorded[train]),
         )
         for train, test in zip(train_rows, test_rows, strict=True)
     )
-    return Cohort(task=spec, sites=sites)
+    return Cohort(task=spec, sites=sites, planted=planted)
 
 
 def _check_arguments(
-    *, num_sites: int, seed: int, samples_per_site: int, test_fraction: float
+    *, num_sites: int, seed: int, samples_per_site: int, test_fraction: float, duplicates: float
 ) -> None:
     if num_sites < 1:
         raise DataError(f"num_sites must be at least 1; got {num_sites}")
@@ -141,6 +163,8 @@ def _check_arguments(
         )
     if not 0.0 < test_fraction < 1.0:
         raise DataError(f"test_fraction must be strictly between 0 and 1; got {test_fraction}")
+    if not 0.0 <= duplicates <= 1.0:
+        raise DataError(f"duplicates must be a fraction in [0, 1]; got {duplicates}")
 
 
 def _standardise(x: np.ndarray, train_rows: np.ndarray, modality: str) -> np.ndarray:

@@ -40,6 +40,9 @@ class SiteSplit:
     train_y: torch.Tensor
     test_x: torch.Tensor
     test_y: torch.Tensor
+    train_records: torch.Tensor | None = None
+    """Tabular: the training rows as recorded, before standardisation (which differs between sites that each
+    standardise their own file), row for row with `train_x`: what deduplication compares. None: `train_x`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,3 +51,6 @@ class Cohort:
 
     task: TaskSpec
     sites: tuple[SiteSplit, ...]
+    planted: tuple[tuple[int, int, int, int], ...] = ()
+    """Planted cross-site duplicates (`hydrafl.data.duplicates`): (site, train row, copy's site, copy's train
+    row) of every copy, which deduplication should find."""

@@ -11,6 +11,7 @@ import numpy as np
 GENERATE_STREAM = 0
 SPLIT_STREAM = 1
 POOL_STREAM = 2
+DUPLICATE_STREAM = 3
 
 
 def site_rng(seed: int, site: int, stream: int) -> np.random.Generator:

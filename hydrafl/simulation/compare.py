@@ -20,9 +20,10 @@ from hydrafl.config import RUN_WIDE_KEYS, RunConfig
 from hydrafl.rounds import RoundRecord
 from hydrafl.run_folders import claim
 from hydrafl.server.aggregation.async_driver import simulated_speeds
+from hydrafl.server.dedup import SiteDedup
 from hydrafl.server.server_app import build_server_app, run_federation
 from hydrafl.simulation.attacks import Attack, AttackedGrid
-from hydrafl.simulation.grid import InProcessGrid
+from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
 from hydrafl.simulation.report import write_report
 from hydrafl.simulation_config import SimulationConfig
 from hydrafl.strategies import build_strategy
@@ -90,6 +91,7 @@ def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) 
 
             started = time.perf_counter()
             built = build_strategy(run_cfg) if config.backend == "inprocess" else None
+            dedup: dict[int, SiteDedup] = {}
             history = run_strategy(
                 run_cfg,
                 config.backend,
@@ -98,12 +100,14 @@ def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) 
                 attack=attack,
                 policy=policy,
                 workers=config.workers,
+                on_dedup=dedup.update,
             )
             results["strategies"][strategy] = {
                 "seconds": time.perf_counter() - started,
                 "lora_rank": run_cfg.lora_rank,
                 "rounds": history,
                 "trust": trust_summary(history, run_cfg.flat()),
+                **({"dedup": _dedup_summary(dedup)} if dedup else {}),
             }
             if isinstance(
                 built, PlansSubnetworks
@@ -124,12 +128,13 @@ def run_strategy(
     attack: Attack | None = None,
     policy: SitePolicy = SitePolicy(),
     workers: int = 1,
+    on_dedup: Callable[[dict[int, SiteDedup]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """One strategy's run; returns its per-round history (round 0 is the initial model's evaluation).
     `strategy` (in-process only) is the caller's own instance of `cfg.strategy`, to read its state after;
     `attack` (in-process only): some sites send forged updates (`simulation.attacks`); `policy`: every site's
     site policy; `workers` (in-process only): the grid's worker processes (0: one per core), the same results
-    whatever their number."""
+    whatever their number; `on_dedup` (in-process only) receives the deduplication's outcome per site."""
     torch.set_num_threads(
         1
     )  # tiny per-site models: one thread is faster and never oversubscribes a small box
@@ -153,14 +158,27 @@ def run_strategy(
                 strategy=strategy,
                 reference_node=grid.reference_node,
                 virtual_speeds=simulated_speeds(grid.contexts, cfg.speed_list),
+                on_dedup=on_dedup,
             ).history
     if strategy is not None or attack is not None:
         raise ValueError(
             "a strategy instance or an attack can only be passed to the inprocess backend"
         )
+    if cfg.dedup:
+        raise ConfigError(
+            "--dedup runs on the inprocess backend, whose sites hold the simulated consortium's key"
+        )
     if backend == "ray":
         return _run_on_ray(cfg, policy)
     raise ValueError(f"unknown backend {backend!r}; choose inprocess or ray")
+
+
+def _dedup_summary(outcome: dict[int, SiteDedup]) -> dict[str, dict[str, int]]:
+    """Per simulated site (its partition), its training records and how many deduplication dropped."""
+    return {
+        str(node - FIRST_NODE_ID): {"records": site.records, "dropped": site.dropped}
+        for node, site in sorted(outcome.items())
+    }
 
 
 def _site_policy(path: str) -> SitePolicy:

@@ -8,11 +8,13 @@ the fixed order keeps aggregation order (and therefore floating-point sums) dete
 the sites run in that many forked worker processes (`hydrafl.simulation.workers`), a few sites ahead of the
 reply being consumed, and the replies still come in node order: the same sums, bit for bit. With `pooled_site`,
 one more site (`reference_node`, never listed by `get_node_ids`, so strategies never sample it) holds every
-site's training data: the full-data reference of the pseudo-gradient diagnostics.
+site's training data: the full-data reference of the pseudo-gradient diagnostics. Every site holds the
+simulated consortium's deduplication key (`simulated_dedup_key`), as real sites hold theirs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -39,6 +41,14 @@ FIRST_NODE_ID = 1001
 POOLED_NODE_ID = 1000
 
 
+def simulated_dedup_key(seed: int) -> str:
+    """The simulated consortium's deduplication key (hex), from the run's seed: same seed, same signatures, so
+    the same records dropped. A secret only in name: the simulation is one process."""
+    return hashlib.blake2b(
+        f"hydrafl simulated dedup key {seed}".encode(), digest_size=32
+    ).hexdigest()
+
+
 class InProcessGrid(Grid):
     """Runs `client_app` for each pushed message, synchronously, in this process (or in `workers` forked worker
     processes; 0: one per core); every site's replies pass `policy`, as a real site's pass its operator's.
@@ -62,11 +72,16 @@ class InProcessGrid(Grid):
         self.workers = worker_count(workers, num_sites)
         self._pool: WorkerPool | None = None
         self._run = replace(Run.create_empty(run_id), override_config=dict(run_config or {}))
+        dedup_key = simulated_dedup_key(int((run_config or {}).get("seed", 0)))
         self.contexts = {
             FIRST_NODE_ID + i: Context(
                 run_id=run_id,
                 node_id=FIRST_NODE_ID + i,
-                node_config={"partition-id": i, "num-partitions": num_sites},
+                node_config={
+                    "partition-id": i,
+                    "num-partitions": num_sites,
+                    "dedup-key": dedup_key,
+                },
                 state=RecordDict(),
                 run_config=dict(run_config or {}),
             )

@@ -74,6 +74,19 @@ def diagnostic_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
     return rows
 
 
+def dedup_lines(results: dict[str, Any]) -> list[str]:
+    """Per strategy, the training records each site dropped as cross-site duplicates before round 1."""
+    return [
+        f"- **{strategy}**: "
+        + ", ".join(
+            f"site {site} dropped {counts['dropped']} of {counts['records']}"
+            for site, counts in run["dedup"].items()
+        )
+        for strategy, run in results["strategies"].items()
+        if "dedup" in run
+    ]
+
+
 def write_report(out: Path, results: dict[str, Any]) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=1))
     config = results["config"]
@@ -108,6 +121,9 @@ def write_report(out: Path, results: dict[str, Any]) -> None:
             "their number is below B_pg); cos(avg, full) compares the averaged delta with the delta of one site "
             "trained on all sites' pooled data from the same start weights.",
         ]
+    dedup = dedup_lines(results)
+    if dedup:
+        lines += ["", "## Cross-site deduplication", "", *dedup]
     trust = [
         (strategy, trust_lines(run.get("trust", {})))
         for strategy, run in results["strategies"].items()
