@@ -316,6 +316,7 @@ SIMULATION_KEYS = {
     "site_policy",
     "workers",
     "export",
+    "track",
 }
 """`hydrafl.simulation_config.SimulationConfig`'s own keys (valid in a comparison, not in one run)."""
 RUN_WIDE_KEYS = tuple(

@@ -40,6 +40,7 @@ from hydrafl.server.transport.handlers import SERVICE_NAME, add_coordinator_serv
 from hydrafl.server.transport.sent_cache import SentCache
 from hydrafl.server.transport.service import SERVER_OPTIONS, CoordinatorService
 from hydrafl.server.transport.tls import ServerTls, plaintext_warning
+from hydrafl.tracking import TrackTarget
 
 log = logging.getLogger(__name__)
 
@@ -166,9 +167,16 @@ class Coordinator:
         grid = LeasedGrid(self.store, self.blobs, self.service, run.id, lease=self.lease)
 
         history: list[dict] = list(run.history)
+        tracker = (
+            TrackTarget.parse(self.config.track).open(f"run-{run.id}", cfg.to_flower())
+            if self.config.track
+            else None
+        )
 
         def progress(record: RoundRecord) -> None:
             self.lease.check()
+            if tracker is not None:
+                tracker.log_round(record)
             history[:] = [entry for entry in history if entry["round"] < record.round] + [
                 dataclasses.asdict(record)
             ]
@@ -196,6 +204,11 @@ class Coordinator:
             return
         finally:
             self._write_latencies(run.id)
+            if tracker is not None:  # what the run's folder holds, however the run ended
+                run_dir = self.config.runs_dir / str(run.id)
+                names = ("history.json", "rounds.tsv", "push_latency.tsv")
+                tracker.log_artifacts(p for name in names if (p := run_dir / name).is_file())
+                tracker.close()
         self.store.set_run_status(run.id, "finished", rounds_done=cfg.rounds)
         last = history[-1] if history else {}
         log.info(

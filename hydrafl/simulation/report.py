@@ -74,7 +74,8 @@ def diagnostic_rows(results: dict[str, Any]) -> list[tuple[str, ...]]:
     return rows
 
 
-def write_report(out: Path, results: dict[str, Any]) -> None:
+def write_report(out: Path, results: dict[str, Any]) -> list[Path]:
+    """results.json, report.md, rounds.tsv and the curves in `out`; returns their paths."""
     (out / "results.json").write_text(json.dumps(results, indent=1))
     config = results["config"]
     partition = config["partition"] or ("iid" if config["data"] else "natural")
@@ -130,6 +131,14 @@ def write_report(out: Path, results: dict[str, Any]) -> None:
     )
     _plot(out / "curves_by_round.png", results, by_bytes=False)
     _plot(out / "curves_by_bytes.png", results, by_bytes=True)
+    names = (
+        "results.json",
+        "report.md",
+        "rounds.tsv",
+        "curves_by_round.png",
+        "curves_by_bytes.png",
+    )
+    return [out / name for name in names]
 
 
 def _plot(path: Path, results: dict[str, Any], *, by_bytes: bool) -> None:
