@@ -32,9 +32,11 @@ from hydrafl.arrays import to_record
 from hydrafl.catalog import IMAGE_MODELS
 from hydrafl.client.model_probes import estimate_curvature, slice_layout
 from hydrafl.client.site_model import site_model
+from hydrafl.client.site_stats import site_stats
 from hydrafl.client.training import build_site_model, evaluate, site_seed, train_site
 from hydrafl.config import RunConfig
 from hydrafl.data import NEXT_TOKEN_TASKS, TASKS, Cohort, DataError, SiteSplit, load_cohort
+from hydrafl.data.files import read_dataset
 from hydrafl.data.text_cohort import MINILM, tokenizer_for
 from hydrafl.footprint import training_footprint
 from hydrafl.kernels.distributed import LocalTraining
@@ -339,6 +341,25 @@ def initial_model(message: Message, context: Context) -> Message:
     if message_keys(message).get(protocol.LORA_BASES, False):
         state |= lora_base_state(model)
     return Message(RecordDict({"arrays": to_record(state)}), reply_to=message)
+
+
+@client_app.query("stats")
+def cohort_stats(message: Message, context: Context) -> Message:
+    """The site's raw counts (`site_stats`); its policy releases them (`SitePolicy.release`)."""
+    cfg = _run_config(context)
+    site = _site(context)
+    if (
+        site.data_path is not None
+    ):  # its own file's raw values, not the standardised ones it trains on
+        task, x, y = read_dataset(site.data_path, site.label_column or None)
+    else:
+        cohort, split = site_data(cfg, context)
+        task = cohort.task
+        x = torch.cat([split.train_x, split.test_x]).numpy()
+        y = torch.cat([split.train_y, split.test_y]).numpy()
+    report = site_stats(task, x, y, cfg)
+    record = ConfigRecord({protocol.STATS_REPORT: report.to_json()})
+    return Message(RecordDict({protocol.STATS_RECORD: record}), reply_to=message)
 
 
 @client_app.query("curvature")

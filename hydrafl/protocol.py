@@ -21,6 +21,11 @@ QUERY_SECAGG_CHECK = "query.secagg_check"
 """Secure aggregation, consistency check: a survivor answers with its signature over the survivor set."""
 QUERY_SECAGG_UNMASK = "query.secagg_unmask"
 """Secure aggregation, unmask: a survivor answers with the shares that remove the masks."""
+QUERY_STATS = "query.stats"
+"""Asks a site for its cohort statistics (`hydrafl.cohort_stats`), released as its policy says."""
+STATS_RECORD = "stats"
+"""The ConfigRecord of a statistics reply; its `STATS_REPORT` key holds the report's JSON."""
+STATS_REPORT = "report"
 SECAGG_QUERIES = (QUERY_SECAGG_KEYS, QUERY_SECAGG_SHARES, QUERY_SECAGG_CHECK, QUERY_SECAGG_UNMASK)
 
 # Config keys the coordinator adds to a message for one site.

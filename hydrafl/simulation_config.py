@@ -57,6 +57,9 @@ class SimulationConfig:
     export: bool = False
     """Write each strategy's final model to OUT/STRATEGY/model in the form a hospital loads without hydrafl: a
     Hugging Face `save_pretrained` folder, a PEFT adapter beside its base, or safetensors with its architecture."""
+    stats: bool = False
+    """Before training, each simulated site reports its cohort statistics (the `stats` job, released by
+    --site-policy) into OUT/stats: stats.md, stats.json and PNGs."""
     track: str = ""
     """Follow each strategy's run in TensorBoard (tensorboard:DIR, one folder per run under DIR) or MLflow
     (mlflow:URI, e.g. sqlite:///mlflow.db): per-round metrics, the configuration, the report and plots at the end.
@@ -87,6 +90,12 @@ class SimulationConfig:
         _check(self.backend in BACKENDS, "backend", self.backend, ", ".join(BACKENDS))
         if self.track:
             TrackTarget.parse(self.track)
+        _check(
+            self.run.job == "train",
+            "job",
+            self.run.job,
+            "train in a simulation (--stats reports the statistics before training)",
+        )
         _check(
             isinstance(self.workers, int)
             and not isinstance(self.workers, bool)

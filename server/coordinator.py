@@ -209,6 +209,10 @@ class Coordinator:
                 names = ("history.json", "rounds.tsv", "push_latency.tsv")
                 tracker.log_artifacts(p for name in names if (p := run_dir / name).is_file())
                 tracker.close()
+        if cfg.job == "stats":
+            self.store.set_run_status(run.id, "finished", rounds_done=0)
+            log.info("run %d finished: cohort statistics in %s", run.id, cfg.run_dir)
+            return
         self.store.set_run_status(run.id, "finished", rounds_done=cfg.rounds)
         last = history[-1] if history else {}
         log.info(

@@ -64,6 +64,7 @@ def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) 
         MofNCompleteColumn(),
         TextColumn("{task.fields[status]}"),
     )
+    stats = _cohort_stats(config, policy) if config.stats else []
     trackers: list[Tracker] = []
     with (
         Progress(*columns, TimeElapsedColumn(), disable=not show_progress) as progress,
@@ -127,10 +128,18 @@ def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) 
                 results["strategies"][strategy]["trainable_params_per_site"] = (
                     built.trainable_params
                 )
-        written = write_report(out, results)
+        written = write_report(out, results) + stats
         for tracker in trackers:
             tracker.log_artifacts(written)
     return results
+
+
+def _cohort_stats(config: SimulationConfig, policy: SitePolicy) -> list[Path]:
+    """`--stats`: the `stats` job on the in-process grid, before any training, into OUT/stats; the files."""
+    folder = Path(config.out) / "stats"
+    cfg = config.run_config(config.strategies[0]).replace(job="stats", run_dir=str(folder))
+    run_strategy(cfg, "inprocess", policy=policy)
+    return sorted(folder.glob("stats*"))
 
 
 def _open_tracker(config: SimulationConfig, strategy: str, run_cfg: RunConfig) -> Tracker | None:
