@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import threading
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -44,6 +45,8 @@ from hydrafl.tracking import TrackTarget
 
 log = logging.getLogger(__name__)
 
+CURVES = ("curves_by_round.png", "curves_by_bytes.png")
+"""A tracked run's loss and accuracy curves, by round and by bytes (`hydrafl.curves`)."""
 RETRY_AFTER_ERROR_S = 5.0
 """After the loop that drives runs failed (the database refused it, descriptors ran out): wait, then try again."""
 
@@ -205,9 +208,7 @@ class Coordinator:
         finally:
             self._write_latencies(run.id)
             if tracker is not None:  # what the run's folder holds, however the run ended
-                run_dir = self.config.runs_dir / str(run.id)
-                names = ("history.json", "rounds.tsv", "push_latency.tsv")
-                tracker.log_artifacts(p for name in names if (p := run_dir / name).is_file())
+                tracker.log_artifacts(self._run_files(run.id, cfg.strategy, history))
                 tracker.close()
         if cfg.job == "stats":
             self.store.set_run_status(run.id, "finished", rounds_done=0)
@@ -276,6 +277,18 @@ class Coordinator:
                 RETRY_AFTER_ERROR_S,
             )
             self.stopping.wait(RETRY_AFTER_ERROR_S)
+
+    def _run_files(self, run_id: int, strategy: str, history: list[dict]) -> list[Path]:
+        """A tracked run's artifacts: its folder's tables, its statistics, and its curves (drawn here)."""
+        from hydrafl.curves import plot_curves  # matplotlib: only for a tracked run
+
+        run_dir = self.config.runs_dir / str(run_id)
+        if history:
+            for name, by_bytes in zip(CURVES, (False, True), strict=True):
+                plot_curves(run_dir / name, {strategy: history}, by_bytes=by_bytes)
+        names = ("history.json", "rounds.tsv", "push_latency.tsv", *CURVES)
+        paths = [run_dir / name for name in names] + sorted(run_dir.glob("stats*"))
+        return [path for path in paths if path.is_file()]
 
     def _write_latencies(self, run_id: int) -> None:
         """push_latency.tsv in the run's folder: per-site P50/P99 of this run's pushes."""

@@ -64,11 +64,12 @@ def run_federation(
     full-data site of the grid (simulation) that `cfg.diagnostics` compares the averaged delta with.
     `virtual_speeds` (simulation: per node its relative speed) runs an asynchronous strategy on a virtual clock
     instead of the wall clock."""
-    wait_for_sites(grid, cfg.available_sites, cfg.site_wait_s)
     if cfg.job == "stats":
+        wait_for_sites(grid, cfg.available_sites, cfg.site_wait_s)
         run_stats(grid, cfg)
         return RunResult(arrays=ArrayRecord(), history=[])
     strategy = strategy or build_strategy(cfg)
+    wait_for_sites(grid, cfg.available_sites, cfg.site_wait_s)
 
     def start() -> ArrayRecord:
         initial = request_initial_arrays(grid, cfg)

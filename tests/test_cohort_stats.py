@@ -261,11 +261,23 @@ def test_admin_run_create_takes_the_stats_job_and_refuses_an_unknown_one(tmp_pat
 
 @pytest.mark.slow
 def test_the_coordinator_runs_the_stats_job_with_real_sites(tmp_path):
+    from mlflow.tracking import MlflowClient
+
     policy = tmp_path / "policy.toml"
     policy.write_text("min-cell-count = 10\n")
-    store, run_id = run_to_end(tmp_path, STATS_RUN, [(), (), ("--policy", str(policy))])
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    store, run_id = run_to_end(
+        tmp_path,
+        STATS_RUN,
+        [(), (), ("--policy", str(policy))],
+        server_options=("--track", f"mlflow:{uri}"),
+    )
     run = store.run(run_id)
     assert run.status == "finished", run.detail
+    client = MlflowClient(tracking_uri=uri)
+    (tracked,) = client.search_runs([client.get_experiment_by_name("hydrafl").experiment_id])
+    artifacts = {a.path for a in client.list_artifacts(tracked.info.run_id)}
+    assert {"stats.json", "stats.md", "stats_labels.png", "stats_histograms.png"} <= artifacts
     stats = json.loads((tmp_path / "home" / "runs" / str(run_id) / "stats.json").read_text())
     simulated = _stats_json(tmp_path, "simulated")  # the same synthetic cohort, one share per site
     assert stats["combined"]["records"] == simulated["combined"]["records"] == 150

@@ -149,6 +149,8 @@ def test_a_bad_track_spec_names_the_two_forms(tmp_path, spec):
 
 @pytest.mark.slow
 def test_a_coordinator_tracks_each_run_it_drives(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     logs = tmp_path / "tb"
     store, run_id = run_to_end(
         tmp_path,
@@ -163,3 +165,8 @@ def test_a_coordinator_tracks_each_run_it_drives(tmp_path):
     assert set(scalars) == set(expected)
     for name, points in expected.items():
         assert scalars[name] == [(step, float(np.float32(value))) for step, value in points]
+    events = EventAccumulator(str(logs / f"run-{run_id}"), size_guidance={"images": 0})
+    events.Reload()
+    assert set(events.Tags()["images"]) == {"curves_by_round", "curves_by_bytes"}
+    texts = {tag.removesuffix("/text_summary") for tag in events.Tags()["tensors"]}
+    assert texts == {"config", "history.json", "rounds.tsv", "push_latency.tsv"}
