@@ -204,8 +204,10 @@ def test_the_policy_keys_load_and_gaussian_needs_epsilon_below_one(tmp_path):
         SitePolicy(stats_noise="uniform")
 
 
-def _stats_json(tmp_path, name: str, policy: SitePolicy = SitePolicy()) -> dict:
-    run_strategy(STATS_RUN.replace(run_dir=str(tmp_path / name)), "inprocess", policy=policy)
+def _stats_json(
+    tmp_path, name: str, policy: SitePolicy = SitePolicy(), cfg: RunConfig = STATS_RUN
+) -> dict:
+    run_strategy(cfg.replace(run_dir=str(tmp_path / name)), "inprocess", policy=policy)
     return json.loads((tmp_path / name / "stats.json").read_text())
 
 
@@ -259,17 +261,30 @@ def test_admin_run_create_takes_the_stats_job_and_refuses_an_unknown_one(tmp_pat
     assert result.exit_code == 2 and "train or stats" in result.output
 
 
+def _hospital_table(path, rows: int = 40) -> np.ndarray:
+    """A hospital's own CSV: 12 numeric columns like the tabular cohort's, in raw units (mean 50, sd 10)."""
+    x = np.random.default_rng(5).normal(50.0, 10.0, (rows, 12)).round(3)
+    labels = ["discharge", "ward", "icu"]
+    lines = [",".join([*(f"f{j}" for j in range(12)), "outcome"])]
+    lines += [",".join([*map(str, row), labels[i % 3]]) for i, row in enumerate(x)]
+    path.write_text("\n".join(lines) + "\n")
+    return x
+
+
 @pytest.mark.slow
 def test_the_coordinator_runs_the_stats_job_with_real_sites(tmp_path):
     from mlflow.tracking import MlflowClient
 
     policy = tmp_path / "policy.toml"
     policy.write_text("min-cell-count = 10\n")
+    table = tmp_path / "hospital.csv"
+    raw = _hospital_table(table)
+    cfg = STATS_RUN.replace(stats_range="0:100")  # the hospital's raw units
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     store, run_id = run_to_end(
         tmp_path,
-        STATS_RUN,
-        [(), (), ("--policy", str(policy))],
+        cfg,
+        [(), ("--policy", str(policy)), ("--data", str(table), "--label-column", "outcome")],
         server_options=("--track", f"mlflow:{uri}"),
     )
     run = store.run(run_id)
@@ -279,11 +294,16 @@ def test_the_coordinator_runs_the_stats_job_with_real_sites(tmp_path):
     artifacts = {a.path for a in client.list_artifacts(tracked.info.run_id)}
     assert {"stats.json", "stats.md", "stats_labels.png", "stats_histograms.png"} <= artifacts
     stats = json.loads((tmp_path / "home" / "runs" / str(run_id) / "stats.json").read_text())
-    simulated = _stats_json(tmp_path, "simulated")  # the same synthetic cohort, one share per site
-    assert stats["combined"]["records"] == simulated["combined"]["records"] == 150
-    releases = [report["release"]["min_cell_count"] for report in stats["sites"].values()]
-    assert sorted(releases) == [0, 0, 10]
-    exact = [
-        report for report in stats["sites"].values() if not report["release"]["min_cell_count"]
-    ]
-    assert all(report in simulated["sites"].values() for report in exact)
+    # the same synthetic cohort, one share per site
+    simulated = _stats_json(tmp_path, "simulated", cfg=cfg)
+    reports = list(stats["sites"].values())
+    own_file = [report for report in reports if report["records"] == 40]
+    assert len(own_file) == 1  # its raw values, not the standardised ones it would train on
+    edges = shared_edges(0, 100, 10)
+    assert own_file[0]["histograms"]["feature 3"]["counts"] == list(
+        count_histogram(raw[:, 3], edges)
+    )
+    assert stats["combined"]["records"] == 50 + 50 + 40
+    assert sorted(r["release"]["min_cell_count"] for r in reports) == [0, 0, 10]
+    demo = [r for r in reports if r["records"] == 50 and not r["release"]["min_cell_count"]]
+    assert len(demo) == 1 and demo[0] in simulated["sites"].values()  # its share, as simulated
