@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +23,12 @@ from hydrafl.validation import ConfigError
 
 TRACKERS = {"tensorboard": ("tensorboardX", "tensorboard"), "mlflow": ("mlflow", "mlflow")}
 """Per kind: the module that writes it, and the hydrafl extra that installs that module."""
+log = logging.getLogger(__name__)
+
 EXPERIMENT = "hydrafl"
 """The MLflow experiment every tracked run is filed under."""
+MLFLOW_BATCH_PARAMS, MLFLOW_BATCH_METRICS = 100, 1000
+"""The most parameters and metrics one MLflow `log_batch` call takes."""
 ROUND_METRICS = (
     "loss",
     "accuracy",
@@ -93,10 +98,44 @@ class TrackTarget:
         return cls(kind, where)
 
     def open(self, run_name: str, params: Mapping[str, Any]) -> Tracker:
-        """A tracker for one run called `run_name`, its configuration `params` already logged."""
-        if self.kind == "tensorboard":
-            return TensorBoardTracker(Path(self.where) / run_name, params)
-        return MlflowTracker(self.where, run_name, params)
+        """A tracker for one run called `run_name`, its configuration `params` already logged. One that cannot
+        open (a tracking server down, a folder not writable) is a ConfigError that names it; once open, a
+        failure to track warns once and the run goes on untracked (`Guarded`)."""
+        try:
+            if self.kind == "tensorboard":
+                return Guarded(TensorBoardTracker(Path(self.where) / run_name, params))
+            return Guarded(MlflowTracker(self.where, run_name, params))
+        except (
+            Exception
+        ) as error:  # each library has its own errors; all of them mean the same here
+            raise ConfigError(
+                f"--track {self.kind}:{self.where}: cannot open it ({type(error).__name__}: {error})"
+            ) from error
+
+
+class Guarded:
+    """A tracker whose failures cost the run nothing: the first one is logged, and tracking stops there."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker: Tracker | None = tracker
+
+    def log_round(self, record: RoundRecord) -> None:
+        self._call("log_round", record)
+
+    def log_artifacts(self, paths: Iterable[Path]) -> None:
+        self._call("log_artifacts", list(paths))
+
+    def close(self) -> None:
+        self._call("close")
+
+    def _call(self, method: str, *args: Any) -> None:
+        if self.tracker is None:
+            return
+        try:
+            getattr(self.tracker, method)(*args)
+        except Exception as error:
+            log.warning("tracking stopped: %s failed (%s: %s)", method, type(error).__name__, error)
+            self.tracker = None
 
 
 class TensorBoardTracker:
@@ -149,9 +188,9 @@ class MlflowTracker:
             else self.client.create_experiment(EXPERIMENT, artifact_location=_artifacts_beside(uri))
         )
         self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
-        self.client.log_batch(
-            self.run_id, params=[Param(key, str(value)) for key, value in sorted(params.items())]
-        )
+        logged = [Param(key, str(value)) for key, value in sorted(params.items())]
+        for start in range(0, len(logged), MLFLOW_BATCH_PARAMS):
+            self.client.log_batch(self.run_id, params=logged[start : start + MLFLOW_BATCH_PARAMS])
 
     def log_round(self, record: RoundRecord) -> None:
         from mlflow.entities import Metric
@@ -159,7 +198,10 @@ class MlflowTracker:
         metrics = [
             Metric(name, value, 0, record.round) for name, value in round_metrics(record).items()
         ]
-        self.client.log_batch(self.run_id, metrics=metrics)
+        for start in range(0, len(metrics), MLFLOW_BATCH_METRICS):
+            self.client.log_batch(
+                self.run_id, metrics=metrics[start : start + MLFLOW_BATCH_METRICS]
+            )
 
     def log_artifacts(self, paths: Iterable[Path]) -> None:
         for path in paths:

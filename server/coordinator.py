@@ -41,7 +41,7 @@ from hydrafl.server.transport.handlers import SERVICE_NAME, add_coordinator_serv
 from hydrafl.server.transport.sent_cache import SentCache
 from hydrafl.server.transport.service import SERVER_OPTIONS, CoordinatorService
 from hydrafl.server.transport.tls import ServerTls, plaintext_warning
-from hydrafl.tracking import TrackTarget
+from hydrafl.tracking import Tracker, TrackTarget
 
 log = logging.getLogger(__name__)
 
@@ -170,11 +170,7 @@ class Coordinator:
         grid = LeasedGrid(self.store, self.blobs, self.service, run.id, lease=self.lease)
 
         history: list[dict] = list(run.history)
-        tracker = (
-            TrackTarget.parse(self.config.track).open(f"run-{run.id}", cfg.to_flower())
-            if self.config.track
-            else None
-        )
+        tracker = self._tracker(run.id, cfg)
 
         def progress(record: RoundRecord) -> None:
             self.lease.check()
@@ -277,6 +273,16 @@ class Coordinator:
                 RETRY_AFTER_ERROR_S,
             )
             self.stopping.wait(RETRY_AFTER_ERROR_S)
+
+    def _tracker(self, run_id: int, cfg: RunConfig) -> Tracker | None:
+        """`--track`'s tracker for one run; a tracker that cannot open is logged and the run goes on untracked."""
+        if not self.config.track:
+            return None
+        try:
+            return TrackTarget.parse(self.config.track).open(f"run-{run_id}", cfg.to_flower())
+        except ConfigError as error:
+            log.error("run %d is not tracked: %s", run_id, error)
+            return None
 
     def _run_files(self, run_id: int, strategy: str, history: list[dict]) -> list[Path]:
         """A tracked run's artifacts: its folder's tables, its statistics, and its curves (drawn here)."""

@@ -170,3 +170,57 @@ def test_a_coordinator_tracks_each_run_it_drives(tmp_path):
     assert set(events.Tags()["images"]) == {"curves_by_round", "curves_by_bytes"}
     texts = {tag.removesuffix("/text_summary") for tag in events.Tags()["tensors"]}
     assert texts == {"config", "history.json", "rounds.tsv", "push_latency.tsv"}
+
+
+class _FailingTracker:
+    """A tracker whose store went away after the run started."""
+
+    def __init__(self) -> None:
+        self.rounds: list[int] = []
+
+    def log_round(self, record: RoundRecord) -> None:
+        self.rounds.append(record.round)
+        if record.round == 2:
+            raise ConnectionError("tracking server went away")
+
+    def log_artifacts(self, paths) -> None:
+        raise AssertionError("not called once tracking stopped")
+
+    def close(self) -> None:
+        raise AssertionError("not called once tracking stopped")
+
+
+def test_a_tracker_that_fails_warns_once_and_the_run_goes_on(caplog):
+    failing = _FailingTracker()
+    guarded = tracking.Guarded(failing)
+    for server_round in range(1, 5):
+        guarded.log_round(RoundRecord(round=server_round))
+    guarded.log_artifacts([])
+    guarded.close()
+    assert failing.rounds == [1, 2]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "hydrafl.tracking"]
+    assert warnings == [
+        "tracking stopped: log_round failed (ConnectionError: tracking server went away)"
+    ]
+
+
+def test_a_store_that_cannot_be_opened_stops_simulate_with_exit_2_before_training(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    uri = f"sqlite:///{tmp_path / 'a-file' / 'mlflow.db'}"
+    out = tmp_path / "study"
+    result = CliRunner().invoke(
+        app,
+        [
+            "simulate",
+            *QUICK,
+            "--strategies",
+            "fedavg",
+            "--out",
+            str(out),
+            "--track",
+            f"mlflow:{uri}",
+        ],
+    )
+    assert result.exit_code == 2
+    assert f"--track mlflow:{uri}: cannot open it" in " ".join(result.output.split())
+    assert not (out / "fedavg").exists()

@@ -133,7 +133,7 @@ def _compare(simulation: SimulationConfig, progress: bool, newest: bool) -> dict
             2,
         )
     except (ConfigError, DataError) as error:
-        fail(str(error), 2)
+        fail_one_line(str(error), 2)
     except RoundFailed as error:
         fail(str(error), 1)
 
