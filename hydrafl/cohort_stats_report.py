@@ -46,12 +46,13 @@ def write_stats(out: Path, combined: CombinedStats, declined: dict[str, str]) ->
         "declined": declined,
     }
     paths = [out / name for name in ("stats.json", "stats.md")]
-    paths[0].write_text(json.dumps(summary, indent=1))
-    paths[1].write_text("\n".join(_markdown(combined, declined)) + "\n")
     if "label" in combined.categories:
         paths.append(_plot_labels(out / "stats_labels.png", combined))
     if combined.histograms:
         paths.append(_plot_histograms(out / "stats_histograms.png", combined))
+    figures = [f"![{path.stem}]({path.name})" for path in paths[2:]]
+    paths[0].write_text(json.dumps(summary, indent=1))
+    paths[1].write_text("\n".join([*_markdown(combined, declined), "", *figures]) + "\n")
     return paths
 
 
@@ -165,7 +166,6 @@ def _markdown(combined: CombinedStats, declined: dict[str, str]) -> list[str]:
             "",
             *(f"- site {s}: {why}" for s, why in declined.items()),
         ]
-    lines += ["", "![labels](stats_labels.png)", "![histograms](stats_histograms.png)"]
     return lines
 
 

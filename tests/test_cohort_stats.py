@@ -232,7 +232,8 @@ def test_the_stats_job_on_the_in_process_grid_applies_each_sites_policy(tmp_path
             cells += 0 < raw < 10
     assert cells > 0 and suppressed["combined"]["suppressed"] == cells
     assert (tmp_path / "suppressed" / "stats_labels.png").stat().st_size > 0
-    assert "<10" in (tmp_path / "suppressed" / "stats.md").read_text()
+    markdown = (tmp_path / "suppressed" / "stats.md").read_text()
+    assert "<10" in markdown and "![stats_histograms](stats_histograms.png)" in markdown
 
 
 def test_simulate_stats_writes_them_before_training_and_refuses_the_stats_job(tmp_path):
