@@ -133,8 +133,10 @@ def release(
     rng: np.random.Generator | None = None,
 ) -> SiteStats:
     """`stats` as they may leave the site: with `mechanism`, every count noised (rounded, at least 0) for
-    (`epsilon`, `delta`) in all; then every cell of 1 to `min_cell_count` - 1 suppressed. Noise is drawn in the
-    report's order: records, categories, histograms, missing cells, vocabulary."""
+    (`epsilon`, `delta`) in all; then every cell of 1 to `min_cell_count` - 1 suppressed, and in a group (a
+    category's counts; a histogram with its missing cell) left with one suppressed cell, its smallest other
+    non-zero cell too (`_complement`). Noise is drawn in the report's order: records, categories, histograms,
+    missing cells, vocabulary."""
     groups = 1 + len(stats.categories) + len(stats.histograms) + (stats.vocabulary is not None)
     noise = _noise(mechanism, epsilon / groups, delta / groups, rng) if mechanism else None
     suppressed = 0
@@ -161,6 +163,21 @@ def release(
     }
     missing = {name: cell(value) for name, value in stats.missing.items()}
     vocabulary = cell(stats.vocabulary, max(stats.vocabulary_sensitivity, 1))
+    for name, values in categories.items():
+        kept = _complement(list(values.values()))
+        suppressed += sum(
+            a is not None and b is None for a, b in zip(values.values(), kept, strict=True)
+        )
+        categories[name] = dict(zip(values, kept, strict=True))
+    for name, histogram in histograms.items():
+        group = [*histogram.counts, *([missing[name]] if name in missing else [])]
+        kept = _complement(group)
+        suppressed += sum(a is not None and b is None for a, b in zip(group, kept, strict=True))
+        histograms[name] = dataclasses.replace(
+            histogram, counts=tuple(kept[: len(histogram.counts)])
+        )
+        if name in missing:
+            missing[name] = kept[-1]
     return dataclasses.replace(
         stats,
         records=records,
@@ -176,6 +193,18 @@ def release(
             suppressed=suppressed,
         ),
     )
+
+
+def _complement(cells: list[Cell]) -> list[Cell]:
+    """Secondary suppression: the cells of a group add up to the site's records, so one suppressed cell would be
+    the records less the others; with exactly one suppressed, the smallest other non-zero cell goes too."""
+    if sum(value is None for value in cells) != 1:
+        return cells
+    shown = [(value, index) for index, value in enumerate(cells) if value]
+    if not shown:
+        return cells
+    _, index = min(shown)
+    return [None if i == index else value for i, value in enumerate(cells)]
 
 
 def noise_scale(mechanism: str, sensitivity: float, epsilon: float, delta: float) -> float:
