@@ -33,9 +33,11 @@ from hydrafl.catalog import IMAGE_MODELS
 from hydrafl.client.dedup import deduplicated, drop_reply, signatures_reply
 from hydrafl.client.model_probes import estimate_curvature, slice_layout
 from hydrafl.client.site_model import site_model
+from hydrafl.client.site_stats import site_stats
 from hydrafl.client.training import build_site_model, evaluate, site_seed, train_site
 from hydrafl.config import RunConfig
 from hydrafl.data import NEXT_TOKEN_TASKS, TASKS, Cohort, DataError, SiteSplit, load_cohort
+from hydrafl.data.files import read_dataset
 from hydrafl.data.text_cohort import MINILM, tokenizer_for
 from hydrafl.footprint import training_footprint
 from hydrafl.kernels.distributed import LocalTraining
@@ -315,9 +317,7 @@ def train(message: Message, context: Context) -> Message:
         result.loss,
         result.data_hash[:12],
     )
-    info = ConfigRecord(
-        {protocol.DATA_HASH: result.data_hash}
-    )  # a string: MetricRecords hold numbers only
+    info = ConfigRecord({protocol.DATA_HASH: result.data_hash})  # a string: metrics are numbers
     content = RecordDict(
         {"arrays": to_record(delta), **extra_arrays, "metrics": metrics, "train-info": info}
     )
@@ -363,6 +363,22 @@ def dedup_signatures(message: Message, context: Context) -> Message:
 def dedup_drop(message: Message, context: Context) -> Message:
     _, split = all_site_data(_run_config(context), context)
     return drop_reply(message, context, len(split.train_y))
+
+
+@client_app.query("stats")
+def cohort_stats(message: Message, context: Context) -> Message:
+    """The site's raw counts (`site_stats`); its policy releases them (`SitePolicy.release`). A site with its
+    own file counts the file's raw values, not the standardised ones it trains on."""
+    cfg, site = _run_config(context), _site(context)
+    if site.data_path is not None:
+        task, x, y = read_dataset(site.data_path, site.label_column or None)
+    else:
+        cohort, split = site_data(cfg, context)
+        task = cohort.task
+        x = torch.cat([split.train_x, split.test_x]).numpy()
+        y = torch.cat([split.train_y, split.test_y]).numpy()
+    record = ConfigRecord({protocol.STATS_REPORT: site_stats(task, x, y, cfg).to_json()})
+    return Message(RecordDict({protocol.STATS_RECORD: record}), reply_to=message)
 
 
 @client_app.query("curvature")

@@ -7,6 +7,10 @@ Before training it checks the round against its budget: the run's spending after
 train message carries; absent = no central DP = infinite), or with its own noise the smaller of that and its
 own epsilon after the round. Over budget, or anything it cannot read, it refuses: fail closed.
 
+Cohort statistics (`query.stats`, `hydrafl.cohort_stats`) leave as counts released by the policy: noised first
+when `stats-epsilon` is set (Laplace, or Gaussian at `delta`), then every cell of 1 to `min-cell-count` - 1
+suppressed.
+
 Small-cell suppression (`min-class-count`): before training, the site counts the records per class of its
 training split and refuses while any class has 1 to min-class-count - 1 of them. The refusal that leaves the
 site names only the rule; the class and its count, themselves the small cell, stay in the site's log.
@@ -30,6 +34,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message
 from flwr.common.constant import ErrorCode
 
 from hydrafl import protocol
+from hydrafl.cohort_stats import MECHANISMS, SiteStats, release
 from hydrafl.configfile import load_toml
 from hydrafl.validation import ConfigError
 
@@ -43,6 +48,9 @@ KEYS = {
     "max-epsilon",
     "delta",
     "min-class-count",
+    "min-cell-count",
+    "stats-epsilon",
+    "stats-noise",
 }
 SMALL_CELL_REASON = (
     "site policy min-class-count: this site's training data has a class with too few records (which, and how "
@@ -73,6 +81,12 @@ class SitePolicy:
     min_class_count: int | None = None
     """Small-cell suppression: the site refuses to train while a class of its training split has 1 to
     min_class_count - 1 records (None: no minimum)."""
+    min_cell_count: int = 0
+    """Cohort statistics: a count of 1 to min_cell_count - 1 records is suppressed (0: none)."""
+    stats_epsilon: float | None = None
+    """Cohort statistics: noise the counts for this epsilon in all (None: released exact)."""
+    stats_noise: str = "laplace"
+    """Cohort statistics: laplace, or gaussian (for (stats-epsilon, delta))."""
 
     def __post_init__(self) -> None:
         if self.max_update_norm is not None and not (
@@ -96,6 +110,26 @@ class SitePolicy:
         if self.min_class_count is not None and self.min_class_count < 2:
             raise PolicyError(
                 f"min-class-count must be an integer >= 2, got {self.min_class_count!r}"
+            )
+
+        if self.min_cell_count < 0:
+            raise PolicyError(
+                f"min-cell-count must be an integer >= 0, got {self.min_cell_count!r}"
+            )
+        if self.stats_epsilon is not None and not (
+            math.isfinite(self.stats_epsilon) and self.stats_epsilon > 0
+        ):
+            raise PolicyError(
+                f"stats-epsilon must be a positive number, got {self.stats_epsilon!r}"
+            )
+        if self.stats_noise not in MECHANISMS:
+            raise PolicyError(
+                f"stats-noise must be {' or '.join(MECHANISMS)}, got {self.stats_noise!r}"
+            )
+        if self.stats_noise == "gaussian" and (self.stats_epsilon or 0) >= 1:
+            raise PolicyError(
+                "stats-noise gaussian is the classic mechanism, valid for stats-epsilon < 1; lower it or "
+                "use laplace"
             )
 
     def refusal(self, run_id: int, strategy: str) -> str:
@@ -159,6 +193,8 @@ class SitePolicy:
     def release(self, reply: Message, context: Context) -> Message:
         """The reply as it may leave: clipped and noised (`apply`); a noised train reply counts as a
         participation and reports the site's epsilon in its ConfigRecord."""
+        if reply.metadata.message_type == protocol.QUERY_STATS and not reply.has_error():
+            return self.release_stats(reply)
         reply = self.apply(reply)
         if (
             not self.noise_multiplier
@@ -173,6 +209,20 @@ class SitePolicy:
         next(iter(reply.content.config_records.values()))[protocol.LOCAL_EPSILON] = (
             self.local_epsilon(count)
         )
+        return reply
+
+    def release_stats(self, reply: Message) -> Message:
+        """A statistics reply with its counts released (`cohort_stats.release`)."""
+        record = reply.content.config_records[protocol.STATS_RECORD]
+        released = release(
+            SiteStats.from_json(str(record[protocol.STATS_REPORT])),
+            min_cell_count=self.min_cell_count,
+            mechanism=self.stats_noise if self.stats_epsilon else "",
+            epsilon=self.stats_epsilon or 0.0,
+            delta=self.delta,
+            rng=np.random.default_rng(secrets.randbits(128)),
+        )
+        record[protocol.STATS_REPORT] = released.to_json()
         return reply
 
     def apply(self, reply: Message) -> Message:
@@ -227,6 +277,9 @@ def load_policy(path: str | Path) -> SitePolicy:
             max_epsilon=_number(values.get("max-epsilon")),
             delta=_number_or(values.get("delta"), 1e-5),
             min_class_count=_integer(values, "min-class-count"),
+            min_cell_count=_integer(values, "min-cell-count") or 0,
+            stats_epsilon=_number(values.get("stats-epsilon")),
+            stats_noise=str(values.get("stats-noise", "laplace")),
         )
     except PolicyError as error:
         raise PolicyError(f"{path}: {error}") from error

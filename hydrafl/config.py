@@ -25,6 +25,7 @@ from hydrafl.config_sections import (
     FederationConfig,
     ModelConfig,
     PrivacyConfig,
+    StatsConfig,
     TrainingConfig,
 )
 from hydrafl.field_docs import field_types
@@ -55,7 +56,13 @@ SECAGG_ROUND_TIMEOUT_S = 600.0
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig(
-    CompressionConfig, PrivacyConfig, FederationConfig, TrainingConfig, ModelConfig, DataConfig
+    StatsConfig,
+    CompressionConfig,
+    PrivacyConfig,
+    FederationConfig,
+    TrainingConfig,
+    ModelConfig,
+    DataConfig,
 ):
     """One federated run of one strategy: every section's keys (`hydrafl.config_sections`; a dataclass lists
     its bases' fields from the last base to the first, so data comes first), the strategy and its knobs."""
@@ -316,6 +323,8 @@ SIMULATION_KEYS = {
     "site_policy",
     "workers",
     "export",
+    "track",
+    "stats",
 }
 """`hydrafl.simulation_config.SimulationConfig`'s own keys (valid in a comparison, not in one run)."""
 RUN_WIDE_KEYS = tuple(

@@ -375,6 +375,49 @@ class CompressionConfig:
         )
 
 
+JOBS = ("train", "stats")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatsConfig:
+    """What a run does (train, or report the cohorts' statistics) and the bins statistics are counted in. The
+    bin edges come from here, never from the data: choosing them reveals nothing of any site."""
+
+    job: str = "train"
+    """train, or stats: no training; each site reports counts, labels, missing values and histograms on the
+    shared bins (its policy suppresses small cells and may add noise), combined into stats.md and PNGs."""
+    stats_bins: int = 10
+    """Statistics: bins between LO and HI of every histogram (plus one open bin below and one above)."""
+    stats_range: str = "-4:4"
+    """Statistics: LO:HI of every feature's (and image channel mean's) histogram, or one LO:HI per feature,
+    comma-separated. Simulated cohorts are standardised (mean 0, sd 1), which -4:4 covers; a site reading its
+    own table reports raw values: give its columns' ranges."""
+
+    def __post_init__(self) -> None:
+        _check(self.job in JOBS, "job", self.job, " or ".join(JOBS))
+        _check(1 <= self.stats_bins <= 1000, "stats-bins", self.stats_bins, "an integer in 1..1000")
+        self.stats_ranges  # noqa: B018  (parsed here to refuse a bad range before any work)
+
+    @property
+    def stats_ranges(self) -> tuple[tuple[float, float], ...]:
+        """`stats_range` as (LO, HI) pairs: one for every feature, or one per feature."""
+        pairs = []
+        for part in self.stats_range.split(","):
+            low, _, high = part.partition(":")
+            try:
+                pair = (float(low), float(high))
+            except ValueError:
+                pair = (math.nan, math.nan)
+            _check(
+                math.isfinite(pair[0]) and math.isfinite(pair[1]) and pair[0] < pair[1],
+                "stats-range",
+                self.stats_range,
+                "LO:HI with LO < HI, or one LO:HI per feature, comma-separated (e.g. -4:4 or 18:100,0:12)",
+            )
+            pairs.append(pair)
+        return tuple(pairs)
+
+
 SECTIONS = (
     DataConfig,
     ModelConfig,
@@ -382,6 +425,7 @@ SECTIONS = (
     FederationConfig,
     PrivacyConfig,
     CompressionConfig,
+    StatsConfig,
 )
 """In the order `hydrafl keys` lists them."""
 

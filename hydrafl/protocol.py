@@ -27,6 +27,11 @@ permutations each) and its key check."""
 QUERY_DEDUP_DROP = "query.dedup_drop"
 """Deduplication: the message carries the training rows this site drops (`DEDUP_DROP`); the site keeps the list
 for the run and answers with its remaining records."""
+QUERY_STATS = "query.stats"
+"""Asks a site for its cohort statistics (`hydrafl.cohort_stats`), released as its policy says."""
+STATS_RECORD = "stats"
+"""The ConfigRecord of a statistics reply; its `STATS_REPORT` key holds the report's JSON."""
+STATS_REPORT = "report"
 SECAGG_QUERIES = (QUERY_SECAGG_KEYS, QUERY_SECAGG_SHARES, QUERY_SECAGG_CHECK, QUERY_SECAGG_UNMASK)
 
 # Config keys the coordinator adds to a message for one site.

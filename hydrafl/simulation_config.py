@@ -22,6 +22,7 @@ from hydrafl.config import (
 )
 from hydrafl.run_folders import new_run_folder, newest_run
 from hydrafl.strategies.registry import UnknownStrategy, config_class, knob_names, refuse_unknown
+from hydrafl.tracking import TrackTarget
 from hydrafl.validation import ConfigError
 from hydrafl.validation import check as _check
 
@@ -56,6 +57,13 @@ class SimulationConfig:
     export: bool = False
     """Write each strategy's final model to OUT/STRATEGY/model in the form a hospital loads without hydrafl: a
     Hugging Face `save_pretrained` folder, a PEFT adapter beside its base, or safetensors with its architecture."""
+    stats: bool = False
+    """Before training, each simulated site reports its cohort statistics (the `stats` job, released by
+    --site-policy) into OUT/stats: stats.md, stats.json and PNGs."""
+    track: str = ""
+    """Follow each strategy's run in TensorBoard (tensorboard:DIR, one folder per run under DIR) or MLflow
+    (mlflow:URI, e.g. sqlite:///mlflow.db): per-round metrics, the configuration, the report and plots at the end.
+    Needs the tensorboard or mlflow extra."""
 
     def __post_init__(self) -> None:
         _check(
@@ -80,6 +88,14 @@ class SimulationConfig:
             "empty with --secagg (the simulated attacks forge plain updates, which secure aggregation never sends)",
         )
         _check(self.backend in BACKENDS, "backend", self.backend, ", ".join(BACKENDS))
+        if self.track:
+            TrackTarget.parse(self.track)
+        _check(
+            self.run.job == "train",
+            "job",
+            self.run.job,
+            "train in a simulation (--stats reports the statistics before training)",
+        )
         _check(
             isinstance(self.workers, int)
             and not isinstance(self.workers, bool)

@@ -17,6 +17,7 @@ from hydrafl.netaddr import check_address
 from hydrafl.server.paths import data_dir, default_blob_dir, default_db_url
 from hydrafl.server.transport.limits import SiteLimits
 from hydrafl.server.transport.tls import ServerTls
+from hydrafl.tracking import TrackTarget
 from hydrafl.validation import ConfigError
 
 DEFAULT_LISTEN = "127.0.0.1:9091"
@@ -36,6 +37,7 @@ OPTION_KEYS = (
     "lease-stale-s",
     "keep-checkpoints",
     "send-cache-mb",
+    "track",
 )
 NUMBER_KEYS = ("lease-stale-s", "keep-checkpoints", "send-cache-mb")
 """`hydrafl server`'s options without their dashes: the keys of its TOML file."""
@@ -66,6 +68,8 @@ class CoordinatorConfig:
     """Checkpoints kept per run (`server.retention`); older rounds' checkpoints, messages and chunks are deleted."""
     send_cache_mb: int = DEFAULT_SEND_CACHE_MB
     """MiB of the chunks sent last kept in memory for the sites' downloads (`server.sent_cache`); 0: none."""
+    track: str = ""
+    """tensorboard:DIR or mlflow:URI: every run this coordinator drives is followed there (`hydrafl.tracking`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.listen, str) or not self.listen.strip():
@@ -84,6 +88,8 @@ class CoordinatorConfig:
             raise ConfigError(
                 f"keep-checkpoints must be a whole number of at least 1, got {keep!r}"
             )
+        if self.track:
+            TrackTarget.parse(self.track)
         cache = self.send_cache_mb
         if not isinstance(cache, int) or isinstance(cache, bool) or cache < 0:
             raise ConfigError(
@@ -113,6 +119,7 @@ class CoordinatorConfig:
             "lease_stale_s": values.get("lease-stale-s", LEASE_STALE_S),
             "keep_checkpoints": values.get("keep-checkpoints", DEFAULT_KEEP_CHECKPOINTS),
             "send_cache_mb": values.get("send-cache-mb", DEFAULT_SEND_CACHE_MB),
+            "track": str(values.get("track", "")),
         }
         if values.get("db"):
             given["db_url"] = str(values["db"])

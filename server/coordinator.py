@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import threading
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -40,9 +41,12 @@ from hydrafl.server.transport.handlers import SERVICE_NAME, add_coordinator_serv
 from hydrafl.server.transport.sent_cache import SentCache
 from hydrafl.server.transport.service import SERVER_OPTIONS, CoordinatorService
 from hydrafl.server.transport.tls import ServerTls, plaintext_warning
+from hydrafl.tracking import Tracker, TrackTarget
 
 log = logging.getLogger(__name__)
 
+CURVES = ("curves_by_round.png", "curves_by_bytes.png")
+"""A tracked run's loss and accuracy curves, by round and by bytes (`hydrafl.curves`)."""
 RETRY_AFTER_ERROR_S = 5.0
 """After the loop that drives runs failed (the database refused it, descriptors ran out): wait, then try again."""
 
@@ -166,9 +170,12 @@ class Coordinator:
         grid = LeasedGrid(self.store, self.blobs, self.service, run.id, lease=self.lease)
 
         history: list[dict] = list(run.history)
+        tracker = self._tracker(run.id, cfg)
 
         def progress(record: RoundRecord) -> None:
             self.lease.check()
+            if tracker is not None:
+                tracker.log_round(record)
             history[:] = [entry for entry in history if entry["round"] < record.round] + [
                 dataclasses.asdict(record)
             ]
@@ -196,6 +203,13 @@ class Coordinator:
             return
         finally:
             self._write_latencies(run.id)
+            if tracker is not None:  # what the run's folder holds, however the run ended
+                tracker.log_artifacts(self._run_files(run.id, cfg.strategy, history))
+                tracker.close()
+        if cfg.job == "stats":
+            self.store.set_run_status(run.id, "finished", rounds_done=0)
+            log.info("run %d finished: cohort statistics in %s", run.id, cfg.run_dir)
+            return
         self.store.set_run_status(run.id, "finished", rounds_done=cfg.rounds)
         last = history[-1] if history else {}
         log.info(
@@ -259,6 +273,28 @@ class Coordinator:
                 RETRY_AFTER_ERROR_S,
             )
             self.stopping.wait(RETRY_AFTER_ERROR_S)
+
+    def _tracker(self, run_id: int, cfg: RunConfig) -> Tracker | None:
+        """`--track`'s tracker for one run; a tracker that cannot open is logged and the run goes on untracked."""
+        if not self.config.track:
+            return None
+        try:
+            return TrackTarget.parse(self.config.track).open(f"run-{run_id}", cfg.to_flower())
+        except ConfigError as error:
+            log.error("run %d is not tracked: %s", run_id, error)
+            return None
+
+    def _run_files(self, run_id: int, strategy: str, history: list[dict]) -> list[Path]:
+        """A tracked run's artifacts: its folder's tables, its statistics, and its curves (drawn here)."""
+        from hydrafl.curves import plot_curves  # matplotlib: only for a tracked run
+
+        run_dir = self.config.runs_dir / str(run_id)
+        if history:
+            for name, by_bytes in zip(CURVES, (False, True), strict=True):
+                plot_curves(run_dir / name, {strategy: history}, by_bytes=by_bytes)
+        names = ("history.json", "rounds.tsv", "push_latency.tsv", *CURVES)
+        paths = [run_dir / name for name in names] + sorted(run_dir.glob("stats*"))
+        return [path for path in paths if path.is_file()]
 
     def _write_latencies(self, run_id: int) -> None:
         """push_latency.tsv in the run's folder: per-site P50/P99 of this run's pushes."""

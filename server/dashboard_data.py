@@ -9,6 +9,7 @@ a few small queries, not row by row.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime
@@ -19,6 +20,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import InstrumentedAttribute, defer
 
 from hydrafl.bounded import MAX_DETAIL_CHARS, marked
+from hydrafl.cohort_stats import CombinedStats, SiteStats, combine
 from hydrafl.server.store import Store
 from hydrafl.server.tables import AuditEvent, Run
 from hydrafl.server.transport.service import CoordinatorService
@@ -223,3 +225,14 @@ def _count_by(store: Store, column: InstrumentedAttribute[Any], kind: str) -> li
             .group_by(column)
         )
         return [(value, int(total)) for value, total in session.execute(query)]
+
+
+def cohort_stats(run: Run, runs_dir: Path) -> CombinedStats | None:
+    """A stats job's combined statistics, read back from its stats.json (each site's report checked again, as
+    any value from outside); None while there are none or when the file cannot be read."""
+    path = runs_dir / str(run.id) / "stats.json"
+    try:
+        sites = json.loads(path.read_text())["sites"]
+        return combine({str(site): SiteStats.from_json(json.dumps(v)) for site, v in sites.items()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None

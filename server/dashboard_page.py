@@ -17,12 +17,14 @@ from html import escape
 from pathlib import Path
 
 from hydrafl.bounded import MAX_DETAIL_CHARS, bounded
+from hydrafl.cohort_stats import CombinedStats, SiteStats, histogram_quantile
 from hydrafl.rounds import megabytes
 from hydrafl.server.dashboard_data import (
     AuditRow,
     LatencyRow,
     SiteRow,
     audit_tail,
+    cohort_stats,
     push_latencies,
     site_rows,
     trained_records,
@@ -144,6 +146,9 @@ def _run_section(run: Run, runs_dir: Path, service: CoordinatorService | None) -
     ]
     if run.detail:
         parts.append(f"<p>{_cell(run.detail, MAX_DETAIL_CHARS)}</p>")
+    if run.config.get("job") == "stats":
+        parts.append(_stats_table(cohort_stats(run, runs_dir)))
+        return "".join(parts)
     trust = trust_summary(run.history or [], {} if run.server_app else run.config)
     parts.extend(
         f"<p class='privacy'>{_cell(line, MAX_DETAIL_CHARS)}</p>" for line in trust_lines(trust)
@@ -211,6 +216,28 @@ def _rounds_table(records: list[dict], *, dp: bool) -> str:
     ]
     earlier = f", the last {len(shown)} of {len(records)}" if len(records) > len(shown) else ""
     return f"<h2>Rounds{earlier}</h2>" + _table(headers, rows, css="rounds")
+
+
+def _stats_table(stats: CombinedStats | None) -> str:
+    """A stats job's records and labels per site and combined, and each histogram's median (stats.md in the
+    run's folder has every quantile)."""
+    if stats is None:
+        return "<h2>Cohort statistics</h2><p class='muted'>none yet</p>"
+    reports = list(stats.sites.values())
+
+    def count(value: int | None, report: SiteStats) -> str:
+        return f"&lt;{report.release.min_cell_count}" if value is None else str(value)
+
+    rows = [["records", *(count(r.records, r) for r in reports), str(stats.records)]]
+    for value, total in stats.categories.get("label", {}).items():
+        cells = [count(r.categories.get("label", {}).get(value), r) for r in reports]
+        rows.append([_cell(f"label {value}"), *cells, str(total)])
+    for name, histogram in stats.histograms.items():
+        medians = [r.histograms.get(name) for r in reports]
+        cells = [_number(histogram_quantile(h, 0.5)) if h else "-" for h in medians]
+        rows.append([_cell(f"{name} median"), *cells, _number(histogram_quantile(histogram, 0.5))])
+    headers = ["", *(f"site {site}" for site in stats.sites), "all"]
+    return "<h2>Cohort statistics</h2>" + _table(headers, rows, text_columns=(0,))
 
 
 def _latency_table(rows: list[LatencyRow]) -> str:

@@ -19,6 +19,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
 from hydrafl import protocol
+from hydrafl.cohort_stats import CombinedStats, SiteStats, StatsError, combine
 from hydrafl.config import RunConfig
 from hydrafl.rounds import RoundRecord
 from hydrafl.secagg import SecAggParams
@@ -66,7 +67,12 @@ def run_federation(
     full-data site of the grid (simulation) that `cfg.diagnostics` compares the averaged delta with.
     `virtual_speeds` (simulation: per node its relative speed) runs an asynchronous strategy on a virtual clock
     instead of the wall clock. With `cfg.dedup` the sites drop their cross-site duplicates first (on a resume
-    too: a restarted site has forgotten its list); `on_dedup` receives each site's outcome."""
+    too: a restarted site has forgotten its list); `on_dedup` receives each site's outcome. A `stats` job
+    trains nothing: it gathers the sites' cohort statistics."""
+    if cfg.job == "stats":
+        wait_for_sites(grid, cfg.available_sites, cfg.site_wait_s)
+        run_stats(grid, cfg)
+        return RunResult(arrays=ArrayRecord(), history=[])
     strategy = strategy or build_strategy(cfg)
     wait_for_sites(grid, cfg.available_sites, cfg.site_wait_s)
     if cfg.dedup:
@@ -154,6 +160,36 @@ def request_initial_arrays(grid: Grid, cfg: RunConfig) -> ArrayRecord:
     raise RuntimeError(
         f"every site declined to build the initial model: {'; '.join(declines) or 'no site connected'}"
     )
+
+
+def run_stats(grid: Grid, cfg: RunConfig) -> CombinedStats:
+    """The `stats` job: every connected site's released statistics, added up and written to the run folder
+    (`hydrafl.cohort_stats_report`). A site that declines or sends an unreadable report is listed, not
+    counted; the job fails only when no site reports."""
+    nodes = sorted(grid.get_node_ids())
+    replies = grid.send_and_receive(
+        [_query(node, protocol.QUERY_STATS) for node in nodes], timeout=cfg.round_deadline_s
+    )
+    reports, declined = {}, {}
+    for reply in replies:
+        node = str(reply.metadata.src_node_id)
+        try:
+            if reply.has_error():
+                raise StatsError(reply.error.reason)
+            record = reply.content.config_records[protocol.STATS_RECORD]
+            reports[node] = SiteStats.from_json(str(record[protocol.STATS_REPORT]))
+        except (KeyError, StatsError) as error:
+            declined[node] = str(error)[:300]
+            log.warning("site %s sent no statistics: %s", node, declined[node])
+    if not reports:
+        raise RuntimeError(f"no site reported statistics: {declined or 'no site answered'}")
+    combined = combine(dict(sorted(reports.items(), key=lambda item: int(item[0]))))
+    if cfg.run_dir:
+        from hydrafl.cohort_stats_report import write_stats  # matplotlib: only for a stats job
+
+        write_stats(Path(cfg.run_dir), combined, declined)
+    log.info("statistics of %d sites: %d records", len(reports), combined.records)
+    return combined
 
 
 def check_outer_stability(grid: Grid, cfg: RunConfig, arrays: ArrayRecord) -> None:

@@ -81,11 +81,15 @@ def queue_run(store: Store, cfg: RunConfig) -> int:
 
 
 def run_to_end(
-    tmp_path: Path, cfg: RunConfig, site_options: list[tuple[str, ...]], timeout_s: float = 300
+    tmp_path: Path,
+    cfg: RunConfig,
+    site_options: list[tuple[str, ...]],
+    timeout_s: float = 300,
+    server_options: tuple[str, ...] = (),
 ) -> tuple[Store, int]:
-    """`cfg` queued on a coordinator process with one `hydrafl site` process per enrolled site (each with its
-    own extra options), waited for until it finishes or fails; every process is killed after. Returns the
-    coordinator's store and the run id."""
+    """`cfg` queued on a coordinator process (with `server_options`) with one `hydrafl site` process per
+    enrolled site (each with its own extra options), waited for until it finishes or fails; every process is
+    killed after. Returns the coordinator's store and the run id."""
     env, db, store, tokens, address = enrol(tmp_path, cfg)
     run_id = queue_run(store, cfg)
     processes = [
@@ -97,6 +101,7 @@ def run_to_end(
             db,
             "--blobs",
             str(tmp_path / "blobs"),
+            *server_options,
             env=env,
             log=tmp_path / "coordinator.log",
         )

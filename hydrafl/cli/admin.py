@@ -281,9 +281,8 @@ def run_create(
         fail(str(error), 2)
     stored = {k: v for k, v in run.to_flower().items() if k not in ("run-dir", "resume")}
     created = open_store(db, create=True).create_run(stored)
-    console.print(
-        f"created run {created.id} ({run.strategy}, {run.rounds} rounds, task {run.task})"
-    )
+    what = "cohort statistics" if run.job == "stats" else f"{run.strategy}, {run.rounds} rounds"
+    console.print(f"created run {created.id} ({what}, task {run.task})")
     print(created.id)
 
 

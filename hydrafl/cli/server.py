@@ -68,6 +68,12 @@ def server(
             "off, every download reads the blob files)."
         ),
     ] = None,
+    track: Annotated[
+        str | None,
+        typer.Option(
+            help="tensorboard:DIR or mlflow:URI to follow every run in (needs the tensorboard or mlflow extra)."
+        ),
+    ] = None,
     dashboard: Annotated[
         str | None,
         typer.Option(

@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperCommand
 
-from hydrafl.cli.common import console, fail, setup_logging
+from hydrafl.cli.common import console, fail, fail_one_line, setup_logging
 
 if TYPE_CHECKING:
     from hydrafl.simulation_config import SimulationConfig
@@ -77,7 +77,7 @@ def simulate(
         _check_paths(values)
         simulation = build_simulation_config(values, source=str(config) if config else "options")
     except ConfigError as error:
-        fail(str(error), 2)
+        fail_one_line(str(error), 2)
     import flwr.common.logger  # noqa: F401  (Flower sets its logger's level when imported: before ours, not after)
 
     setup_logging(verbose, quiet_rounds=True)
@@ -135,7 +135,7 @@ def _compare(simulation: SimulationConfig, progress: bool, newest: bool) -> dict
             2,
         )
     except (ConfigError, DataError) as error:
-        fail(str(error), 2)
+        fail_one_line(str(error), 2)
     except RoundFailed as error:
         fail(str(error), 1)
 

@@ -6,6 +6,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from hydrafl.simulation.report import write_report
 from hydrafl.simulation_config import SimulationConfig
 from hydrafl.strategies import build_strategy
 from hydrafl.strategies.hooks import PlansSubnetworks
+from hydrafl.tracking import Tracker, TrackTarget
 from hydrafl.trust import trust_summary
 from hydrafl.validation import ConfigError
 
@@ -63,17 +65,29 @@ def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) 
         MofNCompleteColumn(),
         TextColumn("{task.fields[status]}"),
     )
-    with Progress(*columns, TimeElapsedColumn(), disable=not show_progress) as progress:
+    stats = _cohort_stats(config, policy) if config.stats else []
+    trackers: list[Tracker] = []
+    with (
+        Progress(*columns, TimeElapsedColumn(), disable=not show_progress) as progress,
+        ExitStack() as closing,
+    ):
         for strategy in config.strategies:
             run_cfg = config.run_config(strategy)
             task = progress.add_task(strategy, total=run_cfg.rounds, status="")
+            tracker = _open_tracker(config, strategy, run_cfg)
+            if tracker is not None:
+                trackers.append(tracker)
+                closing.callback(tracker.close)
 
             def on_round(
                 record: RoundRecord,
                 task: Any = task,
                 strategy: str = strategy,
                 total: int = run_cfg.rounds,
+                tracker: Tracker | None = tracker,
             ) -> None:
+                if tracker is not None:
+                    tracker.log_round(record)
                 status = (
                     f"loss {record.loss:.3f} acc {record.accuracy:.3f}"
                     if record.loss is not None
@@ -102,6 +116,9 @@ def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) 
                 workers=config.workers,
                 on_dedup=dedup.update,
             )
+            if config.backend == "ray" and tracker is not None:  # Flower's engine calls no on_round
+                for entry in history:
+                    tracker.log_round(RoundRecord(**entry))
             results["strategies"][strategy] = {
                 "seconds": time.perf_counter() - started,
                 "lora_rank": run_cfg.lora_rank,
@@ -115,8 +132,26 @@ def compare_strategies(config: SimulationConfig, *, show_progress: bool = True) 
                 results["strategies"][strategy]["trainable_params_per_site"] = (
                     built.trainable_params
                 )
-    write_report(out, results)
+        written = write_report(out, results) + stats
+        for tracker in trackers:
+            tracker.log_artifacts(written)
     return results
+
+
+def _cohort_stats(config: SimulationConfig, policy: SitePolicy) -> list[Path]:
+    """`--stats`: the `stats` job on the in-process grid, before any training, into OUT/stats; the files."""
+    folder = Path(config.out) / "stats"
+    cfg = config.run_config(config.strategies[0]).replace(job="stats", run_dir=str(folder))
+    run_strategy(cfg, "inprocess", policy=policy)
+    return sorted(folder.glob("stats*"))
+
+
+def _open_tracker(config: SimulationConfig, strategy: str, run_cfg: RunConfig) -> Tracker | None:
+    """`--track`'s tracker for one strategy's run, named OUT/STRATEGY, its parameters the run's keys."""
+    if not config.track:
+        return None
+    name = f"{Path(config.out).name}/{strategy}"
+    return TrackTarget.parse(config.track).open(name, run_cfg.to_flower())
 
 
 def run_strategy(

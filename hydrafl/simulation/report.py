@@ -6,11 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
+from hydrafl.curves import plot_curves
 from hydrafl.rounds import ROUNDS_TSV_COLUMNS, RoundRecord, megabytes, metric
 from hydrafl.trust import trust_lines
 
@@ -87,7 +83,8 @@ def dedup_lines(results: dict[str, Any]) -> list[str]:
     ]
 
 
-def write_report(out: Path, results: dict[str, Any]) -> None:
+def write_report(out: Path, results: dict[str, Any]) -> list[Path]:
+    """results.json, report.md, rounds.tsv and the curves in `out`; returns their paths."""
     (out / "results.json").write_text(json.dumps(results, indent=1))
     config = results["config"]
     partition = config["partition"] or ("iid" if config["data"] else "natural")
@@ -144,29 +141,14 @@ def write_report(out: Path, results: dict[str, Any]) -> None:
     (out / "rounds.tsv").write_text(
         "\n".join(["strategy\t" + "\t".join(ROUNDS_TSV_COLUMNS), *rows]) + "\n"
     )
-    _plot(out / "curves_by_round.png", results, by_bytes=False)
-    _plot(out / "curves_by_bytes.png", results, by_bytes=True)
-
-
-def _plot(path: Path, results: dict[str, Any], *, by_bytes: bool) -> None:
-    figure, (loss_axis, accuracy_axis) = plt.subplots(1, 2, figsize=(11, 4))
-    for strategy, run in results["strategies"].items():
-        rounds = run["rounds"]
-        if by_bytes:
-            total, xs = 0, []
-            for record in rounds:
-                total += record["bytes_up"] + record["bytes_down"]
-                xs.append(total / 1e6)
-        else:
-            xs = [record["round"] for record in rounds]
-        loss_axis.plot(xs, [r["loss"] for r in rounds], marker=".", label=strategy)
-        accuracy_axis.plot(xs, [r["accuracy"] for r in rounds], marker=".", label=strategy)
-    xlabel = "MB communicated (up + down)" if by_bytes else "round"
-    loss_axis.set(xlabel=xlabel, ylabel="federated test loss", title="Loss")
-    accuracy_axis.set(xlabel=xlabel, ylabel="federated test accuracy", title="Accuracy")
-    for axis in (loss_axis, accuracy_axis):
-        axis.grid(alpha=0.3)
-        axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    runs = {strategy: run["rounds"] for strategy, run in results["strategies"].items()}
+    plot_curves(out / "curves_by_round.png", runs, by_bytes=False)
+    plot_curves(out / "curves_by_bytes.png", runs, by_bytes=True)
+    names = (
+        "results.json",
+        "report.md",
+        "rounds.tsv",
+        "curves_by_round.png",
+        "curves_by_bytes.png",
+    )
+    return [out / name for name in names]

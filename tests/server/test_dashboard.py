@@ -240,3 +240,38 @@ def test_a_dp_runs_rounds_show_the_exact_epsilon_beside_renyi_dps():
     )
     cells = re.findall(r"<t[dh][^>]*>([^<]*)</t[dh]>", _rounds_table([record], dp=True))
     assert cells[-2:] == ["26.5", "24.92"] and cells[cells.index("epsilon") + 1] == "epsilon exact"
+
+
+def test_a_stats_run_shows_its_counts_per_site_suppressed_cells_and_medians(board):
+    from hydrafl.cohort_stats import Histogram, SiteStats, combine, release
+    from hydrafl.cohort_stats_report import write_stats
+
+    dashboard, _, _ = board
+    run = dashboard.store.create_run({"job": "stats", "task": "tabular", "rounds": 1})
+    _, _, body = fetch(f"{dashboard.url}/runs/{run.id}", {"Authorization": f"Bearer {TOKEN}"})
+    assert "Cohort statistics</h2><p class='muted'>none yet" in body
+    histogram = Histogram(edges=(0.0, 1.0, 2.0), counts=(0, 10, 10, 0))
+    sites = {
+        "1001": SiteStats(
+            modality="tabular",
+            records=20,
+            categories={"label": {HOSTILE: 17, "ward": 3}},
+            histograms={"feature 0": histogram},
+        ),
+        "1002": SiteStats(
+            modality="tabular",
+            records=20,
+            categories={"label": {HOSTILE: 20, "ward": 0}},
+            histograms={"feature 0": histogram},
+        ),
+    }
+    sites["1001"] = release(sites["1001"], min_cell_count=5)
+    write_stats(dashboard.runs_dir / str(run.id), combine(sites), {})
+    _, _, body = fetch(f"{dashboard.url}/runs/{run.id}", {"Authorization": f"Bearer {TOKEN}"})
+    table = body.split("Cohort statistics</h2>")[1].split("</table>")[0]
+    assert HOSTILE not in body and "label &lt;script&gt;" in table
+    cells = [re.findall(r"<td[^>]*>([^<]*)</td>", row) for row in table.split("<tr>")[2:]]
+    assert cells[0] == ["records", "20", "20", "40"]
+    assert cells[2] == ["label ward", "&lt;5", "0", "0"]
+    assert cells[3] == ["feature 0 median", "1", "1", "1"]
+    assert "Rounds</h2>" not in body
