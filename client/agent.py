@@ -82,7 +82,7 @@ TOO_LARGE = "larger than max"
 """What gRPC says when this site refuses to receive a message over its limit (RESOURCE_EXHAUSTED, as the
 coordinator's per-site limits are; those are retried, this is final)."""
 REFUSED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
-ENDED = ("finished", "failed")
+ENDED = ("finished", "failed", "stopped")
 """The run statuses after which the coordinator sends a run's sites nothing more."""
 MAX_RUN_CONTEXTS = 4
 """Contexts kept for the most recent runs; a coordinator runs one at a time, so older ones are finished."""

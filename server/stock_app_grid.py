@@ -19,7 +19,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from hydrafl import protocol
 from hydrafl.bounded import bounded
 from hydrafl.rounds import RoundRecord
-from hydrafl.server.lease_keeper import LeasedGrid
+from hydrafl.server.lease_keeper import LeasedGrid, RunStopped
 from hydrafl.server.transport.replies import message_kind
 from hydrafl.updates import records
 
@@ -50,6 +50,8 @@ class StockAppGrid(LeasedGrid):
                 self.store.set_run_status(
                     self.run.run_id, "running", rounds_done=self.train_rounds, history=self.history
                 )
+                if self.store.stop_requested(self.run.run_id):
+                    raise RunStopped(f"stopped by an administrator after round {self.train_rounds}")
             self.train_rounds += 1
             self.history.append(dataclasses.asdict(RoundRecord(round=self.train_rounds)))
             self._metrics = {}

@@ -1,6 +1,9 @@
-"""`hydrafl admin`: enrol and revoke sites, queue runs and follow them, straight on the coordinator's database.
+"""`hydrafl admin`: enrol and revoke sites, queue runs, follow them, stop them and export their model, on the
+coordinator's database (`--db`) or from another machine through its admin service (`--coordinator HOST:PORT
+--admin-token-file F`); both ways call one interface (`admin_client.AdminApi`).
 
-Only `run create` loads the run configuration (and with it torch); the rest needs SQLAlchemy and nothing else.
+Only `run create` and `run export` load the run configuration (and with it torch); the rest needs SQLAlchemy or
+gRPC and nothing else.
 """
 
 from __future__ import annotations
@@ -8,9 +11,9 @@ from __future__ import annotations
 import base64
 import json
 import os
-import re
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import click
 import typer
@@ -19,15 +22,15 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperGroup
 
+from hydrafl.cli.admin_client import Connect, RunsOption, administered
 from hydrafl.cli.common import DbOption, console, fail, fail_one_line, open_store, warn
 from hydrafl.cli.db import db_admin
-from hydrafl.cli.export import run_export
+from hydrafl.cli.export import describe
 from hydrafl.rounds import megabytes
-from hydrafl.trust import trust_lines, trust_summary
+from hydrafl.trust import trust_lines
 
 if TYPE_CHECKING:
     from hydrafl.server.retention import Retention
-    from hydrafl.server.tables import AuditEvent
 
 VERBOSE = "hydrafl.admin.verbose"
 """`ctx.meta` key: `hydrafl admin -v` was given."""
@@ -51,7 +54,7 @@ class OneLineErrors(TyperGroup):
 
 
 admin_app = typer.Typer(
-    help="Administer a coordinator's database: sites (and runs).",
+    help="Administer a coordinator, on its database or from another machine: sites, runs, admin tokens.",
     no_args_is_help=True,
     cls=OneLineErrors,
 )
@@ -64,7 +67,8 @@ def _admin_options(
         bool, typer.Option("--verbose", "-v", help="Show the traceback of an unexpected error.")
     ] = False,
 ) -> None:
-    """Administer a coordinator's database: sites (and runs)."""
+    """Administer a coordinator, on its database (--db) or from another machine (--coordinator HOST:PORT
+    --admin-token-file F): sites, runs, admin tokens."""
     ctx.meta[VERBOSE] = verbose
 
 
@@ -90,47 +94,53 @@ IdentityOutOption = Annotated[
 
 
 @site_admin.command("add")
+@administered()
 def site_add(
+    connect: Connect,
     name: Annotated[str, typer.Argument(help="Site name, e.g. st-marys.")],
     consortium_key: ConsortiumKeyOption = None,
     identity_out: IdentityOutOption = None,
-    db: DbOption = None,
 ) -> None:
     """Enrol a site and print its one-time token (only a hash is stored: copy it now); with --consortium-key,
     also write its secure-aggregation identity."""
     consortium = _read_consortium_key(consortium_key) if consortium_key else None
+    api = connect(create=True)
     try:
-        site, token = open_store(db, create=True).add_site(name)
+        site = api.add_site(name)
     except ValueError as error:
-        fail(str(error), 2)
-    console.print(f"enrolled [bold]{site.name}[/] as node {site.node_id}; its token (shown once):")
-    print(token)
+        fail_one_line(str(error), 2)
+    console.print(
+        f"enrolled [bold]{escape(site['name'])}[/] as node {site['node_id']}; its token (shown once):"
+    )
+    print(site["token"])
     if consortium is not None:
         _write_identity(
-            consortium, site.node_id, identity_out or Path(f"{name}.secagg-identity.json")
+            consortium, site["node_id"], identity_out or Path(f"{name}.secagg-identity.json")
         )
 
 
 @site_admin.command("certify")
+@administered()
 def site_certify(
+    connect: Connect,
     name: Annotated[str, typer.Argument(help="Site name.")],
     consortium_key: Annotated[
         Path, typer.Option(help="The consortium's signing key (`hydrafl admin consortium create`).")
     ],
     identity_out: IdentityOutOption = None,
-    db: DbOption = None,
 ) -> None:
     """Issue an enrolled site a new secure-aggregation identity (its old one stays valid: the consortium key,
     not a list, vouches for both)."""
     consortium = _read_consortium_key(consortium_key)
-    site = next(
-        (site for site in open_store(db).sites() if site.name == name and not site.revoked), None
-    )
+    sites = connect().sites()
+    site = next((site for site in sites if site["name"] == name and not site["revoked"]), None)
     if site is None:
         fail(
             f"no active site named {name!r}; `hydrafl admin site list` shows the enrolled sites", 2
         )
-    _write_identity(consortium, site.node_id, identity_out or Path(f"{name}.secagg-identity.json"))
+    _write_identity(
+        consortium, site["node_id"], identity_out or Path(f"{name}.secagg-identity.json")
+    )
 
 
 consortium_admin = typer.Typer(
@@ -196,29 +206,34 @@ def _write_identity(consortium: bytes, node_id: int, path: Path) -> None:
 
 
 @site_admin.command("list")
-def site_list(db: DbOption = None) -> None:
+@administered()
+def site_list(
+    connect: Connect,
+) -> None:
     """List enrolled sites."""
     table = Table("site", "node id", "status", "enrolled")
-    for site in open_store(db).sites():
+    for site in connect().sites():
         table.add_row(
-            site.name,
-            str(site.node_id),
-            "revoked" if site.revoked else "active",
-            f"{site.created_at:%Y-%m-%d %H:%M}",
+            escape(site["name"]),
+            str(site["node_id"]),
+            "revoked" if site["revoked"] else "active",
+            site["created_at"],
         )
     Console().print(table)
 
 
 @site_admin.command("revoke")
+@administered()
 def site_revoke(
-    name: Annotated[str, typer.Argument(help="Site name.")], db: DbOption = None
+    connect: Connect,
+    name: Annotated[str, typer.Argument(help="Site name.")],
 ) -> None:
     """Revoke a site: its token is refused from now on."""
     try:
-        open_store(db).revoke_site(name)
+        connect().revoke_site(name)
     except ValueError as error:
-        fail(str(error), 2)
-    console.print(f"revoked [bold]{name}[/]")
+        fail_one_line(str(error), 2)
+    console.print(f"revoked [bold]{escape(name)}[/]")
 
 
 run_admin = typer.Typer(help="Create runs and follow them.", no_args_is_help=True)
@@ -228,7 +243,9 @@ admin_app.add_typer(run_admin, name="run")
 @run_admin.command(
     "create", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}
 )
+@administered()
 def run_create(
+    connect: Connect,
     ctx: typer.Context,
     config: Annotated[
         Path | None, typer.Option(help="TOML file of run keys (task, strategy, rounds, knobs...).")
@@ -246,7 +263,6 @@ def run_create(
             help="With --server-app: key=value (TOML values, as `flwr run`), repeatable.",
         ),
     ] = None,
-    db: DbOption = None,
 ) -> None:
     """Queue a run; the coordinator starts it when enough sites are connected.
 
@@ -255,13 +271,14 @@ def run_create(
     With --server-app the coordinator runs that Flower ServerApp on its grid with the --run-config values as its
     context.run_config, as `flwr run` does; sites run the matching ClientApp (`hydrafl site --app`).
     """
+
     if server_app is not None:
         if ctx.args or config:
             fail_one_line(
                 "a --server-app run takes its keys as --run-config key=value, not as flags or --config",
                 2,
             )
-        _create_server_app_run(server_app, run_config or [], db)
+        _create_server_app_run(server_app, run_config or [], connect)
         return
     if run_config:
         fail_one_line(
@@ -280,14 +297,14 @@ def run_create(
     except ConfigError as error:
         fail(str(error), 2)
     stored = {k: v for k, v in run.to_flower().items() if k not in ("run-dir", "resume")}
-    created = open_store(db, create=True).create_run(stored)
+    created = connect(create=True).create_run(stored)
     console.print(
-        f"created run {created.id} ({run.strategy}, {run.rounds} rounds, task {run.task})"
+        f"created run {created['id']} ({run.strategy}, {run.rounds} rounds, task {run.task})"
     )
-    print(created.id)
+    print(created["id"])
 
 
-def _create_server_app_run(reference: str, entries: list[str], db: str | None) -> None:
+def _create_server_app_run(reference: str, entries: list[str], connect: Connect) -> None:
     """Queue a stock ServerApp run. The app is loaded here to refuse a wrong reference now; a module that is not
     on this machine's path may be on the coordinator's, which then checks it when it starts the run."""
     from hydrafl.server.stock_apps import (
@@ -306,51 +323,40 @@ def _create_server_app_run(reference: str, entries: list[str], db: str | None) -
         )
     except ServerAppError as error:
         fail_one_line(str(error), 2)
-    run = open_store(db, create=True).create_run(values, server_app=reference)
+    run_id = connect(create=True).create_run(values, server_app=reference)["id"]
     console.print(
-        escape(f"created run {run.id} (ServerApp {reference}, run config {values})"), soft_wrap=True
+        escape(f"created run {run_id} (ServerApp {reference}, run config {values})"), soft_wrap=True
     )
-    print(run.id)
+    print(run_id)
 
 
 @run_admin.command("status")
+@administered()
 def run_status(
+    connect: Connect,
     run_id: Annotated[int, typer.Argument(help="Run id.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-    db: DbOption = None,
 ) -> None:
     """A run's state, rounds done, per-round metrics and the sites that declined or failed its messages."""
-    store = open_store(db)
     try:
-        run = store.run(run_id)
+        summary = connect().run_status(run_id)
     except ValueError as error:
-        fail(str(error), 2)
-    declines = [_decline(event) for event in store.run_events(run_id, DECLINE_KINDS)]
-    summary: dict[str, Any] = {
-        "run": run.id,
-        "status": run.status,
-        "rounds_done": run.rounds_done,
-        "rounds": run.total_rounds,
-        "strategy": None if run.server_app else run.config.get("strategy"),
-        "server_app": run.server_app,
-        "run_config": run.config if run.server_app else None,
-        "detail": run.detail,
-        "history": run.history,
-        "declines": declines,
-        "trust": trust_summary(run.history, {} if run.server_app else run.config),
-    }
+        fail_one_line(str(error), 2)
     if as_json:
         print(json.dumps(summary))
         return
-    what = f"ServerApp {run.server_app}" if run.server_app else summary["strategy"]
+    what = f"ServerApp {summary['server_app']}" if summary["server_app"] else summary["strategy"]
     Console().print(
-        escape(f"run {run.id}: {run.status}, {run.rounds_done}/{summary['rounds']} rounds ({what})")
+        escape(
+            f"run {run_id}: {summary['status']}, {summary['rounds_done']}/{summary['rounds']} rounds "
+            f"({what})"
+        )
     )
-    if run.status == "failed" and run.detail:
-        Console().print(escape(f"failed: {run.detail}"), soft_wrap=True)
-    if run.history:
+    if summary["status"] in ("failed", "stopped") and summary["detail"]:
+        Console().print(escape(f"{summary['status']}: {summary['detail']}"), soft_wrap=True)
+    if summary["history"]:
         table = Table("round", "loss", "accuracy", "sites ok", "MB up", "MB down", "seconds")
-        for record in run.history:
+        for record in summary["history"]:
             table.add_row(
                 str(record["round"]),
                 f"{record['loss'] or 0:.4f}",
@@ -363,24 +369,11 @@ def run_status(
         Console().print(table)
     for line in trust_lines(summary["trust"]):
         Console().print(escape(line))
-    if declines:
-        _print_declines(declines)
+    if summary["declines"]:
+        _print_declines(summary["declines"])
 
 
-DECLINE_KINDS = ("site-declined",)
 SHOWN_DECLINES = 20
-ROUND_PREFIX = re.compile(r"round (\d+)\s*(.*)", re.DOTALL)
-
-
-def _decline(event: AuditEvent) -> dict:
-    """A site-declined audit event as site, round (when its detail starts with "round N") and reason."""
-    parsed = ROUND_PREFIX.fullmatch(event.detail)
-    return {
-        "site": event.site_name,
-        "round": int(parsed.group(1)) if parsed else None,
-        "reason": parsed.group(2) if parsed else event.detail,
-        "at": f"{event.at:%Y-%m-%d %H:%M:%S}",
-    }
 
 
 def _print_declines(declines: list[dict]) -> None:
@@ -395,30 +388,177 @@ def _print_declines(declines: list[dict]) -> None:
 
 
 @run_admin.command("list")
-def run_list(db: DbOption = None) -> None:
+@administered()
+def run_list(
+    connect: Connect,
+) -> None:
     """All runs."""
     table = Table("run", "strategy", "task", "status", "rounds", "created")
-    for run in open_store(db).runs():
-        stock = run.server_app is not None
-        strategy, task = (
-            (run.server_app, "-") if stock else (run.config.get("strategy"), run.config.get("task"))
-        )
+    for run in connect().runs():
         table.add_row(
-            str(run.id),
-            escape(str(strategy)),
-            str(task),
-            run.status,
-            f"{run.rounds_done}/{run.total_rounds}",
-            f"{run.created_at:%Y-%m-%d %H:%M}",
+            str(run["id"]),
+            escape(str(run["strategy"])),
+            str(run["task"]),
+            run["status"],
+            f"{run['rounds_done']}/{run['rounds']}",
+            run["created_at"],
         )
     Console().print(table)
 
 
+FOLLOW_POLL_S = 0.5
+ENDED = ("finished", "failed", "stopped")
+
+
+@run_admin.command("logs")
+@administered(runs=True)
+def run_logs(
+    connect: Connect,
+    run_id: Annotated[int, typer.Argument(help="Run id.")],
+    follow: Annotated[
+        bool,
+        typer.Option("--follow", "-f", help="Keep printing new lines until the run ends."),
+    ] = False,
+) -> None:
+    """The coordinator's log lines of a run (as `flwr log`); with --follow, until the run ends."""
+    api = connect()
+    offset = 0
+    while True:
+        try:
+            read = api.run_logs(run_id, offset)
+        except ValueError as error:
+            fail_one_line(str(error), 2)
+        for line in read["lines"]:
+            print(line, flush=True)
+        moved, offset = read["offset"] != offset, read["offset"]
+        if not follow or (read["status"] in ENDED and not moved):
+            return
+        if not moved:
+            time.sleep(FOLLOW_POLL_S)
+
+
+@run_admin.command("stop")
+@administered()
+def run_stop(
+    connect: Connect,
+    run_id: Annotated[int, typer.Argument(help="Run id.")],
+    now: Annotated[
+        bool,
+        typer.Option(
+            "--now", help="Stop at once, dropping the round in progress (default: at its end)."
+        ),
+    ] = False,
+) -> None:
+    """Stop a run (as `flwr stop`) at the end of its current round, its checkpoint written; `run resume`
+    continues it from there. A stock ServerApp's run stops before its next round and starts again on resume."""
+    try:
+        status = connect().stop_run(run_id, now)["status"]
+    except ValueError as error:
+        fail_one_line(str(error), 2)
+    when = "at once" if now else "at the end of its current round"
+    console.print(
+        f"run {run_id} stopped"
+        if status == "stopped"
+        else f"run {run_id} stops {when}; `hydrafl admin run status {run_id}` says when it did"
+    )
+
+
+@run_admin.command("resume")
+@administered()
+def run_resume(
+    connect: Connect,
+    run_id: Annotated[int, typer.Argument(help="Run id.")],
+) -> None:
+    """Queue a stopped run again: the coordinator continues it from its last checkpoint, as after a crash."""
+    try:
+        connect().resume_run(run_id)
+    except ValueError as error:
+        fail_one_line(str(error), 2)
+    console.print(f"run {run_id} queued again; it continues from its last checkpoint")
+
+
+@run_admin.command("export")
+@administered(runs=True)
+def run_export(
+    connect: Connect,
+    run_id: Annotated[int, typer.Argument(help="Run id.")],
+    out: Annotated[Path, typer.Argument(help="Folder to write the model to.")],
+    data: Annotated[
+        str,
+        typer.Option(
+            help="A sample of the sites' data, for a run whose sites read their own files (the model's "
+            "classes and vocabulary come from it); with --coordinator, a path on the coordinator."
+        ),
+    ] = "",
+) -> None:
+    """Write run ID's final model to DIR as a Hugging Face `save_pretrained` folder, a PEFT adapter beside its
+    base model (LoRA runs), or safetensors with its architecture (hydrafl's small models)."""
+    api = connect()
+    try:
+        kind = api.export(run_id, out, data)
+    except (FileNotFoundError, ValueError) as error:  # ExportError is a ValueError
+        fail_one_line(f"run {run_id}: {error}", 2)
+    print(describe(kind, out))
+
+
+token_admin = typer.Typer(
+    help="Administrators' tokens for `--coordinator` (created on the coordinator's database only).",
+    no_args_is_help=True,
+)
+admin_app.add_typer(token_admin, name="token")
+
+
+@token_admin.command("create")
+def token_create(
+    name: Annotated[str, typer.Argument(help="Who holds it, e.g. alice.")],
+    out: Annotated[
+        Path, typer.Option(help="Where the token goes (readable by you alone); hand it to NAME.")
+    ],
+    db: DbOption = None,
+) -> None:
+    """Create an administrator's token for `hydrafl admin ... --coordinator` (only its hash is stored)."""
+    try:
+        token = open_store(db, create=True).add_admin(name)
+    except ValueError as error:
+        fail_one_line(str(error), 2)
+    try:
+        with open(
+            out, "x", encoding="utf-8", opener=lambda p, flags: os.open(p, flags, 0o600)
+        ) as file:
+            file.write(token + "\n")
+    except OSError as error:
+        open_store(db).revoke_admin(name)
+        fail_one_line(f"cannot create {out}: {error.strerror or error}; the token was revoked", 2)
+    console.print(escape(f"wrote admin {name}'s token to {out}: pass it as --admin-token-file"))
+
+
+@token_admin.command("list")
+def token_list(db: DbOption = None) -> None:
+    """Administrators' tokens: who holds each, and whether it is revoked."""
+    table = Table("admin", "status", "created")
+    for admin in open_store(db).admins():
+        table.add_row(
+            escape(admin.name),
+            "revoked" if admin.revoked else "active",
+            f"{admin.created_at:%Y-%m-%d %H:%M}",
+        )
+    Console().print(table)
+
+
+@token_admin.command("revoke")
+def token_revoke(
+    name: Annotated[str, typer.Argument(help="Who holds it.")], db: DbOption = None
+) -> None:
+    """Revoke an administrator's token: the coordinator refuses it from now on."""
+    try:
+        open_store(db).revoke_admin(name)
+    except ValueError as error:
+        fail_one_line(str(error), 2)
+    console.print(escape(f"revoked admin {name}'s token"))
+
+
 BlobsOption = Annotated[
     Path | None, typer.Option("--blobs", help="Blob folder (default: $HYDRAFL_HOME/blobs).")
-]
-RunsOption = Annotated[
-    Path | None, typer.Option("--runs", help="Run folders (default: $HYDRAFL_HOME/runs).")
 ]
 
 
@@ -477,6 +617,3 @@ def run_delete(
     except ValueError as error:
         fail_one_line(str(error), 2)
     print(f"deleted run {run_id}: {report.describe()}")
-
-
-run_admin.command("export")(run_export)
