@@ -95,19 +95,6 @@ def final_model(cfg: RunConfig, arrays: Mapping[str, torch.Tensor], task: TaskSp
     return model.eval()
 
 
-def export_run(run_dir: Path, out: Path, data: str = "") -> Exported:
-    """The final model of the run whose checkpoint is in `run_dir`, written to `out`."""
-    from hydrafl.arrays import from_record
-    from hydrafl.server.aggregation.checkpoint import load_checkpoint
-
-    checkpoint = load_checkpoint(run_dir)
-    if checkpoint is None:
-        raise FileNotFoundError(f"{run_dir} holds no checkpoint: the run has not finished a round")
-    cfg = RunConfig.from_flower(checkpoint.run_config, source=str(run_dir), other_knobs=True)
-    model = final_model(cfg, from_record(checkpoint.arrays), run_task(cfg, data))
-    return export_model(model, cfg, out)
-
-
 def export_model(model: nn.Module, cfg: RunConfig, out: Path) -> Exported:
     """Write `model` (from `final_model`) to `out` in the form its kind loads without hydrafl."""
     net = model.net if isinstance(model, (Classifier, CausalLM)) else model

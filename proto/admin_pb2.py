@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19hydrafl/proto/admin.proto\x12\rhydrafl.proto\".\n\tAdminCall\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\x0c\"\x1d\n\x0b\x41\x64minResult\x12\x0e\n\x06result\x18\x01 \x01(\x0c\"-\n\rExportRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\t\"7\n\x0b\x45xportPiece\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04kind\x18\x03 \x01(\t2\x90\x01\n\x05\x41\x64min\x12<\n\x04\x43\x61ll\x12\x18.hydrafl.proto.AdminCall\x1a\x1a.hydrafl.proto.AdminResult\x12I\n\x0b\x45xportModel\x12\x1c.hydrafl.proto.ExportRequest\x1a\x1a.hydrafl.proto.ExportPiece0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19hydrafl/proto/admin.proto\x12\rhydrafl.proto\"B\n\tAdminCall\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\x0c\x12\x12\n\napp_bundle\x18\x03 \x01(\x0c\"\x1d\n\x0b\x41\x64minResult\x12\x0e\n\x06result\x18\x01 \x01(\x0c\"-\n\rExportRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\t\"7\n\x0b\x45xportPiece\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04kind\x18\x03 \x01(\t2\x90\x01\n\x05\x41\x64min\x12<\n\x04\x43\x61ll\x12\x18.hydrafl.proto.AdminCall\x1a\x1a.hydrafl.proto.AdminResult\x12I\n\x0b\x45xportModel\x12\x1c.hydrafl.proto.ExportRequest\x1a\x1a.hydrafl.proto.ExportPiece0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hydrafl.proto.admin_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ADMINCALL']._serialized_start=44
-  _globals['_ADMINCALL']._serialized_end=90
-  _globals['_ADMINRESULT']._serialized_start=92
-  _globals['_ADMINRESULT']._serialized_end=121
-  _globals['_EXPORTREQUEST']._serialized_start=123
-  _globals['_EXPORTREQUEST']._serialized_end=168
-  _globals['_EXPORTPIECE']._serialized_start=170
-  _globals['_EXPORTPIECE']._serialized_end=225
-  _globals['_ADMIN']._serialized_start=228
-  _globals['_ADMIN']._serialized_end=372
+  _globals['_ADMINCALL']._serialized_end=110
+  _globals['_ADMINRESULT']._serialized_start=112
+  _globals['_ADMINRESULT']._serialized_end=141
+  _globals['_EXPORTREQUEST']._serialized_start=143
+  _globals['_EXPORTREQUEST']._serialized_end=188
+  _globals['_EXPORTPIECE']._serialized_start=190
+  _globals['_EXPORTPIECE']._serialized_end=245
+  _globals['_ADMIN']._serialized_start=248
+  _globals['_ADMIN']._serialized_end=392
 # @@protoc_insertion_point(module_scope)

@@ -5,12 +5,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AdminCall(_message.Message):
-    __slots__ = ("action", "arguments")
+    __slots__ = ("action", "arguments", "app_bundle")
     ACTION_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    APP_BUNDLE_FIELD_NUMBER: _ClassVar[int]
     action: str
     arguments: bytes
-    def __init__(self, action: _Optional[str] = ..., arguments: _Optional[bytes] = ...) -> None: ...
+    app_bundle: bytes
+    def __init__(self, action: _Optional[str] = ..., arguments: _Optional[bytes] = ..., app_bundle: _Optional[bytes] = ...) -> None: ...
 
 class AdminResult(_message.Message):
     __slots__ = ("result",)

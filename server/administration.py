@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from hydrafl.app_bundle import read_bundle
 from hydrafl.bounded import bounded
 from hydrafl.server.run_log_file import read_log
 from hydrafl.server.store import Store
 from hydrafl.server.tables import STOP_AT_ROUND_END, STOP_NOW, AuditEvent, Run
 from hydrafl.trust import trust_summary
+
+if TYPE_CHECKING:
+    from hydrafl.export import Exported
 
 MAX_SITE_NAME_CHARS = 128
 """The `sites.name` column's width."""
@@ -66,10 +70,19 @@ class Administration:
 
     # --- runs -----------------------------------------------------------------------------------------------
 
-    def create_run(self, config: dict[str, Any], server_app: str | None = None) -> dict[str, Any]:
-        """Queue a run of these (already checked) run keys, or of a stock ServerApp with this run_config."""
-        run = self.store.create_run(config, server_app=server_app)
-        self._audit(f"run create {server_app or config.get('strategy')}", run.id)
+    def create_run(
+        self,
+        config: dict[str, Any],
+        server_app: str | None = None,
+        app_bundle: bytes | None = None,
+    ) -> dict[str, Any]:
+        """Queue a run of these (already checked) run keys, or of a stock ServerApp with this run_config, from
+        `app_bundle` (a Flower app bundle, checked here) when given."""
+        what = server_app or config.get("strategy")
+        if app_bundle:
+            what = f"{server_app} from app bundle sha256:{read_bundle(app_bundle).digest}"
+        run = self.store.create_run(config, server_app=server_app, app_bundle=app_bundle or None)
+        self._audit(f"run create {what}", run.id)
         return {"id": run.id}
 
     def runs(self) -> list[dict[str, Any]]:
@@ -118,11 +131,24 @@ class Administration:
     def export(self, run_id: int, out: Path, data: str = "") -> str:
         """Write the run's final model to `out` (on this machine: the coordinator's, for the admin service);
         returns its kind (`hydrafl.export.Exported`)."""
-        from hydrafl.export import export_run
-
         self.store.run(run_id)
         self._audit("run export", run_id)
         return export_run(self.runs_dir / str(run_id), out, data).kind
+
+
+def export_run(run_dir: Path, out: Path, data: str = "") -> Exported:
+    """The final model of the run whose checkpoint is in `run_dir`, written to `out` (model code loads now)."""
+    from hydrafl.arrays import from_record
+    from hydrafl.config import RunConfig
+    from hydrafl.export import export_model, final_model, run_task
+    from hydrafl.server.aggregation.checkpoint import load_checkpoint
+
+    checkpoint = load_checkpoint(run_dir)
+    if checkpoint is None:
+        raise FileNotFoundError(f"{run_dir} holds no checkpoint: the run has not finished a round")
+    cfg = RunConfig.from_flower(checkpoint.run_config, source=str(run_dir), other_knobs=True)
+    model = final_model(cfg, from_record(checkpoint.arrays), run_task(cfg, data))
+    return export_model(model, cfg, out)
 
 
 def _run_row(run: Run) -> dict[str, Any]:

@@ -19,11 +19,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import zipfile
+from collections.abc import Iterator
 from concurrent import futures
+from contextlib import contextmanager
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from hydrafl.app_bundle import BundleError, importable, unpack
 from hydrafl.config import ConfigError, RunConfig
 from hydrafl.malloc_tuning import keep_chunk_buffers
 from hydrafl.rounds import RoundRecord, metric
@@ -241,7 +245,8 @@ class Coordinator:
         self.service.latencies.clear()
         grid = StockAppGrid(self.store, self.blobs, self.service, run.id, lease=self.lease)
         try:
-            run_server_app(grid, run.id, run.server_app, run.config)
+            with self._app_bundle(run.id, run.server_app):
+                run_server_app(grid, run.id, run.server_app, run.config)
         except LeaseLost:
             log.error(
                 "run %d: stopped driving it; the coordinator holding the lease starts it again",
@@ -273,6 +278,20 @@ class Coordinator:
         log.info(
             "run %d finished: ServerApp %s, %d rounds", run.id, run.server_app, grid.train_rounds
         )
+
+    @contextmanager
+    def _app_bundle(self, run_id: int, *server_app: str) -> Iterator[None]:
+        """The run's app bundle, when it has one, unpacked into its run folder and importable while it runs."""
+        data = self.store.app_bundle(run_id)
+        if data is None:
+            yield
+            return
+        try:
+            folder = unpack(data, self.config.runs_dir / str(run_id) / "app")
+        except (BundleError, zipfile.BadZipFile) as error:
+            raise ServerAppError(f"the run's app bundle: {error}") from None
+        with importable(folder, *server_app):
+            yield
 
     def _record_failure(self, run_id: int, *, detail: str, rounds_done: int | None = None) -> None:
         """Mark the run failed; when even that fails (the database, the descriptors), say so, wait

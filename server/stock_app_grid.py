@@ -23,8 +23,9 @@ from hydrafl.server.lease_keeper import LeasedGrid, RunStopped
 from hydrafl.server.transport.replies import message_kind
 from hydrafl.updates import records
 
-LOSS_KEYS = ("loss", "train_loss", "train-loss")
-"""Where a ClientApp puts its loss; the first present is the round's."""
+LOSS_KEYS = ("loss", "train_loss", "train-loss", "eval_loss")
+"""Where a ClientApp puts its loss (Flower's templates: `train_loss`, `eval_loss`); the first present is the
+round's."""
 
 
 class StockAppGrid(LeasedGrid):
@@ -93,7 +94,7 @@ class StockAppGrid(LeasedGrid):
             entry["train_loss"] = _first(folded, LOSS_KEYS)
         else:
             entry["loss"] = _first(folded, LOSS_KEYS)
-            entry["accuracy"] = _first(folded, ("accuracy", "acc"))
+            entry["accuracy"] = _first(folded, ("accuracy", "acc", "eval_acc"))
 
     def _fold(self, kind: str, metrics: list[MetricRecord]) -> MetricRecord:
         """The round's `kind` metrics so far, aggregated as Flower's FedAvg does by default."""

@@ -144,12 +144,20 @@ class Store(LeaseRows):
                 query = query.where(AuditEvent.kind == kind)
             return list(session.scalars(query))
 
-    def create_run(self, config: dict, *, server_app: str | None = None) -> Run:
-        """Queue a run of hydrafl's ServerApp with these run keys, or of the stock `server_app` with this run_config."""
+    def create_run(
+        self, config: dict, *, server_app: str | None = None, app_bundle: bytes | None = None
+    ) -> Run:
+        """Queue a run of hydrafl's ServerApp with these run keys, or of the stock `server_app` with this
+        run_config (from `app_bundle`, a Flower app bundle, when given)."""
         with self.session() as session, session.begin():
-            run = Run(config=config, server_app=server_app)
+            run = Run(config=config, server_app=server_app, app_bundle=app_bundle)
             session.add(run)
         return run
+
+    def app_bundle(self, run_id: int) -> bytes | None:
+        """The run's Flower app bundle (not loaded with the run: it may be megabytes)."""
+        with self.session() as session:
+            return session.scalar(select(Run.app_bundle).where(Run.id == run_id))
 
     def runs(self) -> list[Run]:
         with self.session() as session:

@@ -72,6 +72,8 @@ class Run(Base):
     detail: Mapped[str] = mapped_column(Text, default="")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    app_bundle: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True, deferred=True)
+    """A stock app run's Flower app bundle (`hydrafl.app_bundle`), shipped to its sites; None otherwise."""
     stop_requested: Mapped[str] = mapped_column(String(8), default="", server_default="")
     """STOP_AT_ROUND_END or STOP_NOW while an administrator's stop waits for the driver; "" otherwise."""
 

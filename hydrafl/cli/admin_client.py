@@ -8,6 +8,7 @@ import functools
 import inspect
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
@@ -16,6 +17,7 @@ import typer
 from hydrafl.cli.common import DbOption, fail_one_line, open_store, warn
 
 if TYPE_CHECKING:
+    from hydrafl.client.tls import SiteTls
     from hydrafl.proto import admin_pb2
 
 CoordinatorOption = Annotated[
@@ -40,6 +42,16 @@ AdminTlsCaOption = Annotated[
         "--tls-ca", help="With --coordinator: the CA of the coordinator's TLS certificate."
     ),
 ]
+AdminTlsCertOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--tls-cert",
+        help="With --coordinator serving mutual TLS: your certificate (with --tls-key, --tls-ca).",
+    ),
+]
+AdminTlsKeyOption = Annotated[
+    Path | None, typer.Option("--tls-key", help="With --tls-cert: its private key.")
+]
 RunsOption = Annotated[
     Path | None,
     typer.Option("--runs", help="With --db: run folders (default: $HYDRAFL_HOME/runs)."),
@@ -53,7 +65,10 @@ class AdminApi(Protocol):
     def add_site(self, name: str) -> dict[str, Any]: ...
     def revoke_site(self, name: str) -> dict[str, Any]: ...
     def create_run(
-        self, config: dict[str, Any], server_app: str | None = None
+        self,
+        config: dict[str, Any],
+        server_app: str | None = None,
+        app_bundle: bytes | None = None,
     ) -> dict[str, Any]: ...
     def runs(self) -> list[dict[str, Any]]: ...
     def run_status(self, run_id: int) -> dict[str, Any]: ...
@@ -67,14 +82,13 @@ class RemoteAdministration:
     """`Administration` through the coordinator's admin service; a refusal is a ValueError with its reason, as
     from `Administration` itself, and a failed login or an unreachable coordinator a ConnectionError."""
 
-    def __init__(self, address: str, token: str, tls_ca: Path | None = None) -> None:
+    def __init__(self, address: str, token: str, tls: SiteTls | None = None) -> None:
         import grpc
 
-        from hydrafl.client.tls import SiteTls, plaintext_warning
+        from hydrafl.client.tls import plaintext_warning
         from hydrafl.proto.admin_pb2_grpc import AdminStub
         from hydrafl.protocol import GRPC_OPTIONS
 
-        tls = SiteTls(ca=tls_ca) if tls_ca else None
         warning = plaintext_warning(address, tls)
         if warning:
             warn(warning.replace("every update", "every answer"))
@@ -87,10 +101,12 @@ class RemoteAdministration:
         self.stub = AdminStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),)
 
-    def _call(self, action: str, **arguments: Any) -> Any:
+    def _call(self, action: str, app_bundle: bytes = b"", **arguments: Any) -> Any:
         from hydrafl.proto import admin_pb2
 
-        request = admin_pb2.AdminCall(action=action, arguments=json.dumps(arguments).encode())
+        request = admin_pb2.AdminCall(
+            action=action, arguments=json.dumps(arguments).encode(), app_bundle=app_bundle
+        )
         try:
             reply = self.stub.Call(request, metadata=self.metadata, timeout=60)
         except Exception as error:
@@ -118,8 +134,13 @@ class RemoteAdministration:
     def revoke_site(self, name: str) -> dict[str, Any]:
         return self._call("revoke_site", name=name)
 
-    def create_run(self, config: dict[str, Any], server_app: str | None = None) -> dict[str, Any]:
-        return self._call("create_run", config=config, server_app=server_app)
+    def create_run(
+        self,
+        config: dict[str, Any],
+        server_app: str | None = None,
+        app_bundle: bytes | None = None,
+    ) -> dict[str, Any]:
+        return self._call("create_run", app_bundle or b"", config=config, server_app=server_app)
 
     def runs(self) -> list[dict[str, Any]]:
         return self._call("runs")
@@ -166,46 +187,60 @@ def _write_pieces(pieces: Iterator[admin_pb2.ExportPiece], out: Path) -> str:
     return kind
 
 
-def admin_api(
-    db: str | None,
-    coordinator: str | None,
-    token_file: Path | None,
-    tls_ca: Path | None = None,
-    runs: Path | None = None,
-    *,
-    create: bool = False,
-) -> AdminApi:
-    """The coordinator's database (`--db`, or the default one) or, with --coordinator, its admin service; a
-    missing or unreadable token file, or both ways at once, is one line, exit 2."""
-    if coordinator is None:
-        import getpass
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Place:
+    """Where a command acts, as its options say: this machine's database, or a coordinator's admin service."""
 
-        from hydrafl.server.administration import Administration
-        from hydrafl.server.paths import data_dir
+    db: str | None = None
+    runs: Path | None = None
+    coordinator: str | None = None
+    admin_token_file: Path | None = None
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
-        if token_file is not None or tls_ca is not None:
-            fail_one_line("--admin-token-file and --tls-ca go with --coordinator", 2)
-        store = open_store(db, create=create)
-        return Administration(store, runs or data_dir() / "runs", f"local {getpass.getuser()}")
-    if db is not None or runs is not None:
-        fail_one_line(
-            "--coordinator administers over the network: --db and --runs are for this machine's database",
-            2,
-        )
-    if token_file is None:
-        fail_one_line("--coordinator needs --admin-token-file (`hydrafl admin token create`)", 2)
-    try:
-        token = token_file.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as error:
-        fail_one_line(f"cannot read --admin-token-file {token_file}: {error}", 2)
-    if not token:
-        fail_one_line(f"--admin-token-file {token_file} is empty", 2)
-    return RemoteAdministration(coordinator, token, tls_ca)
+    def connect(self, *, create: bool = False) -> AdminApi:
+        """The database (`--db`, or the default one) or, with --coordinator, its admin service; a missing or
+        unreadable token file, TLS files that do not go together, or both ways at once: one line, exit 2."""
+        remote = (self.admin_token_file, self.tls_ca, self.tls_cert, self.tls_key)
+        if self.coordinator is None:
+            import getpass
 
+            from hydrafl.server.administration import Administration
+            from hydrafl.server.paths import data_dir
 
-def refused(error: Exception) -> None:
-    """A refusal (ValueError: exit 2) or an unreachable or unwelcoming coordinator (exit 1), in one line."""
-    fail_one_line(str(error), 2 if isinstance(error, ValueError) else 1)
+            if any(option is not None for option in remote):
+                fail_one_line("--admin-token-file and --tls-* go with --coordinator", 2)
+            store = open_store(self.db, create=create)
+            runs = self.runs or data_dir() / "runs"
+            return Administration(store, runs, f"local {getpass.getuser()}")
+        if self.db is not None or self.runs is not None:
+            fail_one_line(
+                "--coordinator administers over the network: --db and --runs are for this machine's "
+                "database",
+                2,
+            )
+        from hydrafl.client.tls import SiteTls
+        from hydrafl.validation import ConfigError
+
+        try:
+            tls = SiteTls.from_options(self.tls_ca, self.tls_cert, self.tls_key)
+        except ConfigError as error:
+            fail_one_line(str(error), 2)
+        return RemoteAdministration(self.coordinator, self._token(), tls)
+
+    def _token(self) -> str:
+        if self.admin_token_file is None:
+            fail_one_line(
+                "--coordinator needs --admin-token-file (`hydrafl admin token create`)", 2
+            )
+        try:
+            token = self.admin_token_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as error:
+            fail_one_line(f"cannot read --admin-token-file {self.admin_token_file}: {error}", 2)
+        if not token:
+            fail_one_line(f"--admin-token-file {self.admin_token_file} is empty", 2)
+        return token
 
 
 class Connect(Protocol):
@@ -217,14 +252,16 @@ class Connect(Protocol):
 
 def administered(*, runs: bool = False) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Give a command the options that say where it acts (--db, with `runs` also --runs; or --coordinator,
-    --admin-token-file, --tls-ca), and call it with `connect` in their place: each command is written once for
-    both ways."""
+    --admin-token-file and the TLS files), and call it with `connect` in their place: each command is written
+    once for both ways."""
     places = {
         "db": DbOption,
         **({"runs": RunsOption} if runs else {}),
         "coordinator": CoordinatorOption,
         "admin_token_file": AdminTokenFileOption,
         "tls_ca": AdminTlsCaOption,
+        "tls_cert": AdminTlsCertOption,
+        "tls_key": AdminTlsKeyOption,
     }
 
     def decorate(command: Callable[..., None]) -> Callable[..., None]:
@@ -237,14 +274,8 @@ def administered(*, runs: bool = False) -> Callable[[Callable[..., None]], Calla
 
         @functools.wraps(command)
         def with_place(*args: Any, **kwargs: Any) -> None:
-            where = [kwargs.pop(name) for name in places]
-            db, coordinator, token_file, tls_ca = (where[0], *where[-3:])
-            run_dirs = where[1] if runs else None
-
-            def connect(*, create: bool = False) -> AdminApi:
-                return admin_api(db, coordinator, token_file, tls_ca, run_dirs, create=create)
-
-            command(*args, connect=connect, **kwargs)
+            place = Place(**{name: kwargs.pop(name) for name in places})
+            command(*args, connect=place.connect, **kwargs)
 
         with_place.__signature__ = own.replace(parameters=parameters)  # type: ignore[attr-defined]
         with_place.__annotations__ = {p.name: p.annotation for p in parameters}

@@ -105,7 +105,7 @@ def simulate(
 def _export(simulation: SimulationConfig) -> None:
     """Each strategy's final model beside its results (`--export`)."""
     from hydrafl.cli.export import describe
-    from hydrafl.export import export_run
+    from hydrafl.server.administration import export_run
 
     for strategy in simulation.strategies:
         run_dir = Path(simulation.out) / strategy

@@ -5,7 +5,7 @@ Who is calling: an administrator's bearer token (`hydrafl admin token create`, k
 failed logins are throttled per address, audited, and never lock a valid token out (`authentication.TokenGate`).
 What it may ask: one action of `Administration` by name, with a JSON object of arguments whose names, types and
 string lengths are checked before anything runs; requests over MAX_ADMIN_REQUEST_BYTES are refused unparsed
-(`handlers`), and each administrator has at most `max_calls` calls in flight.
+(`handlers`) as are arguments over MAX_ARGUMENTS_BYTES, and each administrator has at most `max_calls` calls in flight.
 
 Status codes: wrong, missing or revoked admin token (or a site's) -> UNAUTHENTICATED; an unknown action, a
 malformed or oversize argument, a refusal of the action itself (no such run, a run that cannot stop) ->
@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 
 import grpc
 
+from hydrafl.app_bundle import MAX_BUNDLE_BYTES
 from hydrafl.bounded import MAX_NAME_CHARS, bounded
 from hydrafl.proto import admin_pb2 as pb
 from hydrafl.server.administration import Administration
@@ -34,8 +35,10 @@ from hydrafl.server.transport.authentication import TokenGate, peer_address
 
 log = logging.getLogger(__name__)
 
-MAX_ADMIN_REQUEST_BYTES = 64 << 10
-"""An admin request's bytes: a run's configuration is a few kilobytes."""
+MAX_ARGUMENTS_BYTES = 64 << 10
+"""An admin request's arguments: a run's configuration is a few kilobytes."""
+MAX_ADMIN_REQUEST_BYTES = MAX_ARGUMENTS_BYTES + MAX_BUNDLE_BYTES
+"""The arguments, and a run's app bundle."""
 MAX_PATH_CHARS = 4096
 EXPORT_PIECE_BYTES = 1 << 20
 ACTIONS: dict[str, dict[str, type]] = {
@@ -85,6 +88,10 @@ class AdminService:
     def Call(self, request: pb.AdminCall, context: grpc.ServicerContext) -> pb.AdminResult:
         with self._acting(context) as administration:
             arguments = _arguments(request, context)
+            if request.app_bundle:
+                if request.action != "create_run":
+                    _invalid(context, request.action, "only create_run takes an app bundle")
+                arguments["app_bundle"] = request.app_bundle
             result = getattr(administration, request.action)(**arguments)
             return pb.AdminResult(result=json.dumps(result).encode())
 
@@ -109,6 +116,8 @@ class AdminService:
 
 def _arguments(request: pb.AdminCall, context: grpc.ServicerContext) -> dict[str, Any]:
     """The call's arguments, each checked against its action's signature; anything else aborts."""
+    if len(request.arguments) > MAX_ARGUMENTS_BYTES:
+        _invalid(context, "call", f"arguments over {MAX_ARGUMENTS_BYTES} bytes")
     expected = ACTIONS.get(request.action)
     if expected is None:
         _invalid(context, "call", f"no admin action {bounded(request.action, MAX_NAME_CHARS)!r}")

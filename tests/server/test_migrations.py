@@ -213,6 +213,7 @@ def test_a_database_from_before_migrations_is_stamped_and_upgraded(db_url, serve
     with engine.begin() as connection:
         connection.execute(text("DROP TABLE admin_tokens"))
         connection.execute(text("ALTER TABLE runs DROP COLUMN stop_requested"))
+        connection.execute(text("ALTER TABLE runs DROP COLUMN app_bundle"))
         connection.execute(text("DROP INDEX ix_audit_events_kind_site"))
         for column in ("server_round", "count", "last_at"):
             connection.execute(text(f'ALTER TABLE audit_events DROP COLUMN "{column}"'))

@@ -1,6 +1,6 @@
 """Administration from another machine: `admin_tokens` holds the administrators' token hashes (never a site's),
-and `runs.stop_requested` says that an administrator asked a run to stop ("round": at the end of the current
-round, "now": at once; "" when nobody did).
+`runs.stop_requested` says that an administrator asked a run to stop ("round": at the end of the current
+round, "now": at once; "" when nobody did), and `runs.app_bundle` holds a stock app run's Flower app bundle.
 
 Revision ID: 0004
 Revises: 0003
@@ -28,9 +28,11 @@ def upgrade() -> None:
         batch.add_column(
             sa.Column("stop_requested", sa.String(8), nullable=False, server_default="")
         )
+        batch.add_column(sa.Column("app_bundle", sa.LargeBinary(), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("runs") as batch:
+        batch.drop_column("app_bundle")
         batch.drop_column("stop_requested")
     op.drop_table("admin_tokens")
