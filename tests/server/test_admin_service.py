@@ -106,6 +106,14 @@ def test_megabyte_strings_oversize_and_malformed_calls_are_refused_and_change_no
     not_json = pb.AdminCall(action="runs", arguments=b"{not json")
     metadata = (("authorization", f"Bearer {admin_token}"),)
     assert "not a JSON object" in _refused(invalid, stub.Call, not_json, metadata=metadata)
+    for bundle, action, reason in [
+        (b"PK-not-a-zip", "create_run", "not a Flower app bundle"),
+        (b"x", "runs", "only create_run takes an app bundle"),
+        (b"x" * (5 << 20), "create_run", "AdminCall of"),  # over the request's bound
+    ]:
+        arguments = json.dumps({"config": {}, "server_app": "a:b"} if action != "runs" else {})
+        call = pb.AdminCall(action=action, arguments=arguments.encode(), app_bundle=bundle)
+        assert reason in _refused(invalid, stub.Call, call, metadata=metadata)
     raw = channel.unary_unary("/hydrafl.proto.Admin/Call")
     assert "malformed AdminCall" in _refused(invalid, raw, b"\xff\xff\xff", metadata=metadata)
     gigantic = pb.AdminCall(action="runs", arguments=b"x" * (9 << 20))
