@@ -6,10 +6,12 @@ change nothing. Both ways in (`--db` and `--coordinator`) answer alike."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import grpc
 import pytest
 
+from hydrafl.app_bundle import load_bundle
 from hydrafl.bounded import MAX_DETAIL_CHARS
 from hydrafl.cli.admin_client import RemoteAdministration
 from hydrafl.proto import admin_pb2 as pb
@@ -144,6 +146,9 @@ def test_both_ways_in_answer_alike_and_every_action_is_audited(live, tmp_path):
             way.stop_run(created["id"])
     remote.resume_run(created["id"])
     assert store.run(created["id"]).status == "pending"
+    bundle = load_bundle(Path(__file__).resolve().parents[1] / "assets" / "quickapp_project")
+    shipped = remote.create_run(bundle.config, bundle.server_app, bundle.data)["id"]
+    assert store.app_bundle(shipped) == bundle.data
     actions = [event.detail for event in store.audit_events("admin")]
     by_alice = [a.split(": ", 1)[1] for a in actions if a.startswith("admin alice from ipv4:")]
     assert by_alice == [
@@ -154,5 +159,6 @@ def test_both_ways_in_answer_alike_and_every_action_is_audited(live, tmp_path):
         "run stop",
         "run stop",
         "run resume",
+        f"run create quickapp.server_app:app from app bundle sha256:{bundle.digest}",
     ]
     assert sum(a.startswith("local tester: ") for a in actions) == 4
