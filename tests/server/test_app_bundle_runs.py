@@ -148,3 +148,31 @@ def test_a_site_refuses_a_bundle_its_policy_does_not_list():
     assert SitePolicy(allowed_apps=(digest,)).app_refusal(digest) == ""
     refusal = SitePolicy().app_refusal(digest)
     assert digest in refusal and f"--allow-app {digest}" in refusal
+
+
+def test_a_fab_that_flwr_build_made_is_the_same_bundle_as_its_project(tmp_path):
+    built = load_bundle(PROJECT)
+    fab = tmp_path / "quickapp.fab"
+    fab.write_bytes(built.data)
+    assert load_bundle(fab) == built
+    assert (built.server_app, built.client_app) == (
+        "quickapp.server_app:app",
+        "quickapp.client_app:app",
+    )
+    assert built.config == {"num-server-rounds": 3, "lr": 0.25, "min-nodes": 2}
+
+
+def test_run_create_refuses_what_is_not_a_flower_app_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from hydrafl.cli import app
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "x.fab").write_bytes(b"not a zip")
+    db = f"sqlite:///{tmp_path / 'c.db'}"
+    for path, reason in [("empty", "has no pyproject.toml"), ("x.fab", "not a Flower app bundle")]:
+        done = CliRunner().invoke(
+            app, ["admin", "run", "create", "--app", str(tmp_path / path), "--db", db]
+        )
+        assert done.exit_code == 2 and reason in " ".join(done.output.split())
+    assert not (tmp_path / "c.db").exists()  # refused before anything is written
