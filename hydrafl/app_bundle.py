@@ -140,8 +140,12 @@ def missing_dependencies(folder: Path) -> list[str]:
 @contextmanager
 def importable(folder: Path, *references: str) -> Iterator[None]:
     """The unpacked app's modules importable (first on the path) while it is loaded and run; the packages the
-    `references` (module:attribute) name are imported afresh, not taken from an earlier run's bundle."""
-    packages = {reference.partition(":")[0].split(".")[0] for reference in references}
+    `references` (module:attribute) name that the bundle holds are imported afresh, not taken from an earlier
+    run's bundle (a package it does not hold, hydrafl's own say, is left as it is)."""
+    named = {reference.partition(":")[0].split(".")[0] for reference in references}
+    packages = {
+        name for name in named if (folder / name).is_dir() or (folder / f"{name}.py").is_file()
+    }
     for name in [m for m in sys.modules if m.split(".")[0] in packages]:
         del sys.modules[name]
     sys.path.insert(0, str(folder))

@@ -176,3 +176,16 @@ def test_run_create_refuses_what_is_not_a_flower_app_in_one_line(tmp_path):
         )
         assert done.exit_code == 2 and reason in " ".join(done.output.split())
     assert not (tmp_path / "c.db").exists()  # refused before anything is written
+
+
+def test_loading_a_bundle_reimports_only_the_packages_it_holds(tmp_path):
+    import hydrafl.app_bundle as before
+
+    folder = unpack(load_bundle(PROJECT).data, tmp_path / "app")
+    with importable(folder, "quickapp.client_app:app", "hydrafl.app_bundle:AppBundle"):
+        first = load_app("quickapp.client_app:app", ValueError)
+    with importable(folder, "quickapp.client_app:app", "hydrafl.app_bundle:AppBundle"):
+        second = load_app("quickapp.client_app:app", ValueError)
+    assert first is not second  # the second run's bundle, not the first's module
+    assert sys.modules["hydrafl.app_bundle"] is before
+    assert str(folder) not in sys.path
