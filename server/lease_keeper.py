@@ -197,7 +197,8 @@ class LeaseKeeper:
 class LeasedGrid(CoordinatorGrid):
     """The coordinator's grid, fenced by its lease: once lost, the next poll raises LeaseLost and the run stays
     `running` for the coordinator that holds the lease now, which resumes it from its checkpoint. A stop asked
-    for `now` raises RunStopped at the next poll: the round in progress is dropped, the last checkpoint stays."""
+    for `now` raises RunStopped at the next poll: the round in progress is dropped, the last checkpoint stays;
+    any stop does so while the run still waits for its sites (it has sent nothing: no round is in progress)."""
 
     def __init__(self, *args: Any, lease: LeaseKeeper, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -210,6 +211,8 @@ class LeasedGrid(CoordinatorGrid):
 
     def get_node_ids(self) -> Iterable[int]:
         self._fence()
+        if not self._types and self.store.stop_requested(self.run.run_id):
+            raise RunStopped("stopped by an administrator before its first round here")
         return super().get_node_ids()
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:

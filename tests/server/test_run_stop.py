@@ -36,7 +36,11 @@ def test_a_stock_app_run_stops_before_its_next_round_and_now_stops_at_the_next_p
         leased = LeasedGrid(
             store, coordinator.blobs, coordinator.service, run_id, lease=coordinator.lease
         )
-        assert list(leased.pull_messages(["none"])) == []  # a stop at the round's end waits
+        with pytest.raises(RunStopped, match="before its first round"):
+            leased.get_node_ids()  # still waiting for its sites: no round to finish
+        leased.push_messages(_train_round(site.node_id, 2))
+        assert list(leased.get_node_ids()) == []  # a round in progress: a stop at its end waits
+        assert list(leased.pull_messages(["none"])) == []
         store.request_stop(run_id, STOP_NOW)
         with pytest.raises(RunStopped, match="in the middle of a round"):
             leased.pull_messages(["none"])
