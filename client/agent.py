@@ -27,6 +27,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import grpc
 from flwr.app import Context, Message, RecordDict
@@ -43,6 +44,7 @@ from hydrafl.client.error_replies import (
     request_of,
     size_text,
 )
+from hydrafl.client.shipped_apps import ShippedApps
 from hydrafl.client.site_pipeline import answer
 from hydrafl.client.site_policy import SitePolicy
 from hydrafl.client.site_secagg import install_identity
@@ -82,7 +84,7 @@ TOO_LARGE = "larger than max"
 """What gRPC says when this site refuses to receive a message over its limit (RESOURCE_EXHAUSTED, as the
 coordinator's per-site limits are; those are retried, this is final)."""
 REFUSED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
-ENDED = ("finished", "failed")
+ENDED = ("finished", "failed", "stopped")
 """The run statuses after which the coordinator sends a run's sites nothing more."""
 MAX_RUN_CONTEXTS = 4
 """Contexts kept for the most recent runs; a coordinator runs one at a time, so older ones are finished."""
@@ -119,6 +121,7 @@ class SiteAgent:
         inline_bytes: int = INLINE_BYTES,
         secagg_identity: SiteIdentity | None = None,
         threads: Callable[[], int] | None = None,
+        apps_dir: Path | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.threads = threads
@@ -142,6 +145,9 @@ class SiteAgent:
             raise ValueError(f"max_download_bytes must be positive, got {self.max_download_bytes}")
         self.metadata = (("authorization", f"Bearer {token}"),)
         self.contexts: OrderedDict[int, Context] = OrderedDict()
+        self.shipped = ShippedApps(policy, apps_dir)
+        self.run_apps: dict[int, ClientApp | str] = {}
+        """Per run (with a context): the ClientApp its bundle ships, or why the site refuses that bundle."""
         self.node_id = 0
         self.received = Received()
         """What the site holds of the message in hand: a download cut by a dropped connection resumes with the rest."""
@@ -311,7 +317,12 @@ class SiteAgent:
         inline: Sequence[pb.Chunk] = (),
     ) -> Message:
         context = self._context(stub, envelope.run_id)
-        refusal = self.policy.refusal(envelope.run_id, str(context.run_config.get("strategy", "")))
+        app = self.run_apps.get(envelope.run_id, self.client_app)
+        refusal = (
+            app
+            if isinstance(app, str)
+            else self.policy.refusal(envelope.run_id, str(context.run_config.get("strategy", "")))
+        )
         if refusal:  # checked before any download: a refused run costs the site nothing
             log.warning("declining a message of run %d: %s", envelope.run_id, refusal)
             return error_reply(request, ErrorCode.MOD_FAILED_PRECONDITION, refusal)
@@ -320,7 +331,8 @@ class SiteAgent:
             import torch  # the app trains with it: loaded by then, this costs nothing
 
             torch.set_num_threads(self.threads())
-        return answer(self.client_app, message, context, self.policy)
+        assert not isinstance(app, str)  # a refused bundle returned above
+        return answer(app, message, context, self.policy)
 
     def _context(self, stub: CoordinatorClient, run_id: int) -> Context:
         """The run's persistent Context, its run_config asked of the coordinator once per run."""
@@ -338,8 +350,10 @@ class SiteAgent:
         if self.secagg_identity is not None:
             install_identity(context, self.secagg_identity)
         self.contexts[run_id] = context
+        if joined.app_bundle and joined.run_id == run_id:
+            self.run_apps[run_id] = self.shipped.app_for(run_id, joined.app_bundle)
         while len(self.contexts) > MAX_RUN_CONTEXTS:
-            self.contexts.popitem(last=False)
+            self.run_apps.pop(self.contexts.popitem(last=False)[0], None)
         return context
 
     def _receive(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from hydrafl.validation import ConfigError
 log = logging.getLogger(__name__)
 
 KEYS = {
+    "allowed-apps",
     "allowed-runs",
     "allowed-strategies",
     "max-update-norm",
@@ -87,6 +89,8 @@ class SitePolicy:
     """Cohort statistics: noise the counts for this epsilon in all (None: released exact)."""
     stats_noise: str = "laplace"
     """Cohort statistics: laplace, or gaussian (for (stats-epsilon, delta))."""
+    allowed_apps: tuple[str, ...] = ()
+    """SHA-256 digests (hex) of the Flower app bundles this site runs when a run ships one; none by default."""
 
     def __post_init__(self) -> None:
         if self.max_update_norm is not None and not (
@@ -107,6 +111,9 @@ class SitePolicy:
             raise PolicyError(f"max-epsilon must be a positive number, got {self.max_epsilon!r}")
         if not 0 < self.delta < 1:
             raise PolicyError(f"delta must be in (0, 1), got {self.delta!r}")
+        bad = next((d for d in self.allowed_apps if not re.fullmatch(r"[0-9a-f]{64}", d)), None)
+        if bad is not None:
+            raise PolicyError(f"allowed-apps: {bad[:80]!r} is not a SHA-256 digest (64 hex digits)")
         if self.min_class_count is not None and self.min_class_count < 2:
             raise PolicyError(
                 f"min-class-count must be an integer >= 2, got {self.min_class_count!r}"
@@ -139,6 +146,15 @@ class SitePolicy:
         if self.allowed_strategies is not None and strategy not in self.allowed_strategies:
             return f"site policy does not allow strategy {strategy!r}"
         return ""
+
+    def app_refusal(self, digest: str) -> str:
+        """Why this site will not run the app bundle of this SHA-256, or "" when it may."""
+        if digest in self.allowed_apps:
+            return ""
+        return (
+            f"site policy does not allow app bundle sha256:{digest}; the site's operator allows it with "
+            f"allowed-apps in the policy file or --allow-app {digest}"
+        )
 
     def budget_refusal(self, message: Message, context: Context) -> str:
         """Why the site will not train this round for its privacy budget, or "" when it may."""
@@ -280,6 +296,7 @@ def load_policy(path: str | Path) -> SitePolicy:
             min_cell_count=_integer(values, "min-cell-count") or 0,
             stats_epsilon=_number(values.get("stats-epsilon")),
             stats_noise=str(values.get("stats-noise", "laplace")),
+            allowed_apps=_tuple(values, "allowed-apps", str) or (),
         )
     except PolicyError as error:
         raise PolicyError(f"{path}: {error}") from error

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fhydrafl/proto/coordinator.proto\x12\rhydrafl.proto\"|\n\x0eTensorManifest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x15\n\rchunk_digests\x18\x04 \x03(\t\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\x12\x17\n\x0f\x63hunk_checksums\x18\x06 \x03(\t\"M\n\x0eRecordManifest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12.\n\x07tensors\x18\x02 \x03(\x0b\x32\x1d.hydrafl.proto.TensorManifest\"\xec\x01\n\x08\x45nvelope\x12\x12\n\nmessage_id\x18\x01 \x01(\t\x12\x1b\n\x13reply_to_message_id\x18\x02 \x01(\t\x12\x14\n\x0cmessage_type\x18\x03 \x01(\t\x12\x0e\n\x06run_id\x18\x04 \x01(\x04\x12\r\n\x05round\x18\x05 \x01(\x04\x12\x0f\n\x07\x63ontent\x18\x06 \x01(\x0c\x12-\n\x06\x61rrays\x18\x07 \x03(\x0b\x32\x1d.hydrafl.proto.RecordManifest\x12\x14\n\x0c\x65rror_reason\x18\x08 \x01(\t\x12\x12\n\nerror_code\x18\t \x01(\x03\x12\x10\n\x08metadata\x18\n \x01(\x0c\"%\n\x05\x43hunk\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\r\n\x0bJoinRequest\"g\n\tJoinReply\x12\x11\n\tsite_name\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\x04\x12\x0e\n\x06run_id\x18\x03 \x01(\x04\x12\x12\n\nrun_config\x18\x04 \x01(\x0c\x12\x12\n\nsite_index\x18\x05 \x01(\r\"9\n\x12PullMessageRequest\x12\x13\n\x0blast_run_id\x18\x01 \x01(\x04\x12\x0e\n\x06wait_s\x18\x02 \x01(\x01\"\xa7\x01\n\x10PullMessageReply\x12\x13\n\x0bhas_message\x18\x01 \x01(\x08\x12)\n\x08\x65nvelope\x18\x02 \x01(\x0b\x32\x17.hydrafl.proto.Envelope\x12\x14\n\x0cpoll_after_s\x18\x03 \x01(\x01\x12\x17\n\x0flast_run_status\x18\x04 \x01(\t\x12$\n\x06\x63hunks\x18\x05 \x03(\x0b\x32\x14.hydrafl.proto.Chunk\"#\n\x10GetChunksRequest\x12\x0f\n\x07\x64igests\x18\x01 \x03(\t\"#\n\x10HasChunksRequest\x12\x0f\n\x07\x64igests\x18\x01 \x03(\t\"!\n\x0eHasChunksReply\x12\x0f\n\x07present\x18\x01 \x03(\t\"9\n\x0ePutChunksReply\x12\x0e\n\x06stored\x18\x01 \x01(\x04\x12\x17\n\x0f\x61lready_present\x18\x02 \x01(\x04\"c\n\x10PushReplyRequest\x12)\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x17.hydrafl.proto.Envelope\x12$\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x14.hydrafl.proto.Chunk\"#\n\x0ePushReplyReply\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x32\xc2\x03\n\x0b\x43oordinator\x12<\n\x04Join\x12\x1a.hydrafl.proto.JoinRequest\x1a\x18.hydrafl.proto.JoinReply\x12Q\n\x0bPullMessage\x12!.hydrafl.proto.PullMessageRequest\x1a\x1f.hydrafl.proto.PullMessageReply\x12\x44\n\tGetChunks\x12\x1f.hydrafl.proto.GetChunksRequest\x1a\x14.hydrafl.proto.Chunk0\x01\x12K\n\tHasChunks\x12\x1f.hydrafl.proto.HasChunksRequest\x1a\x1d.hydrafl.proto.HasChunksReply\x12\x42\n\tPutChunks\x12\x14.hydrafl.proto.Chunk\x1a\x1d.hydrafl.proto.PutChunksReply(\x01\x12K\n\tPushReply\x12\x1f.hydrafl.proto.PushReplyRequest\x1a\x1d.hydrafl.proto.PushReplyReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fhydrafl/proto/coordinator.proto\x12\rhydrafl.proto\"|\n\x0eTensorManifest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x15\n\rchunk_digests\x18\x04 \x03(\t\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\x12\x17\n\x0f\x63hunk_checksums\x18\x06 \x03(\t\"M\n\x0eRecordManifest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12.\n\x07tensors\x18\x02 \x03(\x0b\x32\x1d.hydrafl.proto.TensorManifest\"\xec\x01\n\x08\x45nvelope\x12\x12\n\nmessage_id\x18\x01 \x01(\t\x12\x1b\n\x13reply_to_message_id\x18\x02 \x01(\t\x12\x14\n\x0cmessage_type\x18\x03 \x01(\t\x12\x0e\n\x06run_id\x18\x04 \x01(\x04\x12\r\n\x05round\x18\x05 \x01(\x04\x12\x0f\n\x07\x63ontent\x18\x06 \x01(\x0c\x12-\n\x06\x61rrays\x18\x07 \x03(\x0b\x32\x1d.hydrafl.proto.RecordManifest\x12\x14\n\x0c\x65rror_reason\x18\x08 \x01(\t\x12\x12\n\nerror_code\x18\t \x01(\x03\x12\x10\n\x08metadata\x18\n \x01(\x0c\"%\n\x05\x43hunk\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\r\n\x0bJoinRequest\"{\n\tJoinReply\x12\x11\n\tsite_name\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\x04\x12\x0e\n\x06run_id\x18\x03 \x01(\x04\x12\x12\n\nrun_config\x18\x04 \x01(\x0c\x12\x12\n\nsite_index\x18\x05 \x01(\r\x12\x12\n\napp_bundle\x18\x06 \x01(\x0c\"9\n\x12PullMessageRequest\x12\x13\n\x0blast_run_id\x18\x01 \x01(\x04\x12\x0e\n\x06wait_s\x18\x02 \x01(\x01\"\xa7\x01\n\x10PullMessageReply\x12\x13\n\x0bhas_message\x18\x01 \x01(\x08\x12)\n\x08\x65nvelope\x18\x02 \x01(\x0b\x32\x17.hydrafl.proto.Envelope\x12\x14\n\x0cpoll_after_s\x18\x03 \x01(\x01\x12\x17\n\x0flast_run_status\x18\x04 \x01(\t\x12$\n\x06\x63hunks\x18\x05 \x03(\x0b\x32\x14.hydrafl.proto.Chunk\"#\n\x10GetChunksRequest\x12\x0f\n\x07\x64igests\x18\x01 \x03(\t\"#\n\x10HasChunksRequest\x12\x0f\n\x07\x64igests\x18\x01 \x03(\t\"!\n\x0eHasChunksReply\x12\x0f\n\x07present\x18\x01 \x03(\t\"9\n\x0ePutChunksReply\x12\x0e\n\x06stored\x18\x01 \x01(\x04\x12\x17\n\x0f\x61lready_present\x18\x02 \x01(\x04\"c\n\x10PushReplyRequest\x12)\n\x08\x65nvelope\x18\x01 \x01(\x0b\x32\x17.hydrafl.proto.Envelope\x12$\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x14.hydrafl.proto.Chunk\"#\n\x0ePushReplyReply\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x32\xc2\x03\n\x0b\x43oordinator\x12<\n\x04Join\x12\x1a.hydrafl.proto.JoinRequest\x1a\x18.hydrafl.proto.JoinReply\x12Q\n\x0bPullMessage\x12!.hydrafl.proto.PullMessageRequest\x1a\x1f.hydrafl.proto.PullMessageReply\x12\x44\n\tGetChunks\x12\x1f.hydrafl.proto.GetChunksRequest\x1a\x14.hydrafl.proto.Chunk0\x01\x12K\n\tHasChunks\x12\x1f.hydrafl.proto.HasChunksRequest\x1a\x1d.hydrafl.proto.HasChunksReply\x12\x42\n\tPutChunks\x12\x14.hydrafl.proto.Chunk\x1a\x1d.hydrafl.proto.PutChunksReply(\x01\x12K\n\tPushReply\x12\x1f.hydrafl.proto.PushReplyRequest\x1a\x1d.hydrafl.proto.PushReplyReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,23 +42,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINREQUEST']._serialized_start=533
   _globals['_JOINREQUEST']._serialized_end=546
   _globals['_JOINREPLY']._serialized_start=548
-  _globals['_JOINREPLY']._serialized_end=651
-  _globals['_PULLMESSAGEREQUEST']._serialized_start=653
-  _globals['_PULLMESSAGEREQUEST']._serialized_end=710
-  _globals['_PULLMESSAGEREPLY']._serialized_start=713
-  _globals['_PULLMESSAGEREPLY']._serialized_end=880
-  _globals['_GETCHUNKSREQUEST']._serialized_start=882
-  _globals['_GETCHUNKSREQUEST']._serialized_end=917
-  _globals['_HASCHUNKSREQUEST']._serialized_start=919
-  _globals['_HASCHUNKSREQUEST']._serialized_end=954
-  _globals['_HASCHUNKSREPLY']._serialized_start=956
-  _globals['_HASCHUNKSREPLY']._serialized_end=989
-  _globals['_PUTCHUNKSREPLY']._serialized_start=991
-  _globals['_PUTCHUNKSREPLY']._serialized_end=1048
-  _globals['_PUSHREPLYREQUEST']._serialized_start=1050
-  _globals['_PUSHREPLYREQUEST']._serialized_end=1149
-  _globals['_PUSHREPLYREPLY']._serialized_start=1151
-  _globals['_PUSHREPLYREPLY']._serialized_end=1186
-  _globals['_COORDINATOR']._serialized_start=1189
-  _globals['_COORDINATOR']._serialized_end=1639
+  _globals['_JOINREPLY']._serialized_end=671
+  _globals['_PULLMESSAGEREQUEST']._serialized_start=673
+  _globals['_PULLMESSAGEREQUEST']._serialized_end=730
+  _globals['_PULLMESSAGEREPLY']._serialized_start=733
+  _globals['_PULLMESSAGEREPLY']._serialized_end=900
+  _globals['_GETCHUNKSREQUEST']._serialized_start=902
+  _globals['_GETCHUNKSREQUEST']._serialized_end=937
+  _globals['_HASCHUNKSREQUEST']._serialized_start=939
+  _globals['_HASCHUNKSREQUEST']._serialized_end=974
+  _globals['_HASCHUNKSREPLY']._serialized_start=976
+  _globals['_HASCHUNKSREPLY']._serialized_end=1009
+  _globals['_PUTCHUNKSREPLY']._serialized_start=1011
+  _globals['_PUTCHUNKSREPLY']._serialized_end=1068
+  _globals['_PUSHREPLYREQUEST']._serialized_start=1070
+  _globals['_PUSHREPLYREQUEST']._serialized_end=1169
+  _globals['_PUSHREPLYREPLY']._serialized_start=1171
+  _globals['_PUSHREPLYREPLY']._serialized_end=1206
+  _globals['_COORDINATOR']._serialized_start=1209
+  _globals['_COORDINATOR']._serialized_end=1659
 # @@protoc_insertion_point(module_scope)

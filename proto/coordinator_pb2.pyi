@@ -67,18 +67,20 @@ class JoinRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("site_name", "node_id", "run_id", "run_config", "site_index")
+    __slots__ = ("site_name", "node_id", "run_id", "run_config", "site_index", "app_bundle")
     SITE_NAME_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_FIELD_NUMBER: _ClassVar[int]
     SITE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    APP_BUNDLE_FIELD_NUMBER: _ClassVar[int]
     site_name: str
     node_id: int
     run_id: int
     run_config: bytes
     site_index: int
-    def __init__(self, site_name: _Optional[str] = ..., node_id: _Optional[int] = ..., run_id: _Optional[int] = ..., run_config: _Optional[bytes] = ..., site_index: _Optional[int] = ...) -> None: ...
+    app_bundle: bytes
+    def __init__(self, site_name: _Optional[str] = ..., node_id: _Optional[int] = ..., run_id: _Optional[int] = ..., run_config: _Optional[bytes] = ..., site_index: _Optional[int] = ..., app_bundle: _Optional[bytes] = ...) -> None: ...
 
 class PullMessageRequest(_message.Message):
     __slots__ = ("last_run_id", "wait_s")

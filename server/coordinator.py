@@ -19,25 +19,35 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import zipfile
+from collections.abc import Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from hydrafl.app_bundle import BundleError, importable, unpack
 from hydrafl.config import ConfigError, RunConfig
 from hydrafl.malloc_tuning import keep_chunk_buffers
 from hydrafl.rounds import RoundRecord, metric
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.config import CoordinatorConfig
-from hydrafl.server.lease_keeper import LeasedGrid, LeaseKeeper, LeaseLost
+from hydrafl.server.lease_keeper import LeasedGrid, LeaseKeeper, LeaseLost, RunStopped
 from hydrafl.server.retention import Retention
+from hydrafl.server.run_log_file import run_log
 from hydrafl.server.server_app import run_federation
 from hydrafl.server.stock_app_grid import StockAppGrid
 from hydrafl.server.stock_apps import ServerAppError, run_server_app
 from hydrafl.server.store import Store
 from hydrafl.server.tables import Run
-from hydrafl.server.transport.handlers import SERVICE_NAME, add_coordinator_service
+from hydrafl.server.transport.admin_service import MAX_ADMIN_REQUEST_BYTES, AdminService
+from hydrafl.server.transport.handlers import (
+    SERVICE_NAME,
+    add_admin_service,
+    add_coordinator_service,
+)
 from hydrafl.server.transport.sent_cache import SentCache
 from hydrafl.server.transport.service import SERVER_OPTIONS, CoordinatorService
 from hydrafl.server.transport.tls import ServerTls, plaintext_warning
@@ -85,6 +95,8 @@ class Coordinator:
         )
         self.server = grpc.server(workers, options=(*SERVER_OPTIONS, *listener))
         add_coordinator_service(self.service, self.health, self.server)
+        self.admin = AdminService(self.store, config.runs_dir, config.limits)
+        add_admin_service(self.admin, self.server, MAX_ADMIN_REQUEST_BYTES)
         self.port = bind(self.server, config.listen, config.tls)
         self.lease = LeaseKeeper(
             self.store, listen=config.listen, stale_s=config.lease_stale_s, state_dir=config.home
@@ -102,6 +114,7 @@ class Coordinator:
         except Exception:
             self.server.stop(None)
             self.service.stop()
+            self.admin.stop()
             raise
         self.retention.sweep_orphans()  # what a sweep cut short by a crash left, before anything writes
         warning = plaintext_warning(self.config.listen, self.config.tls)
@@ -116,6 +129,7 @@ class Coordinator:
         self.service.mailbox.close()  # waiting long polls answer now, not at their timeout
         self.server.stop(grace=1).wait()
         self.service.stop()
+        self.admin.stop()
         self.lease.release()
 
     def serve_forever(self, idle_poll_s: float = 0.5) -> None:
@@ -144,9 +158,19 @@ class Coordinator:
             self.stopping.wait(idle_poll_s)
 
     def drive(self, run: Run) -> None:
-        if run.server_app:
-            self.drive_server_app(run)
-            return
+        """Drive `run` to its end, its log lines also in its run folder (`run_log`); a run an administrator
+        stopped (`RunStopped`) is recorded `stopped` with its rounds and checkpoints as they are."""
+        with run_log(self.config.runs_dir / str(run.id)):
+            try:
+                if run.server_app:
+                    self.drive_server_app(run)
+                else:
+                    self.drive_own(run)
+            except RunStopped as stopped:
+                log.warning("run %d stopped: %s", run.id, stopped)
+                self.store.set_run_status(run.id, "stopped", detail=str(stopped))
+
+    def drive_own(self, run: Run) -> None:
         try:
             stored = RunConfig.from_flower(run.config, source=f"run {run.id}", other_knobs=True)
         except (
@@ -180,6 +204,10 @@ class Coordinator:
                 dataclasses.asdict(record)
             ]
             self.store.set_run_status(run.id, "running", rounds_done=record.round, history=history)
+            if self.store.stop_requested(
+                run.id
+            ):  # the round's checkpoint is committed: resumable from here
+                raise RunStopped(f"stopped by an administrator after round {record.round}")
             # the driver committed the checkpoint before; an asynchronous run keeps the versions sites still train on
             settled = (
                 record.round
@@ -194,6 +222,8 @@ class Coordinator:
             log.error(
                 "run %d: stopped driving it; the coordinator holding the lease resumes it", run.id
             )
+            raise
+        except RunStopped:
             raise
         except (
             Exception
@@ -229,12 +259,16 @@ class Coordinator:
         self.service.latencies.clear()
         grid = StockAppGrid(self.store, self.blobs, self.service, run.id, lease=self.lease)
         try:
-            run_server_app(grid, run.id, run.server_app, run.config)
+            with self._app_bundle(run.id, run.server_app):
+                run_server_app(grid, run.id, run.server_app, run.config)
         except LeaseLost:
             log.error(
                 "run %d: stopped driving it; the coordinator holding the lease starts it again",
                 run.id,
             )
+            raise
+        except RunStopped:
+            self.store.set_run_status(run.id, "running", history=grid.history)
             raise
         except ServerAppError as error:
             log.error("run %d failed: %s", run.id, error)
@@ -258,6 +292,20 @@ class Coordinator:
         log.info(
             "run %d finished: ServerApp %s, %d rounds", run.id, run.server_app, grid.train_rounds
         )
+
+    @contextmanager
+    def _app_bundle(self, run_id: int, *server_app: str) -> Iterator[None]:
+        """The run's app bundle, when it has one, unpacked into its run folder and importable while it runs."""
+        data = self.store.app_bundle(run_id)
+        if data is None:
+            yield
+            return
+        try:
+            folder = unpack(data, self.config.runs_dir / str(run_id) / "app")
+        except (BundleError, zipfile.BadZipFile) as error:
+            raise ServerAppError(f"the run's app bundle: {error}") from None
+        with importable(folder, *server_app):
+            yield
 
     def _record_failure(self, run_id: int, *, detail: str, rounds_done: int | None = None) -> None:
         """Mark the run failed; when even that fails (the database, the descriptors), say so, wait

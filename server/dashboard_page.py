@@ -48,12 +48,12 @@ MAX_PAGE_CHARS = 2_000_000
 CURVE_WIDTH, CURVE_HEIGHT, CURVE_PAD = 420, 180, 40
 MARKED_POINTS = 60
 """Curves of up to this many rounds also mark each round with a dot (a one-round polyline draws nothing)."""
-STATUSES = ("pending", "running", "finished", "failed")
+STATUSES = ("pending", "running", "finished", "failed", "stopped")
 STYLE = """
 body{font:14px system-ui,sans-serif;margin:24px;color:#1b1f24;background:#fafbfc}
 h1{font-size:20px}h2{font-size:16px;margin-top:28px}table{border-collapse:collapse;margin:8px 0}
 th,td{padding:3px 10px;border-bottom:1px solid #dde;text-align:right}th{background:#eef1f5}
-td.text,th.text{text-align:left}.muted{color:#667}.running{color:#0a6}.failed{color:#c22}.finished{color:#235}
+td.text,th.text{text-align:left}.muted{color:#667}.running{color:#0a6}.failed{color:#c22}.finished{color:#235}.stopped{color:#a60}
 .curves{display:flex;gap:16px;flex-wrap:wrap}svg{background:#fff;border:1px solid #dde}
 """
 

@@ -1,6 +1,6 @@
 """This coordinator process's hold on the database lease: the mark in its state folder by which a restarted
 process knows its own lease, the keeper that takes, renews and releases it, and the grid it fences (a run's
-driver stops at its next poll once the lease is lost)."""
+driver stops at its next poll once the lease is lost, or once an administrator asked the run to stop now)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from flwr.app import Message
 
 from hydrafl.server.lease import LeaseClaim, describe_lease, lease_age_s
 from hydrafl.server.store import Store
+from hydrafl.server.tables import STOP_NOW
 from hydrafl.server.transport.grid import CoordinatorGrid
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,11 @@ HOLDER_ID = re.compile(r"[0-9a-f]{32}")
 
 class LeaseLost(RuntimeError):
     """Another coordinator took this one's lease over (its heartbeats had stopped): it must stop driving runs."""
+
+
+class RunStopped(RuntimeError):
+    """An administrator stopped the run (`hydrafl admin run stop`): the coordinator records it `stopped`, its
+    checkpoints kept, and drives the next run."""
 
 
 class LeaseMark:
@@ -190,20 +196,29 @@ class LeaseKeeper:
 
 class LeasedGrid(CoordinatorGrid):
     """The coordinator's grid, fenced by its lease: once lost, the next poll raises LeaseLost and the run stays
-    `running` for the coordinator that holds the lease now, which resumes it from its checkpoint."""
+    `running` for the coordinator that holds the lease now, which resumes it from its checkpoint. A stop asked
+    for `now` raises RunStopped at the next poll: the round in progress is dropped, the last checkpoint stays;
+    any stop does so while the run still waits for its sites (it has sent nothing: no round is in progress)."""
 
     def __init__(self, *args: Any, lease: LeaseKeeper, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.lease = lease
 
-    def get_node_ids(self) -> Iterable[int]:
+    def _fence(self) -> None:
         self.lease.check()
+        if self.store.stop_requested(self.run.run_id) == STOP_NOW:
+            raise RunStopped("stopped by an administrator in the middle of a round")
+
+    def get_node_ids(self) -> Iterable[int]:
+        self._fence()
+        if not self._types and self.store.stop_requested(self.run.run_id):
+            raise RunStopped("stopped by an administrator before its first round here")
         return super().get_node_ids()
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        self.lease.check()
+        self._fence()
         return super().push_messages(messages)
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterator[Message]:
-        self.lease.check()
+        self._fence()
         return super().pull_messages(message_ids)

@@ -104,7 +104,7 @@ class StoreCollector(Collector):
         gauge = GaugeMetricFamily(
             "hydrafl_runs", "Runs in the database by status.", labels=["status"]
         )
-        for status in ("pending", "running", "finished", "failed"):
+        for status in ("pending", "running", "finished", "failed", "stopped"):
             gauge.add_metric([status], by_status[status])
         return gauge
 

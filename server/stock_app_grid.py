@@ -19,12 +19,13 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from hydrafl import protocol
 from hydrafl.bounded import bounded
 from hydrafl.rounds import RoundRecord
-from hydrafl.server.lease_keeper import LeasedGrid
+from hydrafl.server.lease_keeper import LeasedGrid, RunStopped
 from hydrafl.server.transport.replies import message_kind
 from hydrafl.updates import records
 
-LOSS_KEYS = ("loss", "train_loss", "train-loss")
-"""Where a ClientApp puts its loss; the first present is the round's."""
+LOSS_KEYS = ("loss", "train_loss", "train-loss", "eval_loss")
+"""Where a ClientApp puts its loss (Flower's templates: `train_loss`, `eval_loss`); the first present is the
+round's."""
 
 
 class StockAppGrid(LeasedGrid):
@@ -50,6 +51,8 @@ class StockAppGrid(LeasedGrid):
                 self.store.set_run_status(
                     self.run.run_id, "running", rounds_done=self.train_rounds, history=self.history
                 )
+                if self.store.stop_requested(self.run.run_id):
+                    raise RunStopped(f"stopped by an administrator after round {self.train_rounds}")
             self.train_rounds += 1
             self.history.append(dataclasses.asdict(RoundRecord(round=self.train_rounds)))
             self._metrics = {}
@@ -91,7 +94,7 @@ class StockAppGrid(LeasedGrid):
             entry["train_loss"] = _first(folded, LOSS_KEYS)
         else:
             entry["loss"] = _first(folded, LOSS_KEYS)
-            entry["accuracy"] = _first(folded, ("accuracy", "acc"))
+            entry["accuracy"] = _first(folded, ("accuracy", "acc", "eval_acc"))
 
     def _fold(self, kind: str, metrics: list[MetricRecord]) -> MetricRecord:
         """The round's `kind` metrics so far, aggregated as Flower's FedAvg does by default."""

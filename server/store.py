@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from hydrafl.bounded import bounded
 from hydrafl.server.lease import LeaseRows
 from hydrafl.server.migrations import prepare_schema
-from hydrafl.server.tables import AuditEvent, OutboundMessage, Reply, Run, Site, now
+from hydrafl.server.tables import AdminToken, AuditEvent, OutboundMessage, Reply, Run, Site, now
 
 FIRST_NODE_ID = 10_001
 
@@ -96,6 +96,47 @@ class Store(LeaseRows):
                 session.scalars(select(Site.token_hash).where(Site.revoked.is_(False)))
             )
 
+    def add_admin(self, name: str) -> str:
+        """Create an administrator's token for the admin service; returns it (shown once, stored only as a hash)."""
+        token = secrets.token_urlsafe(32)
+        with self.session() as session, session.begin():
+            if session.scalar(select(AdminToken).where(AdminToken.name == name)) is not None:
+                raise ValueError(
+                    f"an admin token named {name!r} exists; revoke it or pick another name"
+                )
+            session.add(AdminToken(name=name, token_hash=hash_token(token)))
+            session.add(AuditEvent(kind="admin-token-created", detail=f"admin {name}"))
+        return token
+
+    def admins(self) -> list[AdminToken]:
+        with self.session() as session:
+            return list(session.scalars(select(AdminToken).order_by(AdminToken.id)))
+
+    def revoke_admin(self, name: str) -> None:
+        with self.session() as session, session.begin():
+            admin = session.scalar(select(AdminToken).where(AdminToken.name == name))
+            if admin is None:
+                raise ValueError(
+                    f"no admin token named {name!r}; `hydrafl admin token list` shows them"
+                )
+            admin.revoked = True
+            session.add(AuditEvent(kind="admin-token-revoked", detail=f"admin {name}"))
+
+    def authenticate_admin(self, token: str) -> AdminToken | None:
+        """The administrator holding `token`, or None when it is unknown or revoked (a site's token is neither)."""
+        digest = hash_token(token)
+        with self.session() as session:
+            admin = session.scalar(select(AdminToken).where(AdminToken.token_hash == digest))
+        if admin is None or admin.revoked or not hmac.compare_digest(admin.token_hash, digest):
+            return None
+        return admin
+
+    def admin_token_hashes(self) -> frozenset[str]:
+        with self.session() as session:
+            return frozenset(
+                session.scalars(select(AdminToken.token_hash).where(AdminToken.revoked.is_(False)))
+            )
+
     def audit_events(self, kind: str | None = None) -> list[AuditEvent]:
         with self.session() as session:
             query = select(AuditEvent).order_by(AuditEvent.id)
@@ -103,12 +144,20 @@ class Store(LeaseRows):
                 query = query.where(AuditEvent.kind == kind)
             return list(session.scalars(query))
 
-    def create_run(self, config: dict, *, server_app: str | None = None) -> Run:
-        """Queue a run of hydrafl's ServerApp with these run keys, or of the stock `server_app` with this run_config."""
+    def create_run(
+        self, config: dict, *, server_app: str | None = None, app_bundle: bytes | None = None
+    ) -> Run:
+        """Queue a run of hydrafl's ServerApp with these run keys, or of the stock `server_app` with this
+        run_config (from `app_bundle`, a Flower app bundle, when given)."""
         with self.session() as session, session.begin():
-            run = Run(config=config, server_app=server_app)
+            run = Run(config=config, server_app=server_app, app_bundle=app_bundle)
             session.add(run)
         return run
+
+    def app_bundle(self, run_id: int) -> bytes | None:
+        """The run's Flower app bundle (not loaded with the run: it may be megabytes)."""
+        with self.session() as session:
+            return session.scalar(select(Run.app_bundle).where(Run.id == run_id))
 
     def runs(self) -> list[Run]:
         with self.session() as session:
@@ -157,10 +206,50 @@ class Store(LeaseRows):
                 run.rounds_done = rounds_done
             if history is not None:
                 run.history = list(history)
-            if status in ("finished", "failed"):
+            if status in ("finished", "failed", "stopped"):
                 run.finished_at = now()
+            if status != "running":
+                run.stop_requested = ""
             if changed:
                 session.add(AuditEvent(kind=f"run-{status}", run_id=run_id, detail=bounded(detail)))
+
+    def request_stop(self, run_id: int, when: str) -> str:
+        """Ask run `run_id` to stop (`tables.STOP_AT_ROUND_END` or `STOP_NOW`); returns its status after: a
+        pending run is stopped at once, a running one when its driver sees the request."""
+        with self.session() as session, session.begin():
+            run = session.get(Run, run_id)
+            if run is None:
+                raise ValueError(f"no run {run_id}; `hydrafl admin run list` shows the runs")
+            if run.status == "pending":
+                run.status = "stopped"
+                run.finished_at = now()
+                session.add(
+                    AuditEvent(kind="run-stopped", run_id=run_id, detail="before it started")
+                )
+            elif run.status == "running":
+                run.stop_requested = when
+            else:
+                raise ValueError(
+                    f"run {run_id} is {run.status}: only a pending or running run stops"
+                )
+            return run.status
+
+    def stop_requested(self, run_id: int) -> str:
+        """STOP_AT_ROUND_END or STOP_NOW when an administrator asked the run to stop; "" otherwise."""
+        with self.session() as session:
+            return session.scalar(select(Run.stop_requested).where(Run.id == run_id)) or ""
+
+    def resume_run(self, run_id: int) -> None:
+        """Queue a stopped run again: the coordinator continues it from its last checkpoint, as after a crash."""
+        with self.session() as session, session.begin():
+            run = session.get(Run, run_id)
+            if run is None:
+                raise ValueError(f"no run {run_id}; `hydrafl admin run list` shows the runs")
+            if run.status != "stopped":
+                raise ValueError(f"run {run_id} is {run.status}: only a stopped run resumes")
+            run.status = "pending"
+            run.finished_at = None
+            session.add(AuditEvent(kind="run-resumed", run_id=run_id))
 
     def add_outbound(
         self, message_id: str, run_id: int, server_round: int, node_id: int, envelope: bytes

@@ -40,6 +40,20 @@ class Site(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
 
 
+class AdminToken(Base):
+    """An administrator's credential for the coordinator's admin service: a hash of its token, never a site's."""
+
+    __tablename__ = "admin_tokens"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    revoked: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
+
+
+STOP_AT_ROUND_END = "round"
+STOP_NOW = "now"
+
 STOCK_ROUNDS_KEY = "num-server-rounds"
 
 
@@ -51,13 +65,17 @@ class Run(Base):
     server_app: Mapped[str | None] = mapped_column(String(255), nullable=True)
     """A stock Flower ServerApp's module:attribute reference, or None for a run of hydrafl's own ServerApp."""
     status: Mapped[str] = mapped_column(String(16), default="pending")
-    """pending -> running -> finished | failed"""
+    """pending -> running -> finished | failed | stopped (an administrator stopped it; resumable)"""
     rounds_done: Mapped[int] = mapped_column(Integer, default=0)
     history: Mapped[list] = mapped_column(JSON, default=list)
     """Per-round records (loss, accuracy, bytes, timings), as in the simulation's results.json."""
     detail: Mapped[str] = mapped_column(Text, default="")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    app_bundle: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True, deferred=True)
+    """A stock app run's Flower app bundle (`hydrafl.app_bundle`), shipped to its sites; None otherwise."""
+    stop_requested: Mapped[str] = mapped_column(String(8), default="", server_default="")
+    """STOP_AT_ROUND_END or STOP_NOW while an administrator's stop waits for the driver; "" otherwise."""
 
     @property
     def total_rounds(self) -> object:
@@ -101,7 +119,7 @@ class AuditEvent(Base):
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
     kind: Mapped[str] = mapped_column(String(32))
     """enrolled, revoked, update-accepted, update-rejected, run-started, run-finished, run-failed, site-declined,
-    lease-taken-over"""
+    lease-taken-over, run-stopped, admin-* (an administrator's action: `administration`)"""
     site_name: Mapped[str] = mapped_column(String(128), default="")
     run_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     detail: Mapped[str] = mapped_column(Text, default="")

@@ -156,11 +156,14 @@ def test_simulate_export_and_admin_run_export_write_the_runs_final_model(tmp_pat
     x = _batch(cfg)
     for folder in (out / "fedavg" / "model", tmp_path / "admin"):
         if folder.name == "admin":  # the coordinator's command on the same run folder
+            db, run_id = _database_with_runs(tmp_path, 1)
             runs = tmp_path / "runs"
             runs.mkdir()
-            (runs / "7").symlink_to(out / "fedavg")
-            admin = [*HYDRAFL, "admin", "run", "export", "7", str(folder), "--runs", str(runs)]
-            done = subprocess.run(admin, capture_output=True, text=True, timeout=300)
+            (runs / str(run_id)).symlink_to(out / "fedavg")
+            admin = [*HYDRAFL, "admin", "run", "export", str(run_id), str(folder), "--db", db]
+            done = subprocess.run(
+                [*admin, "--runs", str(runs)], capture_output=True, text=True, timeout=300
+            )
             assert done.returncode == 0, done.stderr[-2000:]
         loaded = AutoModelForSequenceClassification.from_pretrained(folder).eval()
         with torch.no_grad():
@@ -169,8 +172,9 @@ def test_simulate_export_and_admin_run_export_write_the_runs_final_model(tmp_pat
 
 
 def test_admin_run_export_of_a_run_without_a_checkpoint_fails_in_one_line(tmp_path):
+    db, _ = _database_with_runs(tmp_path, 3)
     (tmp_path / "runs" / "3").mkdir(parents=True)
-    argv = [*HYDRAFL, "admin", "run", "export", "3", str(tmp_path / "out")]
+    argv = [*HYDRAFL, "admin", "run", "export", "3", str(tmp_path / "out"), "--db", db]
     done = subprocess.run([*argv, "--runs", str(tmp_path / "runs")], capture_output=True, text=True)
     assert done.returncode == 2
     assert "run 3:" in done.stderr and "holds no checkpoint" in done.stderr
@@ -179,6 +183,16 @@ def test_admin_run_export_of_a_run_without_a_checkpoint_fails_in_one_line(tmp_pa
 
 
 HYDRAFL = [sys.executable, "-m", "hydrafl"]
+
+
+def _database_with_runs(tmp_path, count: int) -> tuple[str, int]:
+    """A coordinator database that knows `count` runs (an export is of a run the coordinator knows): its URL
+    and the last run's id."""
+    from hydrafl.server.store import Store
+
+    db = f"sqlite:///{tmp_path / 'c.db'}"
+    store = Store(db)
+    return db, [store.create_run({"strategy": "fedavg"}) for _ in range(count)][-1].id
 
 
 def _batch(cfg: RunConfig) -> torch.Tensor:

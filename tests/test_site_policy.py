@@ -79,6 +79,8 @@ def test_run_and_strategy_allow_lists():
         ("allowed-runs = [1, 'x']", "list of int"),
         ("clip = 3", "unknown key 'clip'"),
         ("max-update-norm = = 2", "not valid TOML"),
+        ("allowed-apps = ['abc']", "'abc' is not a SHA-256 digest"),
+        ("allowed-apps = 'f' ", "list of str"),
     ],
 )
 def test_invalid_policy_files_fail_closed(tmp_path, text, reason):
@@ -94,12 +96,14 @@ def test_a_valid_policy_file_loads(tmp_path):
     path = tmp_path / "policy.toml"
     path.write_text(
         'allowed-runs = [1, 2]\nallowed-strategies = ["fedavg"]\nmax-update-norm = 5\nnoise-multiplier = 0.1\n'
+        f'allowed-apps = ["{"ab" * 32}"]\n'
     )
     assert load_policy(path) == SitePolicy(
         allowed_runs=(1, 2),
         allowed_strategies=("fedavg",),
         max_update_norm=5.0,
         noise_multiplier=0.1,
+        allowed_apps=("ab" * 32,),
     )
 
 

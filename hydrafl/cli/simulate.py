@@ -106,11 +106,13 @@ def simulate(
 
 def _export(simulation: SimulationConfig) -> None:
     """Each strategy's final model beside its results (`--export`)."""
-    from hydrafl.cli.export import describe, export_run
+    from hydrafl.cli.export import describe
+    from hydrafl.server.administration import export_run
 
     for strategy in simulation.strategies:
         run_dir = Path(simulation.out) / strategy
-        print(describe(export_run(run_dir, run_dir / "model")))
+        exported = export_run(run_dir, run_dir / "model")
+        print(describe(exported.kind, exported.path))
 
 
 def _compare(simulation: SimulationConfig, progress: bool, newest: bool) -> dict[str, Any]:

@@ -6,6 +6,7 @@ one-line error with exit code 2 here rather than a failed round at the coordinat
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -133,6 +134,14 @@ def site(
             help="Your app's node config, in Flower's syntax and types: \"partition-id=0 num-partitions=2\".",
         ),
     ] = "",
+    allow_app: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-app",
+            help="SHA-256 of a Flower app bundle this site runs when a run ships it (as the policy's "
+            "allowed-apps); repeatable.",
+        ),
+    ] = None,
     tls_ca: Annotated[
         Path | None,
         typer.Option(help="CA that signed the coordinator's certificate (PEM); enables TLS."),
@@ -211,6 +220,9 @@ def site(
         fail(escape(str(error)), 2)
     try:
         site_policy = load_policy(policy) if policy else SitePolicy()
+        site_policy = dataclasses.replace(
+            site_policy, allowed_apps=site_policy.allowed_apps + tuple(allow_app or ())
+        )
     except PolicyError as error:
         fail(f"invalid site policy, not starting: {error}", 2)
     own_app = client_app != HYDRAFL_APP
@@ -239,6 +251,7 @@ def site(
         max_download_bytes=max_download_mb * 1_000_000 if max_download_mb else None,
         secagg_identity=identity,
         threads=share.threads,
+        apps_dir=state_dir / "apps" if state_dir else None,
     )
     try:
         agent.run()

@@ -131,6 +131,7 @@ class CoordinatorService:
                 run_id=run.id if run else 0,
                 run_config=json.dumps(run.config if run else {}).encode(),
                 site_index=site.node_id - FIRST_NODE_ID,
+                app_bundle=(self.store.app_bundle(run.id) if run else None) or b"",
             )
 
     def PullMessage(

@@ -221,6 +221,13 @@ def test_stability_command_json_and_plot(tmp_path):
         ["admin", "run", "create"],
         ["admin", "run", "status"],
         ["admin", "run", "list"],
+        ["admin", "run", "logs"],
+        ["admin", "run", "stop"],
+        ["admin", "run", "resume"],
+        ["admin", "run", "export"],
+        ["admin", "token", "create"],
+        ["admin", "token", "list"],
+        ["admin", "token", "revoke"],
     ],
 )
 def test_every_command_has_help(command):
@@ -284,6 +291,26 @@ def test_admin_site_commands(tmp_path):
     listed = runner.invoke(app, ["admin", "site", "list", *db])
     assert "st-marys" in listed.output and "revoked" in listed.output
     assert runner.invoke(app, ["admin", "site", "revoke", "nobody", *db]).exit_code == 2
+
+
+def test_admin_token_commands(tmp_path):
+    from hydrafl.server.store import Store
+
+    db = ["--db", f"sqlite:///{tmp_path / 'c.db'}"]
+    runner = CliRunner(env={"COLUMNS": "200"})
+    out = tmp_path / "alice.token"
+    created = runner.invoke(app, ["admin", "token", "create", "alice", "--out", str(out), *db])
+    assert created.exit_code == 0 and out.stat().st_mode & 0o777 == 0o600
+    store = Store(db[1])
+    assert store.authenticate_admin(out.read_text().strip()).name == "alice"
+    assert store.authenticate(out.read_text().strip()) is None  # an admin's token is no site's
+    taken = runner.invoke(app, ["admin", "token", "create", "bob", "--out", str(out), *db])
+    assert taken.exit_code == 2 and "the token was revoked" in taken.output
+    assert runner.invoke(app, ["admin", "token", "revoke", "alice", *db]).exit_code == 0
+    assert store.authenticate_admin(out.read_text().strip()) is None
+    listed = runner.invoke(app, ["admin", "token", "list", *db]).output
+    rows = [[cell.strip() for cell in line.split("│")[1:3]] for line in listed.splitlines()]
+    assert [row for row in rows if "revoked" in row] == [["alice", "revoked"], ["bob", "revoked"]]
 
 
 def test_a_site_with_an_unknown_tier_is_refused_before_it_connects():

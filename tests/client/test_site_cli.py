@@ -191,3 +191,9 @@ def test_a_site_warns_before_it_sends_its_token_in_clear_text_off_this_machine()
         "warning: connecting to 10.255.255.1:9 without TLS" in warning
         and "pass --tls-ca" in warning
     )
+
+
+def test_an_allow_app_that_is_not_a_digest_stops_the_site_before_it_connects(refusing):
+    result, output = _site(refusing, "--allow-app", "latest", env=TOKEN_ENV)
+    assert result.exit_code == 2 and "'latest' is not a SHA-256 digest" in output
+    assert refusing.joins == []

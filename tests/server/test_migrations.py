@@ -206,10 +206,14 @@ def test_the_models_match_the_head_revision(db_url):
 )
 def test_a_database_from_before_migrations_is_stamped_and_upgraded(db_url, server_app_column):
     """What `create_all` made (the schema of 0001, or of 0002 once the ad-hoc column upgrade had run): the
-    head's models without what later revisions added (0003's audit columns and index)."""
+    head's models without what later revisions added (0003's audit columns and index, 0004's admin tokens and
+    stop requests)."""
     engine = create_engine(db_url)
     Base.metadata.create_all(engine)
     with engine.begin() as connection:
+        connection.execute(text("DROP TABLE admin_tokens"))
+        connection.execute(text("ALTER TABLE runs DROP COLUMN stop_requested"))
+        connection.execute(text("ALTER TABLE runs DROP COLUMN app_bundle"))
         connection.execute(text("DROP INDEX ix_audit_events_kind_site"))
         for column in ("server_round", "count", "last_at"):
             connection.execute(text(f'ALTER TABLE audit_events DROP COLUMN "{column}"'))

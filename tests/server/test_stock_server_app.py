@@ -245,6 +245,9 @@ def test_a_database_from_before_server_app_runs_still_opens(db_url):
     old = store.create_run({"strategy": "fedavg", "rounds": 3})
     with create_engine(db_url).begin() as connection:
         connection.execute(text("ALTER TABLE runs DROP COLUMN server_app"))
+        connection.execute(text("ALTER TABLE runs DROP COLUMN stop_requested"))
+        connection.execute(text("ALTER TABLE runs DROP COLUMN app_bundle"))  # 0004's
+        connection.execute(text("DROP TABLE admin_tokens"))  # 0004's
         connection.execute(
             text("DROP INDEX ix_audit_events_kind_site")
         )  # 0003's, which no such database has

@@ -176,3 +176,23 @@ def test_a_mutual_tls_certificate_authenticates_only_the_site_it_was_issued_to(t
         assert "st-marys" in event.detail and "general" in event.detail
     finally:
         coordinator.stop()
+
+
+def test_an_administrator_reaches_a_mutual_tls_coordinator_with_a_certificate_of_its_ca(
+    tmp_path, pki
+):
+    from hydrafl.cli.admin_client import RemoteAdministration
+
+    coordinator = _coordinator(tmp_path, pki, mutual=True)
+    try:
+        token = coordinator.store.add_admin("alice")
+        address = f"127.0.0.1:{coordinator.port}"
+        cert, key = pki["site"]
+        admin = RemoteAdministration(address, token, SiteTls(ca=pki["ca"], cert=cert, key=key))
+        assert admin.create_run({"strategy": "fedavg", "rounds": 1}) == {"id": 1}
+        assert [run["id"] for run in admin.runs()] == [1]
+        without_certificate = RemoteAdministration(address, token, SiteTls(ca=pki["ca"]))
+        with pytest.raises(ConnectionError, match="cannot reach the coordinator"):
+            without_certificate.runs()
+    finally:
+        coordinator.stop()

@@ -1,0 +1,1 @@
+"""quickapp: a quickstart-style Flower app."""
