@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, fields, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +46,23 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hydrafl.catalog import INNER_OPTIMIZERS
 from hydrafl.kernels.elastic_loader import ElasticLoader, LoaderConfigError, hash_global_batches
+from hydrafl.kernels.layer_stream import (
+    STREAM_OFFLOADS,
+    LayerStream,
+    MemoryBudgetError,
+    open_store,
+    parameter_footprint,
+)
 from hydrafl.kernels.lm_dual import HeadLM
-from hydrafl.kernels.optimizers import build_inner_optimizer
+from hydrafl.kernels.optimizers import inner_optimizer
 from hydrafl.losses import LossFn, classification_loss
 
 __all__ = [
     "DistributedResult",
     "DistributedTrainingError",
     "LocalTraining",
+    "MemoryBudgetError",
+    "check_memory_budget",
     "pick_device",
     "process_group_backend",
     "train_distributed",
@@ -79,6 +89,8 @@ class DistributedResult:
     """The accelerator's product name (e.g. "NVIDIA H100 80GB HBM3"); "" on CPU. Keys the peak-FLOP/s table."""
     restarts: int = 0
     """How many times the elastic agent restarted the ranks before this result (a rank had died)."""
+    peak_stream_bytes: int = 0
+    """With layer streaming: the most bytes of block tensors materialised at once (the window's)."""
 
 
 class DistributedTrainingError(RuntimeError):
@@ -132,6 +144,16 @@ class LocalTraining:
     threads: int = 0
     """Torch threads the site trains with, over all its processes; 0: the machine's cores. A site sharing its
     machine with others takes its share (`hydrafl.client.machine_share`)."""
+    stream_layers: bool = False
+    """Keep the transformer blocks off the compute device (`kernels.layer_stream`) and stream a window of them
+    through it: for a model whose weights and optimizer state do not fit."""
+    window: int = 2
+    """With stream_layers: blocks materialised at once (the one computing and those read ahead)."""
+    stream_offload: str = "auto"
+    """With stream_layers: where the blocks live, one of STREAM_OFFLOADS."""
+    memory_budget_bytes: int = 0
+    """Parameter memory the site offers (weights, gradients, optimizer state); a round that needs more is
+    refused before it starts (`check_memory_budget`). 0: no limit."""
 
     def __post_init__(self) -> None:
         if (self.steps is not None and self.steps < 1) or self.batch_size < 1 or self.nproc < 1:
@@ -147,6 +169,21 @@ class LocalTraining:
             )
         if self.optimizer == "lm-dual" and self.nproc > 1:
             raise ValueError("lm-dual fine-tunes the head in one process; use nproc=1")
+        if self.window < 1 or self.memory_budget_bytes < 0:
+            raise ValueError(
+                f"window={self.window} must be >= 1 and memory_budget_bytes="
+                f"{self.memory_budget_bytes} >= 0"
+            )
+        if self.stream_offload not in STREAM_OFFLOADS:
+            raise ValueError(
+                f"unknown stream_offload {self.stream_offload!r}; choose one of "
+                f"{', '.join(STREAM_OFFLOADS)}"
+            )
+        if self.stream_layers and (self.nproc > 1 or self.optimizer == "lm-dual"):
+            raise ValueError(
+                "stream_layers trains one process with a gradient optimizer; use nproc=1 and an "
+                f"inner optimizer other than lm-dual (got nproc={self.nproc}, {self.optimizer})"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -345,20 +382,53 @@ def _run_rank(
     device = _rank_device(job.device_type, rank)
     model = job.build()
     _load_start_state(model, job.state)
-    model.to(device)
+    check_memory_budget(model, job.training)
+    loaders: list[ElasticLoader] = []
+    with _streamed(model, job.training, device) as stream:
+        model.to(device)  # with streaming, the blocks are in the store already: only the rest moves
+        loss_sum, elapsed = _train_steps(job, model, device, rank, model_wrapper, stream, loaders)
+    samples = job.training.steps * job.training.batch_size
+    model_state = model.state_dict()
+    end_state = {name: model_state[name].detach().cpu().clone() for name in job.state}
+    return DistributedResult(
+        end_state=end_state,
+        loss=float(loss_sum) / job.training.steps,
+        samples=samples,
+        data_hash=hash_global_batches(
+            loader.global_batch(step) for loader in loaders for step in range(loader.step)
+        ),
+        samples_per_s=samples / elapsed if elapsed > 0 else math.inf,
+        steps=job.training.steps,
+        nproc=job.training.nproc,
+        device=device.type,
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "",
+        peak_stream_bytes=stream.peak_resident_bytes if stream is not None else 0,
+    )
+
+
+def _train_steps(
+    job: _Job,
+    model: nn.Module,
+    device: torch.device,
+    rank: int,
+    model_wrapper: Callable[[nn.Module], nn.Module] | None,
+    stream: LayerStream | None,
+    loaders: list[ElasticLoader],
+) -> tuple[torch.Tensor, float]:
+    """The training loop: (summed step losses, seconds it took)."""
     trained = model_wrapper(model) if model_wrapper is not None else model
     head_lm = HeadLM(model, model.head()) if job.training.optimizer == "lm-dual" else None  # type: ignore[operator]
+    streamed = stream.parameters() if stream is not None else set()
     optimizer = (
         None
         if head_lm
-        else build_inner_optimizer(
-            model,
+        else inner_optimizer(
+            [(n, p) for n, p in model.named_parameters() if p.requires_grad and p not in streamed],
             job.training.optimizer,
             lr=job.training.lr,
             weight_decay=job.training.weight_decay,
         )
     )
-    loaders: list[ElasticLoader] = []
     local_size = job.training.batch_size // job.training.nproc
     if local_size * job.training.nproc != job.training.batch_size:
         raise LoaderConfigError(
@@ -385,7 +455,10 @@ def _run_rank(
             loss = job.loss_fn(trained, xb, yb)
         loss_sum += loss.detach().double().cpu()
         loss.backward()
-        optimizer.step()
+        if stream is not None:
+            stream.step(optimizer)
+        else:
+            optimizer.step()
     if device.type != "cpu":
         torch.accelerator.synchronize()
     if model_wrapper is not None:
@@ -394,23 +467,46 @@ def _run_rank(
             loss_sum
         )  # sum over ranks of the share means: nproc x the global mean, per step
         loss_sum = loss_sum.cpu() / job.training.nproc
-    elapsed = time.perf_counter() - start
-    samples = job.training.steps * job.training.batch_size
-    model_state = model.state_dict()
-    end_state = {name: model_state[name].detach().cpu().clone() for name in job.state}
-    return DistributedResult(
-        end_state=end_state,
-        loss=float(loss_sum) / job.training.steps,
-        samples=samples,
-        data_hash=hash_global_batches(
-            loader.global_batch(step) for loader in loaders for step in range(loader.step)
-        ),
-        samples_per_s=samples / elapsed if elapsed > 0 else math.inf,
-        steps=job.training.steps,
-        nproc=job.training.nproc,
-        device=device.type,
-        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "",
+    return loss_sum, time.perf_counter() - start
+
+
+def check_memory_budget(model: nn.Module, training: LocalTraining) -> None:
+    """Refuse, before training starts, a round whose parameter memory (weights, gradients, optimizer state;
+    `layer_stream.parameter_footprint`) exceeds `training.memory_budget_bytes`: in memory the whole model's,
+    streamed the window's."""
+    if not training.memory_budget_bytes:
+        return
+    footprint = parameter_footprint(model, training.optimizer)
+    if training.stream_layers:
+        need = footprint.streamed_bytes(training.window)
+        fix = "a smaller --window"
+    else:
+        need, fix = footprint.in_memory_bytes, "--stream-layers"
+    if need > training.memory_budget_bytes:
+        raise MemoryBudgetError(
+            f"training needs {need / 1e6:.1f} MB of parameter memory, more than the "
+            f"{training.memory_budget_bytes / 1e6:.1f} MB budget; train with {fix}"
+        )
+
+
+@contextmanager
+def _streamed(
+    model: nn.Module, training: LocalTraining, device: torch.device
+) -> Iterator[LayerStream | None]:
+    """The model's blocks streamed through `device` for the loop, when `training.stream_layers`."""
+    if not training.stream_layers:
+        yield None
+        return
+    optimizer = partial(
+        inner_optimizer, name=training.optimizer, lr=training.lr, weight_decay=training.weight_decay
     )
+    with (
+        open_store(training.stream_offload, device) as store,
+        LayerStream(
+            model, window=training.window, store=store, device=device, optimizer=optimizer
+        ) as stream,
+    ):
+        yield stream
 
 
 def _rank_batches(job: _Job, rank: int, loaders: list[ElasticLoader]) -> Iterator[list[int]]:
