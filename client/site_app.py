@@ -233,6 +233,8 @@ def train(message: Message, context: Context) -> Message:
         server_round=int(config.get(protocol.SERVER_ROUND, 0)),
         bf16=cfg.bf16 if site.bf16 is None else site.bf16,
         max_restarts=site.max_restarts,
+        stream_layers=cfg.stream_layers if site.stream_layers is None else site.stream_layers,
+        window=cfg.window if site.window is None else site.window,
     )
     # copies: pickling for the spawned processes moves a tensor's storage into shared memory, and the working
     # model's own tensors there would be shared with every simulation worker forked later
@@ -283,6 +285,7 @@ def train(message: Message, context: Context) -> Message:
             "samples-per-s": result.samples_per_s,
             **({"mfu": result.mfu} if result.mfu is not None else {}),
             **({"restarts": result.restarts} if result.restarts else {}),
+            **({"stream-peak-bytes": result.peak_stream_bytes} if result.peak_stream_bytes else {}),
             **extra_metrics,
         }
     )

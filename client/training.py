@@ -49,6 +49,8 @@ class SiteTrainResult:
     """Model FLOPs utilisation; None where the device's peak FLOP/s is unknown (CPU, unlisted GPUs)."""
     restarts: int = 0
     """Times the ranks were restarted this round because one died (the delta is that of the last attempt)."""
+    peak_stream_bytes: int = 0
+    """With layer streaming: the most bytes of block tensors materialised at once."""
 
 
 def site_seed(seed: int, site: int) -> int:
@@ -164,6 +166,7 @@ def train_site(
         samples_per_s=result.samples_per_s,
         mfu=utilisation,
         restarts=result.restarts,
+        peak_stream_bytes=result.peak_stream_bytes,
     )
 
 

@@ -41,6 +41,12 @@ class SiteConfig:
     """With nproc > 1: how often the training processes are restarted when one dies."""
     bf16: bool | None = field(default=None, metadata=_key("bf16", bool, "--bf16"))
     """Train under bfloat16 autocast; None takes the run's."""
+    stream_layers: bool | None = field(
+        default=None, metadata=_key("stream-layers", bool, "--stream-layers")
+    )
+    """Stream the transformer blocks through the device a window at a time; None takes the run's."""
+    window: int | None = field(default=None, metadata=_key("window", int, "--window"))
+    """Blocks materialised at once when streaming; None takes the run's."""
     memory_mb: float | None = field(default=None, metadata=_key("memory-mb", float, "--memory-mb"))
     """Training memory the site offers (0 = no limit); None takes its entry of the run's `site_memory_mb`."""
     speed: float | None = field(default=None, metadata=_key("speed", float))
@@ -59,6 +65,7 @@ class SiteConfig:
     def __post_init__(self) -> None:
         least = {
             "nproc": 1,
+            "window": 1,
             "max_restarts": 0,
             "memory_mb": 0,
             "demo_site": 0,
