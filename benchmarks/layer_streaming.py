@@ -212,6 +212,7 @@ def main() -> None:
                 runs.append(pool.submit(measure, scale, window, args.device).result())
             progress.advance(task)
     summary = {
+        "quick": args.quick,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "memory": "device peak allocation" if args.device == "cuda" else "process peak RssAnon",
         "scale": {

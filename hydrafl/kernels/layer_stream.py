@@ -209,7 +209,8 @@ class _Window:
         if loaded.ready is not None:
             torch.cuda.current_stream().wait_event(loaded.ready)
             for tensor in loaded.tensors.values():
-                tensor.record_stream(torch.cuda.current_stream())
+                if tensor.is_cuda:
+                    tensor.record_stream(torch.cuda.current_stream())
         return loaded
 
     def clear(self) -> None:
@@ -406,12 +407,13 @@ class LayerStream:
         )
 
     def _load(self, host: Tensors) -> _Loaded:
-        """Runs on the read-ahead thread: copy a block's tensors to the device (on the copy stream)."""
+        """Runs on the read-ahead thread: copy a block's tensors to the device (on the copy stream). A 0-d tensor
+        (Adam's step count) stays on the CPU, where the in-memory optimizer keeps it."""
         if self._copy_stream is None:
-            loaded = _Loaded({n: t.to(self.device) for n, t in host.items()}, None)
+            loaded = _Loaded({n: _to(t, self.device) for n, t in host.items()}, None)
         else:
             with torch.cuda.stream(self._copy_stream):
-                tensors = {n: t.to(self.device, non_blocking=True) for n, t in host.items()}
+                tensors = {n: _to(t, self.device, non_blocking=True) for n, t in host.items()}
                 ready = torch.cuda.Event()
                 ready.record(self._copy_stream)
             loaded = _Loaded(tensors, ready)
@@ -513,6 +515,10 @@ class _StreamedBlock(torch.autograd.Function):
             None,
             *(next(input_grads) if ctx.needs_input_grad[i + 2] else None for i in range(len(flat))),
         )
+
+
+def _to(tensor: torch.Tensor, device: torch.device, non_blocking: bool = False) -> torch.Tensor:
+    return tensor if tensor.dim() == 0 else tensor.to(device, non_blocking=non_blocking)
 
 
 def _rng_devices(device: torch.device) -> list[int]:
