@@ -164,13 +164,14 @@ def markdown(summary: dict[str, Any]) -> str:
         f"median of steps 2..{scale['steps']}, fastest of {summary['repeats']} interleaved runs. Peak memory: "
         f"{summary['memory']}. The streamed blocks live on {summary['store']} unless the row names the store.",
         "",
-        "| training | step (s) | step vs in memory | peak memory (MB) | memory vs in memory | window peak "
-        "(MB) | parameter footprint (MB) | loss |",
-        "|---|---|---|---|---|---|---|---|",
+        "| training | step (s) | every run's step (s) | step vs in memory | peak memory (MB) | memory vs in "
+        "memory | window peak (MB) | parameter footprint (MB) | loss |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for run in summary["runs"]:
         lines.append(
             f"| {_label(run['window'], run['offload'])} | {run['step_s']:.3f} | "
+            f"{', '.join(f'{step:.2f}' for step in run['step_s_runs'])} | "
             f"{run['step_s'] / base['step_s']:.2f}x | "
             f"{run['peak_memory_bytes'] / 1e6:.0f} | "
             f"{run['peak_memory_bytes'] / base['peak_memory_bytes']:.2f}x | "
@@ -233,7 +234,13 @@ def main() -> None:
                 progress.advance(task)
         if shared is not None:
             shared.shutdown()
-    runs = [min(repeats[c], key=lambda run: run["step_s"]) for c in configurations]
+    runs = [
+        {
+            **min(repeats[c], key=lambda run: run["step_s"]),
+            "step_s_runs": [run["step_s"] for run in repeats[c]],
+        }
+        for c in configurations
+    ]
     summary = {
         "quick": args.quick,
         "repeats": args.repeats,

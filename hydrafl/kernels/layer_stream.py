@@ -287,7 +287,7 @@ class LayerStream:
                 del block.forward
             tensors = {**self.store.get(i, "frozen"), **self.store.get(i, "trainable")}
             for name, p in block.named_parameters():
-                p.data = tensors[name].to(self._home[i], copy=True)
+                p.data = tensors[name].to(self._home[i])
 
     def step(self, resident: InnerOptimizer) -> None:
         """One optimizer step of the whole model, after `loss.backward()`."""
