@@ -183,9 +183,16 @@ def markdown(summary: dict[str, Any]) -> str:
 
 def plot(summary: dict[str, Any], path: Path) -> None:
     runs = summary["runs"]
-    labels = [_label(run["window"], run["offload"]).replace("streamed, ", "") for run in runs]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.bar(labels, [run["step_s"] for run in runs], color="tab:blue")
+    labels = [
+        _label(run["window"], run["offload"]).replace("streamed, ", "").replace(", ", "\n")
+        for run in runs
+    ]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    left.bar(labels, [run["step_s"] for run in runs], color="tab:blue", label="fastest run")
+    for label, run in zip(labels, runs, strict=True):
+        left.scatter([label] * len(run["step_s_runs"]), run["step_s_runs"], color="black", s=12)
+    left.scatter([], [], color="black", s=12, label="every run")
+    left.legend()
     left.set_ylabel("seconds per step")
     left.set_title("step time")
     right.bar(labels, [run["peak_memory_bytes"] / 1e6 for run in runs], color="tab:orange")
