@@ -11,7 +11,7 @@ from the second step on (the first allocates the in-memory optimizer state and o
   stream from safetensors files, so only the window is materialised); on CUDA the device's peak allocation
   (the blocks stream from pinned host memory on a copy stream);
 - the window's peak (bytes of block tensors materialised at once, `LayerStream.peak_resident_bytes`) and the
-  parameter-memory footprint each configuration needs (`layer_stream.parameter_footprint`).
+  parameter-memory footprint each configuration needs (`layer_store.parameter_footprint`).
 
 Streaming recomputes each block's forward in the backward pass and moves every block in and out three times a
 step (forward, backward, update), so it is slower; the read-ahead hides the reads where compute is longer than
@@ -45,7 +45,7 @@ from torch import nn
 from hydrafl.benchmarks._common import benchmark_parser
 from hydrafl.data import load_cohort
 from hydrafl.kernels.distributed import LocalTraining, train_distributed
-from hydrafl.kernels.layer_stream import parameter_footprint
+from hydrafl.kernels.layer_store import parameter_footprint
 from hydrafl.losses import classification_loss
 from hydrafl.models import TinyShape, build_model, federated_state
 

@@ -31,7 +31,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, fields, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +45,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hydrafl.catalog import INNER_OPTIMIZERS
 from hydrafl.kernels.elastic_loader import ElasticLoader, LoaderConfigError, hash_global_batches
-from hydrafl.kernels.layer_stream import (
-    STREAM_OFFLOADS,
-    LayerStream,
-    MemoryBudgetError,
-    open_store,
-    parameter_footprint,
-)
+from hydrafl.kernels.layer_store import MemoryBudgetError, check_memory_budget, check_stream_options
+from hydrafl.kernels.layer_stream import LayerStream, streamed
 from hydrafl.kernels.lm_dual import HeadLM
 from hydrafl.kernels.optimizers import inner_optimizer
 from hydrafl.losses import LossFn, classification_loss
@@ -62,7 +56,6 @@ __all__ = [
     "DistributedTrainingError",
     "LocalTraining",
     "MemoryBudgetError",
-    "check_memory_budget",
     "pick_device",
     "process_group_backend",
     "train_distributed",
@@ -150,10 +143,10 @@ class LocalTraining:
     window: int = 2
     """With stream_layers: blocks materialised at once (the one computing and those read ahead)."""
     stream_offload: str = "auto"
-    """With stream_layers: where the blocks live, one of STREAM_OFFLOADS."""
+    """With stream_layers: where the blocks live, one of `layer_store.STREAM_OFFLOADS`."""
     memory_budget_bytes: int = 0
     """Parameter memory the site offers (weights, gradients, optimizer state); a round that needs more is
-    refused before it starts (`check_memory_budget`). 0: no limit."""
+    refused before it starts (`layer_store.check_memory_budget`). 0: no limit."""
 
     def __post_init__(self) -> None:
         if (self.steps is not None and self.steps < 1) or self.batch_size < 1 or self.nproc < 1:
@@ -169,21 +162,7 @@ class LocalTraining:
             )
         if self.optimizer == "lm-dual" and self.nproc > 1:
             raise ValueError("lm-dual fine-tunes the head in one process; use nproc=1")
-        if self.window < 1 or self.memory_budget_bytes < 0:
-            raise ValueError(
-                f"window={self.window} must be >= 1 and memory_budget_bytes="
-                f"{self.memory_budget_bytes} >= 0"
-            )
-        if self.stream_offload not in STREAM_OFFLOADS:
-            raise ValueError(
-                f"unknown stream_offload {self.stream_offload!r}; choose one of "
-                f"{', '.join(STREAM_OFFLOADS)}"
-            )
-        if self.stream_layers and (self.nproc > 1 or self.optimizer == "lm-dual"):
-            raise ValueError(
-                "stream_layers trains one process with a gradient optimizer; use nproc=1 and an "
-                f"inner optimizer other than lm-dual (got nproc={self.nproc}, {self.optimizer})"
-            )
+        check_stream_options(self)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -382,9 +361,11 @@ def _run_rank(
     device = _rank_device(job.device_type, rank)
     model = job.build()
     _load_start_state(model, job.state)
-    check_memory_budget(model, job.training)
+    training = job.training
+    window = training.window if training.stream_layers else None
+    check_memory_budget(model, training.optimizer, training.memory_budget_bytes, window)
     loaders: list[ElasticLoader] = []
-    with _streamed(model, job.training, device) as stream:
+    with streamed(model, training, device) if window else nullcontext() as stream:
         model.to(device)  # with streaming, the blocks are in the store already: only the rest moves
         loss_sum, elapsed = _train_steps(job, model, device, rank, model_wrapper, stream, loaders)
     samples = job.training.steps * job.training.batch_size
@@ -468,45 +449,6 @@ def _train_steps(
         )  # sum over ranks of the share means: nproc x the global mean, per step
         loss_sum = loss_sum.cpu() / job.training.nproc
     return loss_sum, time.perf_counter() - start
-
-
-def check_memory_budget(model: nn.Module, training: LocalTraining) -> None:
-    """Refuse, before training starts, a round whose parameter memory (weights, gradients, optimizer state;
-    `layer_stream.parameter_footprint`) exceeds `training.memory_budget_bytes`: in memory the whole model's,
-    streamed the window's."""
-    if not training.memory_budget_bytes:
-        return
-    footprint = parameter_footprint(model, training.optimizer)
-    if training.stream_layers:
-        need = footprint.streamed_bytes(training.window)
-        fix = "a smaller --window"
-    else:
-        need, fix = footprint.in_memory_bytes, "--stream-layers"
-    if need > training.memory_budget_bytes:
-        raise MemoryBudgetError(
-            f"training needs {need / 1e6:.1f} MB of parameter memory, more than the "
-            f"{training.memory_budget_bytes / 1e6:.1f} MB budget; train with {fix}"
-        )
-
-
-@contextmanager
-def _streamed(
-    model: nn.Module, training: LocalTraining, device: torch.device
-) -> Iterator[LayerStream | None]:
-    """The model's blocks streamed through `device` for the loop, when `training.stream_layers`."""
-    if not training.stream_layers:
-        yield None
-        return
-    optimizer = partial(
-        inner_optimizer, name=training.optimizer, lr=training.lr, weight_decay=training.weight_decay
-    )
-    with (
-        open_store(training.stream_offload, device) as store,
-        LayerStream(
-            model, window=training.window, store=store, device=device, optimizer=optimizer
-        ) as stream,
-    ):
-        yield stream
 
 
 def _rank_batches(job: _Job, rank: int, loaders: list[ElasticLoader]) -> Iterator[list[int]]:

@@ -1,9 +1,9 @@
 """Layer streaming (SlideDP): a site trains a model whose transformer blocks, with their gradients and optimizer
 state, do not all fit in its compute device's memory.
 
-The blocks' tensors live in a `LayerStore` (host memory, or one safetensors file per block and kind on disk,
-memory-mapped when read); everything outside the blocks (embeddings, head, final norm) stays on the device and
-trains as usual. A sliding window of blocks passes through the device:
+The blocks' tensors live in a `layer_store.LayerStore` (host memory, or one safetensors file per block and kind
+on disk, memory-mapped when read); everything outside the blocks (embeddings, head, final norm) stays on the
+device and trains as usual. A sliding window of blocks passes through the device:
 
 - forward: each block's call goes through `_StreamedBlock`, which materialises the block's weights, runs it
   without building a graph, keeps only its inputs (activation checkpointing at block boundaries) and releases
@@ -24,151 +24,27 @@ are offloaded and never read; frozen ones (unselected layers, LoRA bases) stream
 
 from __future__ import annotations
 
-import tempfile
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from hydrafl.footprint import OPTIMIZER_STATES
-from hydrafl.kernels.optimizers import InnerOptimizer, zero_gradient
+from hydrafl.kernels.layer_store import LayerStore, Tensors, open_store
+from hydrafl.kernels.optimizers import InnerOptimizer, inner_optimizer, zero_gradient
 from hydrafl.subnet.architecture import find_architecture
 
-__all__ = [
-    "STREAM_OFFLOADS",
-    "DiskStore",
-    "HostStore",
-    "LayerStore",
-    "LayerStream",
-    "MemoryBudgetError",
-    "ParameterFootprint",
-    "parameter_footprint",
-]
+if TYPE_CHECKING:
+    from hydrafl.kernels.distributed import LocalTraining
 
-STREAM_OFFLOADS = ("auto", "host", "disk")
-"""Where streamed blocks live: auto (host memory beside an accelerator, disk on CPU), host, or disk."""
-
-Tensors = dict[str, torch.Tensor]
-
-
-class MemoryBudgetError(ValueError):
-    """Training would hold more parameter memory (weights, gradients, optimizer state) than the site offers."""
-
-
-class LayerStore:
-    """Per block, named CPU tensors of four kinds: "frozen" and "trainable" weights, "grads", optimizer "state"."""
-
-    def get(self, layer: int, kind: str) -> Tensors:
-        raise NotImplementedError
-
-    def put(self, layer: int, kind: str, tensors: Tensors) -> None:
-        raise NotImplementedError
-
-    def drop(self, layer: int, kind: str) -> None:
-        raise NotImplementedError
-
-
-class HostStore(LayerStore):
-    """Blocks in host memory (pinned beside a CUDA device, so the window's copies run asynchronously)."""
-
-    def __init__(self, *, pin: bool = False) -> None:
-        self.pin = pin
-        self._tensors: dict[tuple[int, str], Tensors] = {}
-
-    def get(self, layer: int, kind: str) -> Tensors:
-        return self._tensors.get((layer, kind), {})
-
-    def put(self, layer: int, kind: str, tensors: Tensors) -> None:
-        held = self._tensors.get((layer, kind), {})
-        kept: Tensors = {}
-        for name, tensor in tensors.items():
-            old = held.get(name)
-            if old is not None and old.shape == tensor.shape and old.dtype == tensor.dtype:
-                kept[name] = old if old is tensor else old.copy_(tensor)
-            else:
-                copy = tensor.detach().to("cpu", copy=True)
-                kept[name] = copy.pin_memory() if self.pin else copy
-        self._tensors[(layer, kind)] = kept
-
-    def drop(self, layer: int, kind: str) -> None:
-        self._tensors.pop((layer, kind), None)
-
-
-class DiskStore(LayerStore):
-    """Blocks on disk, one safetensors file per block and kind; a read maps the file and copies out only that
-    block's tensors, so nothing of a block is in memory outside the window."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-
-    def _path(self, layer: int, kind: str) -> Path:
-        return self.folder / f"layer{layer:04d}.{kind}.safetensors"
-
-    def get(self, layer: int, kind: str) -> Tensors:
-        path = self._path(layer, kind)
-        return load_file(path) if path.exists() else {}
-
-    def put(self, layer: int, kind: str, tensors: Tensors) -> None:
-        path = self._path(layer, kind)
-        partial = path.with_suffix(".partial")
-        save_file({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}, partial)
-        partial.replace(path)
-
-    def drop(self, layer: int, kind: str) -> None:
-        self._path(layer, kind).unlink(missing_ok=True)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ParameterFootprint:
-    """Parameter-side training memory (weights, gradients, optimizer state; activations excluded) in bytes."""
-
-    outside_bytes: int
-    """Everything outside the transformer blocks, with gradients and state for what trains there."""
-    layer_bytes: tuple[int, ...]
-    """Each computing block's weights, gradients and optimizer state."""
-    bypassed_bytes: int = 0
-    """The weights of blocks a Hydra spec bypasses: held in memory without streaming, never read with it."""
-
-    @property
-    def in_memory_bytes(self) -> int:
-        return self.outside_bytes + sum(self.layer_bytes) + self.bypassed_bytes
-
-    def streamed_bytes(self, window: int) -> int:
-        """The most a window of `window` blocks can hold, plus what stays outside the blocks."""
-        return self.outside_bytes + window * max(self.layer_bytes, default=0)
-
-
-def parameter_footprint(model: nn.Module, optimizer: str) -> ParameterFootprint:
-    """Weights + (1 + optimizer states) x trainable weights, outside the blocks and per computing block (what
-    `LayerStream` materialises of a block: its weights, or in the update its trainable weights, gradients and
-    state)."""
-    arch = find_architecture(model)
-    states = OPTIMIZER_STATES.get(optimizer, 2)
-    layers = [0] * arch.num_layers
-    outside = bypassed = 0
-    for name, p in model.named_parameters():
-        size = p.numel() * p.element_size()
-        if p.requires_grad:  # a gradient, the states, and (Adam) a float32 step count per tensor
-            size += size * (1 + states) + 4 * (states > 0)
-        layer = arch.layer_of(name)
-        if layer is None:
-            outside += size
-        elif "forward" in model.get_submodule(arch.layers[layer].name).__dict__:
-            bypassed += p.numel() * p.element_size()
-        else:
-            layers[layer] += size
-    return ParameterFootprint(
-        outside_bytes=outside, layer_bytes=tuple(layers), bypassed_bytes=bypassed
-    )
+__all__ = ["LayerStream", "streamed"]
 
 
 class _Loaded:
@@ -541,10 +417,17 @@ def _autocast(device: torch.device, dtype: torch.dtype | None) -> AbstractContex
 
 
 @contextmanager
-def open_store(offload: str, device: torch.device) -> Iterator[LayerStore]:
-    """The store `offload` names ("auto": host memory beside an accelerator, a temporary folder on CPU)."""
-    if offload == "host" or (offload == "auto" and device.type != "cpu"):
-        yield HostStore(pin=device.type == "cuda")
-        return
-    with tempfile.TemporaryDirectory(prefix="hydrafl-stream-") as folder:
-        yield DiskStore(Path(folder))
+def streamed(
+    model: nn.Module, training: LocalTraining, device: torch.device
+) -> Iterator[LayerStream]:
+    """`model`'s blocks streamed through `device` as `training` says (its window, store and inner optimizer)."""
+    optimizer = partial(
+        inner_optimizer, name=training.optimizer, lr=training.lr, weight_decay=training.weight_decay
+    )
+    with (
+        open_store(training.stream_offload, device) as store,
+        LayerStream(
+            model, window=training.window, store=store, device=device, optimizer=optimizer
+        ) as stream,
+    ):
+        yield stream

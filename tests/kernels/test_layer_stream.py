@@ -17,7 +17,7 @@ from hydrafl.kernels.distributed import (
     MemoryBudgetError,
     train_distributed,
 )
-from hydrafl.kernels.layer_stream import parameter_footprint
+from hydrafl.kernels.layer_store import parameter_footprint
 from hydrafl.losses import LossFn, classification_loss, next_token_loss
 from hydrafl.models import LoraSpec, TinyShape, build_model, federated_state
 from hydrafl.subnet.apply import apply_spec
