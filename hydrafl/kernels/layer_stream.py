@@ -68,9 +68,8 @@ class _Window:
         """Position in `order` of the next block to read ahead."""
 
     def take(self, layer: int) -> _Loaded:
-        while (
-            self.pending and self.pending[0][0] != layer
-        ):  # called out of order: drop what was read ahead
+        # a block called out of order: drop what was read ahead of it
+        while self.pending and self.pending[0][0] != layer:
             self.stream._forget(self.pending.popleft()[1].result())
         if self.pending:
             future = self.pending.popleft()[1]
