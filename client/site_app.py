@@ -40,7 +40,7 @@ from hydrafl.data import NEXT_TOKEN_TASKS, TASKS, Cohort, DataError, SiteSplit, 
 from hydrafl.data.files import read_dataset
 from hydrafl.data.text_cohort import MINILM, tokenizer_for
 from hydrafl.footprint import training_footprint
-from hydrafl.kernels.distributed import LocalTraining
+from hydrafl.kernels.local_training import LocalTraining
 from hydrafl.models import (
     build_model,
     federated_state,
@@ -228,9 +228,7 @@ def train(message: Message, context: Context) -> Message:
     cfg, site = _run_config(context), _site(context)
     cohort, split = site_data(cfg, context)
     arrays, config = _received_arrays(message), message_keys(message)
-    half = _strategy_half(
-        message, context
-    )  # the run's strategy's part: subnetwork, rank, loss, reply
+    half = _strategy_half(message, context)  # the strategy's part: subnetwork, rank, loss, reply
     spec, rank = half.subnet(), half.lora_rank()
     model = site_model(cohort.task, cfg, arrays, spec, rank)
     start = {name: p.clone() for name, p in federated_state(model).items() if name in arrays}
@@ -247,6 +245,8 @@ def train(message: Message, context: Context) -> Message:
         max_restarts=site.max_restarts,
         nnodes=site.nnodes,
         rdzv=site.rdzv,
+        stream_layers=cfg.stream_layers if site.stream_layers is None else site.stream_layers,
+        window=cfg.window if site.window is None else site.window,
     )
     # copies: pickling for the spawned processes moves a tensor's storage into shared memory, and the working
     # model's own tensors there would be shared with every simulation worker forked later
@@ -297,6 +297,7 @@ def train(message: Message, context: Context) -> Message:
             "samples-per-s": result.samples_per_s,
             **({"mfu": result.mfu} if result.mfu is not None else {}),
             **({"restarts": result.restarts} if result.restarts else {}),
+            **({"stream-peak-bytes": result.peak_stream_bytes} if result.peak_stream_bytes else {}),
             **extra_metrics,
         }
     )

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from hydrafl.data import TaskSpec
-from hydrafl.kernels.distributed import LocalTraining, train_distributed
+from hydrafl.kernels.distributed import train_distributed
+from hydrafl.kernels.local_training import LocalTraining
 from hydrafl.kernels.peak_flops import mfu
 from hydrafl.losses import LossFn, classification_loss
 from hydrafl.models import LoraSpec, build_model
@@ -49,6 +50,8 @@ class SiteTrainResult:
     """Model FLOPs utilisation; None where the device's peak FLOP/s is unknown (CPU, unlisted GPUs)."""
     restarts: int = 0
     """Times the ranks were restarted this round because one died (the delta is that of the last attempt)."""
+    peak_stream_bytes: int = 0
+    """With layer streaming: the most bytes of block tensors materialised at once."""
 
 
 def site_seed(seed: int, site: int) -> int:
@@ -164,6 +167,7 @@ def train_site(
         samples_per_s=result.samples_per_s,
         mfu=utilisation,
         restarts=result.restarts,
+        peak_stream_bytes=result.peak_stream_bytes,
     )
 
 

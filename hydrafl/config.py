@@ -105,6 +105,12 @@ class RunConfig(
             "(a classification task, nproc 1, not FedProx)",
         )
         _check(
+            not self.stream_layers or self.model != "cnn",
+            "stream-layers",
+            self.stream_layers,
+            "false with model cnn (layer streaming moves transformer blocks; the CNN has none)",
+        )
+        _check(
             not self.distill_teacher or (self.task in NEXT_TOKEN_TASKS and not self.data),
             "distill-teacher",
             self.distill_teacher,

@@ -130,6 +130,11 @@ class TrainingConfig:
     `--nproc` wins. The batch size must be a multiple of it."""
     bf16: bool = False
     """Train under bfloat16 autocast (a real site's own `--bf16` wins)."""
+    stream_layers: bool = False
+    """Stream the transformer blocks through the device a window at a time, from host memory or disk, for a
+    model whose weights and optimizer state do not fit (a real site's own `--stream-layers` wins); one process."""
+    window: int = 2
+    """With stream-layers: blocks materialised at once (a real site's own `--window` wins)."""
 
     def __post_init__(self) -> None:
         _check(self.local_steps >= 1, "local-steps", self.local_steps, "an integer >= 1")
@@ -142,6 +147,14 @@ class TrainingConfig:
             ", ".join(INNER_OPTIMIZERS),
         )
         _check(self.nproc >= 1, "nproc", self.nproc, "an integer >= 1")
+        _check(self.window >= 1, "window", self.window, "an integer >= 1")
+        _check(
+            not self.stream_layers or (self.nproc == 1 and self.inner_optimizer != "lm-dual"),
+            "stream-layers",
+            self.stream_layers,
+            "false with nproc > 1 or lm-dual (a streamed site trains one process with a gradient "
+            "optimizer)",
+        )
         _check(
             self.batch_size % self.nproc == 0,
             "batch-size",

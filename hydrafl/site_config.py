@@ -46,6 +46,12 @@ class SiteConfig:
     """With nnodes > 1: HOST:PORT of the site's rendezvous store, hosted by this process for the other hosts."""
     bf16: bool | None = field(default=None, metadata=_key("bf16", bool, "--bf16"))
     """Train under bfloat16 autocast; None takes the run's."""
+    stream_layers: bool | None = field(
+        default=None, metadata=_key("stream-layers", bool, "--stream-layers")
+    )
+    """Stream the transformer blocks through the device a window at a time; None takes the run's."""
+    window: int | None = field(default=None, metadata=_key("window", int, "--window"))
+    """Blocks materialised at once when streaming; None takes the run's."""
     memory_mb: float | None = field(default=None, metadata=_key("memory-mb", float, "--memory-mb"))
     """Training memory the site offers (0 = no limit); None takes its entry of the run's `site_memory_mb`."""
     speed: float | None = field(default=None, metadata=_key("speed", float))
@@ -69,6 +75,7 @@ class SiteConfig:
     def __post_init__(self) -> None:
         least = {
             "nproc": 1,
+            "window": 1,
             "max_restarts": 0,
             "nnodes": 1,
             "memory_mb": 0,

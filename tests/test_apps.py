@@ -11,7 +11,7 @@ from helpers import SMALL_RUN
 from hydrafl.arrays import from_record
 from hydrafl.client import site_app
 from hydrafl.client.training import site_seed, train_site
-from hydrafl.kernels.distributed import LocalTraining
+from hydrafl.kernels.local_training import LocalTraining
 from hydrafl.models import build_model, federated_state
 from hydrafl.server import server_app
 from hydrafl.simulation.grid import InProcessGrid
@@ -77,3 +77,24 @@ def test_evaluate_and_probes(grid):
     assert metrics["num-examples"] == len(site_app.run_cohort(CFG).sites[0].test_y)
     probe = _ask(grid, "query.curvature", node, initial).content["metrics"]
     assert probe["curvature"] > 0 and probe["curvature-var"] >= 0
+
+
+def test_a_streamed_site_sends_the_in_memory_delta():
+    """`stream-layers` from the run config: the same SGD delta bit for bit, with the window's peak reported."""
+    sgd = CFG.replace(inner_optimizer="sgd", lr=0.05)
+    replies = {}
+    for streamed in (False, True):
+        cfg = sgd.replace(stream_layers=streamed, window=1)
+        grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
+        initial = server_app.request_initial_arrays(grid, cfg)
+        content = RecordDict({"config": ConfigRecord({**cfg.to_flower(), "server-round": 1})})
+        content["arrays"] = initial
+        message = Message(content, dst_node_id=min(grid.get_node_ids()), message_type="train")
+        [replies[streamed]] = grid.send_and_receive([message])
+        assert not replies[streamed].has_error(), replies[streamed].error.reason
+    kept, streamed = (from_record(replies[s].content["arrays"]) for s in (False, True))
+    assert max(float(np.abs(d).max()) for d in kept.values()) > 0
+    for name in kept:
+        np.testing.assert_array_equal(streamed[name], kept[name])
+    assert "stream-peak-bytes" not in replies[False].content["metrics"]
+    assert replies[True].content["metrics"]["stream-peak-bytes"] > 0

@@ -18,7 +18,7 @@ from hydrafl.client.training import evaluate, train_site
 from hydrafl.config import ConfigError, RunConfig
 from hydrafl.data import DataError, load_cohort
 from hydrafl.data.notes_lm_cohort import IGNORE_INDEX
-from hydrafl.kernels.distributed import LocalTraining
+from hydrafl.kernels.local_training import LocalTraining
 from hydrafl.models import LoraSpec, build_model, federated_state, task_loss, training_loss
 from hydrafl.server import server_app
 from hydrafl.simulation.compare import compare_strategies

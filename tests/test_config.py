@@ -54,6 +54,12 @@ def test_flags_and_toml_keys_build_one_frozen_config(tmp_path):
             "a classification task, nproc 1",
         ),
         ({"inner-optimizer": "lm-dual", "nproc": 2}, "a classification task, nproc 1"),
+        (
+            {"stream-layers": True, "nproc": 2, "batch-size": 32},
+            "--stream-layers=True: expected false",
+        ),
+        ({"stream-layers": True, "model": "cnn", "task": "chest-xray"}, "the CNN has none"),
+        ({"window": 0}, "--window=0: expected an integer >= 1"),
         ({"inner-optimizer": "lm-dual", "strategies": "fedavg,fedprox"}, "without a proximal term"),
     ],
 )

@@ -12,9 +12,10 @@ from spawned_ranks import RankOneDiesOnFirstAttempt
 from hydrafl.client import training
 from hydrafl.client.training import evaluate, site_seed, train_flops_per_sample, train_site
 from hydrafl.data import load_cohort
-from hydrafl.kernels.distributed import LocalTraining, train_distributed
+from hydrafl.kernels.distributed import train_distributed
 from hydrafl.kernels.elastic_loader import ElasticLoader
 from hydrafl.kernels.lm_dual import HeadLM
+from hydrafl.kernels.local_training import LocalTraining
 from hydrafl.kernels.optimizers import build_inner_optimizer
 from hydrafl.losses import classification_loss
 from hydrafl.models import build_model, federated_state

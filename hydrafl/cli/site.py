@@ -87,6 +87,18 @@ def site(
         ),
     ] = "",
     bf16: Annotated[bool, typer.Option("--bf16", help="Train under bfloat16 autocast.")] = False,
+    stream_layers: Annotated[
+        bool,
+        typer.Option(
+            "--stream-layers",
+            help="Keep the model's transformer blocks in host memory (disk on CPU) and stream a window of "
+            "them through the device: for a model whose weights and optimizer state do not fit.",
+        ),
+    ] = False,
+    window: Annotated[
+        int | None,
+        typer.Option(min=1, help="With --stream-layers: blocks on the device at once (default 2)."),
+    ] = None,
     memory_mb: Annotated[
         float,
         typer.Option(
@@ -211,6 +223,8 @@ def site(
             nnodes=nnodes,
             rdzv=rdzv,
             bf16=True if bf16 else None,
+            stream_layers=True if stream_layers else None,
+            window=window,
             memory_mb=memory_mb or None,
             tier=tier,
             state_dir=state_dir,

@@ -37,18 +37,19 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.nn.parallel import DistributedDataParallel
 
-from hydrafl.catalog import INNER_OPTIMIZERS
 from hydrafl.kernels import multi_host
 from hydrafl.kernels.elastic_loader import ElasticLoader, LoaderConfigError, hash_global_batches
 from hydrafl.kernels.launch import elastic_run, one_host_config
+from hydrafl.kernels.layer_store import check_memory_budget
+from hydrafl.kernels.layer_stream import LayerStream, streamed
 from hydrafl.kernels.lm_dual import HeadLM
-from hydrafl.kernels.optimizers import build_inner_optimizer
+from hydrafl.kernels.local_training import LocalTraining
+from hydrafl.kernels.optimizers import inner_optimizer
 from hydrafl.losses import LossFn, classification_loss
 
 __all__ = [
     "DistributedResult",
     "DistributedTrainingError",
-    "LocalTraining",
     "pick_device",
     "process_group_backend",
     "train_distributed",
@@ -75,6 +76,8 @@ class DistributedResult:
     """The accelerator's product name (e.g. "NVIDIA H100 80GB HBM3"); "" on CPU. Keys the peak-FLOP/s table."""
     restarts: int = 0
     """How many times the elastic agent restarted the ranks before this result (a rank had died)."""
+    peak_stream_bytes: int = 0
+    """With layer streaming: the most bytes of block tensors materialised at once (the window's)."""
 
 
 class DistributedTrainingError(RuntimeError):
@@ -93,68 +96,6 @@ def pick_device() -> torch.device:
 def process_group_backend(device: torch.device) -> str:
     """nccl for CUDA ranks, gloo for everything else (CPU included)."""
     return "nccl" if device.type == "cuda" else "gloo"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LocalTraining:
-    """One round of a site's local training, however many processes run it: the one statement of a site's
-    training parameters, from the ClientApp to each rank."""
-
-    steps: int | None = None
-    """Global batches to train on; None: every full global batch of one pass."""
-    batch_size: int
-    """The global batch (over all processes); it must split evenly over `nproc` and the `lanes`."""
-    lr: float
-    optimizer: str = "adamw"
-    weight_decay: float = 0.0
-    seed: int = 0
-    """Data-order seed (`hydrafl.client.training.site_seed` gives each site its own)."""
-    server_round: int = 0
-    nproc: int = 1
-    """Training processes (one per accelerator, or CPU ranks under gloo)."""
-    lanes: int = 8
-    """The loader's lanes: nproc must divide them (the global batches do not depend on them)."""
-    bf16: bool = False
-    """Train under bfloat16 autocast."""
-    max_restarts: int = 0
-    """With nproc > 1: how often the ranks are restarted (the round replayed) when one dies."""
-    threads: int = 0
-    """Torch threads the site trains with, over all its processes; 0: the machine's cores. A site sharing its
-    machine with others takes its share (`hydrafl.client.machine_share`)."""
-    nnodes: int = 1
-    """Hosts the site trains on, `nproc` processes each (`hydrafl.kernels.multi_host`)."""
-    rdzv: str = ""
-    """With nnodes > 1: HOST:PORT of the site's rendezvous store, which this (the leader's) process hosts."""
-
-    @property
-    def world_size(self) -> int:
-        """Training processes over all the site's hosts."""
-        return self.nproc * self.nnodes
-
-    def __post_init__(self) -> None:
-        if (
-            (self.steps is not None and self.steps < 1)
-            or self.batch_size < 1
-            or self.nproc < 1
-            or self.nnodes < 1
-        ):
-            raise ValueError(
-                f"steps={self.steps}, batch_size={self.batch_size}, nproc={self.nproc} and "
-                f"nnodes={self.nnodes} must be >= 1"
-            )
-        if self.nnodes > 1 and not self.rdzv:
-            raise ValueError(
-                "training on several hosts needs the site's rendezvous endpoint (rdzv)"
-            )
-        if self.max_restarts < 0:
-            raise ValueError(f"max_restarts={self.max_restarts} must be >= 0")
-        if self.optimizer not in INNER_OPTIMIZERS:
-            raise ValueError(
-                f"unknown inner optimizer {self.optimizer!r}; choose one of "
-                f"{', '.join(INNER_OPTIMIZERS)}"
-            )
-        if self.optimizer == "lm-dual" and self.world_size > 1:
-            raise ValueError("lm-dual fine-tunes the head in one process; use nproc=1 on one host")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -359,20 +300,55 @@ def _run_rank(
     device = _rank_device(job.device_type, int(os.environ.get("LOCAL_RANK", 0)))
     model = job.build()
     _load_start_state(model, job.state)
-    model.to(device)
+    training = job.training
+    window = training.window if training.stream_layers else None
+    check_memory_budget(model, training.optimizer, training.memory_budget_bytes, window)
+    loaders: list[ElasticLoader] = []
+    with streamed(model, training, device) if window else nullcontext() as stream:
+        model.to(device)  # with streaming, the blocks are in the store already: only the rest moves
+        loss_sum, elapsed = _train_steps(job, model, device, rank, model_wrapper, stream, loaders)
+    samples = job.training.steps * job.training.batch_size
+    model_state = model.state_dict()
+    end_state = {name: model_state[name].detach().cpu().clone() for name in job.state}
+    return DistributedResult(
+        end_state=end_state,
+        loss=float(loss_sum) / job.training.steps,
+        samples=samples,
+        data_hash=hash_global_batches(
+            loader.global_batch(step) for loader in loaders for step in range(loader.step)
+        ),
+        samples_per_s=samples / elapsed if elapsed > 0 else math.inf,
+        steps=job.training.steps,
+        nproc=job.training.world_size,
+        device=device.type,
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "",
+        peak_stream_bytes=stream.peak_resident_bytes if stream is not None else 0,
+    )
+
+
+def _train_steps(
+    job: _Job,
+    model: nn.Module,
+    device: torch.device,
+    rank: int,
+    model_wrapper: Callable[[nn.Module], nn.Module] | None,
+    stream: LayerStream | None,
+    loaders: list[ElasticLoader],
+) -> tuple[torch.Tensor, float]:
+    """The training loop: (summed step losses, seconds it took)."""
     trained = model_wrapper(model) if model_wrapper is not None else model
     head_lm = HeadLM(model, model.head()) if job.training.optimizer == "lm-dual" else None  # type: ignore[operator]
+    streamed = stream.parameters() if stream is not None else set()
     optimizer = (
         None
         if head_lm
-        else build_inner_optimizer(
-            model,
+        else inner_optimizer(
+            [(n, p) for n, p in model.named_parameters() if p.requires_grad and p not in streamed],
             job.training.optimizer,
             lr=job.training.lr,
             weight_decay=job.training.weight_decay,
         )
     )
-    loaders: list[ElasticLoader] = []
     world_size = job.training.world_size
     local_size = job.training.batch_size // world_size
     if local_size * world_size != job.training.batch_size:
@@ -400,7 +376,10 @@ def _run_rank(
             loss = job.loss_fn(trained, xb, yb)
         loss_sum += loss.detach().double().cpu()
         loss.backward()
-        optimizer.step()
+        if stream is not None:
+            stream.step(optimizer)
+        else:
+            optimizer.step()
     if device.type != "cpu":
         torch.accelerator.synchronize()
     if model_wrapper is not None:
@@ -409,23 +388,7 @@ def _run_rank(
             loss_sum
         )  # sum over ranks of the share means: nproc x the global mean, per step
         loss_sum = loss_sum.cpu() / world_size
-    elapsed = time.perf_counter() - start
-    samples = job.training.steps * job.training.batch_size
-    model_state = model.state_dict()
-    end_state = {name: model_state[name].detach().cpu().clone() for name in job.state}
-    return DistributedResult(
-        end_state=end_state,
-        loss=float(loss_sum) / job.training.steps,
-        samples=samples,
-        data_hash=hash_global_batches(
-            loader.global_batch(step) for loader in loaders for step in range(loader.step)
-        ),
-        samples_per_s=samples / elapsed if elapsed > 0 else math.inf,
-        steps=job.training.steps,
-        nproc=world_size,
-        device=device.type,
-        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "",
-    )
+    return loss_sum, time.perf_counter() - start
 
 
 def _rank_batches(job: _Job, rank: int, loaders: list[ElasticLoader]) -> Iterator[list[int]]:

@@ -33,33 +33,43 @@ class InnerOptimizer:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
 
-    def step(self) -> None:
+    def step(self, *, largest: float = 0.0) -> None:
+        """`largest`: a gradient peak of parameters outside this optimizer that the zero-gradient rule also
+        compares against (layer streaming steps a model's blocks with optimizers of their own)."""
         params = [
             p
             for optimizer in self.optimizers
             for group in optimizer.param_groups
             for p in group["params"]
         ]
-        self.skipped = skip_zero_gradients(params)
+        self.skipped = skip_zero_gradients(params, largest=largest)
         for optimizer in self.optimizers:
             optimizer.step()
 
 
-def skip_zero_gradients(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """Set `.grad = None` on parameters whose gradient is zero up to rounding noise; returns them."""
+def skip_zero_gradients(
+    params: Iterable[torch.Tensor], *, largest: float = 0.0
+) -> list[torch.Tensor]:
+    """Set `.grad = None` on parameters whose gradient is zero up to rounding noise (against the larger of
+    their own peak and `largest`); returns them."""
     with_grad = [(p, p.grad) for p in params if p.grad is not None]
     if not with_grad:
         return []
     peaks = torch.stack([grad.detach().abs().amax().float() for _, grad in with_grad])  # [P]
-    largest = float(peaks.max())
+    largest = max(float(peaks.max()), largest)
     zero = [
         p
         for (p, grad), peak in zip(with_grad, peaks.tolist(), strict=True)
-        if peak <= torch.finfo(grad.dtype).eps * largest
+        if zero_gradient(peak, grad, largest)
     ]
     for p in zero:
         p.grad = None
     return zero
+
+
+def zero_gradient(peak: float, grad: torch.Tensor, largest: float) -> bool:
+    """Whether a gradient whose largest entry is `peak` is rounding noise next to the model's `largest`."""
+    return peak <= torch.finfo(grad.dtype).eps * largest
 
 
 def _is_muon_matrix(name: str, param: nn.Parameter) -> bool:
@@ -74,6 +84,15 @@ def build_inner_optimizer(
 ) -> InnerOptimizer:
     """Build the inner optimizer `name` (adamw, sgd or muon) over the model's trainable parameters."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return inner_optimizer(named, name, lr=lr, weight_decay=weight_decay)
+
+
+def inner_optimizer(
+    named: list[tuple[str, nn.Parameter]], name: str, *, lr: float, weight_decay: float = 0.0
+) -> InnerOptimizer:
+    """The inner optimizer `name` over the `named` parameters (none: an optimizer that does nothing)."""
+    if not named and name in ("adamw", "sgd", "muon"):
+        return InnerOptimizer([])
     if name == "adamw":
         return InnerOptimizer(
             [torch.optim.AdamW([p for _, p in named], lr=lr, weight_decay=weight_decay)]

@@ -23,7 +23,6 @@ from hydrafl.kernels import distributed
 from hydrafl.kernels.distributed import (
     DistributedResult,
     DistributedTrainingError,
-    LocalTraining,
     pick_device,
     process_group_backend,
     train_distributed,
@@ -34,6 +33,7 @@ from hydrafl.kernels.elastic_loader import (
     hash_global_batches,
     round_order,
 )
+from hydrafl.kernels.local_training import LocalTraining
 from hydrafl.kernels.optimizers import build_inner_optimizer
 from hydrafl.models import TinyShape, build_model, federated_state
 

@@ -17,8 +17,9 @@ from spawned_ranks import SecondHostRankDiesOnFirstAttempt
 from torch import nn
 
 from hydrafl.data import load_cohort
-from hydrafl.kernels.distributed import DistributedResult, LocalTraining, train_distributed
+from hydrafl.kernels.distributed import DistributedResult, train_distributed
 from hydrafl.kernels.launch import free_port
+from hydrafl.kernels.local_training import LocalTraining
 from hydrafl.kernels.multi_host import parse_endpoint
 from hydrafl.models import federated_state
 
