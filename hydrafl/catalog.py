@@ -17,8 +17,9 @@ IMAGE_TASKS: tuple[str, ...] = ("chest-xray",)
 IMAGE_MODELS: tuple[str, ...] = ("vit", "cnn")
 """Seeded from-scratch image models a run may name: the tiny ViT and the small CNN (`hydrafl.models.SmallCNN`)."""
 IMAGE_FOLDER_MODEL = "cnn"
-"""What `model = "tiny"` builds for a user's image folder, chosen by measurement on real scanned digits
-(`benchmarks/image_models.py`: 0.97 accuracy after 8 fedavg rounds, the tiny ViT from scratch 0.39)."""
+"""What `model = "tiny"` builds for a user's image folder, chosen by measurement: against the tiny ViT on scanned
+digits (0.97 after 8 fedavg rounds, the ViT from scratch 0.39), and its shape against wider and narrower ones on
+real garment photos, handwriting and digits over non-IID sites (`benchmarks/image_models.py`)."""
 TABLE_SUFFIXES: tuple[str, ...] = (".csv", ".jsonl", ".ndjson")
 """A `data` path with one of these suffixes is a table; any other names an image folder (`hydrafl.data.files`)."""
 

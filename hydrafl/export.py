@@ -119,14 +119,13 @@ def export_model(model: nn.Module, cfg: RunConfig, out: Path) -> Exported:
 def _architecture(net: nn.Module) -> dict[str, object]:
     """What rebuilds one of hydrafl's small models around the exported weights."""
     if isinstance(net, SmallCNN):
-        first = net.features[0]
-        blocks = sum(isinstance(layer, nn.Conv2d) for layer in net.features)
         return {
             "class": "hydrafl.models.SmallCNN",
-            "channels": first.in_channels,
+            "channels": net.features[0].in_channels,
             "num_classes": net.head.out_features,
-            "width": first.out_channels,
-            "blocks": blocks,
+            "width": net.width,
+            "blocks": net.blocks,
+            "norm_groups": net.norm_groups,
         }
     assert isinstance(net, TabularTransformer)
     config = net.encoder.config

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import ViTForImageClassification
 
-from hydrafl.benchmarks.image_models import write_digits_folder
+from hydrafl.benchmarks.image_models import write_folder
 from hydrafl.catalog import IMAGE_FOLDER_MODEL
 from hydrafl.config import RunConfig
 from hydrafl.data import load_cohort
@@ -35,7 +35,7 @@ def test_a_site_builds_its_classifier_from_a_local_checkpoint_directory(tmp_path
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
     """A user's image folder of real scanned digits: 30 PNGs per class, 10 classes."""
-    return write_digits_folder(tmp_path_factory.mktemp("digits") / "digits", per_class=30)
+    return write_folder("digits", tmp_path_factory.mktemp("images"), per_class=30)
 
 
 @pytest.mark.parametrize(("width", "blocks", "side"), [(8, 5, 32), (4, 2, 16), (8, 3, 20)])
@@ -46,6 +46,13 @@ def test_the_small_cnn_maps_a_batch_of_images_to_one_logit_per_class(width, bloc
     assert not list(
         net.buffers()
     )  # GroupNorm: every coordinate is a parameter that federated averaging shares
+
+
+def test_the_small_cnns_norm_groups_never_exceed_a_blocks_channels():
+    net = SmallCNN(1, 3, width=2, blocks=3, norm_groups=4)
+    norms = [layer for layer in net.features if isinstance(layer, torch.nn.GroupNorm)]
+    assert [(n.num_groups, n.num_channels) for n in norms] == [(2, 2), (4, 4), (4, 8)]
+    assert (net.width, net.blocks, net.norm_groups) == (2, 3, 4)
 
 
 def test_an_image_folder_gets_the_cnn_and_the_synthetic_xrays_keep_the_vit(digits):
