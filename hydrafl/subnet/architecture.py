@@ -163,7 +163,7 @@ def find_architecture(model: nn.Module) -> Architecture:
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
     experts = {
-        int(layer.get_submodule(EXPERT_ROUTER).weight.shape[0])
+        int(layer.get_parameter(f"{EXPERT_ROUTER}.weight").shape[0])
         for layer in layer_list
         if has_module(layer, EXPERT_ROUTER)
     }
