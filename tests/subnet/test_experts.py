@@ -105,3 +105,21 @@ def test_expert_selection_round_trips_and_is_checked(moe):
         SubnetSpec(layers=(0,), experts=((4,),)).check(find_architecture(moe))
     with pytest.raises(SpecError, match="keeps no experts"):
         SubnetSpec(layers=(0,), experts=((),))
+
+
+def test_tiny_moe_and_a_local_mixtral_checkpoint_build_the_same_model(tmp_path):
+    """`--model tiny-moe` for the next-token task; its checkpoint directory loads through `from_pretrained`
+    into the same function, with its experts found."""
+    from hydrafl.data import load_cohort
+    from hydrafl.models import build_model
+
+    task = load_cohort("clinical-notes-lm", num_sites=1, seed=0, samples_per_site=8).task
+    model = build_model(task, model="tiny-moe", seed=3)
+    model.net.save_pretrained(tmp_path)
+    loaded = build_model(task, model=str(tmp_path))
+    x = torch.randint(3, task.vocab_size, (2, 9))
+    assert torch.equal(model(x), loaded(x))
+    arch = find_architecture(loaded)
+    assert (arch.num_experts, arch.num_layers) == (8, 2)
+    with pytest.raises(ValueError, match="use 'tiny', 'tiny-moe' or a local"):
+        build_model(task, model="moe")
