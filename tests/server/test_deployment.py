@@ -235,3 +235,34 @@ def test_a_site_killed_mid_round_is_left_out_at_the_deadline_and_rejoins(deploym
     assert 3 in [
         record["sites_ok"] for record in run.history[missed + 1 :]
     ]  # the restarted site is back
+
+
+@pytest.mark.slow
+def test_expert_selection_over_the_wire_matches_the_simulation(deployment, tmp_path):
+    """tiny-moe on the next-token task: three site processes of different tiers each upload only their experts'
+    rows; bytes per site and round and the losses are the simulation's."""
+    moe = {
+        "strategy": "hydra",
+        "task": "clinical-notes-lm",
+        "model": "tiny-moe",
+        "rounds": 2,
+        "score-samples": 16,
+        "outer-lr": 0.7,
+    }
+    _set_run_config(deployment, moe)
+    run = _finished_run(deployment, [("--tier", tier) for tier in ("small", "medium", "large")])
+    cfg = RunConfig.from_flower(
+        {
+            **RUN.to_flower(),
+            **moe,
+            "site-tiers": "small,medium,large",
+            "run-dir": str(tmp_path / "s"),
+        }
+    )
+    simulated = run_strategy(cfg, "inprocess")
+    for deployed, local in zip(run.history, simulated, strict=True):
+        for key in ("bytes_up_per_site", "bytes_down_per_site"):
+            assert sorted(deployed[key].values()) == sorted(local[key].values())
+        assert deployed["loss"] == pytest.approx(local["loss"], rel=1e-5)
+    up = sorted(simulated[1]["bytes_up_per_site"].values())
+    assert up[0] < up[1] < up[2]  # 2, 4 and 8 of the 8 experts per layer
