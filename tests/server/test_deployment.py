@@ -69,6 +69,30 @@ def _finished_run(deployment, site_options: list[tuple[str, ...]] | None = None)
     return run
 
 
+def _tiered_run_matches_the_simulation(deployment, tmp_path, options: dict) -> list[dict]:
+    """RUN with `options` over the wire, each site declaring its tier (`hydrafl site --tier`), against the
+    simulation with the same tiers from the run: bytes per site in site order and the losses. Returns the
+    simulation's history."""
+    _set_run_config(deployment, options)
+    run = _finished_run(deployment, [("--tier", tier) for tier in ("small", "medium", "large")])
+    cfg = RunConfig.from_flower(
+        {
+            **RUN.to_flower(),
+            **options,
+            "site-tiers": "small,medium,large",
+            "run-dir": str(tmp_path / "sim"),
+        }
+    )
+    simulated = run_strategy(cfg, "inprocess")
+    for deployed, local in zip(run.history, simulated, strict=True):
+        for key in ("bytes_up_per_site", "bytes_down_per_site"):  # node ids differ: site order
+            assert [n for _, n in sorted(deployed[key].items())] == [
+                n for _, n in sorted(local[key].items())
+            ]
+        assert deployed["loss"] == pytest.approx(local["loss"], rel=1e-5)
+    return simulated
+
+
 def _history_numbers(history):
     return [(r["round"], r["loss"], r["accuracy"], r["sites_ok"], r["bytes_up"]) for r in history]
 
@@ -114,26 +138,7 @@ def test_hydra_nets_over_the_wire_match_the_simulation(deployment, tmp_path):
         "score-samples": 16,
         "outer-lr": 0.7,
     }  # the run's diloco outer-lr back at its default: hydra's default outer step ignores it
-    _set_run_config(deployment, hydra)
-    run = _finished_run(deployment, [("--tier", tier) for tier in ("small", "medium", "large")])
-    cfg = RunConfig.from_flower(
-        {
-            **RUN.to_flower(),
-            **hydra,
-            "site-tiers": "small,medium,large",
-            "run-dir": str(tmp_path / "sim"),
-        }
-    )
-    simulated = run_strategy(cfg, "inprocess")
-    for deployed, local in zip(run.history, simulated, strict=True):
-        for key in (
-            "bytes_up_per_site",
-            "bytes_down_per_site",
-        ):  # node ids differ: compare in site order
-            assert [n for _, n in sorted(deployed[key].items())] == [
-                n for _, n in sorted(local[key].items())
-            ]
-        assert deployed["loss"] == pytest.approx(local["loss"], rel=1e-5)
+    simulated = _tiered_run_matches_the_simulation(deployment, tmp_path, hydra)
     down = sorted(simulated[1]["bytes_down_per_site"].values())
     assert (
         down[0] < down[1] < down[2]
@@ -249,20 +254,6 @@ def test_expert_selection_over_the_wire_matches_the_simulation(deployment, tmp_p
         "score-samples": 16,
         "outer-lr": 0.7,
     }
-    _set_run_config(deployment, moe)
-    run = _finished_run(deployment, [("--tier", tier) for tier in ("small", "medium", "large")])
-    cfg = RunConfig.from_flower(
-        {
-            **RUN.to_flower(),
-            **moe,
-            "site-tiers": "small,medium,large",
-            "run-dir": str(tmp_path / "s"),
-        }
-    )
-    simulated = run_strategy(cfg, "inprocess")
-    for deployed, local in zip(run.history, simulated, strict=True):
-        for key in ("bytes_up_per_site", "bytes_down_per_site"):
-            assert sorted(deployed[key].values()) == sorted(local[key].values())
-        assert deployed["loss"] == pytest.approx(local["loss"], rel=1e-5)
+    simulated = _tiered_run_matches_the_simulation(deployment, tmp_path, moe)
     up = sorted(simulated[1]["bytes_up_per_site"].values())
     assert up[0] < up[1] < up[2]  # 2, 4 and 8 of the 8 experts per layer
