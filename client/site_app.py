@@ -31,7 +31,7 @@ from hydrafl import protocol
 from hydrafl.arrays import to_record
 from hydrafl.catalog import IMAGE_MODELS, MOE_MODEL
 from hydrafl.client.dedup import deduplicated, drop_reply, signatures_reply
-from hydrafl.client.model_probes import estimate_curvature, slice_layout
+from hydrafl.client.model_probes import estimate_curvature, expert_scores, slice_layout
 from hydrafl.client.site_model import site_model
 from hydrafl.client.site_stats import site_stats
 from hydrafl.client.training import build_site_model, evaluate, site_seed, train_site
@@ -54,16 +54,9 @@ from hydrafl.site_config import SiteConfig
 from hydrafl.strategies.registry import site_half
 from hydrafl.strategies.site import SiteHalf
 from hydrafl.subnet.apply import apply_spec, trainable_slices
-from hydrafl.subnet.architecture import find_architecture
 from hydrafl.subnet.measure import measure_layer_cost
 from hydrafl.subnet.planning import COST_FIELDS
-from hydrafl.subnet.scoring import (
-    expert_routing,
-    head_importance,
-    layer_importance,
-    router_magnitude,
-    weight_magnitude,
-)
+from hydrafl.subnet.scoring import head_importance, layer_importance, weight_magnitude
 from hydrafl.subnet.slices import Slice, extract
 
 log = logging.getLogger(__name__)
@@ -450,7 +443,7 @@ def scores(message: Message, context: Context) -> Message:
                 for layer, row in enumerate(heads)
                 for g, score in enumerate(row)
             },
-            **_expert_scores(model, batches, private=layer_method == magnitude),
+            **expert_scores(model, batches, private=layer_method == magnitude),
             protocol.MEMORY_BYTES: memory_bytes,
         }
     )
@@ -472,31 +465,6 @@ def scores(message: Message, context: Context) -> Message:
         )
     site = ConfigRecord({protocol.TIER: site_tier(cfg, context), **slice_layout(model)})
     return Message(RecordDict({"metrics": metrics, protocol.SITE_RECORD: site}), reply_to=message)
-
-
-def _expert_scores(
-    model: torch.nn.Module, batches: list[tuple[Any, torch.Tensor]], *, private: bool
-) -> dict[str, float]:
-    """A mixture-of-experts model's expert scores (none without experts): how often the site's tokens route
-    to each expert (`expert-L-E`) and to each pair together (`coact-L-I-J`); a private run reports the router
-    rows' squared norms, which read no data, and no co-activation."""
-    if not find_architecture(model).num_experts:
-        return {}
-    co: list[list[list[float]]] = []
-    if private:
-        routed = router_magnitude(model)
-    else:
-        routed, co = expert_routing(model, batches)
-    scores = {
-        f"{protocol.EXPERT_PREFIX}{layer}-{e}": value
-        for layer, row in enumerate(routed)
-        for e, value in enumerate(row)
-    }
-    for layer, matrix in enumerate(co):
-        for i, row in enumerate(matrix):
-            for j in range(i + 1, len(row)):
-                scores[f"{protocol.COACTIVATION_PREFIX}{layer}-{i}-{j}"] = row[j]
-    return scores
 
 
 def site_tier(cfg: RunConfig, context: Context) -> str:
