@@ -120,6 +120,21 @@ def method_stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def paired(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """Hydra's token accuracy minus each other method's, paired by seed: mean and standard error, in points."""
+    out = {}
+    for name in runs:
+        if name == "hydra":
+            continue
+        diffs = [
+            100 * (a["accuracy"] - b["accuracy"])
+            for a, b in zip(runs["hydra"], runs[name], strict=True)
+        ]
+        error = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0
+        out[f"hydra - {name}"] = {"mean_points": statistics.mean(diffs), "standard_error": error}
+    return out
+
+
 def markdown(summary: dict[str, Any], command: str) -> str:
     lines = [
         f"# Experts of a mixture-of-experts LM ({'quick' if summary['quick'] else 'full'})",
@@ -135,6 +150,12 @@ def markdown(summary: dict[str, Any], command: str) -> str:
             f"| {name} | {s['accuracy_mean']:.4f} ± {s['accuracy_std']:.4f} "
             f"| {s['loss_mean']:.4f} ± {s['loss_std']:.4f} | {s['bytes_per_round'] / 1e6:.2f} "
             f"| {s['bytes_up_per_round'] / 1e6:.2f} | {memory} |"
+        )
+    lines.append("")
+    for pair, value in summary["paired"].items():
+        lines.append(
+            f"- {pair}, paired by seed: {value['mean_points']:+.2f} ± "
+            f"{value['standard_error']:.2f} points (standard error)"
         )
     return "\n".join(lines) + "\n"
 
@@ -168,6 +189,7 @@ def main() -> None:
         "scale": {"rounds": scale.rounds, "local_steps": scale.local_steps, "seeds": seeds},
         "runs": runs,
         "stats": {name: method_stats(r) for name, r in runs.items()},
+        "paired": paired(runs),
     }
     (args.out / f"{NAME}.json").write_text(json.dumps(summary, indent=1))
     command = "python -m hydrafl.benchmarks.moe_experts" + (" --quick" if args.quick else "")
