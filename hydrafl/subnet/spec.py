@@ -122,8 +122,8 @@ class SubnetSpec:
             raise SpecError(f"width_levels must be numbers in (0, 1], got {list(levels)}")
         if (heads is not None or experts is not None) and (float(ratio) < 1.0 or levels):
             raise SpecError(
-                "a SubnetSpec selects heads or a width (width_ratio < 1 / width_levels), not both; "
-                "experts neither"
+                "a SubnetSpec selects heads or a width (width_ratio < 1 / width_levels), not both "
+                "(nor experts and a width)"
             )
         object.__setattr__(self, "layers", tuple(sorted(layers)))
         object.__setattr__(self, "heads", heads)

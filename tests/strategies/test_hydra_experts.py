@@ -28,12 +28,21 @@ START = {
 LAYOUT = {EXPERTS: (0, -1, 1), ROUTER: (0, -1, 1), ATTENTION: (0, -1, 1)}
 
 
-def _scores(node: int, tier: str, routed: list[float], num_examples: float):
+def _scores(
+    node: int,
+    tier: str,
+    routed: list[float],
+    num_examples: float,
+    coactivation: dict[tuple[int, int], float] | None = None,
+):
     reply = make_scores_reply(
         node, LAYOUT, layers=[1.0], heads=[[1.0]], tier=tier, num_examples=num_examples
     )
+    metrics = reply.content["metrics"]
     for e, share in enumerate(routed):
-        reply.content["metrics"][f"{protocol.EXPERT_PREFIX}0-{e}"] = share
+        metrics[f"{protocol.EXPERT_PREFIX}0-{e}"] = share
+    for (i, j), share in (coactivation or {}).items():
+        metrics[f"{protocol.COACTIVATION_PREFIX}0-{i}-{j}"] = share
     return reply
 
 
@@ -70,6 +79,20 @@ def test_each_expert_is_the_mean_over_the_sites_that_trained_it_by_hand():
     expected_router = [[0.1 - 0.2], [0.2], [0.3 - (10 * 0.5 + 30 * 0.1) / 40], [0.4]]
     np.testing.assert_allclose(got[ROUTER], expected_router, rtol=1e-6)
     np.testing.assert_allclose(got[ATTENTION], [[5.0 - (10 * 1.0 + 30 * 2.0) / 40]], rtol=1e-6)
+
+
+@pytest.mark.parametrize(("selection", "expected"), [("coactivation", (0, 1)), ("routed", (0, 2))])
+def test_a_site_reporting_coactivation_gets_the_pair_that_fires_together(selection, expected):
+    """Routed shares 0.8, 0.5, 0.6, 0.1 of a top-2 router (they sum to 2: groups of 2); experts 0 and 1 fire
+    together on 0.3 of the tokens, 0 and 2 on 0.2, so (0, 1) merge first and 2 and 3, never together, stay
+    alone: the medium tier's 2 experts are the group (0, 1) (1.3 routed, ahead of (2,) 0.6), or one by one the
+    two most-routed, 0 and 2."""
+    strategy = Hydra(planner=SitePlanner(), expert_select=selection)
+    co = {(0, 1): 0.3, (0, 2): 0.2}
+    scores = {node: _scores(node, "medium", [0.8, 0.5, 0.6, 0.1], 10, co) for node in (1, 2)}
+    record = ArrayRecord({name: Array(value.astype(np.float32)) for name, value in START.items()})
+    specs = sent_specs(configure_round(strategy, 1, record, scores))
+    assert specs[1].experts == specs[2].experts == (expected,)
 
 
 def test_random_experts_take_the_same_budget_and_change_by_round():
