@@ -123,3 +123,19 @@ def test_tiny_moe_and_a_local_mixtral_checkpoint_build_the_same_model(tmp_path):
     assert (arch.num_experts, arch.num_layers) == (8, 2)
     with pytest.raises(ValueError, match="use 'tiny', 'tiny-moe' or a local"):
         build_model(task, model="moe")
+
+
+def test_a_private_run_scores_experts_by_router_rows_and_reads_no_data(moe):
+    from hydrafl.client.model_probes import expert_scores
+
+    router = moe.get_submodule("model.layers.1.mlp.gate")
+    with torch.no_grad():
+        router.weight.copy_(
+            torch.arange(4.0)[:, None].expand(4, 16)
+        )  # row e: 16 entries equal to e
+    scores = expert_scores(moe, [], private=True)  # no batches: nothing of the site's data is read
+    assert [scores[f"{protocol.EXPERT_PREFIX}1-{e}"] for e in range(4)] == [0.0, 16.0, 64.0, 144.0]
+    assert not any(key.startswith(protocol.COACTIVATION_PREFIX) for key in scores)
+    routed = expert_scores(moe, [(_batch(), _batch())], private=False)
+    assert sum(routed[f"{protocol.EXPERT_PREFIX}0-{e}"] for e in range(4)) == pytest.approx(2.0)
+    assert f"{protocol.COACTIVATION_PREFIX}0-0-3" in routed
