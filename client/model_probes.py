@@ -1,7 +1,10 @@
-"""What a site measures of its model for the coordinator, from the model alone: how its tensors split over
-attention heads (the Hydra-net planning round) and its loss curvature (the DiLoCo stability check)."""
+"""What a site measures of its model for the coordinator: how its tensors split over attention heads and where
+its tokens route among experts (the Hydra-net planning round), and its loss curvature (the DiLoCo stability
+check)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -9,6 +12,7 @@ from hydrafl import protocol
 from hydrafl.losses import LossFn, classification_loss
 from hydrafl.models import federated_state
 from hydrafl.subnet.architecture import find_architecture, head_axis_of
+from hydrafl.subnet.scoring import expert_routing, router_magnitude
 
 
 def slice_layout(model: torch.nn.Module) -> dict[str, list[str] | list[int]]:
@@ -30,6 +34,31 @@ def slice_layout(model: torch.nn.Module) -> dict[str, list[str] | list[int]]:
         protocol.LAYOUT_AXES: axes,
         protocol.LAYOUT_UNITS: units,
     }
+
+
+def expert_scores(
+    model: torch.nn.Module, batches: list[tuple[Any, torch.Tensor]], *, private: bool
+) -> dict[str, float]:
+    """A mixture-of-experts model's expert scores (none without experts): how often the site's tokens route
+    to each expert (`expert-L-E`) and to each pair together (`coact-L-I-J`); a private run reports the router
+    rows' squared norms, which read no data, and no co-activation."""
+    if not find_architecture(model).num_experts:
+        return {}
+    co: list[list[list[float]]] = []
+    if private:
+        routed = router_magnitude(model)
+    else:
+        routed, co = expert_routing(model, batches)
+    scores = {
+        f"{protocol.EXPERT_PREFIX}{layer}-{e}": value
+        for layer, row in enumerate(routed)
+        for e, value in enumerate(row)
+    }
+    for layer, matrix in enumerate(co):
+        for i, row in enumerate(matrix):
+            for j in range(i + 1, len(row)):
+                scores[f"{protocol.COACTIVATION_PREFIX}{layer}-{i}-{j}"] = row[j]
+    return scores
 
 
 def estimate_curvature(

@@ -29,9 +29,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hydrafl import protocol
 from hydrafl.arrays import to_record
-from hydrafl.catalog import IMAGE_MODELS
+from hydrafl.catalog import IMAGE_MODELS, MOE_MODEL
 from hydrafl.client.dedup import deduplicated, drop_reply, signatures_reply
-from hydrafl.client.model_probes import estimate_curvature, slice_layout
+from hydrafl.client.model_probes import estimate_curvature, expert_scores, slice_layout
 from hydrafl.client.site_model import site_model
 from hydrafl.client.site_stats import site_stats
 from hydrafl.client.training import build_site_model, evaluate, site_seed, train_site
@@ -212,7 +212,7 @@ def check_checkpoint_paths(cfg: RunConfig, site: SiteConfig) -> None:
         return  # a simulated site: the run config is the researcher's own
     allowed = site.model_dir
     for key, value, built_in in (
-        ("model", cfg.model, ("tiny", MINILM, *IMAGE_MODELS)),
+        ("model", cfg.model, ("tiny", MOE_MODEL, MINILM, *IMAGE_MODELS)),
         ("distill-teacher", cfg.distill_teacher, ("", "init")),
     ):
         if value in built_in:
@@ -444,6 +444,7 @@ def scores(message: Message, context: Context) -> Message:
                 for layer, row in enumerate(heads)
                 for g, score in enumerate(row)
             },
+            **expert_scores(model, batches, private=layer_method == magnitude),
             protocol.MEMORY_BYTES: memory_bytes,
         }
     )

@@ -14,7 +14,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    PreTrainedModel,
+)
 
 from hydrafl.subnet.architecture import find_architecture
 from hydrafl.subnet.families import PATTERNS
@@ -35,6 +43,10 @@ class TinyShape:
     """ViT patch side, in pixels."""
     max_positions: int = 256
     """Positions of the Llama-style LM; a next-token task widens it to its sequence length."""
+    experts: int = 8
+    """Experts per layer of the mixture-of-experts LM."""
+    experts_per_token: int = 2
+    """Experts the router picks for each token (top-k) in the mixture-of-experts LM."""
 
     @property
     def num_kv_heads(self) -> int:
@@ -60,10 +72,8 @@ class LoraSpec:
             )
 
 
-def build_causal_lm(
-    vocab_size: int, *, shape: TinyShape = TinyShape(), seed: int = 0
-) -> LlamaForCausalLM:
-    """A seeded, randomly initialised LlamaForCausalLM (RoPE, RMSNorm, SwiGLU, GQA, untied LM head)."""
+def _decoder_config(vocab_size: int, shape: TinyShape, seed: int) -> dict[str, Any]:
+    """The config keys the tiny decoder LMs share (checked), after seeding the weights they will draw."""
     if vocab_size < 2:
         raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
     kv_heads = shape.num_kv_heads
@@ -72,20 +82,45 @@ def build_causal_lm(
             f"hidden {shape.hidden} / heads {shape.heads} / kv_heads {kv_heads} do not divide"
         )
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=shape.hidden,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=kv_heads,
-        intermediate_size=shape.intermediate,
-        max_position_embeddings=shape.max_positions,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": shape.hidden,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": kv_heads,
+        "intermediate_size": shape.intermediate,
+        "max_position_embeddings": shape.max_positions,
+        "tie_word_embeddings": False,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+
+
+def build_causal_lm(
+    vocab_size: int, *, shape: TinyShape = TinyShape(), seed: int = 0
+) -> LlamaForCausalLM:
+    """A seeded, randomly initialised LlamaForCausalLM (RoPE, RMSNorm, SwiGLU, GQA, untied LM head)."""
+    return LlamaForCausalLM(LlamaConfig(**_decoder_config(vocab_size, shape, seed)))
+
+
+def build_moe_lm(
+    vocab_size: int, *, shape: TinyShape = TinyShape(), seed: int = 0
+) -> MixtralForCausalLM:
+    """A seeded, randomly initialised MixtralForCausalLM: the Llama-style LM with each FFN replaced by
+    `shape.experts` SwiGLU experts of `shape.intermediate` units and a top-`shape.experts_per_token` router."""
+    if not 1 <= shape.experts_per_token <= shape.experts:
+        raise ValueError(
+            f"experts_per_token must be in 1..{shape.experts}, got {shape.experts_per_token}"
+        )
+    config = _decoder_config(vocab_size, shape, seed)
+    return MixtralForCausalLM(
+        MixtralConfig(
+            **config,
+            num_local_experts=shape.experts,
+            num_experts_per_tok=shape.experts_per_token,
+        )
     )
-    return LlamaForCausalLM(config)
 
 
 LORA_TARGETS = {
@@ -165,6 +200,7 @@ __all__ = [
     "LoraSpec",
     "TinyShape",
     "build_causal_lm",
+    "build_moe_lm",
     "load_pretrained",
     "with_lora",
 ]

@@ -12,6 +12,8 @@ INNER_OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd", "muon", "lm-dual")
 trains only the classification head (`kernels.lm_dual.HeadLM`)."""
 SITE_TIERS: tuple[str, ...] = ("small", "medium", "large")
 """Resource tiers a site may declare; the subnetwork strategies size its share of the model by it."""
+MOE_MODEL = "tiny-moe"
+"""The seeded tiny mixture-of-experts LM (Mixtral family) a next-token task may name instead of "tiny"."""
 IMAGE_TASKS: tuple[str, ...] = ("chest-xray",)
 """The synthetic image cohorts: their from-scratch model stays the tiny ViT."""
 IMAGE_MODELS: tuple[str, ...] = ("vit", "cnn")

@@ -15,7 +15,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hydrafl.backbones import LoraSpec, TinyShape, build_causal_lm, load_pretrained, with_lora
+from hydrafl.backbones import (
+    LoraSpec,
+    TinyShape,
+    build_causal_lm,
+    build_moe_lm,
+    load_pretrained,
+    with_lora,
+)
+from hydrafl.catalog import MOE_MODEL
 from hydrafl.data import TaskSpec
 from hydrafl.data.notes_lm_cohort import IGNORE_INDEX
 from hydrafl.kernels.chunked_loss import (
@@ -146,17 +154,19 @@ def _valid_count(valid: Tensor) -> Tensor | None:
 def build_lm(
     task: TaskSpec, model: str, shape: TinyShape, seed: int, lora: LoraSpec | None
 ) -> CausalLM:
-    """The next-token task's model: "tiny" (the seeded Llama-style LM, vocabulary from the task's tokenizer)
-    or a local causal-LM checkpoint; with `lora` only the LoRA factors train (the LM head stays frozen)."""
-    if model == "tiny":
-        llama = replace(shape, max_positions=max(shape.max_positions, task.seq_len))
-        net: nn.Module = build_causal_lm(task.vocab_size, shape=llama, seed=seed)
+    """The next-token task's model: "tiny" (the seeded Llama-style LM, vocabulary from the task's tokenizer),
+    "tiny-moe" (its mixture-of-experts sibling, Mixtral family) or a local causal-LM checkpoint (a Mixtral
+    checkpoint's experts are selectable too); with `lora` only the LoRA factors train (the LM head stays frozen)."""
+    if model in ("tiny", MOE_MODEL):
+        sized = replace(shape, max_positions=max(shape.max_positions, task.seq_len))
+        build = build_moe_lm if model == MOE_MODEL else build_causal_lm
+        net: nn.Module = build(task.vocab_size, shape=sized, seed=seed)
     elif Path(model).is_dir():
         net = load_pretrained(model)
     else:
         raise ValueError(
-            f"model {model!r} cannot run next-token task {task.name!r}: use 'tiny' or a local causal-LM checkpoint "
-            "directory"
+            f"model {model!r} cannot run next-token task {task.name!r}: use 'tiny', '{MOE_MODEL}' or a local "
+            "causal-LM checkpoint directory"
         )
     vocab = (
         net.get_output_embeddings().weight.shape[0]

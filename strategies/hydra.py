@@ -21,7 +21,7 @@ from hydrafl import protocol
 from hydrafl.strategies.budgets import BudgetConfig
 from hydrafl.strategies.diloco import OuterConfig
 from hydrafl.strategies.outer import OuterOptimizer
-from hydrafl.strategies.planner import SitePlanner
+from hydrafl.strategies.planner import EXPERT_SELECTIONS, SitePlanner
 from hydrafl.strategies.registry import register
 from hydrafl.strategies.subnet_strategy import SubnetStrategy
 from hydrafl.subnet.spec import SubnetSpec
@@ -41,6 +41,8 @@ class Hydra(SubnetStrategy):
         freeze_heads: bool = True,
         outer: OuterOptimizer | None = None,
         planner: SitePlanner | None = None,
+        expert_select: str = "coactivation",
+        untiered_experts: float = 1.0,
         **kwargs: Any,
     ) -> None:
         """`outer` None: no outer optimizer, the plain masked mean (`--outer none`, an outer lr 1 step)."""
@@ -54,8 +56,19 @@ class Hydra(SubnetStrategy):
             **kwargs,
         )
         self.bypass, self.freeze_heads = bypass, freeze_heads
+        self.expert_select, self.untiered_experts = expert_select, untiered_experts
 
     def assign(self, node: int, server_round: int, index: int) -> SubnetSpec:
+        if self.planner.has_experts(
+            node
+        ):  # a mixture of experts: the site's experts, in every layer
+            return self.planner.expert_spec(
+                node,
+                selection=self.expert_select,
+                untiered=self.untiered_experts,
+                server_round=server_round,
+                freeze_heads=self.freeze_heads,
+            )
         return self.planner.hydra_spec(node, bypass=self.bypass, freeze_heads=self.freeze_heads)
 
 
@@ -85,6 +98,12 @@ class HydraConfig(BudgetConfig, OuterConfig):
     """Sites recompute layer/head scores every this many rounds; 0 scores once, before round 1."""
     outer: str = "none"
     """Outer optimizer over the masked mean delta: none (lr 1) or nesterov (`outer_lr`, `outer_momentum`)."""
+    expert_select: str = "coactivation"
+    """Mixture-of-experts models: a site trains, in every layer, the experts its tokens route to together
+    (coactivation: groups of co-activated experts, by routed share), the most-routed ones (routed), or
+    random ones (random, redrawn each round); as many as its tier affords."""
+    hydra_experts: float = 1.0
+    """Fraction of the experts per layer an untiered site trains (mixture-of-experts models)."""
 
     def __post_init__(self) -> None:
         BudgetConfig.__post_init__(self)
@@ -103,6 +122,15 @@ class HydraConfig(BudgetConfig, OuterConfig):
         )
         check(self.hydra_lora in HYDRA_LORA, "hydra-lora", self.hydra_lora, ", ".join(HYDRA_LORA))
         check(self.outer in OUTER_OPTIMIZERS, "outer", self.outer, ", ".join(OUTER_OPTIMIZERS))
+        check(
+            self.expert_select in EXPERT_SELECTIONS,
+            "expert-select",
+            self.expert_select,
+            ", ".join(EXPERT_SELECTIONS),
+        )
+        check(
+            0 < self.hydra_experts <= 1, "hydra-experts", self.hydra_experts, "a fraction in (0, 1]"
+        )
         self.refuse_ignored(
             ("outer_lr", "outer_momentum", "outer_nesterov"),
             used=self.outer == "nesterov",
@@ -126,5 +154,7 @@ class HydraConfig(BudgetConfig, OuterConfig):
             freeze_heads=self.hydra_head_mode == "freeze",
             robust=self.rule(),
             outer=outer if self.outer == "nesterov" else None,
+            expert_select=self.expert_select,
+            untiered_experts=self.hydra_experts,
             **common,
         )

@@ -12,8 +12,9 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import random
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
@@ -23,8 +24,10 @@ from hydrafl.subnet.planning import (
     COST_FIELDS,
     LayerCost,
     build_spec,
+    coactivation_groups,
     combine_layer_scores,
     plan_budget,
+    select_experts,
 )
 from hydrafl.subnet.slices import layout_slices
 from hydrafl.subnet.spec import SubnetSpec
@@ -37,6 +40,13 @@ TIER_BUDGETS: Mapping[str, tuple[float, float]] = {
     "large": (1.0, 1.0),
 }
 """Per tier: the fraction of the layers, and of the heads (KV groups) in each of them, a site trains."""
+
+EXPERT_BUDGETS: Mapping[str, float] = {"small": 0.25, "medium": 0.5, "large": 1.0}
+"""Per tier: the fraction of a mixture-of-experts model's experts, in every layer, a site trains."""
+
+EXPERT_SELECTIONS = ("coactivation", "routed", "random")
+"""How a site's experts are chosen: groups of experts its tokens route to together, by routed share
+(`subnet.planning.coactivation_groups`); the most-routed experts one by one; uniformly at random, per round."""
 
 Layout = Mapping[str, tuple[int, int, int]]
 """Per federated tensor: (layer or -1, head axis or -1, indices one head group owns along it);
@@ -61,6 +71,10 @@ class SiteScores:
     """The site's measured step cost (`subnet.measure.measure_layer_cost`), when it reported one."""
     memory_bytes: float = 0.0
     """Training memory the site declares; 0 = no limit."""
+    experts: list[list[float]] = field(default_factory=list)
+    """Mixture-of-experts models: per layer, per expert, the share of the site's tokens routed to it."""
+    coactivation: list[list[list[float]]] = field(default_factory=list)
+    """Per layer, the share of tokens routed to both experts i and j (symmetric; diagonal = `experts`)."""
 
 
 def read_scores(
@@ -96,7 +110,10 @@ def read_scores(
                 for f in COST_FIELDS
             }
         )
+    experts, coactivation = _expert_scores(metrics, num_layers)
     scores = SiteScores(
+        experts=experts,
+        coactivation=coactivation,
         layers=[float(metrics[f"{protocol.LAYER_PREFIX}{layer}"]) for layer in range(num_layers)],
         heads=heads,
         weight=float(metrics[weighted_by_key]),
@@ -105,6 +122,29 @@ def read_scores(
         memory_bytes=float(metrics.get(protocol.MEMORY_BYTES, 0.0)),
     )
     return scores, layout
+
+
+def _expert_scores(
+    metrics: Mapping[str, Any], num_layers: int
+) -> tuple[list[list[float]], list[list[list[float]]]]:
+    """Routed shares and co-activation of a scoring reply (empty for a model without experts)."""
+    num_experts = sum(k.startswith(f"{protocol.EXPERT_PREFIX}0-") for k in metrics)
+    if not num_experts:
+        return [], []
+    routed = [
+        [float(metrics[f"{protocol.EXPERT_PREFIX}{layer}-{e}"]) for e in range(num_experts)]
+        for layer in range(num_layers)
+    ]
+    co = [[[0.0] * num_experts for _ in range(num_experts)] for _ in range(num_layers)]
+    for layer in range(num_layers):
+        for i in range(num_experts):
+            co[layer][i][i] = routed[layer][i]
+            for j in range(i + 1, num_experts):
+                value = float(metrics.get(f"{protocol.COACTIVATION_PREFIX}{layer}-{i}-{j}", 0.0))
+                co[layer][i][j] = co[layer][j][i] = value
+    if not all(math.isfinite(v) and v >= 0 for row in routed for v in row):
+        raise ValueError("its expert scores are not finite non-negative numbers")
+    return routed, co
 
 
 class SitePlanner:
@@ -218,6 +258,43 @@ class SitePlanner:
             scores.heads,
             num_heads,
             bypass=bypass,
+            freeze_heads=freeze_heads,
+        )
+
+    def has_experts(self, node: int) -> bool:
+        """Whether the node scored experts (the model is a mixture of experts)."""
+        return bool(self.site_scores[node].experts)
+
+    def expert_spec(
+        self,
+        node: int,
+        *,
+        selection: str,
+        untiered: float,
+        server_round: int,
+        freeze_heads: bool = True,
+    ) -> SubnetSpec:
+        """Every layer and head and, in each layer, the experts its tier affords (`EXPERT_BUDGETS`, else
+        `untiered`), chosen by `selection` (`EXPERT_SELECTIONS`) from the node's own routing. Groups are as
+        large as the router's top-k (the routed shares of a layer sum to it); "random" draws anew each round.
+        KeyError: the node missed the planning round."""
+        scores = self.site_scores[node]
+        fraction = EXPERT_BUDGETS[scores.tier] if scores.tier in EXPERT_BUDGETS else untiered
+        num_experts = len(scores.experts[0])
+        k = max(1, math.ceil(fraction * num_experts - 1e-9))
+        draw = random.Random(node * 1_000_003 + server_round)
+        experts = []
+        for routed, co in zip(scores.experts, scores.coactivation, strict=True):
+            if selection == "random":
+                experts.append(tuple(draw.sample(range(num_experts), k)))
+            elif selection == "routed":
+                experts.append(select_experts(routed, k))
+            else:
+                groups = coactivation_groups(co, max(1, round(sum(routed))))
+                experts.append(select_experts(routed, k, groups))
+        return SubnetSpec(
+            layers=tuple(range(len(self.ranking))),
+            experts=tuple(experts),
             freeze_heads=freeze_heads,
         )
 

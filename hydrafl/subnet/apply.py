@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from hydrafl.subnet.architecture import Architecture, find_architecture, has_module, head_axis_of
-from hydrafl.subnet.families import FFN_PATTERNS
-from hydrafl.subnet.slices import Slice
+from hydrafl.subnet.families import FFN_PATTERNS, is_expert_tensor
+from hydrafl.subnet.slices import Slice, expert_slice
 from hydrafl.subnet.spec import SpecError, SubnetSpec
 from hydrafl.subnet.width import WidthAxis, ffn_width_axis, width_slices, width_window
 
@@ -56,6 +56,19 @@ def _freeze_dropped_heads(
         if sl.dim is not None:  # a tensor some dropped head owns part of
             hook = _GradientMask(sl.mask(params[name].shape))
             handle._hooks.append(params[name].register_hook(hook))
+
+
+def _freeze_other_experts(
+    model: nn.Module, spec: SubnetSpec, arch: Architecture, handle: SubnetHandle
+) -> None:
+    """Gradient hooks zero the rows of the experts (and router rows) a selected layer does not train."""
+    for name, p in model.named_parameters():
+        layer = arch.layer_of(name)
+        if layer in spec.layers and is_federated(p) and is_expert_tensor(name):
+            kept = expert_slice(spec, layer)
+            if kept.dim is not None:
+                hook = _GradientMask(kept.mask(p.shape))
+                handle._hooks.append(p.register_hook(hook))
 
 
 def _identity_layer(*args: Any, **kwargs: Any) -> Any:
@@ -108,6 +121,9 @@ def apply_spec(
       q/k/v and LoRA A columns of o get exactly zero gradient. (An optimizer with weight decay still moves
       those coordinates; `extract` never sends them.) With `spec.freeze_heads` they stay in the forward pass
       and a gradient hook on each of those tensors zeroes the same coordinates instead.
+    - Experts of a mixture-of-experts layer outside `spec.experts`: they stay in the forward pass (the router
+      sends every token where the global model does), and a gradient hook on the experts' stacked weights
+      and the router weight zeroes their rows, so exactly those coordinates get zero gradient.
     - `spec.train_outside=False` freezes the trainable tensors outside the layers as well.
     - A width spec (`spec.is_width`): in selected layers, forward hooks zero the dropped dims of every head at
       the q and k outputs and at the o input, and the dropped FFN hidden units at the FFN output projection's
@@ -144,6 +160,8 @@ def apply_spec(
             )
         if spec.freeze_heads and spec.heads is not None:
             _freeze_dropped_heads(model, spec, arch, handle)
+        if spec.experts is not None:
+            _freeze_other_experts(model, spec, arch, handle)
         if spec.is_width:
             _add_width_hooks(model, spec, arch, handle)
     except BaseException:
@@ -225,8 +243,9 @@ def trainable_slices(
     that is the LoRA factors plus any saved head, never the frozen base weights. Per selected layer:
     rows of q/k/v weight, bias, LoRA B (and DoRA magnitude) for the kept heads (k/v: the kept KV heads),
     columns of o weight and o LoRA A for the kept query heads, everything else of the layer whole (q/k/v LoRA A,
-    o bias, o LoRA B, FFN, norms). Unselected layers contribute nothing; tensors outside the layers are whole
-    when `spec.train_outside`."""
+    o bias, o LoRA B, FFN, norms), except the rows of the trained experts of the expert tensors (router
+    weight, stacked expert weights; `expert_slice`). Unselected layers contribute nothing; tensors outside the
+    layers are whole when `spec.train_outside`."""
     arch = arch or find_architecture(model)
     spec.check(arch)
     if spec.is_width:
@@ -241,6 +260,9 @@ def trainable_slices(
                 slices[name] = Slice(None)
             continue
         if layer not in spec.layers:
+            continue
+        if is_expert_tensor(name):
+            slices[name] = expert_slice(spec, layer)
             continue
         kept = spec.heads_for(layer)
         if axis is None or kept is None:

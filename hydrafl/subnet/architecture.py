@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from hydrafl.subnet.families import PATTERNS, FamilyPattern, projection_axis
+from hydrafl.subnet.families import EXPERT_ROUTER, PATTERNS, FamilyPattern, projection_axis
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,8 @@ class Architecture:
     num_kv_heads: int
     head_dim: int
     hidden_size: int
+    num_experts: int = 0
+    """Experts per layer of a mixture-of-experts model (`families.EXPERT_ROUTER`); 0 without experts."""
 
     @property
     def num_layers(self) -> int:
@@ -160,7 +162,23 @@ def find_architecture(model: nn.Module) -> Architecture:
     heads, kv_heads, head_dim, hidden = shapes.pop()
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
-    return Architecture(pattern.family, list_name, tuple(layers), heads, kv_heads, head_dim, hidden)
+    experts = {
+        int(layer.get_parameter(f"{EXPERT_ROUTER}.weight").shape[0])
+        for layer in layer_list
+        if has_module(layer, EXPERT_ROUTER)
+    }
+    if len(experts) > 1 or (experts and not all(has_module(c, EXPERT_ROUTER) for c in layer_list)):
+        raise ValueError(f"layers differ in their number of experts: {sorted(experts)}")
+    return Architecture(
+        pattern.family,
+        list_name,
+        tuple(layers),
+        heads,
+        kv_heads,
+        head_dim,
+        hidden,
+        num_experts=experts.pop() if experts else 0,
+    )
 
 
 def head_axis_of(arch: Architecture, name: str) -> tuple[int | None, str | None, int | None]:

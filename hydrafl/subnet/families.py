@@ -61,6 +61,24 @@ FFN_PATTERNS: Mapping[str, tuple[tuple[str, ...], str]] = {
 """Per family, FFN module paths relative to a layer: the projections into the hidden units, the one out of them."""
 
 
+EXPERT_ROUTER = "mlp.gate"
+"""Module path, relative to a layer, of a mixture-of-experts router (Mixtral family, transformers 5.x): its
+forward returns (router logits, top-k weights, top-k expert indices [tokens, k])."""
+EXPERT_TENSORS: tuple[str, ...] = (
+    "mlp.gate.weight",
+    "mlp.experts.gate_up_proj",
+    "mlp.experts.down_proj",
+)
+"""Parameter paths, relative to a layer, indexed by expert along axis 0: the router's rows ([experts, hidden])
+and the experts' stacked weights ([experts, ...])."""
+
+
+def is_expert_tensor(name: str) -> bool:
+    """Whether the parameter `name` is indexed by expert along axis 0 (`EXPERT_TENSORS`). By name alone, so
+    the coordinator slices experts out of named arrays without any model code."""
+    return any(name.endswith("." + path) for path in EXPERT_TENSORS)
+
+
 # Part of a projection a parameter belongs to, from its name suffix after the projection's module name.
 #   weight / bias / base_layer.weight / base_layer.bias -> "base";  lora_A.<adapter>.weight -> "A";
 #   lora_B.<adapter>.weight -> "B";  lora_magnitude_vector.<adapter>.weight (DoRA) -> "magnitude"; else None.
@@ -89,4 +107,12 @@ def projection_axis(role: str, suffix: str) -> int | None:
     return 1 if part == "A" else None
 
 
-__all__ = ["FFN_PATTERNS", "PATTERNS", "FamilyPattern", "projection_axis"]
+__all__ = [
+    "EXPERT_ROUTER",
+    "EXPERT_TENSORS",
+    "FFN_PATTERNS",
+    "PATTERNS",
+    "FamilyPattern",
+    "is_expert_tensor",
+    "projection_axis",
+]

@@ -73,6 +73,50 @@ def build_spec(
     return SubnetSpec(layers=layers, heads=heads, **kwargs)
 
 
+def coactivation_groups(
+    coactivation: Sequence[Sequence[float]], size: int
+) -> list[tuple[int, ...]]:
+    """Experts that fire together, grouped: start from one group per expert and merge, again and again, the two
+    groups with the highest average co-activation between their members (sum of C[i][j] over i in A, j in B,
+    over |A| |B|) whose union has at most `size` experts; stop when no pair with co-activation > 0 is left.
+    Ties go to the pair that comes first (groups ordered by their lowest expert). Sorted by lowest expert."""
+    if size < 1:
+        raise ValueError(f"group size must be >= 1, got {size}")
+    groups: list[tuple[int, ...]] = [(e,) for e in range(len(coactivation))]
+    while True:
+        best, best_link = None, 0.0
+        for a in range(len(groups)):
+            for b in range(a + 1, len(groups)):
+                if len(groups[a]) + len(groups[b]) > size:
+                    continue
+                link = sum(coactivation[i][j] for i in groups[a] for j in groups[b])
+                link /= len(groups[a]) * len(groups[b])
+                if link > best_link:
+                    best, best_link = (a, b), link
+        if best is None:
+            return groups
+        a, b = best
+        merged = tuple(sorted(groups[a] + groups[b]))
+        groups = sorted([g for i, g in enumerate(groups) if i not in best] + [merged])
+
+
+def select_experts(
+    routed: Sequence[float], k: int, groups: Sequence[Sequence[int]] | None = None
+) -> tuple[int, ...]:
+    """The `k` experts a site trains: whole groups (`coactivation_groups`) in order of their total routed
+    share, the last one cut to its most-routed members; without groups the k most-routed experts. Ties go to
+    the lower index. Ascending."""
+    if not 1 <= k <= len(routed):
+        raise ValueError(f"k must be in 1..{len(routed)}, got {k}")
+    groups = groups if groups is not None else [(e,) for e in range(len(routed))]
+    order = sorted(groups, key=lambda g: (-sum(routed[e] for e in g), min(g)))
+    chosen: list[int] = []
+    for group in order:
+        members = sorted(group, key=lambda e: (-routed[e], e))
+        chosen += members[: k - len(chosen)]
+    return tuple(sorted(chosen))
+
+
 @dataclass(frozen=True, kw_only=True)
 class LayerCost:
     """Cost of one local step, measured on the reference device (speed 1.0).
@@ -164,8 +208,10 @@ __all__ = [
     "Budget",
     "LayerCost",
     "build_spec",
+    "coactivation_groups",
     "combine_layer_scores",
     "global_layer_scores",
     "plan_budget",
+    "select_experts",
     "select_heads",
 ]

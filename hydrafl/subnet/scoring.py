@@ -16,6 +16,7 @@ from torch import nn
 from hydrafl.losses import LossFn, classification_loss
 from hydrafl.subnet.apply import is_federated
 from hydrafl.subnet.architecture import find_architecture
+from hydrafl.subnet.families import EXPERT_ROUTER
 
 
 def _samples(
@@ -252,4 +253,72 @@ def head_importance(
     return (acc / total).tolist()
 
 
-__all__ = ["eager_attention", "head_importance", "layer_importance"]
+def expert_routing(
+    model: nn.Module,
+    batches: Iterable[tuple[Any, torch.Tensor]],
+    *,
+    ignore_index: int = -100,
+    max_samples: int | None = None,
+) -> tuple[list[list[float]], list[list[list[float]]]]:
+    """Per layer of a mixture-of-experts model, from its routers' top-k choices on the site's tokens:
+    routed[l][e], the share of tokens sent to expert e, and coactivation[l][i][j], the share sent to both i
+    and j (its diagonal is `routed`). Tokens whose target is `ignore_index` (padding) are not counted; a
+    target of another shape than the tokens (a class label) counts every position."""
+    arch = find_architecture(model)
+    if not arch.num_experts:
+        raise ValueError(f"{type(model).__name__} has no experts to score")
+    chosen: dict[int, torch.Tensor] = {}
+
+    def capture(index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            chosen[index] = output[2].detach()  # [tokens, k] expert indices
+
+        return hook
+
+    routers = [model.get_submodule(f"{ref.name}.{EXPERT_ROUTER}") for ref in arch.layers]
+    hooks = [r.register_forward_hook(capture(i)) for i, r in enumerate(routers)]
+    co = torch.zeros(arch.num_layers, arch.num_experts, arch.num_experts, dtype=torch.float64)
+    tokens = 0
+    try:
+        with _scoring_mode(model, []), torch.no_grad():
+            for x, y in _samples(batches, max_samples):
+                chosen.clear()
+                model(x)
+                valid = (y != ignore_index).reshape(-1) if y.shape == x.shape else None
+                for layer, index in chosen.items():
+                    hot = torch.zeros(index.shape[0], arch.num_experts, dtype=torch.float64)
+                    hot.scatter_(1, index.long(), 1.0)  # [tokens, experts]
+                    hot = hot if valid is None else hot[valid]
+                    co[layer] += hot.T @ hot
+                tokens += int(valid.sum()) if valid is not None else x.numel()
+    finally:
+        for h in hooks:
+            h.remove()
+    if tokens == 0:
+        raise ValueError("no tokens to score on")
+    co /= tokens
+    return [row.diagonal().tolist() for row in co], co.tolist()
+
+
+def router_magnitude(model: nn.Module) -> list[list[float]]:
+    """Per layer, per expert: the squared norm of its router row, the private run's expert score (a function
+    of the global model alone, as `weight_magnitude`)."""
+    arch = find_architecture(model)
+    return [
+        model.get_submodule(f"{ref.name}.{EXPERT_ROUTER}")
+        .weight.detach()
+        .double()
+        .pow(2)
+        .sum(1)
+        .tolist()
+        for ref in arch.layers
+    ]
+
+
+__all__ = [
+    "eager_attention",
+    "expert_routing",
+    "head_importance",
+    "layer_importance",
+    "router_magnitude",
+]

@@ -14,6 +14,7 @@ from functools import cached_property
 
 import torch
 
+from hydrafl.subnet.families import is_expert_tensor
 from hydrafl.subnet.spec import SubnetSpec
 
 Layout = Mapping[str, tuple[int, int, int]]
@@ -81,6 +82,12 @@ class Slice:
         return torch.zeros(tuple(shape), dtype=torch.bool).index_fill_(self.dim, self._index, True)
 
 
+def expert_slice(spec: SubnetSpec, layer: int) -> Slice:
+    """The rows of an expert tensor (`families.EXPERT_TENSORS`, expert on axis 0) a selected layer trains."""
+    kept = spec.experts_for(layer)
+    return Slice(None) if kept is None else Slice(0, kept)
+
+
 def layout_slices(layout: Layout, spec: SubnetSpec) -> dict[str, Slice]:
     """`subnet.apply.trainable_slices` of `spec`, from the layout a site reported instead of a live model."""
     slices = {}
@@ -88,6 +95,8 @@ def layout_slices(layout: Layout, spec: SubnetSpec) -> dict[str, Slice]:
         if layer < 0:
             if spec.train_outside:
                 slices[name] = Slice(None)
+        elif layer in spec.layers and is_expert_tensor(name):
+            slices[name] = expert_slice(spec, layer)
         elif layer in spec.layers:
             kept = spec.heads_for(layer)
             whole = axis < 0 or kept is None
@@ -106,10 +115,13 @@ def read_slices(
     (`trained`, from `trainable_slices` or the coordinator's layout), and every other federated tensor whole
     (`layers`: per name its layer, -1 outside the layers) except those of the layers `spec.bypass` skips.
     Dropped heads and widths are outside it: `apply_spec` zeroes their outputs before anything uses them
-    (unless `spec.freeze_heads` keeps them running: then every read tensor is whole).
+    (unless `spec.freeze_heads` keeps them running: then every read tensor is whole). Experts a site does not
+    train still run, so expert tensors are read whole.
     The coordinator and the site both compute it, so it depends on nothing but these arguments."""
     return {
-        name: Slice(None) if spec.freeze_heads else trained.get(name, Slice(None))
+        name: Slice(None)
+        if spec.freeze_heads or is_expert_tensor(name)
+        else trained.get(name, Slice(None))
         for name, layer in layers.items()
         if name in trained or not (spec.bypass and layer >= 0 and layer not in spec.layers)
     }
@@ -157,6 +169,7 @@ __all__ = [
     "Layout",
     "Slice",
     "coordinate_masks",
+    "expert_slice",
     "extract",
     "layout_slices",
     "merge",

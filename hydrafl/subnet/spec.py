@@ -33,6 +33,30 @@ def _int_tuple(values: Iterable[Any], what: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _per_layer(
+    selection: Iterable[Iterable[Any]] | None, layers: tuple[int, ...], unit: str
+) -> tuple[tuple[int, ...], ...] | None:
+    """A per-layer selection (heads or experts) checked against `layers` and sorted with them."""
+    if selection is None:
+        return None
+    rows = tuple(selection)
+    if len(rows) != len(layers):
+        raise SpecError(
+            f"{unit}s must give one tuple per selected layer: {len(layers)} layers, {len(rows)} {unit} tuples"
+        )
+    rows = tuple(
+        _int_tuple(row, f"{unit} indices of layer {layer}")
+        for layer, row in zip(layers, rows, strict=True)
+    )
+    for layer, row in zip(layers, rows, strict=True):
+        if not row:
+            raise SpecError(
+                f"empty selection: layer {layer} keeps no {unit}s (drop the layer instead)"
+            )
+    order = sorted(range(len(layers)), key=lambda i: layers[i])
+    return tuple(tuple(sorted(rows[i])) for i in order)
+
+
 @dataclass(frozen=True)
 class SubnetSpec:
     """The subnetwork one site trains.
@@ -55,6 +79,9 @@ class SubnetSpec:
     freeze_heads: dropped heads stay in the forward pass, frozen (their coordinates get zero gradient), instead
         of being masked out: the site trains the global model's own function, which matters for a pretrained
         model, and reads the dropped heads' coordinates too. Both cost the same compute.
+    experts: of a mixture-of-experts model, per selected layer (aligned with `layers`), the experts the site
+        trains, with the router rows that select them; the others stay in the forward pass, frozen, so the
+        router sends tokens where the global model does. None trains every expert. Stored sorted.
     train_outside: the trainable tensors outside the transformer layers (classifier / LoRA-saved head,
         embeddings when trainable) are trained too; False freezes them.
     """
@@ -68,29 +95,14 @@ class SubnetSpec:
     bypass: bool = False
     train_outside: bool = True
     freeze_heads: bool = False
+    experts: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         layers = _int_tuple(self.layers, "layer indices")
         if not layers:
             raise SpecError("empty selection: a SubnetSpec needs at least one layer")
-        heads = self.heads
-        if heads is not None:
-            heads = tuple(heads)
-            if len(heads) != len(layers):
-                raise SpecError(
-                    f"heads must give one tuple per selected layer: {len(layers)} layers, {len(heads)} head tuples"
-                )
-            heads = tuple(
-                _int_tuple(h, f"head indices of layer {layer}")
-                for layer, h in zip(layers, heads, strict=True)
-            )
-            for layer, h in zip(layers, heads, strict=True):
-                if not h:
-                    raise SpecError(
-                        f"empty selection: layer {layer} keeps no heads (drop the layer instead)"
-                    )
-            order = sorted(range(len(layers)), key=lambda i: layers[i])
-            heads = tuple(tuple(sorted(heads[i])) for i in order)
+        heads = _per_layer(self.heads, layers, "head")
+        experts = _per_layer(self.experts, layers, "expert")
         ratio = self.width_ratio
         if (
             isinstance(ratio, bool)
@@ -108,12 +120,14 @@ class SubnetSpec:
             for v in levels
         ):
             raise SpecError(f"width_levels must be numbers in (0, 1], got {list(levels)}")
-        if heads is not None and (float(ratio) < 1.0 or levels):
+        if (heads is not None or experts is not None) and (float(ratio) < 1.0 or levels):
             raise SpecError(
-                "a SubnetSpec selects heads or a width (width_ratio < 1 / width_levels), not both"
+                "a SubnetSpec selects heads or a width (width_ratio < 1 / width_levels), not both "
+                "(nor experts and a width)"
             )
         object.__setattr__(self, "layers", tuple(sorted(layers)))
         object.__setattr__(self, "heads", heads)
+        object.__setattr__(self, "experts", experts)
         object.__setattr__(self, "width_ratio", float(ratio))
         object.__setattr__(self, "width_levels", tuple(sorted({float(v) for v in levels})))
         object.__setattr__(self, "bypass", bool(self.bypass))
@@ -136,8 +150,21 @@ class SubnetSpec:
             raise KeyError(f"layer {layer} is not selected (selected: {list(self.layers)})")
         return None if self.heads is None else self.heads[self.layers.index(layer)]
 
+    def experts_for(self, layer: int) -> tuple[int, ...] | None:
+        """Trained experts of a selected layer; None means all. KeyError if the layer is not selected."""
+        if layer not in self.layers:
+            raise KeyError(f"layer {layer} is not selected (selected: {list(self.layers)})")
+        return None if self.experts is None else self.experts[self.layers.index(layer)]
+
     def check(self, arch: Architecture) -> None:
         """Raise SpecError if the spec does not fit the model."""
+        if self.experts is not None:
+            for layer, kept in zip(self.layers, self.experts, strict=True):
+                if max(kept) >= arch.num_experts:
+                    raise SpecError(
+                        f"expert {max(kept)} of layer {layer} out of range: the model has "
+                        f"{arch.num_experts} experts per layer"
+                    )
         for layer in self.layers:
             if layer >= arch.num_layers:
                 raise SpecError(
@@ -170,6 +197,9 @@ class SubnetSpec:
         if self.heads is not None:
             config[f"{prefix}head-counts"] = [len(h) for h in self.heads]
             config[f"{prefix}heads"] = [h for kept in self.heads for h in kept]
+        if self.experts is not None:
+            config[f"{prefix}expert-counts"] = [len(e) for e in self.experts]
+            config[f"{prefix}experts"] = [e for kept in self.experts for e in kept]
         if self.width_offset:
             config[f"{prefix}width-offset"] = self.width_offset
         if self.width_levels:
@@ -204,22 +234,25 @@ class SubnetSpec:
                 )
             return value
 
-        layers = get("layers", (list,))
-        heads = None
-        if not get("all-heads", (bool,)):
-            counts = get("head-counts", (list,))
-            flat = get("heads", (list,))
+        def split(unit: str, plural: str) -> tuple[tuple[int, ...], ...]:
+            """A ragged per-layer selection from its counts and its concatenation."""
+            counts = get(f"{unit}-counts", (list,))
+            flat = get(plural, (list,))
             if (
                 len(counts) != len(layers)
                 or sum(counts) != len(flat)
                 or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts)
             ):
                 raise SpecError(
-                    f"{prefix}head-counts {counts} does not split {prefix}heads (length {len(flat)}) "
-                    f"over {len(layers)} layers"
+                    f"{prefix}{unit}-counts {counts} does not split {prefix}{plural} (length "
+                    f"{len(flat)}) over {len(layers)} layers"
                 )
             starts = [sum(counts[:i]) for i in range(len(counts))]
-            heads = tuple(tuple(flat[s : s + c]) for s, c in zip(starts, counts, strict=True))
+            return tuple(tuple(flat[s : s + c]) for s, c in zip(starts, counts, strict=True))
+
+        layers = get("layers", (list,))
+        heads = None if get("all-heads", (bool,)) else split("head", "heads")
+        experts = split("expert", "experts") if prefix + "experts" in config else None
         return cls(
             layers=tuple(layers),
             heads=heads,
@@ -230,6 +263,7 @@ class SubnetSpec:
             bypass=get("bypass", (bool,)),
             train_outside=get("train-outside", (bool,)),
             freeze_heads=get("freeze-heads", (bool,), False),
+            experts=experts,
         )
 
 

@@ -69,6 +69,30 @@ def _finished_run(deployment, site_options: list[tuple[str, ...]] | None = None)
     return run
 
 
+def _tiered_run_matches_the_simulation(deployment, tmp_path, options: dict) -> list[dict]:
+    """RUN with `options` over the wire, each site declaring its tier (`hydrafl site --tier`), against the
+    simulation with the same tiers from the run: bytes per site in site order and the losses. Returns the
+    simulation's history."""
+    _set_run_config(deployment, options)
+    run = _finished_run(deployment, [("--tier", tier) for tier in ("small", "medium", "large")])
+    cfg = RunConfig.from_flower(
+        {
+            **RUN.to_flower(),
+            **options,
+            "site-tiers": "small,medium,large",
+            "run-dir": str(tmp_path / "sim"),
+        }
+    )
+    simulated = run_strategy(cfg, "inprocess")
+    for deployed, local in zip(run.history, simulated, strict=True):
+        for key in ("bytes_up_per_site", "bytes_down_per_site"):  # node ids differ: site order
+            assert [n for _, n in sorted(deployed[key].items())] == [
+                n for _, n in sorted(local[key].items())
+            ]
+        assert deployed["loss"] == pytest.approx(local["loss"], rel=1e-5)
+    return simulated
+
+
 def _history_numbers(history):
     return [(r["round"], r["loss"], r["accuracy"], r["sites_ok"], r["bytes_up"]) for r in history]
 
@@ -114,26 +138,7 @@ def test_hydra_nets_over_the_wire_match_the_simulation(deployment, tmp_path):
         "score-samples": 16,
         "outer-lr": 0.7,
     }  # the run's diloco outer-lr back at its default: hydra's default outer step ignores it
-    _set_run_config(deployment, hydra)
-    run = _finished_run(deployment, [("--tier", tier) for tier in ("small", "medium", "large")])
-    cfg = RunConfig.from_flower(
-        {
-            **RUN.to_flower(),
-            **hydra,
-            "site-tiers": "small,medium,large",
-            "run-dir": str(tmp_path / "sim"),
-        }
-    )
-    simulated = run_strategy(cfg, "inprocess")
-    for deployed, local in zip(run.history, simulated, strict=True):
-        for key in (
-            "bytes_up_per_site",
-            "bytes_down_per_site",
-        ):  # node ids differ: compare in site order
-            assert [n for _, n in sorted(deployed[key].items())] == [
-                n for _, n in sorted(local[key].items())
-            ]
-        assert deployed["loss"] == pytest.approx(local["loss"], rel=1e-5)
+    simulated = _tiered_run_matches_the_simulation(deployment, tmp_path, hydra)
     down = sorted(simulated[1]["bytes_down_per_site"].values())
     assert (
         down[0] < down[1] < down[2]
@@ -235,3 +240,20 @@ def test_a_site_killed_mid_round_is_left_out_at_the_deadline_and_rejoins(deploym
     assert 3 in [
         record["sites_ok"] for record in run.history[missed + 1 :]
     ]  # the restarted site is back
+
+
+@pytest.mark.slow
+def test_expert_selection_over_the_wire_matches_the_simulation(deployment, tmp_path):
+    """tiny-moe on the next-token task: three site processes of different tiers each upload only their experts'
+    rows; bytes per site and round and the losses are the simulation's."""
+    moe = {
+        "strategy": "hydra",
+        "task": "clinical-notes-lm",
+        "model": "tiny-moe",
+        "rounds": 2,
+        "score-samples": 16,
+        "outer-lr": 0.7,
+    }
+    simulated = _tiered_run_matches_the_simulation(deployment, tmp_path, moe)
+    up = sorted(simulated[1]["bytes_up_per_site"].values())
+    assert up[0] < up[1] < up[2]  # 2, 4 and 8 of the 8 experts per layer
