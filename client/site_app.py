@@ -448,9 +448,7 @@ def scores(message: Message, context: Context) -> Message:
             protocol.MEMORY_BYTES: memory_bytes,
         }
     )
-    if (
-        memory_bytes or cfg.round_timeout_s
-    ):  # the cost only sizes a Hydra-net against memory or a deadline
+    if memory_bytes or cfg.round_timeout_s:  # the cost sizes a Hydra-net to memory or a deadline
         x, y = batches[0]
         speed = site_speed(cfg, context)
         bypass = bool(request.get(protocol.SCORE_BYPASS, False))
