@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from hydrafl.catalog import IMAGE_MODELS, NEXT_TOKEN_TASKS, has_images, run_model
+from hydrafl.catalog import IMAGE_MODELS, MOE_MODEL, NEXT_TOKEN_TASKS, has_images, run_model
 from hydrafl.config_sections import (
     SECTIONS,
     CompressionConfig,
@@ -191,6 +191,19 @@ class RunConfig(
             self.model,
             f"--model vit with {wants}: it slices or adapts transformer layers, which the small CNN "
             "(the default for an image folder) has not",
+        )
+        defaults = type(self.options)()
+        experts = [
+            knob.replace("_", "-")
+            for knob in ("expert_select", "hydra_experts")
+            if getattr(self.options, knob, None) != getattr(defaults, knob, None)
+        ]
+        _check(
+            not experts or model not in ("tiny", "minilm", *IMAGE_MODELS),
+            "model",
+            self.model,
+            f"{MOE_MODEL} or a local mixture-of-experts checkpoint with {' and '.join(experts)}: "
+            f"model {model} has no experts to select",
         )
         _check(
             not self._knob_class.federates_lora or self.lora_rank > 0,

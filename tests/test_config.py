@@ -131,3 +131,13 @@ def test_the_small_cnn_refuses_what_slices_or_adapts_transformer_layers_before_a
     for values in ({"task": "tabular", "model": "vit"}, {"data": "notes.csv", "model": "cnn"}):
         with pytest.raises(ConfigError, match="vit and cnn need images"):
             RunConfig(**values)
+
+
+@pytest.mark.parametrize("knob", [{"expert_select": "routed"}, {"hydra_experts": 0.5}])
+def test_expert_selection_knobs_need_a_model_with_experts(knob):
+    with pytest.raises(ConfigError, match="tiny has no experts to select"):
+        RunConfig.build(strategy="hydra", task="clinical-notes-lm", model="tiny", **knob)
+    moe = RunConfig.build(strategy="hydra", task="clinical-notes-lm", model="tiny-moe", **knob)
+    assert moe.model == "tiny-moe"
+    # a local checkpoint lives on the sites' machines: the coordinator cannot tell, and lets it through
+    assert RunConfig.build(strategy="hydra", task="clinical-notes-lm", model="mixtral-ckpt", **knob)
