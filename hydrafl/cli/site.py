@@ -321,7 +321,7 @@ def _train_for_the_leader(rdzv: str, *, nnodes: int, nproc: int, max_restarts: i
         max_restarts=max_restarts,
     )
     try:
-        serve_training_host(rdzv, lambda run_id: run_round(run_id=run_id))
+        serve_training_host(rdzv, run_round)
     except KeyboardInterrupt:
         pass
 

@@ -198,7 +198,7 @@ def train_distributed(
 
 
 def run_round_on_this_host(
-    *, nnodes: int, nproc: int, run_id: str, endpoint: str, max_restarts: int
+    run_id: str, *, nnodes: int, nproc: int, endpoint: str, max_restarts: int
 ) -> None:
     """This host's `nproc` ranks of a round the site's leader announced as `run_id`; the job comes from the
     leader's ranks, and the result goes back through them."""
