@@ -18,10 +18,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import Array, ArrayRecord, Message
 from flwr.serverapp import Grid
 
 from hydrafl import protocol
+from hydrafl.server.aggregation.exchange import query
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def deduplicate_sites(
     """Run the exchange with every connected site; per node id, its records and how many it dropped."""
     nodes = sorted(grid.get_node_ids())
     asked = [
-        _query(node, protocol.QUERY_DEDUP_SIGNATURES, {protocol.DEDUP_NUM_PERM: num_perm})
+        query(node, protocol.QUERY_DEDUP_SIGNATURES, {protocol.DEDUP_NUM_PERM: num_perm})
         for node in nodes
     ]
     signatures: dict[int, np.ndarray] = {}
@@ -72,7 +73,7 @@ def deduplicate_sites(
     _check_keys(checks)
     drops = records_to_drop(signatures, threshold)
     told = [
-        _query(node, protocol.QUERY_DEDUP_DROP, {}, drops[node].astype(np.int64)) for node in nodes
+        query(node, protocol.QUERY_DEDUP_DROP, arrays=_drop_record(drops[node])) for node in nodes
     ]
     for reply in grid.send_and_receive(told):
         if reply.has_error():
@@ -90,13 +91,8 @@ def deduplicate_sites(
     return outcome
 
 
-def _query(
-    node: int, message_type: str, keys: Mapping[str, int], drop: np.ndarray | None = None
-) -> Message:
-    content = RecordDict({"config": ConfigRecord(dict(keys))})
-    if drop is not None:
-        content["arrays"] = ArrayRecord({protocol.DEDUP_DROP: Array(drop)})
-    return Message(content, dst_node_id=node, message_type=message_type)
+def _drop_record(rows: np.ndarray) -> ArrayRecord:
+    return ArrayRecord({protocol.DEDUP_DROP: Array(rows.astype(np.int64))})
 
 
 def _signatures_reply(reply: Message, node: int, num_perm: int) -> tuple[np.ndarray, str]:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
@@ -25,6 +25,7 @@ from hydrafl.rounds import RoundRecord
 from hydrafl.secagg import SecAggParams
 from hydrafl.server.aggregation.async_driver import AsyncDriver, VirtualClock, WallClock
 from hydrafl.server.aggregation.driver import DriverConfig, RoundDriver, RunResult
+from hydrafl.server.aggregation.exchange import query
 from hydrafl.server.aggregation.screening import Screening
 from hydrafl.server.aggregation.stability import OuterSetup, check_spectrum
 from hydrafl.server.dedup import SiteDedup, deduplicate_sites
@@ -133,26 +134,16 @@ def wait_for_sites(grid: Grid, required: int, timeout_s: float) -> list[int]:
     return nodes
 
 
-def _query(
-    node: int, message_type: str, arrays: ArrayRecord | None = None, **keys: bool
-) -> Message:
-    """A query carrying only its own keys: the run's settings reach each site once per run."""
-    content = RecordDict({"config": ConfigRecord(dict(keys))})
-    if arrays is not None:
-        content["arrays"] = arrays
-    return Message(content, dst_node_id=node, message_type=message_type)
-
-
 def request_initial_arrays(grid: Grid, cfg: RunConfig) -> ArrayRecord:
     """The initial model from the first site, in node-id order, that builds it. A site whose data does not fit
     the run (e.g. a wrong label column) declines and the next one is asked, so one misconfigured site cannot
     fail the run; it fails only when every site declined, with each one's reason."""
     declines = []
     for node in sorted(grid.get_node_ids()):
-        query = _query(
-            node, protocol.QUERY_INIT, **{protocol.LORA_BASES: cfg.options.lora_bases_travel}
+        asked = query(
+            node, protocol.QUERY_INIT, {protocol.LORA_BASES: cfg.options.lora_bases_travel}
         )
-        [reply] = grid.send_and_receive([query])
+        [reply] = grid.send_and_receive([asked])
         if not reply.has_error():
             return next(iter(reply.content.array_records.values()))
         log.warning("site %d declined to build the initial model: %s", node, reply.error.reason)
@@ -168,7 +159,7 @@ def run_stats(grid: Grid, cfg: RunConfig) -> CombinedStats:
     counted; the job fails only when no site reports."""
     nodes = sorted(grid.get_node_ids())
     replies = grid.send_and_receive(
-        [_query(node, protocol.QUERY_STATS) for node in nodes], timeout=cfg.round_deadline_s
+        [query(node, protocol.QUERY_STATS) for node in nodes], timeout=cfg.round_deadline_s
     )
     reports, declined = {}, {}
     for reply in replies:
@@ -196,7 +187,7 @@ def check_outer_stability(grid: Grid, cfg: RunConfig, arrays: ArrayRecord) -> No
     """Probe each site's curvature and warn before training when the outer optimizer is predicted unstable
     (exact mean-square criterion on the quadratic model; exact for SGD inner steps, indicative otherwise)."""
     messages = [
-        _query(node, protocol.QUERY_CURVATURE, arrays) for node in sorted(grid.get_node_ids())
+        query(node, protocol.QUERY_CURVATURE, arrays=arrays) for node in sorted(grid.get_node_ids())
     ]
     probes = [
         reply.content["metrics"]

@@ -7,14 +7,29 @@ and compressed downloads (`--compress-downloads`) learn which sites hold which m
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
-from flwr.app import Message
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from hydrafl.compression.downloads import DownloadCompression
 from hydrafl.rounds import RoundRecord
 from hydrafl.server.aggregation.traffic import count_down
+
+
+def query(
+    node: int,
+    message_type: str,
+    keys: Mapping[str, bool | int] | None = None,
+    *,
+    arrays: ArrayRecord | None = None,
+) -> Message:
+    """A query outside the rounds (initial model, statistics, curvature, deduplication) carrying only its own
+    keys: the run's settings reach each site once per run."""
+    content = RecordDict({"config": ConfigRecord(dict(keys or {}))})
+    if arrays is not None:
+        content["arrays"] = arrays
+    return Message(content, dst_node_id=node, message_type=message_type)
 
 
 class Exchange:
