@@ -207,20 +207,28 @@ def site_read_slices(cfg: RunConfig, spec: SubnetSpec) -> dict[str, Slice]:
     )
 
 
-def started_coordinator_run(
-    tmp_path: Path, *sites: str
-) -> tuple[Coordinator, CoordinatorGrid, list[tuple[Any, str]]]:
-    """A coordinator on a free loopback port (SQLite and blobs in `tmp_path`), `sites` enrolled as (site, token),
-    and a running run with its grid. The caller stops the coordinator."""
+def local_coordinator(tmp_path: Path, **settings: Any) -> Coordinator:
+    """A started coordinator on a free loopback port, its SQLite database, blobs and runs in `tmp_path`;
+    `settings` are further CoordinatorConfig fields. The caller stops it."""
     coordinator = Coordinator(
         CoordinatorConfig(
             listen="127.0.0.1:0",
             db_url=f"sqlite:///{tmp_path / 'c.db'}",
             blob_dir=tmp_path / "blobs",
             runs_dir=tmp_path / "runs",
+            **settings,
         )
     )
     coordinator.start()
+    return coordinator
+
+
+def started_coordinator_run(
+    tmp_path: Path, *sites: str
+) -> tuple[Coordinator, CoordinatorGrid, list[tuple[Any, str]]]:
+    """A coordinator on a free loopback port (SQLite and blobs in `tmp_path`), `sites` enrolled as (site, token),
+    and a running run with its grid. The caller stops the coordinator."""
+    coordinator = local_coordinator(tmp_path)
     store = coordinator.store
     enrolled = [store.add_site(name) for name in sites]
     run = store.create_run({"rounds": 1})

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers import local_coordinator
 
 from hydrafl.app_bundle import load_bundle
 from hydrafl.bounded import MAX_DETAIL_CHARS
@@ -17,8 +18,6 @@ from hydrafl.cli.admin_client import RemoteAdministration
 from hydrafl.proto import admin_pb2 as pb
 from hydrafl.proto.admin_pb2_grpc import AdminStub
 from hydrafl.server.administration import Administration
-from hydrafl.server.config import CoordinatorConfig
-from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.transport.limits import SiteLimits
 
 MEGABYTE = "x" * (1 << 20)
@@ -26,16 +25,7 @@ MEGABYTE = "x" * (1 << 20)
 
 @pytest.fixture
 def live(tmp_path):
-    coordinator = Coordinator(
-        CoordinatorConfig(
-            listen="127.0.0.1:0",
-            db_url=f"sqlite:///{tmp_path / 'c.db'}",
-            blob_dir=tmp_path / "blobs",
-            runs_dir=tmp_path / "runs",
-            limits=SiteLimits(max_auth_failures=3),
-        )
-    )
-    coordinator.start()
+    coordinator = local_coordinator(tmp_path, limits=SiteLimits(max_auth_failures=3))
     store = coordinator.store
     site_token = store.add_site("st-marys")[1]
     admin_token = store.add_admin("alice")
