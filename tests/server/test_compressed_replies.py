@@ -11,6 +11,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
+from helpers import local_coordinator
 
 from hydrafl.arrays import from_record
 from hydrafl.compression.downloads import DownloadCompression
@@ -20,8 +21,6 @@ from hydrafl.compression.receive import decode_reply
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
 from hydrafl.proto.envelope import EnvelopeError, split_message
-from hydrafl.server.config import CoordinatorConfig
-from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.transport.grid import CoordinatorGrid
 from hydrafl.server.transport.replies import allowed_reply_bytes, check_reply
 
@@ -139,15 +138,7 @@ def test_a_reply_off_the_scheme_is_refused_with_the_reason(case, reason):
 
 
 def test_a_compressed_reply_is_accepted_by_the_coordinator_and_decoded_for_the_strategy(tmp_path):
-    coordinator = Coordinator(
-        CoordinatorConfig(
-            listen="127.0.0.1:0",
-            db_url=f"sqlite:///{tmp_path / 'c.db'}",
-            blob_dir=tmp_path / "blobs",
-            runs_dir=tmp_path / "runs",
-        )
-    )
-    coordinator.start()
+    coordinator = local_coordinator(tmp_path)
     channel = grpc.insecure_channel(f"127.0.0.1:{coordinator.port}")
     try:
         site, token = coordinator.store.add_site("a")

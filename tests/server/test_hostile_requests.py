@@ -16,13 +16,12 @@ import pytest
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.common.serde import recorddict_to_proto
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import local_coordinator
 from sqlalchemy import delete, select
 
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
 from hydrafl.proto.envelope import CHUNK_BYTES, SENT, UPLOADED, split_message
-from hydrafl.server.config import CoordinatorConfig
-from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.tables import Reply
 from hydrafl.server.transport.grid import CoordinatorGrid
 from hydrafl.server.transport.limits import SiteLimits, UploadQuota
@@ -45,16 +44,7 @@ class Live:
     """A coordinator with sites a and b, one running run, and a train message to each."""
 
     def __init__(self, tmp_path, limits: SiteLimits) -> None:
-        self.coordinator = Coordinator(
-            CoordinatorConfig(
-                listen="127.0.0.1:0",
-                db_url=f"sqlite:///{tmp_path / 'c.db'}",
-                blob_dir=tmp_path / "blobs",
-                runs_dir=tmp_path / "runs",
-                limits=limits,
-            )
-        )
-        self.coordinator.start()
+        self.coordinator = local_coordinator(tmp_path, limits=limits)
         self.store = self.coordinator.store
         (site_a, self.token_a), (site_b, self.token_b) = (
             self.store.add_site("a"),

@@ -10,29 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, RecordDict
+from helpers import local_coordinator
 
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
-from hydrafl.server.config import CoordinatorConfig
-from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.transport.grid import CoordinatorGrid
 from hydrafl.server.transport.mailbox import Mailbox
 
 HOUR_S = 3600.0
-
-
-def _started(tmp_path) -> Coordinator:
-    """A real coordinator on a free loopback port, its store in `tmp_path` (the caller stops it)."""
-    coordinator = Coordinator(
-        CoordinatorConfig(
-            listen="127.0.0.1:0",
-            db_url=f"sqlite:///{tmp_path / 'c.db'}",
-            blob_dir=tmp_path / "blobs",
-            runs_dir=tmp_path / "runs",
-        )
-    )
-    coordinator.start()
-    return coordinator
 
 
 def test_a_waiter_wakes_on_its_own_mail_only_and_a_full_mailbox_answers_at_once():
@@ -68,7 +53,7 @@ def test_close_releases_waiters_for_mail_and_for_replies():
 
 
 def test_a_long_poll_over_grpc_is_answered_by_the_message_stored_for_its_site(tmp_path):
-    coordinator = _started(tmp_path)
+    coordinator = local_coordinator(tmp_path)
     try:
         site, token = coordinator.store.add_site("a")
         run = coordinator.store.create_run({"rounds": 1})
@@ -98,7 +83,7 @@ def test_a_long_poll_over_grpc_is_answered_by_the_message_stored_for_its_site(tm
 
 
 def test_stopping_the_coordinator_answers_a_waiting_long_poll(tmp_path):
-    coordinator = _started(tmp_path)
+    coordinator = local_coordinator(tmp_path)
     _, token = coordinator.store.add_site("a")
     with grpc.insecure_channel(f"127.0.0.1:{coordinator.port}") as channel:
         call = CoordinatorStub(channel).PullMessage.future(
@@ -116,7 +101,7 @@ def test_stopping_the_coordinator_answers_a_waiting_long_poll(tmp_path):
 def test_a_site_hears_only_of_its_own_runs_and_odd_waits_answer_at_once(tmp_path):
     """`last_run_id` and `wait_s` are the site's word: another run's status stays unsaid, and a negative or NaN
     wait is no long poll."""
-    coordinator = _started(tmp_path)
+    coordinator = local_coordinator(tmp_path)
     try:
         store = coordinator.store
         (site, token), (other, _) = store.add_site("a"), store.add_site("b")

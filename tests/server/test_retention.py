@@ -9,6 +9,7 @@ import grpc
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from helpers import local_coordinator
 from sqlalchemy import func, select
 from typer.testing import CliRunner
 
@@ -19,7 +20,6 @@ from hydrafl.proto.envelope import chunk_hashes, split_message
 from hydrafl.server.aggregation.checkpoint import CHECKPOINT_FILE, Checkpoint, save_checkpoint
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.config import CoordinatorConfig
-from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.retention import Retention, was_swept
 from hydrafl.server.store import Store
 from hydrafl.server.tables import AuditEvent, OutboundMessage, Reply
@@ -281,15 +281,7 @@ def test_keep_checkpoints_is_a_coordinator_key_of_at_least_one():
 
 def test_a_straggler_pushing_to_a_swept_round_is_told_late_not_refused(tmp_path):
     """FAILED_PRECONDITION makes a site drop the reply and go on; PERMISSION_DENIED would stop it."""
-    coordinator = Coordinator(
-        CoordinatorConfig(
-            listen="127.0.0.1:0",
-            db_url=f"sqlite:///{tmp_path / 'c.db'}",
-            blob_dir=tmp_path / "blobs",
-            runs_dir=tmp_path / "runs",
-        )
-    )
-    coordinator.start()
+    coordinator = local_coordinator(tmp_path)
     try:
         store = coordinator.store
         (site_a, token_a), (_, token_b) = store.add_site("a"), store.add_site("b")

@@ -8,6 +8,7 @@ import grpc
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from helpers import local_coordinator
 
 from hydrafl import protocol
 from hydrafl.proto import coordinator_pb2 as pb
@@ -15,8 +16,6 @@ from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
 from hydrafl.proto.envelope import split_message
 from hydrafl.secagg import wire
 from hydrafl.secagg.site import SEALED_BYTES, SignedKeys
-from hydrafl.server.config import CoordinatorConfig
-from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.transport.grid import CoordinatorGrid
 
 KEY = SignedKeys(bytes(32), bytes(32), bytes(32), bytes(32), bytes(64), bytes(64))
@@ -26,15 +25,7 @@ class Live:
     """A coordinator with sites a and b in one running run; `push` sends each a message of one kind."""
 
     def __init__(self, tmp_path) -> None:
-        self.coordinator = Coordinator(
-            CoordinatorConfig(
-                listen="127.0.0.1:0",
-                db_url=f"sqlite:///{tmp_path / 'c.db'}",
-                blob_dir=tmp_path / "blobs",
-                runs_dir=tmp_path / "runs",
-            )
-        )
-        self.coordinator.start()
+        self.coordinator = local_coordinator(tmp_path)
         store = self.coordinator.store
         (site_a, token_a), (site_b, token_b) = store.add_site("a"), store.add_site("b")
         self.nodes, self.tokens = (

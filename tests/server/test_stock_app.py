@@ -13,9 +13,8 @@ import pytest
 from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
+from helpers import local_coordinator
 
-from hydrafl.server.config import CoordinatorConfig
-from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.transport.grid import CoordinatorGrid
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -25,15 +24,7 @@ HYDRAFL_SCRIPT = str(Path(sys.executable).with_name("hydrafl"))
 
 @pytest.mark.slow
 def test_stock_flower_apps_behind_hydrafl_site(tmp_path):
-    coordinator = Coordinator(
-        CoordinatorConfig(
-            listen="127.0.0.1:0",
-            db_url=f"sqlite:///{tmp_path / 'c.db'}",
-            blob_dir=tmp_path / "blobs",
-            runs_dir=tmp_path / "runs",
-        )
-    )
-    coordinator.start()
+    coordinator = local_coordinator(tmp_path)
     tokens = [coordinator.store.add_site(name)[1] for name in ("a", "b")]
     run = coordinator.store.create_run({"strategy": "fedavg"})
     coordinator.store.set_run_status(run.id, "running")
@@ -121,15 +112,7 @@ def test_a_site_runs_an_app_from_its_working_directory_with_flowers_node_config(
     """`hydrafl site --app my_app:app --node-config "partition-id=1 scale=0.5"`, as `flower-supernode` takes
     them: the module is found in the working directory (no PYTHONPATH), every message's context carries the
     node config with Flower's types, and a site with its own app says nothing of a demo cohort."""
-    coordinator = Coordinator(
-        CoordinatorConfig(
-            listen="127.0.0.1:0",
-            db_url=f"sqlite:///{tmp_path / 'c.db'}",
-            blob_dir=tmp_path / "blobs",
-            runs_dir=tmp_path / "runs",
-        )
-    )
-    coordinator.start()
+    coordinator = local_coordinator(tmp_path)
     app_dir = tmp_path / "project"
     app_dir.mkdir()
     (app_dir / "my_node_app.py").write_text(NODE_CONFIG_APP)

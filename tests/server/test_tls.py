@@ -12,13 +12,13 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from helpers import local_coordinator
 
 from hydrafl.client.agent import SiteAgent
 from hydrafl.client.site_app import client_app
 from hydrafl.client.tls import SiteTls
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.coordinator_pb2_grpc import CoordinatorStub
-from hydrafl.server.config import CoordinatorConfig
 from hydrafl.server.coordinator import Coordinator
 from hydrafl.server.transport.tls import ServerTls
 
@@ -80,17 +80,7 @@ def pki(tmp_path):
 def _coordinator(tmp_path, pki, mutual: bool) -> Coordinator:
     cert, key = pki["server"]
     tls = ServerTls(cert=cert, key=key, client_ca=pki["ca"] if mutual else None)
-    coordinator = Coordinator(
-        CoordinatorConfig(
-            listen="127.0.0.1:0",
-            db_url=f"sqlite:///{tmp_path / 'c.db'}",
-            blob_dir=tmp_path / "blobs",
-            runs_dir=tmp_path / "runs",
-            tls=tls,
-        )
-    )
-    coordinator.start()
-    return coordinator
+    return local_coordinator(tmp_path, tls=tls)
 
 
 def _join(port: int, token: str, credentials) -> str:
