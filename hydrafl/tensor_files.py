@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array
+from flwr.app import Array, ArrayRecord
 from flwr.common.constant import SType
 
 SAFETENSORS_DTYPES = {
@@ -50,43 +50,30 @@ class TensorFileError(ValueError):
     """A file that is not a readable safetensors file, or a tensor that does not fit the file's layout."""
 
 
-class MappedArray(Array):
-    """A Flower Array whose values are a tensor in a file: `numpy()` reads them (a fresh array, which the caller
-    owns, as `Array.numpy()` gives), `view()` maps them read-only; nothing stays in memory between reads. Its
+class OnDiskArray(Array):
+    """A Flower Array whose values stay on disk until read: `numpy()` reads them (a fresh array, which the caller
+    owns, as `Array.numpy()` gives), `view()` gives them read-only; nothing stays in memory between reads. Its
     serialised `data` is made only if something asks for it (Flower's own encoders)."""
 
-    def __init__(self, path: str | Path, offset: int, dtype: str, shape: tuple[int, ...]) -> None:
+    checked_finite: bool = False
+    """Every value was checked finite when it was stored (the coordinator's edge checks uploads)."""
+
+    def __init__(self, dtype: str, shape: tuple[int, ...]) -> None:
         # not Array.__init__: it wants the values in memory, which is what this class exists to avoid
-        self.__dict__.update(
-            dtype=dtype, shape=tuple(shape), stype=SType.NUMPY, path=str(path), offset=offset
-        )
-
-    @property
-    def path(self) -> str:
-        return self.__dict__["path"]
-
-    @property
-    def offset(self) -> int:
-        return self.__dict__["offset"]
+        self.__dict__.update(dtype=dtype, shape=tuple(shape), stype=SType.NUMPY)
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
     def numpy(self) -> np.ndarray:
-        count = math.prod(self.shape)
-        values = np.fromfile(self.path, dtype=self.dtype, count=count, offset=self.offset)
-        if values.size != count:
-            raise TensorFileError(f"{self.path} ends inside a tensor (truncated?)")
-        return values.reshape(self.shape)
+        raise NotImplementedError
 
     def view(self) -> np.ndarray:
-        """The values mapped read-only: their pages leave the process with the last reference to the view."""
-        if not self.nbytes:  # mmap cannot map nothing
-            empty = np.empty(self.shape, self.dtype)
-            empty.flags.writeable = False
-            return empty
-        return np.memmap(self.path, self.dtype, "r", offset=self.offset, shape=self.shape)
+        """The values, read-only, without a copy where the storage allows one."""
+        values = self.numpy()
+        values.flags.writeable = False
+        return values
 
     @property
     def data(self) -> bytes:  # type: ignore[override]
@@ -106,6 +93,43 @@ class MappedArray(Array):
         }
         np.lib.format.write_array_header_1_0(header, described)
         return header.getvalue()
+
+
+class MappedArray(OnDiskArray):
+    """A tensor in a file at `offset` (a safetensors file's, here): `view()` maps it read-only, and its pages leave
+    the process with the last reference to the view."""
+
+    def __init__(self, path: str | Path, offset: int, dtype: str, shape: tuple[int, ...]) -> None:
+        super().__init__(dtype, shape)
+        self.__dict__.update(path=str(path), offset=offset)
+
+    @property
+    def path(self) -> str:
+        return self.__dict__["path"]
+
+    @property
+    def offset(self) -> int:
+        return self.__dict__["offset"]
+
+    def numpy(self) -> np.ndarray:
+        count = math.prod(self.shape)
+        values = np.fromfile(self.path, dtype=self.dtype, count=count, offset=self.offset)
+        if values.size != count:
+            raise TensorFileError(f"{self.path} ends inside a tensor (truncated?)")
+        return values.reshape(self.shape)
+
+    def view(self) -> np.ndarray:
+        if not self.nbytes:  # mmap cannot map nothing
+            return super().view()
+        return np.memmap(self.path, self.dtype, "r", offset=self.offset, shape=self.shape)
+
+
+def as_record(arrays: Mapping[str, Array]) -> ArrayRecord:
+    """An ArrayRecord holding these very Arrays (`ArrayRecord(dict)` would copy each into a plain Array)."""
+    record = ArrayRecord()
+    for name, array in arrays.items():
+        record[name] = array
+    return record
 
 
 def layout_of(tensors: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -163,7 +187,7 @@ class TensorFileWriter:
                 f"tensor {name!r} is {array.dtype}{tuple(array.shape)}, the layout says {dtype}{tuple(shape)}"
             )
         start, nbytes = self._places[name]
-        raw = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
         offset = self._data_start + start
         while raw:
             done = os.pwrite(self._descriptor, raw, offset)
@@ -250,7 +274,7 @@ def metadata_of(path: str | Path) -> dict[str, str]:
 
 
 def _numpy(values: np.ndarray | torch.Tensor | Array) -> np.ndarray:
-    if isinstance(values, MappedArray):
+    if isinstance(values, OnDiskArray):
         return values.view()
     if isinstance(values, Array):
         return values.numpy()

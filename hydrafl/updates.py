@@ -14,6 +14,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 
 from hydrafl.arrays import array_view
 from hydrafl.bounded import bounded, quoted
+from hydrafl.tensor_files import OnDiskArray
 
 MAX_WEIGHT = 1e15
 """A reply's example count above this is not a count (and sums of such weights overflow)."""
@@ -91,20 +92,24 @@ def _check_delta(
             raise InvalidUpdate(
                 f"array {quoted(name)} is outside the subnetwork the site was assigned"
             )
-        try:  # a view, not a copy: the values' own shape (an Array's declared shape is not its bytes')
-            values = array_view(array)
-        except (ValueError, TypeError, EOFError) as error:
-            raise InvalidUpdate(f"array {quoted(name)} is not a NumPy array: {error}") from None
-        if (
-            tuple(values.shape) != tuple(shape)
-            or tuple(array.shape) != tuple(shape)
-            or values.dtype != expected.dtype
-        ):
+        if isinstance(
+            array, OnDiskArray
+        ):  # its layout is what its storage holds, read only if unchecked
+            found, dtype = tuple(array.shape), np.dtype(array.dtype)
+        else:
+            try:  # a view, not a copy: the values' own shape (an Array's declared shape is not its bytes')
+                values = array_view(array)
+            except (ValueError, TypeError, EOFError) as error:
+                raise InvalidUpdate(f"array {quoted(name)} is not a NumPy array: {error}") from None
+            found, dtype = tuple(values.shape), values.dtype
+        if found != tuple(shape) or tuple(array.shape) != tuple(shape) or dtype != expected.dtype:
             raise InvalidUpdate(
-                f"array {quoted(name)} has shape {tuple(values.shape)} dtype {values.dtype}, expected "
+                f"array {quoted(name)} has shape {found} dtype {dtype}, expected "
                 f"{tuple(shape)} dtype {expected.dtype}"
             )
-        if not np.isfinite(values).all():
+        if isinstance(array, OnDiskArray) and array.checked_finite:
+            continue
+        if not np.isfinite(array_view(array)).all():
             raise InvalidUpdate(f"array {quoted(name)} contains NaN or Inf")
 
 

@@ -118,10 +118,17 @@ def byte_chunks(raw: memoryview) -> list[memoryview]:
 
 Named = dict[int, tuple[Array, list[memoryview], list[str], list[str]]]
 """id(Array) -> (the Array, kept so its id stays its own; its chunks; their names; their checksums)."""
+Stored = dict[int, tuple[list[str], list[str]]]
+"""id(Array) -> the names and checksums of its chunks, which the caller stored already (a model kept on disk,
+stored a tensor at a time, never all mapped at once)."""
 
 
 def split_message(
-    message: Message, server_round: int = 0, *, named: Named | None = None
+    message: Message,
+    server_round: int = 0,
+    *,
+    named: Named | None = None,
+    stored: Stored | None = None,
 ) -> tuple[Envelope, dict[str, memoryview]]:
     """The envelope (manifests, configs, metrics) and the array chunks by name (views, not copies). Arrays in
     `named` are not hashed again: a round's messages share the global model's Arrays, hashed once per round. The
@@ -153,7 +160,10 @@ def split_message(
     for key, record in message.content.array_records.items():
         manifest = RecordManifest(key=key)
         for name, array in record.items():
-            if named is not None and id(array) in named:
+            if stored is not None and id(array) in stored:
+                hashes, checksums = stored[id(array)]
+                pieces: list[memoryview] = []
+            elif named is not None and id(array) in named:
                 _, pieces, hashes, checksums = named[id(array)]
             else:
                 pieces = chunk_views(array)
@@ -161,8 +171,11 @@ def split_message(
                 checksums = XXH3.digests(pieces) if names is SENT else []
                 if named is not None:
                     named[id(array)] = array, pieces, hashes, checksums
-            chunks.update(zip(hashes, pieces, strict=True))
-            nbytes = sum(len(piece) for piece in pieces)
+            if stored is not None and id(array) in stored:
+                nbytes = math.prod(array.shape) * np.dtype(array.dtype).itemsize
+            else:
+                chunks.update(zip(hashes, pieces, strict=True))
+                nbytes = sum(len(piece) for piece in pieces)
             manifest.tensors.append(
                 TensorManifest(
                     name=name,

@@ -27,6 +27,8 @@ DEFAULT_KEEP_CHECKPOINTS = 2
 """Each run keeps its last this many rounds' checkpoints (the newest is the model a finished run ends with)."""
 DEFAULT_SEND_CACHE_MB = 2048
 """Memory for the model a round sends, in its wire form (`server.sent_cache`; 0 turns it off)."""
+DEFAULT_RESIDENT_MODEL_MB = 1024
+"""A global model larger than this stays on disk and is aggregated tensor by tensor (`strategies.by_tensor`)."""
 OPTION_KEYS = (
     "listen",
     "db",
@@ -37,9 +39,10 @@ OPTION_KEYS = (
     "lease-stale-s",
     "keep-checkpoints",
     "send-cache-mb",
+    "resident-model-mb",
     "track",
 )
-NUMBER_KEYS = ("lease-stale-s", "keep-checkpoints", "send-cache-mb")
+NUMBER_KEYS = ("lease-stale-s", "keep-checkpoints", "send-cache-mb", "resident-model-mb")
 """`hydrafl server`'s options without their dashes: the keys of its TOML file."""
 TLS_KEYS = ("tls-cert", "tls-key", "tls-client-ca")
 
@@ -68,6 +71,9 @@ class CoordinatorConfig:
     """Checkpoints kept per run (`server.retention`); older rounds' checkpoints, messages and chunks are deleted."""
     send_cache_mb: int = DEFAULT_SEND_CACHE_MB
     """MiB of the chunks sent last kept in memory for the sites' downloads (`server.sent_cache`); 0: none."""
+    resident_model_mb: int = DEFAULT_RESIDENT_MODEL_MB
+    """MiB: a global model larger than this stays in the run folder and rounds aggregate it tensor by tensor,
+    so the coordinator's memory does not grow with the model; replies larger stay in the blob store."""
     track: str = ""
     """tensorboard:DIR or mlflow:URI: every run this coordinator drives is followed there (`hydrafl.tracking`)."""
 
@@ -90,11 +96,12 @@ class CoordinatorConfig:
             )
         if self.track:
             TrackTarget.parse(self.track)
-        cache = self.send_cache_mb
-        if not isinstance(cache, int) or isinstance(cache, bool) or cache < 0:
-            raise ConfigError(
-                f"send-cache-mb must be a whole number of MiB, 0 or more, got {cache!r}"
-            )
+        for key, mib in (
+            ("send-cache-mb", self.send_cache_mb),
+            ("resident-model-mb", self.resident_model_mb),
+        ):
+            if not isinstance(mib, int) or isinstance(mib, bool) or mib < 0:
+                raise ConfigError(f"{key} must be a whole number of MiB, 0 or more, got {mib!r}")
 
     @classmethod
     def from_options(
@@ -119,6 +126,7 @@ class CoordinatorConfig:
             "lease_stale_s": values.get("lease-stale-s", LEASE_STALE_S),
             "keep_checkpoints": values.get("keep-checkpoints", DEFAULT_KEEP_CHECKPOINTS),
             "send_cache_mb": values.get("send-cache-mb", DEFAULT_SEND_CACHE_MB),
+            "resident_model_mb": values.get("resident-model-mb", DEFAULT_RESIDENT_MODEL_MB),
             "track": str(values.get("track", "")),
         }
         if values.get("db"):

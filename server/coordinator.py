@@ -191,7 +191,14 @@ class Coordinator:
             cfg.required_sites,
         )
         self.service.latencies.clear()  # push_latency.tsv describes this run only
-        grid = LeasedGrid(self.store, self.blobs, self.service, run.id, lease=self.lease)
+        grid = LeasedGrid(
+            self.store,
+            self.blobs,
+            self.service,
+            run.id,
+            lease=self.lease,
+            resident_bytes=self.config.resident_model_mb << 20,
+        )
 
         history: list[dict] = list(run.history)
         tracker = self._tracker(run.id, cfg)
@@ -217,7 +224,12 @@ class Coordinator:
             self.retention.after_checkpoint(run.id, settled)
 
         try:
-            run_federation(grid, cfg, on_round=progress)
+            run_federation(
+                grid,
+                cfg,
+                on_round=progress,
+                resident_model_bytes=self.config.resident_model_mb << 20,
+            )
         except LeaseLost:
             log.error(
                 "run %d: stopped driving it; the coordinator holding the lease resumes it", run.id

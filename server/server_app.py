@@ -62,14 +62,16 @@ def run_federation(
     reference_node: int | None = None,
     virtual_speeds: Mapping[int, float] | None = None,
     on_dedup: Callable[[dict[int, SiteDedup]], None] | None = None,
+    resident_model_bytes: int | None = None,
 ) -> RunResult:
     """One federated run of `cfg.strategy` (or of `strategy`, built from `cfg` by the caller to read its
     state afterwards): initial model from a site, optional stability check, rounds. `reference_node` is a
     full-data site of the grid (simulation) that `cfg.diagnostics` compares the averaged delta with.
     `virtual_speeds` (simulation: per node its relative speed) runs an asynchronous strategy on a virtual clock
     instead of the wall clock. With `cfg.dedup` the sites drop their cross-site duplicates first (on a resume
-    too: a restarted site has forgotten its list); `on_dedup` receives each site's outcome. A `stats` job
-    trains nothing: it gathers the sites' cohort statistics."""
+    too: a restarted site has forgotten its list); `on_dedup` receives each site's outcome. A global model
+    larger than `resident_model_bytes` stays on disk in the run folder (`DriverConfig`). A `stats` job trains
+    nothing: it gathers the sites' cohort statistics."""
     if cfg.job == "stats":
         wait_for_sites(grid, cfg.available_sites, cfg.site_wait_s)
         run_stats(grid, cfg)
@@ -102,6 +104,7 @@ def run_federation(
         diagnostics=cfg.diagnostics,
         reference_node=reference_node if cfg.diagnostics else None,
         screening=Screening(norm_factor=cfg.screen_norm, min_cosine=cfg.screen_cosine),
+        resident_model_bytes=resident_model_bytes,
         secagg=SecAggParams(
             max_weight=cfg.secagg_max_weight,
             reconstruction_threshold=cfg.secagg_threshold,

@@ -6,18 +6,27 @@ Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Mo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from hydrafl.arrays import from_record, to_record
-from hydrafl.strategies.accumulator import WeightedDeltaAccumulator
+from hydrafl.strategies.accumulator import AggregationError, WeightedDeltaAccumulator
+from hydrafl.strategies.by_tensor import (
+    MODEL,
+    RoundFiles,
+    delta_of,
+    metric_contents,
+    tensor_replies,
+)
 from hydrafl.strategies.outer import OuterOptimizer
 from hydrafl.strategies.registry import StrategyConfig, register
+from hydrafl.tensor_files import as_record, layout_of
 from hydrafl.validation import check
 
 if TYPE_CHECKING:
@@ -67,6 +76,44 @@ class DiLoCo(FedAvg):
         }
         metrics = self.train_metrics_aggr_fn(accumulator.metric_records, self.weighted_by_key)
         return to_record(updated), metrics
+
+    def aggregate_by_tensor(
+        self,
+        server_round: int,
+        replies: Sequence[Message],
+        start: ArrayRecord,
+        files: RoundFiles,
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """`aggregate_train` one tensor at a time (`by_tensor`): the same sums and outer step per tensor, the
+        model and the momentum each written to a file of their own."""
+        if self.central_dp is not None:
+            raise AggregationError(
+                "central DP clips each reply by its whole norm: not aggregated tensor by tensor"
+            )
+        replies = [reply for reply in replies if not reply.has_error()]
+        if not replies:
+            return None, None
+        stepped = dict.fromkeys(name for reply in replies for name in delta_of(reply)[1])
+        model = files.writer(MODEL, layout_of(start))
+        momentum = self.outer.spill({name: start[name].shape for name in stepped}, files)
+        for name, array in start.items():
+            if name not in stepped:
+                model.write(name, array)
+                continue
+            accumulator = WeightedDeltaAccumulator(self.weighted_by_key)
+            accumulator.add_all(tensor_replies(replies, name))
+            weights = torch.from_numpy(array.numpy())
+            model.write(name, self.outer.step(name, weights, accumulator.mean()[name]))
+            del weights, accumulator
+            if momentum is not None:
+                self.outer.keep_on_disk(name, momentum)
+        if momentum is not None:
+            for name in momentum.layout.keys() - stepped.keys():
+                self.outer.keep_on_disk(name, momentum)
+            momentum.close()
+        self.current_arrays = as_record(model.close())
+        contents = metric_contents(replies)
+        return self.current_arrays, self.train_metrics_aggr_fn(contents, self.weighted_by_key)
 
     def state_dict(self) -> dict[str, Any]:
         dp = self.central_dp.state_dict() if self.central_dp else {}

@@ -4,9 +4,15 @@ as they were."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from hydrafl.strategies.by_tensor import RoundFiles
+from hydrafl.tensor_files import OnDiskArray, TensorFileWriter
+
+MOMENTUM = "momentum"
 
 
 class OuterOptimizer:
@@ -19,13 +25,14 @@ class OuterOptimizer:
                 f"the outer optimizer needs lr > 0 and 0 <= momentum < 1, got {lr=}, {momentum=}"
             )
         self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
-        self.momentum_buffer: dict[str, torch.Tensor] = {}
+        self.momentum_buffer: dict[str, torch.Tensor | OnDiskArray] = {}
 
     def direction(self, name: str, delta: torch.Tensor) -> torch.Tensor:
-        """b = mu b + d; the step goes along d + mu b (Nesterov) or b (heavy ball)."""
+        """b = mu b + d; the step goes along d + mu b (Nesterov) or b (heavy ball). A buffer kept on disk (a
+        model larger than memory, `spill`) is read for the step."""
         if not self.momentum:
             return delta
-        buffer = self.momentum_buffer.get(name)
+        buffer = _resident(self.momentum_buffer.get(name))
         buffer = delta.clone() if buffer is None else buffer.mul_(self.momentum).add_(delta)
         self.momentum_buffer[name] = buffer
         return delta + self.momentum * buffer if self.nesterov else buffer
@@ -37,14 +44,46 @@ class OuterOptimizer:
         self, name: str, weights: torch.Tensor, delta: torch.Tensor, trained: torch.Tensor
     ) -> torch.Tensor:
         """The step where `trained`; elsewhere value and momentum stay as they were."""
-        before = self.momentum_buffer[name].clone() if name in self.momentum_buffer else None
+        before = _resident(self.momentum_buffer.get(name))
+        before = None if before is None else before.clone()
         direction = self.direction(name, delta)
         if before is not None:
-            self.momentum_buffer[name] = torch.where(trained, self.momentum_buffer[name], before)
+            after = _resident(self.momentum_buffer[name])
+            assert after is not None  # the step above kept a buffer
+            self.momentum_buffer[name] = torch.where(trained, after, before)
         return torch.where(trained, weights - self.lr * direction, weights)
 
+    def spill(
+        self, shapes: Mapping[str, tuple[int, ...]], files: RoundFiles
+    ) -> TensorFileWriter | None:
+        """A file for this round's buffers (of the tensors `shapes` names, which take a step, and the older
+        ones), to which `keep_on_disk` moves each buffer once its step is taken: None when the optimizer keeps
+        no buffers. A buffer is float32, as the mean pseudo-gradient it starts from."""
+        if not self.momentum:
+            return None
+        layout = {name: ("float32", tuple(shape)) for name, shape in shapes.items()}
+        for name, buffer in self.momentum_buffer.items():
+            layout[name] = (str(buffer.dtype).removeprefix("torch."), tuple(buffer.shape))
+        return files.writer(MOMENTUM, layout) if layout else None
+
+    def keep_on_disk(self, name: str, writer: TensorFileWriter) -> None:
+        """Write `name`'s buffer to `writer` and keep only the file's copy."""
+        if name in self.momentum_buffer:
+            writer.write(name, self.momentum_buffer[name])
+            self.momentum_buffer[name] = writer.mapped()[name]
+
     def state_dict(self) -> dict[str, Any]:
-        return {"momentum_buffer": {name: t.clone() for name, t in self.momentum_buffer.items()}}
+        return {"momentum_buffer": {name: _copy(t) for name, t in self.momentum_buffer.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.momentum_buffer = {name: t.clone() for name, t in state["momentum_buffer"].items()}
+        self.momentum_buffer = {name: _copy(t) for name, t in state["momentum_buffer"].items()}
+
+
+def _resident(buffer: torch.Tensor | OnDiskArray | None) -> torch.Tensor | None:
+    """A buffer in memory: one on disk is read (a fresh tensor, which the step may change in place)."""
+    return torch.from_numpy(buffer.numpy()) if isinstance(buffer, OnDiskArray) else buffer
+
+
+def _copy(buffer: torch.Tensor | OnDiskArray) -> torch.Tensor | OnDiskArray:
+    """A tensor's own copy; a buffer on disk is never written in place (a new round writes a new file)."""
+    return buffer.clone() if isinstance(buffer, torch.Tensor) else buffer

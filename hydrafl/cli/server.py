@@ -68,6 +68,13 @@ def server(
             "off, every download reads the blob files)."
         ),
     ] = None,
+    resident_model_mb: Annotated[
+        int | None,
+        typer.Option(
+            help="A global model larger than this (MiB, default 1024) stays on disk in its run folder and "
+            "is aggregated tensor by tensor; replies larger stay in the blob store."
+        ),
+    ] = None,
     track: Annotated[
         str | None,
         typer.Option(

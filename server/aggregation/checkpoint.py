@@ -61,7 +61,7 @@ def save_checkpoint(run_dir: Path, checkpoint: Checkpoint) -> None:
     """Commit `checkpoint` as the run's newest. CheckpointError names a value of the strategy's state that has
     no checkpoint form (`state_codec`): found before anything is written."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    encoder = Encoder()
+    encoder = Encoder(run_dir)
     try:
         record = {
             "format": FORMAT,
@@ -79,12 +79,15 @@ def save_checkpoint(run_dir: Path, checkpoint: Checkpoint) -> None:
     save_file(encoder.tensors, run_dir / tensors, metadata={"format": FORMAT})
     _fsync(run_dir / tensors)
     temporary = run_dir / f".{CHECKPOINT_FILE}.tmp"
-    temporary.write_text(json.dumps({**record, "tensors": tensors}, allow_nan=False))
+    files = sorted(encoder.files)
+    temporary.write_text(
+        json.dumps({**record, "tensors": tensors, "files": files}, allow_nan=False)
+    )
     _fsync(temporary)
     os.replace(temporary, run_dir / CHECKPOINT_FILE)
     _fsync(run_dir)
     for stale in run_dir.glob("round-*.safetensors"):
-        if stale.name != tensors:
+        if stale.name != tensors and stale.name not in files:
             stale.unlink(missing_ok=True)
 
 
@@ -114,12 +117,17 @@ def read_checkpoint(path: Path) -> Checkpoint:
         if not isinstance(record, dict) or record.get("format") != FORMAT:
             raise CheckpointError(f"{path} is not a hydrafl checkpoint")
         tensors = load_file(path.parent / record["tensors"])
+        missing = [file for file in record.get("files", []) if not (path.parent / file).is_file()]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {path} names tensor file {missing[0]}, which is gone"
+            )
         return Checkpoint(
             server_round=record["server_round"],
-            arrays=decode(record["arrays"], tensors),
-            strategy_state=decode(record["strategy_state"], tensors),
-            history=decode(record["history"], tensors),
-            run_config=decode(record["run_config"], tensors),
+            arrays=decode(record["arrays"], tensors, path.parent),
+            strategy_state=decode(record["strategy_state"], tensors, path.parent),
+            history=decode(record["history"], tensors, path.parent),
+            run_config=decode(record["run_config"], tensors, path.parent),
         )
     except (OSError, ValueError, KeyError, TypeError, SafetensorError) as error:
         raise CheckpointError(
@@ -201,9 +209,10 @@ def archive_checkpoint(run_dir: Path, server_round: int) -> None:
     kept = run_dir / ARCHIVE_DIR / f"round-{server_round:05d}.json"
     if not current.exists() or kept.exists():
         return
-    tensors = json.loads(current.read_text())["tensors"]
+    record = json.loads(current.read_text())
     kept.parent.mkdir(exist_ok=True)
-    _link(run_dir / tensors, kept.parent / tensors)
+    for name in [record["tensors"], *record.get("files", [])]:
+        _link(run_dir / name, kept.parent / name)
     _link(current, kept)  # last: a kept JSON always has its tensors
 
 

@@ -31,7 +31,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from hydrafl.arrays import keep_dtypes
+from hydrafl.arrays import keep_dtypes, record_nbytes
 from hydrafl.compression.downloads import DownloadCompression
 from hydrafl.compression.layout import Scheme
 from hydrafl.privacy.ledger import PrivacyLedger
@@ -51,6 +51,8 @@ from hydrafl.server.aggregation.screening import Screening, screen_replies
 from hydrafl.server.aggregation.secure_round import SecureRound
 from hydrafl.server.aggregation.traffic import count_down, count_up
 from hydrafl.strategies import hooks
+from hydrafl.strategies.by_tensor import MODEL, RoundFiles
+from hydrafl.tensor_files import MappedArray, as_record, layout_of
 
 __all__ = ["DriverConfig", "RoundCallback", "RoundDriver", "RoundFailed", "RunResult"]
 
@@ -84,6 +86,9 @@ class DriverConfig:
     """Secure aggregation: train rounds learn only the sites' summed update and weight (`secure_round`)."""
     screening: Screening = field(default_factory=Screening)
     """Reject outlying updates before aggregation (`screening`); on, it holds each round's replies."""
+    resident_model_bytes: int | None = None
+    """A global model larger than this is kept on disk, in `run_dir`, and aggregated tensor by tensor
+    (`strategies.by_tensor`); None keeps every model in memory."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -123,6 +128,8 @@ class RoundDriver:
             secagg=config.secagg,
         )
         self.run_log = RunLog(config.run_dir, strategy, config.run_config)
+        self.on_disk = False
+        """The global model lives in the run folder and rounds aggregate tensor by tensor (`_placed`)."""
 
     def run(
         self,
@@ -137,10 +144,11 @@ class RoundDriver:
         checkpoint = self._resume() if resume else None
         if checkpoint is not None:
             arrays, history = checkpoint.arrays, checkpoint.history
+            arrays = self._placed(arrays, checkpoint.server_round)
             self.privacy.restore(history)
             log.info("resuming after round %d", checkpoint.server_round)
         else:
-            arrays = start()
+            arrays = self._placed(start(), 0)
             self._close(self.evaluation.run(0, arrays), history, arrays, on_round)
         first_round = 1 if checkpoint is None else checkpoint.server_round + 1
         last_end = time.perf_counter()
@@ -267,9 +275,17 @@ class RoundDriver:
         started = time.perf_counter()
         summed = self.config.secagg is not None
         try:
-            new_arrays, metrics = self.adapter.aggregate_train(
-                server_round, _timed(replies, waited), arrays, summed=summed
-            )
+            if self.on_disk:
+                assert self.config.run_dir is not None  # `_placed` put the model there
+                files = RoundFiles(self.config.run_dir, server_round)
+                stored = list(_timed(replies, waited))  # their tensors are still on disk
+                new_arrays, metrics = self.adapter.aggregate_by_tensor(
+                    server_round, stored, arrays, files
+                )
+            else:
+                new_arrays, metrics = self.adapter.aggregate_train(
+                    server_round, _timed(replies, waited), arrays, summed=summed
+                )
         except Exception:
             deque(replies, maxlen=0)
             require_sites(server_round, sent, self.config.required_sites, record)
@@ -282,6 +298,42 @@ class RoundDriver:
                 f"round {server_round}: the strategy produced no model from {record.sites_ok} replies"
             )
         return keep_dtypes(new_arrays, arrays), metrics
+
+    def _placed(self, arrays: ArrayRecord, server_round: int) -> ArrayRecord:
+        """`arrays` where the run keeps its model: in memory, or, larger than `resident_model_bytes` (and with a
+        run folder), in a tensor file of the run folder, written a tensor at a time. Refuses, before any round,
+        what cannot aggregate a model on disk."""
+        limit, folder = self.config.resident_model_bytes, self.config.run_dir
+        if limit is None or folder is None or record_nbytes(arrays) <= limit:
+            return arrays
+        refusal = self._on_disk_refusal()
+        if refusal:
+            raise RoundFailed(
+                f"the global model ({record_nbytes(arrays) / 2**20:.0f} MiB) is larger than the coordinator "
+                f"keeps in memory (resident-model-mb), and {refusal}"
+            )
+        self.on_disk = True
+        if all(
+            isinstance(a, MappedArray) and Path(a.path).parent == folder for a in arrays.values()
+        ):
+            return arrays  # a resumed checkpoint's model file
+        model = RoundFiles(folder, server_round).writer(MODEL, layout_of(arrays))
+        for name, array in arrays.items():
+            model.write(name, array)
+        return as_record(model.close())
+
+    def _on_disk_refusal(self) -> str:
+        """Why this run cannot keep its model on disk ("" when it can)."""
+        if not self.adapter.aggregates_by_tensor:
+            return (
+                f"strategy {type(self.strategy).__name__} needs every reply in memory at once; strategies "
+                "that aggregate tensor by tensor: FedAvg, FedProx, FedMedian, FedTrimmedAvg, DiLoCo"
+            )
+        if self.config.secagg is not None:
+            return "secure aggregation sums whole replies in memory"
+        if self.config.screening.enabled or self.config.diagnostics:
+            return "screening and diagnostics compare whole replies in memory"
+        return ""
 
     def _resume(self) -> Checkpoint | None:
         """The checkpoint to go on from (its configuration checked), the strategy's state restored from it."""

@@ -23,14 +23,23 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.common.constant import SType
-from flwr.serverapp.strategy import FedAvg, Strategy
+from flwr.serverapp.strategy import FedAvg, FedMedian, FedTrimmedAvg, Strategy
 
 from hydrafl import protocol
 from hydrafl.arrays import array_view
 from hydrafl.strategies import hooks
+from hydrafl.strategies.by_tensor import MODEL, AggregatesByTensor, RoundFiles, tensor_replies
+from hydrafl.tensor_files import as_record, layout_of
 from hydrafl.updates import array_names, consistent_majority, metric_layout
 
 log = logging.getLogger(__name__)
+
+COORDINATE_WISE = (
+    FedAvg.aggregate_train,
+    FedMedian.aggregate_train,
+    FedTrimmedAvg.aggregate_train,
+)
+"""Flower's aggregations whose every tensor depends only on that tensor of each reply (FedProx's is FedAvg's)."""
 
 
 def flower_wrote(method: Callable[..., Any]) -> bool:
@@ -52,6 +61,11 @@ class FlowerAdapter:
         self.matches_train = flower_wrote(strategy.aggregate_train)
         """Flower's aggregate_train: it needs the round's replies together, cut to a matching majority."""
         self.matches_evaluate = flower_wrote(strategy.aggregate_evaluate)
+        self.aggregates_by_tensor = isinstance(strategy, AggregatesByTensor) or (
+            getattr(type(strategy).aggregate_train, "__func__", type(strategy).aggregate_train)
+            in COORDINATE_WISE
+        )
+        """The strategy can aggregate a model kept on disk, one tensor at a time (`aggregate_by_tensor`)."""
 
     def matching(self, server_round: int, replies: list[Message], *, train: bool) -> list[Message]:
         """The replies Flower's aggregation takes: those whose metric names (and, for training, array names)
@@ -82,6 +96,26 @@ class FlowerAdapter:
             return self.strategy.aggregate_train(server_round, replies)
         arrays, metrics = self.strategy.aggregate_train(server_round, _as_weights(replies, start))
         return (None if arrays is None else _released(arrays)), metrics
+
+    def aggregate_by_tensor(
+        self, server_round: int, replies: Sequence[Message], start: ArrayRecord, files: RoundFiles
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """`aggregate_train` of a model on disk: the strategy's own by-tensor aggregation, or, for Flower's
+        coordinate-wise rules, their `aggregate_train` on each tensor's cut of the replies in turn."""
+        if isinstance(self.strategy, AggregatesByTensor):
+            return self.strategy.aggregate_by_tensor(server_round, replies, start, files)
+        model = files.writer(MODEL, layout_of(start))
+        metrics = None
+        for name, array in start.items():
+            cut = tensor_replies(replies, name)
+            if not cut:
+                model.write(name, array)
+                continue
+            arrays, metrics = self.aggregate_train(server_round, cut, start, summed=False)
+            if arrays is None:
+                return None, None
+            model.write(name, arrays[name].numpy().astype(array.dtype, copy=False))
+        return as_record(model.close()), metrics
 
     def aggregate_evaluate(
         self, server_round: int, replies: Sequence[Message]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from hydrafl.strategies.planner import SiteScores
 from hydrafl.subnet.planning import LayerCost
 from hydrafl.subnet.slices import Slice
 from hydrafl.subnet.spec import SubnetSpec
+from hydrafl.tensor_files import MappedArray, OnDiskArray
 
 DATACLASSES: Mapping[str, type] = {
     cls.__name__: cls for cls in (SiteScores, LayerCost, SubnetSpec, Slice)
@@ -36,9 +38,13 @@ class StateCodecError(ValueError):
 
 
 class Encoder:
-    """Encodes values to JSON-ready form, collecting their tensors in `tensors` (name -> tensor)."""
+    """Encodes values to JSON-ready form, collecting their tensors in `tensors` (name -> tensor). A tensor kept
+    in a file of `folder` (a model larger than memory, `MappedArray`) is not copied: the JSON names its file and
+    place, and `files` lists the files so named."""
 
-    def __init__(self) -> None:
+    def __init__(self, folder: Path | None = None) -> None:
+        self.folder = folder
+        self.files: set[str] = set()
         self.tensors: dict[str, torch.Tensor] = {}
         self._stored: set[int] = set()
         self._names: dict[int, str] = {}
@@ -63,6 +69,8 @@ class Encoder:
             return {"$ndarray": self._tensor(value, lambda: _torch(value, where), where)}
         if isinstance(value, np.generic) and value.dtype.kind in "biuf":
             return {"$scalar": [value.dtype.str, self.encode(value.item(), where)]}
+        if isinstance(value, OnDiskArray):
+            return self._on_disk(value, where)
         if isinstance(value, ArrayRecord):
             return {
                 "$arrays": [
@@ -92,8 +100,22 @@ class Encoder:
             ]
         }
 
-    def _array(self, array: Array, where: str) -> str:
+    def _array(self, array: Array, where: str) -> str | dict[str, Any]:
+        if isinstance(array, OnDiskArray):
+            return self._on_disk(array, where)
         return self._tensor(array, lambda: _torch(array.numpy(), where), where)
+
+    def _on_disk(self, array: OnDiskArray, where: str) -> dict[str, Any]:
+        """A reference to the array's place in a file of `folder`; an array elsewhere is copied in."""
+        if (
+            not isinstance(array, MappedArray)
+            or self.folder is None
+            or Path(array.path).parent != self.folder
+        ):
+            return {"$ndarray": self._tensor(array, lambda: _torch(array.numpy(), where), where)}
+        path = Path(array.path)
+        self.files.add(path.name)
+        return {"$file": [path.name, array.offset, array.dtype, list(array.shape)]}
 
     def _tensor(self, source: Any, convert: Callable[[], torch.Tensor], where: str) -> str:
         """The name of `source`'s tensor (`convert()`), stored once however often the state refers to it (the
@@ -125,14 +147,16 @@ def _torch(array: np.ndarray, where: str) -> torch.Tensor:
         ) from error
 
 
-def decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """The value `Encoder.encode` gave `value`, its tensors read from `tensors`."""
-    return _Decoder(tensors).decode(value)
+def decode(value: Any, tensors: Mapping[str, torch.Tensor], folder: Path | None = None) -> Any:
+    """The value `Encoder.encode` gave `value`, its tensors read from `tensors`, its references to files from
+    `folder` (mapped, not read)."""
+    return _Decoder(tensors, folder).decode(value)
 
 
 class _Decoder:
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], folder: Path | None) -> None:
         self.tensors = tensors
+        self.folder = folder
         self.arrays: dict[str, Array] = {}
         """Each stored tensor's Flower Array, made once: ArrayRecords that shared arrays share them again."""
 
@@ -155,6 +179,8 @@ class _Decoder:
             return self.stored(body)
         if tag == "$ndarray":
             return self.stored(body).numpy()
+        if tag == "$file":
+            return self.on_disk(body)
         if tag == "$scalar":
             return np.dtype(body[0]).type(self.decode(body[1]))
         if tag == "$arrays":
@@ -168,7 +194,19 @@ class _Decoder:
             raise StateCodecError(f"the checkpoint's tensors lack {name!r}")
         return self.tensors[name]
 
-    def array(self, name: str) -> Array:
+    def on_disk(self, body: list) -> MappedArray:
+        if self.folder is None:
+            raise StateCodecError("a checkpoint that refers to tensor files needs their folder")
+        file, offset, dtype, shape = body
+        if Path(file).name != file:
+            raise StateCodecError(
+                f"a checkpoint's tensor file must be in its own folder, not {file!r}"
+            )
+        return MappedArray(self.folder / file, int(offset), str(dtype), tuple(shape))
+
+    def array(self, name: str | dict) -> Array:
+        if isinstance(name, dict):
+            return self.on_disk(name["$file"])
         if name not in self.arrays:
             self.arrays[name] = Array(self.stored(name).numpy())
         return self.arrays[name]

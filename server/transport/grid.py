@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 from flwr.app import Error, Message, Metadata, RecordDict
 from flwr.app.message.message import make_message
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
@@ -23,11 +24,24 @@ from flwr.supercore.run import Run
 
 from hydrafl.identity import claim_server_identity
 from hydrafl.proto import coordinator_pb2 as pb
-from hydrafl.proto.envelope import EnvelopeError, Named, chunk_hashes, join_message, split_message
+from hydrafl.proto.envelope import (
+    SENT,
+    XXH3,
+    EnvelopeError,
+    Named,
+    Stored,
+    byte_chunks,
+    chunk_hashes,
+    declared_nbytes,
+    join_message,
+    split_message,
+)
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.store import Store
 from hydrafl.server.tables import Reply
 from hydrafl.server.transport.service import CoordinatorService
+from hydrafl.server.transport.stored_replies import stored_message
+from hydrafl.tensor_files import OnDiskArray
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +55,12 @@ class CoordinatorGrid(Grid):
         run_id: int,
         *,
         poll_interval_s: float = 0.5,
+        resident_bytes: int | None = None,
     ) -> None:
         self.store = store
+        self.resident_bytes = resident_bytes
+        """Replies larger than this stay in the blob store, read a tensor at a time (`stored_replies`); a driver
+        keeps a global model larger than this on disk (`aggregation.streamed`). None: everything in memory."""
         self.blobs = blobs
         self.service = service
         self._run = Run.create_empty(run_id)
@@ -90,6 +108,7 @@ class CoordinatorGrid(Grid):
         """Each message's chunks are stored, then made durable in one sync, before any row refers to them."""
         stored: list[tuple[str, int, int, bytes]] = []
         named: Named = {}  # the round's messages share the model's Arrays: each is hashed and stored once
+        on_disk: Stored = {}
         put: set[str] = set()
         for message in messages:
             server_round = int(message.metadata.group_id or 0)
@@ -101,7 +120,8 @@ class CoordinatorGrid(Grid):
             self._sent[key] += 1
             message.metadata.__dict__["_message_id"] = message_id
             self._types[message_id] = message.metadata.message_type
-            envelope, chunks = split_message(message, server_round, named=named)
+            self._put_on_disk_arrays(message, on_disk, put)
+            envelope, chunks = split_message(message, server_round, named=named, stored=on_disk)
             fresh = ((digest, data) for digest, data in chunks.items() if digest not in put)
             self.blobs.put_stream(
                 fresh, verified=True
@@ -120,6 +140,23 @@ class CoordinatorGrid(Grid):
         for _, _, node_id, _ in stored:
             self.service.mailbox.post(node_id)  # its site's long poll answers now
         return [message_id for message_id, *_ in stored]
+
+    def _put_on_disk_arrays(self, message: Message, stored: Stored, put: set[str]) -> None:
+        """Store the chunks of `message`'s on-disk arrays (a model kept in a file) one tensor at a time, each
+        tensor's pages mapped only while it is named and written; `split_message` then finds them `stored`."""
+        for record in message.content.array_records.values():
+            for array in record.values():
+                if not isinstance(array, OnDiskArray) or id(array) in stored:
+                    continue
+                pieces = byte_chunks(array.view().reshape(-1).view(np.uint8).data)
+                hashes = SENT.digests(pieces)
+                fresh = [
+                    (d, piece) for d, piece in zip(hashes, pieces, strict=True) if d not in put
+                ]
+                self.blobs.put_stream(fresh, verified=True)
+                put.update(hashes)
+                stored[id(array)] = hashes, XXH3.digests(pieces)
+                del pieces, fresh
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterator[Message]:
         """The stored replies to these messages not pulled before: read from the database now, each decoded
@@ -147,6 +184,8 @@ class CoordinatorGrid(Grid):
         uploads = self.blobs.uploads(reply.node_id)
         try:
             envelope = pb.Envelope.FromString(reply.envelope)
+            if self.resident_bytes is not None and declared_nbytes(envelope) > self.resident_bytes:
+                return stored_message(envelope, uploads, metadata)
             chunks = {digest: uploads.get(digest) for digest in chunk_hashes(envelope)}
             return join_message(envelope, chunks, metadata=metadata)
         except (EnvelopeError, KeyError, OSError, ValueError) as error:

@@ -1,0 +1,66 @@
+"""A large reply left where its upload put it: its tensors are `StoredArray`s, read from the site's upload packs
+one tensor at a time when aggregation asks for them, so the coordinator never holds a model-sized reply.
+
+What decoding checks is checked here too, before the reply is handed on: the manifest, every chunk present
+and of its declared size. The values were checked finite at the edge when the site pushed them
+(`replies.check_reply`), and each chunk is checked against its name again when it is read (a disk that
+corrupted a chunk fails that read loudly, never the sums silently).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import ArrayRecord, Message, Metadata
+from flwr.app.message.message import make_message
+
+from hydrafl.proto import coordinator_pb2 as pb
+from hydrafl.proto.envelope import UPLOADED, EnvelopeError, check_manifest, parse_content
+from hydrafl.server.transport.packs import UploadPacks
+from hydrafl.tensor_files import OnDiskArray
+
+
+class StoredArray(OnDiskArray):
+    """One tensor of a stored reply: its chunks, in order, in a site's upload packs."""
+
+    checked_finite = True
+
+    def __init__(
+        self, uploads: UploadPacks, digests: list[str], dtype: str, shape: tuple[int, ...]
+    ) -> None:
+        super().__init__(dtype, shape)
+        self.__dict__.update(uploads=uploads, digests=digests)
+
+    def numpy(self) -> np.ndarray:
+        uploads: UploadPacks = self.__dict__["uploads"]
+        values = np.empty(self.nbytes, np.uint8)
+        at = 0
+        for digest in self.__dict__["digests"]:
+            chunk = uploads.get(digest)
+            UPLOADED.verify(digest, chunk)
+            values[at : at + len(chunk)] = np.frombuffer(chunk, np.uint8)
+            at += len(chunk)
+        if at != self.nbytes:
+            raise EnvelopeError(f"stored chunks hold {at} bytes, the tensor {self.nbytes}")
+        return values.view(self.dtype).reshape(self.shape)
+
+
+def stored_message(envelope: pb.Envelope, uploads: UploadPacks, metadata: Metadata) -> Message:
+    """The reply `envelope` describes, its arrays left in `uploads`. Raises EnvelopeError (or KeyError for a
+    chunk gone from disk) when a decode would."""
+    check_manifest(envelope)
+    content = parse_content(envelope)
+    for record in envelope.arrays:
+        arrays = (
+            ArrayRecord()
+        )  # filled item by item: ArrayRecord(dict) would copy each into a plain Array
+        for tensor in record.tensors:
+            digests = list(tensor.chunk_digests)
+            if sum(uploads.size(digest) for digest in digests) != tensor.nbytes:
+                raise EnvelopeError(
+                    f"array {record.key}/{tensor.name}: stored chunks do not add up to {tensor.nbytes} bytes"
+                )
+            arrays[tensor.name] = StoredArray(
+                uploads, digests, tensor.dtype, tuple(int(n) for n in tensor.shape)
+            )
+        content[record.key] = arrays
+    return make_message(metadata=metadata, content=content)
