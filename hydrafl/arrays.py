@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
+from flwr.common.constant import SType
 
 from hydrafl.tensor_files import OnDiskArray
 
@@ -62,17 +63,54 @@ def _npy_header(header: bytes, major: int) -> tuple[tuple[int, ...], bool, np.dt
     return read_header(buffer)
 
 
+class HeldArray(Array):
+    """An Array whose values are in memory already (a site's end weights, just computed; a tensor read ahead
+    from disk): `numpy()` hands the values over without a decode, and their serialised bytes are made only if
+    something reads `data`. It lives only for the strategy's aggregation, which owns the values (as it owns what
+    `Array.numpy()` returns)."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        # not Array.__init__: it would serialise the values, the one cost this class exists to avoid
+        self.__dict__.update(
+            dtype=str(values.dtype), shape=tuple(values.shape), stype=SType.NUMPY, _values=values
+        )
+
+    @property
+    def data(self) -> bytes:  # type: ignore[override]
+        if "_data" not in self.__dict__:
+            self.__dict__["_data"] = Array.from_numpy_ndarray(self.__dict__["_values"]).data
+        return self.__dict__["_data"]
+
+    def numpy(self) -> np.ndarray:
+        return self.__dict__["_values"]
+
+
 def sliced_record(record: ArrayRecord, slices: Mapping[str, Slice]) -> ArrayRecord:
     """The arrays `slices` names, each cut to its slice (what a site is sent of a subnetwork); arrays taken
-    whole are shared with `record`, not copied."""
-    return ArrayRecord(
-        {
-            name: record[name]
-            if sl.dim is None
-            else Array(sl.take(torch.from_numpy(record[name].numpy())).numpy())
-            for name, sl in slices.items()
-        }
-    )
+    whole are shared with `record`, not copied, and slices of arrays on disk are taken when read."""
+    sliced = ArrayRecord()  # item by item: ArrayRecord(dict) would copy each into a plain Array
+    for name, sl in slices.items():
+        array = record[name]
+        if sl.dim is None:
+            sliced[name] = array
+        elif isinstance(array, OnDiskArray):
+            sliced[name] = SlicedArray(array, sl)
+        else:
+            sliced[name] = Array(sl.take(torch.from_numpy(array.numpy())).numpy())
+    return sliced
+
+
+class SlicedArray(OnDiskArray):
+    """A slice of an array kept on disk, taken when read: what a site is sent of a model larger than memory,
+    made a tensor at a time as it is sent."""
+
+    def __init__(self, base: OnDiskArray, sl: Slice) -> None:
+        super().__init__(base.dtype, sl.taken_shape(base.shape))
+        self.__dict__.update(base=base, slice=sl)
+
+    def numpy(self) -> np.ndarray:
+        base: OnDiskArray = self.__dict__["base"]
+        return self.__dict__["slice"].take(torch.from_numpy(base.numpy())).numpy()
 
 
 def record_nbytes(record: ArrayRecord) -> int:

@@ -177,6 +177,9 @@ class FederationConfig:
     fraction_train: float = 1.0
     """Fraction of the sites each training round samples (seeded, as Flower's strategies sample: int(sites x
     fraction) of them, at least `--min-sites`); evaluation asks every site. 1 = every site trains every round."""
+    fraction_evaluate: float = 1.0
+    """Fraction of the sites each round's evaluation asks (seeded, as training samples); 0 evaluates on no site,
+    which saves sending a large model to every site each round for its metrics."""
     round_timeout_s: float = 0.0
     """How long a round waits for replies; 0 waits for all (under --secagg: SECAGG_ROUND_TIMEOUT_S)."""
     site_wait_s: float = 120.0
@@ -218,6 +221,12 @@ class FederationConfig:
             "min-sites",
             self.min_sites,
             f"0..{self.sites_per_round} (0 = every sampled site; at most the sites a round samples)",
+        )
+        _check(
+            0 <= self.fraction_evaluate <= 1,
+            "fraction-evaluate",
+            self.fraction_evaluate,
+            "a fraction in [0, 1] (0: no evaluation)",
         )
         _check(self.round_timeout_s >= 0, "round-timeout-s", self.round_timeout_s, "seconds >= 0")
         tiers = self.tier_list

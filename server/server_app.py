@@ -85,7 +85,7 @@ def run_federation(
 
     def start() -> ArrayRecord:
         initial = request_initial_arrays(grid, cfg)
-        if cfg.options.probes_curvature:
+        if cfg.options.checks_stability():
             check_outer_stability(grid, cfg, initial)
         return initial
 

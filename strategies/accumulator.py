@@ -86,6 +86,13 @@ class WeightedDeltaAccumulator:
         for start in range(0, len(resident), group):
             self._add_group(resident[start : start + group])
 
+    def add_weighted(self, deltas: Mapping[str, torch.Tensor], weight: float) -> None:
+        """Fold in one update with a weight given by the caller, counted once: a reply's clipped update (factor
+        `weight`) when its norm was taken over the whole reply elsewhere, one tensor at a time
+        (`by_tensor.clip_factors`)."""
+        self.total_weight += 1.0
+        self._fold([(deltas, weight)])
+
     def _add_group(self, replies: Sequence[Message]) -> None:
         """Check, weigh (DP: clip) and fold replies in order; a bad reply raises after those before it are folded."""
         shapes = {name: total.shape for name, total in self.sums.items()}
@@ -375,16 +382,23 @@ def _norm(
 ) -> float:
     """The L2 norm of all of one reply's arrays together (of mask * delta with `masks`), block by block in
     float64: a fixed sum order and no model-sized temporaries."""
-    squares: list[float] = []
-    tasks = [
-        block
+    squares = [
+        square
         for name, delta in deltas.items()
-        for block in fold.blocks(delta, None if masks is None else masks[name])
+        for square in squared_blocks(pool, delta, None if masks is None else masks[name])
     ]
-    squares.extend([0.0] * len(tasks))
-    tasks = [(squares, index, *block) for index, block in enumerate(tasks)]
-    pool.run(fold.squared_norm, tasks)
     return float(np.sqrt(sum(squares)))
+
+
+def squared_blocks(
+    pool: fold.FoldPool, tensor: torch.Tensor, mask: torch.Tensor | None = None
+) -> list[float]:
+    """The squared L2 norm of each block of `tensor` (masked), in block order: summed in that order over a
+    reply's tensors, the reply's squared norm, the same whether its tensors are read together or one by one."""
+    blocks = fold.blocks(tensor, mask)
+    squares = [0.0] * len(blocks)
+    pool.run(fold.squared_norm, [(squares, index, *block) for index, block in enumerate(blocks)])
+    return squares
 
 
 def _as_bool(mask: torch.Tensor) -> torch.Tensor:

@@ -12,14 +12,24 @@ rule here is coordinate-wise), so a model aggregated this way equals one aggrega
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.app.message.message import make_message
 
+from hydrafl.arrays import HeldArray, array_view
+from hydrafl.strategies.accumulator import squared_blocks
+from hydrafl.strategies.parallel_fold import FoldPool
 from hydrafl.tensor_files import Layout, TensorFileWriter
+
+if TYPE_CHECKING:
+    from hydrafl.privacy.central import CentralDp
 
 MODEL = "model"
 
@@ -42,7 +52,11 @@ class RoundFiles:
 
 @runtime_checkable
 class AggregatesByTensor(Protocol):
-    """Aggregates a round tensor by tensor from disk to disk (a model larger than memory)."""
+    """Aggregates a round tensor by tensor from disk to disk (a model larger than memory), by the same rule as
+    its `aggregate_train`."""
+
+    def by_tensor_refusal(self, arrays: ArrayRecord) -> str:
+        """Why this strategy, as configured, cannot aggregate `arrays` tensor by tensor ("" when it can)."""
 
     def aggregate_by_tensor(
         self,
@@ -55,6 +69,18 @@ class AggregatesByTensor(Protocol):
         e.g. momentum, in files of its own kind), and the train metrics."""
 
 
+def follows_its_rule(strategy: object) -> bool:
+    """Whether `strategy` aggregates tensor by tensor by the rule its `aggregate_train` follows: both written by
+    the same class (a subclass that changes `aggregate_train` alone would be aggregated by its parent's rule)."""
+    if not isinstance(strategy, AggregatesByTensor):
+        return False
+    owners = [
+        next(cls for cls in type(strategy).__mro__ if name in vars(cls))
+        for name in ("aggregate_train", "aggregate_by_tensor")
+    ]
+    return owners[0] is owners[1]
+
+
 def delta_of(reply: Message) -> tuple[str, ArrayRecord]:
     """The key and record of a reply's delta (its first ArrayRecord)."""
     return next(
@@ -62,20 +88,66 @@ def delta_of(reply: Message) -> tuple[str, ArrayRecord]:
     )
 
 
-def tensor_replies(replies: Sequence[Message], name: str) -> list[Message]:
-    """Each reply whose delta has tensor `name`, cut to that tensor; the rest of its content kept."""
-    cut = []
+def read_ahead(
+    start: ArrayRecord, replies: Sequence[Message], names: Sequence[str] | None = None
+) -> Iterator[tuple[str, Array, list[Message]]]:
+    """For each tensor of `start` (in the order of `names`, default `start`'s): its name, its start values and
+    the replies that update it, each cut to it, all read into memory (`HeldArray`s) while the caller works on the
+    tensor before: the disk reads the next tensor while the current one is folded and written. Two tensors'
+    worth are in memory."""
+
+    def load(name: str) -> tuple[str, Array, list[Message]]:
+        values = [reader.submit(_held, start[name])]
+        values += [
+            reader.submit(_held, delta_of(r)[1][name]) for r in replies if name in delta_of(r)[1]
+        ]
+        held = [future.result() for future in values]
+        cut = [r for r in replies if name in delta_of(r)[1]]
+        return name, held[0], [_cut(r, name, array) for r, array in zip(cut, held[1:], strict=True)]
+
+    with ThreadPoolExecutor(1 + len(replies), thread_name_prefix="read-ahead") as reader:
+        with ThreadPoolExecutor(1, thread_name_prefix="read-ahead-window") as windows:
+            pending: Future[tuple[str, Array, list[Message]]] | None = None
+            for name in start if names is None else names:
+                upcoming = windows.submit(load, name)
+                if pending is not None:
+                    yield pending.result()
+                pending = upcoming
+            if pending is not None:
+                yield pending.result()
+
+
+def _held(array: Array) -> Array:
+    return array if isinstance(array, HeldArray) else HeldArray(np.asarray(array.numpy()))
+
+
+def _cut(reply: Message, name: str, array: Array) -> Message:
+    key, _ = delta_of(reply)
+    one = ArrayRecord()  # item by item: ArrayRecord(dict) would copy the array into a plain one
+    one[name] = array
+    content = RecordDict({k: one if k == key else record for k, record in reply.content.items()})
+    return make_message(metadata=reply.metadata, content=content)
+
+
+def clip_factors(replies: Sequence[Message], dp: CentralDp, pool: FoldPool) -> dict[int, float]:
+    """Each reply's central-DP clip factor (by its site's node id), from the L2 norm of its whole delta read one
+    tensor at a time (in the reply's order and block by block, as the in-memory fold sums it): a second read of
+    every reply, the price of a bound over the whole update without holding it."""
+    factors = {}
     for reply in replies:
-        key, delta = delta_of(reply)
-        if name not in delta:
-            continue
-        one = ArrayRecord()  # item by item: ArrayRecord(dict) would copy the array into a plain one
-        one[name] = delta[name]
-        content = RecordDict(
-            {k: one if k == key else record for k, record in reply.content.items()}
-        )
-        cut.append(make_message(metadata=reply.metadata, content=content))
-    return cut
+        squares = [
+            square
+            for array in delta_of(reply)[1].values()
+            for square in squared_blocks(pool, torch.from_numpy(_values(array)))
+        ]
+        factors[reply.metadata.src_node_id] = dp.clip_factor_of_norm(float(np.sqrt(sum(squares))))
+    return factors
+
+
+def _values(array: Array) -> np.ndarray:
+    with warnings.catch_warnings():  # read-only views: only ever read
+        warnings.simplefilter("ignore", UserWarning)
+        return array_view(array)
 
 
 def metric_contents(replies: Sequence[Message]) -> list[RecordDict]:

@@ -11,22 +11,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from hydrafl.arrays import from_record, to_record
 from hydrafl.strategies.accumulator import AggregationError, WeightedDeltaAccumulator
-from hydrafl.strategies.by_tensor import (
-    MODEL,
-    RoundFiles,
-    delta_of,
-    metric_contents,
-    tensor_replies,
-)
-from hydrafl.strategies.outer import OuterOptimizer
+from hydrafl.strategies.by_tensor import RoundFiles, clip_factors, delta_of, metric_contents
+from hydrafl.strategies.outer import OuterOptimizer, step_by_tensor
+from hydrafl.strategies.parallel_fold import FoldPool
 from hydrafl.strategies.registry import StrategyConfig, register
-from hydrafl.tensor_files import as_record, layout_of
 from hydrafl.validation import check
 
 if TYPE_CHECKING:
@@ -77,6 +71,9 @@ class DiLoCo(FedAvg):
         metrics = self.train_metrics_aggr_fn(accumulator.metric_records, self.weighted_by_key)
         return to_record(updated), metrics
 
+    def by_tensor_refusal(self, arrays: ArrayRecord) -> str:
+        return ""
+
     def aggregate_by_tensor(
         self,
         server_round: int,
@@ -86,32 +83,32 @@ class DiLoCo(FedAvg):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """`aggregate_train` one tensor at a time (`by_tensor`): the same sums and outer step per tensor, the
         model and the momentum each written to a file of their own."""
-        if self.central_dp is not None:
-            raise AggregationError(
-                "central DP clips each reply by its whole norm: not aggregated tensor by tensor"
-            )
+        if refusal := self.by_tensor_refusal(start):
+            raise AggregationError(refusal)
         replies = [reply for reply in replies if not reply.has_error()]
         if not replies:
             return None, None
         stepped = dict.fromkeys(name for reply in replies for name in delta_of(reply)[1])
-        model = files.writer(MODEL, layout_of(start))
-        momentum = self.outer.spill({name: start[name].shape for name in stepped}, files)
-        for name, array in start.items():
-            if name not in stepped:
-                model.write(name, array)
-                continue
-            accumulator = WeightedDeltaAccumulator(self.weighted_by_key)
-            accumulator.add_all(tensor_replies(replies, name))
-            weights = torch.from_numpy(array.numpy())
-            model.write(name, self.outer.step(name, weights, accumulator.mean()[name]))
-            del weights, accumulator
-            if momentum is not None:
-                self.outer.keep_on_disk(name, momentum)
-        if momentum is not None:
-            for name in momentum.layout.keys() - stepped.keys():
-                self.outer.keep_on_disk(name, momentum)
-            momentum.close()
-        self.current_arrays = as_record(model.close())
+        pool = FoldPool()
+        dp = self.central_dp
+        factors = None if dp is None else clip_factors(replies, dp, pool)  # by node
+
+        def step(name: str, array: Array, cut: list[Message]) -> torch.Tensor:
+            accumulator = WeightedDeltaAccumulator(self.weighted_by_key, threads=pool.threads)
+            if dp is None or factors is None:
+                accumulator.add_all(cut)
+                return self.outer.step(name, _tensor(array), accumulator.mean()[name])
+            for reply in cut:  # clipped by the factor of the whole reply, each counted once
+                delta = _tensor(delta_of(reply)[1][name])
+                accumulator.add_weighted({name: delta}, factors[reply.metadata.src_node_id])
+            mean = accumulator.mean()[name]
+            dp.noise_(mean, accumulator.total_weight)
+            return self.outer.step(name, _tensor(array), mean)
+
+        order = [*stepped, *(name for name in start if name not in stepped)]  # the noise's order
+        self.current_arrays = step_by_tensor(self.outer, start, replies, files, step, order)
+        if dp is not None:
+            dp.end_round()
         contents = metric_contents(replies)
         return self.current_arrays, self.train_metrics_aggr_fn(contents, self.weighted_by_key)
 
@@ -124,6 +121,10 @@ class DiLoCo(FedAvg):
         if self.central_dp:
             self.central_dp.load_state_dict(state)
         self.current_arrays = state["current_arrays"]
+
+
+def _tensor(array: Array) -> torch.Tensor:
+    return torch.from_numpy(array.numpy())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,6 +149,13 @@ class DiLoCoConfig(OuterConfig):
 
     probes_curvature: ClassVar[bool] = True
     secure_sum: ClassVar[bool] = True
+
+    outer_check: bool = True
+    """Probe the sites' curvature before round 1 and warn when the outer step is predicted unstable; off
+    saves sending the model to every site once more (a model of many GiB)."""
+
+    def checks_stability(self) -> bool:
+        return self.outer_check
 
     def build(self, run: RunConfig, **common: Any) -> DiLoCo:
         return DiLoCo(self, **common)

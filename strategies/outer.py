@@ -4,13 +4,14 @@ as they were."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from flwr.app import Array, ArrayRecord, Message
 
-from hydrafl.strategies.by_tensor import RoundFiles
-from hydrafl.tensor_files import OnDiskArray, TensorFileWriter
+from hydrafl.strategies.by_tensor import MODEL, RoundFiles, delta_of, read_ahead
+from hydrafl.tensor_files import OnDiskArray, TensorFileWriter, as_record, layout_of
 
 MOMENTUM = "momentum"
 
@@ -87,3 +88,28 @@ def _resident(buffer: torch.Tensor | OnDiskArray | None) -> torch.Tensor | None:
 def _copy(buffer: torch.Tensor | OnDiskArray) -> torch.Tensor | OnDiskArray:
     """A tensor's own copy; a buffer on disk is never written in place (a new round writes a new file)."""
     return buffer.clone() if isinstance(buffer, torch.Tensor) else buffer
+
+
+def step_by_tensor(
+    outer: OuterOptimizer,
+    start: ArrayRecord,
+    replies: Sequence[Message],
+    files: RoundFiles,
+    step: Callable[[str, Array, list[Message]], torch.Tensor],
+    order: Sequence[str] | None = None,
+) -> ArrayRecord:
+    """A round of a model on disk under `outer` (`by_tensor`): for each tensor read ahead (in `order`), its new
+    values are `step(name, start values, replies cut to it)`, written to the round's model file, and its
+    momentum buffer moves to the round's momentum file; tensors no reply updates are copied."""
+    stepped = dict.fromkeys(name for reply in replies for name in delta_of(reply)[1])
+    model = files.writer(MODEL, layout_of(start))
+    momentum = outer.spill({name: start[name].shape for name in stepped}, files)
+    for name, array, cut in read_ahead(start, replies, order):
+        model.write(name, step(name, array, cut) if cut else array)
+        if cut and momentum is not None:
+            outer.keep_on_disk(name, momentum)
+    if momentum is not None:
+        for name in momentum.layout.keys() - stepped.keys():
+            outer.keep_on_disk(name, momentum)
+        momentum.close()
+    return as_record(model.close())

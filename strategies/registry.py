@@ -49,13 +49,18 @@ class StrategyConfig:
     site_proximal_term: ClassVar[bool] = False
     """Sites add a proximal term to their loss (it does not combine with the lm-dual inner optimizer)."""
     probes_curvature: ClassVar[bool] = False
-    """Before training, sites' curvature is probed to predict whether the outer optimizer is stable."""
+    """Before training, sites' curvature is probed to predict whether the outer optimizer is stable (unless
+    `checks_stability` says this run skips it)."""
     slices_transformer: ClassVar[bool] = False
     """Sites train a share of a transformer sized in layers, attention heads, FFN width or LoRA rank
     (`subnet.families`): a model without them (the small CNN) cannot run the strategy."""
     secure_sum: ClassVar[bool] = False
     """The strategy needs only the weighted mean of the sites' updates, so it runs under secure aggregation
     (`secagg`), which hands it the sum alone; strategies that need each site's own update refuse it."""
+
+    def checks_stability(self) -> bool:
+        """Whether this run probes the sites' curvature before round 1 (`probes_curvature`)."""
+        return self.probes_curvature
 
     def build(self, run: RunConfig, **common: Any) -> Strategy:
         """The strategy for `run`; `common` are Flower's sampling arguments (fractions, minimum nodes)."""
@@ -282,14 +287,14 @@ def describe() -> Iterator[tuple[str, str, list[tuple[str, str, str]]]]:
 
 def build_strategy(run: RunConfig) -> Strategy:
     """The strategy of `run`: each training round samples `run.sites_per_round` sites (all by default) once
-    `run.available_sites` are connected, evaluation asks every site; with the run's central DP (`dp_clip`,
-    `dp_noise_multiplier`) when it has one."""
+    `run.available_sites` are connected, evaluation asks `run.fraction_evaluate` of them; with the run's
+    central DP (`dp_clip`, `dp_noise_multiplier`) when it has one."""
     strategy = run.options.build(
         run,
         fraction_train=run.fraction_train,
-        fraction_evaluate=1.0,
+        fraction_evaluate=run.fraction_evaluate,
         min_train_nodes=run.available_sites,
-        min_evaluate_nodes=run.available_sites,
+        min_evaluate_nodes=max(1, int(run.available_sites * run.fraction_evaluate)),
         min_available_nodes=run.available_sites,
     )
     if not run.dp_clip:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import MessageType
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
@@ -25,13 +25,14 @@ from flwr.serverapp.strategy import FedAvg
 from hydrafl.arrays import from_record, sliced_record, to_record
 from hydrafl.lora_pairs import lora_pairs
 from hydrafl.strategies.accumulator import AggregationError, MaskedDeltaAccumulator
+from hydrafl.strategies.by_tensor import RoundFiles, metric_contents
 from hydrafl.strategies.lora_factors import (
     MaskedProductAccumulator,
     reply_delta,
     reply_weight,
     svd_factors,
 )
-from hydrafl.strategies.outer import OuterOptimizer
+from hydrafl.strategies.outer import OuterOptimizer, step_by_tensor
 from hydrafl.strategies.planner import BudgetError, SitePlanner
 from hydrafl.strategies.robust import MaskedRobustAggregator, RobustRule
 from hydrafl.subnet.slices import Slice, layout_slices, read_slices
@@ -248,6 +249,55 @@ class SubnetStrategy(FedAvg):
         return to_record(weights), self.train_metrics_aggr_fn(
             accumulator.metric_records, self.weighted_by_key
         )
+
+    def by_tensor_refusal(self, arrays: ArrayRecord) -> str:
+        if self.central_dp is not None or self.robust.robust:
+            return "central DP and the robust rules need whole replies"
+        if self.lora_products and lora_pairs(arrays.keys(), required=False):
+            return "LoRA products B A are aggregated per module (hydra-lora=factors aggregates by tensor)"
+        return ""
+
+    def aggregate_by_tensor(
+        self,
+        server_round: int,
+        replies: Sequence[Message],
+        start: ArrayRecord,
+        files: RoundFiles,
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """`aggregate_train`'s masked mean and outer step one tensor at a time (`by_tensor`), for the plain mean
+        on coordinates; the model and the momentum each written to a file of their own."""
+        if refusal := self.by_tensor_refusal(start):
+            raise AggregationError(refusal)
+        replies = [reply for reply in replies if not reply.has_error()]
+        unassigned = [
+            r.metadata.src_node_id for r in replies if r.metadata.src_node_id not in self.specs
+        ]
+        if unassigned:
+            raise AggregationError(
+                f"reply from node {unassigned[0]}, which was assigned no subnetwork this round"
+            )
+        if not replies:
+            return None, None
+        slices = {node: self.site_slices(node) for node in self.specs}
+
+        def step(name: str, array: Array, cut: list[Message]) -> torch.Tensor:
+            accumulator = MaskedDeltaAccumulator(self.weighted_by_key)
+            for reply in cut:
+                site = slices[reply.metadata.src_node_id]
+                if name not in site:
+                    raise AggregationError(
+                        f"reply from node {reply.metadata.src_node_id} updates {name!r}, outside its subnetwork"
+                    )
+                accumulator.add_slices(
+                    reply, {name: site[name]}, {name: array.shape}, count_once=self.count_once
+                )
+            delta, trained = accumulator.mean()[name]
+            weights = torch.from_numpy(array.numpy())
+            return self.outer.masked_step(name, weights, delta, trained)
+
+        self.current_arrays = step_by_tensor(self.outer, start, replies, files, step)
+        contents = metric_contents(replies)
+        return self.current_arrays, self.train_metrics_aggr_fn(contents, self.weighted_by_key)
 
     def state_dict(self) -> dict[str, Any]:
         return {

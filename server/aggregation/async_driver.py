@@ -25,7 +25,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from hydrafl import protocol
-from hydrafl.arrays import keep_dtypes
+from hydrafl.arrays import keep_dtypes, record_nbytes
 from hydrafl.rounds import RoundRecord
 from hydrafl.server.aggregation.driver import (
     DriverConfig,
@@ -140,6 +140,17 @@ class AsyncDriver(RoundDriver):
         self.failures: Counter[int] = Counter()
         self.local_rounds: Counter[int] = Counter()
 
+    def _refuse_on_disk(self, arrays: ArrayRecord) -> None:
+        """A model the coordinator would keep on disk (`DriverConfig.resident_model_bytes`) is refused: the
+        buffer holds whole updates, in memory."""
+        limit = self.config.resident_model_bytes
+        if limit is not None and self.config.run_dir is not None and record_nbytes(arrays) > limit:
+            raise RoundFailed(
+                f"the global model ({record_nbytes(arrays) / 2**20:.0f} MiB) is larger than the coordinator "
+                "keeps in memory (resident-model-mb), and an asynchronous strategy's buffer holds whole "
+                "updates; raise resident-model-mb above the model if this coordinator can hold it"
+            )
+
     def run(
         self,
         start: Callable[[], ArrayRecord],
@@ -158,8 +169,10 @@ class AsyncDriver(RoundDriver):
                 checkpoint.server_round,
             )
             log.info("resuming after model version %d", version)
+            self._refuse_on_disk(arrays)
         else:
             arrays = start()
+            self._refuse_on_disk(arrays)
             self._close(self.evaluation.run(0, arrays), history, arrays, on_round)
         if version >= self.config.num_rounds:
             return RunResult(arrays=arrays, history=history)

@@ -306,7 +306,7 @@ class RoundDriver:
         limit, folder = self.config.resident_model_bytes, self.config.run_dir
         if limit is None or folder is None or record_nbytes(arrays) <= limit:
             return arrays
-        refusal = self._on_disk_refusal()
+        refusal = self._on_disk_refusal(arrays)
         if refusal:
             raise RoundFailed(
                 f"the global model ({record_nbytes(arrays) / 2**20:.0f} MiB) is larger than the coordinator "
@@ -322,18 +322,13 @@ class RoundDriver:
             model.write(name, array)
         return as_record(model.close())
 
-    def _on_disk_refusal(self) -> str:
+    def _on_disk_refusal(self, arrays: ArrayRecord) -> str:
         """Why this run cannot keep its model on disk ("" when it can)."""
-        if not self.adapter.aggregates_by_tensor:
-            return (
-                f"strategy {type(self.strategy).__name__} needs every reply in memory at once; strategies "
-                "that aggregate tensor by tensor: FedAvg, FedProx, FedMedian, FedTrimmedAvg, DiLoCo"
-            )
         if self.config.secagg is not None:
             return "secure aggregation sums whole replies in memory"
         if self.config.screening.enabled or self.config.diagnostics:
             return "screening and diagnostics compare whole replies in memory"
-        return ""
+        return self.adapter.by_tensor_refusal(arrays)
 
     def _resume(self) -> Checkpoint | None:
         """The checkpoint to go on from (its configuration checked), the strategy's state restored from it."""

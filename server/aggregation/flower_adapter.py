@@ -22,13 +22,18 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord
-from flwr.common.constant import SType
 from flwr.serverapp.strategy import FedAvg, FedMedian, FedTrimmedAvg, Strategy
 
 from hydrafl import protocol
-from hydrafl.arrays import array_view
+from hydrafl.arrays import HeldArray, array_view
 from hydrafl.strategies import hooks
-from hydrafl.strategies.by_tensor import MODEL, AggregatesByTensor, RoundFiles, tensor_replies
+from hydrafl.strategies.by_tensor import (
+    MODEL,
+    AggregatesByTensor,
+    RoundFiles,
+    follows_its_rule,
+    read_ahead,
+)
 from hydrafl.tensor_files import as_record, layout_of
 from hydrafl.updates import array_names, consistent_majority, metric_layout
 
@@ -61,9 +66,8 @@ class FlowerAdapter:
         self.matches_train = flower_wrote(strategy.aggregate_train)
         """Flower's aggregate_train: it needs the round's replies together, cut to a matching majority."""
         self.matches_evaluate = flower_wrote(strategy.aggregate_evaluate)
-        self.aggregates_by_tensor = isinstance(strategy, AggregatesByTensor) or (
-            getattr(type(strategy).aggregate_train, "__func__", type(strategy).aggregate_train)
-            in COORDINATE_WISE
+        self.aggregates_by_tensor = follows_its_rule(strategy) or (
+            type(strategy).aggregate_train in COORDINATE_WISE
         )
         """The strategy can aggregate a model kept on disk, one tensor at a time (`aggregate_by_tensor`)."""
 
@@ -97,21 +101,36 @@ class FlowerAdapter:
         arrays, metrics = self.strategy.aggregate_train(server_round, _as_weights(replies, start))
         return (None if arrays is None else _released(arrays)), metrics
 
+    def by_tensor_refusal(self, arrays: ArrayRecord) -> str:
+        """Why the strategy cannot aggregate `arrays` kept on disk ("" when it can)."""
+        if not self.aggregates_by_tensor:
+            return (
+                f"strategy {type(self.strategy).__name__} needs every reply in memory at once; those that "
+                "aggregate tensor by tensor: FedAvg, FedProx, FedMedian, FedTrimmedAvg, DiLoCo, Hydra and "
+                "the width baselines. Raise resident-model-mb above the model if this coordinator can "
+                "hold every reply"
+            )
+        if isinstance(self.strategy, AggregatesByTensor):
+            return self.strategy.by_tensor_refusal(arrays)
+        return ""
+
     def aggregate_by_tensor(
         self, server_round: int, replies: Sequence[Message], start: ArrayRecord, files: RoundFiles
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """`aggregate_train` of a model on disk: the strategy's own by-tensor aggregation, or, for Flower's
         coordinate-wise rules, their `aggregate_train` on each tensor's cut of the replies in turn."""
-        if isinstance(self.strategy, AggregatesByTensor):
+        if follows_its_rule(self.strategy):
+            assert isinstance(self.strategy, AggregatesByTensor)
             return self.strategy.aggregate_by_tensor(server_round, replies, start, files)
         model = files.writer(MODEL, layout_of(start))
         metrics = None
-        for name, array in start.items():
-            cut = tensor_replies(replies, name)
+        for name, array, cut in read_ahead(start, replies):
             if not cut:
                 model.write(name, array)
                 continue
-            arrays, metrics = self.aggregate_train(server_round, cut, start, summed=False)
+            arrays, metrics = self.aggregate_train(
+                server_round, cut, as_record({name: array}), summed=False
+            )
             if arrays is None:
                 return None, None
             model.write(name, arrays[name].numpy().astype(array.dtype, copy=False))
@@ -121,27 +140,6 @@ class FlowerAdapter:
         self, server_round: int, replies: Sequence[Message]
     ) -> MetricRecord | None:
         return self.strategy.aggregate_evaluate(server_round, replies)
-
-
-class HeldArray(Array):
-    """An Array whose values are in memory already (a site's end weights, just computed): `numpy()` hands the
-    values over without a decode, and their serialised bytes are made only if something reads `data`. It lives
-    only for the strategy's aggregation, which owns the values (as it owns what `Array.numpy()` returns)."""
-
-    def __init__(self, values: np.ndarray) -> None:
-        # not Array.__init__: it would serialise the values, the one cost this class exists to avoid
-        self.__dict__.update(
-            dtype=str(values.dtype), shape=tuple(values.shape), stype=SType.NUMPY, _values=values
-        )
-
-    @property
-    def data(self) -> bytes:  # type: ignore[override]
-        if "_data" not in self.__dict__:
-            self.__dict__["_data"] = Array.from_numpy_ndarray(self.__dict__["_values"]).data
-        return self.__dict__["_data"]
-
-    def numpy(self) -> np.ndarray:
-        return self.__dict__["_values"]
 
 
 def _as_weights(replies: Iterable[Message], start: ArrayRecord) -> Iterator[Message]:
