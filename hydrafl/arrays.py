@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
+from hydrafl.tensor_files import MappedArray
+
 if TYPE_CHECKING:
     from hydrafl.subnet.slices import Slice
 
@@ -31,7 +33,10 @@ def from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
 def array_view(array: Array) -> np.ndarray:
     """A read-only view of an Array's values without copying them out of its serialised bytes (the copy
     `Array.numpy()` makes is most of the cost of aggregating large updates). The bytes may be any buffer (bytes,
-    a memory-mapped file, a memoryview): only the header is copied, to be parsed."""
+    a memory-mapped file, a memoryview): only the header is copied, to be parsed. A `MappedArray`'s values are
+    mapped from its file."""
+    if isinstance(array, MappedArray):
+        return array.view()
     data = memoryview(array.data).cast("B")
     major, _ = np.lib.format.read_magic(io.BytesIO(data[:8].tobytes()))
     length_bytes = 2 if major == 1 else 4  # the header's own length follows the 8-byte magic
@@ -72,7 +77,10 @@ def sliced_record(record: ArrayRecord, slices: Mapping[str, Slice]) -> ArrayReco
 
 def record_nbytes(record: ArrayRecord) -> int:
     """Payload bytes of a record (what travels, before transport framing)."""
-    return sum(len(array.data) for array in record.values())
+    return sum(
+        array.serialised_nbytes if isinstance(array, MappedArray) else len(array.data)
+        for array in record.values()
+    )
 
 
 def weights_from_delta(start: ArrayRecord, delta: ArrayRecord) -> ArrayRecord:

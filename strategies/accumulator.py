@@ -21,6 +21,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from hydrafl.arrays import array_view
 from hydrafl.strategies import parallel_fold as fold
 from hydrafl.subnet.slices import Slice
+from hydrafl.tensor_files import MappedArray
 from hydrafl.updates import records
 
 if TYPE_CHECKING:
@@ -415,6 +416,8 @@ def _release(arrays: ArrayRecord) -> None:
     replies the round holds. Other buffers are left alone (dropping the pages of a writable or anonymous
     mapping would lose data)."""
     for array in arrays.values():
+        if isinstance(array, MappedArray):  # read through maps of its own, gone with the views
+            continue
         view = memoryview(array.data)
         mapping = _mapping(array.data)
         if mapping is None or not view.readonly or not view.nbytes:
@@ -432,7 +435,9 @@ def _release(arrays: ArrayRecord) -> None:
 
 def _mapped(reply: Message) -> bool:
     arrays = (array for record in records(reply.content, ArrayRecord) for array in record.values())
-    return any(_mapping(array.data) is not None for array in arrays)
+    return any(
+        isinstance(array, MappedArray) or _mapping(array.data) is not None for array in arrays
+    )
 
 
 def _mapping(buffer: object) -> mmap.mmap | None:

@@ -1,0 +1,267 @@
+"""Tensors in safetensors files, written and read one tensor at a time, so a model larger than memory passes
+through a process that holds one tensor of it.
+
+`TensorFileWriter` writes the header first (the layout is known before the values: a model's names, dtypes and
+shapes), then each tensor's bytes at its place as they are computed, in any order; `open_tensors` gives a file's
+tensors as `MappedArray`s, Flower Arrays whose values stay in the file until something reads them. Any
+safetensors reader (`safetensors.safe_open`, `transformers`) reads these files; files safetensors writes read
+back here.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array
+from flwr.common.constant import SType
+
+SAFETENSORS_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+NUMPY_DTYPES = {code: name for name, code in SAFETENSORS_DTYPES.items()}
+_HEADER_LIMIT = 100 << 20
+"""safetensors' own limit on a header's size: a file claiming more is not one."""
+
+Layout = Mapping[str, tuple[str, tuple[int, ...]]]
+"""Tensor name -> (numpy dtype name, shape)."""
+
+
+class TensorFileError(ValueError):
+    """A file that is not a readable safetensors file, or a tensor that does not fit the file's layout."""
+
+
+class MappedArray(Array):
+    """A Flower Array whose values are a tensor in a file: `numpy()` reads them (a fresh array, which the caller
+    owns, as `Array.numpy()` gives), `view()` maps them read-only; nothing stays in memory between reads. Its
+    serialised `data` is made only if something asks for it (Flower's own encoders)."""
+
+    def __init__(self, path: str | Path, offset: int, dtype: str, shape: tuple[int, ...]) -> None:
+        # not Array.__init__: it wants the values in memory, which is what this class exists to avoid
+        self.__dict__.update(
+            dtype=dtype, shape=tuple(shape), stype=SType.NUMPY, path=str(path), offset=offset
+        )
+
+    @property
+    def path(self) -> str:
+        return self.__dict__["path"]
+
+    @property
+    def offset(self) -> int:
+        return self.__dict__["offset"]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+    def numpy(self) -> np.ndarray:
+        count = math.prod(self.shape)
+        values = np.fromfile(self.path, dtype=self.dtype, count=count, offset=self.offset)
+        if values.size != count:
+            raise TensorFileError(f"{self.path} ends inside a tensor (truncated?)")
+        return values.reshape(self.shape)
+
+    def view(self) -> np.ndarray:
+        """The values mapped read-only: their pages leave the process with the last reference to the view."""
+        if not self.nbytes:  # mmap cannot map nothing
+            empty = np.empty(self.shape, self.dtype)
+            empty.flags.writeable = False
+            return empty
+        return np.memmap(self.path, self.dtype, "r", offset=self.offset, shape=self.shape)
+
+    @property
+    def data(self) -> bytes:  # type: ignore[override]
+        return self._npy_header() + self.numpy().tobytes()
+
+    @property
+    def serialised_nbytes(self) -> int:
+        """`len(self.data)`, without reading the values."""
+        return len(self._npy_header()) + self.nbytes
+
+    def _npy_header(self) -> bytes:
+        header = io.BytesIO()
+        described = {
+            "descr": np.lib.format.dtype_to_descr(np.dtype(self.dtype)),
+            "fortran_order": False,
+            "shape": self.shape,
+        }
+        np.lib.format.write_array_header_1_0(header, described)
+        return header.getvalue()
+
+
+def layout_of(tensors: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The layout of named numpy arrays, torch tensors or Flower Arrays."""
+    return {name: (_dtype_name(value), tuple(value.shape)) for name, value in tensors.items()}
+
+
+class TensorFileWriter:
+    """A safetensors file of `layout`, filled tensor by tensor (`write`, in any order) and made durable by `close`.
+
+    The file is created whole (sparse) at once, so a crash leaves a file that `close` never returned: callers
+    commit by naming the file elsewhere (a checkpoint's JSON) only after `close`."""
+
+    def __init__(
+        self, path: str | Path, layout: Layout, metadata: Mapping[str, str] | None = None
+    ) -> None:
+        self.path = Path(path)
+        self.layout = dict(layout)
+        header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+        self._places: dict[str, tuple[int, int]] = {}
+        end = 0
+        for name, (dtype, shape) in self.layout.items():
+            if dtype not in SAFETENSORS_DTYPES:
+                raise TensorFileError(f"tensor {name!r}: dtype {dtype} has no safetensors form")
+            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+            header[name] = {
+                "dtype": SAFETENSORS_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [end, end + nbytes],
+            }
+            self._places[name] = (end, nbytes)
+            end += nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (
+            -len(encoded) % 8
+        )  # the data starts 8-byte aligned, as safetensors writes it
+        self._data_start = 8 + len(encoded)
+        self._written: set[str] = set()
+        self._descriptor = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(self._descriptor, struct.pack("<Q", len(encoded)) + encoded)
+            os.ftruncate(self._descriptor, self._data_start + end)
+        except BaseException:
+            os.close(self._descriptor)
+            raise
+
+    def write(self, name: str, values: np.ndarray | torch.Tensor | Array) -> None:
+        """Write tensor `name`; its dtype and shape must be the layout's."""
+        if name not in self._places:
+            raise TensorFileError(f"{self.path.name} has no tensor {name!r} in its layout")
+        array = _numpy(values)
+        dtype, shape = self.layout[name]
+        if str(array.dtype) != dtype or tuple(array.shape) != tuple(shape):
+            raise TensorFileError(
+                f"tensor {name!r} is {array.dtype}{tuple(array.shape)}, the layout says {dtype}{tuple(shape)}"
+            )
+        start, nbytes = self._places[name]
+        raw = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        offset = self._data_start + start
+        while raw:
+            done = os.pwrite(self._descriptor, raw, offset)
+            raw, offset = raw[done:], offset + done
+        self._written.add(name)
+
+    def close(self) -> dict[str, MappedArray]:
+        """Every tensor written: flush to disk and give the file's tensors, mapped."""
+        try:
+            missing = [name for name in self.layout if name not in self._written]
+            if missing:
+                raise TensorFileError(f"{self.path.name}: tensor {missing[0]!r} was never written")
+            os.fsync(self._descriptor)
+        finally:
+            os.close(self._descriptor)
+        return self.mapped()
+
+    def mapped(self) -> dict[str, MappedArray]:
+        return {
+            name: MappedArray(self.path, self._data_start + start, dtype, shape)
+            for (name, (dtype, shape)), (start, _) in zip(
+                self.layout.items(), self._places.values(), strict=True
+            )
+        }
+
+    def __enter__(self) -> TensorFileWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None and self._descriptor >= 0:
+            try:
+                os.close(self._descriptor)
+            except OSError:
+                pass
+
+
+def save_tensors(
+    path: str | Path, tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None
+) -> dict[str, MappedArray]:
+    """Write `tensors` (numpy arrays, torch tensors, Flower Arrays, mapped ones among them) one at a time."""
+    writer = TensorFileWriter(path, layout_of(tensors), metadata)
+    for name, value in tensors.items():
+        writer.write(name, value)
+    return writer.close()
+
+
+def open_tensors(path: str | Path) -> dict[str, MappedArray]:
+    """The tensors of safetensors file `path`, mapped (their values are read when asked for)."""
+    path = Path(path)
+    try:
+        with path.open("rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > _HEADER_LIMIT:
+                raise TensorFileError(
+                    f"{path} is not a safetensors file (header of {length} bytes)"
+                )
+            header = json.loads(handle.read(length))
+        size = path.stat().st_size
+    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise TensorFileError(f"{path} is not a readable safetensors file: {error}") from error
+    header.pop("__metadata__", None)
+    arrays = {}
+    for name, entry in header.items():
+        try:
+            dtype = NUMPY_DTYPES[entry["dtype"]]
+            shape = tuple(int(n) for n in entry["shape"])
+            begin, end = (int(n) for n in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise TensorFileError(
+                f"{path}: tensor {name!r} has no readable entry ({error})"
+            ) from None
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        if end - begin != nbytes or 8 + length + end > size or begin < 0:
+            raise TensorFileError(f"{path}: tensor {name!r} does not fit the file")
+        arrays[name] = MappedArray(path, 8 + length + begin, dtype, shape)
+    return arrays
+
+
+def metadata_of(path: str | Path) -> dict[str, str]:
+    """The file's `__metadata__` (empty when it has none)."""
+    with Path(path).open("rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        return dict(json.loads(handle.read(length)).get("__metadata__", {}))
+
+
+def _numpy(values: np.ndarray | torch.Tensor | Array) -> np.ndarray:
+    if isinstance(values, MappedArray):
+        return values.view()
+    if isinstance(values, Array):
+        return values.numpy()
+    if isinstance(values, torch.Tensor):
+        return values.detach().cpu().contiguous().numpy()
+    return values
+
+
+def _dtype_name(value: Any) -> str:
+    if isinstance(value, Array):
+        return str(value.dtype)
+    if isinstance(value, torch.Tensor):
+        return str(value.dtype).removeprefix("torch.")
+    return str(value.dtype)
