@@ -30,6 +30,15 @@ def from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
     return {name: torch.from_numpy(array.numpy()) for name, array in record.items()}
 
 
+def record_of(arrays: Mapping[str, Array]) -> ArrayRecord:
+    """An ArrayRecord of these very Arrays. `ArrayRecord(dict)` rebuilds each Array from its serialised `data`,
+    which for a `MappedArray` would read the whole tensor into memory."""
+    record = ArrayRecord()
+    for name, array in arrays.items():
+        record[name] = array
+    return record
+
+
 def array_view(array: Array) -> np.ndarray:
     """A read-only view of an Array's values without copying them out of its serialised bytes (the copy
     `Array.numpy()` makes is most of the cost of aggregating large updates). The bytes may be any buffer (bytes,
