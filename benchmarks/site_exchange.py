@@ -17,8 +17,9 @@ Measured in the site process (/proc/PID/status): its resident memory once warm (
 and first buffers are counted before), and its peak (VmHWM) after the exchange; the exchange's growth is the
 difference. The reply's chunk names (XXH3 of every chunk) must be the same in both modes: bit-identical
 pseudo-gradients. Sizes from `--file-only-from` on are measured through files only (in memory they would need
-twice the model in this machine's memory, which the smaller sizes already show). Writes
-results/site_exchange.{json,md,png}.
+twice the model in this machine's memory, which the smaller sizes already show), and an in-memory run is
+skipped, and said so, when the machine has less than 3 models and 1 GiB available (MemAvailable): the machine
+may be shared. Writes results/site_exchange.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -166,6 +167,13 @@ def _exchange(grid: CoordinatorGrid, node_id: int, model: dict[str, Any], server
     return xxhash.xxh3_128_hexdigest("".join(names).encode())
 
 
+def _available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) << 10
+    return 0
+
+
 def _status(pid: int) -> dict[str, int]:
     """VmRSS and VmHWM of process `pid`, in bytes."""
     fields = {}
@@ -209,10 +217,16 @@ def main() -> None:
         if mode == "file" or size < args.file_only_from
     ]
     rows = []
+    skipped = []
     with Progress(*progress_columns(), console=console) as progress:
         task = progress.add_task("exchanges", total=len(runs))
         for size, mode in runs:
             progress.update(task, description=f"{size:g} GiB, {mode}")
+            available = _available_bytes()
+            if mode == "memory" and available < 3 * size * GIB + GIB:
+                skipped.append({"size_gib": size, "available_gib": available / GIB})
+                progress.advance(task)
+                continue
             workdir = Path(tempfile.mkdtemp(prefix="site-exchange-"))
             try:
                 rows.append(measure(size, mode, workdir))
@@ -240,6 +254,10 @@ def main() -> None:
             f"{row['seconds']:.1f}",
         )
     console.print(table)
+    for skip in skipped:
+        console.print(
+            f"in memory at {skip['size_gib']:g} GiB: skipped, {skip['available_gib']:.1f} GiB available"
+        )
     console.print(
         f"file-backed growth at most {worst:.0f} MB (goal < {GOAL_GROWTH_MB} MB at every size), replies "
         f"bit-identical across modes: {identical}: {verdict(goal_met)}"
@@ -252,6 +270,7 @@ def main() -> None:
         "worst_file_growth_mb": worst,
         "replies_identical": identical,
         "goal_met": goal_met,
+        "memory_runs_skipped": skipped,
     }
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
     lines = [

@@ -160,6 +160,7 @@ class SiteAgent:
         self.max_download_bytes = (
             default_max_download_bytes() if max_download_bytes is None else max_download_bytes
         )
+        self._download_limit_given = max_download_bytes is not None
         if self.max_download_bytes <= 0:
             raise ValueError(f"max_download_bytes must be positive, got {self.max_download_bytes}")
         self.metadata = (("authorization", f"Bearer {token}"),)
@@ -404,17 +405,18 @@ class SiteAgent:
         )  # every dtype, shape and size consistent, no hostile product: nothing allocated yet
         tensors = sum(len(record.tensors) for record in envelope.arrays)
         held = declared_nbytes(envelope) + tensors * TENSOR_OVERHEAD_BYTES
-        if held > self.max_download_bytes:
+        to_file = declared_nbytes(envelope) > self.exchange_memory_bytes
+        limit, source = self._download_limit(to_file)
+        if held > limit:
             raise MessageRefused(
                 f"message declares {size_text(held)} of arrays ({tensors} tensors, counted {TENSOR_OVERHEAD_BYTES} "
-                f"bytes each besides their data); this site accepts at most {size_text(self.max_download_bytes)} "
-                "(--max-download-mb)"
+                f"bytes each besides their data); this site accepts at most {size_text(limit)} ({source})"
             )
         sizes = chunk_sizes(envelope)
         self.received.keep_for(envelope)
         assembly: Assembling = (
             FileAssembly(envelope, self.received, self.exchange_dir())
-            if declared_nbytes(envelope) > self.exchange_memory_bytes
+            if to_file
             else Assembly(envelope, self.received)
         )
         wanted = {digest: sizes[digest] for digest in assembly.missing()}
@@ -428,6 +430,14 @@ class SiteAgent:
         message = join_message(envelope, {}, verified=True, assembled=assembly.arrays())
         self.received.handed_over()
         return message
+
+    def _download_limit(self, to_file: bool) -> tuple[int, str]:
+        """The most a download may declare, and what sets it: --max-download-mb when given; else half the
+        machine's memory in memory, and the exchange folder's free space through a file (a model larger than
+        memory is what files are for)."""
+        if to_file and not self._download_limit_given:
+            return shutil.disk_usage(self.exchange_dir()).free, "free space of its exchange folder"
+        return self.max_download_bytes, "--max-download-mb"
 
     def exchange_dir(self) -> Path:
         """The folder of the site's download and upload files: its own, or a temporary one made when first

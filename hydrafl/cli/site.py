@@ -51,7 +51,9 @@ def site(
     max_download_mb: Annotated[
         int | None,
         typer.Option(
-            min=1, help="Largest message this site downloads (MB of arrays); default half its RAM."
+            min=1,
+            help="Largest message this site downloads (MB of arrays); default half its RAM, and the "
+            "free disk space for one over --exchange-memory-mb.",
         ),
     ] = None,
     exchange_memory_mb: Annotated[

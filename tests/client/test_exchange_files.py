@@ -18,14 +18,20 @@ import pytest
 from fake_coordinator import FakeCoordinator, coordinator_message, serve_in_thread
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from helpers import started_coordinator_run
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.supercore.task_identity import TaskIdentity
+from helpers import SMALL_RUN, started_coordinator_run
 
+from hydrafl.arrays import record_of
 from hydrafl.benchmarks import _large_site
 from hydrafl.client import agent as agent_module
+from hydrafl.client import site_app
 from hydrafl.client.agent import SiteAgent
+from hydrafl.client.site_pipeline import answer
+from hydrafl.client.site_policy import SitePolicy
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.envelope import join_message
-from hydrafl.tensor_files import MappedArray
+from hydrafl.tensor_files import MappedArray, save_tensors
 
 FILE_BOUND = 1_000_000
 """Exchange memory below the test message (4.9 MB): it goes through files."""
@@ -266,3 +272,30 @@ def test_a_site_s_memory_grows_by_far_less_than_the_model_it_exchanges(tmp_path)
     assert reply.content["metrics"]["num-examples"] == 1
     assert not list((tmp_path / "state" / "exchange").iterdir())
     assert not list(tmp_path.glob("large-reply-*"))
+
+
+def test_hydrafl_s_own_app_trains_from_a_file_backed_download_to_the_same_delta(
+    tmp_path, no_mapped_data
+):
+    """The ClientApp every hydrafl site runs reads MappedArrays as it reads Arrays in memory, and none of it asks
+    for their serialised bytes."""
+    cfg = SMALL_RUN.replace(sites=2, samples_per_site=50, local_steps=3, batch_size=8)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SUPERLINK_NODE_ID, 1
+
+    def context() -> Context:
+        node_config = {"partition-id": 1, "num-partitions": 2}
+        return Context(1, 5, node_config, RecordDict(), cfg.to_flower())
+
+    query = Message(RecordDict(), dst_node_id=5, message_type="query.init")
+    initial = site_app.initial_model(query, context()).content["arrays"]
+    mapped = record_of(save_tensors(tmp_path / "model.safetensors", dict(initial.items())))
+    deltas = []
+    for record in (initial, mapped):
+        content = {"arrays": record, "config": ConfigRecord({"server-round": 2})}
+        message = Message(RecordDict(content), dst_node_id=5, message_type="train")
+        reply = answer(site_app.client_app, message, context(), SitePolicy())
+        assert not reply.has_error(), reply.error
+        deltas.append(reply.content["arrays"])
+    assert all(isinstance(array, MappedArray) for array in mapped.values())
+    assert list(deltas[0]) == list(deltas[1]) and len(deltas[0]) > 10
+    assert all(deltas[0][k].numpy().tobytes() == deltas[1][k].numpy().tobytes() for k in deltas[0])
