@@ -14,12 +14,13 @@ at a time. Modes:
   and writes its reply to a file, which the site uploads a chunk at a time.
 
 Measured in the site process (/proc/PID/status): its resident memory once warm (a tiny message first, so imports
-and first buffers are counted before), and its peak (VmHWM) after the exchange; the exchange's growth is the
-difference. The reply's chunk names (XXH3 of every chunk) must be the same in both modes: bit-identical
-pseudo-gradients. Sizes from `--file-only-from` on are measured through files only (in memory they would need
-twice the model in this machine's memory, which the smaller sizes already show), and an in-memory run is
-skipped, and said so, when the machine has less than 3 models and 1 GiB available (MemAvailable): the machine
-may be shared. Writes results/site_exchange.{json,md,png}.
+and first buffers are counted before), when its peak is reset to it (`5` to /proc/PID/clear_refs), and its peak
+(VmHWM) after the exchange; the exchange's growth is the difference. The reply's chunk names (XXH3 of every
+chunk) must be the same in both modes: bit-identical pseudo-gradients. Sizes from `--file-only-from` on are
+measured through files only (in memory they would need twice the model in this machine's memory, which the
+smaller sizes already show). The machine may be shared: an in-memory run waits up to 5 minutes for 3 models and
+1 GiB to be available (MemAvailable), and is skipped, and said so, if they are not. Writes
+results/site_exchange.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ def measure(size_gib: float, mode: str, workdir: Path) -> dict[str, Any]:
         (workdir / "token").write_text(token)
         site = _start_site(coordinator.port, workdir, mode)
         _exchange(grid, node.node_id, _model_file(workdir / "warm.safetensors", 1, 8), 1)
+        Path(f"/proc/{site.pid}/clear_refs").write_text(
+            "5"
+        )  # VmHWM := VmRSS: imports' peak forgotten
         before = _status(site.pid)
         model = _model_file(workdir / "model.safetensors", layers, WIDTH)
         started = time.perf_counter()
@@ -167,11 +171,17 @@ def _exchange(grid: CoordinatorGrid, node_id: int, model: dict[str, Any], server
     return xxhash.xxh3_128_hexdigest("".join(names).encode())
 
 
-def _available_bytes() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) << 10
-    return 0
+def _available_bytes(wait_for: float = 0, wait_s: float = 300) -> int:
+    """The machine's MemAvailable; waits up to `wait_s` for `wait_for` bytes to be available (it is shared)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        meminfo = Path("/proc/meminfo").read_text().splitlines()
+        available = next(
+            int(line.split()[1]) << 10 for line in meminfo if line.startswith("MemAvailable:")
+        )
+        if available >= wait_for or time.monotonic() > deadline:
+            return available
+        time.sleep(5)
 
 
 def _status(pid: int) -> dict[str, int]:
@@ -222,7 +232,7 @@ def main() -> None:
         task = progress.add_task("exchanges", total=len(runs))
         for size, mode in runs:
             progress.update(task, description=f"{size:g} GiB, {mode}")
-            available = _available_bytes()
+            available = _available_bytes(wait_for=3 * size * GIB + GIB if mode == "memory" else 0)
             if mode == "memory" and available < 3 * size * GIB + GIB:
                 skipped.append({"size_gib": size, "available_gib": available / GIB})
                 progress.advance(task)

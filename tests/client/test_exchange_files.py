@@ -247,6 +247,7 @@ def test_a_site_s_memory_grows_by_far_less_than_the_model_it_exchanges(tmp_path)
         train(
             {"warm": np.ones((8, 8), np.float32)}
         )  # imports and first-use buffers, before the baseline
+        Path(f"/proc/{site.pid}/clear_refs").write_text("5")  # its peak := its resident memory now
         before = _vm_hwm(site.pid)
         start = {
             name: _large_site.initial_values(name, slice(0, width), width)
