@@ -23,6 +23,8 @@ import json
 import logging
 import math
 import os
+import shutil
+import tempfile
 import threading
 import uuid
 from collections import OrderedDict
@@ -34,7 +36,14 @@ from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
-from hydrafl.client.download import Assembly, MessageRefused, Received, take_chunks
+from hydrafl.client.download import (
+    Assembling,
+    Assembly,
+    FileAssembly,
+    MessageRefused,
+    Received,
+    take_chunks,
+)
 from hydrafl.client.error_replies import (
     DISK_FULL_REASON,
     disk_full,
@@ -49,7 +58,7 @@ from hydrafl.client.site_pipeline import answer
 from hydrafl.client.site_policy import SitePolicy
 from hydrafl.client.site_secagg import install_identity
 from hydrafl.client.tls import SiteTls
-from hydrafl.client.upload import upload_reply
+from hydrafl.client.upload import file_backed, upload_reply
 from hydrafl.malloc_tuning import keep_chunk_buffers
 from hydrafl.netaddr import unreachable_reason
 from hydrafl.proto import coordinator_pb2 as pb
@@ -58,6 +67,7 @@ from hydrafl.proto.envelope import (
     INLINE_BYTES,
     MAX_REASON_CHARS,
     EnvelopeError,
+    array_nbytes,
     check_manifest,
     chunk_sizes,
     declared_nbytes,
@@ -65,6 +75,7 @@ from hydrafl.proto.envelope import (
 )
 from hydrafl.protocol import GRPC_OPTIONS
 from hydrafl.secagg.identity import SiteIdentity
+from hydrafl.tensor_files import MappedArray
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +102,12 @@ MAX_RUN_CONTEXTS = 4
 TENSOR_OVERHEAD_BYTES = 4096
 """What holding one tensor costs besides its data (its header, Array and bookkeeping; measured about 2.4 KB),
 counted against --max-download-mb so that a manifest of many empty tensors is bounded too."""
+
+
+DEFAULT_EXCHANGE_MEMORY_BYTES = 1024 * 1_000_000
+"""A message or reply whose arrays are larger than this goes through a file of the site's exchange folder
+instead of memory (`--exchange-memory-mb`)."""
+EXCHANGE_FILES = ("download-*.safetensors", "upload-*.safetensors")
 
 
 def default_max_download_bytes() -> int:
@@ -122,6 +139,8 @@ class SiteAgent:
         secagg_identity: SiteIdentity | None = None,
         threads: Callable[[], int] | None = None,
         apps_dir: Path | None = None,
+        exchange_memory_bytes: int = DEFAULT_EXCHANGE_MEMORY_BYTES,
+        exchange_dir: Path | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.threads = threads
@@ -141,6 +160,7 @@ class SiteAgent:
         self.max_download_bytes = (
             default_max_download_bytes() if max_download_bytes is None else max_download_bytes
         )
+        self._download_limit_given = max_download_bytes is not None
         if self.max_download_bytes <= 0:
             raise ValueError(f"max_download_bytes must be positive, got {self.max_download_bytes}")
         self.metadata = (("authorization", f"Bearer {token}"),)
@@ -148,6 +168,17 @@ class SiteAgent:
         self.shipped = ShippedApps(policy, apps_dir)
         self.run_apps: dict[int, ClientApp | str] = {}
         """Per run (with a context): the ClientApp its bundle ships, or why the site refuses that bundle."""
+        self.exchange_memory_bytes = exchange_memory_bytes
+        """A message (or reply) whose arrays exceed this is downloaded into (uploaded from) a file of
+        `exchange_dir`, so the exchange holds a few chunks in memory whatever the model's size."""
+        if exchange_memory_bytes < 0:
+            raise ValueError(f"exchange_memory_bytes must be >= 0, got {exchange_memory_bytes}")
+        self._exchange_dir = exchange_dir
+        self._made_exchange_dir = False
+        if exchange_dir is not None:  # files a killed site left there
+            for pattern in EXCHANGE_FILES:
+                for stale in exchange_dir.glob(pattern):
+                    stale.unlink(missing_ok=True)
         self.node_id = 0
         self.received = Received()
         """What the site holds of the message in hand: a download cut by a dropped connection resumes with the rest."""
@@ -156,6 +187,14 @@ class SiteAgent:
     def run(self, stop: threading.Event | None = None, max_backoff_s: float = 30.0) -> None:
         """Serve until `stop` is set; reconnect with backoff when the coordinator is unreachable."""
         stop = stop or threading.Event()
+        try:
+            self._run(stop, max_backoff_s)
+        finally:
+            self.received.clear()  # a download file of the message in hand
+            if self._made_exchange_dir:
+                shutil.rmtree(self.exchange_dir(), ignore_errors=True)
+
+    def _run(self, stop: threading.Event, max_backoff_s: float) -> None:
         backoff = 0.5
         while not stop.is_set():
             try:
@@ -366,15 +405,20 @@ class SiteAgent:
         )  # every dtype, shape and size consistent, no hostile product: nothing allocated yet
         tensors = sum(len(record.tensors) for record in envelope.arrays)
         held = declared_nbytes(envelope) + tensors * TENSOR_OVERHEAD_BYTES
-        if held > self.max_download_bytes:
+        to_file = declared_nbytes(envelope) > self.exchange_memory_bytes
+        limit, source = self._download_limit(to_file)
+        if held > limit:
             raise MessageRefused(
                 f"message declares {size_text(held)} of arrays ({tensors} tensors, counted {TENSOR_OVERHEAD_BYTES} "
-                f"bytes each besides their data); this site accepts at most {size_text(self.max_download_bytes)} "
-                "(--max-download-mb)"
+                f"bytes each besides their data); this site accepts at most {size_text(limit)} ({source})"
             )
         sizes = chunk_sizes(envelope)
         self.received.keep_for(envelope)
-        assembly = Assembly(envelope, self.received)
+        assembly: Assembling = (
+            FileAssembly(envelope, self.received, self.exchange_dir())
+            if to_file
+            else Assembly(envelope, self.received)
+        )
         wanted = {digest: sizes[digest] for digest in assembly.missing()}
         kept = (
             sizes.keys() - wanted.keys()
@@ -384,10 +428,26 @@ class SiteAgent:
         )  # checked as downloads are
         self._fetch(stub, wanted, assembly)
         message = join_message(envelope, {}, verified=True, assembled=assembly.arrays())
-        self.received.clear()
+        self.received.handed_over()
         return message
 
-    def _fetch(self, stub: CoordinatorClient, wanted: dict[str, int], assembly: Assembly) -> None:
+    def _download_limit(self, to_file: bool) -> tuple[int, str]:
+        """The most a download may declare, and what sets it: --max-download-mb when given; else half the
+        machine's memory in memory, and the exchange folder's free space through a file (a model larger than
+        memory is what files are for)."""
+        if to_file and not self._download_limit_given:
+            return shutil.disk_usage(self.exchange_dir()).free, "free space of its exchange folder"
+        return self.max_download_bytes, "--max-download-mb"
+
+    def exchange_dir(self) -> Path:
+        """The folder of the site's download and upload files: its own, or a temporary one made when first
+        needed."""
+        if self._exchange_dir is None:
+            self._exchange_dir = Path(tempfile.mkdtemp(prefix="hydrafl-exchange-"))
+            self._made_exchange_dir = True
+        return self._exchange_dir
+
+    def _fetch(self, stub: CoordinatorClient, wanted: dict[str, int], assembly: Assembling) -> None:
         """Download the chunks `wanted` (digest -> size) into the assembly, each checked as it arrives. A chunk
         not asked for (or sent twice), of another size, or failing its check (`ChunkCheck`) refuses the message
         and ends the stream, so what is downloaded never exceeds what the manifest declares."""
@@ -409,9 +469,22 @@ class SiteAgent:
             call.cancel()
 
     def _push(self, stub: CoordinatorClient, reply: Message, server_round: int) -> None:
-        uploaded = upload_reply(
-            stub, self.metadata, reply, server_round, inline_bytes=self.inline_bytes
-        )
+        spilled = None
+        arrays = [] if reply.has_error() else reply.content.array_records.values()
+        held = [array for record in arrays for array in record.values()]
+        if sum(array_nbytes(array) for array in held) > self.exchange_memory_bytes and not all(
+            isinstance(array, MappedArray) for array in held
+        ):
+            spilled = self.exchange_dir() / f"upload-{uuid.uuid4().hex}.safetensors"
+            del held, arrays
+            file_backed(reply, spilled)
+        try:
+            uploaded = upload_reply(
+                stub, self.metadata, reply, server_round, inline_bytes=self.inline_bytes
+            )
+        finally:
+            if spilled is not None:
+                spilled.unlink(missing_ok=True)
         if (
             uploaded.resumed
         ):  # chunks are content-addressed: an interrupted upload, or arrays the coordinator holds

@@ -11,6 +11,11 @@ A download holds one model: the tensors' bytes are allocated once, when the mani
 (`SiteAgent._receive`), and never written twice. A chunk that fails its check is not copied, and refuses the
 message at once, which ends the stream. What a dropped connection interrupts resumes from `Received`: the
 tensors being filled, each with the chunks it still lacks.
+
+A message larger than the site's exchange memory (`--exchange-memory-mb`) is not held at all: `FileAssembly`
+pwrites each checked chunk at its place in a safetensors file of the site's exchange folder (its layout from the
+manifest), and the ClientApp gets MappedArrays over that file, whose values it reads a tensor (or a block) at a
+time. The file outlives a dropped connection like the tensors in memory do, and goes when the message is done.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
 
 from flwr.app import Array
 
@@ -31,6 +38,7 @@ from hydrafl.proto.envelope import (
     npy_header,
     serialised_array,
 )
+from hydrafl.tensor_files import MappedArray, TensorFileWriter
 
 Content = tuple[str, tuple[int, ...], tuple[str, ...]]
 """A tensor's content: dtype, shape and chunk names."""
@@ -87,11 +95,46 @@ class Filling:
         return serialised_array(self.tensor, self.data)
 
 
+class DownloadFile:
+    """A message's tensors in a safetensors file (named `record index:tensor name`), and where each chunk it
+    still lacks goes in it. Every tensor has its own place (a chunk repeated in the message is written to each)."""
+
+    def __init__(self, path: Path, envelope: pb.Envelope) -> None:
+        self.layout = _file_layout(envelope)
+        self.writer = TensorFileWriter(
+            path, {name: (dtype, shape) for name, (dtype, shape, _) in self.layout.items()}
+        )
+        self.places: dict[str, list[tuple[str, int]]] = {}
+        """Chunk -> the (tensor, byte offset in its values) it is still to be written to."""
+        for name, (_, _, digests) in self.layout.items():
+            for index, digest in enumerate(digests):
+                self.places.setdefault(digest, []).append((name, index * CHUNK_BYTES))
+        self._mapped: dict[str, MappedArray] | None = None
+
+    def fill(self, digest: str, data: bytes | memoryview) -> None:
+        for name, start in self.places.pop(digest, ()):
+            self.writer.write_at(name, start, data)
+
+    def mapped(self) -> dict[str, MappedArray]:
+        """Every chunk written: the tensors, mapped (the file is read back by this process, then removed, so it
+        is not made durable)."""
+        if self.places:
+            raise EnvelopeError(f"chunk {next(iter(self.places))[:12]} is missing")
+        if self._mapped is None:
+            self._mapped = self.writer.close(durable=False)
+        return self._mapped
+
+    def remove(self) -> None:
+        self.writer.discard()
+
+
 @dataclass
 class Received:
-    """The tensors of the message in hand, as far as they are filled, kept across a dropped connection."""
+    """The tensors of the message in hand, as far as they are filled, kept across a dropped connection: in
+    memory, or in the message's download file."""
 
     tensors: dict[Content, Filling] = field(default_factory=dict)
+    file: DownloadFile | None = None
 
     def keep_for(self, envelope: pb.Envelope) -> None:
         """Keep only what this message (the same one again, after a reconnect) can use."""
@@ -99,9 +142,22 @@ class Received:
         self.tensors = {
             content: filling for content, filling in self.tensors.items() if content in contents
         }
+        if self.file is not None and self.file.layout != _file_layout(envelope):
+            self.remove_file()
+
+    def handed_over(self) -> None:
+        """The message is built: its Arrays own the bytes filled in memory; a download file stays until the
+        message is done (`clear`), since its MappedArrays read it."""
+        self.tensors.clear()
 
     def clear(self) -> None:
         self.tensors.clear()
+        self.remove_file()
+
+    def remove_file(self) -> None:
+        if self.file is not None:
+            self.file.remove()
+            self.file = None
 
 
 class Assembly:
@@ -142,6 +198,66 @@ class Assembly:
         }
 
 
+class FileAssembly:
+    """The message in hand, written into its download file (`folder`/download-ID.safetensors): what `Assembly`
+    does, with the site's memory holding a chunk at a time whatever the message's size."""
+
+    def __init__(self, envelope: pb.Envelope, received: Received, folder: Path) -> None:
+        self._check = ChunkCheck.of(envelope)
+        if received.file is None:
+            received.file = DownloadFile(
+                folder / f"download-{_file_safe(envelope.message_id)}.safetensors", envelope
+            )
+        self._file = received.file
+        self._names = _file_names(envelope)
+
+    def missing(self) -> list[str]:
+        return list(self._file.places)
+
+    def add(self, digest: str, data: bytes | memoryview) -> None:
+        self._check.verify(digest, data)
+        self._file.fill(digest, data)
+
+    def arrays(self) -> dict[tuple[str, str], Array]:
+        """Every tensor as a MappedArray over the file; EnvelopeError names a chunk still missing."""
+        mapped = self._file.mapped()
+        return {key: mapped[name] for key, name in self._names.items()}
+
+
+class Assembling(Protocol):
+    """An `Assembly` or a `FileAssembly`: what a download fills."""
+
+    def missing(self) -> list[str]: ...
+
+    def add(self, digest: str, data: bytes | memoryview) -> None: ...
+
+    def arrays(self) -> dict[tuple[str, str], Array]: ...
+
+
+def _file_names(envelope: pb.Envelope) -> dict[tuple[str, str], str]:
+    """(record key, tensor name) -> the tensor's name in the download file: `record index:tensor name`, unique
+    whatever characters the keys hold."""
+    return {
+        (record.key, tensor.name): f"{index}:{tensor.name}"
+        for index, record in enumerate(envelope.arrays)
+        for tensor in record.tensors
+    }
+
+
+def _file_layout(envelope: pb.Envelope) -> dict[str, Content]:
+    """A message's tensors in its download file, by their name there, with their content."""
+    names = _file_names(envelope)
+    return {
+        names[(record.key, tensor.name)]: _content(tensor)
+        for record in envelope.arrays
+        for tensor in record.tensors
+    }
+
+
+def _file_safe(message_id: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in message_id)[:80]
+
+
 def _unique(fillings: list[Filling]) -> list[Filling]:
     return list({id(filling): filling for filling in fillings}.values())
 
@@ -156,7 +272,7 @@ class MessageRefused(Exception):
 
 
 def take_chunks(
-    chunks: Iterable[ChunkView | pb.Chunk], pending: dict[str, int], assembly: Assembly
+    chunks: Iterable[ChunkView | pb.Chunk], pending: dict[str, int], assembly: Assembling
 ) -> None:
     """Each chunk into the assembly once checked against `pending` (digest -> size), which it leaves."""
     for chunk in chunks:

@@ -12,14 +12,22 @@ coordinator says what is missing, and only that is sent, as before.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from flwr.app import Message
 
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.chunk_wire import CoordinatorClient
-from hydrafl.proto.envelope import UPLOADED, Named, chunk_views, split_message
+from hydrafl.proto.envelope import (
+    UPLOADED,
+    array_chunks,
+    array_nbytes,
+    reply_envelope,
+    split_message,
+)
+from hydrafl.tensor_files import as_record, save_tensors
 
 Metadata = tuple[tuple[str, str], ...]
 
@@ -43,16 +51,15 @@ def upload_reply(
     *,
     inline_bytes: int,
 ) -> Uploaded:
-    """Push `reply`: its chunks (inline up to `inline_bytes`, else streamed), then its envelope."""
+    """Push `reply`: its chunks (inline up to `inline_bytes`, else streamed), then its envelope. A reply of
+    MappedArrays (a file-backed one, `file_backed`) streams from its file a chunk at a time."""
     started = time.perf_counter()
     records = [] if reply.has_error() else reply.content.array_records.values()
-    arrays = [array for record in records for array in record.values()]
-    named: Named = {id(array): (array, chunk_views(array), [], []) for array in arrays}
-    pieces = [piece for _, views, _, _ in named.values() for piece in views]
+    arrays = list({id(array): array for record in records for array in record.values()}.values())
     if (
-        not pieces or sum(len(piece) for piece in pieces) <= inline_bytes
+        sum(array_nbytes(array) for array in arrays) <= inline_bytes
     ):  # one call; re-putting is harmless
-        envelope, chunks = split_message(reply, server_round, named=_name_all(named))
+        envelope, chunks = split_message(reply, server_round)
         inline = [pb.Chunk(digest=digest, data=bytes(data)) for digest, data in chunks.items()]
         pushed = stub.PushReply(
             pb.PushReplyRequest(envelope=envelope, chunks=inline), metadata=metadata
@@ -60,20 +67,29 @@ def upload_reply(
         return Uploaded(
             len(inline), 0, False, pushed.duplicate, {"total": time.perf_counter() - started}
         )
-    first = UPLOADED.digest(pieces[0])
+    pieces = {id(array): array_chunks(array) for array in arrays}
+    first = UPLOADED.digest(next(chunks[0] for chunks in pieces.values() if len(chunks)))
     resumed = bool(stub.HasChunks(pb.HasChunksRequest(digests=[first]), metadata=metadata).present)
     asked = time.perf_counter()
+    names: dict[int, list[str]] = {}
     if resumed:
-        envelope, chunks = split_message(reply, server_round, named=_name_all(named))
+        names = {
+            key: [UPLOADED.digest(chunk) for chunk in chunks] for key, chunks in pieces.items()
+        }
+        listed = list(dict.fromkeys(name for chunk_names in names.values() for name in chunk_names))
         present = set(
-            stub.HasChunks(pb.HasChunksRequest(digests=list(chunks)), metadata=metadata).present
+            stub.HasChunks(pb.HasChunksRequest(digests=listed), metadata=metadata).present
         )
-        missing = [(digest, data) for digest, data in chunks.items() if digest not in present]
-        put = stub.PutChunks(iter(missing), metadata=metadata) if missing else pb.PutChunksReply()
+        missing = set(listed) - present
+        put = (
+            stub.PutChunks(_missing(pieces, names, missing), metadata=metadata)
+            if missing
+            else pb.PutChunksReply()
+        )
     else:
         present = set()
-        put = stub.PutChunks(_named_as_sent(named), metadata=metadata)
-        envelope, _ = split_message(reply, server_round, named=named)
+        put = stub.PutChunks(_named_as_sent(pieces, names), metadata=metadata)
+    envelope = reply_envelope(reply, server_round, names)
     sent = time.perf_counter()
     pushed = stub.PushReply(pb.PushReplyRequest(envelope=envelope), metadata=metadata)
     seconds = {"ask": asked - started, "put": sent - asked, "push": time.perf_counter() - sent}
@@ -82,19 +98,41 @@ def upload_reply(
     )
 
 
-def _name_all(named: Named) -> Named:
-    for _, views, names, _ in named.values():
-        names[:] = UPLOADED.digests(views)
-    return named
+def file_backed(reply: Message, path: Path) -> None:
+    """Write the reply's arrays to the safetensors file `path` (a tensor at a time) and put MappedArrays over it
+    in their place, so the arrays in memory can go before the upload and it streams from the file."""
+    records = reply.content.array_records
+    tensors = {
+        f"{index}:{name}": array
+        for index, record in enumerate(records.values())
+        for name, array in record.items()
+    }
+    mapped = save_tensors(path, tensors, durable=False)  # read back by this process, then removed
+    for index, (key, record) in enumerate(list(records.items())):
+        reply.content[key] = as_record({name: mapped[f"{index}:{name}"] for name in record})
 
 
-def _named_as_sent(named: Named) -> Iterator[tuple[str, memoryview]]:
-    """Every chunk once, named just before it is sent (the names land in `named` for the manifest)."""
+def _missing(
+    pieces: dict[int, Sequence[bytes | memoryview]], names: dict[int, list[str]], missing: set[str]
+) -> Iterator[tuple[str, bytes | memoryview]]:
+    """The chunks the coordinator lacks, each once; a file's chunks are read only if they are sent."""
+    for key, chunks in pieces.items():
+        for index, digest in enumerate(names[key]):
+            if digest in missing:
+                missing.discard(digest)
+                yield digest, chunks[index]
+
+
+def _named_as_sent(
+    pieces: dict[int, Sequence[bytes | memoryview]], names: dict[int, list[str]]
+) -> Iterator[tuple[str, bytes | memoryview]]:
+    """Every chunk once, named just before it is sent (the names land in `names` for the manifest)."""
     sent: set[str] = set()
-    for _, views, names, _ in named.values():
-        for view in views:
-            digest = UPLOADED.digest(view)
-            names.append(digest)
+    for key, chunks in pieces.items():
+        names[key] = []
+        for chunk in chunks:
+            digest = UPLOADED.digest(chunk)
+            names[key].append(digest)
             if digest not in sent:
                 sent.add(digest)
-                yield digest, view
+                yield digest, chunk

@@ -118,6 +118,19 @@ class MappedArray(OnDiskArray):
             raise TensorFileError(f"{self.path} ends inside a tensor (truncated?)")
         return values.reshape(self.shape)
 
+    def read_bytes(self, start: int, count: int) -> bytes:
+        """`count` raw bytes of the values from byte `start` (a chunk to send, a block of rows), read, not mapped:
+        a window of a tensor larger than memory, which leaves nothing resident behind it."""
+        if start < 0 or count < 0 or start + count > self.nbytes:
+            raise TensorFileError(
+                f"bytes {start}..{start + count} are outside the tensor's {self.nbytes} bytes"
+            )
+        with open(self.path, "rb", buffering=0) as handle:
+            data = os.pread(handle.fileno(), count, self.offset + start)
+        if len(data) != count:
+            raise TensorFileError(f"{self.path} ends inside a tensor (truncated?)")
+        return data
+
     def view(self) -> np.ndarray:
         if not self.nbytes:  # mmap cannot map nothing
             return super().view()
@@ -167,7 +180,8 @@ class TensorFileWriter:
             -len(encoded) % 8
         )  # the data starts 8-byte aligned, as safetensors writes it
         self._data_start = 8 + len(encoded)
-        self._written: set[str] = set()
+        self._written: set[str] = {name for name, (_, nbytes) in self._places.items() if not nbytes}
+        self._filled: dict[str, int] = {}
         self._descriptor = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.write(self._descriptor, struct.pack("<Q", len(encoded)) + encoded)
@@ -187,23 +201,54 @@ class TensorFileWriter:
                 f"tensor {name!r} is {array.dtype}{tuple(array.shape)}, the layout says {dtype}{tuple(shape)}"
             )
         start, nbytes = self._places[name]
-        raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
+        raw = _raw(array)
         offset = self._data_start + start
         while raw:
             done = os.pwrite(self._descriptor, raw, offset)
             raw, offset = raw[done:], offset + done
         self._written.add(name)
 
-    def close(self) -> dict[str, MappedArray]:
-        """Every tensor written: flush to disk and give the file's tensors, mapped."""
+    def write_at(self, name: str, start: int, data: bytes | memoryview | np.ndarray) -> None:
+        """Raw bytes of tensor `name` at byte `start` of its values (a received chunk, a block of rows), so a
+        tensor larger than memory is written a window at a time. The tensor counts as written once every one
+        of its bytes has been given (each byte once: callers write disjoint pieces)."""
+        if name not in self._places:
+            raise TensorFileError(f"{self.path.name} has no tensor {name!r} in its layout")
+        place, nbytes = self._places[name]
+        raw = _raw(data)
+        if start < 0 or start + len(raw) > nbytes:
+            raise TensorFileError(
+                f"tensor {name!r}: bytes {start}..{start + len(raw)} are outside its {nbytes} bytes"
+            )
+        offset = self._data_start + place + start
+        written = len(raw)
+        while raw:
+            done = os.pwrite(self._descriptor, raw, offset)
+            raw, offset = raw[done:], offset + done
+        self._filled[name] = self._filled.get(name, 0) + written
+        if self._filled[name] >= nbytes:
+            self._written.add(name)
+
+    def close(self, *, durable: bool = True) -> dict[str, MappedArray]:
+        """Every tensor written: flush to disk (unless not `durable`: a file read back by this process and
+        removed, such as a site's exchange file) and give the file's tensors, mapped."""
         try:
             missing = [name for name in self.layout if name not in self._written]
             if missing:
                 raise TensorFileError(f"{self.path.name}: tensor {missing[0]!r} was never written")
-            os.fsync(self._descriptor)
+            if durable:
+                os.fsync(self._descriptor)
         finally:
             os.close(self._descriptor)
+            self._descriptor = -1
         return self.mapped()
+
+    def discard(self) -> None:
+        """Give the file up, written or not: it is removed (what mapped it must be done with it)."""
+        if self._descriptor >= 0:
+            os.close(self._descriptor)
+            self._descriptor = -1
+        self.path.unlink(missing_ok=True)
 
     def mapped(self) -> dict[str, MappedArray]:
         return {
@@ -225,13 +270,17 @@ class TensorFileWriter:
 
 
 def save_tensors(
-    path: str | Path, tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None
+    path: str | Path,
+    tensors: Mapping[str, Any],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    durable: bool = True,
 ) -> dict[str, MappedArray]:
     """Write `tensors` (numpy arrays, torch tensors, Flower Arrays, mapped ones among them) one at a time."""
     writer = TensorFileWriter(path, layout_of(tensors), metadata)
     for name, value in tensors.items():
         writer.write(name, value)
-    return writer.close()
+    return writer.close(durable=durable)
 
 
 def open_tensors(path: str | Path) -> dict[str, MappedArray]:
@@ -281,6 +330,13 @@ def _numpy(values: np.ndarray | torch.Tensor | Array) -> np.ndarray:
     if isinstance(values, torch.Tensor):
         return values.detach().cpu().contiguous().numpy()
     return values
+
+
+def _raw(data: bytes | memoryview | np.ndarray) -> memoryview:
+    """Bytes to write: an array's values in C order, or the bytes themselves."""
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
+    return memoryview(data).cast("B")
 
 
 def _dtype_name(value: Any) -> str:

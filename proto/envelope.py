@@ -33,6 +33,7 @@ from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: d
 from hydrafl.arrays import array_view
 from hydrafl.bounded import MAX_NAME_CHARS, quoted
 from hydrafl.proto.coordinator_pb2 import Envelope, RecordManifest, TensorManifest
+from hydrafl.tensor_files import MappedArray, as_record
 
 CHUNK_BYTES = 1 << 20
 INLINE_BYTES = CHUNK_BYTES
@@ -111,6 +112,30 @@ def chunk_views(array: Array) -> list[memoryview]:
     return byte_chunks(np.ascontiguousarray(values).reshape(-1).view(np.uint8).data)
 
 
+def array_chunks(array: Array) -> Sequence[bytes | memoryview]:
+    """An Array's chunks, by index: views of an Array in memory (`chunk_views`), or of a MappedArray each read
+    from its file when asked for and held by nobody after, so sending a tensor larger than memory holds a chunk
+    of it at a time (a map of the whole tensor would leave every page it touched resident)."""
+    return FileChunks(array) if isinstance(array, MappedArray) else chunk_views(array)
+
+
+class FileChunks(Sequence[bytes]):
+    """A MappedArray's chunks, read from its file one at a time."""
+
+    def __init__(self, array: MappedArray) -> None:
+        self.array = array
+        self.chunks = math.ceil(array.nbytes / CHUNK_BYTES)
+
+    def __len__(self) -> int:
+        return self.chunks
+
+    def __getitem__(self, index: int) -> bytes:  # type: ignore[override]
+        if not 0 <= index < self.chunks:
+            raise IndexError(index)
+        start = index * CHUNK_BYTES
+        return self.array.read_bytes(start, min(CHUNK_BYTES, self.array.nbytes - start))
+
+
 def byte_chunks(raw: memoryview) -> list[memoryview]:
     """`raw` cut into views of CHUNK_BYTES, in order (the last one may be shorter)."""
     return [raw[start : start + CHUNK_BYTES] for start in range(0, len(raw), CHUNK_BYTES)]
@@ -134,29 +159,11 @@ def split_message(
     `named` are not hashed again: a round's messages share the global model's Arrays, hashed once per round. The
     coordinator's manifests also list each chunk's XXH3 checksum, which every site checks as the chunk arrives
     (`ChunkCheck`): the cryptographic names are computed once, by the coordinator, not again by each site."""
-    metadata = message.metadata
-    envelope = Envelope(
-        message_id=metadata.message_id,
-        reply_to_message_id=metadata.reply_to_message_id,
-        message_type=metadata.message_type,
-        run_id=metadata.run_id,
-        round=server_round,
-        metadata=metadata_to_proto(metadata).SerializeToString(),
-    )
+    envelope = _envelope_without_arrays(message, server_round)
     chunks: dict[str, memoryview] = {}
     names = naming(envelope)
     if message.has_error():
-        envelope.error_code = message.error.code
-        envelope.error_reason = message.error.reason or ""
         return envelope, chunks
-    rest = RecordDict(
-        {
-            key: record
-            for key, record in message.content.items()
-            if not isinstance(record, ArrayRecord)
-        }
-    )
-    envelope.content = recorddict_to_proto(rest).SerializeToString()
     for key, record in message.content.array_records.items():
         manifest = RecordManifest(key=key)
         for name, array in record.items():
@@ -171,23 +178,71 @@ def split_message(
                 checksums = XXH3.digests(pieces) if names is SENT else []
                 if named is not None:
                     named[id(array)] = array, pieces, hashes, checksums
-            if stored is not None and id(array) in stored:
-                nbytes = math.prod(array.shape) * np.dtype(array.dtype).itemsize
-            else:
+            if stored is None or id(array) not in stored:
                 chunks.update(zip(hashes, pieces, strict=True))
-                nbytes = sum(len(piece) for piece in pieces)
-            manifest.tensors.append(
-                TensorManifest(
-                    name=name,
-                    dtype=array.dtype,
-                    shape=list(array.shape),
-                    chunk_digests=hashes,
-                    nbytes=nbytes,
-                    chunk_checksums=checksums,
-                )
-            )
+            manifest.tensors.append(_tensor_manifest(name, array, hashes, checksums))
         envelope.arrays.append(manifest)
     return envelope, chunks
+
+
+def reply_envelope(
+    message: Message, server_round: int, names: Mapping[int, Sequence[str]]
+) -> Envelope:
+    """The envelope of a reply whose chunks were named as they were sent (`names`: id(Array) -> its chunks'
+    names), without holding a chunk: a reply streamed from files (`array_chunks`)."""
+    envelope = _envelope_without_arrays(message, server_round)
+    if message.has_error():
+        return envelope
+    for key, record in message.content.array_records.items():
+        manifest = RecordManifest(key=key)
+        for name, array in record.items():
+            manifest.tensors.append(_tensor_manifest(name, array, list(names[id(array)]), []))
+        envelope.arrays.append(manifest)
+    return envelope
+
+
+def _envelope_without_arrays(message: Message, server_round: int) -> Envelope:
+    """The envelope's metadata and its error or its records other than arrays."""
+    metadata = message.metadata
+    envelope = Envelope(
+        message_id=metadata.message_id,
+        reply_to_message_id=metadata.reply_to_message_id,
+        message_type=metadata.message_type,
+        run_id=metadata.run_id,
+        round=server_round,
+        metadata=metadata_to_proto(metadata).SerializeToString(),
+    )
+    if message.has_error():
+        envelope.error_code = message.error.code
+        envelope.error_reason = message.error.reason or ""
+        return envelope
+    rest = RecordDict(
+        {
+            key: record
+            for key, record in message.content.items()
+            if not isinstance(record, ArrayRecord)
+        }
+    )
+    envelope.content = recorddict_to_proto(rest).SerializeToString()
+    return envelope
+
+
+def _tensor_manifest(
+    name: str, array: Array, hashes: list[str], checksums: list[str]
+) -> TensorManifest:
+    return TensorManifest(
+        name=name,
+        dtype=array.dtype,
+        shape=list(array.shape),
+        chunk_digests=hashes,
+        nbytes=array_nbytes(array),
+        chunk_checksums=checksums,
+    )
+
+
+def array_nbytes(array: Array) -> int:
+    """Bytes of an Array's values, read from its dtype and shape (nothing is mapped or parsed)."""
+    return math.prod(array.shape) * np.dtype(array.dtype).itemsize
 
 
 def chunk_hashes(envelope: Envelope) -> list[str]:
@@ -409,7 +464,7 @@ def join_message(
             arrays[tensor.name] = tensor_array(
                 tensor, [chunks[digest] for digest in tensor.chunk_digests]
             )
-        content[record.key] = ArrayRecord(arrays)
+        content[record.key] = as_record(arrays)
     return make_message(metadata=metadata, content=content)
 
 

@@ -51,9 +51,19 @@ def site(
     max_download_mb: Annotated[
         int | None,
         typer.Option(
-            min=1, help="Largest message this site downloads (MB of arrays); default half its RAM."
+            min=1,
+            help="Largest message this site downloads (MB of arrays); default half its RAM, and the "
+            "free disk space for one over --exchange-memory-mb.",
         ),
     ] = None,
+    exchange_memory_mb: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Memory (MB) a download or upload may hold; a larger model goes through a file in "
+            "--state-dir/exchange (else a temporary folder), a few chunks in memory at a time.",
+        ),
+    ] = 1024,
     nproc: Annotated[
         int,
         typer.Option(
@@ -266,6 +276,8 @@ def site(
         secagg_identity=identity,
         threads=share.threads,
         apps_dir=state_dir / "apps" if state_dir else None,
+        exchange_memory_bytes=exchange_memory_mb * 1_000_000,
+        exchange_dir=_exchange_dir(state_dir) if state_dir else None,
     )
     try:
         agent.run()
@@ -281,6 +293,16 @@ def site(
         pass
     finally:
         share.release()
+
+
+def _exchange_dir(state_dir: Path) -> Path:
+    """The site's folder for file-backed downloads and uploads, made now: a folder it cannot make fails here."""
+    folder = state_dir / "exchange"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        fail(escape(f"cannot make {folder}: {error.strerror or error}"), 2)
+    return folder
 
 
 def _check_hosts(nnodes: int, node_rank: int, rdzv: str) -> None:
