@@ -35,9 +35,13 @@ def array_view(array: Array) -> np.ndarray:
     """A read-only view of an Array's values without copying them out of its serialised bytes (the copy
     `Array.numpy()` makes is most of the cost of aggregating large updates). The bytes may be any buffer (bytes,
     a memory-mapped file, a memoryview): only the header is copied, to be parsed. An `OnDiskArray`'s values are
-    read from its storage."""
+    read from its storage, a `HeldArray`'s are its own."""
     if isinstance(array, OnDiskArray):
         return array.view()
+    if isinstance(array, HeldArray):  # its values, never serialised for a view
+        values = array.numpy().view()
+        values.flags.writeable = False
+        return values
     data = memoryview(array.data).cast("B")
     major, _ = np.lib.format.read_magic(io.BytesIO(data[:8].tobytes()))
     length_bytes = 2 if major == 1 else 4  # the header's own length follows the 8-byte magic

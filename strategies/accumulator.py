@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
-from hydrafl.arrays import array_view
+from hydrafl.arrays import HeldArray, array_view
 from hydrafl.strategies import parallel_fold as fold
 from hydrafl.subnet.slices import Slice
 from hydrafl.tensor_files import OnDiskArray
@@ -430,7 +430,7 @@ def _release(arrays: ArrayRecord) -> None:
     replies the round holds. Other buffers are left alone (dropping the pages of a writable or anonymous
     mapping would lose data)."""
     for array in arrays.values():
-        if isinstance(array, OnDiskArray):  # read through maps of its own, gone with the views
+        if isinstance(array, OnDiskArray | HeldArray):  # maps of its own, gone with the views; memory
             continue
         view = memoryview(array.data)
         mapping = _mapping(array.data)
@@ -450,7 +450,9 @@ def _release(arrays: ArrayRecord) -> None:
 def _mapped(reply: Message) -> bool:
     arrays = (array for record in records(reply.content, ArrayRecord) for array in record.values())
     return any(
-        isinstance(array, OnDiskArray) or _mapping(array.data) is not None for array in arrays
+        isinstance(array, OnDiskArray)
+        or (not isinstance(array, HeldArray) and _mapping(array.data) is not None)
+        for array in arrays
     )
 
 

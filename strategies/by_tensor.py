@@ -12,9 +12,9 @@ rule here is coordinate-wise), so a model aggregated this way equals one aggrega
 from __future__ import annotations
 
 import secrets
+import threading
 import warnings
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -23,10 +23,10 @@ import torch
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.app.message.message import make_message
 
-from hydrafl.arrays import HeldArray, array_view
+from hydrafl.arrays import array_view
 from hydrafl.strategies.accumulator import squared_blocks
 from hydrafl.strategies.parallel_fold import FoldPool
-from hydrafl.tensor_files import Layout, TensorFileWriter
+from hydrafl.tensor_files import Layout, OnDiskArray, TensorFileWriter
 
 if TYPE_CHECKING:
     from hydrafl.privacy.central import CentralDp
@@ -88,37 +88,86 @@ def delta_of(reply: Message) -> tuple[str, ArrayRecord]:
     )
 
 
+AHEAD = 3
+"""Arrays read ahead of the one the caller works on: the read-ahead holds this many tensors, whatever the
+number of sites."""
+
+
 def read_ahead(
     start: ArrayRecord, replies: Sequence[Message], names: Sequence[str] | None = None
 ) -> Iterator[tuple[str, Array, list[Message]]]:
     """For each tensor of `start` (in the order of `names`, default `start`'s): its name, its start values and
-    the replies that update it, each cut to it, all read into memory (`HeldArray`s) while the caller works on the
-    tensor before: the disk reads the next tensor while the current one is folded and written. Two tensors'
-    worth are in memory."""
-
-    def load(name: str) -> tuple[str, Array, list[Message]]:
-        values = [reader.submit(_held, start[name])]
-        values += [
-            reader.submit(_held, delta_of(r)[1][name]) for r in replies if name in delta_of(r)[1]
-        ]
-        held = [future.result() for future in values]
-        cut = [r for r in replies if name in delta_of(r)[1]]
-        return name, held[0], [_cut(r, name, array) for r, array in zip(cut, held[1:], strict=True)]
-
-    with ThreadPoolExecutor(1 + len(replies), thread_name_prefix="read-ahead") as reader:
-        with ThreadPoolExecutor(1, thread_name_prefix="read-ahead-window") as windows:
-            pending: Future[tuple[str, Array, list[Message]]] | None = None
-            for name in start if names is None else names:
-                upcoming = windows.submit(load, name)
-                if pending is not None:
-                    yield pending.result()
-                pending = upcoming
-            if pending is not None:
-                yield pending.result()
+    the replies that update it, each cut to it. Every array is read in the background, in the order the caller
+    reads them (the start values, then each reply's), at most `AHEAD` before the caller asks for it: the disk
+    reads on while the caller folds and writes, and memory does not grow with the number of sites. The caller
+    reads each array it is given once (`numpy()` or `view()`)."""
+    plan = [
+        (name, [r for r in replies if name in delta_of(r)[1]]) for name in (names or list(start))
+    ]
+    arrays = [a for name, cut in plan for a in (start[name], *(delta_of(r)[1][name] for r in cut))]
+    reader = _Reader(arrays)
+    try:
+        taken = iter(range(len(arrays)))
+        for name, cut in plan:
+            first = _Ahead(reader, next(taken), start[name])
+            ahead = [_Ahead(reader, next(taken), delta_of(r)[1][name]) for r in cut]
+            yield name, first, [_cut(r, name, a) for r, a in zip(cut, ahead, strict=True)]
+    finally:
+        reader.close()
 
 
-def _held(array: Array) -> Array:
-    return array if isinstance(array, HeldArray) else HeldArray(np.asarray(array.numpy()))
+class _Reader:
+    """Reads `arrays` in order in one background thread, at most `AHEAD` ready and not yet taken."""
+
+    def __init__(self, arrays: list[Array]) -> None:
+        self._slots = threading.Semaphore(AHEAD)
+        self._ready: dict[int, np.ndarray | BaseException] = {}
+        self._changed = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._read, args=(arrays,), name="read-ahead", daemon=True
+        )
+        self._thread.start()
+
+    def _read(self, arrays: list[Array]) -> None:
+        for index, array in enumerate(arrays):
+            self._slots.acquire()
+            if self._closed:
+                return
+            try:
+                values: np.ndarray | BaseException = np.asarray(array.numpy())
+            except BaseException as error:  # handed to the caller that asks for this array
+                values = error
+            with self._changed:
+                self._ready[index] = values
+                self._changed.notify_all()
+
+    def take(self, index: int) -> np.ndarray:
+        with self._changed:
+            self._changed.wait_for(lambda: index in self._ready)
+            values = self._ready.pop(index)
+        self._slots.release()
+        if isinstance(values, BaseException):
+            raise values
+        return values
+
+    def close(self) -> None:
+        """Stop reading (the caller is done, or failed): the thread ends after the array it is reading."""
+        self._closed = True
+        self._slots.release()  # a thread waiting for a slot wakes to find the reader closed
+        self._thread.join()
+
+
+class _Ahead(OnDiskArray):
+    """An array being read in the background (`read_ahead`): `numpy()` waits for its values and hands them over."""
+
+    def __init__(self, reader: _Reader, index: int, base: Array) -> None:
+        super().__init__(base.dtype, tuple(base.shape))
+        self.__dict__.update(reader=reader, index=index)
+        self.__dict__["checked_finite"] = getattr(base, "checked_finite", False)
+
+    def numpy(self) -> np.ndarray:
+        return self.__dict__["reader"].take(self.__dict__["index"])
 
 
 def _cut(reply: Message, name: str, array: Array) -> Message:
