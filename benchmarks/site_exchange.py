@@ -222,7 +222,9 @@ def _status(pid: int) -> dict[str, int]:
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     figure, axis = plt.subplots(figsize=(6.4, 4.2))
     for mode, style in (("memory", "o-"), ("file", "s-")):
-        points = sorted((r["size_gib"], r["growth_mb"] / 1024) for r in rows if r["mode"] == mode)
+        points = sorted(
+            (r["size_gib"], r["growth_mb"] * MB / GIB) for r in rows if r["mode"] == mode
+        )
         if points:
             axis.plot(*zip(*points, strict=True), style, label=f"{mode}-backed exchange")
     sizes = sorted({r["size_gib"] for r in rows})
