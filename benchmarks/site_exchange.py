@@ -15,10 +15,12 @@ at a time. Modes:
 
 Measured in the site process (/proc/PID/status): its resident memory once warm (a tiny message first, so imports
 and first buffers are counted before), when its peak is reset to it (`5` to /proc/PID/clear_refs), and its peak
-(VmHWM) after the exchange; the exchange's growth is the difference. The reply's chunk names (XXH3 of every
+(VmHWM) after the exchange, and the peak of its anonymous memory (RssAnon, sampled every 10 ms: writing
+gigabytes fills the page cache, and the kernel then takes back file pages the site maps, which VmHWM counts);
+the exchange's growth is the larger of the two differences. The reply's chunk names (XXH3 of every
 chunk) must be the same in both modes: bit-identical pseudo-gradients. Sizes from `--file-only-from` on are
 measured through files only (in memory they would need twice the model in this machine's memory, which the
-smaller sizes already show). The machine may be shared: an in-memory run waits up to 5 minutes for 3 models and
+smaller sizes already show). The machine may be shared: an in-memory run waits up to a minute for 3 models and
 1 GiB to be available (MemAvailable), and is skipped, and said so, if they are not. Writes
 results/site_exchange.{json,md,png}.
 """
@@ -31,6 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -89,11 +92,15 @@ def measure(size_gib: float, mode: str, workdir: Path) -> dict[str, Any]:
             "5"
         )  # VmHWM := VmRSS: imports' peak forgotten
         before = _status(site.pid)
+        sampler = _AnonPeak(site.pid)
+        sampler.start()
         model = _model_file(workdir / "model.safetensors", layers, WIDTH)
         started = time.perf_counter()
         digests = _exchange(grid, node.node_id, model, 2)
         seconds = time.perf_counter() - started
         after = _status(site.pid)
+        sampler.done.set()
+        sampler.join()
     except BaseException:
         log = workdir / "site.log"
         console.print(log.read_text()[-3000:] if log.exists() else "(no site log)")
@@ -107,7 +114,9 @@ def measure(size_gib: float, mode: str, workdir: Path) -> dict[str, Any]:
                 site.kill()
         coordinator.stop()
     model_bytes = layers * LAYER_BYTES
-    growth = after["VmHWM"] - before["VmRSS"]
+    hwm_growth = after["VmHWM"] - before["VmRSS"]
+    anon_growth = sampler.peak - before["RssAnon"]
+    growth = max(hwm_growth, anon_growth)
     return {
         "size_gib": model_bytes / GIB,
         "mode": mode,
@@ -115,6 +124,8 @@ def measure(size_gib: float, mode: str, workdir: Path) -> dict[str, Any]:
         "rss_before_mb": before["VmRSS"] / MB,
         "hwm_before_mb": before["VmHWM"] / MB,
         "hwm_after_mb": after["VmHWM"] / MB,
+        "hwm_growth_mb": hwm_growth / MB,
+        "anon_growth_mb": anon_growth / MB,
         "growth_mb": growth / MB,
         "growth_of_model": growth / model_bytes,
         "seconds": seconds,
@@ -170,7 +181,7 @@ def _exchange(grid: CoordinatorGrid, node_id: int, model: dict[str, Any], server
     return xxhash.xxh3_128_hexdigest("".join(names).encode())
 
 
-def _available_bytes(wait_for: float = 0, wait_s: float = 300) -> int:
+def _available_bytes(wait_for: float = 0, wait_s: float = 60) -> int:
     """The machine's MemAvailable; waits up to `wait_s` for `wait_for` bytes to be available (it is shared)."""
     deadline = time.monotonic() + wait_s
     while True:
@@ -183,12 +194,26 @@ def _available_bytes(wait_for: float = 0, wait_s: float = 300) -> int:
         time.sleep(5)
 
 
+class _AnonPeak(threading.Thread):
+    """The peak of a process's anonymous resident memory, sampled every 10 ms: VmHWM counts the file pages it
+    maps too, which the kernel takes back when writing gigabytes fills the page cache, so its peak can hide a
+    growth of anonymous memory."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.peak, self.done = pid, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.01):
+            self.peak = max(self.peak, _status(self.pid)["RssAnon"])
+
+
 def _status(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM of process `pid`, in bytes."""
+    """VmRSS, VmHWM and RssAnon of process `pid`, in bytes."""
     fields = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
+        if key in ("VmRSS", "VmHWM", "RssAnon"):
             fields[key] = int(value.split()[0]) << 10
     return fields
 
@@ -196,13 +221,15 @@ def _status(pid: int) -> dict[str, int]:
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     figure, axis = plt.subplots(figsize=(6.4, 4.2))
     for mode, style in (("memory", "o-"), ("file", "s-")):
-        points = sorted((r["size_gib"], r["growth_mb"] / 1024) for r in rows if r["mode"] == mode)
+        points = sorted(
+            (r["size_gib"], r["growth_mb"] * MB / GIB) for r in rows if r["mode"] == mode
+        )
         if points:
             axis.plot(*zip(*points, strict=True), style, label=f"{mode}-backed exchange")
     sizes = sorted({r["size_gib"] for r in rows})
     axis.plot(sizes, sizes, ":", color="grey", label="model size")
     axis.set_xlabel("model (float32, GiB)")
-    axis.set_ylabel("site's peak memory growth (GiB, VmHWM)")
+    axis.set_ylabel("site's peak memory growth (GiB)")
     axis.set_title("A site's memory for one exchange (download + upload)")
     axis.legend()
     axis.grid(alpha=0.3)
@@ -250,15 +277,24 @@ def main() -> None:
     )
     worst = max(r["growth_mb"] for r in rows if r["mode"] == "file")
     goal_met = worst < GOAL_GROWTH_MB and identical
-    table = Table(title="Site exchange: peak memory growth (VmHWM - RSS before), one exchange")
-    for column in ("model GiB", "mode", "RSS before MB", "growth MB", "growth / model", "s"):
+    table = Table(title="Site exchange: the site's peak memory growth for one exchange")
+    for column in (
+        "model GiB",
+        "mode",
+        "RSS before MB",
+        "VmHWM growth MB",
+        "RssAnon growth MB",
+        "growth / model",
+        "s",
+    ):
         table.add_column(column, justify="right")
     for row in rows:
         table.add_row(
             f"{row['size_gib']:.3g}",
             row["mode"],
             f"{row['rss_before_mb']:.0f}",
-            f"{row['growth_mb']:.0f}",
+            f"{row['hwm_growth_mb']:.0f}",
+            f"{row['anon_growth_mb']:.0f}",
             f"{row['growth_of_model']:.3f}",
             f"{row['seconds']:.1f}",
         )
@@ -272,8 +308,9 @@ def main() -> None:
         f"bit-identical across modes: {identical}: {verdict(goal_met)}"
     )
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "site_exchange_quick" if args.quick else "site_exchange"
+    name = "site_exchange"
     result = {
+        "quick": args.quick,
         "rows": rows,
         "goal_growth_mb": GOAL_GROWTH_MB,
         "worst_file_growth_mb": worst,
@@ -283,10 +320,11 @@ def main() -> None:
     }
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
     lines = [
-        "| model GiB | mode | RSS before MB | peak growth MB | growth / model | s |",
-        "|---:|:--|---:|---:|---:|---:|",
+        "| model GiB | mode | RSS before MB | VmHWM growth MB | RssAnon growth MB | growth / model | s |",
+        "|---:|:--|---:|---:|---:|---:|---:|",
         *(
-            f"| {r['size_gib']:.3g} | {r['mode']} | {r['rss_before_mb']:.0f} | {r['growth_mb']:.0f} | "
+            f"| {r['size_gib']:.3g} | {r['mode']} | {r['rss_before_mb']:.0f} | {r['hwm_growth_mb']:.0f} | "
+            f"{r['anon_growth_mb']:.0f} | "
             f"{r['growth_of_model']:.3f} | {r['seconds']:.1f} |"
             for r in rows
         ),

@@ -30,7 +30,13 @@ from hydrafl.client.site_pipeline import answer
 from hydrafl.client.site_policy import SitePolicy
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.envelope import join_message
-from hydrafl.tensor_files import MappedArray, as_record, save_tensors
+from hydrafl.tensor_files import (
+    MappedArray,
+    TensorFileError,
+    TensorFileWriter,
+    as_record,
+    save_tensors,
+)
 
 FILE_BOUND = 1_000_000
 """Exchange memory below the test message (4.9 MB): it goes through files."""
@@ -299,3 +305,26 @@ def test_hydrafl_s_own_app_trains_from_a_file_backed_download_to_the_same_delta(
     assert all(isinstance(array, MappedArray) for array in mapped.values())
     assert list(deltas[0]) == list(deltas[1]) and len(deltas[0]) > 10
     assert all(deltas[0][k].numpy().tobytes() == deltas[1][k].numpy().tobytes() for k in deltas[0])
+
+
+def test_a_tensor_file_is_filled_piece_by_piece_and_read_back_a_window_at_a_time(tmp_path):
+    """What the site's files rest on (`TensorFileWriter.write_at`, `MappedArray.read_bytes`, `discard`)."""
+    values = np.arange(1000, dtype=np.float32).reshape(100, 10)
+    layout = {"w": ("float32", (100, 10)), "empty": ("float32", (0, 3))}
+    writer = TensorFileWriter(tmp_path / "t.safetensors", layout)
+    raw = values.tobytes()
+    for start in (2000, 0, 3000, 1000):  # any order; the empty tensor needs no write
+        writer.write_at("w", start, raw[start : start + 1000])
+    with pytest.raises(TensorFileError, match="outside its 4000 bytes"):
+        writer.write_at("w", 3500, raw[:1000])
+    mapped = writer.close(durable=False)
+    assert mapped["w"].numpy().tobytes() == raw and mapped["empty"].shape == (0, 3)
+    assert mapped["w"].read_bytes(40, 80) == raw[40:120]
+    with pytest.raises(TensorFileError, match="outside the tensor"):
+        mapped["w"].read_bytes(3990, 20)
+    unfinished = TensorFileWriter(tmp_path / "u.safetensors", layout)
+    unfinished.write_at("w", 0, raw[:100])
+    with pytest.raises(TensorFileError, match="never written"):
+        TensorFileWriter(tmp_path / "v.safetensors", layout).close()
+    unfinished.discard()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["t.safetensors", "v.safetensors"]
