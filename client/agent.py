@@ -23,8 +23,6 @@ import json
 import logging
 import math
 import os
-import shutil
-import tempfile
 import threading
 import uuid
 from collections import OrderedDict
@@ -53,12 +51,13 @@ from hydrafl.client.error_replies import (
     request_of,
     size_text,
 )
+from hydrafl.client.exchange_folder import DEFAULT_EXCHANGE_MEMORY_BYTES, ExchangeFolder
 from hydrafl.client.shipped_apps import ShippedApps
 from hydrafl.client.site_pipeline import answer
 from hydrafl.client.site_policy import SitePolicy
 from hydrafl.client.site_secagg import install_identity
 from hydrafl.client.tls import SiteTls
-from hydrafl.client.upload import file_backed, upload_reply
+from hydrafl.client.upload import upload_reply
 from hydrafl.malloc_tuning import keep_chunk_buffers
 from hydrafl.netaddr import unreachable_reason
 from hydrafl.proto import coordinator_pb2 as pb
@@ -67,7 +66,6 @@ from hydrafl.proto.envelope import (
     INLINE_BYTES,
     MAX_REASON_CHARS,
     EnvelopeError,
-    array_nbytes,
     check_manifest,
     chunk_sizes,
     declared_nbytes,
@@ -75,7 +73,6 @@ from hydrafl.proto.envelope import (
 )
 from hydrafl.protocol import GRPC_OPTIONS
 from hydrafl.secagg.identity import SiteIdentity
-from hydrafl.tensor_files import MappedArray
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +99,6 @@ MAX_RUN_CONTEXTS = 4
 TENSOR_OVERHEAD_BYTES = 4096
 """What holding one tensor costs besides its data (its header, Array and bookkeeping; measured about 2.4 KB),
 counted against --max-download-mb so that a manifest of many empty tensors is bounded too."""
-
-
-DEFAULT_EXCHANGE_MEMORY_BYTES = 1024 * 1_000_000
-"""A message or reply whose arrays are larger than this goes through a file of the site's exchange folder
-instead of memory (`--exchange-memory-mb`)."""
-EXCHANGE_FILES = ("download-*.safetensors", "upload-*.safetensors")
 
 
 def default_max_download_bytes() -> int:
@@ -168,17 +159,8 @@ class SiteAgent:
         self.shipped = ShippedApps(policy, apps_dir)
         self.run_apps: dict[int, ClientApp | str] = {}
         """Per run (with a context): the ClientApp its bundle ships, or why the site refuses that bundle."""
-        self.exchange_memory_bytes = exchange_memory_bytes
-        """A message (or reply) whose arrays exceed this is downloaded into (uploaded from) a file of
-        `exchange_dir`, so the exchange holds a few chunks in memory whatever the model's size."""
-        if exchange_memory_bytes < 0:
-            raise ValueError(f"exchange_memory_bytes must be >= 0, got {exchange_memory_bytes}")
-        self._exchange_dir = exchange_dir
-        self._made_exchange_dir = False
-        if exchange_dir is not None:  # files a killed site left there
-            for pattern in EXCHANGE_FILES:
-                for stale in exchange_dir.glob(pattern):
-                    stale.unlink(missing_ok=True)
+        self.exchange = ExchangeFolder(exchange_memory_bytes, exchange_dir)
+        """Where a message or reply larger than `exchange_memory_bytes` goes: files, a chunk in memory at a time."""
         self.node_id = 0
         self.received = Received()
         """What the site holds of the message in hand: a download cut by a dropped connection resumes with the rest."""
@@ -191,8 +173,7 @@ class SiteAgent:
             self._run(stop, max_backoff_s)
         finally:
             self.received.clear()  # a download file of the message in hand
-            if self._made_exchange_dir:
-                shutil.rmtree(self.exchange_dir(), ignore_errors=True)
+            self.exchange.close()
 
     def _run(self, stop: threading.Event, max_backoff_s: float) -> None:
         backoff = 0.5
@@ -405,7 +386,7 @@ class SiteAgent:
         )  # every dtype, shape and size consistent, no hostile product: nothing allocated yet
         tensors = sum(len(record.tensors) for record in envelope.arrays)
         held = declared_nbytes(envelope) + tensors * TENSOR_OVERHEAD_BYTES
-        to_file = declared_nbytes(envelope) > self.exchange_memory_bytes
+        to_file = declared_nbytes(envelope) > self.exchange.memory_bytes
         limit, source = self._download_limit(to_file)
         if held > limit:
             raise MessageRefused(
@@ -415,7 +396,7 @@ class SiteAgent:
         sizes = chunk_sizes(envelope)
         self.received.keep_for(envelope)
         assembly: Assembling = (
-            FileAssembly(envelope, self.received, self.exchange_dir())
+            FileAssembly(envelope, self.received, self.exchange.path())
             if to_file
             else Assembly(envelope, self.received)
         )
@@ -436,16 +417,8 @@ class SiteAgent:
         machine's memory in memory, and the exchange folder's free space through a file (a model larger than
         memory is what files are for)."""
         if to_file and not self._download_limit_given:
-            return shutil.disk_usage(self.exchange_dir()).free, "free space of its exchange folder"
+            return self.exchange.free_bytes(), "free space of its exchange folder"
         return self.max_download_bytes, "--max-download-mb"
-
-    def exchange_dir(self) -> Path:
-        """The folder of the site's download and upload files: its own, or a temporary one made when first
-        needed."""
-        if self._exchange_dir is None:
-            self._exchange_dir = Path(tempfile.mkdtemp(prefix="hydrafl-exchange-"))
-            self._made_exchange_dir = True
-        return self._exchange_dir
 
     def _fetch(self, stub: CoordinatorClient, wanted: dict[str, int], assembly: Assembling) -> None:
         """Download the chunks `wanted` (digest -> size) into the assembly, each checked as it arrives. A chunk
@@ -469,15 +442,7 @@ class SiteAgent:
             call.cancel()
 
     def _push(self, stub: CoordinatorClient, reply: Message, server_round: int) -> None:
-        spilled = None
-        arrays = [] if reply.has_error() else reply.content.array_records.values()
-        held = [array for record in arrays for array in record.values()]
-        if sum(array_nbytes(array) for array in held) > self.exchange_memory_bytes and not all(
-            isinstance(array, MappedArray) for array in held
-        ):
-            spilled = self.exchange_dir() / f"upload-{uuid.uuid4().hex}.safetensors"
-            del held, arrays
-            file_backed(reply, spilled)
+        spilled = self.exchange.spill(reply)
         try:
             uploaded = upload_reply(
                 stub, self.metadata, reply, server_round, inline_bytes=self.inline_bytes

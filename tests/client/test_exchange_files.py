@@ -23,8 +23,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from helpers import SMALL_RUN, started_coordinator_run
 
 from hydrafl.benchmarks import _large_site
-from hydrafl.client import agent as agent_module
-from hydrafl.client import site_app
+from hydrafl.client import exchange_folder, site_app
 from hydrafl.client.agent import SiteAgent
 from hydrafl.client.site_pipeline import answer
 from hydrafl.client.site_policy import SitePolicy
@@ -117,8 +116,8 @@ def test_a_download_and_its_reply_arrive_bit_for_bit_through_files_or_memory(
         spilled.append(path)
         file_backed(reply, path)
 
-    file_backed = agent_module.file_backed
-    monkeypatch.setattr(agent_module, "file_backed", spy)
+    file_backed = exchange_folder.file_backed
+    monkeypatch.setattr(exchange_folder, "file_backed", spy)
     coordinator, grid, [(node, token)] = started_coordinator_run(tmp_path, "a")
     exchange = tmp_path / "exchange"
     exchange.mkdir()

@@ -1,0 +1,64 @@
+"""Where a site's exchange goes when a model is larger than the memory it gives the exchange: a folder of
+download and upload files (`--exchange-memory-mb`, `--state-dir`/exchange or a temporary folder)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+from flwr.app import Message
+
+from hydrafl.client.upload import file_backed
+from hydrafl.proto.envelope import array_nbytes
+from hydrafl.tensor_files import MappedArray
+
+DEFAULT_EXCHANGE_MEMORY_BYTES = 1024 * 1_000_000
+"""A message or reply whose arrays are larger than this goes through a file of the site's exchange folder
+instead of memory (`--exchange-memory-mb`)."""
+EXCHANGE_FILES = ("download-*.safetensors", "upload-*.safetensors")
+
+
+class ExchangeFolder:
+    """The exchange's files: a message (or reply) whose arrays exceed `memory_bytes` is downloaded into
+    (uploaded from) a file of `folder`, so the exchange holds a few chunks in memory whatever the model's size.
+    Files a killed site left in `folder` go at start; a temporary folder, made when first needed, at `close`."""
+
+    def __init__(self, memory_bytes: int, folder: Path | None) -> None:
+        if memory_bytes < 0:
+            raise ValueError(f"exchange_memory_bytes must be >= 0, got {memory_bytes}")
+        self.memory_bytes = memory_bytes
+        self._folder = folder
+        self._made = False
+        if folder is not None:
+            for pattern in EXCHANGE_FILES:
+                for stale in folder.glob(pattern):
+                    stale.unlink(missing_ok=True)
+
+    def path(self) -> Path:
+        if self._folder is None:
+            self._folder = Path(tempfile.mkdtemp(prefix="hydrafl-exchange-"))
+            self._made = True
+        return self._folder
+
+    def free_bytes(self) -> int:
+        return shutil.disk_usage(self.path()).free
+
+    def spill(self, reply: Message) -> Path | None:
+        """The file `reply`'s arrays now live in, when they exceed the bound and are not in files already (the
+        caller removes it once the reply is pushed); None when the reply stays as it is."""
+        arrays = [] if reply.has_error() else reply.content.array_records.values()
+        held = [array for record in arrays for array in record.values()]
+        if sum(array_nbytes(array) for array in held) <= self.memory_bytes or all(
+            isinstance(array, MappedArray) for array in held
+        ):
+            return None
+        spilled = self.path() / f"upload-{uuid.uuid4().hex}.safetensors"
+        del held, arrays
+        file_backed(reply, spilled)
+        return spilled
+
+    def close(self) -> None:
+        if self._made:
+            shutil.rmtree(self.path(), ignore_errors=True)
