@@ -69,6 +69,12 @@ class OnDiskArray(Array):
     def numpy(self) -> np.ndarray:
         raise NotImplementedError
 
+    def read_into(self, out: np.ndarray) -> np.ndarray:
+        """The values written into `out` (C-ordered, of this array's dtype and shape) and returned: a reader of
+        many tensors reuses its buffers (fresh pages cost more than the read itself)."""
+        np.copyto(out, self.numpy())
+        return out
+
     def view(self) -> np.ndarray:
         """The values, read-only, without a copy where the storage allows one."""
         values = self.numpy()
@@ -112,11 +118,18 @@ class MappedArray(OnDiskArray):
         return self.__dict__["offset"]
 
     def numpy(self) -> np.ndarray:
-        count = math.prod(self.shape)
-        values = np.fromfile(self.path, dtype=self.dtype, count=count, offset=self.offset)
-        if values.size != count:
-            raise TensorFileError(f"{self.path} ends inside a tensor (truncated?)")
-        return values.reshape(self.shape)
+        return self.read_into(np.empty(self.shape, self.dtype))
+
+    def read_into(self, out: np.ndarray) -> np.ndarray:
+        raw = out.reshape(-1).view(np.uint8).data
+        with open(self.path, "rb", buffering=0) as handle:
+            handle.seek(self.offset)
+            while raw:
+                done = handle.readinto(raw)
+                if not done:
+                    raise TensorFileError(f"{self.path} ends inside a tensor (truncated?)")
+                raw = raw[done:]
+        return out
 
     def read_bytes(self, start: int, count: int) -> bytes:
         """`count` raw bytes of the values from byte `start` (a chunk to send, a block of rows), read, not mapped:

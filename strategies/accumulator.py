@@ -430,7 +430,9 @@ def _release(arrays: ArrayRecord) -> None:
     replies the round holds. Other buffers are left alone (dropping the pages of a writable or anonymous
     mapping would lose data)."""
     for array in arrays.values():
-        if isinstance(array, OnDiskArray | HeldArray):  # maps of its own, gone with the views; memory
+        if isinstance(
+            array, OnDiskArray | HeldArray
+        ):  # maps of its own, gone with the views; memory
             continue
         view = memoryview(array.data)
         mapping = _mapping(array.data)

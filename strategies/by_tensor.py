@@ -25,7 +25,7 @@ from flwr.app.message.message import make_message
 
 from hydrafl.arrays import array_view
 from hydrafl.strategies.accumulator import squared_blocks
-from hydrafl.strategies.parallel_fold import FoldPool
+from hydrafl.strategies.parallel_fold import FoldPool, empty
 from hydrafl.tensor_files import Layout, OnDiskArray, TensorFileWriter
 
 if TYPE_CHECKING:
@@ -116,6 +116,14 @@ def read_ahead(
         reader.close()
 
 
+def read_values(array: Array) -> np.ndarray:
+    """An array's values, owned by the caller; one on disk is read into reused pages (`parallel_fold.empty`)."""
+    if not isinstance(array, OnDiskArray):
+        return np.asarray(array.numpy())
+    out = empty((array.nbytes,), torch.uint8).numpy().view(array.dtype).reshape(array.shape)
+    return array.read_into(out)
+
+
 class _Reader:
     """Reads `arrays` in order in one background thread, at most `AHEAD` ready and not yet taken."""
 
@@ -135,7 +143,7 @@ class _Reader:
             if self._closed:
                 return
             try:
-                values: np.ndarray | BaseException = np.asarray(array.numpy())
+                values: np.ndarray | BaseException = read_values(array)
             except BaseException as error:  # handed to the caller that asks for this array
                 values = error
             with self._changed:

@@ -97,13 +97,13 @@ class DiLoCo(FedAvg):
             accumulator = WeightedDeltaAccumulator(self.weighted_by_key, threads=pool.threads)
             if dp is None or factors is None:
                 accumulator.add_all(cut)
-                return self.outer.step(name, _tensor(array), accumulator.mean()[name])
+                return self.outer.step_(name, _tensor(array), accumulator.mean()[name])
             for reply in cut:  # clipped by the factor of the whole reply, each counted once
                 delta = _tensor(delta_of(reply)[1][name])
                 accumulator.add_weighted({name: delta}, factors[reply.metadata.src_node_id])
             mean = accumulator.mean()[name]
             dp.noise_(mean, accumulator.total_weight)
-            return self.outer.step(name, _tensor(array), mean)
+            return self.outer.step_(name, _tensor(array), mean)
 
         order = [*stepped, *(name for name in start if name not in stepped)]  # the noise's order
         self.current_arrays = step_by_tensor(self.outer, start, replies, files, step, order)

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from flwr.app import Array, ArrayRecord, Message
 
-from hydrafl.strategies.by_tensor import MODEL, RoundFiles, delta_of, read_ahead
+from hydrafl.strategies.by_tensor import MODEL, RoundFiles, delta_of, read_ahead, read_values
+from hydrafl.strategies.parallel_fold import empty
 from hydrafl.tensor_files import OnDiskArray, TensorFileWriter, as_record, layout_of
 
 MOMENTUM = "momentum"
@@ -40,6 +41,26 @@ class OuterOptimizer:
 
     def step(self, name: str, weights: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         return weights - self.lr * self.direction(name, delta)
+
+    def step_(self, name: str, weights: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """`step` computed in place in `weights` and `delta`, which the caller owns (tensors read for this step,
+        a model on disk): the same operations in the same order, so the same bits, without a new tensor per
+        operation."""
+        if self.momentum:
+            kept = self.momentum_buffer.get(name)
+            if kept is None:
+                buffer = empty(tuple(delta.shape)).copy_(delta)
+            else:
+                resident = kept if isinstance(kept, torch.Tensor) else read_values(kept)
+                buffer = torch.as_tensor(resident).mul_(self.momentum).add_(delta)
+            self.momentum_buffer[name] = buffer
+            scaled = torch.mul(
+                buffer, self.lr if not self.nesterov else self.momentum, out=empty(buffer.shape)
+            )
+            if not self.nesterov:
+                return weights.sub_(scaled)
+            delta.add_(scaled)
+        return weights.sub_(delta.mul_(self.lr))
 
     def masked_step(
         self, name: str, weights: torch.Tensor, delta: torch.Tensor, trained: torch.Tensor

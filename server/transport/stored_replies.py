@@ -31,17 +31,22 @@ class StoredArray(OnDiskArray):
         self.__dict__.update(uploads=uploads, digests=digests)
 
     def numpy(self) -> np.ndarray:
+        return self.read_into(np.empty(self.shape, self.dtype))
+
+    def read_into(self, out: np.ndarray) -> np.ndarray:
         uploads: UploadPacks = self.__dict__["uploads"]
-        values = np.empty(self.nbytes, np.uint8)
+        raw = out.reshape(-1).view(np.uint8)
         at = 0
         for digest in self.__dict__["digests"]:
             chunk = uploads.get(digest)
             UPLOADED.verify(digest, chunk)
-            values[at : at + len(chunk)] = np.frombuffer(chunk, np.uint8)
+            if at + len(chunk) > raw.size:
+                raise EnvelopeError(f"stored chunks hold more than the tensor's {raw.size} bytes")
+            raw[at : at + len(chunk)] = np.frombuffer(chunk, np.uint8)
             at += len(chunk)
-        if at != self.nbytes:
-            raise EnvelopeError(f"stored chunks hold {at} bytes, the tensor {self.nbytes}")
-        return values.view(self.dtype).reshape(self.shape)
+        if at != raw.size:
+            raise EnvelopeError(f"stored chunks hold {at} bytes, the tensor {raw.size}")
+        return out
 
 
 def stored_message(envelope: pb.Envelope, uploads: UploadPacks, metadata: Metadata) -> Message:
