@@ -321,7 +321,7 @@ def main() -> None:
         runs = run(seeds, baseline_seeds, args.quick, rounds, args.work or Path(tmp))
     summary = {"benchmark": NAME, "quick": args.quick, "rounds": rounds, "runs": runs}
     summary |= analyse(runs)
-    stem = args.out / (f"{NAME}-quick" if args.quick else NAME)
+    stem = args.out / NAME
     stem.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     write_markdown(summary, stem.with_suffix(".md"))
     plot(summary, stem.with_suffix(".png"))
