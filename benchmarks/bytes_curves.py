@@ -16,8 +16,9 @@ its mean accuracy is within 1 point of the plateau, and FedAvg's bytes to get th
 with >= 10x fewer bytes; else the gap (the plateau minus Hydra's best mean accuracy) and Hydra's accuracy after
 a tenth of the bytes FedAvg needed.
 
-Each run keeps its folder under `--work` (default: a temporary folder): a folder already holding a finished run
-of the same configuration is read instead of run again, so the long runs can be started or continued apart.
+Each run keeps its folder under `--work` (default: a temporary folder): a folder already holding a run of the
+same configuration with at least the rounds asked for done (finished, or still running, or set to more rounds)
+gives its first rounds instead of being run again, so the long runs can be started apart and read as they go.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ from hydrafl.benchmarks.heterogeneous import (
     per_tier,
     run_config,
 )
-from hydrafl.config import RUN_WIDE_KEYS
 from hydrafl.simulation.compare import compare_strategies
 from hydrafl.simulation_config import SimulationConfig
 
@@ -73,18 +73,22 @@ def simulation(
     )
 
 
-def finished(config: SimulationConfig) -> dict[str, Any] | None:
-    """The results of a finished run of `config` in its folder, or None (no run there, or another one)."""
-    path = Path(config.out) / "results.json"
+def recorded(config: SimulationConfig, rounds: int) -> list[dict[str, Any]] | None:
+    """Round 0 to `rounds` of a run of `config` already in its folder (its checkpoint's history), finished or
+    still running and whatever rounds it was set to: a run's first rounds do not depend on how many follow. None
+    when the folder holds no such run: none, another configuration, or fewer rounds done."""
+    (strategy,) = config.strategies
+    path = Path(config.out) / strategy / "checkpoint.json"
     if not path.exists():
         return None
-    results = json.loads(path.read_text())
-    wanted = json.loads(
-        json.dumps({k: v for k, v in config.run.flat().items() if k in RUN_WIDE_KEYS})
-    )
-    stored = results["config"]
-    same = all(stored.get(key) == value for key, value in wanted.items() if key != "out")
-    return results if same and stored["strategies"] == list(config.strategies) else None
+    stored = json.loads(path.read_text())
+    ignored = ("rounds", "run-dir")
+    wanted = json.loads(json.dumps(config.run_config(strategy).to_flower()))
+    same = {k: v for k, v in stored["run_config"].items() if k not in ignored} == {
+        k: v for k, v in wanted.items() if k not in ignored
+    }
+    history = stored["history"]
+    return history[: rounds + 1] if same and len(history) > rounds else None
 
 
 def curve(history: list[dict[str, Any]]) -> dict[str, Any]:
@@ -119,10 +123,12 @@ def run(
             for seed in range(count):
                 config = simulation(group, strategy, seed, quick, rounds, work)
                 progress.update(task, description=f"{strategy} seed {seed}")
-                results = finished(config) or json.loads(
-                    json.dumps(compare_strategies(config, show_progress=False))
+                history = (
+                    recorded(config, rounds)
+                    or json.loads(json.dumps(compare_strategies(config, show_progress=False)))[
+                        "strategies"
+                    ][strategy]["rounds"]
                 )
-                history = results["strategies"][strategy]["rounds"]
                 runs.setdefault(method_name(group, strategy), []).append(
                     {"seed": seed, **curve(history)}
                 )
@@ -194,12 +200,14 @@ def analyse(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "plateau": plateau,
         "plateaued": plateaued,
         "methods": methods,
-        "goal_met": hydra["bytes_ratio"] is not None and hydra["bytes_ratio"] >= GOAL_BYTES_RATIO,
+        "goal_met": plateaued
+        and hydra["bytes_ratio"] is not None
+        and hydra["bytes_ratio"] >= GOAL_BYTES_RATIO,
     }
 
 
-def _mb(value: float | None) -> str:
-    return "-" if value is None else f"{value / 1e6:,.1f}"
+def _mb(value: float | None, decimals: int = 1) -> str:
+    return "-" if value is None else f"{value / 1e6:,.{decimals}f}"
 
 
 def _number(value: float | None, form: str) -> str:
@@ -223,9 +231,9 @@ def table_rows(summary: dict[str, Any]) -> list[list[str]]:
     rows = []
     for name, s in summary["methods"].items():
         per_site = (
-            "/".join(_mb(s["bytes_down_per_tier"][t]) for t in TIERS)
+            "/".join(_mb(s["bytes_down_per_tier"][t], 2) for t in TIERS)
             + " / "
-            + "/".join(_mb(s["bytes_up_per_tier"][t]) for t in TIERS)
+            + "/".join(_mb(s["bytes_up_per_tier"][t], 2) for t in TIERS)
         )
         rows.append(
             [
@@ -249,7 +257,7 @@ def headline(summary: dict[str, Any]) -> str:
         f"{summary['reference']} plateau {summary['plateau']:.3f} (mean of its last "
         f"{PLATEAU_ROUNDS} rounds; {'plateaued' if summary['plateaued'] else 'NOT plateaued'})"
     )
-    if summary["goal_met"]:
+    if hydra["bytes_ratio"] is not None:
         return f"{plateau}; hydra within 1 point with {hydra['bytes_ratio']:.1f}x fewer bytes"
     return (
         f"{plateau}; hydra's best mean accuracy {hydra['best_accuracy']:.3f}, "

@@ -75,3 +75,21 @@ def test_a_method_that_never_gets_within_a_point_has_no_ratio_and_misses_the_goa
     assert hydra["bytes_to_plateau"] is None and hydra["bytes_ratio"] is None
     assert hydra["points_below_plateau"] == pytest.approx(100 * (0.81333333 - 0.80))
     assert summary["goal_met"] is False
+
+
+def test_no_goal_is_met_against_a_reference_still_climbing():
+    runs = _runs([0.2, 0.5, 0.7, 0.79, 0.805, 0.80, 0.80])
+    climbing = [
+        0.2,
+        0.70,
+        0.80,
+        0.81,
+        0.80,
+        0.815,
+        0.825,
+    ]  # last 3 rounds 0.8133, the 3 before 0.77
+    for run in runs["fedavg (full model)"]:
+        run["accuracy"] = climbing
+    summary = analyse(runs)
+    assert summary["plateaued"] is False and summary["goal_met"] is False
+    assert summary["methods"]["hydra (LoRA)"]["bytes_ratio"] == pytest.approx(3300 / 54)
