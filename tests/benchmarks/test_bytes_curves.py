@@ -55,7 +55,7 @@ def _runs(hydra: list[float]) -> dict[str, list[dict]]:
 
 
 def test_the_plateau_and_each_methods_bytes_to_within_a_point_of_it_by_hand():
-    summary = analyse(_runs([0.2, 0.5, 0.7, 0.79, 0.805, 0.80, 0.80]))
+    summary = analyse(_runs([0.2, 0.5, 0.7, 0.79, 0.805, 0.81, 0.81]))
     assert summary["plateau"] == pytest.approx((0.81 + 0.82 + 0.81) / 3)
     assert summary["plateaued"] is True
     fedavg, hydra = summary["methods"]["fedavg (full model)"], summary["methods"]["hydra (LoRA)"]
@@ -64,8 +64,8 @@ def test_the_plateau_and_each_methods_bytes_to_within_a_point_of_it_by_hand():
     assert fedavg["bytes_mean"][:3] == [600, 1500, 2400] and fedavg["bytes_to_plateau"] == 2400
     assert hydra["bytes_to_plateau"] == 6 + 4 * 12 and hydra["bytes_per_round"] == 12
     assert hydra["bytes_ratio"] == pytest.approx(2400 / 54)
-    assert hydra["accuracy_at_tenth_bytes"] == 0.80  # the whole run fits in 240 bytes
-    assert hydra["points_below_plateau"] == pytest.approx(100 * (0.81333333 - 0.805))
+    assert hydra["accuracy_at_tenth_bytes"] == 0.81  # the whole run fits in 240 bytes
+    assert hydra["points_below_plateau"] == pytest.approx(100 * (0.81333333 - 0.80833333))
     assert summary["goal_met"] is True
 
 
@@ -73,12 +73,12 @@ def test_a_method_that_never_gets_within_a_point_has_no_ratio_and_misses_the_goa
     summary = analyse(_runs([0.2, 0.5, 0.7, 0.79, 0.80, 0.78, 0.79]))
     hydra = summary["methods"]["hydra (LoRA)"]
     assert hydra["bytes_to_plateau"] is None and hydra["bytes_ratio"] is None
-    assert hydra["points_below_plateau"] == pytest.approx(100 * (0.81333333 - 0.80))
+    assert hydra["points_below_plateau"] == pytest.approx(100 * (0.81333333 - 0.79))
     assert summary["goal_met"] is False
 
 
 def test_no_goal_is_met_against_a_reference_still_climbing():
-    runs = _runs([0.2, 0.5, 0.7, 0.79, 0.805, 0.80, 0.80])
+    runs = _runs([0.2, 0.5, 0.7, 0.79, 0.805, 0.81, 0.81])
     climbing = [
         0.2,
         0.70,
@@ -93,3 +93,11 @@ def test_no_goal_is_met_against_a_reference_still_climbing():
     summary = analyse(runs)
     assert summary["plateaued"] is False and summary["goal_met"] is False
     assert summary["methods"]["hydra (LoRA)"]["bytes_ratio"] == pytest.approx(3300 / 54)
+
+
+def test_one_lucky_round_within_a_point_is_not_the_goal():
+    summary = analyse(_runs([0.2, 0.5, 0.7, 0.79, 0.81, 0.78, 0.79]))
+    hydra = summary["methods"]["hydra (LoRA)"]
+    assert hydra["bytes_ratio"] == pytest.approx(2400 / 54)  # round 4 got there once
+    assert hydra["points_below_plateau"] == pytest.approx(100 * (0.81333333 - 0.79333333))
+    assert summary["goal_met"] is False
