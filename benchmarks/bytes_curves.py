@@ -76,14 +76,19 @@ def simulation(
 
 def recorded(config: SimulationConfig, rounds: int) -> list[dict[str, Any]] | None:
     """Round 0 to `rounds` of a run of `config` already in its folder (its checkpoint's history), finished or
-    still running and whatever rounds it was set to: a run's first rounds do not depend on how many follow. None
-    when the folder holds no such run: none, another configuration, or fewer rounds done."""
+        still running, resumed or not, and whatever rounds it was set to: a run's first rounds do not depend on how
+    many follow. None
+        when the folder holds no such run: none, another configuration, or fewer rounds done."""
     (strategy,) = config.strategies
     path = Path(config.out) / strategy / "checkpoint.json"
     if not path.exists():
         return None
     stored = json.loads(path.read_text())
-    ignored = ("rounds", "run-dir")
+    ignored = (
+        "rounds",
+        "run-dir",
+        "resume",
+    )  # how long and where it ran, and whether it was resumed
     wanted = json.loads(json.dumps(config.run_config(strategy).to_flower()))
     same = {k: v for k, v in stored["run_config"].items() if k not in ignored} == {
         k: v for k, v in wanted.items() if k not in ignored

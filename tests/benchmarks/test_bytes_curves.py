@@ -3,9 +3,11 @@ to within a point of it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from hydrafl.benchmarks.bytes_curves import analyse, curve
+from hydrafl.benchmarks.bytes_curves import analyse, curve, recorded, simulation
 from hydrafl.simulation.grid import FIRST_NODE_ID
 
 NODES = [str(FIRST_NODE_ID + i) for i in range(3)]  # tiers small, medium, large
@@ -101,3 +103,20 @@ def test_one_lucky_round_within_a_point_is_not_the_goal():
     assert hydra["bytes_ratio"] == pytest.approx(2400 / 54)  # round 4 got there once
     assert hydra["points_below_plateau"] == pytest.approx(100 * (0.81333333 - 0.79333333))
     assert summary["goal_met"] is False
+
+
+def test_a_run_already_in_the_work_folder_gives_its_first_rounds(tmp_path):
+    config = simulation("minilm-lora", "hydra", 1, False, 3, tmp_path)
+    stored = {**config.run_config("hydra").to_flower(), "rounds": 12, "resume": True}
+    folder = tmp_path / "minilm-lora-hydra-seed1" / "hydra"
+    folder.mkdir(parents=True)
+    history = [{"round": r} for r in range(5)]  # still running: 4 of its 12 rounds done
+    (folder / "checkpoint.json").write_text(json.dumps({"run_config": stored, "history": history}))
+    assert recorded(config, 3) == history[:4]
+    assert recorded(simulation("minilm-lora", "hydra", 1, False, 5, tmp_path), 5) is None
+    other = simulation("minilm-lora", "hydra", 2, False, 3, tmp_path)  # seed 2: another folder
+    assert recorded(other, 3) is None
+    (folder / "checkpoint.json").write_text(
+        json.dumps({"run_config": {**stored, "lr": 1.0}, "history": history})
+    )
+    assert recorded(config, 3) is None  # another configuration in the folder
