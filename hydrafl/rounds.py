@@ -1,5 +1,6 @@
 """What one round of a run records, in every runtime: its metrics, timings, bytes and per-site counters, and
-what privacy and security it had. `rounds.tsv`'s columns are the timing/bytes part."""
+what privacy and security it had. `rounds.tsv`'s columns are the timing/bytes part; its per-site columns list
+each site's bytes as `node:bytes` pairs in node order (comma-separated), so runtimes compare site by site."""
 
 from __future__ import annotations
 
@@ -22,6 +23,14 @@ ROUNDS_TSV_COLUMNS = (
 def metric(value: float | None) -> str:
     """A loss or accuracy with four decimals, as logs and tables of rounds show it; "-" when not measured."""
     return "-" if value is None else f"{value:.4f}"
+
+
+def per_site(counts: dict[str, int]) -> str:
+    """A per-site column of `rounds.tsv`: `node:bytes` pairs in node order; "-" when no site had any."""
+    return (
+        ",".join(f"{node}:{counts[node]}" for node in sorted(counts, key=lambda n: (len(n), n)))
+        or "-"
+    )
 
 
 def megabytes(count: int | None) -> str:
@@ -86,7 +95,6 @@ class RoundRecord:
     """Asynchronous runs: the oldest model version a site still trains on; its messages must be kept."""
 
     def tsv_row(self) -> str:
-        sites = max(self.sites_ok + self.sites_failed, 1)
         values = {
             "round": self.round,
             "duration_s": f"{self.seconds:.4f}",
@@ -96,7 +104,7 @@ class RoundRecord:
             "sites_failed": self.sites_failed,
             "bytes_up": self.bytes_up,
             "bytes_down": self.bytes_down,
-            "bytes_up_per_site": self.bytes_up // sites,
-            "bytes_down_per_site": self.bytes_down // sites,
+            "bytes_up_per_site": per_site(self.bytes_up_per_site),
+            "bytes_down_per_site": per_site(self.bytes_down_per_site),
         }
         return "\t".join(str(values[column]) for column in ROUNDS_TSV_COLUMNS)

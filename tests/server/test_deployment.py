@@ -9,11 +9,13 @@ from __future__ import annotations
 import signal
 import subprocess
 
+import numpy as np
 import pytest
 from deployment import enrol, queue_run, start_hydrafl, wait_serving, wait_until
 from helpers import SMALL_RUN
 
 from hydrafl.config import RunConfig
+from hydrafl.server.aggregation.checkpoint import load_checkpoint
 from hydrafl.server.tables import Run as StoredRun
 from hydrafl.simulation.compare import run_strategy
 
@@ -257,3 +259,63 @@ def test_expert_selection_over_the_wire_matches_the_simulation(deployment, tmp_p
     simulated = _tiered_run_matches_the_simulation(deployment, tmp_path, moe)
     up = sorted(simulated[1]["bytes_up_per_site"].values())
     assert up[0] < up[1] < up[2]  # 2, 4 and 8 of the 8 experts per layer
+
+
+def _bytes_per_site(rounds_tsv) -> list[tuple[list[int], list[int]]]:
+    """Per round, the (up, down) bytes of each site in node order, as `rounds.tsv` lists them (`node:bytes`)."""
+    header, *rows = (line.split("\t") for line in rounds_tsv.read_text().splitlines())
+
+    def in_node_order(cell: str) -> list[int]:
+        pairs = [] if cell == "-" else [pair.split(":") for pair in cell.split(",")]
+        assert [int(n) for n, _ in pairs] == sorted(int(n) for n, _ in pairs)
+        return [int(b) for _, b in pairs]
+
+    columns = [header.index(f"bytes_{way}_per_site") for way in ("up", "down")]
+    return [tuple(in_node_order(row[c]) for c in columns) for row in rows]  # type: ignore[misc]
+
+
+def _in_node_order(counts: dict[str, int]) -> list[int]:
+    return [counts[node] for node in sorted(counts, key=int)]
+
+
+@pytest.mark.slow
+def test_hydra_over_lora_bytes_and_budgets_over_the_wire_match_the_simulation(deployment, tmp_path):
+    """The bytes benchmark's configuration (Hydra over LoRA, the layers outside a site's net frozen) on the tiny
+    BERT: a coordinator and three site processes of tiers small, medium and large write the same bytes per site
+    and round in `rounds.tsv` as the simulation (site by site in node order: node ids differ), each tier trains
+    the same parameters, and the final model agrees to 1e-5 (float32 sums in the order replies arrive, then the
+    SVD that factors the mean product back to rank R, move the last digits)."""
+    lora = {
+        "strategy": "hydra",
+        "task": "clinical-text",
+        "lora-rank": 4,
+        "rounds": 2,
+        "score-samples": 16,
+        "outer-lr": 0.7,
+    }
+    simulated = _tiered_run_matches_the_simulation(deployment, tmp_path, lora)
+    store, run_id = deployment[:2]
+    run = store.run(run_id)
+    deployed_dir, simulated_dir = tmp_path / "home" / "runs" / str(run_id), tmp_path / "sim"
+    tsv = _bytes_per_site(deployed_dir / "rounds.tsv")
+    assert tsv == _bytes_per_site(simulated_dir / "rounds.tsv")
+    assert tsv == [
+        (_in_node_order(r["bytes_up_per_site"]), _in_node_order(r["bytes_down_per_site"]))
+        for r in simulated
+    ]
+    for deployed, local in zip(run.history, simulated, strict=True):
+        assert _in_node_order(deployed["trainable_params_per_site"]) == _in_node_order(
+            local["trainable_params_per_site"]
+        )
+        assert deployed["accuracy"] == pytest.approx(local["accuracy"], abs=1e-9)
+    small, medium, large = _in_node_order(simulated[1]["trainable_params_per_site"])
+    assert 0 < small < medium < large
+    up, down = tsv[1]
+    assert up == sorted(up) and len(set(up)) == 3  # each tier uploads what it trained
+    assert len(set(down)) == 1  # frozen layers still run: every site downloads every factor
+    final = [load_checkpoint(d).arrays for d in (deployed_dir, simulated_dir)]
+    assert final[0].keys() == final[1].keys()
+    for name in final[0]:
+        np.testing.assert_allclose(
+            final[0][name].numpy(), final[1][name].numpy(), rtol=0, atol=1e-5
+        )
