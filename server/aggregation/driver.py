@@ -278,7 +278,9 @@ class RoundDriver:
             if self.on_disk:
                 assert self.config.run_dir is not None  # `_placed` put the model there
                 files = RoundFiles(self.config.run_dir, server_round)
-                stored = list(_timed(replies, waited))  # their tensors are still on disk
+                # their tensors are still on disk; in node order, so the sums are the same whatever the
+                # order the sites answered in
+                stored = sorted(_timed(replies, waited), key=_node)
                 new_arrays, metrics = self.adapter.aggregate_by_tensor(
                     server_round, stored, arrays, files
                 )
