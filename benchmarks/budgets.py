@@ -1,10 +1,11 @@
 """Hydra vs the LoRA baselines on MiniLM-LoRA when a tier is the memory or the time a site really has.
 
     python -m hydrafl.benchmarks.budgets [--out DIR] [--quick] [--seeds N] [--first-seed K] [--groups ...]
-        [--merge FILE,...]
+        [--strategies hydra,flexlora] [--merge FILE,...]
 
-The sites, data, model and methods of `heterogeneous.py`'s minilm-lora group (three sites: small, medium,
-large), at a scale that affords 8 seeds on a CPU. Groups differ only in what limits a site:
+The sites, data and model of `heterogeneous.py`'s minilm-lora group (three sites: small, medium, large), at
+a scale that affords 8 seeds on a shared CPU (3 rounds of 4 local steps), Hydra against FlexLoRA (its best
+baseline there) unless `--strategies` names more. Groups differ only in what limits a site:
 - minilm-lora-params: equal trainable parameters per tier (`heterogeneous.py`'s rule), for reference;
 - minilm-lora-memory: no tiers; each site declares a training memory: small what a rank-2 LoRA site needs,
   large what a full-rank (R) one needs, medium halfway. Every method takes the largest configuration that
@@ -33,6 +34,7 @@ from typing import Any
 
 from hydrafl.benchmarks.heterogeneous import (
     GROUPS,
+    TIERS,
     Group,
     Scale,
     chosen_groups,
@@ -138,6 +140,48 @@ def budget_groups(
     return groups, limits
 
 
+def markdown(summary: dict[str, Any]) -> str:
+    """The results as tables: per group and method, accuracy over seeds, bytes, per-tier parameters and peak
+    memory as the sites measured it; the limits; and Hydra's paired gap to the best baseline."""
+    lines = [
+        f"# {NAME}: Hydra vs LoRA baselines on MiniLM-LoRA at memory, time and parameter budgets",
+        "",
+    ]
+    for group, methods in summary["stats"].items():
+        scale = summary["scales"][group]
+        seeds = len(summary["runs"][group][next(iter(methods))])
+        lines += [
+            f"## {group} ({seeds} seeds, {scale['sites']} sites, {scale['rounds']} rounds of "
+            f"{scale['local_steps']} local steps)",
+            "",
+            "| method | accuracy | MB / round | params s/m/l | peak MB s/m/l |",
+            "|---|---|---|---|---|",
+        ]
+        for name, s in methods.items():
+            params = "/".join(f"{s['params'].get(t, 0):,}" for t in TIERS)
+            memory = "/".join(f"{s['peak_memory'].get(t, 0) / 1e6:.1f}" for t in TIERS)
+            lines.append(
+                f"| {name} | {s['accuracy_mean']:.3f} ± {s['accuracy_std']:.3f} | "
+                f"{s['bytes_per_round'] / 1e6:.2f} | {params} | {memory} |"
+            )
+        lines.append("")
+    for pair, value in summary["paired"].items():
+        lines.append(
+            f"- {pair}, paired over {value['seeds']} seeds: {value['mean_points']:+.2f} ± "
+            f"{value['standard_error_points']:.2f} points (standard error)"
+        )
+    lines += [
+        "",
+        "Limits (measured at the start of the run):",
+        "",
+        "```",
+        json.dumps(summary["limits"], indent=1),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = group_parser(__doc__, dict.fromkeys(GROUP_NAMES, LORA))
     parser.add_argument(
@@ -173,6 +217,7 @@ def main() -> None:
     summary = write_results(
         args.out / f"{NAME}.json", runs, scales, args.quick, others, {"limits": limits}
     )
+    (args.out / f"{NAME}.md").write_text(markdown(summary))
     plot(summary, args.out / f"{NAME}.png", "memory / time / parameter budgets")
     print_tables(summary, dict.fromkeys(summary["stats"], LORA))
 
