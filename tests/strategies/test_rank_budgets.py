@@ -114,3 +114,15 @@ def test_a_declared_memory_gives_a_lora_site_the_largest_rank_that_fits_and_hydr
     trained = history["trainable_params_per_site"]
     assert 0 < trained[str(FIRST_NODE_ID)] < trained[str(FIRST_NODE_ID + 1)]
     assert history["peak_memory_per_site"][str(FIRST_NODE_ID)] <= tight
+
+
+def test_a_sites_rank_cost_survives_a_checkpoint():
+    """The planner's state, with a LoRA site's RankCost in its scores, encodes for a checkpoint and decodes
+    to the same scores."""
+    from hydrafl.server.aggregation.state_codec import Encoder, decode
+    from hydrafl.strategies.planner import SiteScores
+
+    scores = SiteScores(layers=[1.0], heads=[[1.0]], weight=3.0, tier="", rank_cost=COST)
+    encoder = Encoder()
+    encoded = encoder.encode({"site_scores": {1: scores}}, "strategy_state")
+    assert decode(encoded, encoder.tensors)["site_scores"][1] == scores
