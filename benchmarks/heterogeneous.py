@@ -32,6 +32,7 @@ finishes, so let them finish at different times.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -79,6 +80,8 @@ class Group:
     lr: float = field(default_factory=lambda: RunConfig().lr)
     full: Scale
     quick: Scale
+    overrides: tuple[tuple[str, Any], ...] = ()
+    """RunConfig settings beyond the common ones (`budgets.py`: memory limits, a deadline, no tiers)."""
 
 
 TINY_FULL, TINY_QUICK = (
@@ -123,7 +126,7 @@ BYTES_GOAL = (("minilm-full", "fedavg"), ("minilm-lora", "hydra"))
 
 
 def run_config(group: Group, scale: Scale, seed: int) -> RunConfig:
-    return RunConfig(
+    config = RunConfig(
         task="clinical-text",
         model=group.model,
         sites=scale.sites,
@@ -134,6 +137,7 @@ def run_config(group: Group, scale: Scale, seed: int) -> RunConfig:
         lora_rank=group.lora_rank,
         lr=group.lr,
     )
+    return dataclasses.replace(config, **dict(group.overrides))
 
 
 def tier_of(node: str) -> str:
@@ -287,12 +291,12 @@ def merged(
     return all_runs, all_scales
 
 
-def print_tables(summary: dict[str, Any]) -> None:
+def print_tables(summary: dict[str, Any], groups: dict[str, Group] = GROUPS) -> None:
     console = Console()
     for group, methods in summary["stats"].items():
         scale = summary["scales"][group]
         table = Table(
-            title=f"{group} ({GROUPS[group].model}{', LoRA' if GROUPS[group].lora_rank else ''}): "
+            title=f"{group} ({groups[group].model}{', LoRA' if groups[group].lora_rank else ''}): "
             f"{len(summary['runs'][group][next(iter(methods))])} seeds, {scale['sites']} sites, "
             f"{scale['rounds']} rounds, tiers {', '.join(TIERS)}"
         )
@@ -313,7 +317,7 @@ def print_tables(summary: dict[str, Any]) -> None:
         )
 
 
-def plot(summary: dict[str, Any], path: Path) -> None:
+def plot(summary: dict[str, Any], path: Path, budget: str = "equal per-tier budgets") -> None:
     stats = summary["stats"]
     fig, axes = plt.subplots(1, len(stats), figsize=(6 * len(stats), 4.5), squeeze=False)
     for ax, (group, methods) in zip(axes[0], stats.items(), strict=True):
@@ -329,30 +333,77 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         ax.set_xscale("log")
         ax.set_xlabel("MB per round (up + down, all sites)")
         ax.set_ylabel("final accuracy (mean ± sd over seeds)")
-        ax.set_title(f"{group}: equal per-tier budgets")
+        ax.set_title(f"{group}: {budget}")
         ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def main() -> None:
-    parser = benchmark_parser(__doc__, "1 seed, 1-2 rounds, 3 sites")
+def write_results(
+    path: Path,
+    runs: dict[str, Any],
+    scales: dict[str, Any],
+    quick: bool,
+    others: tuple[Path, ...] = (),
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """`runs` merged into the results file at `path` (and the runs of the `others`, results files of the same
+    benchmark that processes splitting the seeds wrote), with the statistics over all of them and `extra`;
+    written atomically, so a reader never sees half a file."""
+    for source in (path, *others):
+        if source.exists():
+            runs, scales = merged(json.loads(source.read_text()), runs, scales, quick)
+    stats = {
+        group: {name: method_stats(r) for name, r in methods.items()}
+        for group, methods in runs.items()
+    }
+    summary = {
+        "benchmark": path.stem,
+        "quick": quick,
+        "scales": scales,
+        "runs": runs,
+        "stats": stats,
+        "goals": goals(stats),
+        "paired": paired(runs, stats),
+        **(extra or {}),
+    }
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(summary, indent=1))
+    partial.replace(path)
+    return summary
+
+
+def group_parser(doc: str | None, groups: dict[str, Group]) -> argparse.ArgumentParser:
+    """The command line of a benchmark over groups: --out, --quick, --seeds, --first-seed, --groups."""
+    parser = benchmark_parser(doc, "1 seed, 1-2 rounds, 3 sites")
     parser.add_argument(
-        "--seeds", type=int, default=None, help="seeds per method (default: 3, quick: 1)"
+        "--seeds", type=int, default=None, help="seeds per method (default: the group's; quick: 1)"
     )
     parser.add_argument(
         "--first-seed", type=int, default=0, help="the first seed (seeds run from it upward)"
     )
     parser.add_argument(
-        "--groups", default=",".join(GROUPS), help=f"which of {', '.join(GROUPS)} to run"
+        "--groups", default=",".join(groups), help=f"which of {', '.join(groups)} to run"
     )
-    args = parser.parse_args()
-    names = [name.strip() for name in args.groups.split(",") if name.strip()]
-    unknown = sorted(set(names) - set(GROUPS))
+    return parser
+
+
+def chosen_groups(
+    parser: argparse.ArgumentParser, names: str, groups: dict[str, Group]
+) -> dict[str, Group]:
+    """The groups `--groups` names, in its order; an unknown one is a usage error."""
+    picked = [name.strip() for name in names.split(",") if name.strip()]
+    unknown = sorted(set(picked) - set(groups))
     if unknown:
-        parser.error(f"unknown groups {unknown}; choose from {', '.join(GROUPS)}")
-    groups = {name: GROUPS[name] for name in names}
+        parser.error(f"unknown groups {unknown}; choose from {', '.join(groups)}")
+    return {name: groups[name] for name in picked}
+
+
+def main() -> None:
+    parser = group_parser(__doc__, GROUPS)
+    args = parser.parse_args()
+    groups = chosen_groups(parser, args.groups, GROUPS)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="hydrafl-hetero-") as tmp:
         runs = run(groups, args.quick, args.seeds, Path(tmp), args.first_seed)
@@ -360,26 +411,7 @@ def main() -> None:
         name: dataclasses.asdict(group.quick if args.quick else group.full)
         for name, group in groups.items()
     }
-    path = args.out / f"{NAME}.json"
-    runs, scales = merged(
-        json.loads(path.read_text()) if path.exists() else None, runs, scales, args.quick
-    )
-    stats = {
-        group: {name: method_stats(r) for name, r in methods.items()}
-        for group, methods in runs.items()
-    }
-    summary = {
-        "benchmark": NAME,
-        "quick": args.quick,
-        "scales": scales,
-        "runs": runs,
-        "stats": stats,
-        "goals": goals(stats),
-        "paired": paired(runs, stats),
-    }
-    partial = path.with_suffix(".json.partial")  # a reader never sees half a file
-    partial.write_text(json.dumps(summary, indent=1))
-    partial.replace(path)
+    summary = write_results(args.out / f"{NAME}.json", runs, scales, args.quick)
     plot(summary, args.out / f"{NAME}.png")
     print_tables(summary)
 

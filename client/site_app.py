@@ -32,6 +32,7 @@ from hydrafl.arrays import to_record
 from hydrafl.catalog import IMAGE_MODELS, MOE_MODEL
 from hydrafl.client.dedup import deduplicated, drop_reply, signatures_reply
 from hydrafl.client.model_probes import estimate_curvature, expert_scores, slice_layout
+from hydrafl.client.site_costs import step_costs
 from hydrafl.client.site_model import site_model
 from hydrafl.client.site_stats import site_stats
 from hydrafl.client.training import build_site_model, evaluate, site_seed, train_site
@@ -54,8 +55,6 @@ from hydrafl.site_config import SiteConfig
 from hydrafl.strategies.registry import site_half
 from hydrafl.strategies.site import SiteHalf
 from hydrafl.subnet.apply import apply_spec, trainable_slices
-from hydrafl.subnet.measure import measure_layer_cost
-from hydrafl.subnet.planning import COST_FIELDS
 from hydrafl.subnet.scoring import head_importance, layer_importance, weight_magnitude
 from hydrafl.subnet.slices import Slice, extract
 
@@ -448,20 +447,15 @@ def scores(message: Message, context: Context) -> Message:
             protocol.MEMORY_BYTES: memory_bytes,
         }
     )
-    if memory_bytes or cfg.round_timeout_s:  # the cost sizes a Hydra-net to memory or a deadline
-        x, y = batches[0]
+    if (
+        memory_bytes or cfg.round_timeout_s
+    ):  # the cost sizes a Hydra-net or a rank to memory or a deadline
+        sample = slice(
+            0, min(cfg.batch_size, len(split.train_y))
+        )  # a training batch, as `train` has
+        batch = (split.train_x[sample], split.train_y[sample])
         speed = site_speed(cfg, context)
-        bypass = bool(request.get(protocol.SCORE_BYPASS, False))
-        cost = measure_layer_cost(
-            model,
-            lambda: task_loss(cohort.task)(model, x, y),
-            cfg.inner_optimizer,
-            speed=speed,
-            bypass=bypass,
-        )
-        metrics.update(
-            {f"{protocol.COST_PREFIX}{f.replace('_', '-')}": getattr(cost, f) for f in COST_FIELDS}
-        )
+        metrics.update(step_costs(cfg, cohort.task, model, batch, speed=speed, request=request))
     site = ConfigRecord({protocol.TIER: site_tier(cfg, context), **slice_layout(model)})
     return Message(RecordDict({"metrics": metrics, protocol.SITE_RECORD: site}), reply_to=message)
 

@@ -89,6 +89,8 @@ class LoraBaseline(FedAvg):
         """A robust rule (median, trimmed mean) replaces the fold's and the head's sums; it holds the replies."""
         self.planner = planner or SitePlanner()
         self.planner.scoring[protocol.SCORE_SAMPLES] = 1
+        # a site with a memory limit or a round deadline measures what each rank costs it
+        self.planner.scoring[protocol.SCORE_RANK_COST] = True
         self.current_arrays: ArrayRecord | None = None
         self.ranks: dict[int, int] = {}
         self.server_round = 0
@@ -153,14 +155,15 @@ class LoraBaseline(FedAvg):
         return {}
 
     def _rank(self, node: int, trainable: ArrayRecord, pairs: list[LoraPair]) -> int:
-        """Closest rank to the Hydra-net budget of the node's tier; ties go to the smaller rank."""
-        budget = self.planner.budget(
-            node, {name: tuple(trainable[name].shape) for name in trainable}
-        )
+        """Closest rank to the Hydra-net budget of the node's tier (ties go to the smaller rank), and at most
+        the largest rank that fits the node's declared memory and the round deadline, as measured there."""
+        shapes = {name: tuple(trainable[name].shape) for name in trainable}
+        budget = self.planner.budget(node, shapes, fitted=False)  # its own cost fits its rank below
         max_rank = int(trainable[pairs[0].a].shape[0])
-        return min(
+        matched = min(
             range(1, max_rank + 1), key=lambda r: (abs(_count(trainable, pairs, r) - budget), r)
         )
+        return min(matched, self.planner.rank_limit(node, max_rank))
 
     def _site_arrays(
         self, node: int, rank: int, arrays: ArrayRecord, pairs: list[LoraPair]

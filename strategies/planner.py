@@ -10,6 +10,7 @@ Design: ../shared/research/hydra-nets.md (Fisher layer scores as in Fed-HeLLo; M
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import random
@@ -22,10 +23,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from hydrafl import protocol
 from hydrafl.subnet.planning import (
     COST_FIELDS,
+    RANK_COST_FIELDS,
     LayerCost,
+    RankCost,
     build_spec,
     coactivation_groups,
     combine_layer_scores,
+    fit_rank,
     plan_budget,
     select_experts,
 )
@@ -69,6 +73,8 @@ class SiteScores:
     tier: str
     cost: LayerCost | None = None
     """The site's measured step cost (`subnet.measure.measure_layer_cost`), when it reported one."""
+    rank_cost: RankCost | None = None
+    """A LoRA site's measured step cost per rank (`subnet.measure.measure_rank_cost`), when it was asked."""
     memory_bytes: float = 0.0
     """Training memory the site declares; 0 = no limit."""
     experts: list[list[float]] = field(default_factory=list)
@@ -110,6 +116,14 @@ def read_scores(
                 for f in COST_FIELDS
             }
         )
+    rank_cost = None
+    if f"{protocol.RANK_COST_PREFIX}fixed-s" in metrics:
+        rank_cost = RankCost(
+            **{
+                f: float(metrics[f"{protocol.RANK_COST_PREFIX}{f.replace('_', '-')}"])
+                for f in RANK_COST_FIELDS
+            }
+        )
     experts, coactivation = _expert_scores(metrics, num_layers)
     scores = SiteScores(
         experts=experts,
@@ -119,6 +133,7 @@ def read_scores(
         weight=float(metrics[weighted_by_key]),
         tier=str(site[protocol.TIER]),
         cost=cost,
+        rank_cost=rank_cost,
         memory_bytes=float(metrics.get(protocol.MEMORY_BYTES, 0.0)),
     )
     return scores, layout
@@ -229,19 +244,26 @@ class SitePlanner:
                 )
 
     def hydra_spec(
-        self, node: int, *, bypass: bool = False, freeze_heads: bool = True
+        self, node: int, *, bypass: bool = False, freeze_heads: bool = True, fitted: bool = True
     ) -> SubnetSpec:
         """Top layers of the global ranking and, in each, the site's top heads, as many as its tier affords and,
-        when it declared memory or the round has a deadline, as many as fit them (`plan_budget` on the step cost
-        the site measured). KeyError: the node missed the planning round; BudgetError: nothing fits."""
+        when it declared memory or the round has a deadline (and `fitted`), as many as fit them (`plan_budget`
+        on the step cost the site measured: then, unless bypassed, among the top layers that fit, since a
+        frozen layer above a trained one holds its activations too). KeyError: the node missed the planning
+        round; BudgetError: nothing fits."""
         scores = self.site_scores[node]
         layer_fraction, head_fraction = self.tiers[scores.tier] if scores.tier else self.untiered
         num_layers = max(1, math.ceil(layer_fraction * len(self.ranking) - 1e-9))
         num_heads = max(1, math.ceil(head_fraction * len(scores.heads[0]) - 1e-9))
-        if scores.cost is not None and (scores.memory_bytes > 0 or self.timeout_s):
+        ranking = self.ranking
+        if fitted and scores.cost is not None and (scores.memory_bytes > 0 or self.timeout_s):
+            # frozen heads still run forward and backward: keeping fewer saves neither time nor memory
+            cost = (
+                dataclasses.replace(scores.cost, head_fraction=0.0) if freeze_heads else scores.cost
+            )
             try:
                 budget = plan_budget(
-                    scores.cost,
+                    cost,
                     num_layers=len(self.ranking),
                     num_groups=len(scores.heads[0]),
                     memory_bytes=scores.memory_bytes or math.inf,
@@ -252,8 +274,13 @@ class SitePlanner:
             except ValueError as error:
                 raise BudgetError(str(error)) from error
             num_layers, num_heads = min(num_layers, budget.layers), min(num_heads, budget.heads)
+            if (
+                not bypass
+            ):  # the backward pass runs from the top down to the lowest trained layer, so
+                # what fits is the top `budget.layers` layers (the cost was measured on them), best-ranked
+                ranking = [layer for layer in ranking if layer >= len(ranking) - budget.layers]
         return build_spec(
-            self.ranking,
+            ranking,
             num_layers,
             scores.heads,
             num_heads,
@@ -298,9 +325,29 @@ class SitePlanner:
             freeze_heads=freeze_heads,
         )
 
-    def budget(self, node: int, shapes: Mapping[str, tuple[int, ...]]) -> int:
-        """The coordinates a Hydra-net of the node's tier trains: what the width and LoRA baselines match."""
-        spec = self.hydra_spec(node)
+    def rank_limit(self, node: int, max_rank: int) -> int:
+        """The largest LoRA rank (up to `max_rank`) whose measured step cost fits the node's declared memory and
+        the round deadline (`fit_rank`); `max_rank` when neither limits it. BudgetError: not even rank 1 fits."""
+        scores = self.site_scores[node]
+        if scores.rank_cost is None or not (scores.memory_bytes > 0 or self.timeout_s):
+            return max_rank
+        try:
+            return fit_rank(
+                scores.rank_cost,
+                max_rank=max_rank,
+                memory_bytes=scores.memory_bytes or math.inf,
+                deadline_s=self.timeout_s or math.inf,
+                local_steps=self.local_steps,
+            )
+        except ValueError as error:
+            raise BudgetError(str(error)) from error
+
+    def budget(
+        self, node: int, shapes: Mapping[str, tuple[int, ...]], *, fitted: bool = True
+    ) -> int:
+        """The coordinates a Hydra-net of the node's tier trains (fitted to its memory and the deadline, or
+        not): what the width and LoRA baselines match."""
+        spec = self.hydra_spec(node, fitted=fitted)
         return sum(sl.numel(shapes[name]) for name, sl in layout_slices(self.layout, spec).items())
 
     _STATE = ("layout", "ranking", "site_scores")

@@ -177,19 +177,20 @@ def plan_budget(
     Model: w = L * ((1 - f) + f * H / H_max) trained-layer equivalents;
         step_s = (fixed_s + w * per_layer_s) / speed;     memory = fixed_bytes + w * per_layer_bytes;
     feasible when local_steps * step_s <= deadline_s and memory <= memory_bytes. Picks the feasible (L, H)
-    with the largest w, ties to more layers. Raises ValueError when even (1 layer, 1 head) does not fit.
+    with the largest w, ties to more layers, then more heads. Raises ValueError when even (1 layer, 1 head)
+    does not fit.
     """
     if speed <= 0 or deadline_s <= 0 or local_steps <= 0:
         raise ValueError("speed, deadline_s and local_steps must be > 0")
     best: Budget | None = None
-    best_key = (-1.0, -1)
+    best_key = (-1.0, -1, -1)
     for layers in range(1, num_layers + 1):
         for heads in range(1, num_groups + 1):
             w = cost.work(layers, heads, num_groups)
             step_s = (cost.fixed_s + w * cost.per_layer_s) / speed
             mem = cost.fixed_bytes + w * cost.per_layer_bytes
             if local_steps * step_s <= deadline_s and mem <= memory_bytes:
-                key = (round(w, 12), layers)
+                key = (round(w, 12), layers, heads)
                 if key > best_key:
                     best_key, best = key, Budget(layers, heads, step_s, mem)
     if best is None:
@@ -203,13 +204,60 @@ def plan_budget(
     return best
 
 
+@dataclass(frozen=True, kw_only=True)
+class RankCost:
+    """Cost of one local step of a LoRA site that trains every layer at rank r, measured on the reference
+    device (speed 1.0): step_s = fixed_s + r * per_rank_s, memory = fixed_bytes + r * per_rank_bytes (weights,
+    the backward through every layer and the head are the fixed part; factors, their gradients, optimizer
+    state and rank-r activations grow with r)."""
+
+    fixed_s: float
+    per_rank_s: float
+    fixed_bytes: float
+    per_rank_bytes: float
+
+    def __post_init__(self) -> None:
+        if min(self.fixed_s, self.per_rank_s, self.fixed_bytes, self.per_rank_bytes) < 0:
+            raise ValueError("costs must be >= 0")
+
+
+RANK_COST_FIELDS = ("fixed_s", "per_rank_s", "fixed_bytes", "per_rank_bytes")
+"""The measured RankCost fields a site reports (as `rank-cost.fixed-s`, ...) when the scoring query asks."""
+
+
+def fit_rank(
+    cost: RankCost, *, max_rank: int, memory_bytes: float, deadline_s: float, local_steps: int
+) -> int:
+    """Largest LoRA rank r in 1..max_rank with fixed_bytes + r * per_rank_bytes <= memory_bytes and
+    local_steps * (fixed_s + r * per_rank_s) <= deadline_s: what a LoRA baseline's site affords, as
+    `plan_budget` is what a Hydra-net affords. Raises ValueError when not even rank 1 fits."""
+    if max_rank < 1 or deadline_s <= 0 or local_steps <= 0:
+        raise ValueError("max_rank, deadline_s and local_steps must be > 0")
+    fits = [
+        r
+        for r in range(1, max_rank + 1)
+        if cost.fixed_bytes + r * cost.per_rank_bytes <= memory_bytes
+        and local_steps * (cost.fixed_s + r * cost.per_rank_s) <= deadline_s
+    ]
+    if not fits:
+        raise ValueError(
+            f"no LoRA rank fits: rank 1 needs {local_steps * (cost.fixed_s + cost.per_rank_s):.3g} s "
+            f"(deadline {deadline_s} s) and {cost.fixed_bytes + cost.per_rank_bytes:.4g} bytes "
+            f"(site has {memory_bytes})"
+        )
+    return fits[-1]
+
+
 __all__ = [
     "COST_FIELDS",
     "Budget",
     "LayerCost",
+    "RANK_COST_FIELDS",
+    "RankCost",
     "build_spec",
     "coactivation_groups",
     "combine_layer_scores",
+    "fit_rank",
     "global_layer_scores",
     "plan_budget",
     "select_experts",

@@ -20,13 +20,13 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 from hydrafl.strategies.planner import SiteScores
-from hydrafl.subnet.planning import LayerCost
+from hydrafl.subnet.planning import LayerCost, RankCost
 from hydrafl.subnet.slices import Slice
 from hydrafl.subnet.spec import SubnetSpec
 from hydrafl.tensor_files import MappedArray, OnDiskArray
 
 DATACLASSES: Mapping[str, type] = {
-    cls.__name__: cls for cls in (SiteScores, LayerCost, SubnetSpec, Slice)
+    cls.__name__: cls for cls in (SiteScores, LayerCost, RankCost, SubnetSpec, Slice)
 }
 """The objects a strategy's state may hold besides plain values and tensors: rebuilt from their fields."""
 _PLAIN = (type(None), bool, int, str)

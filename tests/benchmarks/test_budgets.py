@@ -1,0 +1,58 @@
+"""The budgets benchmark's bookkeeping by hand: processes that split the seeds, gathered into one results
+file with Hydra's paired gap, and the memory limits it declares, exact to the byte."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hydrafl.benchmarks.budgets import markdown, megabytes
+from hydrafl.benchmarks.heterogeneous import write_results
+from hydrafl.config import RunConfig
+
+SCALE = {"sites": 3, "rounds": 3, "local_steps": 4, "seeds": 1}
+
+
+def _run(seed: int, accuracy: float) -> dict:
+    return {
+        "seed": seed,
+        "accuracy": accuracy,
+        "bytes_per_round": 1e6,
+        "params": {"small": 10, "medium": 20, "large": 30},
+        "peak_memory": {"small": 300e6, "medium": 301e6, "large": 302e6},
+    }
+
+
+def test_processes_that_split_the_seeds_gather_into_one_file_with_the_paired_gap(tmp_path):
+    group = "minilm-lora-memory"
+    for seed, (hydra, flexlora) in enumerate([(0.70, 0.60), (0.80, 0.80)]):
+        out = tmp_path / f"seed{seed}"
+        out.mkdir()
+        runs = {group: {"hydra": [_run(seed, hydra)], "flexlora": [_run(seed, flexlora)]}}
+        write_results(out / "budgets.json", runs, {group: SCALE}, False, extra={"limits": {}})
+    gathered = write_results(
+        tmp_path / "budgets.json",
+        {},
+        {},
+        False,
+        (tmp_path / "seed0" / "budgets.json", tmp_path / "seed1" / "budgets.json"),
+        {"limits": {"lora_step_s": 1.5}},
+    )
+    assert [r["seed"] for r in gathered["runs"][group]["hydra"]] == [0, 1]
+    assert gathered["scales"][group]["seeds"] == 2
+    # differences +10 and 0 points: mean 5, sd 7.071, standard error 7.071 / sqrt(2) = 5
+    gap = gathered["paired"][f"{group}: hydra - flexlora"]
+    assert (gap["seeds"], gap["mean_points"]) == (2, pytest.approx(5.0))
+    assert gap["standard_error_points"] == pytest.approx(5.0)
+    assert json.loads((tmp_path / "budgets.json").read_text()) == json.loads(json.dumps(gathered))
+    table = markdown(gathered)
+    assert "| hydra | 0.750 ± 0.071 | 1.00 | 10/20/30 | 300.0/301.0/302.0 |" in table
+    assert "+5.00 ± 5.00 points" in table
+
+
+@pytest.mark.parametrize("limit", [303_476_968, 306_426_088, 304_951_528])
+def test_a_declared_memory_limit_reaches_the_site_exact_to_the_byte(limit):
+    """What a rank-2 LoRA site needs must still fit it once written as --site-memory-mb."""
+    declared = RunConfig(sites=3, site_memory_mb=megabytes(limit, 2 * limit, 0))
+    assert [mb * 1e6 for mb in declared.memory_list] == [limit, 2 * limit, 0]
