@@ -15,6 +15,7 @@ from helpers import make_reply
 from hydrafl.client import site_app
 from hydrafl.privacy.central import CentralDp
 from hydrafl.server import server_app
+from hydrafl.server.administration import export_run
 from hydrafl.server.aggregation.checkpoint import load_checkpoint
 from hydrafl.server.aggregation.driver import RoundFailed
 from hydrafl.simulation.grid import InProcessGrid
@@ -63,6 +64,19 @@ def test_a_model_on_disk_ends_with_the_bits_of_one_in_memory(small_run, tmp_path
     assert left == {checkpoint["tensors"], *checkpoint["files"]}  # earlier rounds' files are gone
     archived = {path.name for path in (folder / "checkpoints").glob("*")}
     assert set(checkpoint["files"]) <= archived or not archived
+    if (
+        strategy == "fedavg"
+    ):  # the final model's export reads the checkpoint's files as it reads a copy
+        exports = [
+            export_run(run, tmp_path / f"export-{run.name}")
+            for run in (folder, tmp_path / "memory")
+        ]
+        assert exports[0].kind == exports[1].kind
+        weights = sorted((tmp_path / "export-memory").rglob("*.safetensors"))
+        assert weights
+        for path in weights:
+            twin = tmp_path / "export-disk" / path.relative_to(tmp_path / "export-memory")
+            assert twin.read_bytes() == path.read_bytes()
 
 
 def test_a_resumed_model_on_disk_ends_like_a_straight_run(small_run, tmp_path):
