@@ -9,6 +9,8 @@ corrupted a chunk fails that read loudly, never the sums silently).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 from flwr.app import ArrayRecord, Message, Metadata
 from flwr.app.message.message import make_message
@@ -17,6 +19,9 @@ from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.envelope import UPLOADED, EnvelopeError, check_manifest, parse_content
 from hydrafl.server.transport.packs import UploadPacks
 from hydrafl.tensor_files import OnDiskArray
+
+READ_THREADS = 4
+"""Chunks of a stored tensor read at once."""
 
 
 class StoredArray(OnDiskArray):
@@ -34,19 +39,26 @@ class StoredArray(OnDiskArray):
         return self.read_into(np.empty(self.shape, self.dtype))
 
     def read_into(self, out: np.ndarray) -> np.ndarray:
+        """Its chunks read, checked and copied into `out` by a few threads at once (reads, hashes and copies
+        release the GIL: the disk sees several requests in flight, as it does on upload)."""
         uploads: UploadPacks = self.__dict__["uploads"]
+        digests: list[str] = self.__dict__["digests"]
         raw = out.reshape(-1).view(np.uint8)
-        at = 0
-        for digest in self.__dict__["digests"]:
+        sizes = [uploads.size(digest) for digest in digests]
+        if sum(sizes) != raw.size:
+            raise EnvelopeError(f"stored chunks hold {sum(sizes)} bytes, the tensor {raw.size}")
+        starts = np.cumsum([0, *sizes[:-1]]).tolist()
+
+        def fill(digest: str, start: int) -> None:
             chunk = uploads.get(digest)
             UPLOADED.verify(digest, chunk)
-            if at + len(chunk) > raw.size:
-                raise EnvelopeError(f"stored chunks hold more than the tensor's {raw.size} bytes")
-            raw[at : at + len(chunk)] = np.frombuffer(chunk, np.uint8)
-            at += len(chunk)
-        if at != raw.size:
-            raise EnvelopeError(f"stored chunks hold {at} bytes, the tensor {raw.size}")
+            raw[start : start + len(chunk)] = np.frombuffer(chunk, np.uint8)
+
+        list(_READERS.map(fill, digests, starts))
         return out
+
+
+_READERS = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="stored-reply-reader")
 
 
 def stored_message(envelope: pb.Envelope, uploads: UploadPacks, metadata: Metadata) -> Message:
