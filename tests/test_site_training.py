@@ -351,7 +351,7 @@ def test_the_coordinator_keeps_data_hashes_in_the_run_history(tmp_path, monkeypa
         )
     )
 
-    def fake_federation(grid, cfg, *, on_round):
+    def fake_federation(grid, cfg, *, on_round, resident_model_bytes):
         on_round(RoundRecord(round=1, data_hash_per_site={"7": "ab" * 32, "8": "cd" * 32}))
 
     monkeypatch.setattr(coordinator_module, "run_federation", fake_federation)

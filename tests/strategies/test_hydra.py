@@ -245,19 +245,17 @@ def test_declared_memory_and_the_round_deadline_shrink_a_sites_hydra_net_by_hand
             },
         )
     assert specs[1].layers == (0, 1, 2, 3)  # nothing declared: the tier (untiered: all)
-    # memory 200 = 100 + w * 50 -> at most w = 2 trained-layer equivalents: 2 layers with all 4 heads
-    assert specs[2].layers == (0, 1) and specs[2].heads_for(0) in (None, (0, 1, 2, 3))
+    # memory 200 = 100 + w * 50 -> at most w = 2 trained-layer equivalents: 2 layers with all 4 heads (frozen
+    # heads save no memory), the top two (a frozen layer above a trained one would hold its activations)
+    assert specs[2].layers == (2, 3) and specs[2].heads_for(2) in (None, (0, 1, 2, 3))
     # 1 layer, 1 head needs 100 + 0.7375 * 50 > 120: the site is sent nothing to train
     assert 3 not in specs and "site 3 cannot train this round: no Hydra-net fits" in caplog.text
-    # deadline 2.5 s for 10 steps of (0.1 + 0.1 w) s -> w <= 1.5; 2 layers x 1 head: w = 2 (0.65 + 0.35 / 4) = 1.475
+    # deadline 2.5 s for 10 steps of (0.1 + 0.1 w) s -> w <= 1.5; frozen heads still run, so whole layers: one
+    # (w = 1), the top one
     specs = _sized(
         Hydra(planner=SitePlanner(local_steps=10, timeout_s=2.5)), {1: {"cost": cost}, 2: {}}
     )
-    assert (
-        specs[1].layers == (0, 1)
-        and specs[1].heads_for(0) == (0,)
-        and specs[1].heads_for(1) == (0,)
-    )
+    assert specs[1].layers == (3,) and specs[1].heads_for(3) in (None, (0, 1, 2, 3))
     assert specs[2].layers == (0, 1, 2, 3)  # measured nothing: nothing to size against the deadline
 
 
