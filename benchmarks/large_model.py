@@ -294,11 +294,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main() -> None:
-    parser = benchmark_parser(__doc__, "0.0625 and 0.25 GiB")
+    parser = benchmark_parser(__doc__, "0.1875 and 0.25 GiB")
     parser.add_argument("--sizes", default="0.25,1,4,6", help="model sizes in GiB, comma-separated")
     parser.add_argument("--limit-mb", type=int, default=GOAL_MEMORY_MB)
     args = parser.parse_args()
-    sizes = [0.0625, 0.25] if args.quick else [float(s) for s in args.sizes.split(",")]
+    sizes = [0.1875, 0.25] if args.quick else [float(s) for s in args.sizes.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
