@@ -24,6 +24,8 @@ import torch
 from flwr.app import Array, ArrayRecord
 from flwr.common.constant import SType
 
+from hydrafl.writeback import start_writeback
+
 SAFETENSORS_DTYPES = {
     "float64": "F64",
     "float32": "F32",
@@ -214,11 +216,7 @@ class TensorFileWriter:
                 f"tensor {name!r} is {array.dtype}{tuple(array.shape)}, the layout says {dtype}{tuple(shape)}"
             )
         start, nbytes = self._places[name]
-        raw = _raw(array)
-        offset = self._data_start + start
-        while raw:
-            done = os.pwrite(self._descriptor, raw, offset)
-            raw, offset = raw[done:], offset + done
+        self._pwrite(_raw(array), self._data_start + start)
         self._written.add(name)
 
     def write_at(self, name: str, start: int, data: bytes | memoryview | np.ndarray) -> None:
@@ -233,14 +231,20 @@ class TensorFileWriter:
             raise TensorFileError(
                 f"tensor {name!r}: bytes {start}..{start + len(raw)} are outside its {nbytes} bytes"
             )
-        offset = self._data_start + place + start
         written = len(raw)
-        while raw:
-            done = os.pwrite(self._descriptor, raw, offset)
-            raw, offset = raw[done:], offset + done
+        self._pwrite(raw, self._data_start + place + start)
         self._filled[name] = self._filled.get(name, 0) + written
         if self._filled[name] >= nbytes:
             self._written.add(name)
+
+    def _pwrite(self, raw: memoryview, offset: int) -> None:
+        """Write `raw` at `offset`, and start its writeback: `close`'s fsync then finds it mostly on disk,
+        and the disk writes while the caller computes the next tensor."""
+        start, nbytes = offset, len(raw)
+        while raw:
+            done = os.pwrite(self._descriptor, raw, offset)
+            raw, offset = raw[done:], offset + done
+        start_writeback(self._descriptor, start, nbytes)
 
     def close(self, *, durable: bool = True) -> dict[str, MappedArray]:
         """Every tensor written: flush to disk (unless not `durable`: a file read back by this process and

@@ -19,9 +19,7 @@ checking and the disk rather than their sum.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import sys
 import threading
 from collections import deque
 from collections.abc import Iterable
@@ -33,12 +31,11 @@ from hydrafl.proto.envelope import SENT, UPLOADED, ChunkNaming
 from hydrafl.server.disk import ChunkStat, sync_filesystem
 from hydrafl.server.transport.packs import UploadPacks
 from hydrafl.server.transport.sent_cache import SentCache
+from hydrafl.writeback import start_writeback
 
 WRITERS = 8
 CHUNKS_IN_FLIGHT = 16
 """Per stream: at most this many received chunks wait for their writer (bounds memory per upload)."""
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-_SYNC_FILE_RANGE_WRITE = 2
 
 
 class BlobStore:
@@ -151,7 +148,7 @@ class BlobStore:
             view = memoryview(data)
             while view:
                 view = view[os.write(descriptor, view) :]
-            _start_writeback(descriptor)
+            start_writeback(descriptor)
         finally:
             os.close(descriptor)
         os.replace(temporary, path)
@@ -213,12 +210,3 @@ class BlobStore:
             return os.read(descriptor, os.fstat(descriptor).st_size)
         finally:
             os.close(descriptor)
-
-
-def _start_writeback(descriptor: int) -> None:
-    """Ask the kernel to start writing the file's dirty pages now, without waiting (Linux; elsewhere `sync`
-    writes everything)."""
-    if _LIBC is not None:
-        _LIBC.sync_file_range(
-            descriptor, ctypes.c_longlong(0), ctypes.c_longlong(0), _SYNC_FILE_RANGE_WRITE
-        )
