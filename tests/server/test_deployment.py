@@ -83,7 +83,8 @@ def _tiered_run_matches_the_simulation(deployment, tmp_path, options: dict) -> l
             **options,
             "site-tiers": "small,medium,large",
             "run-dir": str(tmp_path / "sim"),
-        }
+        },
+        other_knobs=True,  # the base run's DiLoCo-only knobs, which the coordinator also passes over
     )
     simulated = run_strategy(cfg, "inprocess")
     for deployed, local in zip(run.history, simulated, strict=True):
