@@ -2,7 +2,10 @@
 layers, run as README tells users with a small coordinator to (`hydrafl server --resident-model-mb 128
 --send-cache-mb 128`, three `hydrafl site` processes), against the model's size.
 
-    python -m hydrafl.benchmarks.large_model [--out DIR] [--quick] [--sizes 0.25,1,4,6] [--limit-mb 1536]
+    python -m hydrafl.benchmarks.large_model [--out DIR] [--quick] [--sizes 0.25,1,2,4] [--limit-mb 1536]
+
+A round of S GiB holds about 12 S GiB on one disk at its peak when the sites share the coordinator's disk (their
+download and reply files beside its uploads, sent chunks and model files): 6 GiB needs about 72 GiB free.
 
 Per size, in a fresh folder: the coordinator process runs under a memory limit (a cgroup's memory.limit_in_bytes
 of `--limit-mb`, when this machine lets the benchmark make one) and its peak resident memory (VmHWM) is read at
@@ -48,7 +51,7 @@ from rich.table import Table
 from rich.text import Text
 
 from hydrafl import protocol
-from hydrafl.benchmarks._common import benchmark_parser, verdict
+from hydrafl.benchmarks._common import benchmark_parser, save_against_model_size, verdict
 from hydrafl.benchmarks._large_site import initial_values, pseudo_gradient, row_blocks
 from hydrafl.config import RunConfig
 from hydrafl.server.aggregation.checkpoint import load_checkpoint
@@ -281,21 +284,20 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     sizes = [row["size_gib"] for row in rows]
     axis.plot(sizes, [r["coordinator_hwm_mb"] / 1024 for r in rows], "o-", label="coordinator")
     axis.plot(sizes, [r["site_hwm_mb"] / 1024 for r in rows], "s-", label="site (largest)")
-    axis.plot(sizes, sizes, ":", color="grey", label="model size")
     axis.axhline(GOAL_MEMORY_MB / 1024, color="red", lw=0.8, ls="--", label="coordinator goal")
-    axis.set_xlabel("model (float32, GiB)")
-    axis.set_ylabel("peak resident memory (GiB, VmHWM)")
-    axis.set_title("One 3-site DiLoCo round of a model larger than memory")
-    axis.legend()
-    axis.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_against_model_size(
+        figure,
+        axis,
+        sizes,
+        "peak resident memory (GiB, VmHWM)",
+        "One 3-site DiLoCo round of a model larger than memory",
+        path,
+    )
 
 
 def main() -> None:
     parser = benchmark_parser(__doc__, "0.1875 and 0.25 GiB")
-    parser.add_argument("--sizes", default="0.25,1,4,6", help="model sizes in GiB, comma-separated")
+    parser.add_argument("--sizes", default="0.25,1,2,4", help="model sizes in GiB, comma-separated")
     parser.add_argument("--limit-mb", type=int, default=GOAL_MEMORY_MB)
     args = parser.parse_args()
     sizes = [0.1875, 0.25] if args.quick else [float(s) for s in args.sizes.split(",")]

@@ -48,7 +48,12 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from hydrafl.benchmarks._common import benchmark_parser, progress_columns, verdict
+from hydrafl.benchmarks._common import (
+    benchmark_parser,
+    progress_columns,
+    save_against_model_size,
+    verdict,
+)
 from hydrafl.benchmarks._large_site import initial_values, large_layout, row_blocks
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.server.config import CoordinatorConfig
@@ -226,16 +231,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         )
         if points:
             axis.plot(*zip(*points, strict=True), style, label=f"{mode}-backed exchange")
-    sizes = sorted({r["size_gib"] for r in rows})
-    axis.plot(sizes, sizes, ":", color="grey", label="model size")
-    axis.set_xlabel("model (float32, GiB)")
-    axis.set_ylabel("site's peak memory growth (GiB)")
-    axis.set_title("A site's memory for one exchange (download + upload)")
-    axis.legend()
-    axis.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_against_model_size(
+        figure,
+        axis,
+        sorted({r["size_gib"] for r in rows}),
+        "site's peak memory growth (GiB)",
+        "A site's memory for one exchange (download + upload)",
+        path,
+    )
 
 
 def main() -> None:
