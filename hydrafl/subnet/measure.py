@@ -42,22 +42,11 @@ def measure_layer_cost(
         with apply_spec(model, SubnetSpec(layers=layers, bypass=bypass), arch):
             return _step_cost(model, loss, optimizer, speed=speed, repeats=repeats)
 
-    top_s, top_bytes = step((num_layers - 1,))
-    if num_layers == 1:
-        return LayerCost(
-            fixed_s=top_s / 2,
-            per_layer_s=top_s / 2,
-            fixed_bytes=top_bytes / 2,
-            per_layer_bytes=top_bytes / 2,
-        )
-    all_s, all_bytes = step(tuple(range(num_layers)))
-    per_layer_s = max(all_s - top_s, 0.0) / (num_layers - 1)
-    per_layer_bytes = max(all_bytes - top_bytes, 0.0) / (num_layers - 1)
+    top = step((num_layers - 1,))
+    every = step(tuple(range(num_layers))) if num_layers > 1 else None
+    fixed_s, per_s, fixed_bytes, per_bytes = _linear(top, every, num_layers)
     return LayerCost(
-        fixed_s=max(top_s - per_layer_s, 0.0),
-        per_layer_s=per_layer_s,
-        fixed_bytes=max(top_bytes - per_layer_bytes, 0.0),
-        per_layer_bytes=per_layer_bytes,
+        fixed_s=fixed_s, per_layer_s=per_s, fixed_bytes=fixed_bytes, per_layer_bytes=per_bytes
     )
 
 
@@ -79,21 +68,26 @@ def measure_rank_cost(
         model = build(rank)
         return _step_cost(model, lambda: loss(model), optimizer, speed=speed, repeats=repeats)
 
-    one_s, one_bytes = step(1)
-    if max_rank == 1:
-        half_s, half_bytes = one_s / 2, one_bytes / 2
-        return RankCost(
-            fixed_s=half_s, per_rank_s=half_s, fixed_bytes=half_bytes, per_rank_bytes=half_bytes
-        )
-    top_s, top_bytes = step(max_rank)
-    per_rank_s = max(top_s - one_s, 0.0) / (max_rank - 1)
-    per_rank_bytes = max(top_bytes - one_bytes, 0.0) / (max_rank - 1)
-    return RankCost(
-        fixed_s=max(one_s - per_rank_s, 0.0),
-        per_rank_s=per_rank_s,
-        fixed_bytes=max(one_bytes - per_rank_bytes, 0.0),
-        per_rank_bytes=per_rank_bytes,
+    one = step(1)
+    fixed_s, per_s, fixed_bytes, per_bytes = _linear(
+        one, step(max_rank) if max_rank > 1 else None, max_rank
     )
+    return RankCost(
+        fixed_s=fixed_s, per_rank_s=per_s, fixed_bytes=fixed_bytes, per_rank_bytes=per_bytes
+    )
+
+
+def _linear(
+    one: tuple[float, float], many: tuple[float, float] | None, units: int
+) -> tuple[float, float, float, float]:
+    """(fixed s, s per unit, fixed bytes, bytes per unit) of a step whose time and memory grow linearly with the
+    units it trains (layers, rank), from the step at one unit and at `units` (None when `units` is 1: the one
+    measurement split in half between the fixed part and the unit)."""
+    if many is None:
+        return one[0] / 2, one[0] / 2, one[1] / 2, one[1] / 2
+    per_s = max(many[0] - one[0], 0.0) / (units - 1)
+    per_bytes = max(many[1] - one[1], 0.0) / (units - 1)
+    return max(one[0] - per_s, 0.0), per_s, max(one[1] - per_bytes, 0.0), per_bytes
 
 
 def _step_cost(
