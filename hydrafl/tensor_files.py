@@ -69,11 +69,12 @@ class OnDiskArray(Array):
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
     def numpy(self) -> np.ndarray:
-        raise NotImplementedError
+        return self.read_into(np.empty(self.shape, self.dtype))
 
     def read_into(self, out: np.ndarray) -> np.ndarray:
         """The values written into `out` (C-ordered, of this array's dtype and shape) and returned: a reader of
-        many tensors reuses its buffers (fresh pages cost more than the read itself)."""
+        many tensors reuses its buffers (fresh pages cost more than the read itself). A kind of OnDiskArray
+        implements this, or `numpy`, or both."""
         np.copyto(out, self.numpy())
         return out
 
@@ -118,9 +119,6 @@ class MappedArray(OnDiskArray):
     @property
     def offset(self) -> int:
         return self.__dict__["offset"]
-
-    def numpy(self) -> np.ndarray:
-        return self.read_into(np.empty(self.shape, self.dtype))
 
     def read_into(self, out: np.ndarray) -> np.ndarray:
         raw = out.reshape(-1).view(np.uint8).data
@@ -330,13 +328,6 @@ def open_tensors(path: str | Path) -> dict[str, MappedArray]:
             raise TensorFileError(f"{path}: tensor {name!r} does not fit the file")
         arrays[name] = MappedArray(path, 8 + length + begin, dtype, shape)
     return arrays
-
-
-def metadata_of(path: str | Path) -> dict[str, str]:
-    """The file's `__metadata__` (empty when it has none)."""
-    with Path(path).open("rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        return dict(json.loads(handle.read(length)).get("__metadata__", {}))
 
 
 def _numpy(values: np.ndarray | torch.Tensor | Array) -> np.ndarray:

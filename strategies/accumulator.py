@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
 from hydrafl.arrays import HeldArray, array_view
 from hydrafl.strategies import parallel_fold as fold
@@ -419,9 +419,14 @@ def _parse(reply: Message, weighted_by_key: str) -> tuple[ArrayRecord, MetricRec
 
 
 def _views(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
-    with warnings.catch_warnings():  # read-only views: only ever read, never written
+    return {name: tensor_view(array) for name, array in arrays.items()}
+
+
+def tensor_view(array: Array) -> torch.Tensor:
+    """An Array's values as a read-only torch view (`array_view`), only ever read, never written."""
+    with warnings.catch_warnings():  # torch warns that the view is not writable
         warnings.simplefilter("ignore", UserWarning)
-        return {name: torch.from_numpy(array_view(array)) for name, array in arrays.items()}
+        return torch.from_numpy(array_view(array))
 
 
 def _release(arrays: ArrayRecord) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import secrets
 import threading
-import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -23,8 +22,7 @@ import torch
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.app.message.message import make_message
 
-from hydrafl.arrays import array_view
-from hydrafl.strategies.accumulator import squared_blocks
+from hydrafl.strategies.accumulator import squared_blocks, tensor_view
 from hydrafl.strategies.parallel_fold import FoldPool, empty
 from hydrafl.tensor_files import Layout, OnDiskArray, TensorFileWriter
 
@@ -66,7 +64,8 @@ class AggregatesByTensor(Protocol):
         files: RoundFiles,
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The new model, each tensor written with `files.writer(MODEL, ...)` (and the strategy's own state,
-        e.g. momentum, in files of its own kind), and the train metrics."""
+        e.g. momentum, in files of its own kind), and the train metrics. The caller (`FlowerAdapter`) hands
+        over the round's valid replies, at least one, once `by_tensor_refusal` allows it."""
 
 
 def follows_its_rule(strategy: object) -> bool:
@@ -195,16 +194,10 @@ def clip_factors(replies: Sequence[Message], dp: CentralDp, pool: FoldPool) -> d
         squares = [
             square
             for array in delta_of(reply)[1].values()
-            for square in squared_blocks(pool, torch.from_numpy(_values(array)))
+            for square in squared_blocks(pool, tensor_view(array))
         ]
         factors[reply.metadata.src_node_id] = dp.clip_factor_of_norm(float(np.sqrt(sum(squares))))
     return factors
-
-
-def _values(array: Array) -> np.ndarray:
-    with warnings.catch_warnings():  # read-only views: only ever read
-        warnings.simplefilter("ignore", UserWarning)
-        return array_view(array)
 
 
 def metric_contents(replies: Sequence[Message]) -> list[RecordDict]:

@@ -16,7 +16,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from hydrafl.arrays import from_record, to_record
-from hydrafl.strategies.accumulator import AggregationError, WeightedDeltaAccumulator
+from hydrafl.strategies.accumulator import WeightedDeltaAccumulator
 from hydrafl.strategies.by_tensor import RoundFiles, clip_factors, delta_of, metric_contents
 from hydrafl.strategies.outer import OuterOptimizer, step_by_tensor
 from hydrafl.strategies.parallel_fold import FoldPool
@@ -83,11 +83,6 @@ class DiLoCo(FedAvg):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """`aggregate_train` one tensor at a time (`by_tensor`): the same sums and outer step per tensor, the
         model and the momentum each written to a file of their own."""
-        if refusal := self.by_tensor_refusal(start):
-            raise AggregationError(refusal)
-        replies = [reply for reply in replies if not reply.has_error()]
-        if not replies:
-            return None, None
         stepped = dict.fromkeys(name for reply in replies for name in delta_of(reply)[1])
         pool = FoldPool()
         dp = self.central_dp

@@ -266,9 +266,6 @@ class SubnetStrategy(FedAvg):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """`aggregate_train`'s masked mean and outer step one tensor at a time (`by_tensor`), for the plain mean
         on coordinates; the model and the momentum each written to a file of their own."""
-        if refusal := self.by_tensor_refusal(start):
-            raise AggregationError(refusal)
-        replies = [reply for reply in replies if not reply.has_error()]
         unassigned = [
             r.metadata.src_node_id for r in replies if r.metadata.src_node_id not in self.specs
         ]
@@ -276,8 +273,6 @@ class SubnetStrategy(FedAvg):
             raise AggregationError(
                 f"reply from node {unassigned[0]}, which was assigned no subnetwork this round"
             )
-        if not replies:
-            return None, None
         slices = {node: self.site_slices(node) for node in self.specs}
 
         def step(name: str, array: Array, cut: list[Message]) -> torch.Tensor:

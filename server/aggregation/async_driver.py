@@ -25,7 +25,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from hydrafl import protocol
-from hydrafl.arrays import keep_dtypes, record_nbytes
+from hydrafl.arrays import keep_dtypes
 from hydrafl.rounds import RoundRecord
 from hydrafl.server.aggregation.driver import (
     DriverConfig,
@@ -33,6 +33,7 @@ from hydrafl.server.aggregation.driver import (
     RoundDriver,
     RoundFailed,
     RunResult,
+    kept_on_disk,
 )
 from hydrafl.server.aggregation.evaluation import metric_value
 from hydrafl.server.aggregation.traffic import count_down
@@ -143,13 +144,14 @@ class AsyncDriver(RoundDriver):
     def _refuse_on_disk(self, arrays: ArrayRecord) -> None:
         """A model the coordinator would keep on disk (`DriverConfig.resident_model_bytes`) is refused: the
         buffer holds whole updates, in memory."""
-        limit = self.config.resident_model_bytes
-        if limit is not None and self.config.run_dir is not None and record_nbytes(arrays) > limit:
-            raise RoundFailed(
-                f"the global model ({record_nbytes(arrays) / 2**20:.0f} MiB) is larger than the coordinator "
-                "keeps in memory (resident-model-mb), and an asynchronous strategy's buffer holds whole "
-                "updates; raise resident-model-mb above the model if this coordinator can hold it"
-            )
+        kept_on_disk(
+            self.config,
+            arrays,
+            lambda: (
+                "an asynchronous strategy's buffer holds whole updates; raise resident-model-mb above "
+                "the model if this coordinator can hold it"
+            ),
+        )
 
     def run(
         self,

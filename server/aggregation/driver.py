@@ -305,15 +305,10 @@ class RoundDriver:
         """`arrays` where the run keeps its model: in memory, or, larger than `resident_model_bytes` (and with a
         run folder), in a tensor file of the run folder, written a tensor at a time. Refuses, before any round,
         what cannot aggregate a model on disk."""
-        limit, folder = self.config.resident_model_bytes, self.config.run_dir
-        if limit is None or folder is None or record_nbytes(arrays) <= limit:
+        if not kept_on_disk(self.config, arrays, lambda: self._on_disk_refusal(arrays)):
             return arrays
-        refusal = self._on_disk_refusal(arrays)
-        if refusal:
-            raise RoundFailed(
-                f"the global model ({record_nbytes(arrays) / 2**20:.0f} MiB) is larger than the coordinator "
-                f"keeps in memory (resident-model-mb), and {refusal}"
-            )
+        folder = self.config.run_dir
+        assert folder is not None  # kept on disk only with a run folder
         self.on_disk = True
         if all(
             isinstance(a, MappedArray) and Path(a.path).parent == folder for a in arrays.values()
@@ -353,6 +348,23 @@ class RoundDriver:
         self.run_log.write(record, history, arrays)
         if on_round:
             on_round(record)
+
+
+def kept_on_disk(config: DriverConfig, arrays: ArrayRecord, refusal: Callable[[], str]) -> bool:
+    """Whether a run of `config` keeps `arrays` on disk: larger than `resident_model_bytes`, with a run folder.
+    RoundFailed, before any round, when `refusal()` says why this run cannot ("" when it can)."""
+    limit = config.resident_model_bytes
+    if limit is None or config.run_dir is None:
+        return False
+    nbytes = record_nbytes(arrays)
+    if nbytes <= limit:
+        return False
+    if reason := refusal():
+        raise RoundFailed(
+            f"the global model ({nbytes / 2**20:.0f} MiB) is larger than the coordinator keeps in memory "
+            f"(resident-model-mb), and {reason}"
+        )
+    return True
 
 
 def _node(reply: Message) -> int:

@@ -27,6 +27,7 @@ from flwr.serverapp.strategy import FedAvg, FedMedian, FedTrimmedAvg, Strategy
 from hydrafl import protocol
 from hydrafl.arrays import HeldArray, array_view
 from hydrafl.strategies import hooks
+from hydrafl.strategies.accumulator import AggregationError
 from hydrafl.strategies.by_tensor import (
     MODEL,
     AggregatesByTensor,
@@ -118,7 +119,13 @@ class FlowerAdapter:
         self, server_round: int, replies: Sequence[Message], start: ArrayRecord, files: RoundFiles
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """`aggregate_train` of a model on disk: the strategy's own by-tensor aggregation, or, for Flower's
-        coordinate-wise rules, their `aggregate_train` on each tensor's cut of the replies in turn."""
+        coordinate-wise rules, their `aggregate_train` on each tensor's cut of the replies in turn; refused
+        (`AggregationError`) where `by_tensor_refusal` says so."""
+        if refusal := self.by_tensor_refusal(start):
+            raise AggregationError(refusal)
+        replies = [reply for reply in replies if not reply.has_error()]
+        if not replies:
+            return None, None
         if follows_its_rule(self.strategy):
             assert isinstance(self.strategy, AggregatesByTensor)
             return self.strategy.aggregate_by_tensor(server_round, replies, start, files)
@@ -132,6 +139,7 @@ class FlowerAdapter:
                 server_round, cut, as_record({name: array}), summed=False
             )
             if arrays is None:
+                model.discard()
                 return None, None
             model.write(name, arrays[name].numpy().astype(array.dtype, copy=False))
         return as_record(model.close()), metrics

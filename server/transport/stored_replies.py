@@ -35,9 +35,6 @@ class StoredArray(OnDiskArray):
         super().__init__(dtype, shape)
         self.__dict__.update(uploads=uploads, digests=digests)
 
-    def numpy(self) -> np.ndarray:
-        return self.read_into(np.empty(self.shape, self.dtype))
-
     def read_into(self, out: np.ndarray) -> np.ndarray:
         """Its chunks read, checked and copied into `out` by a few threads at once (reads, hashes and copies
         release the GIL: the disk sees several requests in flight, as it does on upload)."""
