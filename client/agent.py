@@ -252,6 +252,7 @@ class SiteAgent:
                 log.info("run %d: taking part", envelope.run_id)
                 last_run = envelope.run_id
             reply = self._handle(stub, envelope, pulled.chunks)
+            self.received.release_unless_used(reply)
             try:
                 self._push(stub, reply, envelope.round)
             except grpc.RpcError as error:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from flwr.app import Array
+from flwr.app import Array, Message
 
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.chunk_wire import ChunkView
@@ -153,6 +153,20 @@ class Received:
     def clear(self) -> None:
         self.tensors.clear()
         self.remove_file()
+
+    def release_unless_used(self, reply: Message) -> None:
+        """Remove the download file once the app has answered, before the upload, unless `reply` reads from it (an
+        array passed through): a site of a model larger than memory then holds its reply's file alone, not both."""
+        if self.file is None:
+            return
+        path = str(self.file.writer.path)
+        arrays = [] if reply.has_error() else reply.content.array_records.values()
+        if not any(
+            isinstance(array, MappedArray) and array.path == path
+            for record in arrays
+            for array in record.values()
+        ):
+            self.remove_file()
 
     def remove_file(self) -> None:
         if self.file is not None:

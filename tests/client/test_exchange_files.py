@@ -111,9 +111,11 @@ def test_a_download_and_its_reply_arrive_bit_for_bit_through_files_or_memory(
     tmp_path, monkeypatch, no_mapped_data, bound
 ):
     spilled: list[Path] = []
+    beside: list[list[str]] = []
 
     def spy(reply: Message, path: Path) -> None:
         spilled.append(path)
+        beside.append(sorted(p.name for p in path.parent.iterdir()))
         file_backed(reply, path)
 
     file_backed = exchange_folder.file_backed
@@ -151,6 +153,9 @@ def test_a_download_and_its_reply_arrive_bit_for_bit_through_files_or_memory(
             assert got.dtype == value.dtype and got.shape == value.shape
             assert got.tobytes() == (value * factor).astype(value.dtype).tobytes(), name
     assert [path.parent for path in spilled] == ([exchange] if bound else [])
+    # "double" answered with new arrays: its download went before the upload was written (one model on disk,
+    # not two); "echo" uploaded from its download, which therefore stayed until the reply was pushed
+    assert beside == ([[]] if bound else [])
 
 
 class _DroppingDownload(FakeCoordinator):
