@@ -6,7 +6,7 @@ run config). `query.init` answers with that model, generated block by block into
 answers with a deterministic pseudo-gradient computed block by block from the model it was sent (a MappedArray
 when the site's download went to a file): delta = 0.01 * start + 0.001 * noise seeded by (round, node, tensor).
 Its replies are MappedArrays over its own file, which the site agent uploads from a chunk at a time; the file
-goes when the next message comes (or the process ends). With `large-in-memory` (node_config) it replies with
+goes once the site has sent the reply (`removed_when_unused`). With `large-in-memory` (node_config) it replies with
 Arrays in memory instead, as an ordinary ClientApp does: the baseline of `benchmarks/site_exchange.py`. Its
 metrics are what a DiLoCo round reads: the reply's weight (`large-examples`, default 1), trainable parameters
 and a train loss.
@@ -14,7 +14,6 @@ and a train loss.
 
 from __future__ import annotations
 
-import atexit
 import math
 import tempfile
 from collections.abc import Iterator
@@ -27,15 +26,13 @@ from flwr.clientapp import ClientApp
 from hydrafl import protocol
 from hydrafl.arrays import array_view
 from hydrafl.run_settings import message_keys
-from hydrafl.tensor_files import MappedArray, TensorFileWriter, as_record
+from hydrafl.tensor_files import MappedArray, TensorFileWriter, as_record, removed_when_unused
 
 BLOCK_BYTES = 4 << 20
 """Rows computed at once: about this many bytes of a tensor."""
 OUTER_SCALE, NOISE_SCALE = 0.01, 0.001
 
 app = ClientApp()
-_reply_files: dict[int, Path] = {}
-"""Node id -> the file of its last reply, removed when its next message comes."""
 
 
 def large_layout(layers: int, width: int) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -112,7 +109,9 @@ def row_blocks(rows: int, row_bytes: int) -> Iterator[slice]:
 
 
 def _record(writer: TensorFileWriter, context: Context) -> ArrayRecord:
-    mapped = writer.close(durable=False)  # read back by this process for the upload, then removed
+    mapped = removed_when_unused(
+        writer.close(durable=False)
+    )  # read back for the upload, then removed
     if context.node_config.get("large-in-memory", False):
         return ArrayRecord({name: Array(array.numpy()) for name, array in mapped.items()})
     return as_record(mapped)
@@ -133,17 +132,6 @@ def _setting(context: Context, key: str, default: int | None = None) -> int:
 
 
 def _reply_file(context: Context) -> Path:
-    """A new file for this node's reply; its previous reply's file goes (uploaded by now)."""
-    previous = _reply_files.pop(context.node_id, None)
-    if previous is not None:
-        previous.unlink(missing_ok=True)
+    """A new file for this node's reply (`_record` has it removed once the site has sent the reply)."""
     folder = Path(str(context.node_config.get("large-dir", tempfile.gettempdir())))
-    path = Path(tempfile.mkstemp(prefix="large-reply-", suffix=".safetensors", dir=folder)[1])
-    _reply_files[context.node_id] = path
-    return path
-
-
-@atexit.register
-def _remove_reply_files() -> None:
-    for path in _reply_files.values():
-        path.unlink(missing_ok=True)
+    return Path(tempfile.mkstemp(prefix="large-reply-", suffix=".safetensors", dir=folder)[1])

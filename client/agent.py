@@ -265,6 +265,7 @@ class SiteAgent:
                 log.warning(
                     "coordinator refused the reply (%s): %s", error.code().name, error.details()
                 )
+            del reply  # sent: what it holds goes now (a file `removed_when_unused`), not at the next message
             self.received.clear()
 
     def _pull(

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import struct
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -282,6 +283,27 @@ class TensorFileWriter:
                 os.close(self._descriptor)
             except OSError:
                 pass
+
+
+class _Removal:
+    """Held by every array of a file that goes when the last of them does (`removed_when_unused`)."""
+
+    def __init__(self, path: Path) -> None:
+        weakref.finalize(self, _unlink, path)
+
+
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
+def removed_when_unused(arrays: Mapping[str, MappedArray]) -> dict[str, MappedArray]:
+    """`arrays`, whose file is removed once none of them is referenced any more: a reply a site's app wrote to a
+    file goes as soon as the site has sent it and let go of it, not at the app's next message (a model larger
+    than memory would otherwise sit on the site's disk twice)."""
+    removal = _Removal(Path(next(iter(arrays.values())).path)) if arrays else None
+    for array in arrays.values():
+        array.__dict__["removal"] = removal
+    return dict(arrays)
 
 
 def save_tensors(

@@ -15,6 +15,7 @@ from hydrafl.tensor_files import (
     TensorFileWriter,
     layout_of,
     open_tensors,
+    removed_when_unused,
     save_tensors,
 )
 
@@ -71,6 +72,17 @@ def test_mapped_arrays_copy_to_another_file_one_at_a_time(tmp_path) -> None:
     second = save_tensors(tmp_path / "b.safetensors", first)
     for name, values in tensors.items():
         np.testing.assert_array_equal(second[name].numpy(), values)
+
+
+def test_a_file_removed_when_unused_stays_while_any_of_its_arrays_lives(tmp_path) -> None:
+    path = tmp_path / "reply.safetensors"
+    arrays = removed_when_unused(save_tensors(path, _tensors()))
+    kept = arrays["b"]
+    del arrays
+    assert path.exists()  # one array still reads it
+    np.testing.assert_array_equal(kept.numpy(), _tensors()["b"])
+    del kept
+    assert not path.exists()
 
 
 def test_the_writer_refuses_what_its_layout_does_not_say(tmp_path) -> None:

@@ -134,6 +134,25 @@ class UploadPacks:
             raise KeyError(f"chunk {digest[:12]} is cut short on disk")
         return data
 
+    def read_into(self, digest: str, out: np.ndarray) -> None:
+        """The chunk's bytes into `out` (uint8, exactly its size), with no buffer of its own, and past the page
+        cache where `out` is aligned for it: a stored reply is read once, so caching it would only evict pages
+        worth keeping, and a fresh buffer per chunk faults its pages in one by one."""
+        found = self._find(digest)
+        if found is None:
+            out[:] = np.frombuffer(self._legacy_store(digest).get(digest), np.uint8)
+            return
+        slot, header = found
+        if out.nbytes != header.nbytes:
+            raise EnvelopeError(
+                f"chunk {digest[:12]} holds {header.nbytes} bytes, not {out.nbytes}"
+            )
+        aligned = out.nbytes % HEADER_BYTES == 0 and out.ctypes.data % HEADER_BYTES == 0
+        with opened(slot.pack.path, os.O_RDONLY, direct=aligned) as descriptor:
+            done = os.preadv(descriptor, [out], slot.index * SLOT_BYTES + HEADER_BYTES)
+        if done != header.nbytes:
+            raise KeyError(f"chunk {digest[:12]} is cut short on disk")
+
     def size(self, digest: str) -> int:
         found = self._find(digest)
         return self._legacy_store(digest).size(digest) if found is None else found[1].nbytes

@@ -36,7 +36,7 @@ class StoredArray(OnDiskArray):
         self.__dict__.update(uploads=uploads, digests=digests)
 
     def read_into(self, out: np.ndarray) -> np.ndarray:
-        """Its chunks read, checked and copied into `out` by a few threads at once (reads, hashes and copies
+        """Its chunks read straight into `out` and checked there, by a few threads at once (reads and hashes
         release the GIL: the disk sees several requests in flight, as it does on upload)."""
         uploads: UploadPacks = self.__dict__["uploads"]
         digests: list[str] = self.__dict__["digests"]
@@ -46,12 +46,12 @@ class StoredArray(OnDiskArray):
             raise EnvelopeError(f"stored chunks hold {sum(sizes)} bytes, the tensor {raw.size}")
         starts = np.cumsum([0, *sizes[:-1]]).tolist()
 
-        def fill(digest: str, start: int) -> None:
-            chunk = uploads.get(digest)
-            UPLOADED.verify(digest, chunk)
-            raw[start : start + len(chunk)] = np.frombuffer(chunk, np.uint8)
+        def fill(digest: str, start: int, size: int) -> None:
+            chunk = raw[start : start + size]
+            uploads.read_into(digest, chunk)
+            UPLOADED.verify(digest, chunk.data)
 
-        list(_READERS.map(fill, digests, starts))
+        list(_READERS.map(fill, digests, starts, sizes))
         return out
 
 

@@ -34,6 +34,7 @@ from hydrafl.tensor_files import (
     TensorFileError,
     TensorFileWriter,
     as_record,
+    removed_when_unused,
     save_tensors,
 )
 
@@ -58,6 +59,18 @@ def _double(message: Message, context: Context) -> Message:
     doubled = {name: Array(array.numpy() * 2) for name, array in record.items()}
     return Message(
         RecordDict({"arrays": ArrayRecord(doubled), "metrics": MetricRecord({"n": 1})}),
+        reply_to=message,
+    )
+
+
+@app.query("written")
+def _written(message: Message, context: Context) -> Message:
+    """Its reply written to a file of its own, which goes once the site has sent the reply."""
+    record = message.content["arrays"]
+    path = Path(str(message.content["config"]["folder"])) / "reply.safetensors"
+    doubled = {name: array.numpy() * 2 for name, array in record.items()}
+    return Message(
+        RecordDict({"arrays": as_record(removed_when_unused(save_tensors(path, doubled)))}),
         reply_to=message,
     )
 
@@ -156,6 +169,35 @@ def test_a_download_and_its_reply_arrive_bit_for_bit_through_files_or_memory(
     # "double" answered with new arrays: its download went before the upload was written (one model on disk,
     # not two); "echo" uploaded from its download, which therefore stayed until the reply was pushed
     assert beside == ([[]] if bound else [])
+
+
+def test_a_reply_the_app_wrote_to_a_file_is_uploaded_from_it_and_the_file_goes_once_sent(tmp_path):
+    coordinator, grid, [(node, token)] = started_coordinator_run(tmp_path, "a")
+    folder = tmp_path / "app"
+    folder.mkdir()
+    values = {"a": model()["a"]}
+    try:
+        with serving(f"127.0.0.1:{coordinator.port}", token, inline_bytes=0):
+            request = Message(
+                RecordDict(
+                    {
+                        "arrays": ArrayRecord({"a": Array(values["a"])}),
+                        "config": ConfigRecord({"folder": str(folder)}),
+                    }
+                ),
+                dst_node_id=node.node_id,
+                message_type="query.written",
+            )
+            request.metadata.group_id = "1"
+            [message_id] = grid.push_messages([request])
+            wait_for(lambda: bool(grid.store.replies_to([message_id])))
+            [reply] = grid.pull_messages([message_id])
+            wait_for(
+                lambda: not list(folder.iterdir())
+            )  # sent: the site let go of it, the file went
+    finally:
+        coordinator.stop()
+    assert reply.content["arrays"]["a"].numpy().tobytes() == (values["a"] * 2).tobytes()
 
 
 class _DroppingDownload(FakeCoordinator):

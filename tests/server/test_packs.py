@@ -49,6 +49,25 @@ def test_a_stream_fills_one_pack_that_reads_back_exactly(tmp_path):
     assert len(pack_files(tmp_path)) == 1
 
 
+def test_a_chunk_reads_into_an_aligned_or_unaligned_buffer_of_its_size_alone(tmp_path):
+    """Into page-aligned memory a whole-block chunk is read past the page cache, anything else through it: the
+    same bytes either way; a buffer of another size is refused before anything is read."""
+    uploads = namespace(tmp_path)
+    items = chunks(3, seed=9)
+    uploads.put_stream(items)
+    memory = np.zeros(3 * CHUNK_BYTES + 4096 + 1, np.uint8)
+    aligned = memory[-memory.ctypes.data % 4096 :]
+    for offset in (0, 1):  # the first chunk aligned, then one byte off
+        for index, (digest, data) in enumerate(items):
+            start = index * CHUNK_BYTES
+            out = aligned[offset + start : offset + start + len(data)]
+            uploads.read_into(digest, out)
+            assert out.tobytes() == data
+    digest, data = items[0]
+    with pytest.raises(EnvelopeError, match="holds"):
+        uploads.read_into(digest, np.zeros(len(data) - 1, np.uint8))
+
+
 def test_another_process_sees_new_packs_erasures_and_refreshed_write_times(tmp_path, monkeypatch):
     monkeypatch.setattr(packs, "TRUSTED_S", 0.0)  # every use reads the header, as after a minute
     writer, reader = namespace(tmp_path), BlobStore(tmp_path).uploads(7)
