@@ -6,7 +6,10 @@ run config). `query.init` answers with that model, generated block by block into
 answers with a deterministic pseudo-gradient computed block by block from the model it was sent (a MappedArray
 when the site's download went to a file): delta = 0.01 * start + 0.001 * noise seeded by (round, node, tensor).
 Its replies are MappedArrays over its own file, which the site agent uploads from a chunk at a time; the file
-goes once the site has sent the reply (`removed_when_unused`). With `large-in-memory` (node_config) it replies with
+goes once the site has sent the reply (`removed_when_unused`). With `large-turns` (node_config: a lock file the
+sites share) the sites of one machine write and send their replies in turn: each holds the lock from the moment it
+starts a reply until that reply's file is gone, so one disk holds one reply at a time. With `large-in-memory`
+(node_config) it replies with
 Arrays in memory instead, as an ordinary ClientApp does: the baseline of `benchmarks/site_exchange.py`. Its
 metrics are what a DiLoCo round reads: the reply's weight (`large-examples`, default 1), trainable parameters
 and a train loss.
@@ -14,8 +17,11 @@ and a train loss.
 
 from __future__ import annotations
 
+import fcntl
 import math
+import os
 import tempfile
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,11 +65,12 @@ def pseudo_gradient(start: np.ndarray, seed: tuple[int, ...]) -> np.ndarray:
 @app.query("init")
 def initial_model(message: Message, context: Context) -> Message:
     layers, width = _size(context)
+    turn = _turn(context)
     writer = TensorFileWriter(_reply_file(context), large_layout(layers, width))
     for name in writer.layout:
         for rows in row_blocks(width, width):
             writer.write_at(name, rows.start * width * 4, initial_values(name, rows, width))
-    return Message(RecordDict({"arrays": _record(writer, context)}), reply_to=message)
+    return Message(RecordDict({"arrays": _record(writer, context, turn)}), reply_to=message)
 
 
 @app.train()
@@ -72,6 +79,7 @@ def train(message: Message, context: Context) -> Message:
     server_round = message_keys(message).get(protocol.SERVER_ROUND, 0)
     assert isinstance(server_round, int)
     layout = {name: (array.dtype, tuple(array.shape)) for name, array in start.items()}
+    turn = _turn(context)
     writer = TensorFileWriter(_reply_file(context), layout)
     squares = 0.0
     for index, (name, array) in enumerate(start.items()):
@@ -89,7 +97,7 @@ def train(message: Message, context: Context) -> Message:
         }
     )
     return Message(
-        RecordDict({"arrays": _record(writer, context), "metrics": metrics}), reply_to=message
+        RecordDict({"arrays": _record(writer, context, turn), "metrics": metrics}), reply_to=message
     )
 
 
@@ -108,13 +116,25 @@ def row_blocks(rows: int, row_bytes: int) -> Iterator[slice]:
         yield slice(first, min(first + step, rows))
 
 
-def _record(writer: TensorFileWriter, context: Context) -> ArrayRecord:
+def _record(writer: TensorFileWriter, context: Context, turn: int | None) -> ArrayRecord:
     mapped = removed_when_unused(
         writer.close(durable=False)
     )  # read back for the upload, then removed
+    if turn is not None:  # the next site's turn comes when this reply's file goes
+        weakref.finalize(next(iter(mapped.values())), os.close, turn)
     if context.node_config.get("large-in-memory", False):
         return ArrayRecord({name: Array(array.numpy()) for name, array in mapped.items()})
     return as_record(mapped)
+
+
+def _turn(context: Context) -> int | None:
+    """The shared lock of `large-turns`, held (a descriptor to close to let it go); None without it."""
+    path = context.node_config.get("large-turns")
+    if path is None:
+        return None
+    descriptor = os.open(str(path), os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(descriptor, fcntl.LOCK_EX)
+    return descriptor
 
 
 def _size(context: Context) -> tuple[int, int]:
@@ -134,4 +154,6 @@ def _setting(context: Context, key: str, default: int | None = None) -> int:
 def _reply_file(context: Context) -> Path:
     """A new file for this node's reply (`_record` has it removed once the site has sent the reply)."""
     folder = Path(str(context.node_config.get("large-dir", tempfile.gettempdir())))
-    return Path(tempfile.mkstemp(prefix="large-reply-", suffix=".safetensors", dir=folder)[1])
+    descriptor, path = tempfile.mkstemp(prefix="large-reply-", suffix=".safetensors", dir=folder)
+    os.close(descriptor)  # the writer opens it again; an open descriptor would keep a removed file's blocks
+    return Path(path)

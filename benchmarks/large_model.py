@@ -3,9 +3,12 @@ layers, run as README tells users with a small coordinator to (`hydrafl server -
 --send-cache-mb 128`, three `hydrafl site` processes), against the model's size.
 
     python -m hydrafl.benchmarks.large_model [--out DIR] [--quick] [--sizes 0.25,1,2,4] [--limit-mb 1536]
+        [--sites-in-turn]
 
-A round of S GiB holds about 12 S GiB on one disk at its peak when the sites share the coordinator's disk (their
-download and reply files beside its uploads, sent chunks and model files): 6 GiB needs about 72 GiB free.
+A round of S GiB holds about 9 S GiB on one disk at its peak when the sites share the coordinator's disk (their
+three downloads and three replies beside the coordinator's model, sent chunks and first upload); with
+`--sites-in-turn` (the sites write and send their replies one at a time: the aggregation is the same) about 8 S,
+the coordinator's at aggregation: the three uploads, the old and new model, the momentum and the same two.
 
 Per size, in a fresh folder: the coordinator process runs under a memory limit (a cgroup's memory.limit_in_bytes
 of `--limit-mb`, when this machine lets the benchmark make one) and its peak resident memory (VmHWM) is read at
@@ -135,8 +138,11 @@ class MemoryLimit:
             self.folder.rmdir()
 
 
-def run_size(size_gib: float, workdir: Path, limit_mb: int) -> dict[str, Any]:
-    """One round of a model of about `size_gib`, in a fresh coordinator and three fresh sites."""
+def run_size(
+    size_gib: float, workdir: Path, limit_mb: int, in_turn: bool = False
+) -> dict[str, Any]:
+    """One round of a model of about `size_gib`, in a fresh coordinator and three fresh sites (`in_turn`: the
+    sites write and send their replies one after another)."""
     layers = max(1, round(size_gib * GIB / LAYER_BYTES))
     home = workdir / "home"
     home.mkdir(parents=True)
@@ -169,13 +175,14 @@ def run_size(size_gib: float, workdir: Path, limit_mb: int) -> dict[str, Any]:
         stderr=subprocess.STDOUT,
     )
     limit.add(coordinator.pid)
+    turns = f' large-turns="{workdir / "turns.lock"}"' if in_turn else ""
     sites = [
         subprocess.Popen(
             [sys.executable, "-m", "hydrafl", "site", "--coordinator", f"127.0.0.1:{port}"]
             + ["--token-file", str(token), "--state-dir", str(workdir / f"state-{index}")]
             + ["--app", "hydrafl.benchmarks._large_site:app", "--exchange-memory-mb", "64"]
             + ["--max-download-mb", str(100 * 1024)]
-            + ["--node-config", f"large-layers={layers} large-width={WIDTH}"],
+            + ["--node-config", f"large-layers={layers} large-width={WIDTH}{turns}"],
             env=env,
             stdout=(workdir / f"site-{index}.log").open("w"),
             stderr=subprocess.STDOUT,
@@ -315,6 +322,11 @@ def main() -> None:
     parser = benchmark_parser(__doc__, "0.1875 and 0.25 GiB")
     parser.add_argument("--sizes", default="0.25,1,2,4", help="model sizes in GiB, comma-separated")
     parser.add_argument("--limit-mb", type=int, default=GOAL_MEMORY_MB)
+    parser.add_argument(
+        "--sites-in-turn",
+        action="store_true",
+        help="the sites write and send their replies one at a time (a disk too small for three at once)",
+    )
     args = parser.parse_args()
     sizes = [0.1875, 0.25] if args.quick else [float(s) for s in args.sizes.split(",")]
     out = Path(args.out)
@@ -323,10 +335,12 @@ def main() -> None:
     probe = GIB // 4 if args.quick else 2 * GIB
     with tempfile.TemporaryDirectory(dir=os.environ.get("HYDRAFL_BENCH_DIR")) as tmp:
         write, read = disk_speeds(Path(tmp), probe)
-        for size in sizes:
+        for index, size in enumerate(sizes):
             console.print(f"[bold]{size} GiB[/bold]: coordinator, three sites, one DiLoCo round")
             workdir = Path(tmp) / f"size-{size}"
-            row = run_size(size, workdir, args.limit_mb)
+            in_turn = args.sites_in_turn or (args.quick and index == 1)  # quick: both ways
+            row = run_size(size, workdir, args.limit_mb, in_turn)
+            row["sites_in_turn"] = in_turn
             model = row["size_gib"] * GIB
             row["floor_s"] = SITES * model / read + model / write
             row["floor_ratio"] = row["aggregation_s"] / row["floor_s"]

@@ -14,6 +14,7 @@ def test_large_model_quick(tmp_path):
     result = run_quick("large_model", tmp_path, timeout_s=900)
     rows = result["rows"]
     assert [round(row["size_gib"], 4) for row in rows] == [0.1875, 0.25]
+    assert [row["sites_in_turn"] for row in rows] == [False, True]
     assert all(row["equal_to_in_memory"] and row["tensors_compared"] >= 1 for row in rows)
     assert all(0 < row["coordinator_hwm_mb"] < 1536 for row in rows)
     assert all(row["aggregation_s"] > 0 and row["floor_s"] > 0 for row in rows)
