@@ -155,5 +155,7 @@ def _reply_file(context: Context) -> Path:
     """A new file for this node's reply (`_record` has it removed once the site has sent the reply)."""
     folder = Path(str(context.node_config.get("large-dir", tempfile.gettempdir())))
     descriptor, path = tempfile.mkstemp(prefix="large-reply-", suffix=".safetensors", dir=folder)
-    os.close(descriptor)  # the writer opens it again; an open descriptor would keep a removed file's blocks
+    os.close(
+        descriptor
+    )  # the writer opens it again; an open descriptor would keep a removed file's blocks
     return Path(path)
