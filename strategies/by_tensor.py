@@ -28,8 +28,10 @@ from hydrafl.tensor_files import Layout, OnDiskArray, TensorFileWriter
 
 if TYPE_CHECKING:
     from hydrafl.privacy.central import CentralDp
+    from hydrafl.strategies.staleness import BufferReport
 
 MODEL = "model"
+BUFFER = "buffer"
 
 
 class RoundFiles:
@@ -68,16 +70,45 @@ class AggregatesByTensor(Protocol):
         over the round's valid replies, at least one, once `by_tensor_refusal` allows it."""
 
 
+@runtime_checkable
+class BuffersByTensor(Protocol):
+    """Buffers asynchronous updates (`hooks.BuffersUpdates`) with a model on disk, by the same rule as its `add`
+    and `step`: each update folded as it arrives into sums kept in a tensor file, the step taken tensor by
+    tensor from that file and the model's into the next model's."""
+
+    def add_on_disk(
+        self, reply: Message, staleness: int, arrays: ArrayRecord, files: RoundFiles
+    ) -> None:
+        """`add` into the buffer's file (`files.writer(BUFFER, ...)`, shaped as `arrays`, the model now)."""
+
+    def step_on_disk(
+        self, arrays: ArrayRecord, files: RoundFiles
+    ) -> tuple[ArrayRecord, MetricRecord | None, BufferReport]:
+        """`step` of the model `arrays` kept on disk, the new model written with `files.writer(MODEL, ...)`;
+        the buffer's file is given up."""
+
+
 def follows_its_rule(strategy: object) -> bool:
     """Whether `strategy` aggregates tensor by tensor by the rule its `aggregate_train` follows: both written by
     the same class (a subclass that changes `aggregate_train` alone would be aggregated by its parent's rule)."""
-    if not isinstance(strategy, AggregatesByTensor):
-        return False
-    owners = [
-        next(cls for cls in type(strategy).__mro__ if name in vars(cls))
-        for name in ("aggregate_train", "aggregate_by_tensor")
-    ]
-    return owners[0] is owners[1]
+    return isinstance(strategy, AggregatesByTensor) and _one_owner(
+        strategy, "aggregate_train", "aggregate_by_tensor"
+    )
+
+
+def buffers_by_its_rule(strategy: object) -> bool:
+    """Whether `strategy` buffers on disk by the rule its `add` and `step` follow (`follows_its_rule`)."""
+    return isinstance(strategy, BuffersByTensor) and _one_owner(
+        strategy, "add", "step", "stepped", "add_on_disk", "step_on_disk"
+    )
+
+
+def _one_owner(strategy: object, *methods: str) -> bool:
+    """Whether one class of `strategy`'s wrote all of `methods` (a method it lacks has no owner)."""
+    owners = {
+        next((cls for cls in type(strategy).__mro__ if name in vars(cls)), None) for name in methods
+    }
+    return len(owners) == 1 and None not in owners
 
 
 def delta_of(reply: Message) -> tuple[str, ArrayRecord]:

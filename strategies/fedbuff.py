@@ -8,6 +8,7 @@ Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation", AIST
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,8 @@ from flwr.serverapp.strategy import FedAvg
 
 from hydrafl.arrays import from_record, to_record
 from hydrafl.strategies.accumulator import WeightedDeltaAccumulator
+from hydrafl.strategies.buffer_on_disk import BufferOnDisk
+from hydrafl.strategies.by_tensor import RoundFiles
 from hydrafl.strategies.diloco import OuterConfig
 from hydrafl.strategies.outer import OuterOptimizer
 from hydrafl.strategies.registry import register
@@ -42,6 +45,8 @@ class FedBuff(FedAvg):
             lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.outer_nesterov
         )
         self.accumulator = self.new_accumulator()
+        self.disk_sums = BufferOnDisk(self.weighted_by_key)
+        """The buffer's sums when the model is kept on disk (`add_on_disk`)."""
 
     def new_accumulator(self) -> WeightedDeltaAccumulator:
         """The sums of one buffer (a subclass folds other updates: Hydra-nets' slices)."""
@@ -59,12 +64,46 @@ class FedBuff(FedAvg):
         return self.buffer.full
 
     def step(self, arrays: ArrayRecord) -> tuple[ArrayRecord, MetricRecord | None, BufferReport]:
-        report = self.buffer.flush()
         accumulator, self.accumulator = self.accumulator, self.new_accumulator()
-        metrics = self.train_metrics_aggr_fn(accumulator.metric_records, self.weighted_by_key)
-        if report.skipped:
-            return arrays, metrics, report
-        return self.stepped(arrays, accumulator, report.scale), metrics, report
+        return self._flush(
+            arrays,
+            accumulator.metric_records,
+            lambda scale: self.stepped(arrays, accumulator, scale),
+        )
+
+    def add_on_disk(
+        self, reply: Message, staleness: int, arrays: ArrayRecord, files: RoundFiles
+    ) -> None:
+        """`add` of a model kept on disk (`by_tensor.BuffersByTensor`): into the buffer's file."""
+        self.disk_sums.add(
+            reweighted(reply, self.weighted_by_key, self.buffer, staleness), arrays, files
+        )
+
+    def step_on_disk(
+        self, arrays: ArrayRecord, files: RoundFiles
+    ) -> tuple[ArrayRecord, MetricRecord | None, BufferReport]:
+        """`step` of a model kept on disk, tensor by tensor from the buffer's file, which goes after."""
+        sums, self.disk_sums = self.disk_sums, BufferOnDisk(self.weighted_by_key)
+        try:
+            return self._flush(
+                arrays,
+                sums.metric_records,
+                lambda scale: sums.step(self.outer, arrays, scale, files),
+            )
+        finally:
+            sums.discard()
+
+    def _flush(
+        self,
+        arrays: ArrayRecord,
+        metric_records: list[RecordDict],
+        stepped: Callable[[float], ArrayRecord],
+    ) -> tuple[ArrayRecord, MetricRecord | None, BufferReport]:
+        """`stepped(scale)`, the model after the buffer's step (`arrays` when the ESS guard skips it), the
+        buffer's metrics and report; the buffer's weights emptied."""
+        report = self.buffer.flush()
+        metrics = self.train_metrics_aggr_fn(metric_records, self.weighted_by_key)
+        return (arrays if report.skipped else stepped(report.scale)), metrics, report
 
     def stepped(
         self, arrays: ArrayRecord, accumulator: WeightedDeltaAccumulator, scale: float
@@ -86,6 +125,7 @@ class FedBuff(FedAvg):
         self.outer.load_state_dict(state)
         self.buffer.load_state_dict(state)
         self.accumulator = self.new_accumulator()
+        self.disk_sums.discard()
 
 
 def reweighted(

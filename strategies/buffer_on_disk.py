@@ -1,0 +1,93 @@
+"""A FedBuff buffer of a model larger than memory: the running sums sum_i w_i delta_i of the updates that arrived
+since the last step live in a tensor file of the run folder, and each update is folded into them tensor by
+tensor as it arrives, its own tensors read from wherever its upload put them (the blob store). The step then
+reads the sums and the model a tensor at a time (`outer.step_by_tensor`). Resident memory is a window of a few
+tensors, whatever the model's size and K.
+
+Each tensor sees the operations of the in-memory buffer (`accumulator.WeightedDeltaAccumulator`) in the same
+order: the first update's w delta, then += w delta for each later one, / sum w at the step. So the sums, and
+the model stepped from them, are the in-memory buffer's bit for bit.
+
+The file lives from a buffer's first update to its step; the checkpoint, written after each step, never names
+it (a resume starts a new buffer, as in memory), and sweeps one a crash left behind.
+"""
+
+from __future__ import annotations
+
+import torch
+from flwr.app import Array, ArrayRecord, Message, MessageType, MetricRecord, RecordDict
+
+from hydrafl.strategies.accumulator import WeightedDeltaAccumulator
+from hydrafl.strategies.by_tensor import BUFFER, RoundFiles, delta_of, metric_contents, read_ahead
+from hydrafl.strategies.outer import OuterOptimizer, step_by_tensor
+from hydrafl.strategies.parallel_fold import FoldPool
+from hydrafl.tensor_files import MappedArray, TensorFileWriter, as_record
+from hydrafl.updates import records
+
+
+class BufferOnDisk:
+    """The sums of one buffer in a file (created with its first update), their total weight, and the updates'
+    metrics, each with its buffer weight."""
+
+    def __init__(self, weighted_by_key: str) -> None:
+        self.weighted_by_key = weighted_by_key
+        self.file: TensorFileWriter | None = None
+        self.summed: dict[str, MappedArray] = {}
+        """The sums of the tensors some update changed, in the order first changed."""
+        self.total_weight = 0.0
+        self.metric_records: list[RecordDict] = []
+        self.pool = FoldPool()
+
+    def add(self, reply: Message, arrays: ArrayRecord, files: RoundFiles) -> None:
+        """Fold in `reply` (its weight already its buffer weight), tensor by tensor: each of its tensors and the
+        sums so far are read ahead, added, and written back in place. `arrays`: the model, which shapes the file."""
+        if self.file is None:
+            layout = {name: ("float32", tuple(array.shape)) for name, array in arrays.items()}
+            self.file = files.writer(BUFFER, layout)
+        mapped = self.file.mapped()
+        names = list(delta_of(reply)[1])
+        for name, sums, cut in read_ahead(as_record(mapped), [reply], names):
+            accumulator = WeightedDeltaAccumulator(self.weighted_by_key, threads=self.pool.threads)
+            if name in self.summed:  # else the sums start as w delta, as a fresh in-memory sum does
+                accumulator.sums[name] = _tensor(sums)
+            else:
+                sums.numpy()  # read ahead all the same (the reader hands every array over): zeros
+            accumulator.add_all(cut)
+            self.file.write(name, accumulator.sums[name])
+            self.summed.setdefault(name, mapped[name])
+        [metrics] = records(reply.content, MetricRecord)
+        weight = metrics[self.weighted_by_key]
+        assert isinstance(weight, float)  # its buffer weight (`fedbuff.reweighted`)
+        self.total_weight += weight  # in arrival order, as in memory
+        self.metric_records += metric_contents([reply])
+
+    def step(
+        self, outer: OuterOptimizer, arrays: ArrayRecord, scale: float, files: RoundFiles
+    ) -> ArrayRecord:
+        """The model `arrays` after `outer`'s step on the buffer's mean, times `scale`, written to `files`: per
+        tensor, the mean in place in the sums read back (`WeightedDeltaAccumulator.mean`), then the step."""
+        pool, total_weight = self.pool, self.total_weight
+
+        def step(name: str, array: Array, cut: list[Message]) -> torch.Tensor:
+            accumulator = WeightedDeltaAccumulator(self.weighted_by_key, threads=pool.threads)
+            accumulator.sums[name] = _tensor(delta_of(cut[0])[1][name])
+            accumulator.total_weight = total_weight
+            return outer.step_(name, _tensor(array), accumulator.mean()[name].mul_(scale))
+
+        sums = Message(
+            RecordDict({"sums": as_record(self.summed)}),
+            dst_node_id=0,
+            message_type=MessageType.TRAIN,
+        )
+        return step_by_tensor(outer, arrays, [sums], files, step)
+
+    def discard(self) -> None:
+        """Give the file up (the buffer stepped, or a resume starts a new one)."""
+        if self.file is not None:
+            self.file.discard()
+        self.file, self.summed = None, {}
+
+
+def _tensor(array: Array) -> torch.Tensor:
+    """An array's values, owned (read for this step: changed in place)."""
+    return torch.from_numpy(array.numpy())
