@@ -17,14 +17,10 @@ TESTS = Path(__file__).resolve().parents[1]
 SLOW_FACTOR = 6
 
 
-@pytest.mark.slow
-def test_fedbuff_steps_without_waiting_for_a_slow_site(tmp_path, monkeypatch):
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
-    )
-    monkeypatch.setenv("HYDRAFL_SLOW_FACTOR", str(SLOW_FACTOR))
-    steps, buffer = 12, 2
-    cfg = RunConfig.build(
+def _fedbuff(steps: int, buffer: int, **knobs: float) -> RunConfig:
+    """Three small tabular sites under FedBuff, `steps` steps of `buffer` updates; site processes import torch:
+    minutes on a busy machine."""
+    return RunConfig.build(
         task="tabular",
         sites=3,
         samples_per_site=32,
@@ -33,9 +29,19 @@ def test_fedbuff_steps_without_waiting_for_a_slow_site(tmp_path, monkeypatch):
         strategy="fedbuff",
         rounds=steps,
         buffer_size=buffer,
-        evaluate_every=steps,
         site_wait_s=600.0,
-    )  # site processes import torch: minutes on a busy machine
+        **knobs,
+    )
+
+
+@pytest.mark.slow
+def test_fedbuff_steps_without_waiting_for_a_slow_site(tmp_path, monkeypatch):
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+    )
+    monkeypatch.setenv("HYDRAFL_SLOW_FACTOR", str(SLOW_FACTOR))
+    steps, buffer = 12, 2
+    cfg = _fedbuff(steps, buffer, evaluate_every=steps)
     store, run_id = run_to_end(
         tmp_path, cfg, [(), (), ("--app", "slow_site_app:client_app")], timeout_s=900
     )
@@ -73,18 +79,7 @@ def test_a_coordinator_keeping_the_model_on_disk_buffers_fedbuff_updates_in_a_fi
     file as it arrives, every step writes the next model and momentum files; the run folder ends with the last
     step's files alone (no buffer file, no older model)."""
     steps, buffer = 6, 2
-    cfg = RunConfig.build(
-        task="tabular",
-        sites=3,
-        samples_per_site=32,
-        local_steps=2,
-        batch_size=8,
-        strategy="fedbuff",
-        rounds=steps,
-        buffer_size=buffer,
-        outer_momentum=0.9,
-        site_wait_s=600.0,
-    )
+    cfg = _fedbuff(steps, buffer, outer_momentum=0.9)
     store, run_id = run_to_end(
         tmp_path, cfg, [()] * 3, timeout_s=900, server_options=("--resident-model-mb", "0")
     )
