@@ -15,7 +15,8 @@ it (a resume starts a new buffer, as in memory), and sweeps one a crash left beh
 from __future__ import annotations
 
 import torch
-from flwr.app import Array, ArrayRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
+from flwr.app.message.message import make_message
 
 from hydrafl.strategies.accumulator import WeightedDeltaAccumulator
 from hydrafl.strategies.by_tensor import BUFFER, RoundFiles, delta_of, metric_contents, read_ahead
@@ -74,10 +75,19 @@ class BufferOnDisk:
             accumulator.total_weight = total_weight
             return outer.step_(name, _tensor(array), accumulator.mean()[name].mul_(scale))
 
-        sums = Message(
-            RecordDict({"sums": as_record(self.summed)}),
-            dst_node_id=0,
-            message_type=MessageType.TRAIN,
+        sums = make_message(  # a reply of the sums, the form `step_by_tensor` reads
+            metadata=Metadata(
+                run_id=0,
+                message_id=BUFFER,
+                src_node_id=0,
+                dst_node_id=0,
+                reply_to_message_id="",
+                group_id="",
+                created_at=0.0,
+                ttl=0.0,
+                message_type=MessageType.TRAIN,
+            ),
+            content=RecordDict({"sums": as_record(self.summed)}),
         )
         return step_by_tensor(outer, arrays, [sums], files, step)
 
