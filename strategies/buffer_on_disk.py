@@ -40,25 +40,23 @@ class BufferOnDisk:
         self.pool = FoldPool()
 
     def add(self, reply: Message, arrays: ArrayRecord, files: RoundFiles) -> None:
-        """Fold in `reply` (its weight already its buffer weight), tensor by tensor: each of its tensors and the
-        sums so far are read ahead, added, and written back in place. `arrays`: the model, which shapes the file."""
+        """Fold in `reply` (its weight already its buffer weight), tensor by tensor: each of its tensors and, when
+        an earlier update started it, that tensor's sums are read ahead, added, and written back in place.
+        `arrays`: the model, which shapes the file."""
         if self.file is None:
             layout = {name: ("float32", tuple(array.shape)) for name, array in arrays.items()}
             self.file = files.writer(BUFFER, layout)
-        mapped = self.file.mapped()
-        names = list(delta_of(reply)[1])
-        for name, sums, cut in read_ahead(as_record(mapped), [reply], names):
-            accumulator = WeightedDeltaAccumulator(self.weighted_by_key, threads=self.pool.threads)
-            if name in self.summed:  # else the sums start as w delta, as a fresh in-memory sum does
-                accumulator.sums[name] = _tensor(sums)
-            else:
-                sums.numpy()  # read ahead all the same (the reader hands every array over): zeros
-            accumulator.add_all(cut)
-            self.file.write(name, accumulator.sums[name])
-            self.summed.setdefault(name, mapped[name])
         [metrics] = records(reply.content, MetricRecord)
         weight = metrics[self.weighted_by_key]
         assert isinstance(weight, float)  # its buffer weight (`fedbuff.reweighted`)
+        mapped = self.file.mapped()
+        for name, delta, cut in read_ahead(delta_of(reply)[1], [self._sums()]):
+            accumulator = WeightedDeltaAccumulator(self.weighted_by_key, threads=self.pool.threads)
+            if cut:  # else the sums start as w delta, as a fresh in-memory sum does
+                accumulator.sums[name] = _tensor(delta_of(cut[0])[1][name])
+            accumulator.add_weighted({name: _tensor(delta)}, weight)
+            self.file.write(name, accumulator.sums[name])
+            self.summed.setdefault(name, mapped[name])
         self.total_weight += weight  # in arrival order, as in memory
         self.metric_records += metric_contents([reply])
 
@@ -75,21 +73,22 @@ class BufferOnDisk:
             accumulator.total_weight = total_weight
             return outer.step_(name, _tensor(array), accumulator.mean()[name].mul_(scale))
 
-        sums = make_message(  # a reply of the sums, the form `step_by_tensor` reads
-            metadata=Metadata(
-                run_id=0,
-                message_id=BUFFER,
-                src_node_id=0,
-                dst_node_id=0,
-                reply_to_message_id="",
-                group_id="",
-                created_at=0.0,
-                ttl=0.0,
-                message_type=MessageType.TRAIN,
-            ),
-            content=RecordDict({"sums": as_record(self.summed)}),
+        return step_by_tensor(outer, arrays, [self._sums()], files, step)
+
+    def _sums(self) -> Message:
+        """The sums so far as a reply, the form `read_ahead` reads."""
+        metadata = Metadata(
+            run_id=0,
+            message_id=BUFFER,
+            src_node_id=0,
+            dst_node_id=0,
+            reply_to_message_id="",
+            group_id="",
+            created_at=0.0,
+            ttl=0.0,
+            message_type=MessageType.TRAIN,
         )
-        return step_by_tensor(outer, arrays, [sums], files, step)
+        return make_message(metadata=metadata, content=RecordDict({"sums": as_record(self.summed)}))
 
     def discard(self) -> None:
         """Give the file up (the buffer stepped, or a resume starts a new one)."""
