@@ -21,7 +21,6 @@ from flwr.app.message.message import make_message
 from hydrafl.strategies.accumulator import WeightedDeltaAccumulator
 from hydrafl.strategies.by_tensor import BUFFER, RoundFiles, delta_of, metric_contents, read_ahead
 from hydrafl.strategies.outer import OuterOptimizer, step_by_tensor
-from hydrafl.strategies.parallel_fold import FoldPool
 from hydrafl.tensor_files import MappedArray, TensorFileWriter, as_record
 from hydrafl.updates import records
 
@@ -37,7 +36,6 @@ class BufferOnDisk:
         """The sums of the tensors some update changed, in the order first changed."""
         self.total_weight = 0.0
         self.metric_records: list[RecordDict] = []
-        self.pool = FoldPool()
 
     def add(self, reply: Message, arrays: ArrayRecord, files: RoundFiles) -> None:
         """Fold in `reply` (its weight already its buffer weight), tensor by tensor: each of its tensors and, when
@@ -51,7 +49,7 @@ class BufferOnDisk:
         assert isinstance(weight, float)  # its buffer weight (`fedbuff.reweighted`)
         mapped = self.file.mapped()
         for name, delta, cut in read_ahead(delta_of(reply)[1], [self._sums()]):
-            accumulator = WeightedDeltaAccumulator(self.weighted_by_key, threads=self.pool.threads)
+            accumulator = WeightedDeltaAccumulator(self.weighted_by_key)
             if cut:  # else the sums start as w delta, as a fresh in-memory sum does
                 accumulator.sums[name] = _tensor(delta_of(cut[0])[1][name])
             accumulator.add_weighted({name: _tensor(delta)}, weight)
@@ -65,10 +63,10 @@ class BufferOnDisk:
     ) -> ArrayRecord:
         """The model `arrays` after `outer`'s step on the buffer's mean, times `scale`, written to `files`: per
         tensor, the mean in place in the sums read back (`WeightedDeltaAccumulator.mean`), then the step."""
-        pool, total_weight = self.pool, self.total_weight
+        total_weight = self.total_weight
 
         def step(name: str, array: Array, cut: list[Message]) -> torch.Tensor:
-            accumulator = WeightedDeltaAccumulator(self.weighted_by_key, threads=pool.threads)
+            accumulator = WeightedDeltaAccumulator(self.weighted_by_key)
             accumulator.sums[name] = _tensor(delta_of(cut[0])[1][name])
             accumulator.total_weight = total_weight
             return outer.step_(name, _tensor(array), accumulator.mean()[name].mul_(scale))
