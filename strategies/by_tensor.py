@@ -97,9 +97,11 @@ def follows_its_rule(strategy: object) -> bool:
 
 
 def buffers_by_its_rule(strategy: object) -> bool:
-    """Whether `strategy` buffers on disk by the rule its `add` and `step` follow (`follows_its_rule`)."""
+    """Whether `strategy` buffers on disk by the rule its in-memory buffer follows (`follows_its_rule`): the
+    class that wrote how an update is folded and stepped in memory (`add`, `new_accumulator`, `stepped`) wrote
+    its sums on disk (`new_disk_sums`)."""
     return isinstance(strategy, BuffersByTensor) and _one_owner(
-        strategy, "add", "step", "stepped", "add_on_disk", "step_on_disk"
+        strategy, "add", "new_accumulator", "stepped", "new_disk_sums"
     )
 
 
@@ -141,7 +143,7 @@ def read_ahead(
         for name, cut in plan:
             first = _Ahead(reader, next(taken), start[name])
             ahead = [_Ahead(reader, next(taken), delta_of(r)[1][name]) for r in cut]
-            yield name, first, [_cut(r, name, a) for r, a in zip(cut, ahead, strict=True)]
+            yield name, first, [cut_to(r, name, a) for r, a in zip(cut, ahead, strict=True)]
     finally:
         reader.close()
 
@@ -208,7 +210,8 @@ class _Ahead(OnDiskArray):
         return self.__dict__["reader"].take(self.__dict__["index"])
 
 
-def _cut(reply: Message, name: str, array: Array) -> Message:
+def cut_to(reply: Message, name: str, array: Array) -> Message:
+    """`reply` with its delta cut to the one array `name`, `array` (read ahead, or read later)."""
     key, _ = delta_of(reply)
     one = ArrayRecord()  # item by item: ArrayRecord(dict) would copy the array into a plain one
     one[name] = array

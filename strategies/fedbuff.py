@@ -45,12 +45,17 @@ class FedBuff(FedAvg):
             lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.outer_nesterov
         )
         self.accumulator = self.new_accumulator()
-        self.disk_sums = BufferOnDisk(self.weighted_by_key)
+        self.disk_sums = self.new_disk_sums()
         """The buffer's sums when the model is kept on disk (`add_on_disk`)."""
 
     def new_accumulator(self) -> WeightedDeltaAccumulator:
         """The sums of one buffer (a subclass folds other updates: Hydra-nets' slices)."""
         return WeightedDeltaAccumulator(self.weighted_by_key)
+
+    def new_disk_sums(self) -> BufferOnDisk:
+        """`new_accumulator`'s sums in a file, for a model kept on disk (`by_tensor.buffers_by_its_rule`: a
+        subclass that changes the one changes the other)."""
+        return BufferOnDisk(self.weighted_by_key)
 
     def train_message(self, node: int, arrays: ArrayRecord, config: ConfigRecord) -> Message | None:
         content = RecordDict({"arrays": arrays, "config": ConfigRecord(dict(config))})
@@ -83,7 +88,7 @@ class FedBuff(FedAvg):
         self, arrays: ArrayRecord, files: RoundFiles
     ) -> tuple[ArrayRecord, MetricRecord | None, BufferReport]:
         """`step` of a model kept on disk, tensor by tensor from the buffer's file, which goes after."""
-        sums, self.disk_sums = self.disk_sums, BufferOnDisk(self.weighted_by_key)
+        sums, self.disk_sums = self.disk_sums, self.new_disk_sums()
         try:
             return self._flush(
                 arrays,

@@ -20,6 +20,7 @@ from hydrafl import protocol
 from hydrafl.arrays import from_record, sliced_record, to_record
 from hydrafl.strategies.accumulator import MaskedDeltaAccumulator
 from hydrafl.strategies.budgets import BudgetConfig
+from hydrafl.strategies.buffer_on_disk import MaskedBufferOnDisk
 from hydrafl.strategies.fedbuff import BufferConfig, FedBuff, reweighted
 from hydrafl.strategies.hydra import HEAD_MODES
 from hydrafl.strategies.planner import BudgetError, SitePlanner
@@ -56,6 +57,9 @@ class FedBuffHydra(FedBuff):
 
     def new_accumulator(self) -> MaskedDeltaAccumulator:
         return MaskedDeltaAccumulator(self.weighted_by_key)
+
+    def new_disk_sums(self) -> MaskedBufferOnDisk:
+        return MaskedBufferOnDisk(self.weighted_by_key, self.site_slices)
 
     def configure_query(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -152,8 +152,9 @@ class AsyncDriver(RoundDriver):
         if buffers_by_its_rule(self.strategy):
             return ""
         return (
-            f"strategy {type(self.strategy).__name__} folds its buffer's updates in memory (FedBuff buffers on "
-            "disk); raise resident-model-mb above the model if this coordinator can hold it"
+            f"strategy {type(self.strategy).__name__} folds its buffer's updates in memory (FedBuff and "
+            "FedBuff over Hydra-nets buffer on disk); raise resident-model-mb above the model if this "
+            "coordinator can hold it"
         )
 
     def _files(self, version: int) -> RoundFiles:

@@ -1,7 +1,8 @@
 """FedBuff with its global model kept on disk (`resident_model_bytes`): each update folded into the buffer's
 tensor file as it arrives, the step taken tensor by tensor into the next model file. The same bits as the
 in-memory buffer for the same updates in the same arrival order, a checkpoint that names the model and momentum
-files, a resume that goes on from them, and no buffer file left behind."""
+files, a resume that goes on from them, and no buffer file left behind; FedBuff over Hydra-nets too, and a
+refusal for a buffer whose on-disk rule is not its own."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from helpers import ASYNC_SITES, make_reply
 from hydrafl.client import site_app
 from hydrafl.config import RunConfig
 from hydrafl.server import server_app
-from hydrafl.server.aggregation.async_driver import simulated_speeds
+from hydrafl.server.aggregation.async_driver import AsyncDriver, VirtualClock, simulated_speeds
 from hydrafl.server.aggregation.checkpoint import load_checkpoint
+from hydrafl.server.aggregation.driver import DriverConfig, RoundFailed
 from hydrafl.simulation.grid import InProcessGrid
-from hydrafl.strategies.by_tensor import RoundFiles
+from hydrafl.strategies.by_tensor import RoundFiles, buffers_by_its_rule
 from hydrafl.strategies.fedbuff import FedBuff, FedBuffConfig
+from hydrafl.strategies.fedbuff_hydra import FedBuffHydra
 from hydrafl.tensor_files import MappedArray, open_tensors, save_tensors
 
 ASYNC = {
@@ -66,17 +69,27 @@ def _committed(folder: Path) -> list[str]:
     return sorted(name.split("-")[2] for name in checkpoint["files"])
 
 
-def test_fedbuff_on_disk_ends_with_the_in_memory_bits(tmp_path):
-    cfg = RunConfig.build(**ASYNC, rounds=6, weight_cap=1.2)
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"rounds": 6, "weight_cap": 1.2},
+        {"rounds": 5, "strategy": "fedbuff-hydra", "site_tiers": "small,large", "buffer_size": 2},
+    ],
+    ids=["fedbuff", "fedbuff-hydra"],
+)
+def test_fedbuff_on_disk_ends_with_the_in_memory_bits(tmp_path, knobs):
+    """FedBuff, and FedBuff over Hydra-nets (each site's slices folded into full-shape sums and per-coordinate
+    weights, both in the buffer's file; the masked step)."""
+    cfg = RunConfig.build(**{**ASYNC, **knobs})
     in_memory = _run(cfg.replace(run_dir=str(tmp_path / "memory")))
     folder = tmp_path / "disk"
     on_disk = _run(cfg.replace(run_dir=str(folder)), resident_model_bytes=0)
     assert _numbers(on_disk.history) == _numbers(in_memory.history)
-    assert max(max(record["staleness"]) for record in in_memory.history[1:]) == 3
+    assert max(max(record["staleness"]) for record in in_memory.history[1:]) >= 3
     _assert_same_model(on_disk.arrays, in_memory.arrays, folder)
     assert _committed(folder) == ["model", "momentum"]
     files = json.loads((folder / "checkpoint.json").read_text())["files"]
-    assert all(name.startswith("round-00006-") for name in files)
+    assert all(name.startswith(f"round-{cfg.rounds:05d}-") for name in files)
 
 
 def test_a_resumed_fedbuff_on_disk_goes_on_from_its_files_as_in_memory(tmp_path):
@@ -168,3 +181,23 @@ def _record(arrays: dict) -> ArrayRecord:
     for name, array in arrays.items():
         record[name] = array
     return record
+
+
+class _ChangedInMemory(FedBuff):
+    """A buffer whose in-memory rule a subclass changed, and whose on-disk one it did not."""
+
+    def add(self, reply, staleness):
+        super().add(reply, staleness)
+
+
+def test_a_buffer_whose_rule_on_disk_is_not_its_own_is_refused_before_any_step(tmp_path):
+    assert buffers_by_its_rule(FedBuff()) and buffers_by_its_rule(FedBuffHydra())
+    assert not buffers_by_its_rule(_ChangedInMemory())
+    cfg = RunConfig.build(**ASYNC, rounds=1)
+    grid = InProcessGrid(site_app.client_app, cfg.sites, cfg.to_flower())
+    config = DriverConfig(num_rounds=1, required_sites=1, run_dir=tmp_path, resident_model_bytes=0)
+    driver = AsyncDriver(grid, _ChangedInMemory(), config, VirtualClock(grid, {}))
+    model = _record({name: Array(values) for name, values in START.items()})
+    with pytest.raises(RoundFailed, match="_ChangedInMemory folds its buffer's updates in memory"):
+        driver.run(lambda: model)
+    assert not list(tmp_path.iterdir())  # nothing written
