@@ -69,12 +69,12 @@ def _committed(folder: Path) -> list[str]:
     return sorted(name.split("-")[2] for name in checkpoint["files"])
 
 
+HYDRA = {"strategy": "fedbuff-hydra", "site_tiers": "small,large", "buffer_size": 2}
+
+
 @pytest.mark.parametrize(
     "knobs",
-    [
-        {"rounds": 6, "weight_cap": 1.2},
-        {"rounds": 5, "strategy": "fedbuff-hydra", "site_tiers": "small,large", "buffer_size": 2},
-    ],
+    [{"rounds": 6, "weight_cap": 1.2}, {**HYDRA, "rounds": 5}],
     ids=["fedbuff", "fedbuff-hydra"],
 )
 def test_fedbuff_on_disk_ends_with_the_in_memory_bits(tmp_path, knobs):
@@ -92,11 +92,12 @@ def test_fedbuff_on_disk_ends_with_the_in_memory_bits(tmp_path, knobs):
     assert all(name.startswith(f"round-{cfg.rounds:05d}-") for name in files)
 
 
-def test_a_resumed_fedbuff_on_disk_goes_on_from_its_files_as_in_memory(tmp_path):
+@pytest.mark.parametrize("knobs", [{}, HYDRA], ids=["fedbuff", "fedbuff-hydra"])
+def test_a_resumed_fedbuff_on_disk_goes_on_from_its_files_as_in_memory(tmp_path, knobs):
     """A resume starts a new buffer and sends every site the saved model (in memory too: the updates in flight
     are lost), so both resumed runs are compared: the same bits, the second half stepped from the model and
     momentum files the checkpoint named."""
-    cfg = RunConfig.build(**ASYNC, rounds=3)
+    cfg = RunConfig.build(**{**ASYNC, **knobs}, rounds=3)
     runs = {}
     for where, resident in (("memory", None), ("disk", 0)):
         first = cfg.replace(run_dir=str(tmp_path / where))
