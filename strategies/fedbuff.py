@@ -1,7 +1,8 @@
 """FedBuff: asynchronous buffered aggregation. The coordinator sends each site the newest model as soon as the
 site has answered, and takes an outer step whenever K updates have arrived, whichever model version each started
 from; stale updates weigh less (`staleness.StalenessBuffer`). The asynchronous round driver
-(`hydrafl.server.aggregation.async_driver`) drives it; one of its "rounds" is one buffer.
+(`hydrafl.server.aggregation.async_driver`) drives it; one of its "rounds" is one buffer. A model larger than the
+coordinator keeps in memory has its buffer in a file too (`buffer_on_disk`, `add_on_disk` and `step_on_disk`).
 
 Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation", AISTATS 2022.
 """

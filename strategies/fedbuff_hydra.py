@@ -3,7 +3,8 @@ of Hydra. The planning round runs once, before the first message; each site keep
 of the global ranking and its own top heads) for the whole run, downloads what its net reads and uploads its
 slices. A buffer's step is the masked weighted mean of its updates, times the buffer's scale (sum w / K and the
 ESS guard's shrink), through the outer optimizer on the trained coordinates. Over LoRA, A and B are averaged
-coordinate by coordinate (Hydra's `hydra-lora=factors`).
+coordinate by coordinate (Hydra's `hydra-lora=factors`). A model kept on disk keeps the buffer's sums and
+per-coordinate weights in a file (`buffer_on_disk.MaskedBufferOnDisk`).
 """
 
 from __future__ import annotations
