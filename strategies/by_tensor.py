@@ -28,8 +28,10 @@ from hydrafl.tensor_files import Layout, OnDiskArray, TensorFileWriter
 
 if TYPE_CHECKING:
     from hydrafl.privacy.central import CentralDp
+    from hydrafl.strategies.staleness import BufferReport
 
 MODEL = "model"
+BUFFER = "buffer"
 
 
 class RoundFiles:
@@ -68,16 +70,47 @@ class AggregatesByTensor(Protocol):
         over the round's valid replies, at least one, once `by_tensor_refusal` allows it."""
 
 
+@runtime_checkable
+class BuffersByTensor(Protocol):
+    """Buffers asynchronous updates (`hooks.BuffersUpdates`) with a model on disk, by the same rule as its `add`
+    and `step`: each update folded as it arrives into sums kept in a tensor file, the step taken tensor by
+    tensor from that file and the model's into the next model's."""
+
+    def add_on_disk(
+        self, reply: Message, staleness: int, arrays: ArrayRecord, files: RoundFiles
+    ) -> None:
+        """`add` into the buffer's file (`files.writer(BUFFER, ...)`, shaped as `arrays`, the model now)."""
+
+    def step_on_disk(
+        self, arrays: ArrayRecord, files: RoundFiles
+    ) -> tuple[ArrayRecord, MetricRecord | None, BufferReport]:
+        """`step` of the model `arrays` kept on disk, the new model written with `files.writer(MODEL, ...)`;
+        the buffer's file is given up."""
+
+
 def follows_its_rule(strategy: object) -> bool:
     """Whether `strategy` aggregates tensor by tensor by the rule its `aggregate_train` follows: both written by
     the same class (a subclass that changes `aggregate_train` alone would be aggregated by its parent's rule)."""
-    if not isinstance(strategy, AggregatesByTensor):
-        return False
-    owners = [
-        next(cls for cls in type(strategy).__mro__ if name in vars(cls))
-        for name in ("aggregate_train", "aggregate_by_tensor")
-    ]
-    return owners[0] is owners[1]
+    return isinstance(strategy, AggregatesByTensor) and _one_owner(
+        strategy, "aggregate_train", "aggregate_by_tensor"
+    )
+
+
+def buffers_by_its_rule(strategy: object) -> bool:
+    """Whether `strategy` buffers on disk by the rule its in-memory buffer follows (`follows_its_rule`): the
+    class that wrote how an update is folded and stepped in memory (`add`, `new_accumulator`, `stepped`) wrote
+    its sums on disk (`new_disk_sums`)."""
+    return isinstance(strategy, BuffersByTensor) and _one_owner(
+        strategy, "add", "new_accumulator", "stepped", "new_disk_sums"
+    )
+
+
+def _one_owner(strategy: object, *methods: str) -> bool:
+    """Whether one class of `strategy`'s wrote all of `methods` (a method it lacks has no owner)."""
+    owners = {
+        next((cls for cls in type(strategy).__mro__ if name in vars(cls)), None) for name in methods
+    }
+    return len(owners) == 1 and None not in owners
 
 
 def delta_of(reply: Message) -> tuple[str, ArrayRecord]:
@@ -110,7 +143,7 @@ def read_ahead(
         for name, cut in plan:
             first = _Ahead(reader, next(taken), start[name])
             ahead = [_Ahead(reader, next(taken), delta_of(r)[1][name]) for r in cut]
-            yield name, first, [_cut(r, name, a) for r, a in zip(cut, ahead, strict=True)]
+            yield name, first, [cut_to(r, name, a) for r, a in zip(cut, ahead, strict=True)]
     finally:
         reader.close()
 
@@ -177,7 +210,8 @@ class _Ahead(OnDiskArray):
         return self.__dict__["reader"].take(self.__dict__["index"])
 
 
-def _cut(reply: Message, name: str, array: Array) -> Message:
+def cut_to(reply: Message, name: str, array: Array) -> Message:
+    """`reply` with its delta cut to the one array `name`, `array` (read ahead, or read later)."""
     key, _ = delta_of(reply)
     one = ArrayRecord()  # item by item: ArrayRecord(dict) would copy the array into a plain one
     one[name] = array

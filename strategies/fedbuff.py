@@ -1,13 +1,15 @@
 """FedBuff: asynchronous buffered aggregation. The coordinator sends each site the newest model as soon as the
 site has answered, and takes an outer step whenever K updates have arrived, whichever model version each started
 from; stale updates weigh less (`staleness.StalenessBuffer`). The asynchronous round driver
-(`hydrafl.server.aggregation.async_driver`) drives it; one of its "rounds" is one buffer.
+(`hydrafl.server.aggregation.async_driver`) drives it; one of its "rounds" is one buffer. A model larger than the
+coordinator keeps in memory has its buffer in a file too (`buffer_on_disk`, `add_on_disk` and `step_on_disk`).
 
 Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation", AISTATS 2022.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +18,8 @@ from flwr.serverapp.strategy import FedAvg
 
 from hydrafl.arrays import from_record, to_record
 from hydrafl.strategies.accumulator import WeightedDeltaAccumulator
+from hydrafl.strategies.buffer_on_disk import BufferOnDisk
+from hydrafl.strategies.by_tensor import RoundFiles
 from hydrafl.strategies.diloco import OuterConfig
 from hydrafl.strategies.outer import OuterOptimizer
 from hydrafl.strategies.registry import register
@@ -42,10 +46,17 @@ class FedBuff(FedAvg):
             lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.outer_nesterov
         )
         self.accumulator = self.new_accumulator()
+        self.disk_sums = self.new_disk_sums()
+        """The buffer's sums when the model is kept on disk (`add_on_disk`)."""
 
     def new_accumulator(self) -> WeightedDeltaAccumulator:
         """The sums of one buffer (a subclass folds other updates: Hydra-nets' slices)."""
         return WeightedDeltaAccumulator(self.weighted_by_key)
+
+    def new_disk_sums(self) -> BufferOnDisk:
+        """`new_accumulator`'s sums in a file, for a model kept on disk (`by_tensor.buffers_by_its_rule`: a
+        subclass that changes the one changes the other)."""
+        return BufferOnDisk(self.weighted_by_key)
 
     def train_message(self, node: int, arrays: ArrayRecord, config: ConfigRecord) -> Message | None:
         content = RecordDict({"arrays": arrays, "config": ConfigRecord(dict(config))})
@@ -59,12 +70,46 @@ class FedBuff(FedAvg):
         return self.buffer.full
 
     def step(self, arrays: ArrayRecord) -> tuple[ArrayRecord, MetricRecord | None, BufferReport]:
-        report = self.buffer.flush()
         accumulator, self.accumulator = self.accumulator, self.new_accumulator()
-        metrics = self.train_metrics_aggr_fn(accumulator.metric_records, self.weighted_by_key)
-        if report.skipped:
-            return arrays, metrics, report
-        return self.stepped(arrays, accumulator, report.scale), metrics, report
+        return self._flush(
+            arrays,
+            accumulator.metric_records,
+            lambda scale: self.stepped(arrays, accumulator, scale),
+        )
+
+    def add_on_disk(
+        self, reply: Message, staleness: int, arrays: ArrayRecord, files: RoundFiles
+    ) -> None:
+        """`add` of a model kept on disk (`by_tensor.BuffersByTensor`): into the buffer's file."""
+        self.disk_sums.add(
+            reweighted(reply, self.weighted_by_key, self.buffer, staleness), arrays, files
+        )
+
+    def step_on_disk(
+        self, arrays: ArrayRecord, files: RoundFiles
+    ) -> tuple[ArrayRecord, MetricRecord | None, BufferReport]:
+        """`step` of a model kept on disk, tensor by tensor from the buffer's file, which goes after."""
+        sums, self.disk_sums = self.disk_sums, self.new_disk_sums()
+        try:
+            return self._flush(
+                arrays,
+                sums.metric_records,
+                lambda scale: sums.step(self.outer, arrays, scale, files),
+            )
+        finally:
+            sums.discard()
+
+    def _flush(
+        self,
+        arrays: ArrayRecord,
+        metric_records: list[RecordDict],
+        stepped: Callable[[float], ArrayRecord],
+    ) -> tuple[ArrayRecord, MetricRecord | None, BufferReport]:
+        """`stepped(scale)`, the model after the buffer's step (`arrays` when the ESS guard skips it), the
+        buffer's metrics and report; the buffer's weights emptied."""
+        report = self.buffer.flush()
+        metrics = self.train_metrics_aggr_fn(metric_records, self.weighted_by_key)
+        return (arrays if report.skipped else stepped(report.scale)), metrics, report
 
     def stepped(
         self, arrays: ArrayRecord, accumulator: WeightedDeltaAccumulator, scale: float
@@ -86,6 +131,7 @@ class FedBuff(FedAvg):
         self.outer.load_state_dict(state)
         self.buffer.load_state_dict(state)
         self.accumulator = self.new_accumulator()
+        self.disk_sums.discard()
 
 
 def reweighted(

@@ -3,7 +3,8 @@ of Hydra. The planning round runs once, before the first message; each site keep
 of the global ranking and its own top heads) for the whole run, downloads what its net reads and uploads its
 slices. A buffer's step is the masked weighted mean of its updates, times the buffer's scale (sum w / K and the
 ESS guard's shrink), through the outer optimizer on the trained coordinates. Over LoRA, A and B are averaged
-coordinate by coordinate (Hydra's `hydra-lora=factors`).
+coordinate by coordinate (Hydra's `hydra-lora=factors`). A model kept on disk keeps the buffer's sums and
+per-coordinate weights in a file (`buffer_on_disk.MaskedBufferOnDisk`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from hydrafl import protocol
 from hydrafl.arrays import from_record, sliced_record, to_record
 from hydrafl.strategies.accumulator import MaskedDeltaAccumulator
 from hydrafl.strategies.budgets import BudgetConfig
+from hydrafl.strategies.buffer_on_disk import MaskedBufferOnDisk
 from hydrafl.strategies.fedbuff import BufferConfig, FedBuff, reweighted
 from hydrafl.strategies.hydra import HEAD_MODES
 from hydrafl.strategies.planner import BudgetError, SitePlanner
@@ -56,6 +58,9 @@ class FedBuffHydra(FedBuff):
 
     def new_accumulator(self) -> MaskedDeltaAccumulator:
         return MaskedDeltaAccumulator(self.weighted_by_key)
+
+    def new_disk_sums(self) -> MaskedBufferOnDisk:
+        return MaskedBufferOnDisk(self.weighted_by_key, self.site_slices)
 
     def configure_query(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

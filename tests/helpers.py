@@ -45,6 +45,15 @@ TIERED_RUN = SMALL_RUN.replace(
 )
 """Three small tabular sites, one per resource tier, under Hydra: the shared setting of the subnetwork
 strategies' tests (`TIERED_RUN.replace(strategy=...)` keeps the budget knobs the strategies share)."""
+ASYNC_SITES: dict[str, Any] = dict(
+    task="tabular",
+    sites=4,
+    samples_per_site=32,
+    local_steps=2,
+    batch_size=8,
+    site_speeds="1,1,1,0.1",
+)
+"""Four small tabular sites for the asynchronous driver's virtual clock, the fourth ten times slower."""
 TIER_OF_NODE = {FIRST_NODE_ID + i: tier for i, tier in enumerate(TIERED_RUN.tier_list)}
 
 

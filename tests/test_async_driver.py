@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
+from helpers import ASYNC_SITES
 
 from hydrafl.client import site_app
 from hydrafl.config import RunConfig
@@ -16,14 +17,6 @@ from hydrafl.server.aggregation.async_driver import simulated_speeds
 from hydrafl.server.aggregation.driver import RoundFailed
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
 
-SMALL = dict(
-    task="tabular",
-    sites=4,
-    samples_per_site=32,
-    local_steps=2,
-    batch_size=8,
-    site_speeds="1,1,1,0.1",
-)
 SLOW = FIRST_NODE_ID + 3
 RECEIVE = async_driver.VirtualClock.receive
 
@@ -55,7 +48,7 @@ def _timeless(history: list[dict]) -> list[dict]:
 
 
 def test_virtual_clock_runs_are_identical_and_follow_the_sites_speeds(monkeypatch):
-    cfg = RunConfig.build(**SMALL, strategy="fedbuff", rounds=11, buffer_size=3)
+    cfg = RunConfig.build(**ASYNC_SITES, strategy="fedbuff", rounds=11, buffer_size=3)
     arrays, history, order = _run(cfg, monkeypatch)
     again, history_again, order_again = _run(cfg, monkeypatch)
     assert order == order_again and _timeless(history) == _timeless(history_again)
@@ -81,7 +74,9 @@ def test_virtual_clock_runs_are_identical_and_follow_the_sites_speeds(monkeypatc
 
 
 def test_evaluate_every_skips_evaluations_but_not_the_last(monkeypatch):
-    cfg = RunConfig.build(**SMALL, strategy="fedbuff", rounds=5, buffer_size=2, evaluate_every=2)
+    cfg = RunConfig.build(
+        **ASYNC_SITES, strategy="fedbuff", rounds=5, buffer_size=2, evaluate_every=2
+    )
     _, history, _ = _run(cfg, monkeypatch)
     assert [entry["loss"] is not None for entry in history] == [
         True,
@@ -95,7 +90,10 @@ def test_evaluate_every_skips_evaluations_but_not_the_last(monkeypatch):
 
 def test_fedbuff_hydra_trains_per_site_hydra_nets_asynchronously(monkeypatch):
     cfg = RunConfig.build(
-        **{**SMALL, "site_tiers": "small,large"}, strategy="fedbuff-hydra", rounds=4, buffer_size=2
+        **{**ASYNC_SITES, "site_tiers": "small,large"},
+        strategy="fedbuff-hydra",
+        rounds=4,
+        buffer_size=2,
     )
     arrays, history, order = _run(cfg, monkeypatch)
     _, history_again, order_again = _run(cfg, monkeypatch)
@@ -138,7 +136,11 @@ def _run_failing(cfg: RunConfig):
 
 def test_a_site_that_keeps_failing_is_sent_no_more_work_and_min_sites_decides():
     cfg = RunConfig.build(
-        **{**SMALL, "site_speeds": ""}, strategy="fedbuff", rounds=5, buffer_size=3, min_sites=3
+        **{**ASYNC_SITES, "site_speeds": ""},
+        strategy="fedbuff",
+        rounds=5,
+        buffer_size=3,
+        min_sites=3,
     )
     history = _run_failing(cfg).history
     # it answers (with an error) at t = 1, 2, 3, each time after the three good replies that made that step
@@ -150,7 +152,7 @@ def test_a_site_that_keeps_failing_is_sent_no_more_work_and_min_sites_decides():
 
 def test_a_resumed_run_goes_on_from_its_last_step_with_the_strategy_state(tmp_path, monkeypatch):
     cfg = RunConfig.build(
-        **SMALL, strategy="fedbuff", rounds=3, buffer_size=3, run_dir=str(tmp_path)
+        **ASYNC_SITES, strategy="fedbuff", rounds=3, buffer_size=3, run_dir=str(tmp_path)
     )
     _, history, _ = _run(cfg, monkeypatch)
     _, resumed, order = _run(cfg.replace(rounds=5, resume=True), monkeypatch)

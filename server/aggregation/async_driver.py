@@ -5,6 +5,11 @@ folded into the strategy's buffer with its staleness (the versions stepped since
 driver's own record of what it sent, never from the reply); whenever the buffer is full the strategy steps, and
 the site that just answered is at once sent the newest model. One step is one entry of the history (its `round`
 is the model version it made), evaluated every `evaluate_every` steps and at the last, checkpointed like a round.
+A model larger than `resident_model_bytes` stays on disk as the round driver keeps it: each update is folded into
+the buffer's tensor file as it arrives and the step writes the next model file (`by_tensor.BuffersByTensor`).
+Only the model's newest version is kept: the rule reads the updates (deltas) alone, and a message once pushed
+has its own copy of the model it carries (the in-process grid answers it at once, the coordinator's blob store
+holds its chunks while its version is open).
 
 Two clocks deliver the replies. `VirtualClock` (simulation): the in-process grid answers a message as it is
 sent, and its reply arrives 1 / speed virtual seconds later, in virtual-time order (ties in sending order), so
@@ -33,10 +38,10 @@ from hydrafl.server.aggregation.driver import (
     RoundDriver,
     RoundFailed,
     RunResult,
-    kept_on_disk,
 )
 from hydrafl.server.aggregation.evaluation import metric_value
 from hydrafl.server.aggregation.traffic import count_down
+from hydrafl.strategies.by_tensor import BuffersByTensor, RoundFiles, buffers_by_its_rule
 from hydrafl.strategies.hooks import BuffersUpdates
 
 log = logging.getLogger(__name__)
@@ -141,17 +146,21 @@ class AsyncDriver(RoundDriver):
         self.failures: Counter[int] = Counter()
         self.local_rounds: Counter[int] = Counter()
 
-    def _refuse_on_disk(self, arrays: ArrayRecord) -> None:
-        """A model the coordinator would keep on disk (`DriverConfig.resident_model_bytes`) is refused: the
-        buffer holds whole updates, in memory."""
-        kept_on_disk(
-            self.config,
-            arrays,
-            lambda: (
-                "an asynchronous strategy's buffer holds whole updates; raise resident-model-mb above "
-                "the model if this coordinator can hold it"
-            ),
+    def _on_disk_refusal(self, arrays: ArrayRecord) -> str:
+        """Why this strategy cannot buffer a model kept on disk ("" when it can): a strategy that does buffers
+        each update into a file as it arrives (`by_tensor.BuffersByTensor`)."""
+        if buffers_by_its_rule(self.strategy):
+            return ""
+        return (
+            f"strategy {type(self.strategy).__name__} folds its buffer's updates in memory (FedBuff and "
+            "FedBuff over Hydra-nets buffer on disk); raise resident-model-mb above the model if this "
+            "coordinator can hold it"
         )
+
+    def _files(self, version: int) -> RoundFiles:
+        """Where the buffer that makes model `version + 1` writes its files (a model kept on disk)."""
+        assert self.config.run_dir is not None  # kept on disk only with a run folder
+        return RoundFiles(self.config.run_dir, version + 1)
 
     def run(
         self,
@@ -171,10 +180,9 @@ class AsyncDriver(RoundDriver):
                 checkpoint.server_round,
             )
             log.info("resuming after model version %d", version)
-            self._refuse_on_disk(arrays)
+            arrays = self._placed(arrays, version)
         else:
-            arrays = start()
-            self._refuse_on_disk(arrays)
+            arrays = self._placed(start(), 0)
             self._close(self.evaluation.run(0, arrays), history, arrays, on_round)
         if version >= self.config.num_rounds:
             return RunResult(arrays=arrays, history=history)
@@ -191,7 +199,7 @@ class AsyncDriver(RoundDriver):
                 record.sites_failed += 1
             else:
                 self.failures[node] = 0
-                self.buffer.add(valid, version - sent_version)
+                self._add(valid, version - sent_version, arrays, version)
             if self.buffer.buffer_full:
                 arrays, version = self._step(arrays, version, record, started), version + 1
                 self._close(record, history, arrays, on_round)
@@ -199,6 +207,14 @@ class AsyncDriver(RoundDriver):
             if version < self.config.num_rounds and self.failures[node] < MAX_FAILURES:
                 self._dispatch(node, arrays, version, record)
         return RunResult(arrays=arrays, history=history)
+
+    def _add(self, reply: Message, staleness: int, arrays: ArrayRecord, version: int) -> None:
+        """Fold `reply` into the buffer: in memory, or, the model kept on disk, into the buffer's file."""
+        if not self.on_disk:
+            self.buffer.add(reply, staleness)
+            return
+        assert isinstance(self.strategy, BuffersByTensor)  # `_on_disk_refusal` let it through
+        self.strategy.add_on_disk(reply, staleness, arrays, self._files(version))
 
     def _dispatch(self, node: int, arrays: ArrayRecord, version: int, record: RoundRecord) -> None:
         """Send `node` the model of `version` (the site's own local round count as its round, so its batches
@@ -240,7 +256,11 @@ class AsyncDriver(RoundDriver):
     ) -> ArrayRecord:
         """The buffer's step into model `version + 1`, evaluated when due; `record` filled in."""
         stepped = time.perf_counter()
-        new_arrays, metrics, report = self.buffer.step(arrays)
+        if self.on_disk:
+            assert isinstance(self.strategy, BuffersByTensor)
+            new_arrays, metrics, report = self.strategy.step_on_disk(arrays, self._files(version))
+        else:
+            new_arrays, metrics, report = self.buffer.step(arrays)
         record.aggregation_s = time.perf_counter() - stepped
         new_arrays = keep_dtypes(new_arrays, arrays)
         if report.skipped:

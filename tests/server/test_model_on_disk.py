@@ -100,7 +100,6 @@ def test_a_resumed_model_on_disk_ends_like_a_straight_run(small_run, tmp_path):
         ("fedadam", {}, "needs every reply in memory"),
         ("krum", {}, "needs every reply in memory"),
         ("hydra", {"robust_rule": "median"}, "robust rules need whole replies"),
-        ("fedbuff", {}, "asynchronous strategy's buffer holds whole updates"),
     ],
 )
 def test_a_strategy_that_needs_every_reply_at_once_is_refused_before_any_round(
