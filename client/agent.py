@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
-from flwr.app import ArrayRecord, Context, Message, RecordDict
+from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
@@ -57,7 +57,7 @@ from hydrafl.client.site_pipeline import answer
 from hydrafl.client.site_policy import SitePolicy
 from hydrafl.client.site_secagg import install_identity
 from hydrafl.client.tls import SiteTls
-from hydrafl.client.upload import upload_reply
+from hydrafl.client.upload import let_go, upload_reply
 from hydrafl.malloc_tuning import keep_chunk_buffers
 from hydrafl.netaddr import unreachable_reason
 from hydrafl.proto import coordinator_pb2 as pb
@@ -265,7 +265,7 @@ class SiteAgent:
                 log.warning(
                     "coordinator refused the reply (%s): %s", error.code().name, error.details()
                 )
-            _let_go(reply)
+            let_go(reply)
             del reply
             self.received.clear()
 
@@ -488,15 +488,3 @@ def _idle_wait(poll_after_s: float, previous: float) -> float:
     it asks (a zero or NaN request must not make the site spin)."""
     asked = poll_after_s if math.isfinite(poll_after_s) else MAX_IDLE_POLL_S
     return min(max(asked, previous * 1.5, MIN_IDLE_POLL_S), MAX_IDLE_POLL_S)
-
-
-def _let_go(reply: Message) -> None:
-    """Empty a sent reply and its array records. Flower's RecordDict and records refer to themselves (their item
-    dicts call back into them), so a sent reply would wait for the cycle collector, which may not run for
-    minutes, with its arrays: a model's worth of memory, or a reply file (`removed_when_unused`) on disk."""
-    if reply.has_error():
-        return
-    for record in reply.content.values():
-        if isinstance(record, ArrayRecord):
-            record.clear()
-    reply.content.clear()

@@ -169,9 +169,12 @@ class Received:
             self.remove_file()
 
     def remove_file(self) -> None:
-        if self.file is not None:
-            self.file.remove()
-            self.file = None
+        file, self.file = (
+            self.file,
+            None,
+        )  # forgotten first: once the file is gone, nothing refers to it
+        if file is not None:
+            file.remove()
 
 
 class Assembly:

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flwr.app import Message
+from flwr.app import ArrayRecord, Message
 
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.chunk_wire import CoordinatorClient
@@ -136,3 +136,15 @@ def _named_as_sent(
             if digest not in sent:
                 sent.add(digest)
                 yield digest, chunk
+
+
+def let_go(reply: Message) -> None:
+    """Empty a sent reply and its array records. Flower's RecordDict and records refer to themselves (their item
+    dicts call back into them), so a sent reply would wait for the cycle collector, which may not run for
+    minutes, with its arrays: a model's worth of memory, or a reply file (`removed_when_unused`) on disk."""
+    if reply.has_error():
+        return
+    for record in reply.content.values():
+        if isinstance(record, ArrayRecord):
+            record.clear()
+    reply.content.clear()

@@ -21,14 +21,12 @@ supported (tmpfs, other systems) the same writes go through the page cache.
 
 from __future__ import annotations
 
-import mmap
 import os
-import struct
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,21 +35,24 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hydrafl.proto.envelope import CHUNK_BYTES, UPLOADED, EnvelopeError
-from hydrafl.server.disk import (
-    ChunkStat,
-    open_file,
-    opened,
-    preallocate,
-    punch_hole,
-    sync_filesystem,
+from hydrafl.server.disk import ChunkStat, open_file, opened, preallocate, sync_filesystem
+from hydrafl.server.transport.pack_slots import (
+    HEADER_BYTES,
+    HEADER_FORMAT,
+    SLOT_BYTES,
+    Header,
+    blocks,
+    erase,
+    headers,
+    pack_header,
+    parse_header,
+    slot_buffer,
+    write_header,
 )
 
 if TYPE_CHECKING:
     from hydrafl.server.blobs import BlobStore
 
-HEADER_BYTES = 4096
-"""One O_DIRECT block, so that the data after it stays aligned."""
-SLOT_BYTES = HEADER_BYTES + CHUNK_BYTES
 PREALLOCATE_SLOTS = 64
 """A stream's pack grows by at most this many slots at a time; what the stream did not use is cut off at its end."""
 CHUNKS_IN_FLIGHT = 16
@@ -62,10 +63,7 @@ a sweep beside a live coordinator spares chunks written in the last `retention.O
 nothing erases it meanwhile."""
 SCAN_SETTLE_NS = 100_000_000
 """A folder modified this recently may change again within its timestamp's granularity: look again next time."""
-_MAGIC = b"HYDRAPK1"
-_HEADER = struct.Struct("<8sQd32s")  # magic, data length, write time (Unix seconds), name
 _SEALED, _PARTIAL = ".pack", ".pack.part"
-_BUFFERS = threading.local()
 
 
 @dataclass(slots=True)
@@ -77,17 +75,10 @@ class _PackRef:
 
 
 @dataclass(frozen=True, slots=True)
-class _Header:
-    nbytes: int
-    modified: float
-    digest: str
-
-
-@dataclass(frozen=True, slots=True)
 class _Slot:
     pack: _PackRef
     index: int
-    header: _Header
+    header: Header
     """As this process last wrote or read it."""
 
 
@@ -149,7 +140,7 @@ class UploadPacks:
             )
         aligned = out.nbytes % HEADER_BYTES == 0 and out.ctypes.data % HEADER_BYTES == 0
         with opened(slot.pack.path, os.O_RDONLY, direct=aligned) as descriptor:
-            done = os.preadv(descriptor, [out], slot.index * SLOT_BYTES + HEADER_BYTES)
+            done = os.preadv(descriptor, [out.data], slot.index * SLOT_BYTES + HEADER_BYTES)
         if done != header.nbytes:
             raise KeyError(f"chunk {digest[:12]} is cut short on disk")
 
@@ -247,13 +238,13 @@ class UploadPacks:
         if len(data) > CHUNK_BYTES:
             raise EnvelopeError(f"chunk {digest[:12]} has {len(data)} bytes; at most {CHUNK_BYTES}")
         self.naming.verify(digest, data)
-        buffer = _slot_buffer()
+        buffer = slot_buffer()
         np.frombuffer(buffer, np.uint8, len(data), HEADER_BYTES)[:] = np.frombuffer(
             data, np.uint8
         )  # GIL released
-        header = _Header(len(data), time.time(), digest)
-        buffer[: _HEADER.size] = _pack_header(header)
-        pack.write(memoryview(buffer)[: HEADER_BYTES + _blocks(len(data))], index)
+        header = Header(len(data), time.time(), digest)
+        buffer[: HEADER_FORMAT.size] = pack_header(header)
+        pack.write(memoryview(buffer)[: HEADER_BYTES + blocks(len(data))], index)
         # checked in the aligned copy: the received bytes sit at an odd offset, where numpy would copy them again
         values = np.frombuffer(buffer, np.float32, len(data) // 4, HEADER_BYTES)
         finite = len(data) % 4 == 0 and bool(np.isfinite(values).all())
@@ -269,10 +260,10 @@ class UploadPacks:
         if found is None:
             return False
         slot, header = found
-        refreshed = _Header(header.nbytes, time.time(), digest)
+        refreshed = Header(header.nbytes, time.time(), digest)
         try:
             with opened(slot.pack.path, os.O_WRONLY, direct=True) as descriptor:
-                _write_header(descriptor, slot.index, refreshed)
+                write_header(descriptor, slot.index, refreshed)
         except FileNotFoundError:  # its pack went just now: store it again
             return False
         with self._lock:
@@ -312,10 +303,10 @@ class UploadPacks:
         path = slot.pack.path
         try:
             with opened(path, os.O_WRONLY, direct=True) as descriptor:
-                _erase(descriptor, slot.index)
+                erase(descriptor, slot.index)
         except FileNotFoundError:
             return
-        if slot.pack.indexed == 0 and path.name.endswith(_SEALED) and not any(_headers(path)):
+        if slot.pack.indexed == 0 and path.name.endswith(_SEALED) and not any(headers(path)):
             path.unlink(missing_ok=True)
 
     def sync(self) -> None:
@@ -342,7 +333,7 @@ class UploadPacks:
         except KeyError:
             return False
 
-    def _find(self, digest: str) -> tuple[_Slot, _Header] | None:
+    def _find(self, digest: str) -> tuple[_Slot, Header] | None:
         """The chunk's slot and header, checked on disk unless this process saw it lately (TRUSTED_S); when the
         name is not known, the finished packs that appeared since the last look (this process's or another's)
         are read first."""
@@ -379,7 +370,7 @@ class UploadPacks:
         for path in new:
             ref = _PackRef(path)
             slots = [
-                (index, header) for index, header in enumerate(_headers(path)) if header is not None
+                (index, header) for index, header in enumerate(headers(path)) if header is not None
             ]
             with self._lock:
                 for index, header in slots:
@@ -449,66 +440,16 @@ class _StreamPack:
         partial.unlink(missing_ok=True)
 
 
-def _pack_header(header: _Header) -> bytes:
-    return _HEADER.pack(_MAGIC, header.nbytes, header.modified, header.digest.encode())
-
-
-def _parse_header(raw: bytes) -> _Header | None:
-    if len(raw) < _HEADER.size:
-        return None
-    magic, nbytes, modified, name = _HEADER.unpack_from(raw)
-    digest = name.decode("ascii", errors="replace")
-    if magic != _MAGIC or nbytes > CHUNK_BYTES or not UPLOADED.is_name(digest):
-        return None
-    return _Header(nbytes, modified, digest)
-
-
-def _read_header(slot: _Slot) -> _Header | None:
+def _read_header(slot: _Slot) -> Header | None:
     """The slot's header; a stream's pack renamed while this looked is looked for again under its new name."""
     for _ in range(2):
         path = slot.pack.path
         try:
             with opened(path, os.O_RDONLY) as descriptor:
-                return _parse_header(os.pread(descriptor, _HEADER.size, slot.index * SLOT_BYTES))
+                return parse_header(
+                    os.pread(descriptor, HEADER_FORMAT.size, slot.index * SLOT_BYTES)
+                )
         except FileNotFoundError:
             if slot.pack.path == path:
                 return None
     return None
-
-
-def _headers(path: Path) -> Iterator[_Header | None]:
-    """Each slot's header (None for an erased or never written slot), in slot order."""
-    try:
-        with opened(path, os.O_RDONLY) as descriptor:
-            for index in range(os.fstat(descriptor).st_size // SLOT_BYTES):
-                yield _parse_header(os.pread(descriptor, _HEADER.size, index * SLOT_BYTES))
-    except FileNotFoundError:
-        return
-
-
-def _blocks(nbytes: int) -> int:
-    """`nbytes` rounded up to whole O_DIRECT blocks."""
-    return -(-nbytes // HEADER_BYTES) * HEADER_BYTES
-
-
-def _slot_buffer() -> mmap.mmap:
-    """This thread's slot-sized buffer: page-aligned, as O_DIRECT needs, and reused, so it stays in memory."""
-    buffer = getattr(_BUFFERS, "slot", None)
-    if buffer is None:
-        buffer = _BUFFERS.slot = mmap.mmap(-1, SLOT_BYTES)
-    return buffer
-
-
-def _erase(descriptor: int, index: int) -> None:
-    """Free the slot's blocks; where holes cannot be punched, zero its header at least."""
-    if not punch_hole(descriptor, index * SLOT_BYTES, SLOT_BYTES):
-        _write_header(descriptor, index, None)
-
-
-def _write_header(descriptor: int, index: int, header: _Header | None) -> None:
-    """Rewrite one slot's header block alone (None: zeroes, no chunk), from this thread's aligned buffer."""
-    buffer = _slot_buffer()
-    buffer[:HEADER_BYTES] = bytes(HEADER_BYTES)
-    if header is not None:
-        buffer[: _HEADER.size] = _pack_header(header)
-    os.pwrite(descriptor, memoryview(buffer)[:HEADER_BYTES], index * SLOT_BYTES)

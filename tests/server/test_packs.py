@@ -10,7 +10,7 @@ import pytest
 
 from hydrafl.proto.envelope import CHUNK_BYTES, UPLOADED, EnvelopeError
 from hydrafl.server.blobs import BlobStore
-from hydrafl.server.transport import packs
+from hydrafl.server.transport import pack_slots, packs
 from hydrafl.server.transport.packs import SLOT_BYTES, UploadPacks, _StreamPack
 
 WRITERS = ThreadPoolExecutor(4)
@@ -116,9 +116,11 @@ def test_a_bad_chunk_ends_the_stream_and_what_came_before_it_stays(tmp_path):
 def test_a_crash_mid_stream_leaves_a_partial_that_is_never_read_and_is_swept(tmp_path):
     folder = tmp_path / "sites" / "7"
     crashed = _StreamPack(folder / "packs")
-    buffer = packs._slot_buffer()  # aligned, as O_DIRECT needs
+    buffer = pack_slots.slot_buffer()  # aligned, as O_DIRECT needs
     digest, data = chunks(1, seed=5)[0]
-    buffer[: packs._HEADER.size] = packs._pack_header(packs._Header(len(data), 0.0, digest))
+    buffer[: pack_slots.HEADER_FORMAT.size] = pack_slots.pack_header(
+        pack_slots.Header(len(data), 0.0, digest)
+    )
     crashed.write(
         memoryview(buffer), crashed.next_slot()
     )  # written, never sealed: the process died here
