@@ -134,6 +134,11 @@ class MemoryLimit:
         return int((self.folder / "memory.failcnt").read_text()) if self.folder else 0
 
     def close(self) -> None:
+        """Remove the group once the kernel has moved its last process out (a killed one takes a moment)."""
+        for _ in range(50):
+            if self.folder is None or not (self.folder / "cgroup.procs").read_text().strip():
+                break
+            time.sleep(0.1)
         if self.folder is not None:
             self.folder.rmdir()
 
@@ -203,6 +208,7 @@ def run_size(
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 process.kill()
+                process.wait()
         failures = limit.failures()
         limit.close()
     seconds = time.perf_counter() - started
