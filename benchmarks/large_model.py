@@ -333,6 +333,11 @@ def main() -> None:
         action="store_true",
         help="the sites write and send their replies one at a time (a disk too small for three at once)",
     )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        help="an earlier run's large_model.json: its other sizes are reported beside these",
+    )
     args = parser.parse_args()
     sizes = [0.1875, 0.25] if args.quick else [float(s) for s in args.sizes.split(",")]
     out = Path(args.out)
@@ -356,14 +361,23 @@ def main() -> None:
             shutil.rmtree(workdir, ignore_errors=True)
             console.print(row)
         again_write, again_read = disk_speeds(Path(tmp), probe)
-    disk = {
-        "write_gib_s": [write / GIB, again_write / GIB],
-        "read_gib_s": [read / GIB, again_read / GIB],
-    }
-    report(rows, disk, out)
+    disks = [
+        {
+            "sizes_gib": [row["size_gib"] for row in rows],
+            "write_gib_s": [write / GIB, again_write / GIB],
+            "read_gib_s": [read / GIB, again_read / GIB],
+        }
+    ]
+    if args.merge:  # each row's floors are of its own run's disk speeds
+        earlier = json.loads(args.merge.read_text())
+        measured = {round(row["size_gib"], 4) for row in rows}
+        kept = [row for row in earlier["rows"] if round(row["size_gib"], 4) not in measured]
+        rows = sorted(kept + rows, key=lambda row: row["size_gib"])
+        disks = earlier["disks"] + disks
+    report(rows, disks, out)
 
 
-def report(rows: list[dict[str, Any]], disk: dict[str, list[float]], out: Path) -> None:
+def report(rows: list[dict[str, Any]], disks: list[dict[str, Any]], out: Path) -> None:
     table = Table(title="A 3-site DiLoCo round against model size")
     columns = [
         "GiB",
@@ -406,14 +420,15 @@ def report(rows: list[dict[str, Any]], disk: dict[str, list[float]], out: Path) 
     ]
     for goal in goals:
         console.print(goal)
-    disk_line = (
-        f"Disk (O_DIRECT, before and after): write {disk['write_gib_s'][0]:.2f} / "
-        f"{disk['write_gib_s'][1]:.2f} GiB/s, read {disk['read_gib_s'][0]:.2f} / "
-        f"{disk['read_gib_s'][1]:.2f} GiB/s."
-    )
+    disk_lines = [
+        f"Disk at {', '.join(f'{size:g}' for size in disk['sizes_gib'])} GiB (O_DIRECT, before and after): "
+        f"write {disk['write_gib_s'][0]:.2f} / {disk['write_gib_s'][1]:.2f} GiB/s, "
+        f"read {disk['read_gib_s'][0]:.2f} / {disk['read_gib_s'][1]:.2f} GiB/s."
+        for disk in disks
+    ]
     plain = [Text.from_markup(goal).plain for goal in goals]
-    (out / "large_model.md").write_text("\n".join([*lines, "", disk_line, "", *plain]) + "\n")
-    (out / "large_model.json").write_text(json.dumps({"rows": rows, "disk": disk}, indent=1))
+    (out / "large_model.md").write_text("\n".join([*lines, "", *disk_lines, "", *plain]) + "\n")
+    (out / "large_model.json").write_text(json.dumps({"rows": rows, "disks": disks}, indent=1))
     plot(rows, out / "large_model.png")
 
 
