@@ -1,0 +1,189 @@
+"""Secure aggregation of a model kept on disk (`secure_on_disk`): the masked sum in a file, each masked vector
+added a window at a time from where its upload put it, the mean update unmasked and decoded a window at a time;
+the same bits as the in-memory secure round, with sites dropping before or after masking too, and a coordinator
+that never holds a whole masked vector."""
+
+from __future__ import annotations
+
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord
+from helpers import TIERED_RUN
+from secagg_rounds import checked, sessions
+
+from hydrafl import protocol
+from hydrafl.client import site_app
+from hydrafl.proto.envelope import CHUNK_BYTES, UPLOADED
+from hydrafl.secagg import SecAggParams, ServerSession, decode_sum, encode, quantisation_bound
+from hydrafl.secagg.field_sum import WINDOW_WORDS
+from hydrafl.server import server_app
+from hydrafl.server.aggregation import secure_round
+from hydrafl.server.aggregation.checkpoint import load_checkpoint
+from hydrafl.server.aggregation.driver import RoundFailed
+from hydrafl.server.aggregation.secure_on_disk import decode_mean, sum_file, words_of
+from hydrafl.server.blobs import BlobStore
+from hydrafl.server.transport.stored_replies import StoredArray
+from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid, _unavailable, _wire_copy
+from hydrafl.strategies.by_tensor import RoundFiles
+from hydrafl.tensor_files import MappedArray
+
+NOT_NUMBERS = {"seconds", "aggregation_s", "gap_s", "secagg_s"}
+
+
+@pytest.fixture
+def seeded_sites(monkeypatch):
+    """Every site's stochastic rounding drawn from one seed, so that two secure runs encode the same vectors
+    (the masks differ from run to run, and cancel)."""
+    unseeded = np.random.default_rng
+    monkeypatch.setattr(
+        np.random, "default_rng", lambda seed=None: unseeded(0 if seed is None else seed)
+    )
+
+
+class _DroppingGrid(InProcessGrid):
+    """The in-process grid, with one site that stops answering at messages of one kind."""
+
+    def __init__(self, *args, drop: tuple[int, str] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.drop = drop
+
+    def _deliver(self, message):
+        if (message.metadata.dst_node_id, message.metadata.message_type) == self.drop:
+            return _wire_copy(_unavailable(message))
+        return super()._deliver(message)
+
+
+def _run(cfg, resident_model_bytes=None, drop=None):
+    grid = _DroppingGrid(site_app.client_app, cfg.sites, cfg.to_flower(), drop=drop)
+    return server_app.run_federation(grid, cfg, resident_model_bytes=resident_model_bytes)
+
+
+def _numbers(history):
+    return [{k: v for k, v in record.items() if k not in NOT_NUMBERS} for record in history]
+
+
+def _same_bits(on_disk, in_memory, folder: Path) -> None:
+    assert _numbers(on_disk.history) == _numbers(in_memory.history)
+    for name, array in in_memory.arrays.items():
+        kept = on_disk.arrays[name]
+        assert isinstance(kept, MappedArray) and Path(kept.path).parent == folder
+        np.testing.assert_array_equal(kept.numpy(), array.numpy())
+    kinds = {path.name.split("-")[2] for path in folder.glob("round-*-*-*.safetensors")}
+    assert kinds <= {"model", "momentum"}  # the masked sums and decoded means are gone
+
+
+@pytest.mark.parametrize(
+    "strategy, knobs",
+    [("diloco", {"outer_lr": 0.7, "outer_momentum": 0.9}), ("fedavg", {})],
+)
+def test_a_secure_round_on_disk_ends_with_the_bits_of_the_in_memory_secure_round(
+    small_run, tmp_path, seeded_sites, monkeypatch, strategy, knobs
+):
+    decoded = []
+    monkeypatch.setattr(
+        secure_round, "decode_mean", lambda *args: decoded.append(1) or decode_mean(*args)
+    )
+    cfg = small_run.replace(strategy=strategy, rounds=2, secagg=True, **knobs)
+    in_memory = _run(cfg.replace(run_dir=str(tmp_path / "memory")))
+    assert not decoded
+    on_disk = _run(cfg.replace(run_dir=str(tmp_path / "disk")), resident_model_bytes=0)
+    assert len(decoded) == 2  # each round's mean was decoded into a file
+    _same_bits(on_disk, in_memory, tmp_path / "disk")
+    assert [r["sites_ok"] for r in on_disk.history[1:]] == [3, 3]
+
+
+@pytest.mark.parametrize(
+    "kind, sites_ok",
+    [
+        ("train", 2),  # dropped after sharing keys, before masking: its pairwise masks are rebuilt
+        (protocol.QUERY_SECAGG_CHECK, 3),  # dropped after masking: its self-mask is rebuilt
+    ],
+)
+def test_a_site_dropping_before_or_after_masking_is_unmasked_on_disk_as_in_memory(
+    small_run, tmp_path, seeded_sites, kind, sites_ok
+):
+    cfg = small_run.replace(strategy="diloco", rounds=1, secagg=True)
+    drop = (FIRST_NODE_ID + 1, kind)
+    in_memory = _run(cfg.replace(run_dir=str(tmp_path / "memory")), drop=drop)
+    on_disk = _run(cfg.replace(run_dir=str(tmp_path / "disk")), 0, drop)
+    assert on_disk.history[1]["sites_ok"] == sites_ok
+    _same_bits(on_disk, in_memory, tmp_path / "disk")
+
+
+def test_a_subnetwork_strategys_secure_sums_on_disk_are_refused_before_any_round(tmp_path):
+    cfg = TIERED_RUN.replace(
+        strategy="heterofl",
+        rounds=1,
+        secagg=True,
+        layer_score="magnitude",
+        head_score="magnitude",
+        run_dir=str(tmp_path),
+    )
+    with pytest.raises(RoundFailed, match="resident-model-mb.*per-coordinate sums in memory"):
+        _run(cfg, resident_model_bytes=0)
+    assert load_checkpoint(tmp_path) is None
+
+
+def _stored(tmp_path: Path, node: int, vector: np.ndarray) -> StoredArray:
+    """`vector` as the coordinator holds a large upload: 1 MiB chunks in the site's upload packs."""
+    uploads = BlobStore(tmp_path / "blobs").uploads(node)
+    raw = vector.view(np.uint8)
+    pieces = [
+        raw[start : start + CHUNK_BYTES].tobytes() for start in range(0, raw.size, CHUNK_BYTES)
+    ]
+    digests = [UPLOADED.digest(piece) for piece in pieces]
+    uploads.put_stream(zip(digests, pieces, strict=True))
+    return StoredArray(uploads, digests, "uint32", vector.shape)
+
+
+def test_the_coordinator_sums_and_decodes_a_32_mb_update_in_a_window_of_a_few_mb(tmp_path):
+    """Three sites' masked vectors of 8M words (a 32 MB float32 model), stored as uploads are: the coordinator's
+    peak of traced allocations while it sums, unmasks and decodes them is a few 1 MiB windows, and the
+    mean is the in-memory decode's, within the quantisation bound of the plain mean."""
+    nodes, params, size = [1, 2, 3], SecAggParams(), 8 << 20
+    shapes = {"w": (2048, 4095), "b": (size - 2048 * 4095,)}
+    model = ArrayRecord(
+        {name: Array(np.zeros(shape, np.float32)) for name, shape in shapes.items()}
+    )
+    rng = np.random.default_rng(0)
+    deltas = {node: rng.normal(0, 0.01, size) for node in nodes}
+    weights = {1: 20, 2: 300, 3: 45}
+    sites = sessions(nodes, params)
+    files = RoundFiles(tmp_path, 1)
+    with sum_file(files, 1 + size) as total:
+        server = ServerSession.start(1, nodes, params, 1 + size, total)
+        for node, site in sites.items():
+            server.receive_keys(node, site.public_keys())
+        for node, site in sites.items():
+            server.receive_shares(node, site.share_keys(server.keys_for(node)))
+        stored = {}
+        for node in nodes:
+            encoded = encode(deltas[node], weights[node], params, rng)
+            stored[node] = _stored(
+                tmp_path, node, sites[node].mask(encoded, server.shares_for(node))
+            )
+        del encoded
+        tracemalloc.start()
+        for node in nodes:
+            server.receive_masked(node, words_of(stored[node]))
+        checked(server, sites)
+        survivors, signatures = server.unmask_request()
+        for node in signatures:
+            server.receive_unmask(node, sites[node].unmask(survivors, signatures))
+        unmasked, count = server.unmasked()
+        mean, weight = decode_mean(unmasked, count, params, model, list(shapes), files)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        # a few windows (the sum's, a mask's, the decode's float64), not one of the 32 MB vectors
+        assert peak < 8 * 4 * WINDOW_WORDS <= 4 * size / 4, f"{peak / 2**20:.1f} MiB at the peak"
+        whole = unmasked.read(0, 1 + size)
+    summed_weights, weighted = decode_sum(whole, count, params, per_coordinate=False)
+    assert weight == summed_weights[0] == sum(weights.values())
+    flat = np.concatenate([mean[name].numpy().ravel() for name in shapes])
+    np.testing.assert_array_equal(flat, (weighted / summed_weights[0]).astype(np.float32))
+    plain = sum(weights[node] * deltas[node] for node in nodes) / weight
+    assert np.abs(flat - plain).max() <= quantisation_bound(3, params) / weight + 1e-7
+    assert [path.name.split("-")[2] for path in tmp_path.glob("round-*")] == ["secured"]
