@@ -64,3 +64,18 @@ def test_hydra_sites_sum_their_slices_securely_over_the_wire(tmp_path):
     assert (
         _difference(deployed, plain) <= 0.7 * quantisation_bound(3, SecAggParams()) / 10
     )  # Hydra's outer_lr 0.7
+
+
+@pytest.mark.slow
+def test_a_coordinator_keeping_the_model_on_disk_sums_the_stored_uploads_securely(tmp_path):
+    """`--resident-model-mb 0`: every masked upload stays in the blob store and is added to the masked sum's file
+    a chunk at a time, and the mean is decoded into a file; the model is the plain run's within the bound."""
+    store, run_id = run_to_end(tmp_path, RUN, [()] * 3, server_options=("--resident-model-mb", "0"))
+    run = store.run(run_id)
+    assert run.status == "finished", run.detail
+    assert run.history[1]["sites_ok"] == 3
+    folder = tmp_path / "home" / "runs" / str(run_id)
+    deployed = load_checkpoint(folder).arrays
+    assert 0 < _difference(deployed, _plain(RUN)) <= quantisation_bound(3, SecAggParams()) / 30
+    kinds = sorted(path.name.split("-")[2] for path in folder.glob("round-*-*-*.safetensors"))
+    assert kinds == ["model"]  # kept on disk; the masked sum and the decoded mean are gone

@@ -16,7 +16,7 @@ from secagg_rounds import checked, sessions
 
 from hydrafl import protocol
 from hydrafl.client import site_app
-from hydrafl.proto.envelope import CHUNK_BYTES, UPLOADED
+from hydrafl.proto.envelope import CHUNK_BYTES, UPLOADED, EnvelopeError
 from hydrafl.secagg import SecAggParams, ServerSession, decode_sum, encode, quantisation_bound
 from hydrafl.secagg.field_sum import WINDOW_WORDS
 from hydrafl.server import server_app
@@ -187,3 +187,15 @@ def test_the_coordinator_sums_and_decodes_a_32_mb_update_in_a_window_of_a_few_mb
     plain = sum(weights[node] * deltas[node] for node in nodes) / weight
     assert np.abs(flat - plain).max() <= quantisation_bound(3, params) / weight + 1e-7
     assert [path.name.split("-")[2] for path in tmp_path.glob("round-*")] == ["secured"]
+
+
+def test_a_stored_upload_reads_any_window_from_the_chunks_that_hold_it(tmp_path):
+    vector = np.random.default_rng(2).integers(0, 2**32, 3 * CHUNK_BYTES // 4 + 5, np.uint32)
+    stored, raw = _stored(tmp_path, 1, vector), vector.tobytes()
+    windows = [(0, len(raw)), (5, 0), (CHUNK_BYTES - 3, 10), (CHUNK_BYTES, CHUNK_BYTES)]
+    for start, count in [*windows, (len(raw) - 7, 7), (1, 2 * CHUNK_BYTES + 3)]:
+        assert stored.read_bytes(start, count) == raw[start : start + count]
+    with pytest.raises(EnvelopeError, match="outside"):
+        stored.read_bytes(len(raw) - 1, 2)
+    across = CHUNK_BYTES // 4 - 1  # a window of words across two chunks
+    np.testing.assert_array_equal(words_of(stored)(across, 3), vector[across : across + 3])
