@@ -286,7 +286,7 @@ class RoundDriver:
                 # order the sites answered in
                 stored = sorted(_timed(replies, waited), key=_node)
                 new_arrays, metrics = self.adapter.aggregate_by_tensor(
-                    server_round, stored, arrays, files
+                    server_round, stored, arrays, files, summed=summed
                 )
             else:
                 new_arrays, metrics = self.adapter.aggregate_train(
@@ -325,13 +325,9 @@ class RoundDriver:
 
     def _on_disk_refusal(self, arrays: ArrayRecord) -> str:
         """Why this run cannot keep its model on disk ("" when it can)."""
-        if self.config.secagg is not None and isinstance(self.strategy, hooks.TakesSecureSums):
-            return (
-                "secure aggregation decodes a subnetwork strategy's per-coordinate sums in memory"
-            )
         if self.config.screening.enabled or self.config.diagnostics:
             return "screening and diagnostics compare whole replies in memory"
-        return self.adapter.by_tensor_refusal(arrays)
+        return self.adapter.by_tensor_refusal(arrays, summed=self.config.secagg is not None)
 
     def _resume(self) -> Checkpoint | None:
         """The checkpoint to go on from (its configuration checked), the strategy's state restored from it."""

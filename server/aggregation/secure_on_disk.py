@@ -27,7 +27,9 @@ MASKED = "masked"
 """The round files' kind of the masked sum (`round-NNNNN-masked-*.safetensors`, removed when the round is
 decoded; one a crash leaves is swept at the next checkpoint)."""
 MEAN = "secured"
-"""The round files' kind of the decoded mean update the strategy steps on."""
+"""The round files' kind of the decoded mean update (or per-coordinate sums) the strategy steps on."""
+WEIGHTS = "secweights"
+"""The round files' kind of the decoded per-coordinate weight sums a subnetwork strategy steps on."""
 
 
 @contextmanager
@@ -63,10 +65,10 @@ def decode_mean(
     arrays: ArrayRecord,
     names: Sequence[str],
     files: RoundFiles,
-) -> tuple[ArrayRecord, int]:
-    """(the survivors' weighted mean update, in `arrays`' dtypes and shapes, in a tensor file of the round's
-    folder; their total weight) from the unmasked sum of vectors laid out [weight, quantised update]. SecAggError
-    when the weights sum to 0 (nothing to divide by)."""
+) -> tuple[dict[str, ArrayRecord], int]:
+    """({"arrays": the survivors' weighted mean update, in `arrays`' dtypes and shapes, in a tensor file of the
+    round's folder}; their total weight) from the unmasked sum of vectors laid out [weight, quantised update].
+    SecAggError when the weights sum to 0 (nothing to divide by)."""
     weight = unmasked.read(0, 1).astype(np.int64)[0]
     if not weight:
         raise SecAggError("the survivors' weights sum to 0; the round halts")
@@ -81,7 +83,44 @@ def decode_mean(
                 mean /= weight  # in place: the in-memory round's `weighted / weight`, bit for bit
                 writer.write_at(name, (start - offset) * itemsize, mean.astype(dtype))
             offset += size
-        return as_record(writer.close(durable=False)), int(weight)
+        return {"arrays": as_record(writer.close(durable=False))}, int(weight)
     except BaseException:
         writer.discard()
+        raise
+
+
+def decode_sums(
+    unmasked: Unmasked,
+    num_sites: int,
+    params: SecAggParams,
+    arrays: ArrayRecord,
+    names: Sequence[str],
+    files: RoundFiles,
+) -> tuple[dict[str, ArrayRecord], int]:
+    """({"sums": the survivors' per-coordinate weighted sums, "weights": their per-coordinate weight sums},
+    float32 in `arrays`' shapes, each in a tensor file of the round's folder; the largest weight) from the
+    unmasked sum of vectors laid out [a weight per coordinate, quantised update]: what a subnetwork strategy
+    steps on (`hooks.TakesSecureSums`). SecAggError when every weight is 0."""
+    layout = {name: ("float32", tuple(arrays[name].shape)) for name in names}
+    size = sum(math.prod(shape) for _, shape in layout.values())
+    sums, weights = files.writer(MEAN, layout), files.writer(WEIGHTS, layout)
+    largest = 0
+    try:
+        offset = 0
+        for name, (_, shape) in layout.items():
+            for start, count in windows(offset, offset + math.prod(shape)):
+                weight = unmasked.read(start, count).astype(np.int64)
+                largest = max(largest, int(weight.max()))
+                at = (start - offset) * 4
+                weights.write_at(name, at, weight.astype(np.float64).astype(np.float32))
+                summed = decode_values(unmasked.read(size + start, count), num_sites, params)
+                sums.write_at(name, at, summed.astype(np.float32))
+            offset += math.prod(shape)
+        if not largest:
+            raise SecAggError("the survivors' weights sum to 0; the round halts")
+        records = {"sums": sums.close(durable=False), "weights": weights.close(durable=False)}
+        return {key: as_record(tensors) for key, tensors in records.items()}, largest
+    except BaseException:
+        sums.discard()
+        weights.discard()
         raise

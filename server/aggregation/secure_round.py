@@ -50,7 +50,7 @@ from hydrafl.secagg.field_sum import FieldSum
 from hydrafl.secagg.noise import DistributedNoise
 from hydrafl.secagg.quantize import METRIC_SLOTS
 from hydrafl.secagg.server import Unmasked
-from hydrafl.server.aggregation.secure_on_disk import decode_mean, sum_file, words_of
+from hydrafl.server.aggregation.secure_on_disk import decode_mean, decode_sums, sum_file, words_of
 from hydrafl.strategies.by_tensor import RoundFiles
 from hydrafl.strategies.hooks import TakesSecureSums
 from hydrafl.updates import InvalidUpdate, records
@@ -182,22 +182,19 @@ class SecureRound:
         length: int,
         files: RoundFiles,
     ) -> Message:
-        """`_train` with the masked sum in a file and the mean update decoded into another, a window at a
-        time (`secure_on_disk`); a subnetwork's per-coordinate sums are not (the driver refuses them first)."""
-        if layout.per_coordinate:
-            raise SecAggError(
-                "a subnetwork's secure per-coordinate sums are decoded in memory only"
-            )
+        """`_train` with the masked sum in a file and the mean update (a subnetwork's per-coordinate sums)
+        decoded into files, a window at a time (`secure_on_disk`)."""
         with sum_file(files, length + METRIC_SLOTS * len(layout.metrics)) as total:
             unmasked, count, means = self._protocol(
                 server_round, messages, layout, length, "train", arrays, total
             )
             started = time.perf_counter()
-            mean, weight = decode_mean(
+            decode = decode_sums if layout.per_coordinate else decode_mean
+            content, weight = decode(
                 unmasked, count, layout.scaled(self.params), arrays, layout.names, files
             )
             self.seconds += time.perf_counter() - started
-        return _summed_reply(messages[0], {"arrays": mean}, weight, self.weighted_by_key, means)
+        return _summed_reply(messages[0], content, weight, self.weighted_by_key, means)
 
     def _protocol(
         self,

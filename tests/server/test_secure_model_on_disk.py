@@ -75,22 +75,40 @@ def _same_bits(on_disk, in_memory, folder: Path) -> None:
     assert kinds <= {"model", "momentum"}  # the masked sums and decoded means are gone
 
 
+SUBNET = {"layer_score": "magnitude", "head_score": "magnitude"}
+"""A secure run's subnetwork plan comes from the weights (no site's scores in the clear)."""
+
+
 @pytest.mark.parametrize(
-    "strategy, knobs",
-    [("diloco", {"outer_lr": 0.7, "outer_momentum": 0.9}), ("fedavg", {})],
+    "tiered, strategy, knobs",
+    [
+        (False, "diloco", {"outer_lr": 0.7, "outer_momentum": 0.9}),
+        (False, "fedavg", {}),
+        (True, "hydra", {"outer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9, **SUBNET}),
+        (True, "heterofl", SUBNET),
+    ],
 )
 def test_a_secure_round_on_disk_ends_with_the_bits_of_the_in_memory_secure_round(
-    small_run, tmp_path, seeded_sites, monkeypatch, strategy, knobs
+    small_run, tmp_path, seeded_sites, monkeypatch, tiered, strategy, knobs
 ):
+    """The mean update (the FedAvg family, DiLoCo) or the per-coordinate sums and weights (Hydra and the width
+    baselines) decoded into files, stepped on tensor by tensor: two rounds, the second on momentum read back."""
     decoded = []
-    monkeypatch.setattr(
-        secure_round, "decode_mean", lambda *args: decoded.append(1) or decode_mean(*args)
-    )
-    cfg = small_run.replace(strategy=strategy, rounds=2, secagg=True, **knobs)
+    for decode in ("decode_mean", "decode_sums"):
+        original = getattr(secure_round, decode)
+        monkeypatch.setattr(
+            secure_round,
+            decode,
+            lambda *args, original=original, decode=decode: (
+                decoded.append(decode) or original(*args)
+            ),
+        )
+    base = TIERED_RUN.replace(run_dir=small_run.run_dir) if tiered else small_run
+    cfg = base.replace(strategy=strategy, rounds=2, secagg=True, **knobs)
     in_memory = _run(cfg.replace(run_dir=str(tmp_path / "memory")))
     assert not decoded
     on_disk = _run(cfg.replace(run_dir=str(tmp_path / "disk")), resident_model_bytes=0)
-    assert len(decoded) == 2  # each round's mean was decoded into a file
+    assert decoded == ["decode_sums" if tiered else "decode_mean"] * 2  # each round's, into files
     _same_bits(on_disk, in_memory, tmp_path / "disk")
     assert [r["sites_ok"] for r in on_disk.history[1:]] == [3, 3]
 
@@ -113,16 +131,13 @@ def test_a_site_dropping_before_or_after_masking_is_unmasked_on_disk_as_in_memor
     _same_bits(on_disk, in_memory, tmp_path / "disk")
 
 
-def test_a_subnetwork_strategys_secure_sums_on_disk_are_refused_before_any_round(tmp_path):
+def test_secure_sums_a_strategy_steps_on_only_in_memory_are_refused_before_any_round(tmp_path):
     cfg = TIERED_RUN.replace(
-        strategy="heterofl",
-        rounds=1,
-        secagg=True,
-        layer_score="magnitude",
-        head_score="magnitude",
-        run_dir=str(tmp_path),
+        strategy="fedit", rounds=1, secagg=True, lora_rank=8, run_dir=str(tmp_path), **SUBNET
     )
-    with pytest.raises(RoundFailed, match="resident-model-mb.*per-coordinate sums in memory"):
+    with pytest.raises(
+        RoundFailed, match="resident-model-mb.*FedIT's per-coordinate sums in memory"
+    ):
         _run(cfg, resident_model_bytes=0)
     assert load_checkpoint(tmp_path) is None
 
@@ -174,7 +189,7 @@ def test_the_coordinator_sums_and_decodes_a_32_mb_update_in_a_window_of_a_few_mb
         for node in signatures:
             server.receive_unmask(node, sites[node].unmask(survivors, signatures))
         unmasked, count = server.unmasked()
-        mean, weight = decode_mean(unmasked, count, params, model, list(shapes), files)
+        content, weight = decode_mean(unmasked, count, params, model, list(shapes), files)
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         # a few windows (the sum's, a mask's, the decode's float64), not one of the 32 MB vectors
@@ -182,7 +197,7 @@ def test_the_coordinator_sums_and_decodes_a_32_mb_update_in_a_window_of_a_few_mb
         whole = unmasked.read(0, 1 + size)
     summed_weights, weighted = decode_sum(whole, count, params, per_coordinate=False)
     assert weight == summed_weights[0] == sum(weights.values())
-    flat = np.concatenate([mean[name].numpy().ravel() for name in shapes])
+    flat = np.concatenate([content["arrays"][name].numpy().ravel() for name in shapes])
     np.testing.assert_array_equal(flat, (weighted / summed_weights[0]).astype(np.float32))
     plain = sum(weights[node] * deltas[node] for node in nodes) / weight
     assert np.abs(flat - plain).max() <= quantisation_bound(3, params) / weight + 1e-7
