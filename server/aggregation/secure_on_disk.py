@@ -109,10 +109,12 @@ def decode_sums(
         offset = 0
         for name, (_, shape) in layout.items():
             for start, count in windows(offset, offset + math.prod(shape)):
-                weight = unmasked.read(start, count).astype(np.int64)
+                weight = unmasked.read(start, count)
                 largest = max(largest, int(weight.max()))
                 at = (start - offset) * 4
-                weights.write_at(name, at, weight.astype(np.float64).astype(np.float32))
+                # uint32 to float32 rounds once, as the in-memory round's exact float64 then float32 does
+                weights.write_at(name, at, weight.astype(np.float32))
+                del weight
                 summed = decode_values(unmasked.read(size + start, count), num_sites, params)
                 sums.write_at(name, at, summed.astype(np.float32))
             offset += math.prod(shape)

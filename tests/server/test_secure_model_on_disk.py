@@ -23,7 +23,7 @@ from hydrafl.server import server_app
 from hydrafl.server.aggregation import secure_round
 from hydrafl.server.aggregation.checkpoint import load_checkpoint
 from hydrafl.server.aggregation.driver import RoundFailed
-from hydrafl.server.aggregation.secure_on_disk import decode_mean, sum_file, words_of
+from hydrafl.server.aggregation.secure_on_disk import decode_mean, decode_sums, sum_file, words_of
 from hydrafl.server.blobs import BlobStore
 from hydrafl.server.transport.stored_replies import StoredArray
 from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid, _unavailable, _wire_copy
@@ -84,6 +84,7 @@ SUBNET = {"layer_score": "magnitude", "head_score": "magnitude"}
     [
         (False, "diloco", {"outer_lr": 0.7, "outer_momentum": 0.9}),
         (False, "fedavg", {}),
+        (False, "diloco", {"dp_clip": 0.05, "dp_noise_multiplier": 0.8}),  # distributed DP
         (True, "hydra", {"outer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9, **SUBNET}),
         (True, "heterofl", SUBNET),
     ],
@@ -91,8 +92,9 @@ SUBNET = {"layer_score": "magnitude", "head_score": "magnitude"}
 def test_a_secure_round_on_disk_ends_with_the_bits_of_the_in_memory_secure_round(
     small_run, tmp_path, seeded_sites, monkeypatch, tiered, strategy, knobs
 ):
-    """The mean update (the FedAvg family, DiLoCo) or the per-coordinate sums and weights (Hydra and the width
-    baselines) decoded into files, stepped on tensor by tensor: two rounds, the second on momentum read back."""
+    """The mean update (the FedAvg family, DiLoCo; with the sites' distributed-DP noise too) or the
+    per-coordinate sums and weights (Hydra and the width baselines) decoded into files, stepped on tensor by
+    tensor: two rounds, the second on momentum read back."""
     decoded = []
     for decode in ("decode_mean", "decode_sums"):
         original = getattr(secure_round, decode)
@@ -154,29 +156,37 @@ def _stored(tmp_path: Path, node: int, vector: np.ndarray) -> StoredArray:
     return StoredArray(uploads, digests, "uint32", vector.shape)
 
 
-def test_the_coordinator_sums_and_decodes_a_32_mb_update_in_a_window_of_a_few_mb(tmp_path):
-    """Three sites' masked vectors of 8M words (a 32 MB float32 model), stored as uploads are: the coordinator's
-    peak of traced allocations while it sums, unmasks and decodes them is a few 1 MiB windows, and the
-    mean is the in-memory decode's, within the quantisation bound of the plain mean."""
-    nodes, params, size = [1, 2, 3], SecAggParams(), 8 << 20
-    shapes = {"w": (2048, 4095), "b": (size - 2048 * 4095,)}
+@pytest.mark.parametrize("per_coordinate", [False, True])
+def test_the_coordinator_sums_and_decodes_a_32_mb_update_in_a_window_of_a_few_mb(
+    tmp_path, per_coordinate
+):
+    """Three sites' masked vectors of 8M words (a 32 MB float32 update; a subnetwork's: 4M weights, 4M values),
+    stored as uploads are: the coordinator's peak of traced allocations while it sums, unmasks and decodes them
+    is a few 1 MiB windows, and the decoded mean (sums and weights) is the in-memory decode's, within the
+    quantisation bound of the plain one."""
+    nodes, params = [1, 2, 3], SecAggParams()
+    size = (4 if per_coordinate else 8) << 20
+    length = 2 * size if per_coordinate else 1 + size
+    shapes = {"w": (1024, 4095), "b": (size - 1024 * 4095,)}
     model = ArrayRecord(
         {name: Array(np.zeros(shape, np.float32)) for name, shape in shapes.items()}
     )
     rng = np.random.default_rng(0)
     deltas = {node: rng.normal(0, 0.01, size) for node in nodes}
     weights = {1: 20, 2: 300, 3: 45}
+    covered = {node: np.arange(size) % node == 0 for node in nodes}  # a subnetwork's coordinates
     sites = sessions(nodes, params)
     files = RoundFiles(tmp_path, 1)
-    with sum_file(files, 1 + size) as total:
-        server = ServerSession.start(1, nodes, params, 1 + size, total)
+    with sum_file(files, length) as total:
+        server = ServerSession.start(1, nodes, params, length, total)
         for node, site in sites.items():
             server.receive_keys(node, site.public_keys())
         for node, site in sites.items():
             server.receive_shares(node, site.share_keys(server.keys_for(node)))
         stored = {}
         for node in nodes:
-            encoded = encode(deltas[node], weights[node], params, rng)
+            weight = covered[node] * weights[node] if per_coordinate else weights[node]
+            encoded = encode(deltas[node] * covered[node], weight, params, rng)
             stored[node] = _stored(
                 tmp_path, node, sites[node].mask(encoded, server.shares_for(node))
             )
@@ -189,19 +199,33 @@ def test_the_coordinator_sums_and_decodes_a_32_mb_update_in_a_window_of_a_few_mb
         for node in signatures:
             server.receive_unmask(node, sites[node].unmask(survivors, signatures))
         unmasked, count = server.unmasked()
-        content, weight = decode_mean(unmasked, count, params, model, list(shapes), files)
+        decode = decode_sums if per_coordinate else decode_mean
+        content, largest = decode(unmasked, count, params, model, list(shapes), files)
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         # a few windows (the sum's, a mask's, the decode's float64), not one of the 32 MB vectors
-        assert peak < 8 * 4 * WINDOW_WORDS <= 4 * size / 4, f"{peak / 2**20:.1f} MiB at the peak"
-        whole = unmasked.read(0, 1 + size)
-    summed_weights, weighted = decode_sum(whole, count, params, per_coordinate=False)
-    assert weight == summed_weights[0] == sum(weights.values())
-    flat = np.concatenate([content["arrays"][name].numpy().ravel() for name in shapes])
-    np.testing.assert_array_equal(flat, (weighted / summed_weights[0]).astype(np.float32))
-    plain = sum(weights[node] * deltas[node] for node in nodes) / weight
-    assert np.abs(flat - plain).max() <= quantisation_bound(3, params) / weight + 1e-7
-    assert [path.name.split("-")[2] for path in tmp_path.glob("round-*")] == ["secured"]
+        assert peak < 8 * 4 * WINDOW_WORDS <= 4 * length / 4, f"{peak / 2**20:.1f} MiB at the peak"
+        whole = unmasked.read(0, length)
+    summed_weights, weighted = decode_sum(whole, count, params, per_coordinate=per_coordinate)
+    flat = {
+        key: np.concatenate([record[name].numpy().ravel() for name in shapes])
+        for key, record in content.items()
+    }
+    plain = sum(weights[node] * deltas[node] * covered[node] for node in nodes)
+    bound = quantisation_bound(3, params)
+    if per_coordinate:
+        assert largest == sum(weights.values()) == summed_weights.max()  # node 1 covers all
+        np.testing.assert_array_equal(flat["weights"], summed_weights.astype(np.float32))
+        np.testing.assert_array_equal(flat["sums"], weighted.astype(np.float32))
+        assert np.abs(flat["sums"] - plain).max() <= bound + 1e-6
+    else:
+        assert largest == summed_weights[0] == sum(weights.values())
+        np.testing.assert_array_equal(
+            flat["arrays"], (weighted / summed_weights[0]).astype(np.float32)
+        )
+        assert np.abs(flat["arrays"] - plain / largest).max() <= bound / largest + 1e-7
+    kinds = sorted(path.name.split("-")[2] for path in tmp_path.glob("round-*"))
+    assert kinds == (["secured", "secweights"] if per_coordinate else ["secured"])
 
 
 def test_a_stored_upload_reads_any_window_from_the_chunks_that_hold_it(tmp_path):
