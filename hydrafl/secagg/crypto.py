@@ -91,3 +91,19 @@ def mask_range(seed: bytes, offset: int, count: int) -> np.ndarray:
     encryptor = Cipher(algorithms.ChaCha20(seed, nonce), mode=None).encryptor()
     stream = encryptor.update(bytes(4 * (skip + count)))
     return np.frombuffer(stream, dtype="<u4", offset=4 * skip).astype(np.uint32, copy=False)
+
+
+Masks = list[tuple[bytes, bool]]
+"""Mask seeds, each with whether its mask is added to the vector (else subtracted)."""
+
+
+def apply_masks(
+    values: np.ndarray, offset: int, masks: Masks, *, remove: bool = False
+) -> np.ndarray:
+    """`values` (words [offset, offset + len) of a uint32 vector), changed in place and returned, with `masks`
+    applied to them (mod 2^32), or, `remove`, taken back out: a site masks, and the coordinator unmasks, a window
+    at a time as well as whole."""
+    for seed, added in masks:
+        words = mask_range(seed, offset, values.size)
+        (np.add if added != remove else np.subtract)(values, words, out=values)
+    return values

@@ -205,7 +205,7 @@ class ServerSession:
         """(the field sum of the survivors' encoded vectors, read a window at a time; how many survivors): every
         mask removed, each from a secret that matches what its owner signed."""
         self.unmask_request()
-        masks: list[tuple[bytes, bool]] = []
+        masks: crypto.Masks = []
         for node in self.survivors:
             signed = self.keys[node].commitment
             seed = self._rebuild(
@@ -275,15 +275,11 @@ class ServerSession:
 
 @dataclass(frozen=True)
 class Unmasked:
-    """The masked sum less `masks` (seed, whether it was added: else subtracted), read a window at a time."""
+    """The masked sum less `masks`, read a window at a time."""
 
     total: FieldSum
-    masks: list[tuple[bytes, bool]] = field(repr=False)
+    masks: crypto.Masks = field(repr=False)
 
     def read(self, offset: int, count: int) -> np.ndarray:
         """Words [offset, offset + count) of the unmasked sum."""
-        values = self.total.read(offset, count)
-        for seed, added in self.masks:
-            words = crypto.mask_range(seed, offset, count)
-            np.subtract(values, words, out=values) if added else np.add(values, words, out=values)
-        return values
+        return crypto.apply_masks(self.total.read(offset, count), offset, self.masks, remove=True)
