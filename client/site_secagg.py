@@ -8,12 +8,19 @@ issues): never anything the coordinator sent."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Iterator
+
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from hydrafl import protocol
+from hydrafl.client.exchange_folder import ExchangeFolder
+from hydrafl.client.masked_upload import encoded_windows, masked_vector
 from hydrafl.secagg import SecAggError, SiteIdentity, SiteSession, encode, encode_metrics, wire
 from hydrafl.secagg.noise import DistributedNoise
+from hydrafl.secagg.quantize import METRIC_SLOTS
+from hydrafl.tensor_files import as_record
 from hydrafl.updates import records
 
 STATE_KEY = "secagg"
@@ -72,12 +79,20 @@ def take_record(message: Message) -> ConfigRecord:
 
 
 def masked_reply(
-    message: Message, reply: Message, context: Context, routed: ConfigRecord, *, honest: bool = True
+    message: Message,
+    reply: Message,
+    context: Context,
+    routed: ConfigRecord,
+    *,
+    honest: bool = True,
+    exchange: ExchangeFolder | None = None,
 ) -> Message:
     """`reply` (the policy's) as the one masked vector that leaves the site: a train reply's delta (clipped to
     the run's honest-site bound, if any) and weight, then the metrics the round sums (`Layout.metrics`); an
     evaluate reply's weight and metrics only. Nothing else of the reply leaves: no metric, count, data hash
-    or epsilon in the clear. `honest=False` plays a modified site that skips the bound (benchmarks, tests)."""
+    or epsilon in the clear. `honest=False` plays a modified site that skips the bound (benchmarks, tests).
+    A whole update's vector is made a window at a time (`masked_upload`), and goes into a file of `exchange`
+    when larger than its memory bound."""
     if reply.has_error():
         return reply
     session = _load(context)
@@ -91,9 +106,11 @@ def masked_reply(
     [metrics] = records(reply.content, MetricRecord)
     weight = metrics[layout.weight_key]
     params, rng = layout.scaled(session.params), np.random.default_rng()
+    pieces: Iterable[np.ndarray] = ()
     if kind == "evaluate":
         weight = _weight(weight, layout.count_once)
-        encoded = encode(np.zeros(0), weight, params, rng)
+        pieces = [encode(np.zeros(0), weight, params, rng)]
+        length = 1
     else:
         if distributed and not layout.count_once:
             raise SecAggError(
@@ -112,27 +129,41 @@ def masked_reply(
                 raise SecAggError(
                     "the update's arrays differ from the model the round sent: it cannot be summed securely"
                 )
-            flat = np.concatenate(
-                [delta[name].numpy().astype(np.float64).ravel() for name in layout.names]
-            )
-            weights = _weight(weight, layout.count_once)
-        if honest and session.params.site_clip:
-            flat = clip_norm(flat, session.params.site_clip)
-        if (
-            distributed
-        ):  # the site's own clip and noise share: the coordinator only sees a noised sum
-            encoded = DistributedNoise.of(params, flat.size, len(participants)).encode(
-                flat, params, rng, weights
-            )
-        else:
-            encoded = encode(flat, weights, params, rng)
+            length = 1 + sum(math.prod(delta[name].shape) for name in layout.names)
+            if not distributed:  # a window at a time: no float64 copy of the whole update
+                bound = session.params.site_clip if honest else None
+                one = _weight(weight, layout.count_once)
+                pieces = encoded_windows(delta, layout.names, one, params, rng, bound)
+            else:
+                weights = _weight(weight, layout.count_once)
+                flat = np.concatenate(
+                    [delta[name].numpy().astype(np.float64).ravel() for name in layout.names]
+                )
+        if not pieces:
+            if honest and session.params.site_clip:
+                flat = clip_norm(flat, session.params.site_clip)
+            if distributed:
+                # the site's own clip and noise share: the coordinator sees a noised sum
+                noise = DistributedNoise.of(params, flat.size, len(participants))
+                pieces = [noise.encode(flat, params, rng, weights)]
+            else:
+                pieces = [encode(flat, weights, params, rng)]
+            length = pieces[0].size
         weight = _weight(weight, layout.count_once or distributed)
     values = [_metric_value(metrics, name) for name, _ in layout.metrics]
-    slots = encode_metrics(values, weight, [r for _, r in layout.metrics], params, rng)
-    masked = session.mask(np.concatenate([encoded, slots]), wire.parse_sealed(routed))
+    ranges = [r for _, r in layout.metrics]
+
+    def with_slots() -> Iterator[np.ndarray]:
+        """The pieces, then the metric slots: their draws after the update's, as in one encode."""
+        yield from pieces
+        yield encode_metrics(values, weight, ranges, params, rng)
+
+    masks = session.masks(wire.parse_sealed(routed))
+    length += METRIC_SLOTS * len(layout.metrics)
+    masked = masked_vector(with_slots(), length, masks, exchange)
     _save(context, session)
     return Message(
-        RecordDict({"arrays": ArrayRecord({protocol.SECAGG_MASKED: Array(masked)})}),
+        RecordDict({"arrays": as_record({protocol.SECAGG_MASKED: masked})}),
         reply_to=message,
     )
 

@@ -31,6 +31,11 @@ def encode(
         )
     if not np.all(np.isfinite(delta)):
         raise SecAggError("the update has NaN or infinite values")
+    check_weights(weights, params)
+    return np.concatenate([weights.astype(np.uint32), quantise(delta, weights, params, rng)])
+
+
+def check_weights(weights: np.ndarray, params: SecAggParams) -> None:
     if (
         np.any(weights < 0)
         or np.any(weights > params.max_weight)
@@ -40,6 +45,14 @@ def encode(
             f"weights must be integers in [0, max_weight={params.max_weight}] (the run's secagg-max-weight), "
             f"got up to {weights.max():g}"
         )
+
+
+def quantise(
+    delta: np.ndarray, weights: np.ndarray, params: SecAggParams, rng: np.random.Generator
+) -> np.ndarray:
+    """The quantised part of `encode` of (a window of) a finite float64 update, its weights checked: coordinate
+    by coordinate, and `rng` drawn once per coordinate in order, so an update encoded a window at a time gives
+    the values of one call."""
     scale = params.quantization_range / (2 * params.clipping_range)
     scaled = (
         np.clip(
@@ -50,7 +63,7 @@ def encode(
     scaled += params.quantization_range / 2
     floor = np.floor(scaled)
     quantised = floor + (rng.random(scaled.shape) < scaled - floor)
-    return np.concatenate([weights.astype(np.uint32), quantised.astype(np.uint32)])
+    return quantised.astype(np.uint32)
 
 
 def decode_sum(

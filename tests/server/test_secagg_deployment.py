@@ -69,8 +69,14 @@ def test_hydra_sites_sum_their_slices_securely_over_the_wire(tmp_path):
 @pytest.mark.slow
 def test_a_coordinator_keeping_the_model_on_disk_sums_the_stored_uploads_securely(tmp_path):
     """`--resident-model-mb 0`: every masked upload stays in the blob store and is added to the masked sum's file
-    a chunk at a time, and the mean is decoded into a file; the model is the plain run's within the bound."""
-    store, run_id = run_to_end(tmp_path, RUN, [()] * 3, server_options=("--resident-model-mb", "0"))
+    a chunk at a time, and the mean is decoded into a file; the sites (`--exchange-memory-mb 0`) mask into a
+    file of their exchange folder and upload from it. The model is the plain run's within the bound."""
+    store, run_id = run_to_end(
+        tmp_path,
+        RUN,
+        [("--exchange-memory-mb", "0")] * 3,
+        server_options=("--resident-model-mb", "0"),
+    )
     run = store.run(run_id)
     assert run.status == "finished", run.detail
     assert run.history[1]["sites_ok"] == 3

@@ -1,0 +1,108 @@
+"""A site's masked vector made a window at a time (`masked_upload`): the same encoded values as one `encode` of
+the whole update, the same masked vector as `SiteSession.mask`, written into an upload file of the exchange
+folder when larger than its memory bound (removed after the push), and a window of memory either way."""
+
+from __future__ import annotations
+
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord
+from helpers import make_reply
+from secagg_rounds import started
+
+from hydrafl import protocol
+from hydrafl.client.exchange_folder import ExchangeFolder
+from hydrafl.client.masked_upload import encoded_windows, masked_vector
+from hydrafl.client.site_secagg import clip_norm
+from hydrafl.secagg import SecAggError, SecAggParams, crypto, encode
+from hydrafl.secagg.field_sum import WINDOW_WORDS
+from hydrafl.tensor_files import MappedArray, as_record
+
+PARAMS = SecAggParams()
+
+
+def _update(seed: int, shapes: dict[str, tuple[int, ...]]) -> ArrayRecord:
+    rng = np.random.default_rng(seed)
+    return ArrayRecord(
+        {
+            name: Array(rng.normal(0, 0.01, shape).astype(np.float32))
+            for name, shape in shapes.items()
+        }
+    )
+
+
+def _flat(delta: ArrayRecord) -> np.ndarray:
+    return np.concatenate([delta[name].numpy().astype(np.float64).ravel() for name in delta])
+
+
+SHAPES = {"w": (700, 1000), "b": (123,), "h": (3, WINDOW_WORDS // 3 + 7)}
+"""Arrays across window boundaries, one shorter than a window."""
+
+
+def test_an_update_encoded_a_window_at_a_time_is_the_one_encode_of_the_whole():
+    delta = _update(0, SHAPES)
+    pieces = list(encoded_windows(delta, list(SHAPES), 37, PARAMS, np.random.default_rng(5), None))
+    assert len(pieces) > 3 and pieces[0].tolist() == [37]
+    whole = encode(_flat(delta), 37, PARAMS, np.random.default_rng(5))
+    np.testing.assert_array_equal(np.concatenate(pieces), whole)
+    bound = float(np.linalg.norm(_flat(delta))) / 4  # the honest-site bound clips it
+    clipped = np.concatenate(
+        list(encoded_windows(delta, list(SHAPES), 37, PARAMS, np.random.default_rng(5), bound))
+    )
+    expected = encode(clip_norm(_flat(delta), bound), 37, PARAMS, np.random.default_rng(5))
+    difference = np.abs(clipped.astype(np.int64) - expected)  # the norm summed window by window
+    assert difference.max() <= 1 and (difference == 0).mean() > 0.999
+    assert not np.array_equal(clipped[1:], whole[1:])
+    delta["b"] = Array(np.full(123, np.nan, np.float32))
+    with pytest.raises(SecAggError, match="NaN"):
+        list(encoded_windows(delta, list(SHAPES), 37, PARAMS, np.random.default_rng(5), None))
+    with pytest.raises(SecAggError, match="max_weight"):
+        list(encoded_windows(delta, list(SHAPES), 10**6, PARAMS, np.random.default_rng(5), None))
+
+
+@pytest.mark.parametrize("memory_bytes", [1 << 30, 0])
+def test_a_masked_vector_made_a_window_at_a_time_is_the_whole_ones(tmp_path, memory_bytes):
+    """In memory (under the exchange's bound) or in an upload file of the exchange folder (over it, which the
+    push removes afterwards: `spill` names it), the encoded vector plus each mask of the whole vector."""
+    delta = _update(1, SHAPES)
+    length = 1 + sum(int(np.prod(shape)) for shape in SHAPES.values())
+    pieces = list(encoded_windows(delta, list(SHAPES), 5, PARAMS, np.random.default_rng(0), None))
+    server, sites = started([1, 2, 3], PARAMS, length)
+    masks = sites[1].masks(server.shares_for(1))
+    assert len(masks) == 3 and [added for _, added in masks] == [True, True, True]  # self, 2, 3
+    exchange = ExchangeFolder(memory_bytes, tmp_path)
+    masked = masked_vector(iter([piece.copy() for piece in pieces]), length, masks, exchange)
+    reference = np.concatenate(pieces)
+    for seed, _ in masks:
+        reference = reference + crypto.mask(seed, length)
+    np.testing.assert_array_equal(masked.numpy(), reference)
+    uploads = list(tmp_path.glob("upload-*.safetensors"))
+    if memory_bytes:
+        assert not isinstance(masked, MappedArray) and uploads == []
+        return
+    assert isinstance(masked, MappedArray) and uploads == [Path(masked.path)]
+    reply = make_reply({}, 1.0)
+    reply.content["arrays"] = as_record({protocol.SECAGG_MASKED: masked})
+    assert exchange.spill(reply) == uploads[0]  # the push removes it afterwards
+    with pytest.raises(SecAggError, match="longer than the round's"):
+        masked_vector(iter([*pieces, pieces[0]]), length, masks, exchange)
+    assert list(tmp_path.glob("upload-*.safetensors")) == uploads  # the failed one is gone
+
+
+def test_a_site_masks_a_32_mb_update_into_its_exchange_file_in_a_window_of_a_few_mb(tmp_path):
+    shapes = {"w": (2048, 4096)}  # 8M coordinates
+    delta = _update(2, shapes)
+    length = 1 + 2048 * 4096
+    server, sites = started([1, 2, 3], PARAMS, length)
+    masks = sites[1].masks(server.shares_for(1))
+    rng = np.random.default_rng(0)
+    tracemalloc.start()
+    pieces = encoded_windows(delta, list(shapes), 5, PARAMS, rng, 1.0)
+    masked = masked_vector(pieces, length, masks, ExchangeFolder(0, tmp_path))
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    # windows of quantising (float64) and masking, not the 32 MB vector (nor the 64 MB float64 update)
+    assert isinstance(masked, MappedArray) and peak < 4 * length / 8, f"{peak / 2**20:.1f} MiB"
