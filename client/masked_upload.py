@@ -21,6 +21,7 @@ from hydrafl.arrays import array_view
 from hydrafl.client.exchange_folder import ExchangeFolder
 from hydrafl.secagg import SecAggError, SecAggParams, crypto
 from hydrafl.secagg.field_sum import WINDOW_WORDS, windows
+from hydrafl.secagg.noise import DistributedNoise, skellam
 from hydrafl.secagg.quantize import check_weights, quantise
 from hydrafl.tensor_files import TensorFileWriter
 
@@ -36,23 +37,31 @@ def encoded_windows(
     params: SecAggParams,
     rng: np.random.Generator,
     bound: float | None,
+    noise: DistributedNoise | None = None,
 ) -> Iterator[np.ndarray]:
     """`quantize.encode` of the update `delta` (its arrays `names`, flattened in that order) with one `weight`,
     as consecutive uint32 pieces: the weight, then the quantised update a window at a time. `bound`: the update
-    is first scaled down to that L2 norm when above it (`site_secagg.clip_norm`), measured in a first pass."""
+    is first scaled down to that L2 norm when above it (`site_secagg.clip_norm`); `noise`: then clipped to its
+    norm C and given the site's Skellam share on every coordinate (`DistributedNoise.encode`, weight 1). Both
+    norms come from a first pass over the update."""
     weights = np.asarray([weight])
     check_weights(weights, params)
     factor = 1.0
-    if bound:
+    if bound or noise is not None:
         norm = math.sqrt(sum(float(np.dot(w, w)) for w in _float_windows(delta, names)))
         if not math.isfinite(norm):
             raise SecAggError("the update has NaN or infinite values")
-        factor = bound / norm if norm > bound else 1.0
+        factor = bound / norm if bound and norm > bound else 1.0
+        if noise is not None and norm * factor > noise.clip:
+            factor *= noise.clip / (norm * factor)
     yield weights.astype(np.uint32)
     for window in _float_windows(delta, names):
         if not np.all(np.isfinite(window)):
             raise SecAggError("the update has NaN or infinite values")
-        yield quantise(window * factor if factor != 1.0 else window, weights, params, rng)
+        piece = quantise(window * factor if factor != 1.0 else window, weights, params, rng)
+        if noise is not None:  # two's complement: mod 2^32
+            piece += skellam(rng, noise.site_variance(), piece.size).astype(np.uint32)
+        yield piece
 
 
 def masked_vector(

@@ -106,7 +106,7 @@ def masked_reply(
     [metrics] = records(reply.content, MetricRecord)
     weight = metrics[layout.weight_key]
     params, rng = layout.scaled(session.params), np.random.default_rng()
-    pieces: Iterable[np.ndarray] = ()
+    pieces: Iterable[np.ndarray]
     if kind == "evaluate":
         weight = _weight(weight, layout.count_once)
         pieces = [encode(np.zeros(0), weight, params, rng)]
@@ -117,10 +117,18 @@ def masked_reply(
                 "distributed DP needs every site to weigh 1, and this layout does not"
             )
         [delta] = [r for r in reply.content.values() if isinstance(r, ArrayRecord)]
-        if layout.per_coordinate:
+        if layout.per_coordinate:  # a subnetwork's full-shape vectors, expanded from its slices
             flat, weights = _expanded(
                 delta, wire.parse_slices(routed), layout, _weight(weight, layout.count_once)
             )
+            if honest and session.params.site_clip:
+                flat = clip_norm(flat, session.params.site_clip)
+            if distributed:
+                noise = DistributedNoise.of(params, flat.size, len(participants))
+                pieces = [noise.encode(flat, params, rng, weights)]
+            else:
+                pieces = [encode(flat, weights, params, rng)]
+            length = pieces[0].size
         else:
             sent = next(iter(message.content.array_records.values()))
             if list(delta) != layout.names or any(
@@ -129,26 +137,14 @@ def masked_reply(
                 raise SecAggError(
                     "the update's arrays differ from the model the round sent: it cannot be summed securely"
                 )
-            length = 1 + sum(math.prod(delta[name].shape) for name in layout.names)
-            if not distributed:  # a window at a time: no float64 copy of the whole update
-                bound = session.params.site_clip if honest else None
-                one = _weight(weight, layout.count_once)
-                pieces = encoded_windows(delta, layout.names, one, params, rng, bound)
-            else:
-                weights = _weight(weight, layout.count_once)
-                flat = np.concatenate(
-                    [delta[name].numpy().astype(np.float64).ravel() for name in layout.names]
-                )
-        if not pieces:
-            if honest and session.params.site_clip:
-                flat = clip_norm(flat, session.params.site_clip)
-            if distributed:
-                # the site's own clip and noise share: the coordinator sees a noised sum
-                noise = DistributedNoise.of(params, flat.size, len(participants))
-                pieces = [noise.encode(flat, params, rng, weights)]
-            else:
-                pieces = [encode(flat, weights, params, rng)]
-            length = pieces[0].size
+            size = sum(math.prod(delta[name].shape) for name in layout.names)
+            length = 1 + size
+            # a window at a time: no float64 copy of the whole update; with distributed DP, the site's own
+            # clip and noise share, so the coordinator sees a noised sum
+            dp = DistributedNoise.of(params, size, len(participants)) if distributed else None
+            bound = session.params.site_clip if honest else None
+            one = _weight(weight, layout.count_once)
+            pieces = encoded_windows(delta, layout.names, one, params, rng, bound, dp)
         weight = _weight(weight, layout.count_once or distributed)
     values = [_metric_value(metrics, name) for name, _ in layout.metrics]
     ranges = [r for _, r in layout.metrics]

@@ -5,6 +5,7 @@ folder when larger than its memory bound (removed after the push), and a window 
 from __future__ import annotations
 
 import tracemalloc
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from hydrafl.client.masked_upload import encoded_windows, masked_vector
 from hydrafl.client.site_secagg import clip_norm
 from hydrafl.secagg import SecAggError, SecAggParams, crypto, encode
 from hydrafl.secagg.field_sum import WINDOW_WORDS
+from hydrafl.secagg.noise import DistributedNoise
 from hydrafl.tensor_files import MappedArray, as_record
 
 PARAMS = SecAggParams()
@@ -106,3 +108,24 @@ def test_a_site_masks_a_32_mb_update_into_its_exchange_file_in_a_window_of_a_few
     tracemalloc.stop()
     # windows of quantising (float64) and masking, not the 32 MB vector (nor the 64 MB float64 update)
     assert isinstance(masked, MappedArray) and peak < 4 * length / 8, f"{peak / 2**20:.1f} MiB"
+
+
+def test_distributed_dp_a_window_at_a_time_clips_to_c_and_adds_the_sites_skellam_share():
+    """With z = 0 the one `DistributedNoise.encode` of the whole, bit for bit (the clip to C is the mechanism's);
+    with z > 0, each coordinate of a zero update carries Skellam noise of the site's variance."""
+    params = SecAggParams(dp_clip=0.01, dp_noise_multiplier=0.0, max_weight=1)
+    delta = _update(3, SHAPES)
+    size = sum(int(np.prod(shape)) for shape in SHAPES.values())
+    noise = DistributedNoise.of(params, size, 3)
+    pieces = encoded_windows(delta, list(SHAPES), 1, params, np.random.default_rng(7), None, noise)
+    whole = noise.encode(_flat(delta), params, np.random.default_rng(7), 1)
+    np.testing.assert_array_equal(np.concatenate(list(pieces)), whole)
+    noised = replace(params, dp_noise_multiplier=1.0)
+    noise = DistributedNoise.of(noised, size, 3)
+    zero = ArrayRecord({name: Array(np.zeros(shape, np.float32)) for name, shape in SHAPES.items()})
+    rng = np.random.default_rng(8)
+    encoded = np.concatenate(list(encoded_windows(zero, list(SHAPES), 1, noised, rng, None, noise)))
+    draws = (encoded[1:] - np.uint32(noised.quantization_range // 2)).view(np.int32)
+    variance = noise.site_variance()
+    assert variance > 1 and abs(draws.mean()) < 5 * np.sqrt(variance / size)
+    assert abs(draws.var() / variance - 1) < 0.02
