@@ -3,7 +3,8 @@ memory, or in a file region, so that a vector larger than memory passes through 
 
 A vector is added whole or not at all: a window that fails to read (a stored chunk gone bad) takes back the
 windows added before it, so the site fails alone and the others' sum stays right. Only when taking back fails
-too is the sum lost, and every later use says so (the round halts, applying nothing).
+too, or writing the sum fails, is the sum lost (`lost`), and every later use says so (the round halts,
+applying nothing).
 """
 
 from __future__ import annotations
@@ -49,11 +50,13 @@ class FieldSum:
                 self._add(offset, _checked(words(offset, count), count), np.add)
                 added = offset + count
         except BaseException as error:
+            if self._lost:
+                raise
             try:
                 for offset, count in windows(0, added):
                     self._add(offset, _checked(words(offset, count), count), np.subtract)
             except BaseException as again:
-                self._lost = (
+                self._lost = self._lost or (
                     f"a vector that failed to read ({error}) could not be taken back out ({again})"
                 )
             raise
@@ -77,6 +80,11 @@ class FieldSum:
             raw, start = raw[done:], start + done
         return out
 
+    @property
+    def lost(self) -> str:
+        """Why the sum is lost ("" while it holds)."""
+        return self._lost
+
     def close(self) -> None:
         if self._descriptor >= 0:
             os.close(self._descriptor)
@@ -91,9 +99,15 @@ class FieldSum:
         op(total, values, out=total)
         raw = total.view(np.uint8).data
         start = self._offset + 4 * offset
-        while raw:
-            done = os.pwrite(self._descriptor, raw, start)
-            raw, start = raw[done:], start + done
+        try:
+            while raw:
+                done = os.pwrite(self._descriptor, raw, start)
+                raw, start = raw[done:], start + done
+        except (
+            BaseException
+        ) as error:  # a window written in part: no count of windows takes it back
+            self._lost = f"writing it failed ({error})"
+            raise
 
     def _check(self) -> None:
         if self._lost:

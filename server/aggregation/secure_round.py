@@ -387,6 +387,8 @@ class SecureRound:
                 raise SecAggError(f"the masked vector must be uint32 of shape ({session.length},)")
             session.receive_masked(node, words_of(array))
         except (SecAggError, InvalidUpdate, ValueError, KeyError, OSError) as error:
+            if session.total.lost:  # not this site's fault: nothing can be summed any more
+                raise SecAggError(f"the masked sum is lost: {session.total.lost}") from error
             log.warning("site %d failed: secure aggregation: %s", node, error)
             return
         self.bytes_up_per_site[str(node)] = record_nbytes(arrays[0])

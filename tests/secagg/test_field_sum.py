@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from hydrafl.secagg import SecAggError, crypto
+from hydrafl.secagg import SecAggError, crypto, field_sum
 from hydrafl.secagg.field_sum import WINDOW_WORDS, FieldSum, windows
 
 
@@ -88,4 +88,22 @@ def test_a_vector_that_fails_to_read_midway_is_taken_back_out_whole(tmp_path):
     with pytest.raises(OSError, match="disk is gone"):
         total.add(failing_twice)
     with pytest.raises(SecAggError, match="the masked sum is lost.*the round halts"):
+        total.read(0, 1)
+
+
+def test_a_sum_whose_file_fails_a_write_is_lost_and_says_so(tmp_path, monkeypatch):
+    length = 2 * WINDOW_WORDS
+    total = _file_sum(tmp_path, length)
+    total.add(_reader(np.ones(length, np.uint32)))
+    writes = []
+
+    def full_disk(descriptor: int, data, offset: int) -> int:
+        writes.append(offset)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(field_sum.os, "pwrite", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        total.add(_reader(np.ones(length, np.uint32)))
+    assert len(writes) == 1 and "writing it failed" in total.lost  # no take-back of a torn window
+    with pytest.raises(SecAggError, match="the masked sum is lost: writing it failed"):
         total.read(0, 1)
