@@ -11,7 +11,9 @@ every round).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
@@ -25,43 +27,119 @@ from hydrafl.secagg.noise import DistributedNoise, skellam
 from hydrafl.secagg.quantize import check_weights, quantise
 from hydrafl.tensor_files import TensorFileWriter
 
+if TYPE_CHECKING:
+    from hydrafl.subnet.slices import Slice
+
 ENCODE_WINDOW = WINDOW_WORDS // 4
 """Coordinates quantised at once: quantising holds about six float64 copies of a window (2 MiB of words
 here)."""
 
 
-def encoded_windows(
-    delta: ArrayRecord,
-    names: list[str],
-    weight: int,
-    params: SecAggParams,
-    rng: np.random.Generator,
-    bound: float | None,
-    noise: DistributedNoise | None = None,
-) -> Iterator[np.ndarray]:
-    """`quantize.encode` of the update `delta` (its arrays `names`, flattened in that order) with one `weight`,
-    as consecutive uint32 pieces: the weight, then the quantised update a window at a time. `bound`: the update
-    is first scaled down to that L2 norm when above it (`site_secagg.clip_norm`); `noise`: then clipped to its
-    norm C and given the site's Skellam share on every coordinate (`DistributedNoise.encode`, weight 1). Both
-    norms come from a first pass over the update."""
-    weights = np.asarray([weight])
-    check_weights(weights, params)
-    factor = 1.0
-    if bound or noise is not None:
-        norm = math.sqrt(sum(float(np.dot(w, w)) for w in _float_windows(delta, names)))
+@dataclass(frozen=True, slots=True)
+class Encoding:
+    """How a site encodes its update: with the round's `params` and its own random draws, scaled down first to
+    the honest-site `bound` (`--secagg-clip`) when its L2 norm is above it, then, under distributed DP
+    (`noise`), to the norm C, with the site's Skellam share on every coordinate (`DistributedNoise.encode`).
+    Both norms come from a first pass over the update."""
+
+    params: SecAggParams
+    rng: np.random.Generator
+    bound: float | None = None
+    noise: DistributedNoise | None = None
+
+    def clip_factor(self, values: Iterable[np.ndarray]) -> float:
+        """What the update (`values`, in pieces) is scaled by: the honest-site bound's, then C's."""
+        if not self.bound and self.noise is None:
+            return 1.0
+        norm = math.sqrt(sum(float(np.dot(piece, piece)) for piece in values))
         if not math.isfinite(norm):
             raise SecAggError("the update has NaN or infinite values")
-        factor = bound / norm if bound and norm > bound else 1.0
-        if noise is not None and norm * factor > noise.clip:
-            factor *= noise.clip / (norm * factor)
-    yield weights.astype(np.uint32)
-    for window in _float_windows(delta, names):
+        factor = self.bound / norm if self.bound and norm > self.bound else 1.0
+        if self.noise is not None and norm * factor > self.noise.clip:
+            factor *= self.noise.clip / (norm * factor)
+        return factor
+
+    def quantised(self, window: np.ndarray, weights: np.ndarray, factor: float) -> np.ndarray:
+        """A window of the update scaled by `factor`, quantised, and given its Skellam share under DP."""
         if not np.all(np.isfinite(window)):
             raise SecAggError("the update has NaN or infinite values")
-        piece = quantise(window * factor if factor != 1.0 else window, weights, params, rng)
-        if noise is not None:  # two's complement: mod 2^32
-            piece += skellam(rng, noise.site_variance(), piece.size).astype(np.uint32)
-        yield piece
+        scaled = window * factor if factor != 1.0 else window
+        piece = quantise(scaled, weights, self.params, self.rng)
+        if self.noise is not None:  # two's complement: mod 2^32
+            piece += skellam(self.rng, self.noise.site_variance(), piece.size).astype(np.uint32)
+        return piece
+
+
+def encoded_windows(
+    delta: ArrayRecord, names: list[str], weight: int, encoding: Encoding
+) -> Iterator[np.ndarray]:
+    """`quantize.encode` of the update `delta` (its arrays `names`, flattened in that order) with one `weight`,
+    as consecutive uint32 pieces: the weight, then the quantised update a window at a time."""
+    weights = np.asarray([weight])
+    check_weights(weights, encoding.params)
+    factor = encoding.clip_factor(_float_windows(delta, names))
+    yield weights.astype(np.uint32)
+    for window in _float_windows(delta, names):
+        yield encoding.quantised(window, weights, factor)
+
+
+def expanded_windows(
+    delta: ArrayRecord,
+    slices: Mapping[str, Slice],
+    shapes: Mapping[str, tuple[int, ...]],
+    weight: int,
+    encoding: Encoding,
+) -> Iterator[np.ndarray]:
+    """`encoded_windows` of a subnetwork's update: its compact `slices` of the arrays `shapes` (in that order)
+    expanded to full shapes, with a weight per coordinate (`weight` on the slices, 0 off them), as pieces of
+    the layout [every weight, the quantised values]; a tensor's full shape at a time, a window of it quantised
+    at a time."""
+    if set(delta) != set(slices) or not set(slices) <= set(shapes):
+        raise SecAggError(
+            "the update's arrays differ from the slices the round assigned: it cannot be summed securely"
+        )
+    check_weights(np.asarray([weight]), encoding.params)
+    compact = (array_view(delta[name]).reshape(-1).astype(np.float64) for name in slices)
+    factor = encoding.clip_factor(compact)  # the zeros off the slices add nothing to the norm
+    for name, shape in shapes.items():
+        yield _weights(slices, name, shape, weight).astype(np.uint32)
+    for name, shape in shapes.items():
+        values = _expand(delta, slices, name, shape)
+        weights = _weights(slices, name, shape, weight)
+        for start, count in windows(0, values.size, ENCODE_WINDOW):
+            window = slice(start, start + count)
+            yield encoding.quantised(values[window], weights[window], factor)
+
+
+def _expand(
+    delta: ArrayRecord, slices: Mapping[str, Slice], name: str, shape: tuple[int, ...]
+) -> np.ndarray:
+    """Tensor `name` at its full `shape`, flattened as float64: the site's slice values, 0 off them."""
+    if name not in slices:
+        return np.zeros(math.prod(shape))
+    import torch  # for subnetworks only: a stock Flower app's secure simulation need not load it
+
+    try:
+        full = slices[name].put(
+            torch.zeros(shape, dtype=torch.float64), torch.from_numpy(delta[name].numpy())
+        )
+    except (ValueError, IndexError, RuntimeError) as error:
+        raise SecAggError(f"array {name!r} does not fit its assigned slice: {error}") from None
+    return full.numpy().reshape(-1)
+
+
+def _weights(
+    slices: Mapping[str, Slice], name: str, shape: tuple[int, ...], weight: int
+) -> np.ndarray:
+    """Tensor `name`'s weight per coordinate, flattened: `weight` on its slice, 0 off it (and on a tensor the
+    site did not train)."""
+    if name not in slices:
+        return np.zeros(math.prod(shape), np.int64)
+    try:
+        covered = slices[name].mask(shape)
+    except (ValueError, IndexError, RuntimeError) as error:
+        raise SecAggError(f"array {name!r} does not fit its assigned slice: {error}") from None
+    return covered.numpy().reshape(-1).astype(np.int64) * weight
 
 
 def masked_vector(

@@ -16,7 +16,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 
 from hydrafl import protocol
 from hydrafl.client.exchange_folder import ExchangeFolder
-from hydrafl.client.masked_upload import encoded_windows, masked_vector
+from hydrafl.client.masked_upload import Encoding, encoded_windows, expanded_windows, masked_vector
 from hydrafl.secagg import SecAggError, SiteIdentity, SiteSession, encode, encode_metrics, wire
 from hydrafl.secagg.noise import DistributedNoise
 from hydrafl.secagg.quantize import METRIC_SLOTS
@@ -117,34 +117,34 @@ def masked_reply(
                 "distributed DP needs every site to weigh 1, and this layout does not"
             )
         [delta] = [r for r in reply.content.values() if isinstance(r, ArrayRecord)]
-        if layout.per_coordinate:  # a subnetwork's full-shape vectors, expanded from its slices
-            flat, weights = _expanded(
-                delta, wire.parse_slices(routed), layout, _weight(weight, layout.count_once)
-            )
-            if honest and session.params.site_clip:
-                flat = clip_norm(flat, session.params.site_clip)
-            if distributed:
-                noise = DistributedNoise.of(params, flat.size, len(participants))
-                pieces = [noise.encode(flat, params, rng, weights)]
-            else:
-                pieces = [encode(flat, weights, params, rng)]
-            length = pieces[0].size
+        if layout.per_coordinate:
+            shapes = dict(zip(layout.names, map(tuple, layout.shapes), strict=True))
         else:
             sent = next(iter(message.content.array_records.values()))
+            shapes = {name: tuple(sent[name].shape) for name in layout.names if name in sent}
             if list(delta) != layout.names or any(
-                tuple(delta[n].shape) != tuple(sent[n].shape) for n in layout.names
+                tuple(delta[n].shape) != shapes.get(n) for n in layout.names
             ):
                 raise SecAggError(
                     "the update's arrays differ from the model the round sent: it cannot be summed securely"
                 )
-            size = sum(math.prod(delta[name].shape) for name in layout.names)
+        size = sum(math.prod(shape) for shape in shapes.values())
+        # a window at a time: no float64 copy of the whole update; with distributed DP, the site's own clip
+        # and noise share, so the coordinator sees a noised sum
+        dp = DistributedNoise.of(params, size, len(participants)) if distributed else None
+        encoding = Encoding(params, rng, session.params.site_clip if honest else None, dp)
+        one = _weight(weight, layout.count_once)
+        if (
+            layout.per_coordinate
+        ):  # its slices expanded to full shapes, with a weight per coordinate
+            from hydrafl.subnet.slices import Slice  # torch: for subnetworks only
+
+            slices = {name: Slice(*spec) for name, spec in wire.parse_slices(routed).items()}
+            pieces = expanded_windows(delta, slices, shapes, one, encoding)
+            length = 2 * size
+        else:
+            pieces = encoded_windows(delta, layout.names, one, encoding)
             length = 1 + size
-            # a window at a time: no float64 copy of the whole update; with distributed DP, the site's own
-            # clip and noise share, so the coordinator sees a noised sum
-            dp = DistributedNoise.of(params, size, len(participants)) if distributed else None
-            bound = session.params.site_clip if honest else None
-            one = _weight(weight, layout.count_once)
-            pieces = encoded_windows(delta, layout.names, one, params, rng, bound, dp)
         weight = _weight(weight, layout.count_once or distributed)
     values = [_metric_value(metrics, name) for name, _ in layout.metrics]
     ranges = [r for _, r in layout.metrics]
@@ -164,14 +164,6 @@ def masked_reply(
     )
 
 
-def clip_norm(flat: np.ndarray, bound: float) -> np.ndarray:
-    """`flat` scaled down to L2 norm `bound` when above it (the honest-site bound, `--secagg-clip`)."""
-    norm = float(np.linalg.norm(flat))
-    if not np.isfinite(norm):
-        raise SecAggError("the update has NaN or infinite values")
-    return flat * (bound / norm) if norm > bound else flat
-
-
 def _weight(weight: object, count_once: bool) -> int:
     """The integer weight a site encodes: 1 when every site counts once, else its reported example count."""
     if count_once:
@@ -184,38 +176,6 @@ def _weight(weight: object, count_once: bool) -> int:
 def _metric_value(metrics: MetricRecord, name: str) -> float | None:
     value = metrics.get(name) if name in metrics else None
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _expanded(
-    delta: ArrayRecord, slices: dict, layout: wire.Layout, weight: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """A subnetwork's compact slices as full-shape vectors: the delta (0 off the slices) and a per-coordinate
-    weight (`weight` on the slices, 0 off them). Imports torch here, for subnetworks only: the in-process grid
-    answers through this module, and a stock Flower app's simulation need not load torch."""
-    import torch
-
-    from hydrafl.subnet.slices import Slice
-
-    if set(delta) != set(slices) or not set(slices) <= set(layout.names):
-        raise SecAggError(
-            "the update's arrays differ from the slices the round assigned: it cannot be summed securely"
-        )
-    values, weights = [], []
-    for name, shape in zip(layout.names, layout.shapes, strict=True):
-        if name not in slices:
-            values.append(np.zeros(int(np.prod(shape))))
-            weights.append(np.zeros(int(np.prod(shape)), dtype=np.int64))
-            continue
-        sl = Slice(*slices[name])
-        try:
-            full = sl.put(
-                torch.zeros(shape, dtype=torch.float64), torch.from_numpy(delta[name].numpy())
-            )
-        except (ValueError, IndexError, RuntimeError) as error:
-            raise SecAggError(f"array {name!r} does not fit its assigned slice: {error}") from None
-        values.append(full.numpy().ravel())
-        weights.append(sl.mask(shape).numpy().ravel().astype(np.int64) * weight)
-    return np.concatenate(values), np.concatenate(weights)
 
 
 def _secagg_record(message: Message) -> ConfigRecord:

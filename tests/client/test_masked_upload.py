@@ -16,8 +16,7 @@ from secagg_rounds import started
 
 from hydrafl import protocol
 from hydrafl.client.exchange_folder import ExchangeFolder
-from hydrafl.client.masked_upload import encoded_windows, masked_vector
-from hydrafl.client.site_secagg import clip_norm
+from hydrafl.client.masked_upload import Encoding, encoded_windows, expanded_windows, masked_vector
 from hydrafl.secagg import SecAggError, SecAggParams, crypto, encode
 from hydrafl.secagg.field_sum import WINDOW_WORDS
 from hydrafl.secagg.noise import DistributedNoise
@@ -46,23 +45,33 @@ SHAPES = {"w": (700, 1000), "b": (123,), "h": (3, WINDOW_WORDS // 3 + 7)}
 
 def test_an_update_encoded_a_window_at_a_time_is_the_one_encode_of_the_whole():
     delta = _update(0, SHAPES)
-    pieces = list(encoded_windows(delta, list(SHAPES), 37, PARAMS, np.random.default_rng(5), None))
+    pieces = list(
+        encoded_windows(delta, list(SHAPES), 37, Encoding(PARAMS, np.random.default_rng(5)))
+    )
     assert len(pieces) > 3 and pieces[0].tolist() == [37]
     whole = encode(_flat(delta), 37, PARAMS, np.random.default_rng(5))
     np.testing.assert_array_equal(np.concatenate(pieces), whole)
     bound = float(np.linalg.norm(_flat(delta))) / 4  # the honest-site bound clips it
     clipped = np.concatenate(
-        list(encoded_windows(delta, list(SHAPES), 37, PARAMS, np.random.default_rng(5), bound))
+        list(
+            encoded_windows(
+                delta, list(SHAPES), 37, Encoding(PARAMS, np.random.default_rng(5), bound)
+            )
+        )
     )
-    expected = encode(clip_norm(_flat(delta), bound), 37, PARAMS, np.random.default_rng(5))
+    expected = encode(
+        _flat(delta) * (bound / np.linalg.norm(_flat(delta))), 37, PARAMS, np.random.default_rng(5)
+    )
     difference = np.abs(clipped.astype(np.int64) - expected)  # the norm summed window by window
     assert difference.max() <= 1 and (difference == 0).mean() > 0.999
     assert not np.array_equal(clipped[1:], whole[1:])
     delta["b"] = Array(np.full(123, np.nan, np.float32))
     with pytest.raises(SecAggError, match="NaN"):
-        list(encoded_windows(delta, list(SHAPES), 37, PARAMS, np.random.default_rng(5), None))
+        list(encoded_windows(delta, list(SHAPES), 37, Encoding(PARAMS, np.random.default_rng(5))))
     with pytest.raises(SecAggError, match="max_weight"):
-        list(encoded_windows(delta, list(SHAPES), 10**6, PARAMS, np.random.default_rng(5), None))
+        list(
+            encoded_windows(delta, list(SHAPES), 10**6, Encoding(PARAMS, np.random.default_rng(5)))
+        )
 
 
 @pytest.mark.parametrize("memory_bytes", [1 << 30, 0])
@@ -71,7 +80,9 @@ def test_a_masked_vector_made_a_window_at_a_time_is_the_whole_ones(tmp_path, mem
     push removes afterwards: `spill` names it), the encoded vector plus each mask of the whole vector."""
     delta = _update(1, SHAPES)
     length = 1 + sum(int(np.prod(shape)) for shape in SHAPES.values())
-    pieces = list(encoded_windows(delta, list(SHAPES), 5, PARAMS, np.random.default_rng(0), None))
+    pieces = list(
+        encoded_windows(delta, list(SHAPES), 5, Encoding(PARAMS, np.random.default_rng(0)))
+    )
     server, sites = started([1, 2, 3], PARAMS, length)
     masks = sites[1].masks(server.shares_for(1))
     assert len(masks) == 3 and [added for _, added in masks] == [True, True, True]  # self, 2, 3
@@ -102,7 +113,7 @@ def test_a_site_masks_a_32_mb_update_into_its_exchange_file_in_a_window_of_a_few
     masks = sites[1].masks(server.shares_for(1))
     rng = np.random.default_rng(0)
     tracemalloc.start()
-    pieces = encoded_windows(delta, list(shapes), 5, PARAMS, rng, 1.0)
+    pieces = encoded_windows(delta, list(shapes), 5, Encoding(PARAMS, rng, 1.0))
     masked = masked_vector(pieces, length, masks, ExchangeFolder(0, tmp_path))
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
@@ -117,15 +128,52 @@ def test_distributed_dp_a_window_at_a_time_clips_to_c_and_adds_the_sites_skellam
     delta = _update(3, SHAPES)
     size = sum(int(np.prod(shape)) for shape in SHAPES.values())
     noise = DistributedNoise.of(params, size, 3)
-    pieces = encoded_windows(delta, list(SHAPES), 1, params, np.random.default_rng(7), None, noise)
+    pieces = encoded_windows(
+        delta, list(SHAPES), 1, Encoding(params, np.random.default_rng(7), None, noise)
+    )
     whole = noise.encode(_flat(delta), params, np.random.default_rng(7), 1)
     np.testing.assert_array_equal(np.concatenate(list(pieces)), whole)
     noised = replace(params, dp_noise_multiplier=1.0)
     noise = DistributedNoise.of(noised, size, 3)
     zero = ArrayRecord({name: Array(np.zeros(shape, np.float32)) for name, shape in SHAPES.items()})
     rng = np.random.default_rng(8)
-    encoded = np.concatenate(list(encoded_windows(zero, list(SHAPES), 1, noised, rng, None, noise)))
+    encoded = np.concatenate(
+        list(encoded_windows(zero, list(SHAPES), 1, Encoding(noised, rng, None, noise)))
+    )
     draws = (encoded[1:] - np.uint32(noised.quantization_range // 2)).view(np.int32)
     variance = noise.site_variance()
     assert variance > 1 and abs(draws.mean()) < 5 * np.sqrt(variance / size)
     assert abs(draws.var() / variance - 1) < 0.02
+
+
+def test_a_subnetworks_slices_expanded_a_tensor_at_a_time_are_the_one_encode_of_the_full_shapes():
+    """The layout [a weight per coordinate, the quantised values]: `weight` on the slices, 0 off them and on
+    arrays the site did not train, each tensor expanded to its full shape in turn."""
+    import torch
+
+    from hydrafl.subnet.slices import Slice
+
+    shapes = {"a": (6, 5), "b": (300, 1000), "c": (4,)}
+    slices = {"a": Slice(0, torch.tensor([1, 4])), "b": Slice(1, torch.arange(0, 1000, 3))}
+    delta = _update(4, {"a": (2, 5), "b": (300, 334)})
+    pieces = expanded_windows(delta, slices, shapes, 7, Encoding(PARAMS, np.random.default_rng(9)))
+    full = {name: np.zeros(shape) for name, shape in shapes.items()}
+    covered = {name: np.zeros(shape, np.int64) for name, shape in shapes.items()}
+    full["a"][[1, 4]] = delta["a"].numpy()
+    covered["a"][[1, 4]] = 7
+    full["b"][:, ::3] = delta["b"].numpy()
+    covered["b"][:, ::3] = 7
+    flat = np.concatenate([values.ravel() for values in full.values()])
+    weights = np.concatenate([values.ravel() for values in covered.values()])
+    expected = encode(flat, weights, PARAMS, np.random.default_rng(9))
+    np.testing.assert_array_equal(np.concatenate(list(pieces)), expected)
+    for wrong, why in [
+        ({"a": slices["a"]}, "differ from the slices"),
+        ({"a": slices["b"], "b": slices["b"]}, "'a' does not fit its assigned slice"),
+    ]:
+        with pytest.raises(SecAggError, match=why):
+            list(
+                expanded_windows(
+                    delta, wrong, shapes, 7, Encoding(PARAMS, np.random.default_rng(9))
+                )
+            )
