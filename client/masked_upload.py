@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,10 +20,10 @@ from flwr.app import Array, ArrayRecord
 from hydrafl import protocol
 from hydrafl.arrays import array_view
 from hydrafl.client.exchange_folder import ExchangeFolder
-from hydrafl.secagg import SecAggError, SecAggParams, crypto
+from hydrafl.secagg import SecAggError, crypto
 from hydrafl.secagg.field_sum import WINDOW_WORDS, windows
-from hydrafl.secagg.noise import DistributedNoise, skellam
-from hydrafl.secagg.quantize import check_weights, quantise
+from hydrafl.secagg.noise import Encoding
+from hydrafl.secagg.quantize import check_weights
 from hydrafl.tensor_files import TensorFileWriter
 
 if TYPE_CHECKING:
@@ -33,41 +32,6 @@ if TYPE_CHECKING:
 ENCODE_WINDOW = WINDOW_WORDS // 4
 """Coordinates quantised at once: quantising holds about six float64 copies of a window (2 MiB of words
 here)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Encoding:
-    """How a site encodes its update: with the round's `params` and its own random draws, scaled down first to
-    the honest-site `bound` (`--secagg-clip`) when its L2 norm is above it, then, under distributed DP
-    (`noise`), to the norm C, with the site's Skellam share on every coordinate (`DistributedNoise.encode`).
-    Both norms come from a first pass over the update."""
-
-    params: SecAggParams
-    rng: np.random.Generator
-    bound: float | None = None
-    noise: DistributedNoise | None = None
-
-    def clip_factor(self, values: Iterable[np.ndarray]) -> float:
-        """What the update (`values`, in pieces) is scaled by: the honest-site bound's, then C's."""
-        if not self.bound and self.noise is None:
-            return 1.0
-        norm = math.sqrt(sum(float(np.dot(piece, piece)) for piece in values))
-        if not math.isfinite(norm):
-            raise SecAggError("the update has NaN or infinite values")
-        factor = self.bound / norm if self.bound and norm > self.bound else 1.0
-        if self.noise is not None and norm * factor > self.noise.clip:
-            factor *= self.noise.clip / (norm * factor)
-        return factor
-
-    def quantised(self, window: np.ndarray, weights: np.ndarray, factor: float) -> np.ndarray:
-        """A window of the update scaled by `factor`, quantised, and given its Skellam share under DP."""
-        if not np.all(np.isfinite(window)):
-            raise SecAggError("the update has NaN or infinite values")
-        scaled = window * factor if factor != 1.0 else window
-        piece = quantise(scaled, weights, self.params, self.rng)
-        if self.noise is not None:  # two's complement: mod 2^32
-            piece += skellam(self.rng, self.noise.site_variance(), piece.size).astype(np.uint32)
-        return piece
 
 
 def encoded_windows(

@@ -16,9 +16,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 
 from hydrafl import protocol
 from hydrafl.client.exchange_folder import ExchangeFolder
-from hydrafl.client.masked_upload import Encoding, encoded_windows, expanded_windows, masked_vector
+from hydrafl.client.masked_upload import encoded_windows, expanded_windows, masked_vector
 from hydrafl.secagg import SecAggError, SiteIdentity, SiteSession, encode, encode_metrics, wire
-from hydrafl.secagg.noise import DistributedNoise
+from hydrafl.secagg.noise import DistributedNoise, Encoding
 from hydrafl.secagg.quantize import METRIC_SLOTS
 from hydrafl.tensor_files import as_record
 from hydrafl.updates import records

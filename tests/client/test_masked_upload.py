@@ -16,10 +16,10 @@ from secagg_rounds import started
 
 from hydrafl import protocol
 from hydrafl.client.exchange_folder import ExchangeFolder
-from hydrafl.client.masked_upload import Encoding, encoded_windows, expanded_windows, masked_vector
+from hydrafl.client.masked_upload import encoded_windows, expanded_windows, masked_vector
 from hydrafl.secagg import SecAggError, SecAggParams, crypto, encode
 from hydrafl.secagg.field_sum import WINDOW_WORDS
-from hydrafl.secagg.noise import DistributedNoise
+from hydrafl.secagg.noise import DistributedNoise, Encoding
 from hydrafl.tensor_files import MappedArray, as_record
 
 PARAMS = SecAggParams()

@@ -20,7 +20,7 @@ from helpers import TIERED_RUN, site_app_failing
 
 from hydrafl.client import masked_upload, site_app
 from hydrafl.privacy.accountant import distributed_epsilon
-from hydrafl.secagg import SecAggParams
+from hydrafl.secagg import SecAggParams, noise
 from hydrafl.secagg.noise import DistributedNoise
 from hydrafl.server import server_app
 from hydrafl.simulation.grid import InProcessGrid
@@ -42,13 +42,11 @@ def _noiseless_sum(
     shapes = {name: tuple(array.shape) for name, array in arrays.items()}
     size = sum(math.prod(shape) for shape in shapes.values())
     mechanism = DistributedNoise.of(PARAMS, size, len(updates))
-    monkeypatch.setattr(
-        masked_upload, "skellam", lambda rng, variance, count: np.zeros(count, np.int64)
-    )
+    monkeypatch.setattr(noise, "skellam", lambda rng, variance, count: np.zeros(count, np.int64))
     total = np.zeros(size, dtype=np.int64)
     for node in survivors:
         record = ArrayRecord({n: Array(np.ascontiguousarray(v)) for n, v in updates[node].items()})
-        encoding = masked_upload.Encoding(PARAMS, np.random.default_rng(node), None, mechanism)
+        encoding = noise.Encoding(PARAMS, np.random.default_rng(node), None, mechanism)
         pieces = masked_upload.expanded_windows(
             record, strategy.site_slices(node), shapes, 1, encoding
         )
