@@ -3,18 +3,18 @@
 of the whole; and the masked vector itself goes straight into a file of the site's exchange folder when it is
 larger than the memory the site gives the exchange (`--exchange-memory-mb`), from which it is uploaded.
 
-Each window is quantised with the random draws one call over the whole update makes, in the same order, so the
-vector is the one `quantize.encode` and `SiteSession.mask` make of the whole (the masks aside, which are new
-every round).
+Each window is quantised with the random draws one call over the whole update makes, in the same order, so
+without distributed DP (whose noise draws come window by window) the vector is the one `quantize.encode` and
+`SiteSession.mask` make of the whole (the masks aside, which are new every round).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 from flwr.app import Array, ArrayRecord
 
 from hydrafl import protocol
@@ -24,14 +24,11 @@ from hydrafl.secagg import SecAggError, crypto
 from hydrafl.secagg.field_sum import WINDOW_WORDS, windows
 from hydrafl.secagg.noise import Encoding
 from hydrafl.secagg.quantize import check_weights
+from hydrafl.subnet.slices import Slice
 from hydrafl.tensor_files import TensorFileWriter
 
-if TYPE_CHECKING:
-    from hydrafl.subnet.slices import Slice
-
 ENCODE_WINDOW = WINDOW_WORDS // 4
-"""Coordinates quantised at once: quantising holds about six float64 copies of a window (2 MiB of words
-here)."""
+"""Coordinates quantised at once (64 Ki): quantising holds about six float64 copies of a window, 3 MiB."""
 
 
 def encoded_windows(
@@ -81,8 +78,6 @@ def _expand(
     """Tensor `name` at its full `shape`, flattened as float64: the site's slice values, 0 off them."""
     if name not in slices:
         return np.zeros(math.prod(shape))
-    import torch  # for subnetworks only: a stock Flower app's secure simulation need not load it
-
     try:
         full = slices[name].put(
             torch.zeros(shape, dtype=torch.float64), torch.from_numpy(delta[name].numpy())

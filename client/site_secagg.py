@@ -20,6 +20,7 @@ from hydrafl.client.masked_upload import encoded_windows, expanded_windows, mask
 from hydrafl.secagg import SecAggError, SiteIdentity, SiteSession, encode, encode_metrics, wire
 from hydrafl.secagg.noise import DistributedNoise, Encoding
 from hydrafl.secagg.quantize import METRIC_SLOTS
+from hydrafl.subnet.slices import Slice
 from hydrafl.tensor_files import as_record
 from hydrafl.updates import records
 
@@ -137,8 +138,6 @@ def masked_reply(
         if (
             layout.per_coordinate
         ):  # its slices expanded to full shapes, with a weight per coordinate
-            from hydrafl.subnet.slices import Slice  # torch: for subnetworks only
-
             slices = {name: Slice(*spec) for name, spec in wire.parse_slices(routed).items()}
             pieces = expanded_windows(delta, slices, shapes, one, encoding)
             length = 2 * size
