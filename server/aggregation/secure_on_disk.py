@@ -1,7 +1,8 @@
 """Secure aggregation of a model kept on disk (`driver.kept_on_disk`): the masked sum lives in a file of the
 round's folder, each site's masked vector is added into it a window at a time from where its upload put it,
-and the survivors' weighted mean update is unmasked and decoded a window at a time into a tensor file, which
-the strategy then steps on tensor by tensor (`strategies.by_tensor`). Resident memory is a few windows
+and the survivors' weighted mean update (a subnetwork strategy's per-coordinate sums and weights) is unmasked
+and decoded a window at a time into tensor files, which the strategy then steps on tensor by tensor
+(`strategies.by_tensor`). Resident memory is a few windows
 (`field_sum.WINDOW_WORDS`) whatever the model's size, and every window is computed as the in-memory round
 computes it, so the mean is the in-memory round's, bit for bit.
 """
