@@ -355,7 +355,7 @@ class SiteAgent:
 
             torch.set_num_threads(self.threads())
         assert not isinstance(app, str)  # a refused bundle returned above
-        return answer(app, message, context, self.policy)
+        return answer(app, message, context, self.policy, self.exchange)
 
     def _context(self, stub: CoordinatorClient, run_id: int) -> Context:
         """The run's persistent Context, its run_config asked of the coordinator once per run."""

@@ -45,16 +45,23 @@ class ExchangeFolder:
     def free_bytes(self) -> int:
         return shutil.disk_usage(self.path()).free
 
+    def upload_path(self) -> Path:
+        """A new upload file's path (removed after its push; one a killed site left goes at the next start)."""
+        return self.path() / f"upload-{uuid.uuid4().hex}.safetensors"
+
     def spill(self, reply: Message) -> Path | None:
-        """The file `reply`'s arrays now live in, when they exceed the bound and are not in files already (the
-        caller removes it once the reply is pushed); None when the reply stays as it is."""
+        """The file `reply`'s arrays now live in, when they exceed the bound and are not in files already, or
+        are in an upload file of this folder already (a masked vector written there a window at a time): the
+        caller removes it once the reply is pushed. None when the reply stays as it is."""
         arrays = [] if reply.has_error() else reply.content.array_records.values()
         held = [array for record in arrays for array in record.values()]
-        if sum(array_nbytes(array) for array in held) <= self.memory_bytes or all(
-            isinstance(array, MappedArray) for array in held
-        ):
+        if held and all(isinstance(array, MappedArray) for array in held):
+            uploads = {Path(a.path) for a in held if isinstance(a, MappedArray)}
+            mine = [p for p in uploads if p.parent == self._folder and p.name.startswith("upload-")]
+            return mine[0] if len(mine) == 1 == len(uploads) else None
+        if sum(array_nbytes(array) for array in held) <= self.memory_bytes:
             return None
-        spilled = self.path() / f"upload-{uuid.uuid4().hex}.safetensors"
+        spilled = self.upload_path()
         del held, arrays
         file_backed(reply, spilled)
         return spilled

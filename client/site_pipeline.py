@@ -17,6 +17,7 @@ from flwr.common.constant import ErrorCode
 
 from hydrafl import protocol
 from hydrafl.client import site_secagg
+from hydrafl.client.exchange_folder import ExchangeFolder
 from hydrafl.client.site_policy import SMALL_CELL_REASON, SitePolicy
 from hydrafl.compression.layout import DOWNLOAD_RECORD, CompressionError, Scheme
 from hydrafl.run_settings import run_settings
@@ -26,10 +27,15 @@ log = logging.getLogger(__name__)
 
 
 def answer(
-    client_app: ClientApp, message: Message, context: Context, policy: SitePolicy
+    client_app: ClientApp,
+    message: Message,
+    context: Context,
+    policy: SitePolicy,
+    exchange: ExchangeFolder | None = None,
 ) -> Message:
     """The reply that leaves the site: the app's, after the policy, and under secure aggregation masked (the
-    protocol's own queries are answered here, the app never sees them)."""
+    protocol's own queries are answered here, the app never sees them; a masked vector larger than `exchange`'s
+    memory bound is written into one of its files)."""
     if message.metadata.message_type in protocol.SECAGG_QUERIES:
         return site_secagg.answer_query(message, context)
     if DOWNLOAD_RECORD in message.content and (refusal := _download_refusal(message, context)):
@@ -41,7 +47,7 @@ def answer(
     if site_secagg.is_secagg_reply(message):
         routed = site_secagg.take_record(message)
         reply = policy.release(client_app(message=message, context=context), context)
-        return site_secagg.masked_reply(message, reply, context, routed)
+        return site_secagg.masked_reply(message, reply, context, routed, exchange=exchange)
     reply = policy.release(client_app(message=message, context=context), context)
     return _compressed(message, reply, context)
 

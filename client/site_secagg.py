@@ -8,12 +8,20 @@ issues): never anything the coordinator sent."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Iterator
+
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from hydrafl import protocol
+from hydrafl.client.exchange_folder import ExchangeFolder
+from hydrafl.client.masked_upload import encoded_windows, expanded_windows, masked_vector
 from hydrafl.secagg import SecAggError, SiteIdentity, SiteSession, encode, encode_metrics, wire
-from hydrafl.secagg.noise import DistributedNoise
+from hydrafl.secagg.noise import DistributedNoise, Encoding
+from hydrafl.secagg.quantize import METRIC_SLOTS
+from hydrafl.subnet.slices import Slice
+from hydrafl.tensor_files import as_record
 from hydrafl.updates import records
 
 STATE_KEY = "secagg"
@@ -72,12 +80,20 @@ def take_record(message: Message) -> ConfigRecord:
 
 
 def masked_reply(
-    message: Message, reply: Message, context: Context, routed: ConfigRecord, *, honest: bool = True
+    message: Message,
+    reply: Message,
+    context: Context,
+    routed: ConfigRecord,
+    *,
+    honest: bool = True,
+    exchange: ExchangeFolder | None = None,
 ) -> Message:
     """`reply` (the policy's) as the one masked vector that leaves the site: a train reply's delta (clipped to
     the run's honest-site bound, if any) and weight, then the metrics the round sums (`Layout.metrics`); an
     evaluate reply's weight and metrics only. Nothing else of the reply leaves: no metric, count, data hash
-    or epsilon in the clear. `honest=False` plays a modified site that skips the bound (benchmarks, tests)."""
+    or epsilon in the clear. `honest=False` plays a modified site that skips the bound (benchmarks, tests).
+    A whole update's vector is made a window at a time (`masked_upload`), and goes into a file of `exchange`
+    when larger than its memory bound."""
     if reply.has_error():
         return reply
     session = _load(context)
@@ -91,9 +107,11 @@ def masked_reply(
     [metrics] = records(reply.content, MetricRecord)
     weight = metrics[layout.weight_key]
     params, rng = layout.scaled(session.params), np.random.default_rng()
+    pieces: Iterable[np.ndarray]
     if kind == "evaluate":
         weight = _weight(weight, layout.count_once)
-        encoded = encode(np.zeros(0), weight, params, rng)
+        pieces = [encode(np.zeros(0), weight, params, rng)]
+        length = 1
     else:
         if distributed and not layout.count_once:
             raise SecAggError(
@@ -101,48 +119,48 @@ def masked_reply(
             )
         [delta] = [r for r in reply.content.values() if isinstance(r, ArrayRecord)]
         if layout.per_coordinate:
-            flat, weights = _expanded(
-                delta, wire.parse_slices(routed), layout, _weight(weight, layout.count_once)
-            )
+            shapes = dict(zip(layout.names, map(tuple, layout.shapes), strict=True))
         else:
             sent = next(iter(message.content.array_records.values()))
+            shapes = {name: tuple(sent[name].shape) for name in layout.names if name in sent}
             if list(delta) != layout.names or any(
-                tuple(delta[n].shape) != tuple(sent[n].shape) for n in layout.names
+                tuple(delta[n].shape) != shapes.get(n) for n in layout.names
             ):
                 raise SecAggError(
                     "the update's arrays differ from the model the round sent: it cannot be summed securely"
                 )
-            flat = np.concatenate(
-                [delta[name].numpy().astype(np.float64).ravel() for name in layout.names]
-            )
-            weights = _weight(weight, layout.count_once)
-        if honest and session.params.site_clip:
-            flat = clip_norm(flat, session.params.site_clip)
+        size = sum(math.prod(shape) for shape in shapes.values())
+        # a window at a time: no float64 copy of the whole update; with distributed DP, the site's own clip
+        # and noise share, so the coordinator sees a noised sum
+        dp = DistributedNoise.of(params, size, len(participants)) if distributed else None
+        encoding = Encoding(params, rng, session.params.site_clip if honest else None, dp)
+        one = _weight(weight, layout.count_once)
         if (
-            distributed
-        ):  # the site's own clip and noise share: the coordinator only sees a noised sum
-            encoded = DistributedNoise.of(params, flat.size, len(participants)).encode(
-                flat, params, rng, weights
-            )
+            layout.per_coordinate
+        ):  # its slices expanded to full shapes, with a weight per coordinate
+            slices = {name: Slice(*spec) for name, spec in wire.parse_slices(routed).items()}
+            pieces = expanded_windows(delta, slices, shapes, one, encoding)
+            length = 2 * size
         else:
-            encoded = encode(flat, weights, params, rng)
+            pieces = encoded_windows(delta, layout.names, one, encoding)
+            length = 1 + size
         weight = _weight(weight, layout.count_once or distributed)
     values = [_metric_value(metrics, name) for name, _ in layout.metrics]
-    slots = encode_metrics(values, weight, [r for _, r in layout.metrics], params, rng)
-    masked = session.mask(np.concatenate([encoded, slots]), wire.parse_sealed(routed))
+    ranges = [r for _, r in layout.metrics]
+
+    def with_slots() -> Iterator[np.ndarray]:
+        """The pieces, then the metric slots: their draws after the update's, as in one encode."""
+        yield from pieces
+        yield encode_metrics(values, weight, ranges, params, rng)
+
+    masks = session.masks(wire.parse_sealed(routed))
+    length += METRIC_SLOTS * len(layout.metrics)
+    masked = masked_vector(with_slots(), length, masks, exchange)
     _save(context, session)
     return Message(
-        RecordDict({"arrays": ArrayRecord({protocol.SECAGG_MASKED: Array(masked)})}),
+        RecordDict({"arrays": as_record({protocol.SECAGG_MASKED: masked})}),
         reply_to=message,
     )
-
-
-def clip_norm(flat: np.ndarray, bound: float) -> np.ndarray:
-    """`flat` scaled down to L2 norm `bound` when above it (the honest-site bound, `--secagg-clip`)."""
-    norm = float(np.linalg.norm(flat))
-    if not np.isfinite(norm):
-        raise SecAggError("the update has NaN or infinite values")
-    return flat * (bound / norm) if norm > bound else flat
 
 
 def _weight(weight: object, count_once: bool) -> int:
@@ -157,38 +175,6 @@ def _weight(weight: object, count_once: bool) -> int:
 def _metric_value(metrics: MetricRecord, name: str) -> float | None:
     value = metrics.get(name) if name in metrics else None
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _expanded(
-    delta: ArrayRecord, slices: dict, layout: wire.Layout, weight: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """A subnetwork's compact slices as full-shape vectors: the delta (0 off the slices) and a per-coordinate
-    weight (`weight` on the slices, 0 off them). Imports torch here, for subnetworks only: the in-process grid
-    answers through this module, and a stock Flower app's simulation need not load torch."""
-    import torch
-
-    from hydrafl.subnet.slices import Slice
-
-    if set(delta) != set(slices) or not set(slices) <= set(layout.names):
-        raise SecAggError(
-            "the update's arrays differ from the slices the round assigned: it cannot be summed securely"
-        )
-    values, weights = [], []
-    for name, shape in zip(layout.names, layout.shapes, strict=True):
-        if name not in slices:
-            values.append(np.zeros(int(np.prod(shape))))
-            weights.append(np.zeros(int(np.prod(shape)), dtype=np.int64))
-            continue
-        sl = Slice(*slices[name])
-        try:
-            full = sl.put(
-                torch.zeros(shape, dtype=torch.float64), torch.from_numpy(delta[name].numpy())
-            )
-        except (ValueError, IndexError, RuntimeError) as error:
-            raise SecAggError(f"array {name!r} does not fit its assigned slice: {error}") from None
-        values.append(full.numpy().ravel())
-        weights.append(sl.mask(shape).numpy().ravel().astype(np.int64) * weight)
-    return np.concatenate(values), np.concatenate(weights)
 
 
 def _secagg_record(message: Message) -> ConfigRecord:

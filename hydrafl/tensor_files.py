@@ -85,6 +85,13 @@ class OnDiskArray(Array):
         values.flags.writeable = False
         return values
 
+    def read_bytes(self, start: int, count: int) -> bytes:
+        """`count` raw bytes of the values from byte `start` (a chunk to send, a window of a vector larger than
+        memory). Here through the whole values; a kind whose storage reads a window alone (`MappedArray`, the
+        coordinator's stored replies) reads only it."""
+        _check_window(start, count, self.nbytes)
+        return self.numpy().reshape(-1).view(np.uint8)[start : start + count].tobytes()
+
     @property
     def data(self) -> bytes:  # type: ignore[override]
         return self._npy_header() + self.numpy().tobytes()
@@ -135,10 +142,7 @@ class MappedArray(OnDiskArray):
     def read_bytes(self, start: int, count: int) -> bytes:
         """`count` raw bytes of the values from byte `start` (a chunk to send, a block of rows), read, not mapped:
         a window of a tensor larger than memory, which leaves nothing resident behind it."""
-        if start < 0 or count < 0 or start + count > self.nbytes:
-            raise TensorFileError(
-                f"bytes {start}..{start + count} are outside the tensor's {self.nbytes} bytes"
-            )
+        _check_window(start, count, self.nbytes)
         with open(self.path, "rb", buffering=0) as handle:
             data = os.pread(handle.fileno(), count, self.offset + start)
         if len(data) != count:
@@ -350,6 +354,13 @@ def open_tensors(path: str | Path) -> dict[str, MappedArray]:
             raise TensorFileError(f"{path}: tensor {name!r} does not fit the file")
         arrays[name] = MappedArray(path, 8 + length + begin, dtype, shape)
     return arrays
+
+
+def _check_window(start: int, count: int, nbytes: int) -> None:
+    if start < 0 or count < 0 or start + count > nbytes:
+        raise TensorFileError(
+            f"bytes {start}..{start + count} are outside the tensor's {nbytes} bytes"
+        )
 
 
 def _numpy(values: np.ndarray | torch.Tensor | Array) -> np.ndarray:

@@ -24,7 +24,7 @@ from flwr.app.message.message import make_message
 
 from hydrafl.strategies.accumulator import squared_blocks, tensor_view
 from hydrafl.strategies.parallel_fold import FoldPool, empty
-from hydrafl.tensor_files import Layout, OnDiskArray, TensorFileWriter
+from hydrafl.tensor_files import Layout, OnDiskArray, TensorFileWriter, as_record
 
 if TYPE_CHECKING:
     from hydrafl.privacy.central import CentralDp
@@ -88,6 +88,21 @@ class BuffersByTensor(Protocol):
         the buffer's file is given up."""
 
 
+@runtime_checkable
+class SumsByTensor(Protocol):
+    """Steps, tensor by tensor, on the per-coordinate sums of a secure round (`hooks.TakesSecureSums`) of a model
+    on disk, by the same rule as its `aggregate_summed`."""
+
+    def aggregate_summed_by_tensor(
+        self,
+        server_round: int,
+        replies: Sequence[Message],
+        start: ArrayRecord,
+        files: RoundFiles,
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """`aggregate_by_tensor`'s contract, for the one reply holding ArrayRecords `sums` and `weights`."""
+
+
 def follows_its_rule(strategy: object) -> bool:
     """Whether `strategy` aggregates tensor by tensor by the rule its `aggregate_train` follows: both written by
     the same class (a subclass that changes `aggregate_train` alone would be aggregated by its parent's rule)."""
@@ -105,12 +120,30 @@ def buffers_by_its_rule(strategy: object) -> bool:
     )
 
 
+def sums_follow_their_rule(strategy: object) -> bool:
+    """`follows_its_rule` for the secure sums: `aggregate_summed` and `aggregate_summed_by_tensor` written by the
+    same class."""
+    return isinstance(strategy, SumsByTensor) and _one_owner(
+        strategy, "aggregate_summed", "aggregate_summed_by_tensor"
+    )
+
+
 def _one_owner(strategy: object, *methods: str) -> bool:
     """Whether one class of `strategy`'s wrote all of `methods` (a method it lacks has no owner)."""
     owners = {
         next((cls for cls in type(strategy).__mro__ if name in vars(cls)), None) for name in methods
     }
     return len(owners) == 1 and None not in owners
+
+
+def one_tensor_sums(reply: Message, name: str) -> Message:
+    """A secure round's reply (`read_ahead` cuts its `sums` to tensor `name`) with its `weights` cut to `name`
+    too: what `MaskedDeltaAccumulator.add_sums` folds in for that tensor."""
+    one = as_record({name: reply.content.array_records["weights"][name]})
+    content = RecordDict(
+        {key: one if key == "weights" else record for key, record in reply.content.items()}
+    )
+    return make_message(metadata=reply.metadata, content=content)
 
 
 def delta_of(reply: Message) -> tuple[str, ArrayRecord]:

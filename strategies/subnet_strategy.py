@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -25,7 +25,7 @@ from flwr.serverapp.strategy import FedAvg
 from hydrafl.arrays import from_record, sliced_record, to_record
 from hydrafl.lora_pairs import lora_pairs
 from hydrafl.strategies.accumulator import AggregationError, MaskedDeltaAccumulator
-from hydrafl.strategies.by_tensor import RoundFiles, metric_contents
+from hydrafl.strategies.by_tensor import RoundFiles, metric_contents, one_tensor_sums
 from hydrafl.strategies.lora_factors import (
     MaskedProductAccumulator,
     reply_delta,
@@ -275,20 +275,51 @@ class SubnetStrategy(FedAvg):
             )
         slices = {node: self.site_slices(node) for node in self.specs}
 
+        def fold(
+            accumulator: MaskedDeltaAccumulator, name: str, reply: Message, shape: tuple[int, ...]
+        ) -> None:
+            site = slices[reply.metadata.src_node_id]
+            if name not in site:
+                raise AggregationError(
+                    f"reply from node {reply.metadata.src_node_id} updates {name!r}, outside its subnetwork"
+                )
+            accumulator.add_slices(
+                reply, {name: site[name]}, {name: shape}, count_once=self.count_once
+            )
+
+        return self._step_by_tensor(replies, start, files, fold)
+
+    def aggregate_summed_by_tensor(
+        self,
+        server_round: int,
+        replies: Sequence[Message],
+        start: ArrayRecord,
+        files: RoundFiles,
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """`aggregate_summed` one tensor at a time (`by_tensor`): each tensor's masked mean from its cut of the
+        sums and weights, the same outer step; the model and the momentum each written to a file of their own."""
+        return self._step_by_tensor(
+            replies,
+            start,
+            files,
+            lambda accumulator, name, reply, _: accumulator.add_sums(one_tensor_sums(reply, name)),
+        )
+
+    def _step_by_tensor(
+        self,
+        replies: Sequence[Message],
+        start: ArrayRecord,
+        files: RoundFiles,
+        fold: Callable[[MaskedDeltaAccumulator, str, Message, tuple[int, ...]], None],
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Each tensor's masked mean of the replies cut to it (`fold` adds one), then the outer step."""
+
         def step(name: str, array: Array, cut: list[Message]) -> torch.Tensor:
             accumulator = MaskedDeltaAccumulator(self.weighted_by_key)
             for reply in cut:
-                site = slices[reply.metadata.src_node_id]
-                if name not in site:
-                    raise AggregationError(
-                        f"reply from node {reply.metadata.src_node_id} updates {name!r}, outside its subnetwork"
-                    )
-                accumulator.add_slices(
-                    reply, {name: site[name]}, {name: array.shape}, count_once=self.count_once
-                )
+                fold(accumulator, name, reply, tuple(array.shape))
             delta, trained = accumulator.mean()[name]
-            weights = torch.from_numpy(array.numpy())
-            return self.outer.masked_step(name, weights, delta, trained)
+            return self.outer.masked_step(name, torch.from_numpy(array.numpy()), delta, trained)
 
         self.current_arrays = step_by_tensor(self.outer, start, replies, files, step)
         contents = metric_contents(replies)

@@ -69,9 +69,41 @@ def open_sealed(key: bytes, sealed: bytes, associated: bytes) -> bytes:
         ) from None
 
 
+BLOCK_WORDS = 16
+"""uint32 words in one ChaCha20 block (64 bytes)."""
+MASK_WORDS = BLOCK_WORDS << 32
+"""The longest mask: ChaCha20's block counter is 32 bits (a 275 GB keystream)."""
+
+
 def mask(seed: bytes, size: int) -> np.ndarray:
     """`size` uint32 words of the ChaCha20 keystream under `seed`: the same mask at both ends."""
-    encryptor = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
-    return np.frombuffer(encryptor.update(bytes(4 * size)), dtype="<u4").astype(
-        np.uint32, copy=False
-    )
+    return mask_range(seed, 0, size)
+
+
+def mask_range(seed: bytes, offset: int, count: int) -> np.ndarray:
+    """Words [offset, offset + count) of `mask(seed, ...)`, made without the words before them: ChaCha20 is a
+    counter-mode stream, and its 16-byte nonce starts with the little-endian block counter. A vector larger than
+    memory is masked and unmasked a window at a time."""
+    if offset < 0 or count < 0 or offset + count > MASK_WORDS:
+        raise SecAggError(f"mask words {offset}..{offset + count} are outside 0..{MASK_WORDS}")
+    block, skip = divmod(offset, BLOCK_WORDS)
+    nonce = block.to_bytes(4, "little") + bytes(12)
+    encryptor = Cipher(algorithms.ChaCha20(seed, nonce), mode=None).encryptor()
+    stream = encryptor.update(bytes(4 * (skip + count)))
+    return np.frombuffer(stream, dtype="<u4", offset=4 * skip).astype(np.uint32, copy=False)
+
+
+Masks = list[tuple[bytes, bool]]
+"""Mask seeds, each with whether its mask is added to the vector (else subtracted)."""
+
+
+def apply_masks(
+    values: np.ndarray, offset: int, masks: Masks, *, remove: bool = False
+) -> np.ndarray:
+    """`values` (words [offset, offset + len) of a uint32 vector), changed in place and returned, with `masks`
+    applied to them (mod 2^32), or, `remove`, taken back out: a site masks, and the coordinator unmasks, a window
+    at a time as well as whole."""
+    for seed, added in masks:
+        words = mask_range(seed, offset, values.size)
+        (np.add if added != remove else np.subtract)(values, words, out=values)
+    return values

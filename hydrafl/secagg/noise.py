@@ -36,12 +36,13 @@ round whose sum could leave +-2^31 steps (n sites' clipped coordinates plus a Po
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from hydrafl.secagg.params import SecAggError, SecAggParams
-from hydrafl.secagg.quantize import encode
+from hydrafl.secagg.quantize import check_weights, quantise
 
 TAIL_EXPONENT = 200.0
 """Bernstein's exponent for the noise tail `check_range` allows for: e^-200 per coordinate and round."""
@@ -94,15 +95,11 @@ class DistributedNoise:
         update = np.asarray(update, dtype=np.float64).ravel()
         if update.size != self.size:
             raise SecAggError(f"the update has {update.size} coordinates, the round {self.size}")
-        norm = float(np.linalg.norm(update))
-        if not math.isfinite(norm):
-            raise SecAggError("the update has NaN or infinite values")
-        encoded = encode(
-            update * min(1.0, self.clip / norm) if norm > 0 else update, weights, params, rng
-        )
-        noise = skellam(rng, self.site_variance(), self.size)
-        encoded[encoded.size - self.size :] += noise.astype(np.uint32)  # two's complement: mod 2^32
-        return encoded
+        weights = np.asarray(weights).ravel()
+        check_weights(weights, params)
+        encoding = Encoding(params, rng, None, self)
+        quantised = encoding.quantised(update, weights, encoding.clip_factor([update]))
+        return np.concatenate([weights.astype(np.uint32), quantised])
 
     def effective_noise_multiplier(self, survivors: int) -> float:
         """z_eff of a round whose sum holds `survivors` sites' shares (see the module docstring); 0 without noise."""
@@ -129,3 +126,39 @@ def skellam(rng: np.random.Generator, variance: float, size: int) -> np.ndarray:
     """`size` draws of Skellam noise of `variance` (Poisson(variance / 2) - Poisson(variance / 2)), as int64."""
     half = variance / 2
     return rng.poisson(half, size) - rng.poisson(half, size)
+
+
+@dataclass(frozen=True, slots=True)
+class Encoding:
+    """How a site encodes its update, whole (`DistributedNoise.encode`) or a window at a time (the site's
+    `masked_upload`): with the round's `params` and its own random draws, scaled down first to the honest-site
+    `bound` (`--secagg-clip`) when its L2 norm is above it, then, under distributed DP (`noise`), to the norm
+    C, with the site's Skellam share on every coordinate."""
+
+    params: SecAggParams
+    rng: np.random.Generator
+    bound: float | None = None
+    noise: DistributedNoise | None = None
+
+    def clip_factor(self, pieces: Iterable[np.ndarray]) -> float:
+        """What the update (float64 `pieces` of it) is scaled by: the honest-site bound's, then C's."""
+        if not self.bound and self.noise is None:
+            return 1.0
+        norm = math.sqrt(sum(float(np.dot(piece, piece)) for piece in pieces))
+        if not math.isfinite(norm):
+            raise SecAggError("the update has NaN or infinite values")
+        factor = self.bound / norm if self.bound and norm > self.bound else 1.0
+        if self.noise is not None and norm * factor > self.noise.clip:
+            factor *= self.noise.clip / (norm * factor)
+        return factor
+
+    def quantised(self, window: np.ndarray, weights: np.ndarray, factor: float) -> np.ndarray:
+        """A window of the update scaled by `factor`, quantised (`quantize.quantise`: the random draws one call
+        over the whole makes, in order), and given its Skellam share under DP (mod 2^32)."""
+        if not np.all(np.isfinite(window)):
+            raise SecAggError("the update has NaN or infinite values")
+        scaled = window * factor if factor != 1.0 else window
+        piece = quantise(scaled, weights, self.params, self.rng)
+        if self.noise is not None:  # two's complement: mod 2^32
+            piece += skellam(self.rng, self.noise.site_variance(), piece.size).astype(np.uint32)
+        return piece

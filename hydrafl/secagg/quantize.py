@@ -31,6 +31,11 @@ def encode(
         )
     if not np.all(np.isfinite(delta)):
         raise SecAggError("the update has NaN or infinite values")
+    check_weights(weights, params)
+    return np.concatenate([weights.astype(np.uint32), quantise(delta, weights, params, rng)])
+
+
+def check_weights(weights: np.ndarray, params: SecAggParams) -> None:
     if (
         np.any(weights < 0)
         or np.any(weights > params.max_weight)
@@ -40,6 +45,14 @@ def encode(
             f"weights must be integers in [0, max_weight={params.max_weight}] (the run's secagg-max-weight), "
             f"got up to {weights.max():g}"
         )
+
+
+def quantise(
+    delta: np.ndarray, weights: np.ndarray, params: SecAggParams, rng: np.random.Generator
+) -> np.ndarray:
+    """The quantised part of `encode` of (a window of) a finite float64 update, its weights checked: coordinate
+    by coordinate, and `rng` drawn once per coordinate in order, so an update encoded a window at a time gives
+    the values of one call."""
     scale = params.quantization_range / (2 * params.clipping_range)
     scaled = (
         np.clip(
@@ -50,7 +63,7 @@ def encode(
     scaled += params.quantization_range / 2
     floor = np.floor(scaled)
     quantised = floor + (rng.random(scaled.shape) < scaled - floor)
-    return np.concatenate([weights.astype(np.uint32), quantised.astype(np.uint32)])
+    return quantised.astype(np.uint32)
 
 
 def decode_sum(
@@ -58,21 +71,28 @@ def decode_sum(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(weight sum, sum of w * delta) from the field sum of `num_sites` encoded vectors."""
     total = np.asarray(total, dtype=np.uint32)
+    width = (total.size // 2) if per_coordinate else 1
+    if total.size < width + 1 or (per_coordinate and total.size % 2):
+        raise SecAggError(f"a summed vector of {total.size} elements does not fit the layout")
+    return total[:width].astype(np.int64), decode_values(total[width:], num_sites, params)
+
+
+def decode_values(quantised: np.ndarray, num_sites: int, params: SecAggParams) -> np.ndarray:
+    """The sum of w * delta from (a window of) the quantised part of the field sum of `num_sites` vectors:
+    coordinate by coordinate, so a sum larger than memory is decoded a window at a time to the same bits."""
     if num_sites < 1 or num_sites * params.quantization_range >= MODULUS:
         raise SecAggError(
             f"cannot decode a sum of {num_sites} sites with quantization_range {params.quantization_range}"
         )
-    width = (total.size // 2) if per_coordinate else 1
-    if total.size < width + 1 or (per_coordinate and total.size % 2):
-        raise SecAggError(f"a summed vector of {total.size} elements does not fit the layout")
-    weights = total[:width].astype(np.int64)
     scale = params.quantization_range / (2 * params.clipping_range)
     centred = (
-        (total[width:] - np.uint32(num_sites * params.quantization_range // 2))
+        (quantised - np.uint32(num_sites * params.quantization_range // 2))
         .view(np.int32)
         .astype(np.float64)
     )
-    return weights, centred / scale * params.max_weight
+    centred /= scale  # in place: the bits of `centred / scale * max_weight`, in one window's memory
+    centred *= params.max_weight
+    return centred
 
 
 def quantisation_bound(num_sites: int, params: SecAggParams) -> float:

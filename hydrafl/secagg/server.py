@@ -1,11 +1,13 @@
 """The coordinator's side of one secure-aggregation round, as a state machine with validation at every stage.
 
 It holds signed public keys it only routes, encrypted shares it cannot open, the running field sum of the masked
-vectors (never one site's vector beyond the call that adds it), the survivors' signatures over the survivor set
-and, at the end, the shares that remove the masks. Every `receive_*` checks the whole message first and raises
-SecAggError without changing anything when it is malformed, out of turn, from a site not in the round, or
-addressed to another site. Every rebuilt secret is checked against what its owner signed: a corrupt share is
-outvoted and its sender named when spare shares arrived, and halts the round otherwise.
+vectors (`FieldSum`, in memory or in a file; never one site's vector beyond the call that adds it), the
+survivors' signatures over the survivor set and, at the end, the shares that remove the masks. Every `receive_*`
+checks the whole message first and raises SecAggError without changing anything when it is malformed, out of
+turn, from a site not in the round, or addressed to another site. Every rebuilt secret is checked against what
+its owner signed: a corrupt share is outvoted and its sender named when spare shares arrived, and halts the
+round otherwise. Unmasking is a window at a time too (`Unmasked`): each mask's words are made for the window
+that needs them (`crypto.mask_range`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 
 import hydrafl.secagg.crypto as crypto
 import hydrafl.secagg.shamir as shamir
+from hydrafl.secagg.field_sum import FieldSum, Words
 from hydrafl.secagg.identity import SIGNATURE_BYTES, seed_commitment, verify
 from hydrafl.secagg.params import SecAggError, SecAggParams, neighbours
 from hydrafl.secagg.site import SEALED_BYTES, SignedKeys, setup_digest, survivors_statement
@@ -37,8 +40,9 @@ class ServerSession:
     """Per sender, its encrypted shares by recipient."""
     routed: dict[int, tuple[int, ...]] = field(default_factory=dict)
     """Per site, the senders whose shares it was given: the sites it masks with."""
+    total: FieldSum
+    """The running sum of the masked vectors received."""
     masked: set[int] = field(default_factory=set)
-    total: np.ndarray | None = field(default=None, repr=False)
     survivors: tuple[int, ...] = ()
     """The survivor set the consistency check asks the sites to sign; fixed once asked."""
     signatures: dict[int, bytes] = field(default_factory=dict, repr=False)
@@ -50,15 +54,31 @@ class ServerSession:
 
     @classmethod
     def start(
-        cls, server_round: int, participants: list[int], params: SecAggParams, length: int
+        cls,
+        server_round: int,
+        participants: list[int],
+        params: SecAggParams,
+        length: int,
+        total: FieldSum | None = None,
     ) -> ServerSession:
+        """A round's session; the masked vectors are summed into `total` (an empty sum of `length` words, in
+        a file for vectors larger than memory), by default one in memory."""
         ordered = tuple(sorted(int(p) for p in participants))
         if len(set(ordered)) != len(ordered) or length < 1:
             raise SecAggError(
                 f"a round needs distinct participants and a vector length >= 1, got {list(ordered)}, {length}"
             )
         params.check_round(len(ordered))
-        return cls(server_round=server_round, participants=ordered, params=params, length=length)
+        total = FieldSum(length) if total is None else total
+        if total.length != length:
+            raise SecAggError(f"a sum of {total.length} words for vectors of {length}")
+        return cls(
+            server_round=server_round,
+            participants=ordered,
+            params=params,
+            length=length,
+            total=total,
+        )
 
     @property
     def threshold(self) -> int:
@@ -106,20 +126,28 @@ class ServerSession:
             )
         return {src: self.sealed[src][node] for src in self.routed[node]}
 
-    def receive_masked(self, node: int, vector: np.ndarray) -> None:
-        """Adds `node`'s masked vector to the running sum."""
+    def receive_masked(self, node: int, vector: np.ndarray | Words) -> None:
+        """Adds `node`'s masked vector to the running sum: an array, or a reader of its words (`Words`), which
+        is read a window at a time (a vector larger than memory). A vector that fails to read, or has a window
+        that is not uint32 words, fails its site and leaves the sum as it was."""
         self._require_participant(node)
         if node not in self.routed or node in self.masked or self.survivors:
             raise SecAggError(f"site {node}: a masked vector out of turn")
-        if (
-            not isinstance(vector, np.ndarray)
-            or vector.dtype != np.uint32
-            or vector.shape != (self.length,)
-        ):
-            raise SecAggError(
-                f"site {node}: a masked vector must be uint32 of shape ({self.length},)"
-            )
-        self.total = vector.copy() if self.total is None else self.total + vector
+        if isinstance(vector, np.ndarray) or not callable(vector):
+            if (
+                not isinstance(vector, np.ndarray)
+                or vector.dtype != np.uint32
+                or vector.shape != (self.length,)
+            ):
+                raise SecAggError(
+                    f"site {node}: a masked vector must be uint32 of shape ({self.length},)"
+                )
+            array = vector
+            vector = lambda offset, count: array[offset : offset + count]  # noqa: E731
+        try:
+            self.total.add(vector)
+        except SecAggError as error:
+            raise SecAggError(f"site {node}: {error}") from None
         self.masked.add(node)
 
     def check_request(self) -> list[int]:
@@ -169,10 +197,15 @@ class ServerSession:
         self.revealed[node] = dict(revealed)
 
     def result(self) -> tuple[np.ndarray, int]:
-        """(the field sum of the survivors' encoded vectors, how many survivors): every mask removed, each from
-        a secret that matches what its owner signed."""
+        """(the field sum of the survivors' encoded vectors, how many survivors), whole (`unmasked`)."""
+        unmasked, count = self.unmasked()
+        return unmasked.read(0, self.length), count
+
+    def unmasked(self) -> tuple[Unmasked, int]:
+        """(the field sum of the survivors' encoded vectors, read a window at a time; how many survivors): every
+        mask removed, each from a secret that matches what its owner signed."""
         self.unmask_request()
-        total = self.total.copy()
+        masks: crypto.Masks = []
         for node in self.survivors:
             signed = self.keys[node].commitment
             seed = self._rebuild(
@@ -181,19 +214,16 @@ class ServerSession:
                     seed_commitment(self.server_round, node, s) == signed
                 ),
             )
-            total -= crypto.mask(seed, self.length)
+            masks.append((seed, True))
         for node in sorted(set(self.sealed) - set(self.survivors)):
             public = self.keys[node].mask_key
             mask_key = self._rebuild(node, lambda k, public=public: crypto.public_key(k) == public)
-            for peer in self.survivors:
-                if (
-                    node in self.routed[peer]
-                ):  # peer added its pairwise mask with node; take it back out
-                    pairwise = crypto.mask(
-                        crypto.agree(mask_key, self.keys[peer].mask_key, b"mask"), self.length
-                    )
-                    total = total - pairwise if peer < node else total + pairwise
-        return total, len(self.survivors)
+            masks.extend(  # each survivor that masked with node added a pairwise mask; take it back out
+                (crypto.agree(mask_key, self.keys[peer].mask_key, b"mask"), peer < node)
+                for peer in self.survivors
+                if node in self.routed[peer]
+            )
+        return Unmasked(self.total, masks), len(self.survivors)
 
     def _rebuild(self, owner: int, valid: Callable[[bytes], bool]) -> bytes:
         """`owner`'s secret, which `valid` checks against its signed key material; the holders of shares that
@@ -241,3 +271,15 @@ class ServerSession:
             raise SecAggError(
                 f"site {node} is not in round {self.server_round}'s secure aggregation"
             )
+
+
+@dataclass(frozen=True)
+class Unmasked:
+    """The masked sum less `masks`, read a window at a time."""
+
+    total: FieldSum
+    masks: crypto.Masks = field(repr=False)
+
+    def read(self, offset: int, count: int) -> np.ndarray:
+        """Words [offset, offset + count) of the unmasked sum."""
+        return crypto.apply_masks(self.total.read(offset, count), offset, self.masks, remove=True)

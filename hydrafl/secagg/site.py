@@ -199,6 +199,13 @@ class SiteSession:
         self._expect("shared")
         if not isinstance(encoded, np.ndarray) or encoded.dtype != np.uint32 or encoded.ndim != 1:
             raise SecAggError("the encoded update must be a 1-D uint32 vector")
+        return crypto.apply_masks(encoded.copy(), 0, self.masks(sealed))
+
+    def masks(self, sealed: dict[int, bytes]) -> crypto.Masks:
+        """The masks `mask` adds (`crypto.Masks`), from the shares routed to this site: its self-mask and its
+        pairwise masks with every site whose shares arrived. A vector larger than memory is masked a window at
+        a time with them (`crypto.apply_masks`)."""
+        self._expect("shared")
         opened = {}
         for src, blob in sealed.items():
             if src == self.node or src not in self.peer_keys:
@@ -216,15 +223,14 @@ class SiteSession:
             body = plain[2 * _ID_BYTES :]
             opened[src] = (body[: shamir.SHARE_BYTES], body[shamir.SHARE_BYTES :])
         self._require_threshold(len(opened) + 1, "neighbours sent shares")
-        masked = encoded + crypto.mask(self.self_seed, encoded.size)
-        for peer in opened:
-            pairwise = crypto.mask(
-                crypto.agree(self.mask_key, self.peer_keys[peer].mask_key, b"mask"), encoded.size
-            )
-            masked = masked + pairwise if self.node < peer else masked - pairwise
+        masks = [(self.self_seed, True)]
+        masks += [
+            (crypto.agree(self.mask_key, self.peer_keys[peer].mask_key, b"mask"), self.node < peer)
+            for peer in opened
+        ]
         self.held.update(opened)
         self.stage = "masked"
-        return masked
+        return masks
 
     def sign_survivors(self, survivors: list[int]) -> bytes:
         """The consistency check: this site's signature over the survivor set, given once. It refuses a set

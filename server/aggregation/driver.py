@@ -218,8 +218,12 @@ class RoundDriver:
             return self.intake.valid(
                 server_round, self.exchange(wire, server_round), arrays, record
             )
+        files = None
+        if self.on_disk:  # the masked sum and the decoded mean go to files of the round's
+            assert self.config.run_dir is not None  # `_placed` put the model there
+            files = RoundFiles(self.config.run_dir, server_round)
         secure = SecureRound(
-            self.exchange, self.config.secagg, self.adapter.weighted_by_key, self.strategy
+            self.exchange, self.config.secagg, self.adapter.weighted_by_key, self.strategy, files
         )
         try:
             return [secure.train(server_round, messages, arrays, record)]
@@ -282,7 +286,7 @@ class RoundDriver:
                 # order the sites answered in
                 stored = sorted(_timed(replies, waited), key=_node)
                 new_arrays, metrics = self.adapter.aggregate_by_tensor(
-                    server_round, stored, arrays, files
+                    server_round, stored, arrays, files, summed=summed
                 )
             else:
                 new_arrays, metrics = self.adapter.aggregate_train(
@@ -321,11 +325,9 @@ class RoundDriver:
 
     def _on_disk_refusal(self, arrays: ArrayRecord) -> str:
         """Why this run cannot keep its model on disk ("" when it can)."""
-        if self.config.secagg is not None:
-            return "secure aggregation sums whole replies in memory"
         if self.config.screening.enabled or self.config.diagnostics:
             return "screening and diagnostics compare whole replies in memory"
-        return self.adapter.by_tensor_refusal(arrays)
+        return self.adapter.by_tensor_refusal(arrays, summed=self.config.secagg is not None)
 
     def _resume(self) -> Checkpoint | None:
         """The checkpoint to go on from (its configuration checked), the strategy's state restored from it."""

@@ -32,8 +32,10 @@ from hydrafl.strategies.by_tensor import (
     MODEL,
     AggregatesByTensor,
     RoundFiles,
+    SumsByTensor,
     follows_its_rule,
     read_ahead,
+    sums_follow_their_rule,
 )
 from hydrafl.tensor_files import as_record, layout_of
 from hydrafl.updates import array_names, consistent_majority, metric_layout
@@ -102,8 +104,18 @@ class FlowerAdapter:
         arrays, metrics = self.strategy.aggregate_train(server_round, _as_weights(replies, start))
         return (None if arrays is None else _released(arrays)), metrics
 
-    def by_tensor_refusal(self, arrays: ArrayRecord) -> str:
-        """Why the strategy cannot aggregate `arrays` kept on disk ("" when it can)."""
+    def by_tensor_refusal(self, arrays: ArrayRecord, *, summed: bool = False) -> str:
+        """Why the strategy cannot aggregate `arrays` kept on disk ("" when it can); `summed`: from a secure
+        round's sums."""
+        if (
+            summed
+            and isinstance(self.strategy, hooks.TakesSecureSums)
+            and not sums_follow_their_rule(self.strategy)
+        ):
+            return (
+                f"secure aggregation decodes {type(self.strategy).__name__}'s per-coordinate sums in "
+                "memory; those that step on them tensor by tensor: Hydra and the width baselines"
+            )
         if not self.aggregates_by_tensor:
             return (
                 f"strategy {type(self.strategy).__name__} needs every reply in memory at once; those that "
@@ -116,16 +128,25 @@ class FlowerAdapter:
         return ""
 
     def aggregate_by_tensor(
-        self, server_round: int, replies: Sequence[Message], start: ArrayRecord, files: RoundFiles
+        self,
+        server_round: int,
+        replies: Sequence[Message],
+        start: ArrayRecord,
+        files: RoundFiles,
+        *,
+        summed: bool,
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """`aggregate_train` of a model on disk: the strategy's own by-tensor aggregation, or, for Flower's
-        coordinate-wise rules, their `aggregate_train` on each tensor's cut of the replies in turn; refused
-        (`AggregationError`) where `by_tensor_refusal` says so."""
-        if refusal := self.by_tensor_refusal(start):
+        """`aggregate_train` (with `summed`, as there) of a model on disk: the strategy's own by-tensor
+        aggregation, or, for Flower's coordinate-wise rules, their `aggregate_train` on each tensor's cut of the
+        replies in turn; refused (`AggregationError`) where `by_tensor_refusal` says so."""
+        if refusal := self.by_tensor_refusal(start, summed=summed):
             raise AggregationError(refusal)
         replies = [reply for reply in replies if not reply.has_error()]
         if not replies:
             return None, None
+        if summed and isinstance(self.strategy, hooks.TakesSecureSums):
+            assert isinstance(self.strategy, SumsByTensor)  # by_tensor_refusal checked it
+            return self.strategy.aggregate_summed_by_tensor(server_round, replies, start, files)
         if follows_its_rule(self.strategy):
             assert isinstance(self.strategy, AggregatesByTensor)
             return self.strategy.aggregate_by_tensor(server_round, replies, start, files)

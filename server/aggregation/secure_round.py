@@ -13,6 +13,9 @@ coordinate, and the one reply holds the per-coordinate sums instead (`hooks.Take
 DP every site weighs 1 there too, and its noise share covers every coordinate, so the strategy's masked mean
 (sum / n_l over the n_l survivors that trained a coordinate) carries central DP's z C / n_l.
 
+With the model kept on disk (`files`), the masked sum lives in a file and the reply's mean update in another,
+both a window at a time (`secure_on_disk`): the same bits as in memory.
+
 Stages: a keys query, a shares query, the train messages carrying each site's routed shares (the replies are
 masked vectors, summed as they arrive), a check query (survivors sign the survivor set), an unmask query. Every
 site message is checked before it reaches the `ServerSession`; a bad one fails that site only. Fewer survivors
@@ -43,8 +46,12 @@ from hydrafl.secagg import (
     decode_sum,
     wire,
 )
+from hydrafl.secagg.field_sum import FieldSum
 from hydrafl.secagg.noise import DistributedNoise
 from hydrafl.secagg.quantize import METRIC_SLOTS
+from hydrafl.secagg.server import Unmasked
+from hydrafl.server.aggregation.secure_on_disk import decode_mean, decode_sums, sum_file, words_of
+from hydrafl.strategies.by_tensor import RoundFiles
 from hydrafl.strategies.hooks import TakesSecureSums
 from hydrafl.updates import InvalidUpdate, records
 
@@ -82,8 +89,11 @@ class SecureRound:
         params: SecAggParams,
         weighted_by_key: str,
         strategy: object = None,
+        files: RoundFiles | None = None,
     ) -> None:
+        """`files`: the round's folder, for a model kept on disk: the train round's sums go to files there."""
         self.exchange = exchange
+        self.files = files
         self.params = params
         self.weighted_by_key = weighted_by_key
         self.subnets = strategy if isinstance(strategy, TakesSecureSums) else None
@@ -118,7 +128,8 @@ class SecureRound:
         "evaluate"), so no site's loss, accuracy or example count reaches the coordinator."""
         layout = wire.Layout(self.weighted_by_key, [], metrics=list(EVALUATE_METRICS))
         try:
-            weights, _, means = self._protocol(server_round, messages, layout, 1, "evaluate")
+            unmasked, _, means = self._protocol(server_round, messages, layout, 1, "evaluate")
+            weights = self._weights(server_round, unmasked.read(0, 1))
         finally:
             record.secagg_bytes, record.secagg_s = self.bytes, self.seconds
         record.sites_ok = len(self.survivors)
@@ -139,9 +150,20 @@ class SecureRound:
             self.params.dp_clip
         ):  # before any site is asked: a sum that could wrap is refused, not decoded
             DistributedNoise.of(layout.scaled(self.params), size, len(messages)).check_range()
-        weights, weighted, means = self._protocol(
+        if self.files is not None:
+            return self._train_on_disk(server_round, messages, arrays, layout, length, self.files)
+        unmasked, count, means = self._protocol(
             server_round, messages, layout, length, "train", arrays
         )
+        started = time.perf_counter()
+        weights, weighted = decode_sum(
+            unmasked.read(0, length),
+            count,
+            layout.scaled(self.params),
+            per_coordinate=layout.per_coordinate,
+        )
+        self.seconds += time.perf_counter() - started
+        self._weights(server_round, weights)
         if layout.per_coordinate:
             content = {
                 "sums": _unflatten(weighted, arrays, layout.names, "float32"),
@@ -151,6 +173,29 @@ class SecureRound:
             content = {"arrays": _unflatten(weighted / weights[0], arrays, layout.names)}
         return _summed_reply(messages[0], content, int(weights.max()), self.weighted_by_key, means)
 
+    def _train_on_disk(
+        self,
+        server_round: int,
+        messages: Sequence[Message],
+        arrays: ArrayRecord,
+        layout: wire.Layout,
+        length: int,
+        files: RoundFiles,
+    ) -> Message:
+        """`_train` with the masked sum in a file and the mean update (a subnetwork's per-coordinate sums)
+        decoded into files, a window at a time (`secure_on_disk`)."""
+        with sum_file(files, length + METRIC_SLOTS * len(layout.metrics)) as total:
+            unmasked, count, means = self._protocol(
+                server_round, messages, layout, length, "train", arrays, total
+            )
+            started = time.perf_counter()
+            decode = decode_sums if layout.per_coordinate else decode_mean
+            content, weight = decode(
+                unmasked, count, layout.scaled(self.params), arrays, layout.names, files
+            )
+            self.seconds += time.perf_counter() - started
+        return _summed_reply(messages[0], content, weight, self.weighted_by_key, means)
+
     def _protocol(
         self,
         server_round: int,
@@ -159,14 +204,17 @@ class SecureRound:
         length: int,
         purpose: str,
         arrays: ArrayRecord | None = None,
-    ) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
-        """One secure round over `messages` (vectors of `length` elements, then the layout's metric slots):
-        the decoded weights, weighted sum (of the update in `arrays`; empty without) and metric means."""
+        total: FieldSum | None = None,
+    ) -> tuple[Unmasked, int, dict[str, float]]:
+        """One secure round over `messages` (vectors of `length` elements, then the layout's metric slots),
+        summed into `total` (by default in memory): the unmasked sum, how many sites it sums and the metric
+        means."""
         params = replace(self.params, purpose=purpose)
+        cut = length
         length += METRIC_SLOTS * len(layout.metrics)
         participants = [m.metadata.dst_node_id for m in messages]
         started = time.perf_counter()
-        session = ServerSession.start(server_round, participants, params, length)
+        session = ServerSession.start(server_round, participants, params, length, total)
         setup = wire.keys_request(server_round, participants, params, layout)
         self._ask(
             server_round,
@@ -207,29 +255,29 @@ class SecureRound:
             dict.fromkeys(session.signatures, request),
             lambda node, record: session.receive_unmask(node, wire.parse_unmask_reply(record)),
         )
-        total, count = session.result()
-        survivors = list(session.survivors)
-        cut = total.size - METRIC_SLOTS * len(layout.metrics)
-        scaled = layout.scaled(params)
-        if arrays is None:
-            weights, weighted = total[:1].astype(np.int64), np.zeros(0)
-        else:
-            weights, weighted = decode_sum(
-                total[:cut], count, scaled, per_coordinate=layout.per_coordinate
-            )
-        decoded = decode_metrics(total[cut:], [r for _, r in layout.metrics], scaled)
+        unmasked, count = session.unmasked()
+        decoded = decode_metrics(
+            unmasked.read(cut, length - cut),
+            [r for _, r in layout.metrics],
+            layout.scaled(params),
+        )
         self.seconds += time.perf_counter() - started
-        self.survivors = survivors
-        if not weights.any():
-            raise SecAggError(
-                f"round {server_round}: the survivors' weights sum to 0; the round halts"
-            )
+        self.survivors = list(session.survivors)
         means = {
             name: mean
             for (name, _), (mean, _) in zip(layout.metrics, decoded, strict=True)
             if mean is not None
         }
-        return weights, weighted, means
+        return unmasked, count, means
+
+    @staticmethod
+    def _weights(server_round: int, weights: np.ndarray) -> np.ndarray:
+        """The decoded weights, or SecAggError when they sum to 0 (nothing to divide by)."""
+        if not weights.any():
+            raise SecAggError(
+                f"round {server_round}: the survivors' weights sum to 0; the round halts"
+            )
+        return weights
 
     def _layout(self, messages: Sequence[Message], arrays: ArrayRecord) -> wire.Layout:
         if self.subnets is not None:
@@ -337,8 +385,10 @@ class SecureRound:
             array = arrays[0][protocol.SECAGG_MASKED]
             if array.dtype != "uint32" or tuple(array.shape) != (session.length,):
                 raise SecAggError(f"the masked vector must be uint32 of shape ({session.length},)")
-            session.receive_masked(node, array.numpy())
-        except (SecAggError, InvalidUpdate, ValueError) as error:
+            session.receive_masked(node, words_of(array))
+        except (SecAggError, InvalidUpdate, ValueError, KeyError, OSError) as error:
+            if session.total.lost:  # not this site's fault: nothing can be summed any more
+                raise SecAggError(f"the masked sum is lost: {session.total.lost}") from error
             log.warning("site %d failed: secure aggregation: %s", node, error)
             return
         self.bytes_up_per_site[str(node)] = record_nbytes(arrays[0])

@@ -54,6 +54,27 @@ class StoredArray(OnDiskArray):
         list(_READERS.map(fill, digests, starts, sizes))
         return out
 
+    def read_bytes(self, start: int, count: int) -> bytes:
+        """The bytes [start, start + count) of its values, read from the chunks that hold them alone (each
+        checked against its name), so a window of a reply larger than memory costs a chunk or two of it."""
+        uploads: UploadPacks = self.__dict__["uploads"]
+        digests: list[str] = self.__dict__["digests"]
+        if "ends" not in self.__dict__:
+            self.__dict__["ends"] = np.cumsum([uploads.size(digest) for digest in digests])
+        ends: np.ndarray = self.__dict__["ends"]
+        if start < 0 or count < 0 or start + count > (int(ends[-1]) if len(ends) else 0):
+            raise EnvelopeError(f"bytes {start}..{start + count} are outside the stored tensor")
+        pieces: list[bytes] = []
+        first = int(np.searchsorted(ends, start, side="right"))
+        for index in range(first, len(digests)):
+            if pieces and int(ends[index - 1]) >= start + count:
+                break
+            chunk = uploads.get(digests[index])
+            UPLOADED.verify(digests[index], chunk)
+            begin = int(ends[index - 1]) if index else 0
+            pieces.append(chunk[max(start - begin, 0) : start + count - begin])
+        return b"".join(pieces)
+
 
 _READERS = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="stored-reply-reader")
 

@@ -18,10 +18,9 @@ from dp_neighbours import NEIGHBOURS, deltas, round_replies
 from flwr.app import Array, ArrayRecord
 from helpers import TIERED_RUN, site_app_failing
 
-from hydrafl.client import site_app
-from hydrafl.client.site_secagg import _expanded
+from hydrafl.client import masked_upload, site_app
 from hydrafl.privacy.accountant import distributed_epsilon
-from hydrafl.secagg import SecAggParams, noise, wire
+from hydrafl.secagg import SecAggParams, noise
 from hydrafl.secagg.noise import DistributedNoise
 from hydrafl.server import server_app
 from hydrafl.simulation.grid import InProcessGrid
@@ -38,18 +37,20 @@ def _noiseless_sum(
     strategy, arrays, updates: dict[int, dict], survivors, monkeypatch
 ) -> np.ndarray:
     """The survivors' encoded sum without noise (lattice steps, centred): each update expanded to full shape,
-    clipped and rounded by the sites' own code (`DistributedNoise.encode`), the rounding seeded per site."""
-    names = list(arrays)
-    layout = wire.Layout("num-examples", names, True, True, [tuple(arrays[n].shape) for n in names])
-    size = sum(math.prod(arrays[n].shape) for n in names)
+    clipped and rounded by the sites' own code (`masked_upload.expanded_windows`), the rounding seeded per
+    site."""
+    shapes = {name: tuple(array.shape) for name, array in arrays.items()}
+    size = sum(math.prod(shape) for shape in shapes.values())
     mechanism = DistributedNoise.of(PARAMS, size, len(updates))
     monkeypatch.setattr(noise, "skellam", lambda rng, variance, count: np.zeros(count, np.int64))
     total = np.zeros(size, dtype=np.int64)
     for node in survivors:
-        slices = {n: (sl.dim, sl.index) for n, sl in strategy.site_slices(node).items()}
         record = ArrayRecord({n: Array(np.ascontiguousarray(v)) for n, v in updates[node].items()})
-        flat, weights = _expanded(record, slices, layout, 1)
-        encoded = mechanism.encode(flat, PARAMS, np.random.default_rng(node), weights)
+        encoding = noise.Encoding(PARAMS, np.random.default_rng(node), None, mechanism)
+        pieces = masked_upload.expanded_windows(
+            record, strategy.site_slices(node), shapes, 1, encoding
+        )
+        encoded = np.concatenate(list(pieces))
         total += encoded[size:].astype(np.int64) - PARAMS.quantization_range // 2
     return total
 

@@ -64,3 +64,34 @@ def test_hydra_sites_sum_their_slices_securely_over_the_wire(tmp_path):
     assert (
         _difference(deployed, plain) <= 0.7 * quantisation_bound(3, SecAggParams()) / 10
     )  # Hydra's outer_lr 0.7
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hydra", [False, True])
+def test_a_coordinator_keeping_the_model_on_disk_sums_the_stored_uploads_securely(tmp_path, hydra):
+    """`--resident-model-mb 0`: every masked upload stays in the blob store and is added to the masked sum's file
+    a chunk at a time, and the mean (Hydra: the per-coordinate sums and weights) is decoded into files; the
+    sites (`--exchange-memory-mb 0`) mask into a file of their exchange folder and upload from it. The model is
+    the plain run's within the bound."""
+    cfg = RunConfig.from_flower({**RUN.to_flower(), **HYDRA}) if hydra else RUN
+    site_options = [("--tier", tier) if hydra else () for tier in TIERS]
+    store, run_id = run_to_end(
+        tmp_path,
+        cfg,
+        [(*options, "--exchange-memory-mb", "0") for options in site_options],
+        server_options=("--resident-model-mb", "0"),
+    )
+    run = store.run(run_id)
+    assert run.status == "finished", run.detail
+    assert run.history[1]["sites_ok"] == 3
+    folder = tmp_path / "home" / "runs" / str(run_id)
+    deployed = load_checkpoint(folder).arrays
+    if hydra:  # planned as the secure run plans: from the weights; Hydra's outer_lr 0.7
+        plain = _plain(
+            cfg.replace(site_tiers=",".join(TIERS), layer_score="magnitude", head_score="magnitude")
+        )
+        assert _difference(deployed, plain) <= 0.7 * quantisation_bound(3, SecAggParams()) / 10
+    else:
+        assert 0 < _difference(deployed, _plain(RUN)) <= quantisation_bound(3, SecAggParams()) / 30
+    kinds = sorted(path.name.split("-")[2] for path in folder.glob("round-*-*-*.safetensors"))
+    assert set(kinds) <= {"model", "momentum"} and "model" in kinds  # the sums' files are gone
