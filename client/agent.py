@@ -51,7 +51,7 @@ from hydrafl.client.error_replies import (
     request_of,
     size_text,
 )
-from hydrafl.client.exchange_folder import DEFAULT_EXCHANGE_MEMORY_BYTES, ExchangeFolder
+from hydrafl.client.exchange_folder import ExchangeFolder, default_exchange_memory_bytes
 from hydrafl.client.shipped_apps import ShippedApps
 from hydrafl.client.site_pipeline import answer
 from hydrafl.client.site_policy import SitePolicy
@@ -130,7 +130,7 @@ class SiteAgent:
         secagg_identity: SiteIdentity | None = None,
         threads: Callable[[], int] | None = None,
         apps_dir: Path | None = None,
-        exchange_memory_bytes: int = DEFAULT_EXCHANGE_MEMORY_BYTES,
+        exchange_memory_bytes: int | None = None,
         exchange_dir: Path | None = None,
     ) -> None:
         self.coordinator = coordinator
@@ -159,7 +159,12 @@ class SiteAgent:
         self.shipped = ShippedApps(policy, apps_dir)
         self.run_apps: dict[int, ClientApp | str] = {}
         """Per run (with a context): the ClientApp its bundle ships, or why the site refuses that bundle."""
-        self.exchange = ExchangeFolder(exchange_memory_bytes, exchange_dir)
+        self.exchange = ExchangeFolder(
+            default_exchange_memory_bytes()
+            if exchange_memory_bytes is None
+            else exchange_memory_bytes,
+            exchange_dir,
+        )
         """Where a message or reply larger than `exchange_memory_bytes` goes: files, a chunk in memory at a time."""
         self.node_id = 0
         self.received = Received()

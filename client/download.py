@@ -169,10 +169,8 @@ class Received:
             self.remove_file()
 
     def remove_file(self) -> None:
-        file, self.file = (
-            self.file,
-            None,
-        )  # forgotten first: once the file is gone, nothing refers to it
+        # forgotten first: once the file is gone, nothing refers to it
+        file, self.file = self.file, None
         if file is not None:
             file.remove()
 

@@ -3,6 +3,7 @@ download and upload files (`--exchange-memory-mb`, `--state-dir`/exchange or a t
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import uuid
@@ -14,9 +15,14 @@ from hydrafl.client.upload import file_backed
 from hydrafl.proto.envelope import array_nbytes
 from hydrafl.tensor_files import MappedArray
 
-DEFAULT_EXCHANGE_MEMORY_BYTES = 1024 * 1_000_000
-"""A message or reply whose arrays are larger than this goes through a file of the site's exchange folder
-instead of memory (`--exchange-memory-mb`)."""
+
+def default_exchange_memory_bytes() -> int:
+    """A quarter of this machine's physical memory: a message or reply whose arrays are larger goes through a file
+    of the site's exchange folder instead of memory (`--exchange-memory-mb`). An exchange in memory holds about
+    twice the model (the download, and the reply beside it), so a quarter keeps it within half the machine."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+
+
 EXCHANGE_FILES = ("download-*.safetensors", "upload-*.safetensors")
 
 

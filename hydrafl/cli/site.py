@@ -57,13 +57,14 @@ def site(
         ),
     ] = None,
     exchange_memory_mb: Annotated[
-        int,
+        int | None,
         typer.Option(
             min=0,
-            help="Memory (MB) a download or upload may hold; a larger model goes through a file in "
-            "--state-dir/exchange (else a temporary folder), a few chunks in memory at a time.",
+            help="Memory (MB) a download or upload may hold (default a quarter of its RAM); a larger "
+            "model goes through a file in --state-dir/exchange (else a temporary folder), a few chunks "
+            "in memory at a time.",
         ),
-    ] = 1024,
+    ] = None,
     nproc: Annotated[
         int,
         typer.Option(
@@ -276,7 +277,9 @@ def site(
         secagg_identity=identity,
         threads=share.threads,
         apps_dir=state_dir / "apps" if state_dir else None,
-        exchange_memory_bytes=exchange_memory_mb * 1_000_000,
+        exchange_memory_bytes=None
+        if exchange_memory_mb is None
+        else exchange_memory_mb * 1_000_000,
         exchange_dir=_exchange_dir(state_dir) if state_dir else None,
     )
     try:
