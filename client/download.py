@@ -28,6 +28,7 @@ from typing import Protocol
 
 from flwr.app import Array, Message
 
+from hydrafl.client.upload import reply_arrays
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.chunk_wire import ChunkView
 from hydrafl.proto.coordinator_pb2 import TensorManifest
@@ -160,11 +161,8 @@ class Received:
         if self.file is None:
             return
         path = str(self.file.writer.path)
-        arrays = [] if reply.has_error() else reply.content.array_records.values()
         if not any(
-            isinstance(array, MappedArray) and array.path == path
-            for record in arrays
-            for array in record.values()
+            isinstance(array, MappedArray) and array.path == path for array in reply_arrays(reply)
         ):
             self.remove_file()
 

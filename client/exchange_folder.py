@@ -11,7 +11,7 @@ from pathlib import Path
 
 from flwr.app import Message
 
-from hydrafl.client.upload import file_backed
+from hydrafl.client.upload import file_backed, reply_arrays
 from hydrafl.proto.envelope import array_nbytes
 from hydrafl.tensor_files import MappedArray
 
@@ -59,8 +59,7 @@ class ExchangeFolder:
         """The file `reply`'s arrays now live in, when they exceed the bound and are not in files already, or
         are in an upload file of this folder already (a masked vector written there a window at a time): the
         caller removes it once the reply is pushed. None when the reply stays as it is."""
-        arrays = [] if reply.has_error() else reply.content.array_records.values()
-        held = [array for record in arrays for array in record.values()]
+        held = reply_arrays(reply)
         if held and all(isinstance(array, MappedArray) for array in held):
             uploads = {Path(a.path) for a in held if isinstance(a, MappedArray)}
             mine = [p for p in uploads if p.parent == self._folder and p.name.startswith("upload-")]
@@ -68,7 +67,7 @@ class ExchangeFolder:
         if sum(array_nbytes(array) for array in held) <= self.memory_bytes:
             return None
         spilled = self.upload_path()
-        del held, arrays
+        del held
         file_backed(reply, spilled)
         return spilled
 

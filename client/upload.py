@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flwr.app import ArrayRecord, Message
+from flwr.app import Array, ArrayRecord, Message
 
 from hydrafl.proto import coordinator_pb2 as pb
 from hydrafl.proto.chunk_wire import CoordinatorClient
@@ -54,8 +54,7 @@ def upload_reply(
     """Push `reply`: its chunks (inline up to `inline_bytes`, else streamed), then its envelope. A reply of
     MappedArrays (a file-backed one, `file_backed`) streams from its file a chunk at a time."""
     started = time.perf_counter()
-    records = [] if reply.has_error() else reply.content.array_records.values()
-    arrays = list({id(array): array for record in records for array in record.values()}.values())
+    arrays = list({id(array): array for array in reply_arrays(reply)}.values())
     if (
         sum(array_nbytes(array) for array in arrays) <= inline_bytes
     ):  # one call; re-putting is harmless
@@ -136,6 +135,12 @@ def _named_as_sent(
             if digest not in sent:
                 sent.add(digest)
                 yield digest, chunk
+
+
+def reply_arrays(reply: Message) -> list[Array]:
+    """Every Array of `reply`'s array records, in order (an array two records share, twice); none for an error."""
+    records = [] if reply.has_error() else reply.content.array_records.values()
+    return [array for record in records for array in record.values()]
 
 
 def let_go(reply: Message) -> None:
