@@ -41,10 +41,11 @@ class StoredArray(OnDiskArray):
         uploads: UploadPacks = self.__dict__["uploads"]
         digests: list[str] = self.__dict__["digests"]
         raw = out.reshape(-1).view(np.uint8)
-        sizes = [uploads.size(digest) for digest in digests]
-        if sum(sizes) != raw.size:
-            raise EnvelopeError(f"stored chunks hold {sum(sizes)} bytes, the tensor {raw.size}")
-        starts = np.cumsum([0, *sizes[:-1]]).tolist()
+        ends = self._ends()
+        if self._nbytes() != raw.size:
+            raise EnvelopeError(f"stored chunks hold {self._nbytes()} bytes, the tensor {raw.size}")
+        starts = [0, *ends[:-1].tolist()]
+        sizes = np.diff(ends, prepend=0).tolist()
 
         def fill(digest: str, start: int, size: int) -> None:
             chunk = raw[start : start + size]
@@ -59,10 +60,8 @@ class StoredArray(OnDiskArray):
         checked against its name), so a window of a reply larger than memory costs a chunk or two of it."""
         uploads: UploadPacks = self.__dict__["uploads"]
         digests: list[str] = self.__dict__["digests"]
-        if "ends" not in self.__dict__:
-            self.__dict__["ends"] = np.cumsum([uploads.size(digest) for digest in digests])
-        ends: np.ndarray = self.__dict__["ends"]
-        if start < 0 or count < 0 or start + count > (int(ends[-1]) if len(ends) else 0):
+        ends = self._ends()
+        if start < 0 or count < 0 or start + count > self._nbytes():
             raise EnvelopeError(f"bytes {start}..{start + count} are outside the stored tensor")
         pieces: list[bytes] = []
         first = int(np.searchsorted(ends, start, side="right"))
@@ -74,6 +73,18 @@ class StoredArray(OnDiskArray):
             begin = int(ends[index - 1]) if index else 0
             pieces.append(chunk[max(start - begin, 0) : start + count - begin])
         return b"".join(pieces)
+
+    def _ends(self) -> np.ndarray:
+        """Where each chunk ends in the values, looked up once."""
+        if "ends" not in self.__dict__:
+            uploads: UploadPacks = self.__dict__["uploads"]
+            sizes = [uploads.size(digest) for digest in self.__dict__["digests"]]
+            self.__dict__["ends"] = np.cumsum(sizes, dtype=np.int64)
+        return self.__dict__["ends"]
+
+    def _nbytes(self) -> int:
+        ends = self._ends()
+        return int(ends[-1]) if len(ends) else 0
 
 
 _READERS = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="stored-reply-reader")
