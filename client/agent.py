@@ -270,7 +270,8 @@ class SiteAgent:
                 log.warning(
                     "coordinator refused the reply (%s): %s", error.code().name, error.details()
                 )
-            let_go(reply)
+            finally:  # a lost connection too: the traceback must not keep a model's worth of reply alive
+                let_go(reply)
             del reply
             self.received.clear()
 
