@@ -1,7 +1,7 @@
 """Hydra vs the LoRA baselines on MiniLM-LoRA when a tier is the memory or the time a site really has.
 
     python -m hydrafl.benchmarks.budgets [--out DIR] [--quick] [--seeds N] [--first-seed K] [--groups ...]
-        [--strategies hydra,flexlora] [--merge FILE,...]
+        [--strategies hydra,flexlora,hydra-bypass] [--merge FILE,...]
 
 The sites, data and model of `heterogeneous.py`'s minilm-lora group (three sites: small, medium, large), at
 a scale that affords 8 seeds on a shared CPU (3 rounds of 4 local steps), Hydra against FlexLoRA (its best
@@ -16,6 +16,10 @@ baseline there) unless `--strategies` names more. Groups differ only in what lim
 - minilm-lora-time: no tiers; a per-round deadline of 1.25 x local steps x the measured step time of a
   rank-R LoRA site, and the sites at speeds 0.5, 0.85 and 1 (their measured step time divided by it).
   Step times are measured on this machine as the run goes, so they move with its load.
+
+Hydra's options run as methods of their own, paired with plain Hydra by seed (`--strategies hydra-rescore`:
+layers and heads rescored every round; `hydra-bypass`: the layers outside a site's net skipped). A variant's
+seeds may run later, into a results file that holds Hydra's.
 
 The limits are measured when the benchmark starts (on the first training batch of every site, the largest)
 and kept in the results. Results merge by group and seed as `heterogeneous.py`'s do; processes splitting the
@@ -63,7 +67,14 @@ TIGHT = 2 / 3
 """The tight group's small site: this fraction of what a rank-1 LoRA site needs."""
 REFERENCE = ("hydra", "flexlora")
 """What the groups run, for CPU time (8 seeds on a shared 2-core machine): Hydra and FlexLoRA, the best
-baseline of `heterogeneous.py`'s minilm-lora group (equal parameters, 5 seeds); `--strategies` picks others."""
+baseline of `heterogeneous.py`'s minilm-lora group (equal parameters, 5 seeds); `--strategies` picks others,
+and Hydra's variants (`VARIANTS`)."""
+VARIANTS: dict[str, tuple[tuple[str, object], ...]] = {
+    "hydra-rescore": (("rescore_every", 1),),
+    "hydra-bypass": (("hydra_bypass", True),),
+}
+"""Hydra's options the issue asks to measure, each paired with plain Hydra: rescoring layers and heads every
+round as the model moves; skipping the layers outside a site's net (less time and memory per layer trained)."""
 GROUP_NAMES = (
     "minilm-lora-params",
     "minilm-lora-memory",
@@ -102,7 +113,7 @@ def megabytes(*limits: float) -> str:
 
 
 def budget_groups(
-    quick: bool, strategies: tuple[str, ...] = REFERENCE
+    quick: bool, strategies: tuple[str, ...] = REFERENCE, variants: tuple[str, ...] = ()
 ) -> tuple[dict[str, Group], dict[str, Any]]:
     """The four groups, their limits measured now, and the limits for the record."""
     scale = QUICK if quick else SCALE
@@ -126,6 +137,7 @@ def budget_groups(
         name: dataclasses.replace(
             LORA,
             strategies=strategies,
+            variants=tuple((label, VARIANTS[label]) for label in variants),
             full=SCALE,
             quick=QUICK,
             overrides=settings,
@@ -192,19 +204,22 @@ def main() -> None:
     parser.add_argument(
         "--strategies",
         default=",".join(REFERENCE),
-        help=f"comma-separated, from {', '.join(LORA.strategies)}",
+        help=f"comma-separated, from {', '.join((*LORA.strategies, *VARIANTS))} (a variant of Hydra is "
+        "paired with plain Hydra: run both, or merge it into a results file that has Hydra's seeds)",
     )
     args = parser.parse_args()
-    strategies = tuple(name.strip() for name in args.strategies.split(",") if name.strip())
-    if not strategies or not set(strategies) <= set(LORA.strategies):
-        parser.error(f"--strategies: choose from {', '.join(LORA.strategies)}")
+    names = tuple(name.strip() for name in args.strategies.split(",") if name.strip())
+    if not names or not set(names) <= {*LORA.strategies, *VARIANTS}:
+        parser.error(f"--strategies: choose from {', '.join((*LORA.strategies, *VARIANTS))}")
+    strategies = tuple(name for name in names if name in LORA.strategies)
+    variants = tuple(name for name in names if name in VARIANTS)
     chosen = chosen_groups(parser, args.groups, dict.fromkeys(GROUP_NAMES, LORA))
     args.out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, Any] = {}
     scales: dict[str, Any] = {}
     limits: dict[str, Any] = {}
     if chosen:
-        groups, limits = budget_groups(args.quick, strategies)
+        groups, limits = budget_groups(args.quick, strategies, variants)
         groups = {name: groups[name] for name in chosen}
         with tempfile.TemporaryDirectory(prefix="hydrafl-budgets-") as tmp:
             runs = run(groups, args.quick, args.seeds, Path(tmp), args.first_seed)

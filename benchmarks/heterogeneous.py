@@ -82,6 +82,9 @@ class Group:
     quick: Scale
     overrides: tuple[tuple[str, Any], ...] = ()
     """RunConfig settings beyond the common ones (`budgets.py`: memory limits, a deadline, no tiers)."""
+    variants: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+    """Hydra with other knobs, each reported as a method of its own and paired with plain Hydra by seed:
+    (label, knobs), e.g. ("hydra-rescore", (("rescore_every", 1),)) (`budgets.py`)."""
 
 
 TINY_FULL, TINY_QUICK = (
@@ -182,18 +185,23 @@ def run(
     for name, group in groups.items():
         scale = group.quick if quick else group.full
         for seed in range(first_seed, first_seed + (seeds or scale.seeds)):
-            config = SimulationConfig(
-                run=run_config(group, scale, seed),
-                strategies=group.strategies,
-                out=str(work / f"{name}-seed{seed}"),
-            )
-            results = json.loads(
-                json.dumps(compare_strategies(config))
-            )  # JSON keys, as results.json has them
-            for strategy in group.strategies:
-                done = results["strategies"][strategy]
-                summary = summarise(done["rounds"], done.get("trainable_params_per_site"))
-                runs[name].setdefault(strategy, []).append({"seed": seed, **summary})
+            settings = run_config(group, scale, seed)
+            calls = [(group.strategies, group.strategies, {})] if group.strategies else []
+            calls += [((label,), ("hydra",), dict(knobs)) for label, knobs in group.variants]
+            for labels, strategies, knobs in calls:
+                config = SimulationConfig(
+                    run=settings,
+                    strategies=strategies,
+                    knobs=knobs,
+                    out=str(work / f"{name}-seed{seed}-{labels[0]}"),
+                )
+                results = json.loads(
+                    json.dumps(compare_strategies(config))
+                )  # JSON keys, as results.json has them
+                for label, strategy in zip(labels, strategies, strict=True):
+                    done = results["strategies"][strategy]
+                    summary = summarise(done["rounds"], done.get("trainable_params_per_site"))
+                    runs[name].setdefault(label, []).append({"seed": seed, **summary})
     return runs
 
 
@@ -213,7 +221,11 @@ def method_stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def best_baseline(methods: dict[str, dict[str, Any]]) -> str | None:
     """The heterogeneous baseline with the highest mean accuracy (FedAvg and FedIT are not heterogeneous);
     None when the group has no Hydra to compare or no such baseline."""
-    baselines = [name for name in methods if name not in ("hydra", "fedavg", "fedit")]
+    baselines = [
+        name
+        for name in methods
+        if name not in ("hydra", "fedavg", "fedit") and not name.startswith("hydra-")
+    ]
     if "hydra" not in methods or not baselines:
         return None
     return max(baselines, key=lambda name: methods[name]["accuracy_mean"])
@@ -242,24 +254,27 @@ def goals(stats: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
 def paired(
     runs: dict[str, dict[str, list[dict[str, Any]]]], stats: dict[str, dict[str, dict[str, Any]]]
 ) -> dict[str, Any]:
-    """Per group, Hydra minus the best baseline in accuracy points over the seeds both ran: mean and standard
-    error of the per-seed differences (the seed moves every method alike, so pairing removes most spread)."""
+    """Per group, Hydra minus the best baseline, and each Hydra variant minus Hydra, in accuracy points over
+    the seeds both ran: mean and standard error of the per-seed differences (the seed moves every method
+    alike, so pairing removes most spread)."""
     out: dict[str, Any] = {}
     for group, methods in stats.items():
-        if (best := best_baseline(methods)) is None:
-            continue
-        hydra = {run["seed"]: run["accuracy"] for run in runs[group]["hydra"]}
-        other = {run["seed"]: run["accuracy"] for run in runs[group][best]}
-        differences = [
-            100 * (hydra[seed] - other[seed]) for seed in sorted(hydra.keys() & other.keys())
-        ]
-        if len(differences) > 1:
-            out[f"{group}: hydra - {best}"] = {
-                "seeds": len(differences),
-                "mean_points": statistics.mean(differences),
-                "standard_error_points": statistics.stdev(differences)
-                / math.sqrt(len(differences)),
-            }
+        pairs = [("hydra", best)] if (best := best_baseline(methods)) is not None else []
+        if "hydra" in methods:
+            pairs += [(name, "hydra") for name in methods if name.startswith("hydra-")]
+        for one, other in pairs:
+            first = {run["seed"]: run["accuracy"] for run in runs[group][one]}
+            second = {run["seed"]: run["accuracy"] for run in runs[group][other]}
+            differences = [
+                100 * (first[seed] - second[seed]) for seed in sorted(first.keys() & second.keys())
+            ]
+            if len(differences) > 1:
+                out[f"{group}: {one} - {other}"] = {
+                    "seeds": len(differences),
+                    "mean_points": statistics.mean(differences),
+                    "standard_error_points": statistics.stdev(differences)
+                    / math.sqrt(len(differences)),
+                }
     return out
 
 

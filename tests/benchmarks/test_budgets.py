@@ -56,3 +56,27 @@ def test_a_declared_memory_limit_reaches_the_site_exact_to_the_byte(limit):
     """What a rank-2 LoRA site needs must still fit it once written as --site-memory-mb."""
     declared = RunConfig(sites=3, site_memory_mb=megabytes(limit, 2 * limit, 0))
     assert [mb * 1e6 for mb in declared.memory_list] == [limit, 2 * limit, 0]
+
+
+def test_a_hydra_variant_is_paired_with_hydra_and_is_never_the_baseline(tmp_path):
+    """A variant run on its own, later, merges into the file that holds Hydra's seeds and is paired with it;
+    the best baseline stays the best LoRA baseline even when the variant scores higher."""
+    group = "minilm-lora-time"
+    first = {
+        group: {
+            "hydra": [_run(0, 0.50), _run(1, 0.60)],
+            "flexlora": [_run(0, 0.40), _run(1, 0.50)],
+        }
+    }
+    write_results(tmp_path / "budgets.json", first, {group: SCALE}, False, extra={"limits": {}})
+    variant = {group: {"hydra-bypass": [_run(0, 0.90), _run(1, 0.65)]}}
+    gathered = write_results(
+        tmp_path / "budgets.json", variant, {group: SCALE}, False, extra={"limits": {}}
+    )
+    assert set(gathered["runs"][group]) == {"hydra", "flexlora", "hydra-bypass"}
+    assert list(gathered["goals"]) == [f"{group}: hydra >= best baseline (flexlora)"]
+    # differences +40 and +5 points: mean 22.5, sd 24.749, standard error 17.5
+    gap = gathered["paired"][f"{group}: hydra-bypass - hydra"]
+    assert (gap["seeds"], gap["mean_points"]) == (2, pytest.approx(22.5))
+    assert gap["standard_error_points"] == pytest.approx(17.5)
+    assert gathered["paired"][f"{group}: hydra - flexlora"]["mean_points"] == pytest.approx(10.0)
