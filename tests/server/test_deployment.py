@@ -12,13 +12,18 @@ import subprocess
 import numpy as np
 import pytest
 from deployment import enrol, queue_run, start_hydrafl, wait_serving, wait_until
+from flwr.app import ConfigRecord
 from helpers import SMALL_RUN
 
+from hydrafl.client import site_app
 from hydrafl.config import RunConfig
 from hydrafl.lora_pairs import lora_pairs
+from hydrafl.server import server_app
 from hydrafl.server.aggregation.checkpoint import load_checkpoint
 from hydrafl.server.tables import Run as StoredRun
 from hydrafl.simulation.compare import run_strategy
+from hydrafl.simulation.grid import FIRST_NODE_ID, InProcessGrid
+from hydrafl.strategies import build_strategy
 
 RUN = SMALL_RUN.replace(strategy="diloco", outer_lr=0.5)
 
@@ -340,3 +345,57 @@ def test_hydra_over_lora_bytes_and_budgets_over_the_wire_match_the_simulation(de
         )
         distance = np.linalg.norm(deployed - simulated_product) / np.linalg.norm(simulated_product)
         assert distance < 1e-2, pair.module
+
+
+def _site_step_bytes(cfg: RunConfig) -> tuple[float, float]:
+    """The first site's measured step memory with no trained layer and per trained layer, from its own reply
+    to Hydra's scoring query (a deadline makes it measure)."""
+    timed = cfg.replace(round_timeout_s=3600.0)
+    grid = InProcessGrid(site_app.client_app, timed.sites, timed.to_flower())
+    initial = server_app.request_initial_arrays(grid, timed)
+    queries = build_strategy(timed).configure_query(
+        1, initial, ConfigRecord(timed.to_flower()), grid
+    )
+    query = next(q for q in queries if q.metadata.dst_node_id == FIRST_NODE_ID)
+    [reply] = grid.send_and_receive([query])
+    metrics = reply.content["metrics"]
+    return metrics["cost.fixed-bytes"], metrics["cost.per-layer-bytes"]
+
+
+@pytest.mark.slow
+def test_hydra_nets_sized_by_each_site_s_declared_memory_match_the_simulation(deployment, tmp_path):
+    """The budgets benchmark's tight group over the wire: no tiers; each site process declares its training
+    memory (`hydrafl site --memory-mb`: less than one trained layer needs, room for one, no limit), measures its
+    own step cost, and the coordinator sizes its Hydra-net from them: the first site sits every round out, the
+    second trains one layer, the third both. The nets, the bytes per site and round, and the losses are the
+    simulation's given the same limits as `site-memory-mb`; the second site trained within what it declared."""
+    options = {
+        "strategy": "hydra",
+        "task": "clinical-text",
+        "lora-rank": 4,
+        "rounds": 2,
+        "score-samples": 16,
+        "site-tiers": "",
+        "min-sites": 2,  # a site nothing fits sits the round out
+        "outer": "nesterov",  # the base run's outer-lr, now used
+    }
+    cfg = RunConfig.from_flower({**RUN.to_flower(), **options}, other_knobs=True)
+    fixed, per_layer = _site_step_bytes(cfg)
+    limits_mb = [(fixed + layers * per_layer) / 1e6 for layers in (0.8, 1.2)] + [0.0]
+    _set_run_config(deployment, options)
+    run = _finished_run(deployment, [("--memory-mb", f"{mb:.6f}") for mb in limits_mb])
+    simulated = run_strategy(
+        cfg.replace(
+            site_memory_mb=",".join(f"{mb:.6f}" for mb in limits_mb),
+            run_dir=str(tmp_path / "sim"),
+        ),
+        "inprocess",
+    )
+    for deployed, local in zip(run.history[1:], simulated[1:], strict=True):
+        assert deployed["sites_ok"] == local["sites_ok"] == 2
+        for key in ("trainable_params_per_site", "bytes_up_per_site", "peak_memory_per_site"):
+            assert sorted(deployed[key].values()) == sorted(local[key].values()), key
+        assert deployed["loss"] == pytest.approx(local["loss"], rel=1e-5)
+        one_layer, both = sorted(deployed["trainable_params_per_site"].values())
+        assert 0 < one_layer < both  # the limits set the nets: no tiers were given
+        assert sorted(deployed["peak_memory_per_site"].values())[0] <= limits_mb[1] * 1e6
