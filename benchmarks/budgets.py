@@ -43,6 +43,7 @@ from hydrafl.benchmarks.heterogeneous import (
     Scale,
     chosen_groups,
     group_parser,
+    paired_gap,
     plot,
     print_tables,
     run,
@@ -152,6 +153,18 @@ def budget_groups(
     return groups, limits
 
 
+def against_every_method(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """Hydra minus each other method, paired by seed, beside the best baseline's pair: at a memory or time
+    limit every method, FedIT included, is a baseline a consortium could run instead."""
+    out: dict[str, Any] = {}
+    for group, methods in runs.items():
+        for name in methods:
+            if "hydra" in methods and name != "hydra" and not name.startswith("hydra-"):
+                if (gap := paired_gap(methods["hydra"], methods[name])) is not None:
+                    out[f"{group}: hydra - {name}"] = gap
+    return out
+
+
 def markdown(summary: dict[str, Any]) -> str:
     """The results as tables: per group and method, accuracy over seeds, bytes, per-tier parameters and peak
     memory as the sites measured it; the limits; and Hydra's paired gap to the best baseline."""
@@ -177,7 +190,7 @@ def markdown(summary: dict[str, Any]) -> str:
                 f"{s['bytes_per_round'] / 1e6:.2f} | {params} | {memory} |"
             )
         lines.append("")
-    for pair, value in summary["paired"].items():
+    for pair, value in {**summary["paired"], **against_every_method(summary["runs"])}.items():
         lines.append(
             f"- {pair}, paired over {value['seeds']} seeds: {value['mean_points']:+.2f} ± "
             f"{value['standard_error_points']:.2f} points (standard error)"

@@ -263,19 +263,24 @@ def paired(
         if "hydra" in methods:
             pairs += [(name, "hydra") for name in methods if name.startswith("hydra-")]
         for one, other in pairs:
-            first = {run["seed"]: run["accuracy"] for run in runs[group][one]}
-            second = {run["seed"]: run["accuracy"] for run in runs[group][other]}
-            differences = [
-                100 * (first[seed] - second[seed]) for seed in sorted(first.keys() & second.keys())
-            ]
-            if len(differences) > 1:
-                out[f"{group}: {one} - {other}"] = {
-                    "seeds": len(differences),
-                    "mean_points": statistics.mean(differences),
-                    "standard_error_points": statistics.stdev(differences)
-                    / math.sqrt(len(differences)),
-                }
+            if (gap := paired_gap(runs[group][one], runs[group][other])) is not None:
+                out[f"{group}: {one} - {other}"] = gap
     return out
+
+
+def paired_gap(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """First minus second in accuracy points over the seeds both ran: mean and standard error of the per-seed
+    differences; None with fewer than two seeds in common (no spread to report)."""
+    one = {run["seed"]: run["accuracy"] for run in first}
+    other = {run["seed"]: run["accuracy"] for run in second}
+    differences = [100 * (one[seed] - other[seed]) for seed in sorted(one.keys() & other.keys())]
+    if len(differences) < 2:
+        return None
+    return {
+        "seeds": len(differences),
+        "mean_points": statistics.mean(differences),
+        "standard_error_points": statistics.stdev(differences) / math.sqrt(len(differences)),
+    }
 
 
 def merged(

@@ -66,6 +66,7 @@ def test_a_hydra_variant_is_paired_with_hydra_and_is_never_the_baseline(tmp_path
         group: {
             "hydra": [_run(0, 0.50), _run(1, 0.60)],
             "flexlora": [_run(0, 0.40), _run(1, 0.50)],
+            "fedit": [_run(0, 0.55), _run(1, 0.45)],
         }
     }
     write_results(tmp_path / "budgets.json", first, {group: SCALE}, False, extra={"limits": {}})
@@ -73,10 +74,15 @@ def test_a_hydra_variant_is_paired_with_hydra_and_is_never_the_baseline(tmp_path
     gathered = write_results(
         tmp_path / "budgets.json", variant, {group: SCALE}, False, extra={"limits": {}}
     )
-    assert set(gathered["runs"][group]) == {"hydra", "flexlora", "hydra-bypass"}
+    assert set(gathered["runs"][group]) == {"hydra", "flexlora", "fedit", "hydra-bypass"}
     assert list(gathered["goals"]) == [f"{group}: hydra >= best baseline (flexlora)"]
     # differences +40 and +5 points: mean 22.5, sd 24.749, standard error 17.5
     gap = gathered["paired"][f"{group}: hydra-bypass - hydra"]
     assert (gap["seeds"], gap["mean_points"]) == (2, pytest.approx(22.5))
     assert gap["standard_error_points"] == pytest.approx(17.5)
     assert gathered["paired"][f"{group}: hydra - flexlora"]["mean_points"] == pytest.approx(10.0)
+    table = markdown(
+        gathered
+    )  # at a limit every method is a baseline: FedIT too, -5 and +15 points
+    assert f"- {group}: hydra - fedit, paired over 2 seeds: +5.00 ± 10.00 points" in table
+    assert table.count(f"{group}: hydra - flexlora") == 1
