@@ -186,7 +186,9 @@ def run(
         scale = group.quick if quick else group.full
         for seed in range(first_seed, first_seed + (seeds or scale.seeds)):
             settings = run_config(group, scale, seed)
-            calls = [(group.strategies, group.strategies, {})] if group.strategies else []
+            calls: list[tuple[tuple[str, ...], tuple[str, ...], dict[str, Any]]] = (
+                [(group.strategies, group.strategies, {})] if group.strategies else []
+            )
             calls += [((label,), ("hydra",), dict(knobs)) for label, knobs in group.variants]
             for labels, strategies, knobs in calls:
                 config = SimulationConfig(
