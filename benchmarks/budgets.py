@@ -174,20 +174,20 @@ def markdown(summary: dict[str, Any]) -> str:
     ]
     for group, methods in summary["stats"].items():
         scale = summary["scales"][group]
-        seeds = len(summary["runs"][group][next(iter(methods))])
         lines += [
-            f"## {group} ({seeds} seeds, {scale['sites']} sites, {scale['rounds']} rounds of "
-            f"{scale['local_steps']} local steps)",
+            f"## {group} ({scale['sites']} sites, {scale['rounds']} rounds of {scale['local_steps']} local "
+            "steps)",
             "",
-            "| method | accuracy | MB / round | params s/m/l | peak MB s/m/l |",
-            "|---|---|---|---|---|",
+            "| method | seeds | accuracy | MB / round | params s/m/l | peak MB s/m/l |",
+            "|---|---|---|---|---|---|",
         ]
-        for name, s in methods.items():
+        for name in sorted(methods, key=_table_order):
+            s = methods[name]
             params = "/".join(f"{s['params'].get(t, 0):,}" for t in TIERS)
             memory = "/".join(f"{s['peak_memory'].get(t, 0) / 1e6:.1f}" for t in TIERS)
             lines.append(
-                f"| {name} | {s['accuracy_mean']:.3f} ± {s['accuracy_std']:.3f} | "
-                f"{s['bytes_per_round'] / 1e6:.2f} | {params} | {memory} |"
+                f"| {name} | {len(summary['runs'][group][name])} | {s['accuracy_mean']:.3f} ± "
+                f"{s['accuracy_std']:.3f} | {s['bytes_per_round'] / 1e6:.2f} | {params} | {memory} |"
             )
         lines.append("")
     for pair, value in {**summary["paired"], **against_every_method(summary["runs"])}.items():
@@ -197,14 +197,30 @@ def markdown(summary: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "Limits (measured at the start of the run):",
+        "Limits, as each process that ran seeds measured them when it started (the time group's deadline",
+        "moves with the machine's load):",
         "",
         "```",
-        json.dumps(summary["limits"], indent=1),
+        *(json.dumps(limits) for limits in summary["limits_per_process"]),
         "```",
         "",
     ]
     return "\n".join(lines)
+
+
+def _table_order(method: str) -> tuple[int, str]:
+    """Hydra, then the baselines, then Hydra's variants."""
+    return (0 if method == "hydra" else 2 if method.startswith("hydra-") else 1, method)
+
+
+def limits_per_process(measured: dict[str, Any], files: tuple[Path, ...]) -> list[dict[str, Any]]:
+    """This process's limits (none when it only merges) and those the results `files` hold, each once."""
+    found = [measured] if measured else []
+    for path in files:
+        if path.exists():
+            previous = json.loads(path.read_text())
+            found += previous.get("limits_per_process") or [previous.get("limits", {})]
+    return [limits for i, limits in enumerate(found) if limits and limits not in found[:i]]
 
 
 def main() -> None:
@@ -238,12 +254,10 @@ def main() -> None:
             runs = run(groups, args.quick, args.seeds, Path(tmp), args.first_seed)
         scales = {name: dataclasses.asdict(QUICK if args.quick else SCALE) for name in groups}
     others = tuple(Path(p.strip()) for p in args.merge.split(",") if p.strip())
-    if not limits:  # only merging: the limits the merged runs were measured with
-        limits = next(
-            (json.loads(p.read_text()).get("limits", {}) for p in others if p.exists()), {}
-        )
+    path = args.out / f"{NAME}.json"
+    measured = limits_per_process(limits, (path, *others))
     summary = write_results(
-        args.out / f"{NAME}.json", runs, scales, args.quick, others, {"limits": limits}
+        path, runs, scales, args.quick, others, {"limits_per_process": measured}
     )
     (args.out / f"{NAME}.md").write_text(markdown(summary))
     plot(summary, args.out / f"{NAME}.png", "memory / time / parameter budgets")

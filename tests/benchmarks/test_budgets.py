@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hydrafl.benchmarks.budgets import markdown, megabytes
+from hydrafl.benchmarks.budgets import limits_per_process, markdown, megabytes
 from hydrafl.benchmarks.heterogeneous import write_results
 from hydrafl.config import RunConfig
 
@@ -30,14 +30,16 @@ def test_processes_that_split_the_seeds_gather_into_one_file_with_the_paired_gap
         out = tmp_path / f"seed{seed}"
         out.mkdir()
         runs = {group: {"hydra": [_run(seed, hydra)], "flexlora": [_run(seed, flexlora)]}}
-        write_results(out / "budgets.json", runs, {group: SCALE}, False, extra={"limits": {}})
+        write_results(
+            out / "budgets.json", runs, {group: SCALE}, False, extra={"limits_per_process": []}
+        )
     gathered = write_results(
         tmp_path / "budgets.json",
         {},
         {},
         False,
         (tmp_path / "seed0" / "budgets.json", tmp_path / "seed1" / "budgets.json"),
-        {"limits": {"lora_step_s": 1.5}},
+        {"limits_per_process": [{"lora_step_s": 1.5}]},
     )
     assert [r["seed"] for r in gathered["runs"][group]["hydra"]] == [0, 1]
     assert gathered["scales"][group]["seeds"] == 2
@@ -47,7 +49,8 @@ def test_processes_that_split_the_seeds_gather_into_one_file_with_the_paired_gap
     assert gap["standard_error_points"] == pytest.approx(5.0)
     assert json.loads((tmp_path / "budgets.json").read_text()) == json.loads(json.dumps(gathered))
     table = markdown(gathered)
-    assert "| hydra | 0.750 ± 0.071 | 1.00 | 10/20/30 | 300.0/301.0/302.0 |" in table
+    assert "| hydra | 2 | 0.750 ± 0.071 | 1.00 | 10/20/30 | 300.0/301.0/302.0 |" in table
+    assert '{"lora_step_s": 1.5}' in table
     assert "+5.00 ± 5.00 points" in table
 
 
@@ -69,10 +72,12 @@ def test_a_hydra_variant_is_paired_with_hydra_and_is_never_the_baseline(tmp_path
             "fedit": [_run(0, 0.55), _run(1, 0.45)],
         }
     }
-    write_results(tmp_path / "budgets.json", first, {group: SCALE}, False, extra={"limits": {}})
+    write_results(
+        tmp_path / "budgets.json", first, {group: SCALE}, False, extra={"limits_per_process": []}
+    )
     variant = {group: {"hydra-bypass": [_run(0, 0.90), _run(1, 0.65)]}}
     gathered = write_results(
-        tmp_path / "budgets.json", variant, {group: SCALE}, False, extra={"limits": {}}
+        tmp_path / "budgets.json", variant, {group: SCALE}, False, extra={"limits_per_process": []}
     )
     assert set(gathered["runs"][group]) == {"hydra", "flexlora", "fedit", "hydra-bypass"}
     assert list(gathered["goals"]) == [f"{group}: hydra >= best baseline (flexlora)"]
@@ -86,3 +91,17 @@ def test_a_hydra_variant_is_paired_with_hydra_and_is_never_the_baseline(tmp_path
     )  # at a limit every method is a baseline: FedIT too, -5 and +15 points
     assert f"- {group}: hydra - fedit, paired over 2 seeds: +5.00 ± 10.00 points" in table
     assert table.count(f"{group}: hydra - flexlora") == 1
+
+
+def test_the_limits_of_every_process_are_kept_once_each(tmp_path):
+    """Processes measure the same memory limits but their own deadline: each distinct record stays, and a
+    results file written before the list existed still gives its one."""
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps({"limits": {"deadline_s": 11.5}}))
+    new.write_text(json.dumps({"limits_per_process": [{"deadline_s": 11.5}, {"deadline_s": 20.3}]}))
+    assert limits_per_process({"deadline_s": 9.9}, (old, new, tmp_path / "absent.json")) == [
+        {"deadline_s": 9.9},
+        {"deadline_s": 11.5},
+        {"deadline_s": 20.3},
+    ]
+    assert limits_per_process({}, ()) == []
