@@ -399,3 +399,37 @@ def test_hydra_nets_sized_by_each_site_s_declared_memory_match_the_simulation(de
         one_layer, both = sorted(deployed["trainable_params_per_site"].values())
         assert 0 < one_layer < both  # the limits set the nets: no tiers were given
         assert sorted(deployed["peak_memory_per_site"].values())[0] <= limits_mb[1] * 1e6
+
+
+@pytest.mark.slow
+def test_a_site_too_slow_for_the_round_deadline_sits_out_over_the_wire_as_in_the_simulation(
+    deployment, tmp_path
+):
+    """The time budget over the wire: one site process is told it runs ten thousand times slower than it
+    measures (`--node-config speed=...`, the key the simulation's `site-speeds` sets) and fits no Hydra-net in
+    the run's deadline, so it sits every round out; the others fit every layer. The same nets, bytes and losses
+    as the simulation's."""
+    options = {
+        "strategy": "hydra",
+        "task": "clinical-text",
+        "lora-rank": 4,
+        "rounds": 2,
+        "score-samples": 16,
+        "site-tiers": "",
+        "min-sites": 2,
+        "round-timeout-s": 120.0,
+        "outer": "nesterov",
+    }
+    speeds = ("0.0001", "1", "1")
+    _set_run_config(deployment, options)
+    run = _finished_run(deployment, [("--node-config", f"speed={speed}") for speed in speeds])
+    cfg = RunConfig.from_flower({**RUN.to_flower(), **options}, other_knobs=True)
+    simulated = run_strategy(
+        cfg.replace(site_speeds=",".join(speeds), run_dir=str(tmp_path / "sim")), "inprocess"
+    )
+    for deployed, local in zip(run.history[1:], simulated[1:], strict=True):
+        assert deployed["sites_ok"] == local["sites_ok"] == 2
+        for key in ("trainable_params_per_site", "bytes_up_per_site"):
+            assert sorted(deployed[key].values()) == sorted(local[key].values()), key
+        assert len(set(deployed["trainable_params_per_site"].values())) == 1  # both fit every layer
+        assert deployed["loss"] == pytest.approx(local["loss"], rel=1e-5)
