@@ -405,7 +405,7 @@ def test_hydra_nets_sized_by_each_site_s_declared_memory_match_the_simulation(de
 def test_a_site_too_slow_for_the_round_deadline_sits_out_over_the_wire_as_in_the_simulation(
     deployment, tmp_path
 ):
-    """The time budget over the wire: one site process is told it runs ten thousand times slower than it
+    """The time budget over the wire: one site process is told it runs a hundred thousand times slower than it
     measures (`--node-config speed=...`, the key the simulation's `site-speeds` sets) and fits no Hydra-net in
     the run's deadline, so it sits every round out; the others fit every layer. The same nets, bytes and losses
     as the simulation's."""
@@ -420,7 +420,7 @@ def test_a_site_too_slow_for_the_round_deadline_sits_out_over_the_wire_as_in_the
         "round-timeout-s": 120.0,
         "outer": "nesterov",
     }
-    speeds = ("0.0001", "1", "1")
+    speeds = ("0.00001", "1", "1")
     _set_run_config(deployment, options)
     run = _finished_run(deployment, [("--node-config", f"speed={speed}") for speed in speeds])
     cfg = RunConfig.from_flower({**RUN.to_flower(), **options}, other_knobs=True)
