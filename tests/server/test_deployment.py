@@ -347,6 +347,19 @@ def test_hydra_over_lora_bytes_and_budgets_over_the_wire_match_the_simulation(de
         assert distance < 1e-2, pair.module
 
 
+UNTIERED_HYDRA_LORA = {
+    "strategy": "hydra",
+    "task": "clinical-text",
+    "lora-rank": 4,
+    "rounds": 2,
+    "score-samples": 16,
+    "site-tiers": "",  # what a site declares sizes its net, not a tier
+    "min-sites": 2,  # a site nothing fits sits the round out
+    "outer": "nesterov",  # the base run's outer-lr, now used
+}
+"""Hydra over LoRA sized by each site's own limits: the run of the budget tests over the wire."""
+
+
 def _site_step_bytes(cfg: RunConfig) -> tuple[float, float]:
     """The first site's measured step memory with no trained layer and per trained layer, from its own reply
     to Hydra's scoring query (a deadline makes it measure)."""
@@ -369,16 +382,7 @@ def test_hydra_nets_sized_by_each_site_s_declared_memory_match_the_simulation(de
     own step cost, and the coordinator sizes its Hydra-net from them: the first site sits every round out, the
     second trains one layer, the third both. The nets, the bytes per site and round, and the losses are the
     simulation's given the same limits as `site-memory-mb`; the second site trained within what it declared."""
-    options = {
-        "strategy": "hydra",
-        "task": "clinical-text",
-        "lora-rank": 4,
-        "rounds": 2,
-        "score-samples": 16,
-        "site-tiers": "",
-        "min-sites": 2,  # a site nothing fits sits the round out
-        "outer": "nesterov",  # the base run's outer-lr, now used
-    }
+    options = UNTIERED_HYDRA_LORA
     cfg = RunConfig.from_flower({**RUN.to_flower(), **options}, other_knobs=True)
     fixed, per_layer = _site_step_bytes(cfg)
     limits_mb = [(fixed + layers * per_layer) / 1e6 for layers in (0.8, 1.2)] + [0.0]
@@ -409,17 +413,7 @@ def test_a_site_too_slow_for_the_round_deadline_sits_out_over_the_wire_as_in_the
     measures (`--node-config speed=...`, the key the simulation's `site-speeds` sets) and fits no Hydra-net in
     the run's deadline, so it sits every round out; the others fit every layer. The same nets, bytes and losses
     as the simulation's."""
-    options = {
-        "strategy": "hydra",
-        "task": "clinical-text",
-        "lora-rank": 4,
-        "rounds": 2,
-        "score-samples": 16,
-        "site-tiers": "",
-        "min-sites": 2,
-        "round-timeout-s": 120.0,
-        "outer": "nesterov",
-    }
+    options = {**UNTIERED_HYDRA_LORA, "round-timeout-s": 120.0}
     speeds = ("0.00001", "1", "1")
     _set_run_config(deployment, options)
     run = _finished_run(deployment, [("--node-config", f"speed={speed}") for speed in speeds])
