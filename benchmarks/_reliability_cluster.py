@@ -5,6 +5,7 @@ them, kill them, restart the coordinator on the same database and blobs, and rea
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -31,6 +32,8 @@ RUN = RunConfig(
 LEASE_STALE_S = 1.0
 """A restarted coordinator takes over the killed one's lease after this long (the default 30 s would only
 make every restart wait)."""
+Limits = dict[int, tuple[int, int]]
+"""Resource limits for a started process: `resource.RLIMIT_*` -> (soft, hard)."""
 
 
 def free_port() -> int:
@@ -38,6 +41,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def set_limits(process: subprocess.Popen, limits: Limits) -> None:
+    """`limits` on a process that has started (before it is serving: the interpreter is still importing). Not a
+    `preexec_fn`: forking a process with threads (the test runner's gRPC and torch pools) and running Python in
+    the child before exec can deadlock or abort it (exit -6 in CI)."""
+    for which, values in limits.items():
+        resource.prlimit(process.pid, which, values)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -107,7 +118,7 @@ class Cluster:
         args: Sequence[str],
         log: Path,
         extra_env: dict[str, str] | None = None,
-        preexec: Callable[[], None] | None = None,
+        limits: Limits | None = None,
     ) -> subprocess.Popen:
         with log.open("a") as handle:
             process = subprocess.Popen(
@@ -115,8 +126,8 @@ class Cluster:
                 env={**self.env, **(extra_env or {})},
                 stdout=handle,
                 stderr=handle,
-                preexec_fn=preexec,
             )
+        set_limits(process, limits or {})
         self._processes.append(process)
         return process
 
@@ -125,7 +136,7 @@ class Cluster:
         timeout_s: float = 120,
         *options: str,
         extra_env: dict[str, str] | None = None,
-        preexec: Callable[[], None] | None = None,
+        limits: Limits | None = None,
     ) -> subprocess.Popen:
         """A coordinator on the cluster's database and blobs (and `options`, e.g. `--dashboard`), waited for until
         SERVING. A restart right after a kill may find the dead one's lease still fresh (exit 2): it is started
@@ -147,7 +158,7 @@ class Cluster:
                 ],
                 self.root / "coordinator.log",
                 extra_env,
-                preexec,
+                limits,
             )
             if self.wait_serving(deadline - time.monotonic()):
                 return self.coordinator
@@ -198,12 +209,12 @@ class Cluster:
         name: str,
         *options: str,
         extra_env: dict[str, str] | None = None,
-        preexec: Callable[[], None] | None = None,
+        limits: Limits | None = None,
     ) -> subprocess.Popen:
         """`hydrafl site` for enrolled site `name` (its token through the environment), logging to site-NAME.log."""
         env = {"HYDRAFL_SITE_TOKEN": self.tokens[name], **(extra_env or {})}
         self.sites[name] = self._spawn(
-            ["site", "--coordinator", self.address, *options], self.site_log(name), env, preexec
+            ["site", "--coordinator", self.address, *options], self.site_log(name), env, limits
         )
         return self.sites[name]
 

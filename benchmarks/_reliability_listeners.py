@@ -84,7 +84,7 @@ def listener_campaign(
             "--dashboard",
             str(board_port),
             extra_env={"HYDRAFL_DASHBOARD_TOKEN": DASHBOARD_TOKEN},
-            preexec=limit_descriptors(DESCRIPTORS),
+            limits=limit_descriptors(DESCRIPTORS),
         )
         pid = coordinator.pid
         for name in ("hospital-0", "hospital-1"):

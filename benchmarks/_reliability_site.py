@@ -35,6 +35,7 @@ DISK_FULL = re.compile(r"disk full: [^;]*;")
 DISK_LIMIT_BYTES = 160 << 10
 """The disk-full site's file-size limit: above its log's size, below the ~285 kB its training processes save
 (RLIMIT_FSIZE: writes past it fail with EFBIG, as a full disk fails them with ENOSPC)."""
+FILE_SIZE_LIMIT = {resource.RLIMIT_FSIZE: (DISK_LIMIT_BYTES, resource.RLIM_INFINITY)}
 
 
 class DyingAgent(SiteAgent):
@@ -139,7 +140,7 @@ def site_disk_full(root: Path, rounds: int = 3, timeout_s: float = 900) -> dict[
     started = time.perf_counter()
     try:
         cluster.start_coordinator()
-        full = cluster.start_site("full", "--nproc", "2", preexec=_limit_file_size)
+        full = cluster.start_site("full", "--nproc", "2", limits=FILE_SIZE_LIMIT)
         for name in ("steady-0", "steady-1"):
             cluster.start_site(name)
         wait_until(
@@ -182,10 +183,6 @@ def site_disk_full(root: Path, rounds: int = 3, timeout_s: float = 900) -> dict[
         }
     finally:
         cluster.close()
-
-
-def _limit_file_size() -> None:
-    resource.setrlimit(resource.RLIMIT_FSIZE, (DISK_LIMIT_BYTES, resource.RLIM_INFINITY))
 
 
 def _declined(cluster: Cluster, run_id: int) -> list[str]:

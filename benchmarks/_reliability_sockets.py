@@ -10,7 +10,7 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -33,13 +33,10 @@ def descriptors_raised(needed: int) -> Iterator[bool]:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def limit_descriptors(limit: int) -> Callable[[], None]:
-    """A `preexec_fn` that caps a child's descriptors at `limit` (soft and hard), as a default Linux login does."""
-
-    def limited() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
-
-    return limited
+def limit_descriptors(limit: int) -> dict[int, tuple[int, int]]:
+    """Limits (`hydrafl.benchmarks._reliability_cluster.set_limits`) that cap a process's descriptors at `limit`
+    (soft and hard), as a default Linux login does."""
+    return {resource.RLIMIT_NOFILE: (limit, limit)}
 
 
 def descriptors(pid: int, limit: int) -> int:

@@ -87,11 +87,11 @@ def run_to_end(
     timeout_s: float = 300,
     server_options: tuple[str, ...] = (),
 ) -> tuple[Store, int]:
-    """`cfg` queued on a coordinator process (with `server_options`) with one `hydrafl site` process per
-    enrolled site (each with its own extra options), waited for until it finishes or fails; every process is
-    killed after. Returns the coordinator's store and the run id."""
+    """`cfg` run by a coordinator process (with `server_options`) and one `hydrafl site` process per enrolled
+    site (each with its own extra options), waited for until it finishes or fails; every process is killed
+    after. Returns the coordinator's store and the run id. The run is queued once every site has joined: with
+    `min_sites` below the sites, a run queued earlier starts with the first ones and samples only them."""
     env, db, store, tokens, address = enrol(tmp_path, cfg)
-    run_id = queue_run(store, cfg)
     processes = [
         start_hydrafl(
             "server",
@@ -125,6 +125,11 @@ def run_to_end(
                     log=tmp_path / f"site-{i}.log",
                 )
             )
+        logs = [tmp_path / f"site-{i}.log" for i in range(len(tokens))]
+        wait_until(
+            lambda: all("joined as" in log.read_text() for log in logs), 120, "a site did not join"
+        )
+        run_id = queue_run(store, cfg)
         wait_until(
             lambda: store.run(run_id).status in ("finished", "failed"),
             timeout_s,

@@ -18,6 +18,7 @@ from deployment import enrol, free_port, queue_run, start_hydrafl, wait_serving,
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import SMALL_RUN
 
+from hydrafl.benchmarks._reliability_cluster import set_limits
 from hydrafl.benchmarks._reliability_sockets import (
     descriptors,
     descriptors_raised,
@@ -141,8 +142,8 @@ def test_a_coordinator_at_1024_descriptors_outlives_1100_idle_connections_to_eac
                 env={**env, "HYDRAFL_DASHBOARD_TOKEN": TOKEN},
                 stdout=log,
                 stderr=log,
-                preexec_fn=limit_descriptors(DESCRIPTORS),
             )
+            set_limits(coordinator, limit_descriptors(DESCRIPTORS))
         processes = [coordinator]
         idle: list[socket.socket] = []
         try:
