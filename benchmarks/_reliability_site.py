@@ -25,7 +25,7 @@ from typing import Any
 from flwr.app import Message
 
 from hydrafl.apps import client_app
-from hydrafl.benchmarks._reliability_cluster import RUN, Cluster, wait_until
+from hydrafl.benchmarks._reliability_cluster import RUN, Cluster, Limits, wait_until
 from hydrafl.client.agent import SiteAgent
 from hydrafl.proto.chunk_wire import CoordinatorClient
 from hydrafl.proto.envelope import split_message
@@ -35,7 +35,7 @@ DISK_FULL = re.compile(r"disk full: [^;]*;")
 DISK_LIMIT_BYTES = 160 << 10
 """The disk-full site's file-size limit: above its log's size, below the ~285 kB its training processes save
 (RLIMIT_FSIZE: writes past it fail with EFBIG, as a full disk fails them with ENOSPC)."""
-FILE_SIZE_LIMIT = {resource.RLIMIT_FSIZE: (DISK_LIMIT_BYTES, resource.RLIM_INFINITY)}
+FILE_SIZE_LIMIT: Limits = {resource.RLIMIT_FSIZE: (DISK_LIMIT_BYTES, resource.RLIM_INFINITY)}
 
 
 class DyingAgent(SiteAgent):

@@ -16,6 +16,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from hydrafl.benchmarks._reliability_cluster import Limits
+
 
 @contextlib.contextmanager
 def descriptors_raised(needed: int) -> Iterator[bool]:
@@ -33,7 +35,7 @@ def descriptors_raised(needed: int) -> Iterator[bool]:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def limit_descriptors(limit: int) -> dict[int, tuple[int, int]]:
+def limit_descriptors(limit: int) -> Limits:
     """Limits (`hydrafl.benchmarks._reliability_cluster.set_limits`) that cap a process's descriptors at `limit`
     (soft and hard), as a default Linux login does."""
     return {resource.RLIMIT_NOFILE: (limit, limit)}

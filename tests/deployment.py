@@ -64,6 +64,16 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:
     raise TimeoutError(what)
 
 
+def wait_joined(logs: list[Path], timeout_s: float = 120) -> None:
+    """Until every site process logging to one of `logs` has joined the coordinator (a run queued before then
+    may start with the first sites and sample only them)."""
+    wait_until(
+        lambda: all("joined as" in log.read_text() for log in logs),
+        timeout_s,
+        "a site did not join",
+    )
+
+
 def enrol(tmp_path: Path, cfg: RunConfig) -> tuple[dict, str, Store, list[str], str]:
     """A coordinator's database with `cfg.sites` sites: (env, db url, store, tokens, address to listen on)."""
     env = {**os.environ, "HYDRAFL_HOME": str(tmp_path / "home")}
@@ -125,10 +135,7 @@ def run_to_end(
                     log=tmp_path / f"site-{i}.log",
                 )
             )
-        logs = [tmp_path / f"site-{i}.log" for i in range(len(tokens))]
-        wait_until(
-            lambda: all("joined as" in log.read_text() for log in logs), 120, "a site did not join"
-        )
+        wait_joined([tmp_path / f"site-{i}.log" for i in range(len(tokens))])
         run_id = queue_run(store, cfg)
         wait_until(
             lambda: store.run(run_id).status in ("finished", "failed"),

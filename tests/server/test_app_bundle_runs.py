@@ -14,7 +14,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from deployment import free_port, start_hydrafl, wait_serving, wait_until
+from deployment import free_port, start_hydrafl, wait_joined, wait_serving, wait_until
 from flwr.supercore.object_ref import load_app
 
 from hydrafl.app_bundle import BundleError, importable, load_bundle, missing_dependencies, unpack
@@ -58,11 +58,7 @@ def test_a_flower_app_bundle_runs_on_the_sites_that_allow_its_digest(tmp_path):
             )
         # Flower's FedAvg fixes a round's sample size before it waits for min-nodes: all three sites are
         # connected before the run is queued, so every round asks all three
-        wait_until(
-            lambda: all("joined as" in (tmp_path / f"site-{i}.log").read_text() for i in range(3)),
-            120,
-            "the sites did not join",
-        )
+        wait_joined([tmp_path / f"site-{i}.log" for i in range(3)])
         result = tmp_path / "deployed.json"
         created = subprocess.run(
             [sys.executable, "-m", "hydrafl", "admin", "run", "create", "--app", str(PROJECT)]

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from deployment import enrol, queue_run, start_hydrafl, wait_serving, wait_until
+from deployment import enrol, queue_run, start_hydrafl, wait_joined, wait_serving, wait_until
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from helpers import SMALL_RUN
@@ -93,9 +93,7 @@ def test_a_hostile_site_changes_nothing_but_its_own_share(tmp_path):
             )
         processes.append(hostile)
         logs = [tmp_path / f"site-{i}.log" for i in range(HOSTILE)] + [tmp_path / "hostile.log"]
-        wait_until(
-            lambda: all("joined as" in log.read_text() for log in logs), 120, "a site did not join"
-        )
+        wait_joined(logs)
         run_id = queue_run(
             store, RUN
         )  # with min-sites 2, a run queued earlier could start before the third joined

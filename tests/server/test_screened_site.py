@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from deployment import enrol, queue_run, start_hydrafl, wait_serving, wait_until
+from deployment import enrol, queue_run, start_hydrafl, wait_joined, wait_serving, wait_until
 from helpers import SMALL_RUN
 
 RUN = SMALL_RUN.replace(
@@ -67,9 +67,7 @@ def test_screening_rejects_a_huge_update_with_an_audit_event_and_the_run_finishe
                 )
             )
         logs = [tmp_path / f"site-{i}.log" for i in range(SCALING)] + [tmp_path / "scaling.log"]
-        wait_until(
-            lambda: all("joined as" in log.read_text() for log in logs), 120, "a site did not join"
-        )
+        wait_joined(logs)
         run_id = queue_run(store, RUN)
         wait_until(
             lambda: store.run(run_id).status in ("finished", "failed"),
